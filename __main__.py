@@ -1,0 +1,9 @@
+"""The Pulumi program: read the stack's spec, build the cluster, export its outputs."""
+
+import pulumi
+
+from components.cluster import create_cluster
+from gpucluster.spec import stack_from_pulumi_config
+
+for key, value in create_cluster(stack_from_pulumi_config()).items():
+    pulumi.export(key, value)

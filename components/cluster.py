@@ -1,0 +1,77 @@
+"""The whole cluster for one stack: the program that `__main__.py` and `gpucluster plan` both run."""
+
+from __future__ import annotations
+
+import pulumi
+import pulumi_aws as aws
+
+from components.budget import Budget, BudgetArgs
+from components.gpu_pool import GpuPool, GpuPoolArgs
+from components.network import Network, NetworkArgs
+from components.storage import Storage, StorageArgs
+from gpucluster import cost
+from gpucluster.spec import Stack
+
+
+def create_cluster(stack: Stack) -> dict[str, object]:
+    """Declare every resource of the stack and return the stack outputs."""
+    spec = stack.spec
+    # The one provider of the stack: every taggable resource gets the cluster, team and stack tags from it.
+    provider = aws.Provider("aws", region=stack.region, default_tags={"tags": stack.tags})
+    opts = pulumi.ResourceOptions(provider=provider)
+
+    network = Network(
+        stack.cluster_name,
+        NetworkArgs(
+            region=stack.region,
+            availability_zone=spec.availability_zone,
+            vpc_cidr=spec.network.vpc_cidr,
+            vpc_id=spec.network.vpc_id,
+            subnet_id=spec.network.subnet_id,
+        ),
+        opts,
+    )
+    storage = Storage(
+        stack.cluster_name,
+        StorageArgs(lustre=spec.storage.lustre, subnet_id=network.subnet_id, security_group_id=network.security_group_id),
+        opts,
+    )
+    pools = {
+        pool.name: GpuPool(
+            f"{stack.cluster_name}-{pool.name}",
+            GpuPoolArgs(
+                cluster_name=stack.cluster_name,
+                pool=pool,
+                subnet_id=network.subnet_id,
+                security_group_id=network.security_group_id,
+                instance_tags=stack.tags,
+            ),
+            opts,
+        )
+        for pool in spec.pools
+    }
+    budget = Budget(
+        stack.cluster_name,
+        BudgetArgs(
+            budget_name=f"{stack.cluster_name}-monthly",
+            spec=spec.budget,
+            stack=stack.name,
+            activate_cost_tag=spec.budget.activate_cost_allocation_tag,
+        ),
+        opts,
+    )
+    estimate = cost.estimate(stack)
+    return {
+        "vpc_id": network.vpc_id,
+        "subnet_id": network.subnet_id,
+        "security_group_id": network.security_group_id,
+        "fsx_file_system_id": storage.file_system_id,
+        "fsx_dns_name": storage.dns_name,
+        "fsx_mount_name": storage.mount_name,
+        "data_repository": storage.data_repository,
+        "pools": {name: pool.launch_spec for name, pool in pools.items()},
+        "budget_name": budget.budget_name,
+        "alerts_topic_arn": budget.topic_arn,
+        "hourly_cost_usd_min": round(estimate.hourly_min, 2),
+        "hourly_cost_usd_max": round(estimate.hourly_max, 2),
+    }

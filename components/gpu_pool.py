@@ -1,0 +1,139 @@
+"""A GPU (or Trainium) node pool: the launch template a node is started from, and its cluster placement group.
+
+The pool launches nothing itself. The Slurm head node's resume program starts nodes on demand with EC2 CreateFleet
+from this template, so the pool exports what that call needs: template id, subnet, market, placement group and counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pulumi
+import pulumi_aws as aws
+
+from components import child
+from gpucluster import catalog
+from gpucluster.spec import Pool
+
+# Public SSM parameters that always point at the newest AMI of each flavour. Resolved at `pulumi up`, so every node of
+# a pool boots the same image until the next `up`.
+AMI_PARAMETERS = {
+    "nvidia": "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id",
+    "neuron": "/aws/service/neuron/dlami/multi-framework/ubuntu-24.04/latest/image_id",
+}
+ROOT_DEVICE = "/dev/sda1"  # Ubuntu-based DLAMIs
+
+
+@dataclass(frozen=True)
+class GpuPoolArgs:
+    cluster_name: str
+    pool: Pool
+    subnet_id: pulumi.Input[str]
+    security_group_id: pulumi.Input[str]
+    # Tags EC2 puts on each launched instance, volume and interface (provider default tags do not reach them).
+    instance_tags: dict[str, str]
+    instance_profile_arn: pulumi.Input[str] | None = None
+    user_data: pulumi.Input[str] | None = None  # base64, as EC2 takes it
+
+
+def network_interfaces(pool: Pool, subnet_id: pulumi.Input[str], security_group_id: pulumi.Input[str]) -> list[dict]:
+    return [
+        {
+            "network_card_index": nic.network_card_index,
+            "device_index": nic.device_index,
+            "interface_type": nic.interface_type,
+            "subnet_id": subnet_id,
+            "security_groups": [security_group_id],
+            "delete_on_termination": "true",
+            "associate_public_ip_address": "false" if nic.interface_type != "efa-only" else None,
+        }
+        for nic in catalog.interface_layout(pool.itype, pool.uses_efa)
+    ]
+
+
+class GpuPool(pulumi.ComponentResource):
+    launch_template_id: pulumi.Output[str]
+    launch_template_version: pulumi.Output[int]
+    placement_group: pulumi.Output[str] | None
+    image_id: pulumi.Output[str]
+    launch_spec: dict[str, object]
+
+    def __init__(self, name: str, args: GpuPoolArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("gpucluster:pool:GpuPool", name, None, opts)
+        pool = args.pool
+        accelerator = pool.itype.accelerator
+        assert accelerator, f"{pool.instance_type} has no accelerator"
+
+        if pool.ami_id:
+            self.image_id = pulumi.Output.from_input(pool.ami_id)
+        else:
+            self.image_id = aws.ssm.get_parameter_output(
+                name=AMI_PARAMETERS[accelerator.kind], opts=pulumi.InvokeOutputOptions(parent=self)
+            ).value
+
+        self.placement_group = None
+        if pool.uses_efa:
+            group = aws.ec2.PlacementGroup(f"{name}-pg", strategy="cluster", opts=child(self))
+            self.placement_group = group.name
+
+        node_tags = {**args.instance_tags, "gpucluster:pool": pool.name}
+        template = aws.ec2.LaunchTemplate(
+            f"{name}-lt",
+            description=f"{args.cluster_name} pool {pool.name}: {pool.instance_type}",
+            image_id=self.image_id,
+            instance_type=pool.instance_type,
+            network_interfaces=network_interfaces(pool, args.subnet_id, args.security_group_id),
+            placement={"group_name": self.placement_group} if self.placement_group else None,
+            metadata_options={
+                "http_endpoint": "enabled",
+                "http_tokens": "required",  # IMDSv2 only
+                # enroot/pyxis containers share the host network namespace, so one hop is enough.
+                "http_put_response_hop_limit": 1,
+                "instance_metadata_tags": "enabled",  # the node reads its Slurm name from its tags
+            },
+            block_device_mappings=[
+                {
+                    "device_name": ROOT_DEVICE,
+                    "ebs": {
+                        "volume_size": pool.root_volume_gib,
+                        "volume_type": "gp3",
+                        "encrypted": "true",
+                        "delete_on_termination": "true",
+                    },
+                }
+            ],
+            # Capacity blocks are reservations: the node must target its block. Spot/on-demand is chosen per
+            # CreateFleet request (the market export below), so that one template serves the fallback path too.
+            capacity_reservation_specification=(
+                {"capacity_reservation_target": {"capacity_reservation_id": pool.capacity_reservation_id}}
+                if pool.capacity == "capacity-block"
+                else None
+            ),
+            iam_instance_profile={"arn": args.instance_profile_arn} if args.instance_profile_arn else None,
+            user_data=args.user_data,
+            tag_specifications=[
+                {"resource_type": kind, "tags": node_tags} for kind in ("instance", "volume", "network-interface")
+            ],
+            update_default_version=True,
+            opts=child(self),
+        )
+        self.launch_template_id = template.id
+        self.launch_template_version = template.latest_version
+        self.launch_spec = self._launch_spec(args)
+        self.register_outputs(self.launch_spec)
+
+    def _launch_spec(self, args: GpuPoolArgs) -> dict[str, object]:
+        """What the resume program needs to launch this pool's nodes."""
+        pool = args.pool
+        return {
+            "launch_template_id": self.launch_template_id,
+            "launch_template_version": self.launch_template_version,
+            "subnet_id": args.subnet_id,
+            "instance_type": pool.instance_type,
+            "market": pool.capacity,
+            "capacity_reservation_id": pool.capacity_reservation_id,
+            "placement_group": self.placement_group,
+            "min_nodes": pool.min_nodes,
+            "max_nodes": pool.max_nodes,
+            "efa_interfaces": pool.itype.efa_interfaces if pool.uses_efa else 0,
+        }

@@ -1,0 +1,117 @@
+"""Shared storage: FSx for Lustre at /fsx, linked to S3 so that datasets come in and checkpoints outlive the cluster."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pulumi
+import pulumi_aws as aws
+
+from components import child
+from gpucluster.spec import Lustre
+
+LUSTRE_VERSION = "2.15"  # data repository associations need 2.12+; 2.15 is the newest client the DLAMIs ship
+
+
+@dataclass(frozen=True)
+class StorageArgs:
+    lustre: Lustre
+    subnet_id: pulumi.Input[str]
+    security_group_id: pulumi.Input[str]
+
+
+class Storage(pulumi.ComponentResource):
+    file_system_id: pulumi.Output[str]
+    dns_name: pulumi.Output[str]
+    mount_name: pulumi.Output[str]
+    bucket: pulumi.Output[str] | None
+    data_repository: pulumi.Output[str] | None
+
+    def __init__(self, name: str, args: StorageArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("gpucluster:storage:Storage", name, None, opts)
+        lustre = args.lustre
+        self.bucket = None
+        self.data_repository = None
+        if lustre.file_system_id:
+            # An existing file system: mounted as is, never touched by this stack.
+            assert lustre.dns_name and lustre.mount_name
+            self.file_system_id = pulumi.Output.from_input(lustre.file_system_id)
+            self.dns_name = pulumi.Output.from_input(lustre.dns_name)
+            self.mount_name = pulumi.Output.from_input(lustre.mount_name)
+        else:
+            self._create(name, args)
+        self.register_outputs(
+            {
+                "file_system_id": self.file_system_id,
+                "dns_name": self.dns_name,
+                "mount_name": self.mount_name,
+                "bucket": self.bucket,
+                "data_repository": self.data_repository,
+            }
+        )
+
+    def _create(self, name: str, args: StorageArgs) -> None:
+        lustre = args.lustre
+        # retain_on_delete: `pulumi destroy` forgets kept data instead of deleting it.
+        keep = child(self, retain_on_delete=lustre.keep)
+        if lustre.data_repository:
+            self.data_repository = pulumi.Output.from_input(lustre.data_repository)
+        else:
+            bucket = self._bucket(name, keep)
+            self.bucket = bucket.bucket
+            self.data_repository = pulumi.Output.concat("s3://", bucket.bucket)
+
+        fs = aws.fsx.LustreFileSystem(
+            f"{name}-lustre",
+            deployment_type=lustre.deployment_type,
+            storage_capacity=lustre.storage_capacity_gib,
+            per_unit_storage_throughput=lustre.throughput_mb_per_tib,
+            storage_type="SSD",
+            file_system_type_version=LUSTRE_VERSION,
+            data_compression_type="LZ4",
+            subnet_ids=args.subnet_id,
+            security_group_ids=[args.security_group_id],
+            # Encrypted at rest always (AWS-managed key); PERSISTENT_2 also encrypts in transit between nodes and FSx.
+            copy_tags_to_backups=True if lustre.deployment_type == "PERSISTENT_2" else None,
+            opts=keep,
+        )
+        # One association for the whole namespace: new and changed S3 objects appear under /fsx, and files written to
+        # /fsx (checkpoints) are exported back to S3 automatically.
+        aws.fsx.DataRepositoryAssociation(
+            f"{name}-s3",
+            file_system_id=fs.id,
+            file_system_path="/",
+            data_repository_path=self.data_repository,
+            batch_import_meta_data_on_create=True,
+            s3={
+                "auto_import_policy": {"events": ["NEW", "CHANGED", "DELETED"]},
+                "auto_export_policy": {"events": ["NEW", "CHANGED", "DELETED"]},
+            },
+            # Deleting the association must not delete the data it exported.
+            delete_data_in_filesystem=False,
+            opts=keep,
+        )
+        self.file_system_id = fs.id
+        self.dns_name = fs.dns_name
+        self.mount_name = fs.mount_name
+
+    def _bucket(self, name: str, keep: pulumi.ResourceOptions) -> aws.s3.Bucket:
+        bucket = aws.s3.Bucket(f"{name}-data", force_destroy=not keep.retain_on_delete, opts=keep)
+        aws.s3.BucketPublicAccessBlock(
+            f"{name}-data", bucket=bucket.id, block_public_acls=True, block_public_policy=True,
+            ignore_public_acls=True, restrict_public_buckets=True, opts=keep,
+        )
+        aws.s3.BucketVersioning(
+            f"{name}-data", bucket=bucket.id, versioning_configuration={"status": "Enabled"}, opts=keep
+        )
+        aws.s3.BucketServerSideEncryptionConfiguration(
+            f"{name}-data",
+            bucket=bucket.id,
+            # SSE-S3: FSx data repository associations read and write it without a key policy to maintain.
+            rules=[{"apply_server_side_encryption_by_default": {"sse_algorithm": "AES256"}}],
+            opts=keep,
+        )
+        aws.s3.BucketOwnershipControls(
+            f"{name}-data", bucket=bucket.id, rule={"object_ownership": "BucketOwnerEnforced"}, opts=keep
+        )
+        return bucket

@@ -1,0 +1,131 @@
+"""Facts about the EC2 instance types gpucluster supports.
+
+Hardware facts come from EC2 DescribeInstanceTypes (tests cross-check them against the snapshot of real answers that
+moto bundles). Prices are Linux on-demand rates in the reference region, recorded by hand from the public EC2 pricing
+page on PRICE_DATE; `preflight` replaces them with live prices for the stack's region. A type whose on-demand price is
+not published for the reference region carries no price, and the plan says so instead of guessing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+PRICE_REGION = "us-east-1"
+PRICE_DATE = "2025-06-01"
+PRICE_SOURCE = "AWS EC2 On-Demand pricing page, Linux, us-east-1 (rates after the June 2025 GPU price change)"
+
+AcceleratorKind = Literal["nvidia", "neuron"]
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    kind: AcceleratorKind
+    model: str
+    count: int
+    memory_gib_each: int
+
+    @property
+    def memory_gib_total(self) -> int:
+        return self.count * self.memory_gib_each
+
+
+@dataclass(frozen=True)
+class InstanceType:
+    name: str
+    vcpus: int
+    memory_mib: int
+    accelerator: Accelerator | None
+    network_cards: int
+    efa_interfaces: int  # 0: no EFA
+    # Whether the type takes `efa-only` interfaces (EFA device, no IP address) beside the primary interface.
+    efa_only: bool
+    on_demand_usd_per_hour: float | None
+
+    @property
+    def family(self) -> str:
+        return self.name.split(".", 1)[0]
+
+    @property
+    def efa_supported(self) -> bool:
+        return self.efa_interfaces > 0
+
+
+def _gpu(model: str, count: int, gib: int) -> Accelerator:
+    return Accelerator("nvidia", model, count, gib)
+
+
+def _neuron(model: str, count: int, gib: int) -> Accelerator:
+    return Accelerator("neuron", model, count, gib)
+
+
+# name, vCPUs, memory MiB, accelerator, network cards, EFA interfaces, efa-only, $/h on demand
+_TYPES = [
+    # NVIDIA A10G
+    InstanceType("g5.xlarge", 4, 16384, _gpu("A10G", 1, 24), 1, 0, False, 1.006),
+    InstanceType("g5.12xlarge", 48, 196608, _gpu("A10G", 4, 24), 1, 1, False, 5.672),
+    InstanceType("g5.48xlarge", 192, 786432, _gpu("A10G", 8, 24), 1, 1, False, 16.288),
+    # NVIDIA L4
+    InstanceType("g6.xlarge", 4, 16384, _gpu("L4", 1, 24), 1, 0, False, 0.8048),
+    InstanceType("g6.12xlarge", 48, 196608, _gpu("L4", 4, 24), 1, 1, False, 4.6016),
+    InstanceType("g6.48xlarge", 192, 786432, _gpu("L4", 8, 24), 1, 1, False, 13.3504),
+    # NVIDIA L40S
+    InstanceType("g6e.xlarge", 4, 32768, _gpu("L40S", 1, 48), 1, 0, False, 1.861),
+    InstanceType("g6e.12xlarge", 48, 393216, _gpu("L40S", 4, 48), 1, 1, False, 10.49264),
+    InstanceType("g6e.48xlarge", 192, 1572864, _gpu("L40S", 8, 48), 4, 4, True, 30.13118),
+    # NVIDIA A100
+    InstanceType("p4d.24xlarge", 96, 1179648, _gpu("A100", 8, 40), 4, 4, True, 21.96),
+    InstanceType("p4de.24xlarge", 96, 1179648, _gpu("A100", 8, 80), 4, 4, True, 27.45),
+    # NVIDIA H100 / H200
+    InstanceType("p5.48xlarge", 192, 2097152, _gpu("H100", 8, 80), 32, 32, True, 55.04),
+    InstanceType("p5e.48xlarge", 192, 2097152, _gpu("H200", 8, 141), 32, 32, True, None),
+    InstanceType("p5en.48xlarge", 192, 2097152, _gpu("H200", 8, 141), 16, 16, True, 63.296),
+    # NVIDIA B200
+    InstanceType("p6-b200.48xlarge", 192, 2097152, _gpu("B200", 8, 179), 8, 8, True, 113.9328),
+    # AWS Trainium
+    InstanceType("trn1.2xlarge", 8, 32768, _neuron("Trainium", 1, 32), 1, 0, False, 1.34375),
+    InstanceType("trn1.32xlarge", 128, 524288, _neuron("Trainium", 16, 32), 8, 8, True, 21.50),
+    InstanceType("trn2.48xlarge", 192, 2097152, _neuron("Trainium2", 16, 96), 16, 16, True, None),
+]
+
+# Types for the head node (no accelerator): Slurm controller, slurmdbd and MariaDB.
+_HEAD_TYPES = [
+    InstanceType("m7i.large", 2, 8192, None, 1, 0, False, 0.1008),
+    InstanceType("m7i.xlarge", 4, 16384, None, 1, 0, False, 0.2016),
+    InstanceType("m7i.2xlarge", 8, 32768, None, 1, 0, False, 0.4032),
+    InstanceType("m7i.4xlarge", 16, 65536, None, 1, 0, False, 0.8064),
+    InstanceType("c7i.2xlarge", 8, 16384, None, 1, 0, False, 0.357),
+    InstanceType("r7i.2xlarge", 8, 65536, None, 1, 0, False, 0.5292),
+]
+
+ACCELERATED: dict[str, InstanceType] = {t.name: t for t in _TYPES}
+HEAD_NODE: dict[str, InstanceType] = {t.name: t for t in _HEAD_TYPES}
+
+
+def lookup(name: str) -> InstanceType:
+    """The catalog entry for `name`, accelerated or head-node type. KeyError when unknown."""
+    return ACCELERATED.get(name) or HEAD_NODE[name]
+
+
+@dataclass(frozen=True)
+class NetworkInterface:
+    """One interface of a launch template: where it sits and what kind it is."""
+
+    network_card_index: int
+    device_index: int
+    interface_type: Literal["interface", "efa", "efa-only"]
+
+
+def interface_layout(itype: InstanceType, efa: bool) -> list[NetworkInterface]:
+    """The network interfaces a node of this type gets.
+
+    Card 0 device 0 is the primary interface (ENA, plus an EFA device when EFA is on). Each further EFA interface goes
+    on its own network card at device 0, as `efa-only` where the type supports it: it carries EFA traffic without
+    taking an IP address, which is the layout current EC2 guidance gives for multi-card types.
+    """
+    if not efa:
+        return [NetworkInterface(0, 0, "interface")]
+    extra = "efa-only" if itype.efa_only else "efa"
+    return [NetworkInterface(0, 0, "efa")] + [
+        NetworkInterface(card, 0, extra) for card in range(1, itype.efa_interfaces)
+    ]

@@ -1,0 +1,140 @@
+"""What a stack costs, from the catalog's reference prices (offline) or live prices (preflight).
+
+Spot pools are priced at the on-demand rate: the offline plan cannot know the spot price, and on-demand is its upper
+bound. `preflight` passes live spot prices in `hourly_overrides`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gpucluster import catalog
+from gpucluster.spec import Stack
+
+HOURS_PER_MONTH = 730  # AWS's own convention in its pricing calculator
+
+# us-east-1 reference rates, same date and source as the catalog.
+NAT_GATEWAY_USD_PER_HOUR = 0.045
+INTERFACE_ENDPOINT_USD_PER_HOUR = 0.01  # per endpoint per AZ
+GP3_USD_PER_GIB_MONTH = 0.08
+# FSx for Lustre SSD, $/GiB-month, by deployment type and throughput tier (MB/s/TiB; None where fixed).
+LUSTRE_USD_PER_GIB_MONTH = {
+    ("SCRATCH_2", None): 0.140,
+    ("PERSISTENT_2", 125): 0.145,
+    ("PERSISTENT_2", 250): 0.210,
+    ("PERSISTENT_2", 500): 0.340,
+    ("PERSISTENT_2", 1000): 0.600,
+}
+# The SSM, SSM messages and EC2 messages endpoints that Session Manager needs in a private subnet.
+SSM_ENDPOINTS = ("ssm", "ssmmessages", "ec2messages")
+HEAD_ROOT_GIB = 100
+HEAD_STATE_GIB = 100
+
+
+@dataclass(frozen=True)
+class PoolCost:
+    name: str
+    instance_type: str
+    capacity: str
+    usd_per_node_hour: float | None  # None: no published price for the type
+    min_nodes: int
+    max_nodes: int
+    priced_as: str  # "on-demand", "on-demand (spot upper bound)", "live spot", "no price"
+
+    @property
+    def hourly_min(self) -> float:
+        return (self.usd_per_node_hour or 0.0) * self.min_nodes
+
+    @property
+    def hourly_max(self) -> float:
+        return (self.usd_per_node_hour or 0.0) * self.max_nodes
+
+
+@dataclass(frozen=True)
+class CostEstimate:
+    pools: list[PoolCost]
+    head_node_monthly: float
+    network_monthly: float
+    lustre_monthly: float
+    budget_monthly: float
+    unpriced: list[str] = field(default_factory=list)  # pools whose type has no price: totals are lower bounds
+
+    @property
+    def fixed_hourly(self) -> float:
+        return (self.head_node_monthly + self.network_monthly + self.lustre_monthly) / HOURS_PER_MONTH
+
+    @property
+    def hourly_min(self) -> float:
+        return self.fixed_hourly + sum(p.hourly_min for p in self.pools)
+
+    @property
+    def hourly_max(self) -> float:
+        return self.fixed_hourly + sum(p.hourly_max for p in self.pools)
+
+    @property
+    def monthly_at_min(self) -> float:
+        return self.hourly_min * HOURS_PER_MONTH
+
+    @property
+    def monthly_at_max(self) -> float:
+        return self.hourly_max * HOURS_PER_MONTH
+
+    @property
+    def over_budget(self) -> bool:
+        return self.monthly_at_max > self.budget_monthly
+
+    @property
+    def hours_at_max_within_budget(self) -> float:
+        """How many hours the cluster can run at full size before the month's budget is gone."""
+        return self.budget_monthly / self.hourly_max if self.hourly_max else float("inf")
+
+    def summary(self) -> dict[str, float | list[str]]:
+        return {
+            "hourly_usd_min": round(self.hourly_min, 4),
+            "hourly_usd_max": round(self.hourly_max, 4),
+            "monthly_usd_at_min": round(self.monthly_at_min, 2),
+            "monthly_usd_at_max": round(self.monthly_at_max, 2),
+            "budget_monthly_usd": self.budget_monthly,
+            "unpriced_pools": self.unpriced,
+        }
+
+
+def estimate(stack: Stack, hourly_overrides: dict[str, float] | None = None) -> CostEstimate:
+    """Cost of the stack. `hourly_overrides` maps a pool name to a measured $/node-hour (live spot price)."""
+    spec = stack.spec
+    overrides = hourly_overrides or {}
+    pools = []
+    for pool in spec.pools:
+        price = pool.itype.on_demand_usd_per_hour
+        if pool.name in overrides:
+            price, how = overrides[pool.name], "live spot" if pool.capacity == "spot" else "live"
+        elif price is None:
+            how = "no price"
+        elif pool.capacity == "spot":
+            how = "on-demand (spot upper bound)"
+        else:
+            how = "on-demand"
+        pools.append(PoolCost(pool.name, pool.instance_type, pool.capacity, price, pool.min_nodes, pool.max_nodes, how))
+
+    head_type = catalog.HEAD_NODE[spec.head_node.instance_type]
+    head = (head_type.on_demand_usd_per_hour or 0.0) * HOURS_PER_MONTH + GP3_USD_PER_GIB_MONTH * (
+        HEAD_ROOT_GIB + HEAD_STATE_GIB
+    )
+    network = 0.0
+    if spec.network.creates_vpc:
+        network = (NAT_GATEWAY_USD_PER_HOUR + INTERFACE_ENDPOINT_USD_PER_HOUR * len(SSM_ENDPOINTS)) * HOURS_PER_MONTH
+
+    lustre = spec.storage.lustre
+    lustre_monthly = 0.0
+    if lustre.deployment_type and lustre.storage_capacity_gib:
+        rate = LUSTRE_USD_PER_GIB_MONTH[(lustre.deployment_type, lustre.throughput_mb_per_tib)]
+        lustre_monthly = rate * lustre.storage_capacity_gib
+
+    return CostEstimate(
+        pools=pools,
+        head_node_monthly=head,
+        network_monthly=network,
+        lustre_monthly=lustre_monthly,
+        budget_monthly=spec.budget.monthly_usd,
+        unpriced=[p.name for p in pools if p.usd_per_node_hour is None],
+    )

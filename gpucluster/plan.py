@@ -1,0 +1,137 @@
+"""The offline plan: run the real Pulumi program under Pulumi's mock runtime and record what it declares.
+
+No credentials, no network, no Pulumi CLI. Where AWS would compute a value (an id, the AMI behind an SSM parameter),
+the plan shows a placeholder that says so.
+"""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpucluster.spec import CONFIG_KEY, REGION_KEY, Stack
+
+ROOT = Path(__file__).resolve().parent.parent
+PROGRAM = ROOT / "__main__.py"
+MOCK_ACCOUNT = "123456789012"
+
+
+@dataclass(frozen=True)
+class Declared:
+    """One resource the program declared."""
+
+    type: str
+    name: str
+    urn: str
+    parent_urn: str
+    inputs: dict[str, Any]
+    retain_on_delete: bool
+    provider: str
+
+    @property
+    def parent_type(self) -> str | None:
+        """The parent's type token; None for resources directly under the stack."""
+        if not self.parent_urn:
+            return None
+        parent = urn_type(self.parent_urn)
+        return None if parent == "pulumi:pulumi:Stack" else parent
+
+
+def urn_type(urn: str) -> str:
+    # urn:pulumi:<stack>::<project>::<parent types joined by $>$<type>::<name>
+    return urn.split("::")[2].split("$")[-1]
+
+
+def _placeholder_outputs(typ: str, name: str, inputs: dict[str, Any], region: str) -> dict[str, Any]:
+    """Values AWS would compute, for the program's `apply`s and exports to run on."""
+    out: dict[str, Any] = {"arn": f"arn:aws:plan:{region}:{MOCK_ACCOUNT}:{name}"}
+    if "name" not in inputs:
+        out["name"] = name
+    if typ == "aws:ec2/launchTemplate:LaunchTemplate":
+        out["latestVersion"] = 1
+    elif typ == "aws:s3/bucket:Bucket":
+        out["bucket"] = f"{name}-<suffix at up>"
+    elif typ == "aws:fsx/lustreFileSystem:LustreFileSystem":
+        out["dnsName"] = f"<{name} DNS name at up>"
+        out["mountName"] = "<mount name at up>"
+    return out
+
+
+def _mocks(region: str):  # type: ignore[no-untyped-def]
+    from pulumi.runtime import Mocks
+
+    class PlanMocks(Mocks):
+        def new_resource(self, args):  # type: ignore[no-untyped-def]
+            state = {**args.inputs, **_placeholder_outputs(args.typ, args.name, args.inputs, region)}
+            return f"{args.name}-id", state
+
+        def call(self, args):  # type: ignore[no-untyped-def]
+            if args.token == "aws:ssm/getParameter:getParameter":
+                name = args.args["name"]
+                return {"name": name, "type": "String", "value": f"<AMI from {name} at up>"}
+            if args.token == "aws:index/getCallerIdentity:getCallerIdentity":
+                return {"accountId": MOCK_ACCOUNT, "arn": f"arn:aws:iam::{MOCK_ACCOUNT}:user/plan", "userId": "plan"}
+            raise NotImplementedError(f"the offline plan has no answer for {args.token}")
+
+    return PlanMocks()
+
+
+def _recording_monitor(mocks):  # type: ignore[no-untyped-def]
+    from pulumi.runtime import rpc
+    from pulumi.runtime.mocks import MockMonitor
+
+    class RecordingMonitor(MockMonitor):
+        def __init__(self, mocks):  # type: ignore[no-untyped-def]
+            super().__init__(mocks)
+            self.declared: list[Declared] = []
+
+        def RegisterResource(self, request):  # type: ignore[no-untyped-def]
+            response = super().RegisterResource(request)
+            if request.type != "pulumi:pulumi:Stack":
+                self.declared.append(
+                    Declared(
+                        type=request.type,
+                        name=request.name,
+                        urn=response.urn,
+                        parent_urn=request.parent,
+                        inputs=rpc.deserialize_properties(request.object),
+                        retain_on_delete=bool(request.retainOnDelete),
+                        provider=request.provider,
+                    )
+                )
+            return response
+
+    return RecordingMonitor(mocks)
+
+
+def stack_config(stack: Stack, raw_config: dict[str, Any]) -> dict[str, str]:
+    """Stack-file config as Pulumi hands it to a program: structured values arrive as JSON text."""
+    config = {REGION_KEY: stack.region, CONFIG_KEY: json.dumps(raw_config[CONFIG_KEY])}
+    for key, value in raw_config.items():
+        config.setdefault(key, value if isinstance(value, str) else json.dumps(value))
+    return config
+
+
+def run_program(stack: Stack, raw_config: dict[str, Any]) -> list[Declared]:
+    """Run `__main__.py` for `stack` under the mock runtime. Returns what it declared, in declaration order."""
+    import pulumi
+    from pulumi.runtime import settings
+    from pulumi.runtime.stack import run_pulumi_func
+    from pulumi.runtime.sync_await import _sync_await
+
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    monitor = _recording_monitor(_mocks(stack.region))
+    settings.set_root_resource(None)  # a fresh stack on every run, also when one process plans several stacks
+    pulumi.runtime.set_all_config(stack_config(stack, raw_config))
+    pulumi.runtime.set_mocks(monitor.mocks, project="gpucluster", stack=stack.name, preview=False, monitor=monitor)
+
+    def program() -> None:
+        runpy.run_path(str(PROGRAM), run_name="__main__")
+
+    _sync_await(run_pulumi_func(program))
+    return monitor.declared

@@ -1,0 +1,360 @@
+"""The per-team stack file: its typed spec and every rule AWS and Slurm would otherwise enforce late.
+
+`load_stack(path)` reads `stacks/Pulumi.<stack>.yaml` and returns a `Stack`, or raises `SpecError` carrying every
+problem at once, each as (config path, message).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from gpucluster import catalog
+
+CONFIG_KEY = "gpucluster:cluster"
+REGION_KEY = "aws:region"
+
+NAME_RE = r"^[a-z][a-z0-9-]*[a-z0-9]$"
+# Pool names become Slurm partition names and node-name prefixes (<pool>-<n>): no '_', ',', '[' or upper case,
+# which Slurm's hostlist syntax or DNS would mangle.
+POOL_NAME_RE = r"^[a-z][a-z0-9-]{0,22}[a-z0-9]$"
+# FSx for Lustre SSD capacity: 1200, 2400, then steps of 2400 GiB (SCRATCH_2 and PERSISTENT_2).
+LUSTRE_STEP_GIB = 2400
+LUSTRE_THROUGHPUTS = {"PERSISTENT_2": (125, 250, 500, 1000)}
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _rule_errors(model: str, problems: list[tuple[tuple[str | int, ...], str]], data: Any) -> ValidationError:
+    """Turn cross-field problems into one ValidationError so pydantic reports them next to the field errors."""
+    return ValidationError.from_exception_data(
+        model,
+        [InitErrorDetails(type=PydanticCustomError("rule", msg), loc=loc, input=data) for loc, msg in problems],
+    )
+
+
+class Network(_Model):
+    vpc_cidr: str | None = None
+    vpc_id: str | None = Field(default=None, pattern=r"^vpc-[0-9a-f]{8,17}$")
+    subnet_id: str | None = Field(default=None, pattern=r"^subnet-[0-9a-f]{8,17}$")
+
+    @field_validator("vpc_cidr")
+    @classmethod
+    def _cidr(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        import ipaddress
+
+        try:
+            net = ipaddress.IPv4Network(value)
+        except ValueError:
+            raise ValueError("must be an IPv4 network such as 10.42.0.0/16") from None
+        if not 16 <= net.prefixlen <= 20:
+            raise ValueError("prefix length must be /16 to /20 (room for a private and a public subnet)")
+        if not net.is_private:
+            raise ValueError("must be a private range (10.0.0.0/8, 172.16.0.0/12 or 192.168.0.0/16)")
+        return value
+
+    @model_validator(mode="after")
+    def _one_network(self) -> Network:
+        existing = (self.vpc_id, self.subnet_id)
+        if self.vpc_cidr and any(existing):
+            raise _rule_errors("network", [((), "give vpc_cidr (new VPC) or vpc_id + subnet_id (existing), not both")], None)
+        if not self.vpc_cidr and not all(existing):
+            raise _rule_errors("network", [((), "give vpc_cidr for a new VPC, or both vpc_id and subnet_id")], None)
+        return self
+
+    @property
+    def creates_vpc(self) -> bool:
+        return self.vpc_cidr is not None
+
+
+class HeadNode(_Model):
+    instance_type: str = "m7i.2xlarge"
+    ami_id: str | None = Field(default=None, pattern=r"^ami-[0-9a-f]{8,17}$")
+
+    @field_validator("instance_type")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        if value not in catalog.HEAD_NODE:
+            raise ValueError(f"unsupported head node type {value!r}; allowed: {', '.join(catalog.HEAD_NODE)}")
+        return value
+
+
+class Pool(_Model):
+    name: str = Field(pattern=POOL_NAME_RE)
+    instance_type: str
+    capacity: Literal["on-demand", "spot", "capacity-block"] = "on-demand"
+    min_nodes: int = Field(default=0, ge=0)
+    max_nodes: int = Field(ge=1, le=1024)
+    efa: bool | None = None
+    capacity_reservation_id: str | None = Field(default=None, pattern=r"^cr-[0-9a-f]{8,17}$")
+    ami_id: str | None = Field(default=None, pattern=r"^ami-[0-9a-f]{8,17}$")
+    # Container images, enroot caches and checkpoints staged locally need room; the DLAMIs ship 100+ GiB snapshots.
+    root_volume_gib: int = Field(default=200, ge=120, le=16384)
+
+    @field_validator("instance_type")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        if value not in catalog.ACCELERATED:
+            raise ValueError(f"unsupported instance type {value!r}; allowed: {', '.join(catalog.ACCELERATED)}")
+        return value
+
+    @model_validator(mode="after")
+    def _rules(self) -> Pool:
+        problems: list[tuple[tuple[str | int, ...], str]] = []
+        itype = catalog.ACCELERATED[self.instance_type]
+        if self.min_nodes > self.max_nodes:
+            problems.append((("min_nodes",), f"must be <= max_nodes ({self.max_nodes}), got {self.min_nodes}"))
+        if self.efa and not itype.efa_supported:
+            with_efa = ", ".join(t.name for t in catalog.ACCELERATED.values() if t.efa_supported)
+            problems.append((("efa",), f"{self.instance_type} does not support EFA; types with EFA: {with_efa}"))
+        if self.capacity == "capacity-block":
+            if not self.capacity_reservation_id:
+                problems.append((("capacity_reservation_id",), "a capacity-block pool must name its reservation (cr-...)"))
+            if self.min_nodes != self.max_nodes:
+                problems.append(
+                    (("min_nodes",), f"a capacity-block pool is paid for whole: min_nodes must equal max_nodes ({self.max_nodes})")
+                )
+        elif self.capacity_reservation_id:
+            problems.append((("capacity_reservation_id",), "only allowed with capacity: capacity-block"))
+        if problems:
+            raise _rule_errors("pool", problems, self.name)
+        return self
+
+    @property
+    def itype(self) -> catalog.InstanceType:
+        return catalog.ACCELERATED[self.instance_type]
+
+    @property
+    def uses_efa(self) -> bool:
+        """EFA is on by default wherever the type supports it."""
+        return self.itype.efa_supported if self.efa is None else self.efa
+
+
+class Lustre(_Model):
+    deployment_type: Literal["SCRATCH_2", "PERSISTENT_2"] | None = None
+    storage_capacity_gib: int | None = Field(default=None, ge=1200)
+    throughput_mb_per_tib: int | None = None
+    data_repository: str | None = Field(default=None, pattern=r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?$")
+    file_system_id: str | None = Field(default=None, pattern=r"^fs-[0-9a-f]{8,17}$")
+    # An existing file system is mounted by DNS name and mount name; FSx has no lookup by id in Pulumi.
+    dns_name: str | None = None
+    mount_name: str | None = None
+    # Keep the file system and the bucket on `pulumi destroy`; default: on for PERSISTENT_2, off for SCRATCH_2.
+    keep_on_destroy: bool | None = None
+
+    @model_validator(mode="after")
+    def _rules(self) -> Lustre:
+        problems: list[tuple[tuple[str | int, ...], str]] = []
+        if self.file_system_id:
+            for key in ("deployment_type", "storage_capacity_gib", "throughput_mb_per_tib", "data_repository"):
+                if getattr(self, key) is not None:
+                    problems.append(((key,), "not allowed with file_system_id (the existing file system is used as is)"))
+            for key in ("dns_name", "mount_name"):
+                if not getattr(self, key):
+                    problems.append(((key,), "required with file_system_id (see `aws fsx describe-file-systems`)"))
+        else:
+            if self.deployment_type is None:
+                problems.append((("deployment_type",), "required: SCRATCH_2 or PERSISTENT_2 (or file_system_id)"))
+            cap = self.storage_capacity_gib
+            if cap is None:
+                problems.append((("storage_capacity_gib",), "required: 1200, 2400 or a multiple of 2400"))
+            elif cap != 1200 and cap % LUSTRE_STEP_GIB:
+                lo = cap // LUSTRE_STEP_GIB * LUSTRE_STEP_GIB
+                near = f"{lo} or {lo + LUSTRE_STEP_GIB}" if lo else "1200 or 2400"
+                problems.append(
+                    (("storage_capacity_gib",), f"must be 1200, 2400 or a multiple of 2400 GiB; nearest: {near}")
+                )
+            allowed = LUSTRE_THROUGHPUTS.get(self.deployment_type or "")
+            if allowed and self.throughput_mb_per_tib not in allowed:
+                problems.append(
+                    (("throughput_mb_per_tib",), f"{self.deployment_type} takes one of {list(allowed)} MB/s per TiB")
+                )
+            elif not allowed and self.throughput_mb_per_tib is not None and self.deployment_type:
+                problems.append((("throughput_mb_per_tib",), f"not settable for {self.deployment_type} (fixed by AWS)"))
+            for key in ("dns_name", "mount_name"):
+                if getattr(self, key):
+                    problems.append(((key,), "only allowed with file_system_id"))
+        if problems:
+            raise _rule_errors("lustre", problems, None)
+        return self
+
+    @property
+    def keep(self) -> bool:
+        if self.keep_on_destroy is not None:
+            return self.keep_on_destroy
+        return self.deployment_type == "PERSISTENT_2"
+
+
+class Storage(_Model):
+    lustre: Lustre
+
+
+class Budget(_Model):
+    monthly_usd: float = Field(gt=0)
+    thresholds_percent: list[int] = Field(default=[50, 80, 100], min_length=1)
+    notify_emails: list[str] = Field(min_length=1)
+    # Cost-allocation tags are account-wide and only the payer account may switch them on; turn this off in a member
+    # account of an AWS Organization and ask the payer to activate `gpucluster:stack` once.
+    activate_cost_allocation_tag: bool = True
+
+    @field_validator("thresholds_percent")
+    @classmethod
+    def _thresholds(cls, value: list[int]) -> list[int]:
+        if any(not 1 <= t <= 1000 for t in value):
+            raise ValueError("each threshold must be 1..1000 percent of the monthly budget")
+        if len(set(value)) != len(value):
+            raise ValueError("thresholds must not repeat")
+        return sorted(value)
+
+    @field_validator("notify_emails")
+    @classmethod
+    def _emails(cls, value: list[str]) -> list[str]:
+        bad = [e for e in value if not re.fullmatch(r"[^@\s]+@[^@\s]+\.[^@\s]+", e)]
+        if bad:
+            raise ValueError(f"not an email address: {', '.join(bad)}")
+        return value
+
+
+class ClusterSpec(_Model):
+    team: str = Field(pattern=NAME_RE, max_length=32)
+    availability_zone: str = Field(pattern=r"^[a-z]{2}(-[a-z]+)+-\d[a-z]$")
+    network: Network
+    head_node: HeadNode = HeadNode()
+    pools: list[Pool] = Field(min_length=1, max_length=64)
+    storage: Storage
+    budget: Budget
+
+    @model_validator(mode="after")
+    def _unique_pools(self) -> ClusterSpec:
+        seen: dict[str, int] = {}
+        problems: list[tuple[tuple[str | int, ...], str]] = []
+        for i, pool in enumerate(self.pools):
+            if pool.name in seen:
+                problems.append((("pools", i, "name"), f"duplicate pool name {pool.name!r} (also pools[{seen[pool.name]}])"))
+            seen.setdefault(pool.name, i)
+        if problems:
+            raise _rule_errors("cluster", problems, None)
+        return self
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A validated stack: its name (from the file name), region and cluster spec."""
+
+    name: str
+    region: str
+    spec: ClusterSpec
+
+    @property
+    def cluster_name(self) -> str:
+        return f"gpucluster-{self.name}"
+
+    @property
+    def tags(self) -> dict[str, str]:
+        return {"gpucluster:cluster": self.cluster_name, "gpucluster:team": self.spec.team, "gpucluster:stack": self.name}
+
+
+class SpecError(Exception):
+    """Every problem found in a stack, each as (config path, message)."""
+
+    def __init__(self, source: str, problems: list[tuple[str, str]]):
+        self.source = source
+        self.problems = problems
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        lines = [f"{self.source}: {len(self.problems)} problem(s):"]
+        lines += [f"  {path}: {msg}" for path, msg in self.problems]
+        return "\n".join(lines)
+
+
+def _path(loc: tuple[str | int, ...]) -> str:
+    out = CONFIG_KEY
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return out
+
+
+def _message(err: dict[str, Any]) -> str:
+    if err["type"] == "extra_forbidden":
+        return "unknown key (check the spelling; see README for the keys)"
+    if err["type"] == "missing":
+        return "required key is missing"
+    return err["msg"].removeprefix("Value error, ")
+
+
+def validate(stack: str, config: dict[str, Any], source: str = "") -> Stack:
+    """Validate the `config:` mapping of a stack file. Raises SpecError listing every problem."""
+    problems: list[tuple[str, str]] = []
+    region = config.get(REGION_KEY)
+    if not isinstance(region, str) or not re.fullmatch(r"[a-z]{2}(-[a-z]+)+-\d", region):
+        problems.append((REGION_KEY, "required: the AWS region, e.g. us-east-1"))
+    if not re.fullmatch(NAME_RE, stack):
+        problems.append(("stack", f"stack name {stack!r} must be lowercase letters, digits and '-'"))
+    raw = config.get(CONFIG_KEY)
+    spec = None
+    if not isinstance(raw, dict):
+        problems.append((CONFIG_KEY, "required: the cluster mapping (team, availability_zone, network, pools, ...)"))
+    else:
+        try:
+            spec = ClusterSpec.model_validate(raw)
+        except ValidationError as exc:
+            problems += [(_path(e["loc"]), _message(e)) for e in exc.errors()]
+    if spec and isinstance(region, str) and not spec.availability_zone.startswith(region):
+        problems.append((_path(("availability_zone",)), f"{spec.availability_zone} is not in region {region}"))
+    if problems or spec is None:
+        raise SpecError(source or stack, problems)
+    return Stack(name=stack, region=region, spec=spec)  # type: ignore[arg-type]
+
+
+def stack_name_from_path(path: Path) -> str:
+    match = re.fullmatch(r"Pulumi\.(.+)\.ya?ml", path.name)
+    if not match:
+        raise SpecError(str(path), [("file", "a stack file is named Pulumi.<stack>.yaml")])
+    return match.group(1)
+
+
+def resolve_stack_file(stack: str, stacks_dir: Path) -> Path:
+    """STACK is a stack name under stacks/ or a path to a stack file."""
+    candidate = Path(stack)
+    if candidate.suffix in (".yaml", ".yml") or "/" in stack:
+        return candidate
+    return stacks_dir / f"Pulumi.{stack}.yaml"
+
+
+def load_stack(path: Path) -> Stack:
+    name = stack_name_from_path(path)
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise SpecError(str(path), [("file", "no such stack file")]) from None
+    except yaml.YAMLError as exc:
+        raise SpecError(str(path), [("file", f"not valid YAML: {exc}")]) from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("config"), dict):
+        raise SpecError(str(path), [("config", "a stack file has a top-level `config:` mapping")])
+    return validate(name, doc["config"], str(path))
+
+
+def stack_from_pulumi_config() -> Stack:
+    """The validated stack of the running Pulumi program; bad config stops it with the messages and no traceback."""
+    import pulumi
+
+    name = pulumi.get_stack()
+    config = {
+        REGION_KEY: pulumi.Config("aws").get("region"),
+        CONFIG_KEY: pulumi.Config("gpucluster").get_object("cluster"),
+    }
+    try:
+        return validate(name, config, f"stack {name}")
+    except SpecError as exc:
+        raise pulumi.RunError(exc.render()) from None
