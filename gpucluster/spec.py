@@ -285,7 +285,24 @@ def _path(loc: tuple[str | int, ...]) -> str:
     return out
 
 
+# What a field's pattern allows, in words, keyed by the field's name.
+PATTERN_HELP = {
+    "team": "lowercase letters, digits and '-', starting with a letter (used in names and tags)",
+    "name": "2-24 lowercase letters, digits and '-', starting with a letter (a Slurm partition and node-name prefix)",
+    "availability_zone": "an availability zone such as us-east-1a",
+    "vpc_id": "a VPC id such as vpc-0123456789abcdef0",
+    "subnet_id": "a subnet id such as subnet-0123456789abcdef0",
+    "capacity_reservation_id": "a capacity reservation id such as cr-0123456789abcdef0",
+    "ami_id": "an AMI id such as ami-0123456789abcdef0",
+    "file_system_id": "an FSx file system id such as fs-0123456789abcdef0",
+    "data_repository": "an S3 URL such as s3://bucket/prefix",
+}
+
+
 def _message(err: dict[str, Any]) -> str:
+    field = err["loc"][-1] if err["loc"] else ""
+    if err["type"] == "string_pattern_mismatch" and field in PATTERN_HELP:
+        return f"{err['input']!r} is not allowed: use {PATTERN_HELP[field]}"
     if err["type"] == "extra_forbidden":
         return "unknown key (check the spelling; see README for the keys)"
     if err["type"] == "missing":

@@ -1,0 +1,2 @@
+"""gpucluster: the library behind the Pulumi program. It declares no cloud resources: spec, catalog, cost, renderers
+and the command line."""

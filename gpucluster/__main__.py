@@ -1,0 +1,5 @@
+import sys
+
+from gpucluster.cli import main
+
+sys.exit(main())

@@ -1,0 +1,129 @@
+"""`python -m gpucluster plan STACK [--json]`: what a stack creates and what it costs, offline."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gpucluster import catalog, cost
+from gpucluster.spec import Stack, SpecError, load_stack, resolve_stack_file
+
+STACKS_DIR = Path(__file__).resolve().parent.parent / "stacks"
+EXIT_BAD_INPUT = 2
+
+
+def _load(stack_arg: str) -> tuple[Stack, dict[str, Any]]:
+    path = resolve_stack_file(stack_arg, STACKS_DIR)
+    stack = load_stack(path)
+    return stack, yaml.safe_load(path.read_text())["config"]
+
+
+def _money(value: float) -> str:
+    return f"${value:,.2f}"
+
+
+def cost_table(stack: Stack, estimate: cost.CostEstimate) -> list[str]:
+    rows = [("pool", "type", "capacity", "$/node-h", "nodes", "$/h at min", "$/h at max", "priced as")]
+    for p in estimate.pools:
+        price = _money(p.usd_per_node_hour) if p.usd_per_node_hour is not None else "unknown"
+        rows.append(
+            (p.name, p.instance_type, p.capacity, price, f"{p.min_nodes}-{p.max_nodes}",
+             _money(p.hourly_min), _money(p.hourly_max), p.priced_as)
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines += [
+        "",
+        f"FSx for Lustre per month:        {_money(estimate.lustre_monthly)}",
+        f"Head node per month:             {_money(estimate.head_node_monthly)} ({stack.spec.head_node.instance_type}, EBS)",
+        f"NAT and VPC endpoints per month: {_money(estimate.network_monthly)}",
+        f"Cluster per hour:                {_money(estimate.hourly_min)} at min size, {_money(estimate.hourly_max)} at max size",
+        f"Month at max size:               {_money(estimate.monthly_at_max)} against a budget of "
+        f"{_money(estimate.budget_monthly)}",
+    ]
+    if estimate.over_budget:
+        lines.append(
+            f"WARNING: at full size the cluster crosses its budget after {estimate.hours_at_max_within_budget:,.0f} "
+            f"hours ({estimate.hours_at_max_within_budget / 24:,.1f} days) of the month."
+        )
+    if estimate.unpriced:
+        lines.append(
+            f"WARNING: no reference price for pool(s) {', '.join(estimate.unpriced)}: totals above leave them out "
+            "(run `preflight` for live prices)."
+        )
+    lines.append(f"Prices: {catalog.PRICE_SOURCE}, recorded {catalog.PRICE_DATE}. Spot pools at the on-demand rate.")
+    return lines
+
+
+def resource_tree(declared: list[Any]) -> list[str]:
+    """Resources grouped under the component that owns them."""
+    children: dict[str, list[Any]] = defaultdict(list)
+    for d in declared:
+        children[d.parent_urn].append(d)
+    lines: list[str] = []
+
+    def walk(urn: str, depth: int) -> None:
+        for d in sorted(children.get(urn, []), key=lambda r: (r.type.startswith("gpucluster:"), r.type, r.name)):
+            kept = "  [kept on destroy]" if d.retain_on_delete else ""
+            lines.append(f"{'  ' * depth}{d.type}  {d.name}{kept}")
+            walk(d.urn, depth + 1)
+
+    roots = {d.parent_urn for d in declared if d.parent_type is None}
+    for root in sorted(roots):
+        walk(root, 0)
+    return lines
+
+
+def plan(args: argparse.Namespace) -> int:
+    from gpucluster.plan import run_program
+
+    stack, raw = _load(args.stack)
+    declared = run_program(stack, raw)
+    estimate = cost.estimate(stack)
+    if args.json:
+        doc = {
+            "stack": stack.name,
+            "region": stack.region,
+            "resources": [
+                {"type": d.type, "name": d.name, "parent": d.parent_type, "inputs": d.inputs,
+                 "retain_on_delete": d.retain_on_delete}
+                for d in declared
+            ],
+            "cost": estimate.summary(),
+        }
+        json.dump(doc, sys.stdout, indent=1, sort_keys=True)
+        print()
+        return 0
+    print(f"Stack {stack.name}: team {stack.spec.team}, {stack.region} / {stack.spec.availability_zone}, "
+          f"{len(declared)} resources (offline plan, mock runtime; '<... at up>' marks values AWS computes)")
+    print()
+    print("\n".join(resource_tree(declared)))
+    print()
+    print("\n".join(cost_table(stack, estimate)))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="python -m gpucluster", description=__doc__)
+    sub = top.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="show what a stack creates and costs, offline")
+    p.add_argument("stack", help="a stack name under stacks/ (e.g. dev) or a path to a stack file")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=plan)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except SpecError as exc:
+        print(exc.render(), file=sys.stderr)
+        return EXIT_BAD_INPUT

@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gpucluster.plan import Declared, run_program  # noqa: E402
+from gpucluster.spec import Stack, load_stack  # noqa: E402
+
+STACK_FILES = sorted((ROOT / "stacks").glob("Pulumi.*.yaml"))
+FIXTURES = ROOT / "tests" / "stacks"
+
+
+@functools.cache
+def planned(path: Path) -> tuple[Stack, tuple[Declared, ...]]:
+    """The stack and what its Pulumi program declares under the mock runtime (once per file per session)."""
+    stack = load_stack(path)
+    return stack, tuple(run_program(stack, yaml.safe_load(path.read_text())["config"]))
+
+
+@pytest.fixture(params=STACK_FILES, ids=lambda p: p.name)
+def shipped(request: pytest.FixtureRequest) -> tuple[Stack, tuple[Declared, ...]]:
+    return planned(request.param)
+
+
+def of_type(declared: tuple[Declared, ...], suffix: str) -> list[Declared]:
+    return [d for d in declared if d.type.endswith(suffix)]

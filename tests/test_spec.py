@@ -1,0 +1,88 @@
+"""The stack-file spec: every bad file in tests/bad_stacks gives exactly the messages it lists, at once."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, STACK_FILES
+from gpucluster.spec import SpecError, load_stack, validate
+
+BAD = sorted((ROOT / "tests" / "bad_stacks").glob("Pulumi.*.yaml"))
+
+
+def expectations(path: Path) -> list[str]:
+    return re.findall(r"^# expect: (.+)$", path.read_text(), flags=re.M)
+
+
+@pytest.mark.parametrize("path", BAD, ids=lambda p: p.name)
+def test_bad_stack_reports_each_expected_problem(path: Path) -> None:
+    expected = expectations(path)
+    assert expected, f"{path.name} lists no '# expect:' line"
+    with pytest.raises(SpecError) as caught:
+        load_stack(path)
+    found = [f"{where}: {msg}" for where, msg in caught.value.problems]
+    for line in expected:
+        assert any(f.startswith(line) for f in found), f"missing {line!r} in {found}"
+    # Nothing beyond what the file announces: a rule that fires wrongly is a bug too.
+    assert len(found) == len(expected), found
+
+
+def test_all_problems_at_once() -> None:
+    with pytest.raises(SpecError) as caught:
+        load_stack(ROOT / "tests" / "bad_stacks" / "Pulumi.many-problems.yaml")
+    paths = {p for p, _ in caught.value.problems}
+    assert {"gpucluster:cluster.team", "gpucluster:cluster.pools[0].min_nodes", "gpucluster:cluster.pools[1].efa",
+            "gpucluster:cluster.storage.lustre.storage_capacity_gib", "gpucluster:cluster.budget.monthly_usd"} == paths
+
+
+@pytest.mark.parametrize("path", STACK_FILES, ids=lambda p: p.name)
+def test_shipped_stacks_are_valid(path: Path) -> None:
+    stack = load_stack(path)
+    assert stack.name == path.name.split(".")[1]
+    assert stack.tags == {"gpucluster:cluster": f"gpucluster-{stack.name}", "gpucluster:team": stack.spec.team,
+                          "gpucluster:stack": stack.name}
+
+
+def _config(**pool: object) -> dict:
+    return {
+        "aws:region": "us-east-1",
+        "gpucluster:cluster": {
+            "team": "t1",
+            "availability_zone": "us-east-1a",
+            "network": {"vpc_cidr": "10.0.0.0/16"},
+            "pools": [{"name": "gpu", "instance_type": "p5.48xlarge", "max_nodes": 2, **pool}],
+            "storage": {"lustre": {"deployment_type": "PERSISTENT_2", "storage_capacity_gib": 2400,
+                                   "throughput_mb_per_tib": 125}},
+            "budget": {"monthly_usd": 10, "notify_emails": ["x@example.com"]},
+        },
+    }
+
+
+def test_efa_defaults_to_what_the_type_supports() -> None:
+    assert validate("s1", _config()).spec.pools[0].uses_efa is True
+    assert validate("s1", _config(instance_type="g6.xlarge")).spec.pools[0].uses_efa is False
+    assert validate("s1", _config(efa=False)).spec.pools[0].uses_efa is False
+
+
+def test_keep_on_destroy_defaults_by_deployment_type() -> None:
+    persistent = validate("s1", _config())
+    assert persistent.spec.storage.lustre.keep is True
+    cfg = _config()
+    cfg["gpucluster:cluster"]["storage"]["lustre"] = {"deployment_type": "SCRATCH_2", "storage_capacity_gib": 1200}
+    assert validate("s1", cfg).spec.storage.lustre.keep is False
+
+
+def test_valid_capacity_block_pool() -> None:
+    stack = validate("s1", _config(capacity="capacity-block", capacity_reservation_id="cr-0123456789abcdef0",
+                                   min_nodes=2))
+    assert stack.spec.pools[0].capacity == "capacity-block"
+
+
+@pytest.mark.parametrize("capacity", [1200, 2400, 4800, 9600])
+def test_lustre_capacity_steps_accepted(capacity: int) -> None:
+    cfg = _config()
+    cfg["gpucluster:cluster"]["storage"]["lustre"]["storage_capacity_gib"] = capacity
+    assert validate("s1", cfg).spec.storage.lustre.storage_capacity_gib == capacity
