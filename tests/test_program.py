@@ -1,0 +1,216 @@
+"""The Pulumi program under Pulumi's mock runtime, for every stack in stacks/ and the fixtures in tests/stacks."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import FIXTURES, of_type, planned
+from gpucluster import catalog
+from gpucluster.plan import Declared
+from gpucluster.spec import Stack
+
+PROVIDER = "pulumi:providers:aws"
+
+
+def _pool_templates(declared: tuple[Declared, ...]) -> dict[str, dict]:
+    """Pool name -> launch-template inputs."""
+    out = {}
+    for lt in of_type(declared, "ec2/launchTemplate:LaunchTemplate"):
+        (spec,) = lt.inputs["tagSpecifications"][:1]
+        out[spec["tags"]["gpucluster:pool"]] = lt.inputs
+    return out
+
+
+def test_efa_layout_per_pool(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
+    stack, declared = shipped
+    templates = _pool_templates(declared)
+    assert set(templates) == {p.name for p in stack.spec.pools}
+    for pool in stack.spec.pools:
+        nics = templates[pool.name]["networkInterfaces"]
+        expected = pool.itype.efa_interfaces if pool.uses_efa else 1
+        assert len(nics) == expected, pool.name
+        assert [int(n["networkCardIndex"]) for n in nics] == list(range(expected))
+        assert all(int(n["deviceIndex"]) == 0 for n in nics)
+        assert nics[0]["interfaceType"] == ("efa" if pool.uses_efa else "interface")
+        assert all(n["interfaceType"] == "efa-only" for n in nics[1:])
+        assert all(n["subnetId"] and n["securityGroups"] for n in nics)
+
+
+def test_efa_interface_counts_for_the_big_types() -> None:
+    _, declared = planned(FIXTURES.parent.parent / "stacks" / "Pulumi.team-a.yaml")
+    assert {len(t["networkInterfaces"]) for t in _pool_templates(declared).values()} == {32}  # p5
+    _, declared = planned(FIXTURES.parent.parent / "stacks" / "Pulumi.team-b.yaml")
+    assert len(_pool_templates(declared)["p4d-spot"]["networkInterfaces"]) == 4  # p4d
+    _, declared = planned(FIXTURES / "Pulumi.existing.yaml")
+    assert len(_pool_templates(declared)["p5en-cb"]["networkInterfaces"]) == 16  # p5en
+
+
+def test_imdsv2_and_encrypted_root(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
+    _, declared = shipped
+    for lt in _pool_templates(declared).values():
+        assert lt["metadataOptions"]["httpTokens"] == "required"
+        (root,) = lt["blockDeviceMappings"]
+        assert root["ebs"]["encrypted"] == "true" and root["ebs"]["volumeType"] == "gp3"
+        assert root["ebs"]["volumeSize"] >= 120
+        assert not any(n.get("associatePublicIpAddress") == "true" for n in lt["networkInterfaces"])
+
+
+def test_placement_group_on_every_efa_pool(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
+    stack, declared = shipped
+    groups = {g.name: g.inputs for g in of_type(declared, "ec2/placementGroup:PlacementGroup")}
+    assert all(g["strategy"] == "cluster" for g in groups.values())
+    templates = _pool_templates(declared)
+    for pool in stack.spec.pools:
+        placement = templates[pool.name].get("placement")
+        if pool.uses_efa:
+            assert placement["groupName"] in groups, pool.name
+        else:
+            assert not placement
+    assert len(groups) == sum(p.uses_efa for p in stack.spec.pools)
+
+
+def test_tags_come_from_the_one_provider(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
+    stack, declared = shipped
+    (provider,) = [d for d in declared if d.type == PROVIDER]
+    # Provider configuration reaches the engine JSON-encoded.
+    assert json.loads(provider.inputs["defaultTags"]) == {"tags": stack.tags}
+    assert provider.inputs["region"] == stack.region
+    for d in declared:
+        if d.type.startswith("aws:"):
+            assert d.provider.startswith(provider.urn + "::"), f"{d.type} {d.name} is not on the tagged provider"
+    # Instances launched from a template are tagged by the template, not by the provider.
+    for pool, lt in _pool_templates(declared).items():
+        kinds = {s["resourceType"] for s in lt["tagSpecifications"]}
+        assert kinds == {"instance", "volume", "network-interface"}
+        for s in lt["tagSpecifications"]:
+            assert s["tags"] == {**stack.tags, "gpucluster:pool": pool}
+
+
+def test_no_inbound_from_the_internet(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
+    _, declared = shipped
+    for rule in of_type(declared, "vpc/securityGroupIngressRule:SecurityGroupIngressRule"):
+        assert rule.inputs.get("cidrIpv4") != "0.0.0.0/0" and rule.inputs.get("cidrIpv6") != "::/0"
+    for sg in of_type(declared, "ec2/securityGroup:SecurityGroup"):
+        assert not sg.inputs.get("ingress")
+    for subnet in of_type(declared, "ec2/subnet:Subnet"):
+        assert subnet.inputs.get("mapPublicIpOnLaunch") is False
+
+
+def test_cluster_group_talks_to_itself(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
+    """EFA needs all traffic to and from the group itself; the same rule opens Lustre's 988 and 1018-1023."""
+    stack, declared = shipped
+    (cluster_sg,) = [s for s in of_type(declared, "ec2/securityGroup:SecurityGroup") if s.name.endswith("-cluster")]
+    sg_id = f"{cluster_sg.name}-id"
+    for kind in ("Ingress", "Egress"):
+        rules = of_type(declared, f"vpc/securityGroup{kind}Rule:SecurityGroup{kind}Rule")
+        assert any(r.inputs["securityGroupId"] == sg_id and r.inputs.get("referencedSecurityGroupId") == sg_id
+                   and r.inputs["ipProtocol"] == "-1" for r in rules), kind
+    if stack.spec.storage.lustre.file_system_id is None:
+        (fs,) = of_type(declared, "fsx/lustreFileSystem:LustreFileSystem")
+        assert fs.inputs["securityGroupIds"] == [sg_id]
+
+
+def test_new_network_is_private_with_endpoints(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
+    stack, declared = shipped
+    (vpc,) = of_type(declared, "ec2/vpc:Vpc")
+    assert vpc.inputs["cidrBlock"] == stack.spec.network.vpc_cidr
+    subnets = of_type(declared, "ec2/subnet:Subnet")
+    assert {s.inputs["availabilityZone"] for s in subnets} == {stack.spec.availability_zone}
+    endpoints = {e.inputs["serviceName"].rsplit(".", 1)[1]: e.inputs for e in of_type(declared, "ec2/vpcEndpoint:VpcEndpoint")}
+    assert endpoints["s3"]["vpcEndpointType"] == "Gateway"
+    for service in ("ssm", "ssmmessages", "ec2messages"):
+        assert endpoints[service]["vpcEndpointType"] == "Interface" and endpoints[service]["privateDnsEnabled"]
+    (nat,) = of_type(declared, "ec2/natGateway:NatGateway")
+    (private_rt,) = [r for r in of_type(declared, "ec2/routeTable:RouteTable") if r.name.endswith("-private")]
+    assert private_rt.inputs["routes"] == [{"cidrBlock": "0.0.0.0/0", "natGatewayId": f"{nat.name}-id"}]
+
+
+def test_fsx_settings(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
+    stack, declared = shipped
+    lustre = stack.spec.storage.lustre
+    (fs,) = of_type(declared, "fsx/lustreFileSystem:LustreFileSystem")
+    assert fs.inputs["deploymentType"] == lustre.deployment_type
+    assert fs.inputs["storageCapacity"] == lustre.storage_capacity_gib
+    assert fs.inputs.get("perUnitStorageThroughput") == lustre.throughput_mb_per_tib
+    assert fs.inputs["dataCompressionType"] == "LZ4"
+    assert fs.inputs["fileSystemTypeVersion"] == "2.15"
+    (dra,) = of_type(declared, "fsx/dataRepositoryAssociation:DataRepositoryAssociation")
+    assert dra.inputs["fileSystemId"] == f"{fs.name}-id"
+    assert dra.inputs["s3"]["autoImportPolicy"]["events"] == ["NEW", "CHANGED", "DELETED"]
+    assert dra.inputs["s3"]["autoExportPolicy"]["events"] == ["NEW", "CHANGED", "DELETED"]
+    buckets = of_type(declared, "s3/bucket:Bucket")
+    if lustre.data_repository:
+        assert dra.inputs["dataRepositoryPath"] == lustre.data_repository and not buckets
+    else:
+        (bucket,) = buckets
+        assert dra.inputs["dataRepositoryPath"].startswith("s3://")
+        (block,) = of_type(declared, "s3/bucketPublicAccessBlock:BucketPublicAccessBlock")
+        assert all(block.inputs[k] for k in ("blockPublicAcls", "blockPublicPolicy", "ignorePublicAcls", "restrictPublicBuckets"))
+        (versioning,) = of_type(declared, "s3/bucketVersioning:BucketVersioning")
+        assert versioning.inputs["versioningConfiguration"]["status"] == "Enabled"
+        (sse,) = of_type(declared, "s3/bucketServerSideEncryptionConfiguration:BucketServerSideEncryptionConfiguration")
+        assert sse.inputs["rules"][0]["applyServerSideEncryptionByDefault"]["sseAlgorithm"] == "AES256"
+        assert bucket.inputs["forceDestroy"] is (not lustre.keep)
+    # Data the team keeps survives `pulumi destroy`; scratch data goes with the cluster.
+    data = [d for d in declared if d.parent_type == "gpucluster:storage:Storage"]
+    assert data and all(d.retain_on_delete is lustre.keep for d in data)
+
+
+def test_budget_notifications(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
+    stack, declared = shipped
+    budget_spec = stack.spec.budget
+    (budget,) = of_type(declared, "budgets/budget:Budget")
+    (topic,) = of_type(declared, "sns/topic:Topic")
+    assert budget.inputs["limitAmount"] == f"{budget_spec.monthly_usd:.2f}"
+    assert budget.inputs["timeUnit"] == "MONTHLY" and budget.inputs["budgetType"] == "COST"
+    assert budget.inputs["costFilters"] == [{"name": "TagKeyValue", "values": [f"user:gpucluster:stack${stack.name}"]}]
+    got = {(n["threshold"], n["notificationType"]) for n in budget.inputs["notifications"]}
+    assert got == {(float(t), k) for t in budget_spec.thresholds_percent for k in ("ACTUAL", "FORECASTED")}
+    topic_arn = f"arn:aws:plan:{stack.region}:123456789012:{topic.name}"
+    assert all(n["subscriberSnsTopicArns"] == [topic_arn] for n in budget.inputs["notifications"])
+    emails = sorted(s.inputs["endpoint"] for s in of_type(declared, "sns/topicSubscription:TopicSubscription"))
+    assert emails == sorted(budget_spec.notify_emails)
+    (policy,) = of_type(declared, "sns/topicPolicy:TopicPolicy")
+    assert '"Service": "budgets.amazonaws.com"' in policy.inputs["policy"]
+    tags = of_type(declared, "costexplorer/costAllocationTag:CostAllocationTag")
+    assert [t.inputs["tagKey"] for t in tags] == (["gpucluster:stack"] if budget_spec.activate_cost_allocation_tag else [])
+    assert all(t.retain_on_delete for t in tags)
+
+
+def test_every_resource_sits_in_a_component(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
+    _, declared = shipped
+    for d in declared:
+        if d.type.startswith("aws:"):
+            assert d.parent_type and d.parent_type.startswith("gpucluster:"), d.name
+
+
+def test_existing_network_and_file_system_are_used_not_created() -> None:
+    stack, declared = planned(FIXTURES / "Pulumi.existing.yaml")
+    for kind in ("ec2/vpc:Vpc", "ec2/subnet:Subnet", "ec2/natGateway:NatGateway", "fsx/lustreFileSystem:LustreFileSystem",
+                 "s3/bucket:Bucket", "costexplorer/costAllocationTag:CostAllocationTag"):
+        assert not of_type(declared, kind), kind
+    (sg,) = of_type(declared, "ec2/securityGroup:SecurityGroup")
+    assert sg.inputs["vpcId"] == stack.spec.network.vpc_id
+    templates = _pool_templates(declared)
+    assert {n["subnetId"] for n in templates["b200"]["networkInterfaces"]} == {stack.spec.network.subnet_id}
+    # The capacity block pool targets its reservation and runs the AMI the stack pinned.
+    cb = templates["p5en-cb"]
+    assert cb["capacityReservationSpecification"]["capacityReservationTarget"]["capacityReservationId"] == "cr-0a1b2c3d4e5f60718"
+    assert cb["imageId"] == "ami-0a1b2c3d4e5f60718"
+    assert "capacityReservationSpecification" not in templates["b200"]
+    assert templates["b200"]["imageId"].startswith("<AMI from /aws/service/deeplearning/")
+
+
+def test_neuron_pools_boot_the_neuron_ami() -> None:
+    _, declared = planned(FIXTURES.parent.parent / "stacks" / "Pulumi.team-b.yaml")
+    templates = _pool_templates(declared)
+    assert templates["trn1"]["imageId"].startswith("<AMI from /aws/service/neuron/")
+    assert templates["g6e"]["imageId"].startswith("<AMI from /aws/service/deeplearning/")
+
+
+def test_catalog_drives_instance_types(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
+    stack, declared = shipped
+    templates = _pool_templates(declared)
+    for pool in stack.spec.pools:
+        assert templates[pool.name]["instanceType"] == pool.instance_type
+        assert pool.instance_type in catalog.ACCELERATED
