@@ -1,0 +1,56 @@
+"""Cost arithmetic, checked by hand against the catalog's reference prices."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import FIXTURES, ROOT
+from gpucluster import cost
+from gpucluster.spec import load_stack
+
+
+def test_dev_stack_by_hand() -> None:
+    est = cost.estimate(load_stack(ROOT / "stacks" / "Pulumi.dev.yaml"))
+    (pool,) = est.pools
+    assert (pool.usd_per_node_hour, pool.min_nodes, pool.max_nodes) == (0.8048, 0, 2)
+    assert pool.priced_as == "on-demand (spot upper bound)"
+    assert est.lustre_monthly == pytest.approx(0.140 * 1200)  # SCRATCH_2, 1200 GiB
+    assert est.head_node_monthly == pytest.approx(0.1008 * 730 + 0.08 * 200)  # m7i.large + root and state gp3
+    assert est.network_monthly == pytest.approx((0.045 + 3 * 0.01) * 730)  # NAT + three SSM endpoints
+    fixed = (0.140 * 1200 + 0.1008 * 730 + 0.08 * 200 + (0.045 + 0.03) * 730) / 730
+    assert est.hourly_min == pytest.approx(fixed)
+    assert est.hourly_max == pytest.approx(fixed + 2 * 0.8048)
+    assert est.monthly_at_max == pytest.approx((fixed + 2 * 0.8048) * 730)
+    assert est.over_budget  # $500 does not cover a month at full size
+    assert est.hours_at_max_within_budget == pytest.approx(500 / (fixed + 2 * 0.8048))
+
+
+def test_team_a_persistent_lustre_and_on_demand_pool() -> None:
+    est = cost.estimate(load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml"))
+    assert est.lustre_monthly == pytest.approx(0.210 * 4800)  # PERSISTENT_2 at 250 MB/s/TiB
+    od = next(p for p in est.pools if p.name == "p5-od")
+    assert od.priced_as == "on-demand" and od.hourly_max == pytest.approx(4 * 55.04)
+
+
+def test_live_prices_override_the_reference() -> None:
+    stack = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")
+    est = cost.estimate(stack, hourly_overrides={"p5-spot": 30.0})
+    spot = next(p for p in est.pools if p.name == "p5-spot")
+    assert spot.priced_as == "live spot" and spot.hourly_max == pytest.approx(8 * 30.0)
+    assert est.hourly_max == pytest.approx(cost.estimate(stack).hourly_max - 8 * (55.04 - 30.0))
+
+
+def test_existing_network_and_fsx_cost_nothing_here_and_unpriced_types_are_named() -> None:
+    est = cost.estimate(load_stack(FIXTURES / "Pulumi.existing.yaml"))
+    assert est.network_monthly == 0 and est.lustre_monthly == 0
+    assert est.unpriced == []  # p5en and p6-b200 both carry a reference price
+    summary = est.summary()
+    assert set(summary) >= {"hourly_usd_min", "hourly_usd_max", "monthly_usd_at_max", "budget_monthly_usd"}
+
+
+def test_budget_that_covers_full_size_is_not_flagged() -> None:
+    stack = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")
+    full_month = cost.estimate(stack).monthly_at_max
+    generous = stack.spec.model_copy(update={"budget": stack.spec.budget.model_copy(update={"monthly_usd": full_month + 1})})
+    est = cost.estimate(type(stack)(stack.name, stack.region, generous))
+    assert not est.over_budget and est.hours_at_max_within_budget > 730
