@@ -114,7 +114,7 @@ def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="python -m gpucluster", description=__doc__)
     sub = top.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="show what a stack creates and costs, offline")
-    p.add_argument("stack", help="a stack name under stacks/ (e.g. dev) or a path to a stack file")
+    p.add_argument("stack", nargs="?", default="dev", help="a stack name under stacks/ or a path to a stack file (default: dev)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=plan)
     return top
