@@ -9,6 +9,7 @@ not published for the reference region carries no price, and the plan says so in
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 PRICE_REGION = "us-east-1"
@@ -51,12 +52,9 @@ class InstanceType:
         return self.efa_interfaces > 0
 
 
-def _gpu(model: str, count: int, gib: int) -> Accelerator:
-    return Accelerator("nvidia", model, count, gib)
-
-
-def _neuron(model: str, count: int, gib: int) -> Accelerator:
-    return Accelerator("neuron", model, count, gib)
+# model, count, GiB of memory each
+_gpu = partial(Accelerator, "nvidia")
+_neuron = partial(Accelerator, "neuron")
 
 
 # name, vCPUs, memory MiB, accelerator, network cards, EFA interfaces, efa-only, $/h on demand

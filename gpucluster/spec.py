@@ -9,10 +9,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from gpucluster import catalog
@@ -77,36 +77,34 @@ class Network(_Model):
         return self.vpc_cidr is not None
 
 
-class HeadNode(_Model):
-    instance_type: str = "m7i.2xlarge"
-    ami_id: str | None = Field(default=None, pattern=r"^ami-[0-9a-f]{8,17}$")
-
-    @field_validator("instance_type")
-    @classmethod
-    def _known(cls, value: str) -> str:
-        if value not in catalog.HEAD_NODE:
-            raise ValueError(f"unsupported head node type {value!r}; allowed: {', '.join(catalog.HEAD_NODE)}")
+def _in_catalog(table: dict[str, catalog.InstanceType], what: str) -> AfterValidator:
+    def check(value: str) -> str:
+        if value not in table:
+            raise ValueError(f"unsupported {what} {value!r}; allowed: {', '.join(table)}")
         return value
+
+    return AfterValidator(check)
+
+
+AmiId = Annotated[str | None, Field(default=None, pattern=r"^ami-[0-9a-f]{8,17}$")]
+
+
+class HeadNode(_Model):
+    instance_type: Annotated[str, _in_catalog(catalog.HEAD_NODE, "head node type")] = "m7i.2xlarge"
+    ami_id: AmiId = None
 
 
 class Pool(_Model):
     name: str = Field(pattern=POOL_NAME_RE)
-    instance_type: str
+    instance_type: Annotated[str, _in_catalog(catalog.ACCELERATED, "instance type")]
     capacity: Literal["on-demand", "spot", "capacity-block"] = "on-demand"
     min_nodes: int = Field(default=0, ge=0)
     max_nodes: int = Field(ge=1, le=1024)
     efa: bool | None = None
     capacity_reservation_id: str | None = Field(default=None, pattern=r"^cr-[0-9a-f]{8,17}$")
-    ami_id: str | None = Field(default=None, pattern=r"^ami-[0-9a-f]{8,17}$")
+    ami_id: AmiId = None
     # Container images, enroot caches and checkpoints staged locally need room; the DLAMIs ship 100+ GiB snapshots.
     root_volume_gib: int = Field(default=200, ge=120, le=16384)
-
-    @field_validator("instance_type")
-    @classmethod
-    def _known(cls, value: str) -> str:
-        if value not in catalog.ACCELERATED:
-            raise ValueError(f"unsupported instance type {value!r}; allowed: {', '.join(catalog.ACCELERATED)}")
-        return value
 
     @model_validator(mode="after")
     def _rules(self) -> Pool:
