@@ -123,7 +123,7 @@ def interface_layout(itype: InstanceType, efa: bool) -> list[NetworkInterface]:
     """
     if not efa:
         return [NetworkInterface(0, 0, "interface")]
-    extra = "efa-only" if itype.efa_only else "efa"
+    extra: Literal["efa", "efa-only"] = "efa-only" if itype.efa_only else "efa"
     return [NetworkInterface(0, 0, "efa")] + [
         NetworkInterface(card, 0, extra) for card in range(1, itype.efa_interfaces)
     ]

@@ -7,21 +7,17 @@ import json
 import sys
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
-
-import yaml
 
 from gpucluster import catalog, cost
+from gpucluster.plan import Declared, run_program
 from gpucluster.spec import Stack, SpecError, load_stack, resolve_stack_file
 
 STACKS_DIR = Path(__file__).resolve().parent.parent / "stacks"
 EXIT_BAD_INPUT = 2
 
 
-def _load(stack_arg: str) -> tuple[Stack, dict[str, Any]]:
-    path = resolve_stack_file(stack_arg, STACKS_DIR)
-    stack = load_stack(path)
-    return stack, yaml.safe_load(path.read_text())["config"]
+def _load(stack_arg: str) -> Stack:
+    return load_stack(resolve_stack_file(stack_arg, STACKS_DIR))
 
 
 def _money(value: float) -> str:
@@ -62,9 +58,9 @@ def cost_table(stack: Stack, estimate: cost.CostEstimate) -> list[str]:
     return lines
 
 
-def resource_tree(declared: list[Any]) -> list[str]:
+def resource_tree(declared: list[Declared]) -> list[str]:
     """Resources grouped under the component that owns them."""
-    children: dict[str, list[Any]] = defaultdict(list)
+    children: dict[str, list[Declared]] = defaultdict(list)
     for d in declared:
         children[d.parent_urn].append(d)
     lines: list[str] = []
@@ -82,10 +78,8 @@ def resource_tree(declared: list[Any]) -> list[str]:
 
 
 def plan(args: argparse.Namespace) -> int:
-    from gpucluster.plan import run_program
-
-    stack, raw = _load(args.stack)
-    declared = run_program(stack, raw)
+    stack = _load(args.stack)
+    declared = run_program(stack)
     estimate = cost.estimate(stack)
     if args.json:
         doc = {

@@ -6,7 +6,6 @@ the plan shows a placeholder that says so.
 
 from __future__ import annotations
 
-import json
 import runpy
 import sys
 from dataclasses import dataclass
@@ -108,16 +107,15 @@ def _recording_monitor(mocks):  # type: ignore[no-untyped-def]
     return RecordingMonitor(mocks)
 
 
-def stack_config(stack: Stack, raw_config: dict[str, Any]) -> dict[str, str]:
-    """Stack-file config as Pulumi hands it to a program: structured values arrive as JSON text."""
-    config = {REGION_KEY: stack.region, CONFIG_KEY: json.dumps(raw_config[CONFIG_KEY])}
-    for key, value in raw_config.items():
-        config.setdefault(key, value if isinstance(value, str) else json.dumps(value))
-    return config
+def stack_config(stack: Stack) -> dict[str, str]:
+    """The validated stack as Pulumi hands config to a program: structured values arrive as JSON text."""
+    return {REGION_KEY: stack.region, CONFIG_KEY: stack.spec.model_dump_json(exclude_none=True)}
 
 
-def run_program(stack: Stack, raw_config: dict[str, Any]) -> list[Declared]:
-    """Run `__main__.py` for `stack` under the mock runtime. Returns what it declared, in declaration order."""
+def run_program(stack: Stack, config: dict[str, str] | None = None) -> list[Declared]:
+    """Run `__main__.py` for `stack` under the mock runtime. Returns what it declared, in declaration order.
+
+    `config` replaces the stack's own config, as `pulumi up` would read it from the stack file."""
     import pulumi
     from pulumi.runtime import settings
     from pulumi.runtime.stack import run_pulumi_func
@@ -127,7 +125,7 @@ def run_program(stack: Stack, raw_config: dict[str, Any]) -> list[Declared]:
         sys.path.insert(0, str(ROOT))
     monitor = _recording_monitor(_mocks(stack.region))
     settings.set_root_resource(None)  # a fresh stack on every run, also when one process plans several stacks
-    pulumi.runtime.set_all_config(stack_config(stack, raw_config))
+    pulumi.runtime.set_all_config(config or stack_config(stack))
     pulumi.runtime.set_mocks(monitor.mocks, project="gpucluster", stack=stack.name, preview=False, monitor=monitor)
 
     def program() -> None:

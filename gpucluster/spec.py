@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic_core import InitErrorDetails, PydanticCustomError
+from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
 
 from gpucluster import catalog
 
@@ -297,7 +297,7 @@ PATTERN_HELP = {
 }
 
 
-def _message(err: dict[str, Any]) -> str:
+def _message(err: ErrorDetails) -> str:
     field = err["loc"][-1] if err["loc"] else ""
     if err["type"] == "string_pattern_mismatch" and field in PATTERN_HELP:
         return f"{err['input']!r} is not allowed: use {PATTERN_HELP[field]}"

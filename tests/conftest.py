@@ -5,7 +5,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -21,7 +20,7 @@ FIXTURES = ROOT / "tests" / "stacks"
 def planned(path: Path) -> tuple[Stack, tuple[Declared, ...]]:
     """The stack and what its Pulumi program declares under the mock runtime (once per file per session)."""
     stack = load_stack(path)
-    return stack, tuple(run_program(stack, yaml.safe_load(path.read_text())["config"]))
+    return stack, tuple(run_program(stack))
 
 
 @pytest.fixture(params=STACK_FILES, ids=lambda p: p.name)

@@ -220,13 +220,13 @@ def test_the_program_itself_refuses_bad_config() -> None:
     """Under `pulumi up` the program validates again: a bad config stops it with the messages, no traceback."""
     import pulumi
     import pytest
-    import yaml
 
-    from gpucluster.plan import run_program
-    from gpucluster.spec import load_stack
+    from gpucluster.plan import run_program, stack_config
+    from gpucluster.spec import CONFIG_KEY, load_stack
 
-    path = FIXTURES.parent.parent / "stacks" / "Pulumi.dev.yaml"
-    raw = yaml.safe_load(path.read_text())["config"]
-    raw["gpucluster:cluster"]["pools"][0]["min_nodes"] = 5
+    stack = load_stack(FIXTURES.parent.parent / "stacks" / "Pulumi.dev.yaml")
+    config = stack_config(stack)
+    cluster = json.loads(config[CONFIG_KEY])
+    cluster["pools"][0]["min_nodes"] = 5
     with pytest.raises(pulumi.RunError, match=r"gpucluster:cluster.pools\[0\].min_nodes: must be <= max_nodes \(2\), got 5"):
-        run_program(load_stack(path), raw)
+        run_program(stack, {**config, CONFIG_KEY: json.dumps(cluster)})
