@@ -5,7 +5,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STACK ?= dev
 
-.PHONY: plan test bench
+# What the tests run for real: Slurm's daemons with munge and MariaDB, and cloud-init's schema checker.
+SYSTEM_PACKAGES := slurmctld slurmd slurm-client slurmdbd munge mariadb-server mariadb-client cloud-init
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: plan test bench system-packages
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	python3 -m venv $(VENV)
@@ -15,7 +19,11 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 plan: $(VENV)/.installed
 	$(PY) -m gpucluster plan $(STACK)
 
-test: $(VENV)/.installed
+system-packages:
+	@dpkg -s $(SYSTEM_PACKAGES) >/dev/null 2>&1 || { $(SUDO) apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q $(SYSTEM_PACKAGES); }
+
+test: $(VENV)/.installed system-packages
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.installed

@@ -223,6 +223,13 @@ class Budget(_Model):
         return value
 
 
+class Slurm(_Model):
+    # Idle seconds before a cloud node is terminated. Short saves money; long keeps warm nodes for the next job.
+    suspend_time_seconds: int = Field(default=600, ge=60, le=86400)
+    # How long a launched node may take to register with slurmctld; p5 nodes with 32 EFA interfaces boot slowly.
+    resume_timeout_seconds: int = Field(default=1800, ge=300, le=7200)
+
+
 class ClusterSpec(_Model):
     team: str = Field(pattern=NAME_RE, max_length=32)
     availability_zone: str = Field(pattern=r"^[a-z]{2}(-[a-z]+)+-\d[a-z]$")
@@ -231,6 +238,7 @@ class ClusterSpec(_Model):
     pools: list[Pool] = Field(min_length=1, max_length=64)
     storage: Storage
     budget: Budget
+    slurm: Slurm = Slurm()
 
     @model_validator(mode="after")
     def _unique_pools(self) -> ClusterSpec:

@@ -1,0 +1,176 @@
+"""slurm.conf and gres.conf rendered from the stack: one partition per pool, cloud nodes that Slurm powers up on demand.
+
+Compatible with Debian bookworm's Slurm 22.05 (the tests start a real slurmctld on it) and with newer releases.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpucluster.spec import Pool, Stack
+
+# Slurm must not count memory the kernel, the CUDA driver and the EFA stack keep: a node that registers with less than
+# RealMemory is drained. EC2's figure is the nominal size; keep 5% back.
+MEMORY_FRACTION = 0.95
+
+
+@dataclass(frozen=True)
+class SlurmLayout:
+    """Where things live on the head node. The tests adapt paths and ports to a temporary directory; nothing else."""
+
+    controller_host: str = "head"
+    controller_port: int = 6817
+    node_port: int = 6818
+    dbd_port: int = 6819
+    state_dir: str = "/var/lib/gpucluster/slurmctld"  # on the state volume that survives a head-node replacement
+    spool_dir: str = "/var/spool/slurmd"
+    log_dir: str = "/var/log/slurm"
+    run_dir: str = "/run/slurm"
+    programs_dir: str = "/opt/gpucluster/bin"
+    munge_socket: str = "/run/munge/munge.socket.2"
+    slurm_user: str = "slurm"
+
+
+def hostlist(prefix: str, first: int, last: int) -> str:
+    """Slurm's compressed host list: p5-od-[1-4], or p5-od-3 for one node."""
+    return f"{prefix}-{first}" if first == last else f"{prefix}-[{first}-{last}]"
+
+
+def node_names(pool: Pool) -> list[str]:
+    return [f"{pool.name}-{n}" for n in range(1, pool.max_nodes + 1)]
+
+
+def gres(pool: Pool) -> str | None:
+    """The node's generic resources: typed GPUs (gpu:h100:8) or Neuron devices (neuron:16)."""
+    acc = pool.itype.accelerator
+    if acc is None:
+        return None
+    if acc.kind == "nvidia":
+        return f"gpu:{acc.model.lower()}:{acc.count}"
+    return f"neuron:{acc.count}"
+
+
+def _node_lines(pool: Pool) -> list[str]:
+    itype = pool.itype
+    features = [pool.name, itype.name, pool.capacity] + (["efa"] if pool.uses_efa else [])
+    common = f"CPUs={itype.vcpus} RealMemory={int(itype.memory_mib * MEMORY_FRACTION)}"
+    if g := gres(pool):
+        common += f" Gres={g}"
+    common += f" Features={','.join(features)}"
+    lines = []
+    # The first min_nodes are always on (never suspended); the rest are CLOUD nodes, powered up when jobs need them.
+    if pool.min_nodes:
+        lines.append(f"NodeName={hostlist(pool.name, 1, pool.min_nodes)} {common}")
+    if pool.max_nodes > pool.min_nodes:
+        lines.append(f"NodeName={hostlist(pool.name, pool.min_nodes + 1, pool.max_nodes)} {common} State=CLOUD")
+    return lines
+
+
+def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
+    spec = stack.spec
+    pools = spec.pools
+    settings = spec.slurm
+    always_on = [hostlist(p.name, 1, p.min_nodes) for p in pools if p.min_nodes]
+    gres_types = sorted({g.split(":")[0] for p in pools if (g := gres(p))})
+    lines: list[str | None] = [
+        f"# Rendered by gpucluster for stack {stack.name}. Change the stack file and run `pulumi up`; edits here are lost.",
+        f"ClusterName={stack.cluster_name}",
+        f"SlurmctldHost={layout.controller_host}",
+        f"SlurmctldPort={layout.controller_port}",
+        f"SlurmdPort={layout.node_port}",
+        f"SlurmUser={layout.slurm_user}",
+        "AuthType=auth/munge",
+        f"AuthInfo=socket={layout.munge_socket}",
+        f"StateSaveLocation={layout.state_dir}",
+        f"SlurmdSpoolDir={layout.spool_dir}",
+        f"SlurmctldPidFile={layout.run_dir}/slurmctld.pid",
+        f"SlurmdPidFile={layout.run_dir}/slurmd.pid",
+        f"SlurmctldLogFile={layout.log_dir}/slurmctld.log",
+        f"SlurmdLogFile={layout.log_dir}/slurmd.log",
+        # Jobs start their own launchers (torchrun, NCCL bootstrap); no PMI plugin is needed to wire ranks.
+        "MpiDefault=none",
+        "ProctrackType=proctrack/cgroup",
+        "TaskPlugin=task/affinity,task/cgroup",
+        "SchedulerType=sched/backfill",
+        "SelectType=select/cons_tres",
+        "SelectTypeParameters=CR_Core_Memory",
+        f"GresTypes={','.join(gres_types)}" if gres_types else None,
+        # A node that comes back after a failure is usable again without an administrator.
+        "ReturnToService=2",
+        "",
+        "# Nodes are EC2 instances launched on demand and terminated when idle.",
+        f"ResumeProgram={layout.programs_dir}/resume",
+        f"SuspendProgram={layout.programs_dir}/suspend",
+        f"ResumeFailProgram={layout.programs_dir}/resume-fail",
+        f"ResumeTimeout={settings.resume_timeout_seconds}",
+        f"SuspendTime={settings.suspend_time_seconds}",
+        "SuspendTimeout=120",
+        "ResumeRate=0",
+        "SuspendRate=0",
+        f"SuspendExcNodes={','.join(always_on)}" if always_on else None,
+        # Nodes that may not exist yet cannot forward messages for others: the controller talks to each directly.
+        "TreeWidth=65533",
+        # Cloud nodes change address on every launch; sinfo shows powered-down nodes to every user.
+        "CommunicationParameters=NoAddrCache",
+        "PrivateData=cloud",
+        "SlurmctldParameters=idle_on_node_suspend",
+        "",
+        "# Accounting in slurmdbd (MariaDB on the head node), GPU use counted per account.",
+        "AccountingStorageType=accounting_storage/slurmdbd",
+        f"AccountingStorageHost={layout.controller_host}",
+        f"AccountingStoragePort={layout.dbd_port}",
+        # With slurmdbd this names the munge socket of the accounting connection (not a password).
+        f"AccountingStoragePass={layout.munge_socket}",
+        f"AccountingStorageTRES={','.join(f'gres/{t}' for t in gres_types)}" if gres_types else None,
+        "JobAcctGatherType=jobacct_gather/cgroup",
+        "",
+    ]
+    for pool in pools:
+        lines += _node_lines(pool)
+    lines.append("")
+    for i, pool in enumerate(pools):
+        default = " Default=YES" if i == 0 else ""
+        lines.append(
+            f"PartitionName={pool.name} Nodes={hostlist(pool.name, 1, pool.max_nodes)}{default} MaxTime=INFINITE State=UP"
+        )
+    return "\n".join(line for line in lines if line is not None) + "\n"
+
+
+def gres_conf(stack: Stack) -> str:
+    """Explicit device files: AutoDetect cannot be used for cloud nodes, which do not exist when slurmctld starts."""
+    lines = ["# Rendered by gpucluster. One line per pool with accelerators."]
+    for pool in stack.spec.pools:
+        acc = pool.itype.accelerator
+        if acc is None:
+            continue
+        name, device, kind = ("gpu", "nvidia", f" Type={acc.model.lower()}") if acc.kind == "nvidia" else ("neuron", "neuron", "")
+        files = f"/dev/{device}0" if acc.count == 1 else f"/dev/{device}[0-{acc.count - 1}]"
+        lines.append(f"NodeName={hostlist(pool.name, 1, pool.max_nodes)} Name={name}{kind} File={files}")
+    return "\n".join(lines) + "\n"
+
+
+ACCOUNTING_DB = "slurm_acct_db"
+# MariaDB authenticates slurmdbd by its Unix user over the local socket: there is no database password to generate,
+# store or leak. Run once by the head node (and by the tests) as the database's root.
+ACCOUNTING_DB_SQL = (
+    "CREATE USER IF NOT EXISTS 'slurm'@'localhost' IDENTIFIED VIA unix_socket; "
+    f"GRANT ALL ON {ACCOUNTING_DB}.* TO 'slurm'@'localhost';"
+)
+
+
+def slurmdbd_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
+    return "\n".join([
+        f"# Rendered by gpucluster for stack {stack.name}. slurmdbd requires this file to be mode 0600, owned by SlurmUser.",
+        "AuthType=auth/munge",
+        f"AuthInfo=socket={layout.munge_socket}",
+        "DbdHost=localhost",
+        f"DbdPort={layout.dbd_port}",
+        f"SlurmUser={layout.slurm_user}",
+        f"LogFile={layout.log_dir}/slurmdbd.log",
+        f"PidFile={layout.run_dir}/slurmdbd.pid",
+        "StorageType=accounting_storage/mysql",
+        "StorageHost=localhost",
+        f"StorageLoc={ACCOUNTING_DB}",
+        f"StorageUser={layout.slurm_user}",
+        "",
+    ])

@@ -1,0 +1,51 @@
+"""The rendered slurm.conf and gres.conf, loaded by a real slurmctld (Debian's Slurm 22.05) for every shipped stack."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from conftest import STACK_FILES
+from gpucluster import slurm
+from gpucluster.spec import load_stack
+from slurm_harness import missing_tools, start_controller
+
+
+@pytest.fixture(params=STACK_FILES, ids=lambda p: p.name, scope="module")
+def controller(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    assert not missing_tools(), f"install Slurm and munge first (make test does): missing {missing_tools()}"
+    stack = load_stack(request.param)
+    # The daemons run as the munge and slurm users: pytest's own tmp_path (mode 0700, root) is closed to them.
+    root = Path(tempfile.mkdtemp(prefix="gpucluster-slurm-"))
+    root.chmod(0o755)
+    ctl = start_controller(stack, root)
+    yield stack, ctl
+    ctl.stop()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_controller_accepts_the_rendered_config(controller) -> None:  # type: ignore[no-untyped-def]
+    stack, ctl = controller
+    partitions = ctl.run("sinfo", "--noheader", "--format=%R %D %t %N").split("\n")
+    got = {line.split()[0]: line.split() for line in partitions if line}
+    for pool in stack.spec.pools:
+        name, count, state, nodes = got[pool.name]
+        assert int(count) == pool.max_nodes
+        assert nodes == slurm.hostlist(pool.name, 1, pool.max_nodes)
+        # Powered-down cloud nodes ("idle~") until a job asks for them.
+        assert state == "idle~"
+    assert ctl.run("scontrol", "show", "config").count(f"ClusterName             = {stack.cluster_name}") == 1
+
+
+def test_nodes_carry_cpus_memory_and_accelerators(controller) -> None:  # type: ignore[no-untyped-def]
+    stack, ctl = controller
+    for pool in stack.spec.pools:
+        shown = ctl.run("scontrol", "show", "node", f"{pool.name}-{pool.max_nodes}")
+        assert f"CPUTot={pool.itype.vcpus}" in shown
+        assert f"RealMemory={int(pool.itype.memory_mib * slurm.MEMORY_FRACTION)}" in shown
+        assert re.search(rf"Gres={re.escape(slurm.gres(pool) or '(null)')}\b", shown), shown
+        assert "CLOUD" in shown and "POWERED_DOWN" in shown
