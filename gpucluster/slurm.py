@@ -29,6 +29,17 @@ class SlurmLayout:
     programs_dir: str = "/opt/gpucluster/bin"
     munge_socket: str = "/run/munge/munge.socket.2"
     slurm_user: str = "slurm"
+    # Tests run several slurmd on one host: each node then gets its own port from here up, and the slurmd paths
+    # carry %n (the node name). On the cluster every node is its own host and uses node_port.
+    node_port_base: int | None = None
+    dev_dir: str = "/dev"  # where the accelerator device files are
+    # The test machine's nodes are not the hardware the config describes (2 cores, no GPU): slurmd must then report
+    # the configured CPUs and memory. Never set on a real cluster.
+    simulated_hardware: bool = False
+
+    @property
+    def node_file(self) -> str:
+        return "slurmd-%n" if self.node_port_base else "slurmd"
 
 
 def hostlist(prefix: str, first: int, last: int) -> str:
@@ -50,19 +61,29 @@ def gres(pool: Pool) -> str | None:
     return f"neuron:{acc.count}"
 
 
-def _node_lines(pool: Pool) -> list[str]:
+# Slurm allocates the lowest Weight first: a partition with a fallback pool fills spot, then reserved, then on-demand.
+WEIGHTS = {"spot": 1, "capacity-block": 10, "on-demand": 100}
+
+
+def _node_lines(pool: Pool, first_port: int | None) -> list[str]:
     itype = pool.itype
     features = [pool.name, itype.name, pool.capacity] + (["efa"] if pool.uses_efa else [])
-    common = f"CPUs={itype.vcpus} RealMemory={int(itype.memory_mib * MEMORY_FRACTION)}"
+    common = f"CPUs={itype.vcpus} RealMemory={int(itype.memory_mib * MEMORY_FRACTION)} Weight={WEIGHTS[pool.capacity]}"
     if g := gres(pool):
         common += f" Gres={g}"
     common += f" Features={','.join(features)}"
+    def ports(first: int, last: int) -> str:
+        if first_port is None:
+            return ""
+        return f" Port={first_port + first - 1}" if first == last else f" Port=[{first_port + first - 1}-{first_port + last - 1}]"
+
     lines = []
     # The first min_nodes are always on (never suspended); the rest are CLOUD nodes, powered up when jobs need them.
     if pool.min_nodes:
-        lines.append(f"NodeName={hostlist(pool.name, 1, pool.min_nodes)} {common}")
+        lines.append(f"NodeName={hostlist(pool.name, 1, pool.min_nodes)} {common}{ports(1, pool.min_nodes)}")
     if pool.max_nodes > pool.min_nodes:
-        lines.append(f"NodeName={hostlist(pool.name, pool.min_nodes + 1, pool.max_nodes)} {common} State=CLOUD")
+        first, last = pool.min_nodes + 1, pool.max_nodes
+        lines.append(f"NodeName={hostlist(pool.name, first, last)} {common}{ports(first, last)} State=CLOUD")
     return lines
 
 
@@ -82,11 +103,11 @@ def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         "AuthType=auth/munge",
         f"AuthInfo=socket={layout.munge_socket}",
         f"StateSaveLocation={layout.state_dir}",
-        f"SlurmdSpoolDir={layout.spool_dir}",
+        f"SlurmdSpoolDir={layout.spool_dir}" + ("/%n" if layout.node_port_base else ""),
         f"SlurmctldPidFile={layout.run_dir}/slurmctld.pid",
-        f"SlurmdPidFile={layout.run_dir}/slurmd.pid",
+        f"SlurmdPidFile={layout.run_dir}/{layout.node_file}.pid",
         f"SlurmctldLogFile={layout.log_dir}/slurmctld.log",
-        f"SlurmdLogFile={layout.log_dir}/slurmd.log",
+        f"SlurmdLogFile={layout.log_dir}/{layout.node_file}.log",
         # Jobs start their own launchers (torchrun, NCCL bootstrap); no PMI plugin is needed to wire ranks.
         "MpiDefault=none",
         "ProctrackType=proctrack/cgroup",
@@ -97,6 +118,7 @@ def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         f"GresTypes={','.join(gres_types)}" if gres_types else None,
         # A node that comes back after a failure is usable again without an administrator.
         "ReturnToService=2",
+        "SlurmdParameters=config_overrides" if layout.simulated_hardware else None,
         "",
         "# Nodes are EC2 instances launched on demand and terminated when idle.",
         f"ResumeProgram={layout.programs_dir}/resume",
@@ -125,18 +147,21 @@ def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         "JobAcctGatherType=jobacct_gather/cgroup",
         "",
     ]
+    port = layout.node_port_base
     for pool in pools:
-        lines += _node_lines(pool)
+        lines += _node_lines(pool, port)
+        port = port + pool.max_nodes if port is not None else None
     lines.append("")
+    by_name = {p.name: p for p in pools}
     for i, pool in enumerate(pools):
         default = " Default=YES" if i == 0 else ""
-        lines.append(
-            f"PartitionName={pool.name} Nodes={hostlist(pool.name, 1, pool.max_nodes)}{default} MaxTime=INFINITE State=UP"
-        )
+        members = [pool] + ([by_name[pool.fallback]] if pool.fallback else [])
+        nodes = ",".join(hostlist(p.name, 1, p.max_nodes) for p in members)
+        lines.append(f"PartitionName={pool.name} Nodes={nodes}{default} MaxTime=INFINITE State=UP")
     return "\n".join(line for line in lines if line is not None) + "\n"
 
 
-def gres_conf(stack: Stack) -> str:
+def gres_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
     """Explicit device files: AutoDetect cannot be used for cloud nodes, which do not exist when slurmctld starts."""
     lines = ["# Rendered by gpucluster. One line per pool with accelerators."]
     for pool in stack.spec.pools:
@@ -144,7 +169,7 @@ def gres_conf(stack: Stack) -> str:
         if acc is None:
             continue
         name, device, kind = ("gpu", "nvidia", f" Type={acc.model.lower()}") if acc.kind == "nvidia" else ("neuron", "neuron", "")
-        files = f"/dev/{device}0" if acc.count == 1 else f"/dev/{device}[0-{acc.count - 1}]"
+        files = f"{layout.dev_dir}/{device}0" if acc.count == 1 else f"{layout.dev_dir}/{device}[0-{acc.count - 1}]"
         lines.append(f"NodeName={hostlist(pool.name, 1, pool.max_nodes)} Name={name}{kind} File={files}")
     return "\n".join(lines) + "\n"
 

@@ -103,6 +103,8 @@ class Pool(_Model):
     efa: bool | None = None
     capacity_reservation_id: str | None = Field(default=None, pattern=r"^cr-[0-9a-f]{8,17}$")
     ami_id: AmiId = None
+    # A spot pool's partition also lists this pool's nodes: when spot capacity runs out, jobs run there.
+    fallback: str | None = None
     # Container images, enroot caches and checkpoints staged locally need room; the DLAMIs ship 100+ GiB snapshots.
     root_volume_gib: int = Field(default=200, ge=120, le=16384)
 
@@ -124,6 +126,8 @@ class Pool(_Model):
                 )
         elif self.capacity_reservation_id:
             problems.append((("capacity_reservation_id",), "only allowed with capacity: capacity-block"))
+        if self.fallback is not None and self.capacity != "spot":
+            problems.append((("fallback",), "only a spot pool falls back (to an on-demand or capacity-block pool)"))
         if problems:
             raise _rule_errors("pool", problems, self.name)
         return self
@@ -225,7 +229,7 @@ class Budget(_Model):
 
 class Slurm(_Model):
     # Idle seconds before a cloud node is terminated. Short saves money; long keeps warm nodes for the next job.
-    suspend_time_seconds: int = Field(default=600, ge=60, le=86400)
+    suspend_time_seconds: int = Field(default=600, ge=10, le=86400)
     # How long a launched node may take to register with slurmctld; p5 nodes with 32 EFA interfaces boot slowly.
     resume_timeout_seconds: int = Field(default=1800, ge=300, le=7200)
 
@@ -248,6 +252,11 @@ class ClusterSpec(_Model):
             if pool.name in seen:
                 problems.append((("pools", i, "name"), f"duplicate pool name {pool.name!r} (also pools[{seen[pool.name]}])"))
             seen.setdefault(pool.name, i)
+        for i, pool in enumerate(self.pools):
+            target = next((p for p in self.pools if p.name == pool.fallback), None)
+            if pool.fallback is not None and (target is None or target.capacity == "spot"):
+                names = [p.name for p in self.pools if p.capacity != "spot"]
+                problems.append((("pools", i, "fallback"), f"must name an on-demand or capacity-block pool: {names}"))
         if problems:
             raise _rule_errors("cluster", problems, None)
         return self
