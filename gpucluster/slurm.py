@@ -36,6 +36,9 @@ class SlurmLayout:
     # The test machine's nodes are not the hardware the config describes (2 cores, no GPU): slurmd must then report
     # the configured CPUs and memory. Never set on a real cluster.
     simulated_hardware: bool = False
+    # Track and confine job processes with cgroups (GPU isolation, clean kills, per-job accounting). Only the tests'
+    # sandbox, whose cgroup mounts Slurm cannot use, turns this off.
+    cgroups: bool = True
 
     @property
     def node_file(self) -> str:
@@ -110,8 +113,8 @@ def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         f"SlurmdLogFile={layout.log_dir}/{layout.node_file}.log",
         # Jobs start their own launchers (torchrun, NCCL bootstrap); no PMI plugin is needed to wire ranks.
         "MpiDefault=none",
-        "ProctrackType=proctrack/cgroup",
-        "TaskPlugin=task/affinity,task/cgroup",
+        f"ProctrackType=proctrack/{'cgroup' if layout.cgroups else 'linuxproc'}",
+        f"TaskPlugin=task/affinity{',task/cgroup' if layout.cgroups else ''}",
         "SchedulerType=sched/backfill",
         "SelectType=select/cons_tres",
         "SelectTypeParameters=CR_Core_Memory",
@@ -144,7 +147,7 @@ def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         # With slurmdbd this names the munge socket of the accounting connection (not a password).
         f"AccountingStoragePass={layout.munge_socket}",
         f"AccountingStorageTRES={','.join(f'gres/{t}' for t in gres_types)}" if gres_types else None,
-        "JobAcctGatherType=jobacct_gather/cgroup",
+        f"JobAcctGatherType=jobacct_gather/{'cgroup' if layout.cgroups else 'linux'}",
         "",
     ]
     port = layout.node_port_base

@@ -12,7 +12,7 @@ import pytest
 from conftest import STACK_FILES
 from gpucluster import slurm
 from gpucluster.spec import load_stack
-from slurm_harness import missing_tools, start_controller
+from local_cluster import LocalCluster, missing_tools
 
 
 @pytest.fixture(params=STACK_FILES, ids=lambda p: p.name, scope="module")
@@ -22,7 +22,7 @@ def controller(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
     # The daemons run as the munge and slurm users: pytest's own tmp_path (mode 0700, root) is closed to them.
     root = Path(tempfile.mkdtemp(prefix="gpucluster-slurm-"))
     root.chmod(0o755)
-    ctl = start_controller(stack, root)
+    ctl = LocalCluster(stack, root).start()
     yield stack, ctl
     ctl.stop()
     shutil.rmtree(root, ignore_errors=True)
