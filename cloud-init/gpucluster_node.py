@@ -90,6 +90,8 @@ class Slurm:
         self._run("update", f"nodename={node}", f"nodeaddr={address}", f"nodehostname={node}")
 
     def set_down(self, nodes: list[str], reason: str) -> None:
+        """DOWN with the reason: Slurm requeues the job (held for the credential lifetime, 120 s by default) and
+        schedules it on nodes that are not DOWN. The nodes stay DOWN until the reconciler retries them."""
         if nodes:
             self._run("update", f"nodename={','.join(nodes)}", "state=down", f"reason={reason[:200]}")
 

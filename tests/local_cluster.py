@@ -193,6 +193,8 @@ class LocalCluster:
         port = free_port()
         self.moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
         self.moto.start()
+        # moto's backends are shared by every server in this process: each cluster starts from an empty account.
+        urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/moto-api/reset", method="POST"))
         self.faulty = FaultyEC2(f"http://127.0.0.1:{port}")
         self.moto_url = f"http://127.0.0.1:{port}"
         nodes = sum(p.max_nodes for p in self.stack.spec.pools)
