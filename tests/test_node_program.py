@@ -1,0 +1,143 @@
+"""The node programs' decisions, against in-process moto and a recording stand-in for scontrol."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import boto3
+import pytest
+from botocore.stub import Stubber
+from moto import mock_aws
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "cloud-init"))
+import gpucluster_node as node  # noqa: E402
+
+
+class FakeSlurm(node.Slurm):
+    """Records what the programs ask of Slurm; expands simple lists; serves a node table for the reconciler."""
+
+    def __init__(self, table: list[dict[str, str]] | None = None):
+        self.calls: list[tuple[str, ...]] = []
+        self.table = table or []
+
+    def _run(self, *args: str) -> str:
+        self.calls.append(args)
+        if args[:2] == ("show", "hostnames"):
+            return "\n".join(args[2].split(","))
+        if args[:2] == ("show", "nodes"):
+            return "\n".join(" ".join(f"{k}={v}" for k, v in n.items()) for n in self.table)
+        return ""
+
+    def updates(self) -> list[tuple[str, ...]]:
+        return [c for c in self.calls if c[0] == "update"]
+
+
+@pytest.fixture
+def ec2():  # type: ignore[no-untyped-def]
+    with mock_aws():
+        yield boto3.client("ec2", region_name="us-east-1")
+
+
+def make_config(ec2, **overrides: object) -> node.Config:  # type: ignore[no-untyped-def]
+    vpc = ec2.create_vpc(CidrBlock="10.0.0.0/16")["Vpc"]["VpcId"]
+    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.0.0.0/24", AvailabilityZone="us-east-1a")["Subnet"]["SubnetId"]
+    template = ec2.create_launch_template(LaunchTemplateName="lt", LaunchTemplateData={
+        "ImageId": "ami-12c6146b", "InstanceType": "p5.48xlarge"})["LaunchTemplate"]["LaunchTemplateId"]
+    pools = {name: node.PoolLaunch(name, template, subnet, "p5.48xlarge", market)
+             for name, market in (("p5-spot", "spot"), ("p5-od", "on-demand"))}
+    return node.Config(cluster="c1", region="us-east-1", pools=pools, log_file="/dev/null", **overrides)  # type: ignore[arg-type]
+
+
+def test_resume_launches_tags_and_addresses_each_node(ec2) -> None:  # type: ignore[no-untyped-def]
+    config, slurm = make_config(ec2), FakeSlurm()
+    result = node.resume(config, ec2, slurm, "p5-od-1,p5-od-2,p5-spot-3")
+    assert set(result.launched) == {"p5-od-1", "p5-od-2", "p5-spot-3"} and not result.failed
+    live = node.cluster_instances(config, ec2)
+    assert {n: len(ids) for n, ids in live.items()} == {"p5-od-1": 1, "p5-od-2": 1, "p5-spot-3": 1}
+    spot = ec2.describe_instances(InstanceIds=live["p5-spot-3"])["Reservations"][0]["Instances"][0]
+    assert spot.get("InstanceLifecycle") == "spot"
+    addresses = {c[1].split("=")[1]: c[2].split("=")[1] for c in slurm.updates() if c[2].startswith("nodeaddr=")}
+    assert set(addresses) == {"p5-od-1", "p5-od-2", "p5-spot-3"}
+    assert all(a.startswith("10.0.0.") for a in addresses.values())
+
+
+def test_batches_respect_the_batch_size(ec2) -> None:  # type: ignore[no-untyped-def]
+    config = make_config(ec2, batch_size=2)
+    calls = []
+    original = ec2.create_fleet
+    ec2.create_fleet = lambda **kw: calls.append(kw["TargetCapacitySpecification"]["TotalTargetCapacity"]) or original(**kw)
+    node.resume(config, ec2, FakeSlurm(), ",".join(f"p5-od-{i}" for i in range(1, 6)))
+    assert calls == [2, 2, 1]
+
+
+def test_all_or_nothing_terminates_a_partial_fleet(ec2) -> None:  # type: ignore[no-untyped-def]
+    config, slurm = make_config(ec2), FakeSlurm()
+    real = ec2.create_fleet
+
+    def partial(**kw):  # type: ignore[no-untyped-def]
+        kw["TargetCapacitySpecification"]["TotalTargetCapacity"] = 1  # EC2 found room for one of two
+        reply = real(**kw)
+        reply["Errors"] = [{"ErrorCode": "InsufficientInstanceCapacity", "ErrorMessage": "no room"}]
+        return reply
+
+    ec2.create_fleet = partial
+    result = node.resume(config, ec2, slurm, "p5-od-1,p5-od-2")
+    assert not result.launched and set(result.failed) == {"p5-od-1", "p5-od-2"}
+    assert not node.cluster_instances(config, ec2)  # the one that did launch was terminated
+    (down,) = slurm.updates()
+    assert down[:3] == ("update", "nodename=p5-od-1,p5-od-2", "state=down")
+    assert down[3] == "reason=gpucluster: capacity: InsufficientInstanceCapacity: no room"
+
+
+@pytest.mark.parametrize("code,kind", [("VcpuLimitExceeded", "capacity"), ("InvalidLaunchTemplateId.NotFound", "launch failed")])
+def test_api_errors_mark_nodes_down_with_the_aws_reason(ec2, code: str, kind: str) -> None:  # type: ignore[no-untyped-def]
+    config, slurm = make_config(ec2), FakeSlurm()
+    with Stubber(ec2) as stub:
+        stub.add_client_error("create_fleet", service_error_code=code, service_message="quota or template")
+        result = node.resume(config, ec2, slurm, "p5-spot-1")
+    assert result.failed == {"p5-spot-1": f"gpucluster: {kind}: {code}: quota or template"}
+    assert slurm.updates()[0][2] == "state=down"
+
+
+def test_unknown_pool_is_refused_not_launched(ec2) -> None:  # type: ignore[no-untyped-def]
+    config, slurm = make_config(ec2), FakeSlurm()
+    result = node.resume(config, ec2, slurm, "ghost-1")
+    assert "no pool ghost" in result.failed["ghost-1"] and not node.cluster_instances(config, ec2)
+
+
+def test_suspend_terminates_only_the_listed_nodes(ec2) -> None:  # type: ignore[no-untyped-def]
+    config = make_config(ec2)
+    node.resume(config, ec2, FakeSlurm(), "p5-od-1,p5-od-2")
+    node.suspend(config, ec2, FakeSlurm(), "p5-od-1")
+    assert set(node.cluster_instances(config, ec2)) == {"p5-od-2"}
+
+
+def test_reconcile_cleans_both_ways_and_retries_capacity(ec2) -> None:  # type: ignore[no-untyped-def]
+    config = make_config(ec2, capacity_retry_seconds=600)
+    node.resume(config, ec2, FakeSlurm(), "p5-od-1,p5-od-2")
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 700))
+    table = [
+        {"NodeName": "p5-od-1", "State": "IDLE+CLOUD+POWERED_DOWN"},  # Slurm thinks it is off: instance is leftover
+        {"NodeName": "p5-od-2", "State": "ALLOCATED+CLOUD"},  # healthy
+        {"NodeName": "p5-od-3", "State": "MIXED+CLOUD"},  # up in Slurm, but no instance: vanished
+        {"NodeName": "p5-spot-1", "State": "DOWN+CLOUD+POWERED_DOWN",
+         "Reason": f"gpucluster: capacity: InsufficientInstanceCapacity: x [slurm@{stamp}]"},
+        {"NodeName": "p5-spot-2", "State": "DOWN+CLOUD+POWERED_DOWN",
+         "Reason": f"gpucluster: capacity: InsufficientInstanceCapacity: x [slurm@{time.strftime('%Y-%m-%dT%H:%M:%S')}]"},
+    ]
+    slurm = FakeSlurm(table)
+    done = node.reconcile(config, ec2, slurm)
+    assert len(done["terminated"]) == 1 and set(node.cluster_instances(config, ec2)) == {"p5-od-2"}
+    assert done["down"] == ["p5-od-3"]
+    assert done["retried"] == ["p5-spot-1"]  # p5-spot-2 went down a moment ago: not yet
+    assert ("update", "nodename=p5-spot-1", "state=power_down_force") in slurm.updates()
+
+
+def test_parse_node_line_keeps_reasons_with_spaces() -> None:
+    line = "NodeName=a-1 Arch=x86_64 State=DOWN+CLOUD Reason=gpucluster: capacity: ICE: no room [slurm@2026-01-01T00:00:00] Comment=(null)"
+    parsed = node._parse_node_line(line)
+    assert parsed["Reason"] == "gpucluster: capacity: ICE: no room [slurm@2026-01-01T00:00:00]"
+    assert parsed["State"] == "DOWN+CLOUD"
