@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+
 import pulumi
 import pulumi_aws as aws
 
@@ -9,7 +11,7 @@ from components.budget import Budget, BudgetArgs
 from components.gpu_pool import GpuPool, GpuPoolArgs
 from components.network import Network, NetworkArgs
 from components.storage import Storage, StorageArgs
-from gpucluster import cost
+from gpucluster import cost, userdata
 from gpucluster.spec import Stack
 
 
@@ -45,6 +47,7 @@ def create_cluster(stack: Stack) -> dict[str, object]:
                 subnet_id=network.subnet_id,
                 security_group_id=network.security_group_id,
                 instance_tags=stack.tags,
+                user_data=base64.b64encode(userdata.pool_nodes(stack, pool).encode()).decode(),
             ),
             opts,
         )

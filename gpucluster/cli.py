@@ -1,4 +1,8 @@
-"""`python -m gpucluster plan STACK [--json]`: what a stack creates and what it costs, offline."""
+"""gpucluster's command line.
+
+    python -m gpucluster plan [STACK] [--json]   what a stack creates and costs, offline (default stack: dev)
+    python -m gpucluster render STACK --out DIR  the user data EC2 gets and the Slurm files of the head node
+"""
 
 from __future__ import annotations
 
@@ -104,6 +108,24 @@ def plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def render(args: argparse.Namespace) -> int:
+    """The exact user data EC2 gets, and the Slurm files the head node writes."""
+    from gpucluster import slurm, userdata
+
+    stack = _load(args.stack)
+    out = Path(args.out)
+    (out / "slurm").mkdir(parents=True, exist_ok=True)
+    files = dict(userdata.all_user_data(stack))
+    files |= {f"slurm/{name}": text for name, text in slurm.all_files(stack).items()}
+    for name, text in files.items():
+        (out / name).write_text(text)
+    for name in sorted(files):
+        size = len(files[name].encode())
+        limit = f"  ({size} of {userdata.EC2_USER_DATA_LIMIT} bytes)" if name.endswith(".user-data") else ""
+        print(f"{out / name}{limit}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="python -m gpucluster", description=__doc__)
     sub = top.add_subparsers(dest="command", required=True)
@@ -111,6 +133,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("stack", nargs="?", default="dev", help="a stack name under stacks/ or a path to a stack file (default: dev)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=plan)
+    r = sub.add_parser("render", help="write the user data and Slurm files of a stack")
+    r.add_argument("stack", help="a stack name under stacks/ or a path to a stack file")
+    r.add_argument("--out", required=True, help="directory to write into")
+    r.set_defaults(func=render)
     return top
 
 

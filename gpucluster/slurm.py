@@ -138,7 +138,8 @@ def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         # Cloud nodes change address on every launch; sinfo shows powered-down nodes to every user.
         "CommunicationParameters=NoAddrCache",
         "PrivateData=cloud",
-        "SlurmctldParameters=idle_on_node_suspend",
+        # Compute nodes fetch slurm.conf and gres.conf from the controller (slurmd --conf-server), so they never drift.
+        "SlurmctldParameters=enable_configless,idle_on_node_suspend",
         "",
         "# Accounting in slurmdbd (MariaDB on the head node), GPU use counted per account.",
         "AccountingStorageType=accounting_storage/slurmdbd",
@@ -202,3 +203,9 @@ def slurmdbd_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         f"StorageUser={layout.slurm_user}",
         "",
     ])
+
+
+def all_files(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> dict[str, str]:
+    """The files the head node writes to /etc/slurm."""
+    return {"slurm.conf": slurm_conf(stack, layout), "gres.conf": gres_conf(stack, layout),
+            "slurmdbd.conf": slurmdbd_conf(stack, layout)}

@@ -230,3 +230,14 @@ def test_the_program_itself_refuses_bad_config() -> None:
     cluster["pools"][0]["min_nodes"] = 5
     with pytest.raises(pulumi.RunError, match=r"gpucluster:cluster.pools\[0\].min_nodes: must be <= max_nodes \(2\), got 5"):
         run_program(stack, {**config, CONFIG_KEY: json.dumps(cluster)})
+
+
+def test_pool_templates_carry_the_rendered_user_data(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
+    import base64
+
+    from gpucluster import userdata
+
+    stack, declared = shipped
+    templates = _pool_templates(declared)
+    for pool in stack.spec.pools:
+        assert base64.b64decode(templates[pool.name]["userData"]).decode() == userdata.pool_nodes(stack, pool)
