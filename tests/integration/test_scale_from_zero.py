@@ -3,13 +3,16 @@ boots a slurmd for each, the job runs; idle nodes are suspended and their instan
 
 from __future__ import annotations
 
+import re
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURES
+from conftest import FIXTURES, ROOT
 from gpucluster.spec import load_stack
 from local_cluster import LocalCluster, missing_tools
 
@@ -65,3 +68,23 @@ def test_spot_capacity_shortage_falls_back_to_on_demand(cluster: LocalCluster) -
         assert "capacity: InsufficientInstanceCapacity" in down[node], reasons
     assert {node for node, _ in cluster.boots} == {"standby-1", "standby-2"}
     assert "Restarts=1" in cluster.run("scontrol", "show", "job", job)  # requeued once, not lost
+
+
+def test_example_ddp_job_trains_across_two_nodes(cluster: LocalCluster) -> None:
+    """examples/ddp.sbatch as a user submits it, on the CPU (gloo): GPU count and partition overridden on the command
+    line, as the example says. Both ranks must train and end with the same weights."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    assert torchrun.exists(), "pip install torch==2.13.0 (make test does)"
+    env_path = f"{torchrun.parent}:{cluster.env['PATH']}"
+    job = subprocess.run(
+        ["sbatch", "--parsable", "-p", "standby", "--gpus-per-node=1", "--output", str(cluster.root / "ddp-%j.out"),
+         "--export", f"ALL,PATH={env_path}", str(ROOT / "examples" / "ddp.sbatch"), "--steps", "120"],
+        cwd=ROOT, env=cluster.env, check=True, capture_output=True, text=True).stdout.strip()
+    cluster.wait(f"DDP job {job}", lambda: cluster.job_state(job) in {"COMPLETED", "FAILED", "CANCELLED"}, 240)
+    output = (cluster.root / f"ddp-{job}.out").read_text()
+    assert cluster.job_state(job) == "COMPLETED", output[-3000:]
+    ranks = re.findall(r"rank (\d)/2 on (\S+) backend gloo loss ([\d.]+) -> ([\d.]+) weights (\w+)", output)
+    assert sorted(r[0] for r in ranks) == ["0", "1"], output[-3000:]
+    assert {r[1] for r in ranks} == {"standby-1", "standby-2"}  # one rank on each node
+    assert len({r[4] for r in ranks}) == 1  # replicas agree
+    assert all(float(last) < float(first) / 10 for _, _, first, last, _ in ranks)  # it learned
