@@ -69,9 +69,13 @@ class Config:
 
     @classmethod
     def load(cls, path: Path = CONFIG_PATH) -> Config:
+        """The cluster's settings document (also read by the bootstrap): the keys this program uses."""
         raw = json.loads(path.read_text())
-        pools = {name: PoolLaunch(name=name, **spec) for name, spec in raw.pop("pools").items()}
-        return cls(pools=pools, **raw)
+        launch_keys = set(PoolLaunch.__dataclass_fields__) - {"name"}
+        pools = {name: PoolLaunch(name=name, **{k: v for k, v in spec.items() if k in launch_keys})
+                 for name, spec in raw["pools"].items()}
+        own = set(cls.__dataclass_fields__) - {"pools"}
+        return cls(pools=pools, **{k: v for k, v in raw.items() if k in own})
 
 
 class Slurm:

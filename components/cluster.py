@@ -9,9 +9,11 @@ import pulumi_aws as aws
 
 from components.budget import Budget, BudgetArgs
 from components.gpu_pool import GpuPool, GpuPoolArgs
+from components.head_node import HeadNode, HeadNodeArgs
 from components.network import Network, NetworkArgs
+from components.node_access import NodeAccess, NodeAccessArgs
 from components.storage import Storage, StorageArgs
-from gpucluster import cost, userdata
+from gpucluster import bundle, cost, userdata
 from gpucluster.spec import Stack
 
 
@@ -38,6 +40,19 @@ def create_cluster(stack: Stack) -> dict[str, object]:
         StorageArgs(lustre=spec.storage.lustre, subnet_id=network.subnet_id, security_group_id=network.security_group_id),
         opts,
     )
+    bundle_bytes = bundle.build(stack)
+    bundle_key = bundle.key(bundle_bytes)
+    access = NodeAccess(
+        stack.cluster_name,
+        NodeAccessArgs(
+            region=stack.region,
+            bundle=bundle_bytes,
+            bundle_key=bundle_key,
+            config_parameter=userdata.config_parameter(stack),
+            munge_key_parameter=userdata.munge_key_parameter(stack),
+        ),
+        opts,
+    )
     pools = {
         pool.name: GpuPool(
             f"{stack.cluster_name}-{pool.name}",
@@ -48,11 +63,35 @@ def create_cluster(stack: Stack) -> dict[str, object]:
                 security_group_id=network.security_group_id,
                 instance_tags=stack.tags,
                 user_data=base64.b64encode(userdata.pool_nodes(stack, pool).encode()).decode(),
+                instance_profile_arn=access.compute_instance_profile_arn,
             ),
             opts,
         )
         for pool in spec.pools
     }
+    head = HeadNode(
+        stack.cluster_name,
+        HeadNodeArgs(
+            cluster_name=stack.cluster_name,
+            team=spec.team,
+            region=stack.region,
+            availability_zone=spec.availability_zone,
+            instance_type=spec.head_node.instance_type,
+            subnet_id=network.subnet_id,
+            security_group_id=network.security_group_id,
+            user_data=userdata.head_node(stack),
+            access=access,
+            bundle_key=bundle_key,
+            config_parameter=userdata.config_parameter(stack),
+            munge_key_parameter=userdata.munge_key_parameter(stack),
+            pools={name: pool.launch_spec for name, pool in pools.items()},
+            launch_template_ids=[pool.launch_template_id for pool in pools.values()],
+            fsx_dns_name=storage.dns_name,
+            fsx_mount_name=storage.mount_name,
+            ami_id=spec.head_node.ami_id,
+        ),
+        opts,
+    )
     budget = Budget(
         stack.cluster_name,
         BudgetArgs(
@@ -73,6 +112,9 @@ def create_cluster(stack: Stack) -> dict[str, object]:
         "fsx_mount_name": storage.mount_name,
         "data_repository": storage.data_repository,
         "pools": {name: pool.launch_spec for name, pool in pools.items()},
+        "head_node_instance_id": head.instance_id,
+        "head_node_private_ip": head.private_ip,
+        "connect": pulumi.Output.concat("aws ssm start-session --region ", stack.region, " --target ", head.instance_id),
         "budget_name": budget.budget_name,
         "alerts_topic_arn": budget.topic_arn,
         "hourly_cost_usd_min": round(estimate.hourly_min, 2),

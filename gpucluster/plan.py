@@ -54,6 +54,8 @@ def _placeholder_outputs(typ: str, name: str, inputs: dict[str, Any], region: st
         out["latestVersion"] = 1
     elif typ == "aws:s3/bucket:Bucket":
         out["bucket"] = f"{name}-<suffix at up>"
+    elif typ == "aws:ec2/instance:Instance":
+        out["privateIp"] = "<private IP at up>"
     elif typ == "aws:fsx/lustreFileSystem:LustreFileSystem":
         out["dnsName"] = f"<{name} DNS name at up>"
         out["mountName"] = "<mount name at up>"

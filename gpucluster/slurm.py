@@ -205,7 +205,11 @@ def slurmdbd_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
     ])
 
 
+# pyxis gives srun --container-image (enroot underneath). Optional: a node without the plugin still runs jobs.
+PLUGSTACK_CONF = "# Rendered by gpucluster: pyxis for `srun --container-image`.\noptional /usr/local/lib/slurm/spank_pyxis.so\n"
+
+
 def all_files(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> dict[str, str]:
-    """The files the head node writes to /etc/slurm."""
+    """The files the head node writes to /etc/slurm (compute nodes get them from the controller: configless)."""
     return {"slurm.conf": slurm_conf(stack, layout), "gres.conf": gres_conf(stack, layout),
-            "slurmdbd.conf": slurmdbd_conf(stack, layout)}
+            "slurmdbd.conf": slurmdbd_conf(stack, layout), "plugstack.conf": PLUGSTACK_CONF}

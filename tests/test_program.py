@@ -138,17 +138,18 @@ def test_fsx_settings(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
     assert dra.inputs["fileSystemId"] == f"{fs.name}-id"
     assert dra.inputs["s3"]["autoImportPolicy"]["events"] == ["NEW", "CHANGED", "DELETED"]
     assert dra.inputs["s3"]["autoExportPolicy"]["events"] == ["NEW", "CHANGED", "DELETED"]
-    buckets = of_type(declared, "s3/bucket:Bucket")
+    storage = tuple(d for d in declared if d.parent_type == "gpucluster:storage:Storage")
+    buckets = of_type(storage, "s3/bucket:Bucket")
     if lustre.data_repository:
         assert dra.inputs["dataRepositoryPath"] == lustre.data_repository and not buckets
     else:
         (bucket,) = buckets
         assert dra.inputs["dataRepositoryPath"].startswith("s3://")
-        (block,) = of_type(declared, "s3/bucketPublicAccessBlock:BucketPublicAccessBlock")
+        (block,) = of_type(storage, "s3/bucketPublicAccessBlock:BucketPublicAccessBlock")
         assert all(block.inputs[k] for k in ("blockPublicAcls", "blockPublicPolicy", "ignorePublicAcls", "restrictPublicBuckets"))
-        (versioning,) = of_type(declared, "s3/bucketVersioning:BucketVersioning")
+        (versioning,) = of_type(storage, "s3/bucketVersioning:BucketVersioning")
         assert versioning.inputs["versioningConfiguration"]["status"] == "Enabled"
-        (sse,) = of_type(declared, "s3/bucketServerSideEncryptionConfiguration:BucketServerSideEncryptionConfiguration")
+        (sse,) = of_type(storage, "s3/bucketServerSideEncryptionConfiguration:BucketServerSideEncryptionConfiguration")
         assert sse.inputs["rules"][0]["applyServerSideEncryptionByDefault"]["sseAlgorithm"] == "AES256"
         assert bucket.inputs["forceDestroy"] is (not lustre.keep)
     # Data the team keeps survives `pulumi destroy`; scratch data goes with the cluster.
@@ -187,8 +188,9 @@ def test_every_resource_sits_in_a_component(shipped: tuple[Stack, tuple[Declared
 def test_existing_network_and_file_system_are_used_not_created() -> None:
     stack, declared = planned(FIXTURES / "Pulumi.existing.yaml")
     for kind in ("ec2/vpc:Vpc", "ec2/subnet:Subnet", "ec2/natGateway:NatGateway", "fsx/lustreFileSystem:LustreFileSystem",
-                 "s3/bucket:Bucket", "costexplorer/costAllocationTag:CostAllocationTag"):
+                 "costexplorer/costAllocationTag:CostAllocationTag"):
         assert not of_type(declared, kind), kind
+    assert [b.name for b in of_type(declared, "s3/bucket:Bucket")] == ["gpucluster-existing-bundle"]  # no data bucket
     (sg,) = of_type(declared, "ec2/securityGroup:SecurityGroup")
     assert sg.inputs["vpcId"] == stack.spec.network.vpc_id
     templates = _pool_templates(declared)

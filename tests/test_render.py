@@ -33,7 +33,7 @@ def test_render_writes_valid_small_user_data_and_slurm_files(path: Path, tmp_pat
     done = render(str(path), tmp_path)
     assert done.returncode == 0, done.stderr
     expected = {"head-node.user-data", *(f"{p.name}.user-data" for p in stack.spec.pools),
-                "slurm/slurm.conf", "slurm/gres.conf", "slurm/slurmdbd.conf"}
+                "slurm/slurm.conf", "slurm/gres.conf", "slurm/slurmdbd.conf", "slurm/plugstack.conf"}
     written = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()}
     assert written == expected
     for name in expected - {n for n in expected if n.startswith("slurm/")}:

@@ -1,0 +1,72 @@
+"""What every node of the cluster reads at boot: the bundle in S3, and the compute nodes' IAM role that may read it
+together with the cluster's SSM parameters, nothing else."""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass
+
+import pulumi
+import pulumi_aws as aws
+
+from components import child
+
+EC2_ASSUME = json.dumps({"Version": "2012-10-17", "Statement": [
+    {"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"}, "Action": "sts:AssumeRole"}]})
+SSM_CORE = "arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore"  # Session Manager instead of SSH
+
+
+def policy(statements: list[dict[str, object]]) -> str:
+    return json.dumps({"Version": "2012-10-17", "Statement": statements})
+
+
+@dataclass(frozen=True)
+class NodeAccessArgs:
+    region: str
+    bundle: bytes  # gpucluster.bundle.build
+    bundle_key: str
+    config_parameter: str
+    munge_key_parameter: str
+
+
+class NodeAccess(pulumi.ComponentResource):
+    bucket: pulumi.Output[str]
+    bundle_arn: pulumi.Output[str]
+    config_parameter_arn: pulumi.Output[str]
+    munge_key_parameter_arn: pulumi.Output[str]
+    compute_role_arn: pulumi.Output[str]
+    compute_instance_profile_arn: pulumi.Output[str]
+
+    def __init__(self, name: str, args: NodeAccessArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("gpucluster:access:NodeAccess", name, None, opts)
+        account = aws.get_caller_identity_output(opts=pulumi.InvokeOutputOptions(parent=self)).account_id
+        self.config_parameter_arn = pulumi.Output.concat(
+            f"arn:aws:ssm:{args.region}:", account, f":parameter{args.config_parameter}")
+        self.munge_key_parameter_arn = pulumi.Output.concat(
+            f"arn:aws:ssm:{args.region}:", account, f":parameter{args.munge_key_parameter}")
+
+        bucket = aws.s3.Bucket(f"{name}-bundle", force_destroy=True, opts=child(self))
+        aws.s3.BucketPublicAccessBlock(f"{name}-bundle", bucket=bucket.id, block_public_acls=True,
+                                       block_public_policy=True, ignore_public_acls=True,
+                                       restrict_public_buckets=True, opts=child(self))
+        aws.s3.BucketServerSideEncryptionConfiguration(
+            f"{name}-bundle", bucket=bucket.id,
+            rules=[{"apply_server_side_encryption_by_default": {"sse_algorithm": "AES256"}}], opts=child(self))
+        aws.s3.BucketObjectv2(f"{name}-bundle", bucket=bucket.id, key=args.bundle_key,
+                              content_base64=base64.b64encode(args.bundle).decode(), opts=child(self))
+        self.bucket = bucket.bucket
+        self.bundle_arn = pulumi.Output.concat("arn:aws:s3:::", bucket.bucket, f"/{args.bundle_key}")
+
+        role = aws.iam.Role(f"{name}-compute", assume_role_policy=EC2_ASSUME, opts=child(self))
+        aws.iam.RolePolicyAttachment(f"{name}-compute-ssm", role=role.name, policy_arn=SSM_CORE, opts=child(self))
+        aws.iam.RolePolicy(f"{name}-compute", role=role.id, policy=pulumi.Output.all(
+            self.config_parameter_arn, self.munge_key_parameter_arn, self.bundle_arn).apply(lambda a: policy([
+                {"Sid": "ClusterSettings", "Effect": "Allow", "Action": "ssm:GetParameter", "Resource": [a[0], a[1]]},
+                {"Sid": "Bundle", "Effect": "Allow", "Action": "s3:GetObject", "Resource": a[2]},
+            ])), opts=child(self))
+        profile = aws.iam.InstanceProfile(f"{name}-compute", role=role.name, opts=child(self))
+        self.compute_role_arn = role.arn
+        self.compute_instance_profile_arn = profile.arn
+        self.register_outputs({"bucket": self.bucket, "compute_role_arn": self.compute_role_arn,
+                               "compute_instance_profile_arn": self.compute_instance_profile_arn})

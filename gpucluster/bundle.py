@@ -1,0 +1,43 @@
+"""The bundle the head node and compute nodes fetch from S3 at boot: Slurm files, node programs, bootstrap, examples.
+
+Deterministic bytes (sorted entries, fixed times and owners), so that its S3 key, named after its digest, changes only
+when its content does.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import tarfile
+from pathlib import Path
+
+from gpucluster import slurm
+from gpucluster.spec import Stack
+
+ROOT = Path(__file__).resolve().parent.parent
+PROGRAMS = ("bootstrap.py", "gpucluster_node.py")
+EXAMPLES = ("ddp_train.py", "ddp.sbatch")
+
+
+def contents(stack: Stack) -> dict[str, tuple[bytes, int]]:
+    """Path in the bundle -> (bytes, mode)."""
+    files = {f"slurm/{name}": (text.encode(), 0o644) for name, text in slurm.all_files(stack).items()}
+    files |= {name: ((ROOT / "cloud-init" / name).read_bytes(), 0o755) for name in PROGRAMS}
+    files |= {f"examples/{name}": ((ROOT / "examples" / name).read_bytes(), 0o644) for name in EXAMPLES}
+    files["accounting.sql"] = (slurm.ACCOUNTING_DB_SQL.encode(), 0o644)
+    return files
+
+
+def build(stack: Stack) -> bytes:
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, (data, mode) in sorted(contents(stack).items()):
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), mode, 0
+            tar.addfile(info, io.BytesIO(data))
+    return gzip.compress(raw.getvalue(), mtime=0)
+
+
+def key(data: bytes) -> str:
+    return f"gpucluster/bundle-{hashlib.sha256(data).hexdigest()[:16]}.tar.gz"

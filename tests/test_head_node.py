@@ -1,0 +1,108 @@
+"""The head node, node access and their IAM under the mock runtime, for every shipped stack."""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import io
+import json
+import tarfile
+
+from conftest import of_type
+from gpucluster import bundle, userdata
+from gpucluster.plan import Declared
+from gpucluster.spec import Stack
+
+Shipped = tuple[Stack, tuple[Declared, ...]]
+
+
+def _one(declared: tuple[Declared, ...], suffix: str, name_end: str = "") -> Declared:
+    (found,) = [d for d in of_type(declared, suffix) if d.name.endswith(name_end)]
+    return found
+
+
+def test_head_instance_is_private_imdsv2_encrypted_and_runs_the_rendered_user_data(shipped: Shipped) -> None:
+    stack, declared = shipped
+    head = _one(declared, "ec2/instance:Instance")
+    assert head.inputs["instanceType"] == stack.spec.head_node.instance_type
+    assert head.inputs["metadataOptions"]["httpTokens"] == "required"
+    assert head.inputs["associatePublicIpAddress"] is False
+    assert head.inputs["rootBlockDevice"]["encrypted"] is True
+    assert head.inputs["userData"] == userdata.head_node(stack)
+    assert head.inputs["subnetId"].endswith("-private-id") or head.inputs["subnetId"] == stack.spec.network.subnet_id
+    assert head.inputs["vpcSecurityGroupIds"] == [f"{_one(declared, 'ec2/securityGroup:SecurityGroup', '-cluster').name}-id"]
+    volume = _one(declared, "ebs/volume:Volume")
+    assert volume.inputs["encrypted"] is True and volume.inputs["availabilityZone"] == stack.spec.availability_zone
+    attachment = _one(declared, "ec2/volumeAttachment:VolumeAttachment")
+    assert attachment.inputs["volumeId"] == f"{volume.name}-id" and attachment.inputs["instanceId"] == f"{head.name}-id"
+
+
+def _statements(policy: Declared) -> dict[str, dict]:
+    return {s["Sid"]: s for s in json.loads(policy.inputs["policy"])["Statement"]}
+
+
+def test_head_role_is_scoped_to_this_cluster(shipped: Shipped) -> None:
+    stack, declared = shipped
+    head = _statements(_one(declared, "iam/rolePolicy:RolePolicy", "-head"))
+    templates = sorted(f"arn:aws:ec2:{stack.region}:123456789012:launch-template/{lt.name}-id"
+                       for lt in of_type(declared, "ec2/launchTemplate:LaunchTemplate"))
+    launch = head["LaunchFromClusterTemplatesOnly"]
+    assert sorted(launch["Condition"]["ArnLike"]["ec2:LaunchTemplate"]) == templates
+    terminate = head["TagAndTerminateClusterInstancesOnly"]
+    assert "ec2:TerminateInstances" in terminate["Action"]
+    assert terminate["Condition"] == {"StringEquals": {"aws:ResourceTag/gpucluster:cluster": stack.cluster_name}}
+    compute_role = _one(declared, "iam/role:Role", "-compute")
+    assert head["PassComputeRoleOnly"]["Resource"] == f"arn:aws:plan:{stack.region}:123456789012:{compute_role.name}"
+    munge = f"arn:aws:ssm:{stack.region}:123456789012:parameter{userdata.munge_key_parameter(stack)}"
+    assert head["CreateMungeKeyOnce"] == {"Sid": "CreateMungeKeyOnce", "Effect": "Allow", "Action": "ssm:PutParameter",
+                                          "Resource": munge}
+    # Nothing but Describe* is granted on every resource without a condition.
+    for sid, statement in head.items():
+        if statement["Resource"] == "*" and "Condition" not in statement:
+            assert all(a.startswith("ec2:Describe") for a in statement["Action"]), sid
+
+
+def test_compute_role_reads_settings_key_and_bundle_only(shipped: Shipped) -> None:
+    stack, declared = shipped
+    compute = _statements(_one(declared, "iam/rolePolicy:RolePolicy", "-compute"))
+    assert set(compute) == {"ClusterSettings", "Bundle"}
+    assert compute["ClusterSettings"]["Action"] == "ssm:GetParameter"
+    assert compute["Bundle"]["Action"] == "s3:GetObject" and compute["Bundle"]["Resource"].endswith(
+        "/gpucluster/bundle-" + compute["Bundle"]["Resource"].split("bundle-")[-1])
+    profile = _one(declared, "iam/instanceProfile:InstanceProfile", "-compute")
+    for lt in of_type(declared, "ec2/launchTemplate:LaunchTemplate"):
+        assert lt.inputs["iamInstanceProfile"] == {"arn": f"arn:aws:plan:{stack.region}:123456789012:{profile.name}"}
+
+
+def test_settings_parameter_tells_nodes_what_up_learned(shipped: Shipped) -> None:
+    stack, declared = shipped
+    param = _one(declared, "ssm/parameter:Parameter")
+    assert param.inputs["name"] == userdata.config_parameter(stack) and param.inputs["type"] == "String"
+    settings = json.loads(param.inputs["insecureValue"])
+    assert settings["cluster"] == stack.cluster_name and settings["team"] == stack.spec.team
+    assert settings["head_address"] == "<private IP at up>"
+    assert set(settings["pools"]) == {p.name for p in stack.spec.pools}
+    for pool in stack.spec.pools:
+        assert settings["pools"][pool.name]["market"] == pool.capacity
+        assert settings["pools"][pool.name]["launch_template_id"].endswith("-lt-id")
+    # The munge key is never declared: the head node creates it in SSM at first boot.
+    assert not [d for d in of_type(declared, "ssm/parameter:Parameter") if d.inputs.get("type") == "SecureString"]
+
+
+def test_bundle_object_holds_the_rendered_files(shipped: Shipped) -> None:
+    stack, declared = shipped
+    obj = _one(declared, "s3/bucketObjectv2:BucketObjectv2")
+    data = base64.b64decode(obj.inputs["contentBase64"])
+    assert data == bundle.build(stack) and obj.inputs["key"] == bundle.key(data)
+    with tarfile.open(fileobj=io.BytesIO(gzip.decompress(data))) as tar:
+        names = set(tar.getnames())
+    assert {"bootstrap.py", "gpucluster_node.py", "accounting.sql", "slurm/slurm.conf", "slurm/gres.conf",
+            "slurm/slurmdbd.conf", "slurm/plugstack.conf", "examples/ddp_train.py", "examples/ddp.sbatch"} == names
+
+
+def test_bundle_is_deterministic() -> None:
+    from conftest import STACK_FILES
+    from gpucluster.spec import load_stack
+
+    stack = load_stack(STACK_FILES[0])
+    assert bundle.build(stack) == bundle.build(stack)
