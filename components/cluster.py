@@ -88,6 +88,8 @@ def create_cluster(stack: Stack) -> dict[str, object]:
             launch_template_ids=[pool.launch_template_id for pool in pools.values()],
             fsx_dns_name=storage.dns_name,
             fsx_mount_name=storage.mount_name,
+            node_program_settings={"all_or_nothing": spec.slurm.all_or_nothing,
+                                   "capacity_retry_seconds": spec.slurm.capacity_retry_seconds},
             ami_id=spec.head_node.ami_id,
         ),
         opts,

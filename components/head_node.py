@@ -38,6 +38,8 @@ class HeadNodeArgs:
     launch_template_ids: list[pulumi.Input[str]]
     fsx_dns_name: pulumi.Input[str]
     fsx_mount_name: pulumi.Input[str]
+    # Settings the node programs read as they are (gpucluster_node.Config): all_or_nothing, capacity_retry_seconds.
+    node_program_settings: dict[str, object]
     ami_id: str | None = None
 
 
@@ -90,7 +92,8 @@ class HeadNode(pulumi.ComponentResource):
                                          "bundle_bucket": a[0], "bundle_key": args.bundle_key, "head_address": a[1],
                                          "state_volume_id": a[2], "fsx_dns_name": a[3], "fsx_mount_name": a[4],
                                          "munge_key_parameter": args.munge_key_parameter, "pools": a[5],
-                                         "log_file": "/var/log/gpucluster/nodes.log"}, sort_keys=True))
+                                         "log_file": "/var/log/gpucluster/nodes.log", **args.node_program_settings},
+                                        sort_keys=True))
         # insecure_value: these settings are not secret (pulumi-aws would otherwise encrypt them in state and hide them).
         aws.ssm.Parameter(f"{name}-config", name=args.config_parameter, type="String", insecure_value=settings,
                           description=f"gpucluster {args.cluster_name}: what every node needs to know",

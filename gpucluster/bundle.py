@@ -17,14 +17,15 @@ from gpucluster.spec import Stack
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = ("bootstrap.py", "gpucluster_node.py")
-EXAMPLES = ("ddp_train.py", "ddp.sbatch")
+EXAMPLES = ("launch.sh", "ddp_train.py", "ddp.sbatch", "all_reduce.py", "all_reduce.sbatch", "ddp_container.sbatch")
 
 
 def contents(stack: Stack) -> dict[str, tuple[bytes, int]]:
     """Path in the bundle -> (bytes, mode)."""
     files = {f"slurm/{name}": (text.encode(), 0o644) for name, text in slurm.all_files(stack).items()}
     files |= {name: ((ROOT / "cloud-init" / name).read_bytes(), 0o755) for name in PROGRAMS}
-    files |= {f"examples/{name}": ((ROOT / "examples" / name).read_bytes(), 0o644) for name in EXAMPLES}
+    files |= {f"examples/{name}": ((ROOT / "examples" / name).read_bytes(), 0o755 if name.endswith(".sh") else 0o644)
+              for name in EXAMPLES}
     files["accounting.sql"] = (slurm.ACCOUNTING_DB_SQL.encode(), 0o644)
     return files
 

@@ -232,6 +232,10 @@ class Slurm(_Model):
     suspend_time_seconds: int = Field(default=600, ge=10, le=86400)
     # How long a launched node may take to register with slurmctld; p5 nodes with 32 EFA interfaces boot slowly.
     resume_timeout_seconds: int = Field(default=1800, ge=300, le=7200)
+    # A multi-node job gets all its nodes from EC2 or none (no paying for half a job waiting for the rest).
+    all_or_nothing: bool = True
+    # Nodes set DOWN for lack of capacity become schedulable again after this many seconds.
+    capacity_retry_seconds: int = Field(default=600, ge=60, le=86400)
 
 
 class ClusterSpec(_Model):

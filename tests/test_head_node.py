@@ -81,6 +81,8 @@ def test_settings_parameter_tells_nodes_what_up_learned(shipped: Shipped) -> Non
     settings = json.loads(param.inputs["insecureValue"])
     assert settings["cluster"] == stack.cluster_name and settings["team"] == stack.spec.team
     assert settings["head_address"] == "<private IP at up>"
+    assert settings["all_or_nothing"] is stack.spec.slurm.all_or_nothing
+    assert settings["capacity_retry_seconds"] == stack.spec.slurm.capacity_retry_seconds
     assert set(settings["pools"]) == {p.name for p in stack.spec.pools}
     for pool in stack.spec.pools:
         assert settings["pools"][pool.name]["market"] == pool.capacity
@@ -97,7 +99,7 @@ def test_bundle_object_holds_the_rendered_files(shipped: Shipped) -> None:
     with tarfile.open(fileobj=io.BytesIO(gzip.decompress(data))) as tar:
         names = set(tar.getnames())
     assert {"bootstrap.py", "gpucluster_node.py", "accounting.sql", "slurm/slurm.conf", "slurm/gres.conf",
-            "slurm/slurmdbd.conf", "slurm/plugstack.conf", "examples/ddp_train.py", "examples/ddp.sbatch"} == names
+            "slurm/slurmdbd.conf", "slurm/plugstack.conf"} | {f"examples/{n}" for n in bundle.EXAMPLES} == names
 
 
 def test_bundle_is_deterministic() -> None:
@@ -106,3 +108,20 @@ def test_bundle_is_deterministic() -> None:
 
     stack = load_stack(STACK_FILES[0])
     assert bundle.build(stack) == bundle.build(stack)
+
+
+def test_node_program_reads_the_published_settings(shipped: Shipped, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The settings document the head node gets is one the node program loads."""
+    import sys
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "cloud-init"))
+    import gpucluster_node
+
+    stack, declared = shipped
+    path = tmp_path / "cluster.json"
+    path.write_text(_one(declared, "ssm/parameter:Parameter").inputs["insecureValue"])
+    config = gpucluster_node.Config.load(path)
+    assert config.cluster == stack.cluster_name and set(config.pools) == {p.name for p in stack.spec.pools}
+    assert config.all_or_nothing is stack.spec.slurm.all_or_nothing

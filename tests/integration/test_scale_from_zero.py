@@ -70,19 +70,33 @@ def test_spot_capacity_shortage_falls_back_to_on_demand(cluster: LocalCluster) -
     assert "Restarts=1" in cluster.run("scontrol", "show", "job", job)  # requeued once, not lost
 
 
-def test_example_ddp_job_trains_across_two_nodes(cluster: LocalCluster) -> None:
-    """examples/ddp.sbatch as a user submits it, on the CPU (gloo): GPU count and partition overridden on the command
-    line, as the example says. Both ranks must train and end with the same weights."""
+def run_example(cluster: LocalCluster, sbatch_file: str, *args: str) -> str:
+    """An example job as a user submits it from the directory holding examples/, on the CPU: the GPU count and the
+    partition are overridden on the command line, as the examples say. Returns its output once it completed."""
     torchrun = Path(sys.executable).with_name("torchrun")
     assert torchrun.exists(), "pip install torch==2.13.0 (make test does)"
     env_path = f"{torchrun.parent}:{cluster.env['PATH']}"
     job = subprocess.run(
-        ["sbatch", "--parsable", "-p", "standby", "--gpus-per-node=1", "--output", str(cluster.root / "ddp-%j.out"),
-         "--export", f"ALL,PATH={env_path}", str(ROOT / "examples" / "ddp.sbatch"), "--steps", "120"],
+        ["sbatch", "--parsable", "-p", "standby", "--gpus-per-node=1", "--output", str(cluster.root / "ex-%j.out"),
+         "--export", f"ALL,PATH={env_path}", str(ROOT / "examples" / sbatch_file), *args],
         cwd=ROOT, env=cluster.env, check=True, capture_output=True, text=True).stdout.strip()
-    cluster.wait(f"DDP job {job}", lambda: cluster.job_state(job) in {"COMPLETED", "FAILED", "CANCELLED"}, 240)
-    output = (cluster.root / f"ddp-{job}.out").read_text()
+    cluster.wait(f"{sbatch_file} job {job}", lambda: cluster.job_state(job) in {"COMPLETED", "FAILED", "CANCELLED"}, 240)
+    output = (cluster.root / f"ex-{job}.out").read_text()
     assert cluster.job_state(job) == "COMPLETED", output[-3000:]
+    return output
+
+
+def test_example_all_reduce_job_measures_bus_bandwidth(cluster: LocalCluster) -> None:
+    output = run_example(cluster, "all_reduce.sbatch", "--max-bytes", str(16 << 20), "--iters", "5")
+    assert "all_reduce correct: True (world 2, backend gloo)" in output, output[-2000:]
+    rows = re.findall(r"^\s+(\d+)\s+[\d.]+\s+([\d.]+)\s+([\d.]+)$", output, flags=re.M)
+    assert [int(r[0]) for r in rows] == [1 << 20, 4 << 20, 16 << 20]
+    assert all(float(bus) > 0 and float(bus) == pytest.approx(float(alg), rel=0.02) for _, alg, bus in rows)  # n=2
+
+
+def test_example_ddp_job_trains_across_two_nodes(cluster: LocalCluster) -> None:
+    """Both ranks must train and end with the same weights."""
+    output = run_example(cluster, "ddp.sbatch", "--steps", "120")
     ranks = re.findall(r"rank (\d)/2 on (\S+) backend gloo loss ([\d.]+) -> ([\d.]+) weights (\w+)", output)
     assert sorted(r[0] for r in ranks) == ["0", "1"], output[-3000:]
     assert {r[1] for r in ranks} == {"standby-1", "standby-2"}  # one rank on each node
