@@ -26,5 +26,7 @@ system-packages:
 test: $(VENV)/.installed system-packages
 	$(PY) -m pytest -q
 
-bench: $(VENV)/.installed
+bench: $(VENV)/.installed system-packages
 	$(PY) benchmarks/plan_speed.py
+	$(PY) benchmarks/resume_scale.py
+	$(PY) benchmarks/submit_to_running.py

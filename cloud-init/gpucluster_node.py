@@ -33,6 +33,8 @@ CONFIG_PATH = Path(os.environ.get("GPUCLUSTER_CONFIG", "/etc/gpucluster/cluster.
 REASON_PREFIX = "gpucluster:"
 CAPACITY_PREFIX = f"{REASON_PREFIX} capacity"
 NODE_TAG = "gpucluster:node"
+SCONTROL_BATCH = 200  # nodes per scontrol update
+TAG_WORKERS = 16  # CreateTags calls in flight (one per instance: each gets its own node name)
 CLUSTER_TAG = "gpucluster:cluster"
 # EC2 answers that mean "not now, try elsewhere or later" rather than "this request is wrong".
 CAPACITY_ERRORS = {
@@ -90,8 +92,13 @@ class Slurm:
     def expand(self, hostlist: str) -> list[str]:
         return self._run("show", "hostnames", hostlist).split()
 
-    def set_address(self, node: str, address: str) -> None:
-        self._run("update", f"nodename={node}", f"nodeaddr={address}", f"nodehostname={node}")
+    def set_addresses(self, addresses: dict[str, str]) -> None:
+        """NodeAddr for many nodes per call: scontrol takes matching lists of names and addresses."""
+        items = sorted(addresses.items())
+        for i in range(0, len(items), SCONTROL_BATCH):
+            names = ",".join(n for n, _ in items[i : i + SCONTROL_BATCH])
+            addrs = ",".join(a for _, a in items[i : i + SCONTROL_BATCH])
+            self._run("update", f"nodename={names}", f"nodeaddr={addrs}", f"nodehostname={names}")
 
     def set_down(self, nodes: list[str], reason: str) -> None:
         """DOWN with the reason: Slurm requeues the job (held for the credential lifetime, 120 s by default) and
@@ -199,20 +206,29 @@ def launch(config: Config, ec2, pool: PoolLaunch, nodes: list[str]) -> LaunchRes
 
 
 def _tag_and_address(ec2, slurm: Slurm, launched: dict[str, str]) -> None:  # type: ignore[no-untyped-def]
-    for node, instance in launched.items():
+    from concurrent.futures import ThreadPoolExecutor
+
+    def tag(item: tuple[str, str]) -> None:
+        node, instance = item
         ec2.create_tags(Resources=[instance], Tags=[{"Key": "Name", "Value": node}, {"Key": NODE_TAG, "Value": node}])
+
+    with ThreadPoolExecutor(TAG_WORKERS) as pool:
+        list(pool.map(tag, launched.items()))
     by_id = {v: k for k, v in launched.items()}
     pending = set(by_id)
     # A new instance may take a moment to show its private address.
     for _ in range(30):
-        reply = ec2.describe_instances(InstanceIds=sorted(pending))
-        for reservation in reply["Reservations"]:
-            for inst in reservation["Instances"]:
-                address = inst.get("PrivateIpAddress")
-                if address and inst["InstanceId"] in pending:
-                    slurm.set_address(by_id[inst["InstanceId"]], address)
-                    log.info("node %s is %s at %s", by_id[inst["InstanceId"]], inst["InstanceId"], address)
-                    pending.discard(inst["InstanceId"])
+        found: dict[str, str] = {}
+        for batch in chunks(sorted(pending), 500):
+            for reservation in ec2.describe_instances(InstanceIds=batch)["Reservations"]:
+                for inst in reservation["Instances"]:
+                    if inst.get("PrivateIpAddress") and inst["InstanceId"] in pending:
+                        found[by_id[inst["InstanceId"]]] = inst["PrivateIpAddress"]
+                        pending.discard(inst["InstanceId"])
+        if found:
+            slurm.set_addresses(found)
+            for node, address in sorted(found.items()):
+                log.info("node %s is %s at %s", node, launched[node], address)
         if not pending:
             return
         time.sleep(2)

@@ -59,8 +59,10 @@ def test_resume_launches_tags_and_addresses_each_node(ec2) -> None:  # type: ign
     assert {n: len(ids) for n, ids in live.items()} == {"p5-od-1": 1, "p5-od-2": 1, "p5-spot-3": 1}
     spot = ec2.describe_instances(InstanceIds=live["p5-spot-3"])["Reservations"][0]["Instances"][0]
     assert spot.get("InstanceLifecycle") == "spot"
-    addresses = {c[1].split("=")[1]: c[2].split("=")[1] for c in slurm.updates() if c[2].startswith("nodeaddr=")}
+    (update,) = [c for c in slurm.updates() if c[2].startswith("nodeaddr=")]  # one call for all three
+    addresses = dict(zip(update[1].split("=")[1].split(","), update[2].split("=")[1].split(",")))
     assert set(addresses) == {"p5-od-1", "p5-od-2", "p5-spot-3"}
+    assert update[3] == f"nodehostname={update[1].split('=')[1]}"
     assert all(a.startswith("10.0.0.") for a in addresses.values())
 
 
