@@ -56,6 +56,7 @@ class PoolLaunch:
     instance_type: str
     market: str  # on-demand | spot | capacity-block
     placement_group: str | None = None
+    min_nodes: int = 0  # <pool>-1 .. <pool>-<min_nodes> are always on: the reconciler keeps them launched
 
 
 @dataclass(frozen=True)
@@ -307,7 +308,7 @@ def reconcile(config: Config, ec2, slurm: Slurm, now: float | None = None) -> di
     now = time.time() if now is None else now
     nodes = {n["NodeName"]: n for n in slurm.nodes()}
     instances = cluster_instances(config, ec2)
-    done: dict[str, list[str]] = {"terminated": [], "down": [], "retried": []}
+    done: dict[str, list[str]] = {"terminated": [], "down": [], "retried": [], "launched": []}
 
     for node, ids in instances.items():
         state = nodes.get(node, {}).get("State", "")
@@ -322,6 +323,12 @@ def reconcile(config: Config, ec2, slurm: Slurm, now: float | None = None) -> di
         log.error("node(s) %s lost their instance: setting them DOWN", ",".join(vanished))
         slurm.set_down(vanished, f"{REASON_PREFIX} instance vanished (spot reclaim or terminated outside Slurm)")
         done["down"] = vanished
+    # Always-on nodes (never suspended, so Slurm never resumes them): launch those without an instance.
+    missing = [f"{pool.name}-{i}" for pool in config.pools.values() for i in range(1, pool.min_nodes + 1)
+               if f"{pool.name}-{i}" not in instances and f"{pool.name}-{i}" in nodes]
+    if missing:
+        log.info("always-on node(s) %s have no instance: launching", ",".join(missing))
+        done["launched"] = sorted(resume(config, ec2, slurm, ",".join(missing)).launched)
     retry = [name for name, n in nodes.items()
              if n.get("Reason", "").startswith(CAPACITY_PREFIX) and "DOWN" in n["State"]
              and now - _reason_time(n) >= config.capacity_retry_seconds]
@@ -348,13 +355,19 @@ def _reason_time(node: dict[str, str]) -> float:
 
 def setup_logging(config: Config) -> None:
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if Path("/dev/log").exists():  # the journal: slurmctld keeps nothing of what its programs print
+        from logging.handlers import SysLogHandler
+
+        syslog = SysLogHandler(address="/dev/log")
+        syslog.setFormatter(logging.Formatter("gpucluster-node[%(process)d]: %(levelname)s %(message)s"))
+        handlers.append(syslog)
     try:
         Path(config.log_file).parent.mkdir(parents=True, exist_ok=True)
         handlers.append(logging.FileHandler(config.log_file))
     except OSError as exc:  # the journal still gets everything
         print(f"gpucluster-node: cannot open {config.log_file}: {exc}", file=sys.stderr)
     logging.basicConfig(level=logging.INFO, handlers=handlers,
-                        format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
+                        format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s", force=True)
 
 
 COMMANDS = {"resume": resume, "suspend": suspend, "resume-fail": resume_fail}

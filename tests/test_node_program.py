@@ -143,3 +143,14 @@ def test_parse_node_line_keeps_reasons_with_spaces() -> None:
     parsed = node._parse_node_line(line)
     assert parsed["Reason"] == "gpucluster: capacity: ICE: no room [slurm@2026-01-01T00:00:00]"
     assert parsed["State"] == "DOWN+CLOUD"
+
+
+def test_reconcile_launches_always_on_nodes_without_an_instance(ec2) -> None:  # type: ignore[no-untyped-def]
+    config = make_config(ec2)
+    pools = {name: node.PoolLaunch(**{**pool.__dict__, "min_nodes": 2 if name == "p5-od" else 0})
+             for name, pool in config.pools.items()}
+    config = node.Config(cluster="c1", region="us-east-1", pools=pools, log_file="/dev/null")
+    node.resume(config, ec2, FakeSlurm(), "p5-od-1")
+    table = [{"NodeName": n, "State": "IDLE"} for n in ("p5-od-1", "p5-od-2")]
+    done = node.reconcile(config, ec2, FakeSlurm(table))
+    assert done["launched"] == ["p5-od-2"] and set(node.cluster_instances(config, ec2)) == {"p5-od-1", "p5-od-2"}
