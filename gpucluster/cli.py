@@ -2,6 +2,7 @@
 
     python -m gpucluster plan [STACK] [--json]   what a stack creates and costs, offline (default stack: dev)
     python -m gpucluster render STACK --out DIR  the user data EC2 gets and the Slurm files of the head node
+    python -m gpucluster preflight STACK         the account's quotas, capacity and prices for the stack (0 ok, 1 fail)
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def cost_table(stack: Stack, estimate: cost.CostEstimate) -> list[str]:
             f"WARNING: no reference price for pool(s) {', '.join(estimate.unpriced)}: totals above leave them out "
             "(run `preflight` for live prices)."
         )
-    lines.append(f"Prices: {catalog.PRICE_SOURCE}, recorded {catalog.PRICE_DATE}. Spot pools at the on-demand rate.")
+    lines.append(f"Reference prices: {catalog.PRICE_SOURCE}, recorded {catalog.PRICE_DATE}; 'priced as' says which "
+                 "rate each pool uses.")
     return lines
 
 
@@ -126,6 +128,20 @@ def render(args: argparse.Namespace) -> int:
     return 0
 
 
+def preflight(args: argparse.Namespace) -> int:
+    """Checks against the caller's account; exit 0 when nothing fails, 1 when a check fails."""
+    import boto3
+
+    from gpucluster import preflight as checks
+
+    stack = _load(args.stack)
+    report = checks.run(stack, boto3.Session())
+    print("\n".join(checks.render(stack, report)))
+    print()
+    print("\n".join(cost_table(stack, cost.estimate(stack, hourly_overrides=report.spot_prices))))
+    return 1 if report.failed else 0
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="python -m gpucluster", description=__doc__)
     sub = top.add_subparsers(dest="command", required=True)
@@ -137,6 +153,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("stack", help="a stack name under stacks/ or a path to a stack file")
     r.add_argument("--out", required=True, help="directory to write into")
     r.set_defaults(func=render)
+    f = sub.add_parser("preflight", help="check the AWS account (quotas, capacity, offers, prices) for a stack")
+    f.add_argument("stack", help="a stack name under stacks/ or a path to a stack file")
+    f.set_defaults(func=preflight)
     return top
 
 

@@ -1,0 +1,264 @@
+"""`python -m gpucluster preflight STACK`: can this account run this stack, before `pulumi up`?
+
+Uses the caller's AWS credentials (boto3's usual chain: AWS_PROFILE, environment, SSO; AWS_ENDPOINT_URL is honoured).
+Per pool: offered in the AZ, EFA, the vCPU quota of its family and market, its capacity reservation, the spot
+placement score, the AMI parameter, and live spot prices, which then update the cost table. Every check says pass, warn
+or fail, and how to fix a failure. An API that is denied or unavailable is a warning naming the permission.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+from gpucluster.spec import Pool, Stack
+
+Status = Literal["pass", "warn", "fail"]
+AMI_PARAMETERS = {
+    "nvidia": "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id",
+    "neuron": "/aws/service/neuron/dlami/multi-framework/ubuntu-24.04/latest/image_id",
+}
+# vCPU service quotas by instance family letter and market (Service Quotas, service code ec2).
+QUOTAS = {
+    ("p", "on-demand"): ("L-417A185B", "Running On-Demand P instances"),
+    ("p", "spot"): ("L-7212CCBC", "All P Spot Instance Requests"),
+    ("g", "on-demand"): ("L-DB2E81BA", "Running On-Demand G and VT instances"),
+    ("g", "spot"): ("L-3819A6DF", "All G and VT Spot Instance Requests"),
+    ("trn", "on-demand"): ("L-2C3B7624", "Running On-Demand Trn instances"),
+    ("trn", "spot"): ("L-6B0D517C", "All Trn Spot Instance Requests"),
+}
+DENIED = {"AccessDenied", "AccessDeniedException", "UnauthorizedOperation", "UnauthorizedException"}
+LOW_SPOT_SCORE = 3  # of 10: "unlikely to succeed" in AWS's own scale
+
+
+@dataclass(frozen=True)
+class Check:
+    pool: str | None
+    name: str
+    status: Status
+    detail: str
+    fix: str = ""
+
+
+def family_letter(instance_type: str) -> str:
+    family = instance_type.split(".")[0]
+    return "trn" if family.startswith("trn") else family[0]
+
+
+def guarded(pool: str | None, name: str, permission: str, probe: Callable[[], Check | list[Check]]) -> list[Check]:
+    """Run one check; an AWS error becomes a warning that names what was missing, never a crash."""
+    from botocore.exceptions import BotoCoreError, ClientError
+    from botocore.parsers import ResponseParserError
+
+    try:
+        result = probe()
+    except ClientError as exc:
+        code = exc.response.get("Error", {}).get("Code", "Error")
+        why = f"denied ({code}): grant {permission}" if code in DENIED else f"unavailable ({code}): {permission}"
+        return [Check(pool, name, "warn", f"not checked, {why}")]
+    except ResponseParserError:
+        return [Check(pool, name, "warn", f"not checked, {permission} unavailable: the endpoint gave no valid answer")]
+    except BotoCoreError as exc:
+        return [Check(pool, name, "warn", f"not checked, {permission} unreachable: {exc}")]
+    return result if isinstance(result, list) else [result]
+
+
+def check_offered(ec2: Any, pool: Pool, az: str) -> Check:
+    reply = ec2.describe_instance_type_offerings(
+        LocationType="availability-zone",
+        Filters=[{"Name": "instance-type", "Values": [pool.instance_type]}])
+    zones = sorted(o["Location"] for o in reply["InstanceTypeOfferings"])
+    if az in zones:
+        return Check(pool.name, "offered", "pass", f"{pool.instance_type} is offered in {az}")
+    elsewhere = ", ".join(zones) or "no AZ of this region"
+    return Check(pool.name, "offered", "fail", f"{pool.instance_type} is not offered in {az}",
+                 f"set availability_zone to one of: {elsewhere}")
+
+
+def check_efa(ec2: Any, pool: Pool) -> Check:
+    if not pool.uses_efa:
+        return Check(pool.name, "efa", "pass", "EFA not used by this pool")
+    (info,) = ec2.describe_instance_types(InstanceTypes=[pool.instance_type])["InstanceTypes"]
+    net = info["NetworkInfo"]
+    live = (net.get("EfaInfo") or {}).get("MaximumEfaInterfaces", 0) if net.get("EfaSupported") else 0
+    if live == pool.itype.efa_interfaces:
+        return Check(pool.name, "efa", "pass", f"{live} EFA interface(s), as the launch template lays out")
+    if live == 0:
+        return Check(pool.name, "efa", "fail", f"EC2 says {pool.instance_type} has no EFA here", "set efa: false")
+    return Check(pool.name, "efa", "warn", f"EC2 reports {live} EFA interfaces, the catalog {pool.itype.efa_interfaces}",
+                 "update gpucluster/catalog.py")
+
+
+def check_quotas(quotas: Any, stack: Stack, region: str) -> list[Check]:
+    """One vCPU quota may serve several pools: compare it with the sum of their max_nodes x vCPUs."""
+    need: dict[tuple[str, str], list[Pool]] = defaultdict(list)
+    checks = []
+    for pool in stack.spec.pools:
+        if pool.capacity == "capacity-block":
+            checks.append(Check(pool.name, "quota", "warn", "vCPU quota not checked for a capacity-block pool"))
+            continue
+        need[(family_letter(pool.instance_type), pool.capacity)].append(pool)
+    for key, pools in need.items():
+        code, title = QUOTAS[key]
+        vcpus = sum(p.max_nodes * p.itype.vcpus for p in pools)
+        names = [p.name for p in pools]
+        for check in guarded(pools[0].name, "quota", "servicequotas:GetServiceQuota",
+                             lambda: _quota(quotas, code, title, vcpus, names, region)):
+            checks += [Check(p.name, check.name, check.status, check.detail, check.fix) for p in pools]
+    return checks
+
+
+def _quota(quotas: Any, code: str, title: str, vcpus: int, pools: list[str], region: str) -> Check:
+    value = quotas.get_service_quota(ServiceCode="ec2", QuotaCode=code)["Quota"]["Value"]
+    who = " + ".join(pools)
+    if value >= vcpus:
+        return Check(None, "quota", "pass", f"{code} {title}: {value:.0f} vCPUs cover {vcpus} ({who} at max_nodes)")
+    return Check(None, "quota", "fail", f"{code} {title}: {value:.0f} vCPUs, {vcpus} needed ({who} at max_nodes)",
+                 f"aws service-quotas request-service-quota-increase --region {region} --service-code ec2 "
+                 f"--quota-code {code} --desired-value {vcpus}")
+
+
+def check_reservation(ec2: Any, pool: Pool, az: str) -> Check:
+    (res,) = ec2.describe_capacity_reservations(CapacityReservationIds=[pool.capacity_reservation_id])[
+        "CapacityReservations"]
+    problems = []
+    if res["State"] not in ("active", "scheduled"):
+        problems.append(f"state is {res['State']}")
+    if res["AvailabilityZone"] != az:
+        problems.append(f"it is in {res['AvailabilityZone']}, the stack in {az}")
+    if res["InstanceType"] != pool.instance_type:
+        problems.append(f"it holds {res['InstanceType']}, the pool asks {pool.instance_type}")
+    if res["TotalInstanceCount"] < pool.max_nodes:
+        problems.append(f"it holds {res['TotalInstanceCount']} instances, the pool needs {pool.max_nodes}")
+    if problems:
+        return Check(pool.name, "reservation", "fail", f"{pool.capacity_reservation_id}: " + "; ".join(problems),
+                     "match the pool to the reservation (type, AZ, max_nodes) or buy a matching capacity block")
+    window = f"{res.get('StartDate', '')} to {res.get('EndDate', '')}".strip()
+    return Check(pool.name, "reservation", "pass",
+                 f"{pool.capacity_reservation_id} {res['State']}, {res['TotalInstanceCount']} x {pool.instance_type} "
+                 f"in {az} {window}".rstrip())
+
+
+def check_spot_score(ec2: Any, pool: Pool, region: str, az_id: str) -> Check:
+    scores = ec2.get_spot_placement_scores(InstanceTypes=[pool.instance_type], TargetCapacity=pool.max_nodes,
+                                           SingleAvailabilityZone=True, RegionNames=[region])["SpotPlacementScores"]
+    score = max((s["Score"] for s in scores if s.get("AvailabilityZoneId") == az_id), default=0)
+    if score >= LOW_SPOT_SCORE:
+        return Check(pool.name, "spot score", "pass", f"placement score {score}/10 for {pool.max_nodes} nodes in {az_id}")
+    best = max(scores, key=lambda s: s["Score"], default=None)
+    hint = f"; best here: {best['AvailabilityZoneId']} scores {best['Score']}" if best else ""
+    return Check(pool.name, "spot score", "warn", f"placement score {score}/10 for {pool.max_nodes} nodes in {az_id}"
+                 f"{hint}", "expect interruptions and fallbacks; give the pool a fallback or fewer max_nodes")
+
+
+def check_ami(ssm: Any, ec2: Any, pool: Pool) -> Check:
+    if pool.ami_id:
+        from botocore.exceptions import ClientError
+
+        try:
+            images = ec2.describe_images(ImageIds=[pool.ami_id])["Images"]
+        except ClientError as exc:
+            if not exc.response.get("Error", {}).get("Code", "").startswith("InvalidAMIID"):
+                raise
+            images = []
+        if images:
+            return Check(pool.name, "ami", "pass", f"{pool.ami_id} exists")
+        return Check(pool.name, "ami", "fail", f"{pool.ami_id} not found in this region",
+                     "fix ami_id, or remove it to use the newest Deep Learning AMI")
+    accelerator = pool.itype.accelerator
+    assert accelerator
+    name = AMI_PARAMETERS[accelerator.kind]
+    try:
+        value = ssm.get_parameter(Name=name)["Parameter"]["Value"]
+    except ssm.exceptions.ParameterNotFound:
+        return Check(pool.name, "ami", "fail", f"{name} does not resolve in this region",
+                     "set the pool's ami_id to a Deep Learning AMI of this region")
+    return Check(pool.name, "ami", "pass", f"{name} -> {value}")
+
+
+def spot_price(ec2: Any, pool: Pool, az: str) -> tuple[Check, float | None]:
+    history = ec2.describe_spot_price_history(
+        InstanceTypes=[pool.instance_type], AvailabilityZone=az, ProductDescriptions=["Linux/UNIX"],
+        StartTime=dt.datetime.now(dt.timezone.utc))["SpotPriceHistory"]
+    if not history:
+        return Check(pool.name, "spot price", "warn", f"no spot price for {pool.instance_type} in {az}"), None
+    price = float(max(history, key=lambda h: h["Timestamp"])["SpotPrice"])
+    if price <= 0:
+        return Check(pool.name, "spot price", "warn", f"EC2 gave a spot price of {price} for {pool.instance_type}"), None
+    ref = pool.itype.on_demand_usd_per_hour
+    saving = f" ({100 * (1 - price / ref):.0f}% under the reference on-demand rate)" if ref else ""
+    return Check(pool.name, "spot price", "pass", f"${price:.4f}/h now in {az}{saving}"), price
+
+
+@dataclass
+class Report:
+    checks: list[Check]
+    spot_prices: dict[str, float]
+
+    @property
+    def failed(self) -> bool:
+        return any(c.status == "fail" for c in self.checks)
+
+
+def run(stack: Stack, session: Any) -> Report:
+    """Every check for `stack` with clients from `session` (a boto3.Session)."""
+    region, az = stack.region, stack.spec.availability_zone
+    ec2, ssm = session.client("ec2", region_name=region), session.client("ssm", region_name=region)
+    quotas = session.client("service-quotas", region_name=region)
+    checks: list[Check] = []
+    prices: dict[str, float] = {}
+    zone_ids: dict[str, str] = {}
+    checks += guarded(None, "zone", "ec2:DescribeAvailabilityZones", lambda: _zone(ec2, az, zone_ids))
+    for pool in stack.spec.pools:
+        checks += guarded(pool.name, "offered", "ec2:DescribeInstanceTypeOfferings", lambda: check_offered(ec2, pool, az))
+        checks += guarded(pool.name, "efa", "ec2:DescribeInstanceTypes", lambda: check_efa(ec2, pool))
+        if pool.capacity == "capacity-block":
+            checks += guarded(pool.name, "reservation", "ec2:DescribeCapacityReservations",
+                              lambda: check_reservation(ec2, pool, az))
+        if pool.capacity == "spot":
+            if az in zone_ids:
+                checks += guarded(pool.name, "spot score", "ec2:GetSpotPlacementScores",
+                                  lambda: check_spot_score(ec2, pool, region, zone_ids[az]))
+            found: list[float | None] = []
+            checks += guarded(pool.name, "spot price", "ec2:DescribeSpotPriceHistory",
+                              lambda: _record(spot_price(ec2, pool, az), found))
+            if found and found[0] is not None:
+                prices[pool.name] = found[0]
+        checks += guarded(pool.name, "ami", "ssm:GetParameter / ec2:DescribeImages", lambda: check_ami(ssm, ec2, pool))
+    checks += check_quotas(quotas, stack, region)
+    order = {p.name: i for i, p in enumerate(stack.spec.pools)}
+    checks.sort(key=lambda c: order.get(c.pool or "", -1))
+    return Report(checks, prices)
+
+
+def _zone(ec2: Any, az: str, zone_ids: dict[str, str]) -> Check:
+    """Spot placement scores speak of zone ids (use1-az4), stack files of zone names (us-east-1a)."""
+    zone_ids.update({z["ZoneName"]: z["ZoneId"] for z in ec2.describe_availability_zones()["AvailabilityZones"]})
+    if az not in zone_ids:
+        return Check(None, "zone", "fail", f"{az} is not a zone of this region", f"one of: {', '.join(sorted(zone_ids))}")
+    return Check(None, "zone", "pass", f"{az} is {zone_ids[az]} in this account")
+
+
+def _record(result: tuple[Check, float | None], sink: list[float | None]) -> Check:
+    check, price = result
+    sink.append(price)
+    return check
+
+
+def render(stack: Stack, report: Report) -> list[str]:
+    lines = [f"Preflight for stack {stack.name} ({stack.region} / {stack.spec.availability_zone})"]
+    current = object()
+    for c in report.checks:
+        if c.pool != current:
+            current = c.pool
+            pool = next((p for p in stack.spec.pools if p.name == c.pool), None)
+            if pool:
+                lines.append(f"pool {pool.name} ({pool.instance_type}, {pool.capacity}, up to {pool.max_nodes} nodes)")
+        lines.append(f"  {c.status.upper():4} {c.name:11} {c.detail}")
+        if c.fix:
+            lines.append(f"       fix: {c.fix}")
+    counts = {s: sum(c.status == s for c in report.checks) for s in ("pass", "warn", "fail")}
+    lines.append(f"Summary: {counts['pass']} pass, {counts['warn']} warn, {counts['fail']} fail")
+    return lines

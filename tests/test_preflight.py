@@ -1,0 +1,165 @@
+"""preflight: end to end against a moto server for what moto serves, and each check against recorded answers
+(botocore Stubber) for what it does not: quotas, capacity reservations, spot placement scores, denials."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import boto3
+import pytest
+import yaml
+from botocore.stub import Stubber
+from moto.server import ThreadedMotoServer
+
+from conftest import FIXTURES, ROOT
+from gpucluster import preflight
+from gpucluster.spec import load_stack
+
+TEAM_B = ROOT / "stacks" / "Pulumi.team-b.yaml"
+
+
+@pytest.fixture(scope="module")
+def moto_url():  # type: ignore[no-untyped-def]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+def stack_file(tmp_path: Path, ami: str | None) -> Path:
+    """team-b with every pool pinned to `ami` (moto reserves the public /aws/... AMI parameters)."""
+    doc = yaml.safe_load(TEAM_B.read_text())
+    for pool in doc["config"]["gpucluster:cluster"]["pools"]:
+        pool["ami_id"] = ami
+    path = tmp_path / "Pulumi.team-b.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def run_cli(path: Path, url: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
+    return subprocess.run([sys.executable, "-m", "gpucluster", "preflight", str(path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_preflight_against_moto(moto_url: str, tmp_path: Path) -> None:
+    ec2 = boto3.client("ec2", region_name="us-west-2", endpoint_url=moto_url, aws_access_key_id="t",
+                       aws_secret_access_key="t")
+    image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    done = run_cli(stack_file(tmp_path, image), moto_url)
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    assert "PASS offered     p4d.24xlarge is offered in us-west-2b" in out
+    assert "PASS efa         4 EFA interface(s)" in out and "PASS efa         8 EFA interface(s)" in out
+    assert f"PASS ami         {image} exists" in out
+    # moto has no EC2 quotas or placement scores: warnings that name the API, not failures.
+    assert "WARN quota       not checked, unavailable (NoSuchResourceException): servicequotas:GetServiceQuota" in out
+    assert "WARN spot score  not checked, ec2:GetSpotPlacementScores unavailable" in out
+    # moto's (fake) live spot price replaces the on-demand upper bound in the cost table.
+    assert "PASS spot price" in out and "live spot" in out
+    assert "0 fail" in out
+
+
+def test_a_failing_check_exits_1_with_its_fix(moto_url: str, tmp_path: Path) -> None:
+    done = run_cli(stack_file(tmp_path, "ami-0000000000000dead"), moto_url)
+    assert done.returncode == 1
+    assert "FAIL ami         ami-0000000000000dead not found in this region" in done.stdout
+    assert "fix: fix ami_id, or remove it to use the newest Deep Learning AMI" in done.stdout
+
+
+def test_bad_stack_exits_2(tmp_path: Path) -> None:
+    done = run_cli(ROOT / "tests" / "bad_stacks" / "Pulumi.min-above-max.yaml", "http://127.0.0.1:9")
+    assert done.returncode == 2 and "must be <= max_nodes" in done.stderr and "Traceback" not in done.stderr
+
+
+# --- recorded answers ------------------------------------------------------------------------------------------------
+
+def client(service: str):  # type: ignore[no-untyped-def]
+    return boto3.client(service, region_name="us-east-1", aws_access_key_id="t", aws_secret_access_key="t")
+
+
+def test_quota_shared_by_two_pools_fails_with_the_request_to_make() -> None:
+    stack = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")  # p5-od (4) on-demand, p5-spot (8) spot
+    quotas = client("service-quotas")
+    with Stubber(quotas) as stub:
+        for code, value in (("L-417A185B", 768.0), ("L-7212CCBC", 192.0)):
+            stub.add_response("get_service_quota", {"Quota": {"QuotaCode": code, "Value": value}},
+                              {"ServiceCode": "ec2", "QuotaCode": code})
+        checks = {c.pool: c for c in preflight.check_quotas(quotas, stack, "us-east-1")}
+    assert checks["p5-od"].status == "pass" and "768 vCPUs cover 768" in checks["p5-od"].detail
+    spot = checks["p5-spot"]
+    assert spot.status == "fail" and "L-7212CCBC All P Spot Instance Requests: 192 vCPUs, 1536 needed" in spot.detail
+    assert spot.fix.endswith("--quota-code L-7212CCBC --desired-value 1536")
+
+
+def test_denied_quota_api_is_a_warning_naming_the_permission() -> None:
+    stack = load_stack(ROOT / "stacks" / "Pulumi.dev.yaml")
+    quotas = client("service-quotas")
+    with Stubber(quotas) as stub:
+        stub.add_client_error("get_service_quota", service_error_code="AccessDeniedException")
+        (check,) = preflight.check_quotas(quotas, stack, "us-east-1")
+    assert check.status == "warn"
+    assert check.detail == "not checked, denied (AccessDeniedException): grant servicequotas:GetServiceQuota"
+
+
+def _reservation(**overrides: object) -> dict:
+    base = {"CapacityReservationId": "cr-0a1b2c3d4e5f60718", "InstanceType": "p5en.48xlarge", "State": "active",
+            "AvailabilityZone": "us-east-2b", "TotalInstanceCount": 2,
+            "StartDate": dt.datetime(2026, 12, 1, tzinfo=dt.timezone.utc),
+            "EndDate": dt.datetime(2026, 12, 8, tzinfo=dt.timezone.utc)}
+    return {"CapacityReservations": [{**base, **overrides}]}
+
+
+@pytest.mark.parametrize("overrides,status,words", [
+    ({}, "pass", ["active, 2 x p5en.48xlarge in us-east-2b"]),
+    ({"AvailabilityZone": "us-east-2a", "TotalInstanceCount": 1}, "fail",
+     ["it is in us-east-2a, the stack in us-east-2b", "it holds 1 instances, the pool needs 2"]),
+    ({"State": "expired"}, "fail", ["state is expired"]),
+])
+def test_capacity_block_reservation(overrides: dict, status: str, words: list[str]) -> None:
+    stack = load_stack(FIXTURES / "Pulumi.existing.yaml")
+    pool = stack.spec.pools[0]
+    ec2 = client("ec2")
+    with Stubber(ec2) as stub:
+        stub.add_response("describe_capacity_reservations", _reservation(**overrides),
+                          {"CapacityReservationIds": ["cr-0a1b2c3d4e5f60718"]})
+        check = preflight.check_reservation(ec2, pool, "us-east-2b")
+    assert check.status == status and all(w in check.detail for w in words), check.detail
+
+
+@pytest.mark.parametrize("score,status", [(9, "pass"), (1, "warn")])
+def test_spot_placement_score(score: int, status: str) -> None:
+    pool = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml").spec.pools[1]
+    ec2 = client("ec2")
+    with Stubber(ec2) as stub:
+        stub.add_response("get_spot_placement_scores", {"SpotPlacementScores": [
+            {"Region": "us-east-1", "AvailabilityZoneId": "use1-az4", "Score": score},
+            {"Region": "us-east-1", "AvailabilityZoneId": "use1-az6", "Score": 7}]})
+        check = preflight.check_spot_score(ec2, pool, "us-east-1", "use1-az4")
+    assert check.status == status and f"placement score {score}/10 for 8 nodes in use1-az4" in check.detail
+    if status == "warn":
+        assert "best here: use1-az6 scores 7" in check.detail and check.fix
+
+
+def test_type_not_offered_in_the_zone_fails_with_the_zones_that_offer_it() -> None:
+    pool = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml").spec.pools[0]
+    ec2 = client("ec2")
+    with Stubber(ec2) as stub:
+        stub.add_response("describe_instance_type_offerings", {"InstanceTypeOfferings": [
+            {"InstanceType": "p5.48xlarge", "LocationType": "availability-zone", "Location": "us-east-1f"}]})
+        check = preflight.check_offered(ec2, pool, "us-east-1a")
+    assert check.status == "fail" and check.fix == "set availability_zone to one of: us-east-1f"
+
+
+def test_unresolvable_ami_parameter_fails() -> None:
+    pool = load_stack(ROOT / "stacks" / "Pulumi.dev.yaml").spec.pools[0]
+    ssm = client("ssm")
+    with Stubber(ssm) as stub:
+        stub.add_client_error("get_parameter", service_error_code="ParameterNotFound")
+        check = preflight.check_ami(ssm, client("ec2"), pool)
+    assert check.status == "fail" and "does not resolve in this region" in check.detail
