@@ -182,6 +182,7 @@ class LocalCluster:
         for proc in list(self.nodes.values()) + list(reversed(self.procs)):
             stop(proc)
         self.nodes.clear()
+        self._stop_orphan_steps()
         for closer in ("faulty", "moto"):
             if hasattr(self, closer):
                 getattr(self, closer).stop() if closer == "moto" else getattr(self, closer).close()
@@ -219,6 +220,19 @@ class LocalCluster:
         self._files()
         self._daemons()
         threading.Thread(target=self._boot_loop, daemon=True).start()
+
+    def _stop_orphan_steps(self) -> None:
+        """slurmstepd detaches from slurmd: a job step still running when its "node" stops would outlive the test."""
+        if not hasattr(self, "conf"):
+            return
+        mark = f"SLURM_CONF={self.conf}".encode()
+        for proc in Path("/proc").iterdir():
+            try:
+                if proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(b"slurmstepd") \
+                        and mark in (proc / "environ").read_bytes().split(b"\0"):
+                    os.kill(int(proc.name), signal.SIGKILL)
+            except OSError:  # gone meanwhile, or not ours to read
+                continue
 
     # --- EC2 in moto: what `pulumi up` would have created -------------------------------------------------------
     def ec2(self):  # type: ignore[no-untyped-def]
