@@ -153,7 +153,7 @@ def head(settings: dict, ssm) -> None:  # type: ignore[no-untyped-def,type-arg]
     run("systemctl", "enable", "--now", "slurmdbd")
     run("systemctl", "enable", "--now", "slurmctld")
     run("systemctl", "enable", "--now", "gpucluster-reconcile.timer")
-    run("sacctmgr", "-i", "add", "account", settings["team"], f"Description=team {settings['team']}", check=False)
+    run("sh", str(BUNDLE / "accounting.sh"))  # the team's account, its users and its monthly GPU-hours
     mount_lustre(settings["fsx_dns_name"], settings["fsx_mount_name"])
     os.chmod("/fsx", 0o1777)  # like /tmp: every user may submit from and write into /fsx, only owners delete
     shutil.copytree(BUNDLE / "examples", "/fsx/examples", dirs_exist_ok=True)

@@ -17,6 +17,8 @@ from gpucluster.spec import Stack
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = ("bootstrap.py", "gpucluster_node.py")
+# Who submits jobs on the head node: the image's login user (Ubuntu). Add others with `sacctmgr add user`.
+CLUSTER_USERS = ("ubuntu",)
 EXAMPLES = ("launch.sh", "ddp_train.py", "ddp.sbatch", "all_reduce.py", "all_reduce.sbatch", "ddp_container.sbatch")
 
 
@@ -27,6 +29,7 @@ def contents(stack: Stack) -> dict[str, tuple[bytes, int]]:
     files |= {f"examples/{name}": ((ROOT / "examples" / name).read_bytes(), 0o755 if name.endswith(".sh") else 0o644)
               for name in EXAMPLES}
     files["accounting.sql"] = (slurm.ACCOUNTING_DB_SQL.encode(), 0o644)
+    files["accounting.sh"] = (slurm.accounting_script(stack, CLUSTER_USERS).encode(), 0o755)
     return files
 
 

@@ -138,3 +138,18 @@ def estimate(stack: Stack, hourly_overrides: dict[str, float] | None = None) -> 
         budget_monthly=spec.budget.monthly_usd,
         unpriced=[p.name for p in pools if p.usd_per_node_hour is None],
     )
+
+
+def gpu_hour_quota(stack: Stack) -> int | None:
+    """The team's monthly GPU-hours: the stack's own figure, or what the budget buys at the mean on-demand price per
+    GPU-hour of its NVIDIA pools (weighted by their GPUs at max size). None: no NVIDIA pool with a price."""
+    budget = stack.spec.budget
+    if budget.gpu_hours_per_month is not None:
+        return budget.gpu_hours_per_month
+    gpus = cost = 0.0
+    for pool in stack.spec.pools:
+        acc, price = pool.itype.accelerator, pool.itype.on_demand_usd_per_hour
+        if acc and acc.kind == "nvidia" and price:
+            gpus += acc.count * pool.max_nodes
+            cost += price * pool.max_nodes
+    return int(budget.monthly_usd / (cost / gpus)) if gpus else None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpucluster import cost
 from gpucluster.spec import Pool, Stack
 
 # Slurm must not count memory the kernel, the CUDA driver and the EFA stack keep: a node that registers with less than
@@ -63,6 +64,8 @@ def gres(pool: Pool) -> str | None:
         return f"gpu:{acc.model.lower()}:{acc.count}"
     return f"neuron:{acc.count}"
 
+
+DEFAULT_TIME = "1-00:00:00"  # a job without --time gets a day; longer runs say so
 
 # Slurm allocates the lowest Weight first: a partition with a fallback pool fills spot, then reserved, then on-demand.
 WEIGHTS = {"spot": 1, "capacity-block": 10, "on-demand": 100}
@@ -148,6 +151,12 @@ def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         # With slurmdbd this names the munge socket of the accounting connection (not a password).
         f"AccountingStoragePass={layout.munge_socket}",
         f"AccountingStorageTRES={','.join(f'gres/{t}' for t in gres_types)}" if gres_types else None,
+        # Every job runs under the team's account, and within its GPU-hours: `safe` starts a job only if its time
+        # limit fits in what is left, so partitions carry a default time limit.
+        "AccountingStorageEnforce=associations,limits,qos,safe",
+        "PriorityType=priority/multifactor",
+        "PriorityUsageResetPeriod=MONTHLY",
+        "PriorityDecayHalfLife=0",
         f"JobAcctGatherType=jobacct_gather/{'cgroup' if layout.cgroups else 'linux'}",
         "",
     ]
@@ -161,7 +170,8 @@ def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         default = " Default=YES" if i == 0 else ""
         members = [pool] + ([by_name[pool.fallback]] if pool.fallback else [])
         nodes = ",".join(hostlist(p.name, 1, p.max_nodes) for p in members)
-        lines.append(f"PartitionName={pool.name} Nodes={nodes}{default} MaxTime=INFINITE State=UP")
+        lines.append(f"PartitionName={pool.name} Nodes={nodes}{default} DefaultTime={DEFAULT_TIME} MaxTime=INFINITE "
+                     "State=UP")
     return "\n".join(line for line in lines if line is not None) + "\n"
 
 
@@ -185,6 +195,21 @@ ACCOUNTING_DB_SQL = (
     "CREATE USER IF NOT EXISTS 'slurm'@'localhost' IDENTIFIED VIA unix_socket; "
     f"GRANT ALL ON {ACCOUNTING_DB}.* TO 'slurm'@'localhost';"
 )
+
+
+def accounting_script(stack: Stack, users: tuple[str, ...]) -> str:
+    """sacctmgr commands the head node runs once slurmctld is up: the team's account with its monthly GPU-minutes,
+    and the users who submit under it. Idempotent: `add` of what exists is a no-op, `modify` sets the limit anew."""
+    team = stack.spec.team
+    quota = cost.gpu_hour_quota(stack)
+    lines = ["#!/bin/sh", "# Rendered by gpucluster: the team's Slurm account and its GPU-hour quota.",
+             f"sacctmgr -i add cluster {stack.cluster_name} >/dev/null 2>&1 || true",
+             f"sacctmgr -i add account {team} Description='team {team}' Organization={team} >/dev/null 2>&1 || true"]
+    limit = f"gres/gpu={quota * 60}" if quota is not None else "gres/gpu=-1"
+    lines.append(f"sacctmgr -i modify account where name={team} set GrpTRESMins={limit}")
+    lines += [f"sacctmgr -i add user {user} Account={team} DefaultAccount={team} >/dev/null 2>&1 || true"
+              for user in users]
+    return "\n".join(lines) + "\n"
 
 
 def slurmdbd_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:

@@ -205,6 +205,9 @@ class Budget(_Model):
     monthly_usd: float = Field(gt=0)
     thresholds_percent: list[int] = Field(default=[50, 80, 100], min_length=1)
     notify_emails: list[str] = Field(min_length=1)
+    # GPU-hours the team's Slurm account may use per month (Slurm GrpTRESMins on gres/gpu, reset monthly). Default:
+    # what monthly_usd buys at the pools' mean on-demand price per GPU-hour.
+    gpu_hours_per_month: int | None = Field(default=None, ge=0)
     # Cost-allocation tags are account-wide and only the payer account may switch them on; turn this off in a member
     # account of an AWS Organization and ask the payer to activate `gpucluster:stack` once.
     activate_cost_allocation_tag: bool = True

@@ -314,6 +314,9 @@ class LocalCluster:
         ctld = spawn(self.procs, ["slurmctld", "-D", "-i", "-f", str(self.conf)], env)
         wait_for("slurmctld", lambda: subprocess.run(["sinfo"], env=self.env, capture_output=True).returncode == 0,
                  [ctld, dbd], [logs / "slurmctld.log", logs / "slurmdbd.log"])
+        # The head node's accounting script, for the user the tests submit as.
+        subprocess.run(["sh", "-c", slurm.accounting_script(self.stack, ("root",))], env=self.env, check=True,
+                       capture_output=True)
 
     def _database(self) -> Path:
         """A private MariaDB with the accounting user slurmdbd connects as (Unix-socket authentication)."""

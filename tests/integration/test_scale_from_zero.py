@@ -102,3 +102,19 @@ def test_example_ddp_job_trains_across_two_nodes(cluster: LocalCluster) -> None:
     assert {r[1] for r in ranks} == {"standby-1", "standby-2"}  # one rank on each node
     assert len({r[4] for r in ranks}) == 1  # replicas agree
     assert all(float(last) < float(first) / 10 for _, _, first, last, _ in ranks)  # it learned
+
+
+def test_gpu_hour_quota_holds_jobs_that_would_exceed_it(cluster: LocalCluster) -> None:
+    """The team account's monthly GPU-minutes (derived here from a $500 budget at g6.xlarge prices: 621 GPU-hours)
+    admit a job whose time limit fits, and hold one that would run past them, with Slurm's quota reason."""
+    quota = cluster.run("sacctmgr", "-n", "-P", "show", "assoc", "where", "account=local", "user=",
+                        "format=GrpTRESMins").split()
+    assert quota == ["gres/gpu=37260"]
+    fits = submit(cluster, "-p", "standby", "--gpus=1", "--time=60", "--wrap", "true")
+    beyond = submit(cluster, "-p", "standby", "--gpus=1", "--time=30-00:00:00", "--wrap", "true")
+    cluster.wait(f"job {fits} to complete", lambda: cluster.job_state(fits) == "COMPLETED", 180)
+    assert cluster.job_state(beyond) == "PENDING"
+    reason = cluster.run("squeue", "-h", "-j", beyond, "-o", "%r").strip()
+    assert reason == "AssocGrpGRESMinutes", reason
+    account = cluster.run("squeue", "-h", "-j", beyond, "-o", "%a").strip()
+    assert account == "local"
