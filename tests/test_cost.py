@@ -54,3 +54,17 @@ def test_budget_that_covers_full_size_is_not_flagged() -> None:
     generous = stack.spec.model_copy(update={"budget": stack.spec.budget.model_copy(update={"monthly_usd": full_month + 1})})
     est = cost.estimate(type(stack)(stack.name, stack.region, generous))
     assert not est.over_budget and est.hours_at_max_within_budget > 730
+
+
+def test_gpu_hour_quota_derived_from_budget_and_prices() -> None:
+    stack = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")  # $250,000; p5.48xlarge $55.04/h for 8 GPUs
+    assert cost.gpu_hour_quota(stack) == int(250000 / (55.04 / 8))
+    explicit = stack.spec.model_copy(update={"budget": stack.spec.budget.model_copy(update={"gpu_hours_per_month": 5000})})
+    assert cost.gpu_hour_quota(type(stack)(stack.name, stack.region, explicit)) == 5000
+
+
+def test_gpu_hour_quota_weights_pools_by_their_gpus() -> None:
+    stack = load_stack(ROOT / "stacks" / "Pulumi.team-b.yaml")  # p4d x4 (8 GPUs), g6e.12xlarge x4 (4 GPUs); trn1 none
+    gpus = 4 * 8 + 4 * 4
+    dollars = 4 * 21.96 + 4 * 10.49264
+    assert cost.gpu_hour_quota(stack) == int(40000 / (dollars / gpus))
