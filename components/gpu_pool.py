@@ -15,12 +15,6 @@ from components import child
 from gpucluster import catalog
 from gpucluster.spec import Pool
 
-# Public SSM parameters that always point at the newest AMI of each flavour. Resolved at `pulumi up`, so every node of
-# a pool boots the same image until the next `up`.
-AMI_PARAMETERS = {
-    "nvidia": "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id",
-    "neuron": "/aws/service/neuron/dlami/multi-framework/ubuntu-24.04/latest/image_id",
-}
 ROOT_DEVICE = "/dev/sda1"  # Ubuntu-based DLAMIs
 
 
@@ -67,8 +61,9 @@ class GpuPool(pulumi.ComponentResource):
         if pool.ami_id:
             self.image_id = pulumi.Output.from_input(pool.ami_id)
         else:
+            # Resolved at `pulumi up`, so every node of a pool boots the same image until the next `up`.
             self.image_id = aws.ssm.get_parameter_output(
-                name=AMI_PARAMETERS[accelerator.kind], opts=pulumi.InvokeOutputOptions(parent=self)
+                name=catalog.AMI_PARAMETERS[accelerator.kind], opts=pulumi.InvokeOutputOptions(parent=self)
             ).value
 
         self.placement_group = None

@@ -18,6 +18,12 @@ PRICE_SOURCE = "AWS EC2 On-Demand pricing page, Linux, us-east-1 (rates after th
 
 AcceleratorKind = Literal["nvidia", "neuron"]
 
+# Public SSM parameters that always name the newest AMI of each accelerator kind (Ubuntu 24.04 Deep Learning AMIs).
+AMI_PARAMETERS: dict[str, str] = {
+    "nvidia": "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id",
+    "neuron": "/aws/service/neuron/dlami/multi-framework/ubuntu-24.04/latest/image_id",
+}
+
 
 @dataclass(frozen=True)
 class Accelerator:

@@ -13,13 +13,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
+from gpucluster import catalog
 from gpucluster.spec import Pool, Stack
 
 Status = Literal["pass", "warn", "fail"]
-AMI_PARAMETERS = {
-    "nvidia": "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id",
-    "neuron": "/aws/service/neuron/dlami/multi-framework/ubuntu-24.04/latest/image_id",
-}
 # vCPU service quotas by instance family letter and market (Service Quotas, service code ec2).
 QUOTAS = {
     ("p", "on-demand"): ("L-417A185B", "Running On-Demand P instances"),
@@ -169,7 +166,7 @@ def check_ami(ssm: Any, ec2: Any, pool: Pool) -> Check:
                      "fix ami_id, or remove it to use the newest Deep Learning AMI")
     accelerator = pool.itype.accelerator
     assert accelerator
-    name = AMI_PARAMETERS[accelerator.kind]
+    name = catalog.AMI_PARAMETERS[accelerator.kind]
     try:
         value = ssm.get_parameter(Name=name)["Parameter"]["Value"]
     except ssm.exceptions.ParameterNotFound:
