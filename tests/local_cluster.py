@@ -199,12 +199,14 @@ class LocalCluster:
         self.faulty = FaultyEC2(f"http://127.0.0.1:{port}")
         self.moto_url = f"http://127.0.0.1:{port}"
         nodes = sum(p.max_nodes for p in self.stack.spec.pools)
+        # One block for every port of the cluster: ports picked one by one could land inside the nodes' range.
+        ports = free_port_block(nodes + 3)
         self.layout = slurm.SlurmLayout(
             controller_host=socket.gethostname(),
-            controller_port=free_port(),
-            node_port=free_port(),
-            dbd_port=free_port(),
-            node_port_base=free_port_block(nodes),
+            controller_port=ports,
+            node_port=ports + 1,
+            dbd_port=ports + 2,
+            node_port_base=ports + 3,
             state_dir=str(self.root / "state"),
             spool_dir=str(self.root / "spool"),
             log_dir=str(self.root / "log"),
@@ -383,5 +385,6 @@ class LocalCluster:
         return self.run("scontrol", "show", "job", job).split("JobState=")[1].split()[0]
 
     def wait(self, what: str, ready: Callable[[], bool], seconds: float) -> None:
-        logs = [Path(self.layout.log_dir) / n for n in ("slurmctld.log", "nodes.log")]
+        log_dir = Path(self.layout.log_dir)
+        logs = [log_dir / "slurmctld.log", log_dir / "nodes.log", *sorted(log_dir.glob("slurmd-*.log"))]
         wait_for(what, ready, [], logs, seconds)
