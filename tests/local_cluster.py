@@ -51,16 +51,27 @@ def free_port() -> int:
 
 
 def free_port_block(count: int) -> int:
-    """The first of `count` consecutive free ports."""
-    while True:
-        base = free_port()
-        if base + count < 65535 and all(_port_free(base + i) for i in range(count)):
+    """The first of `count` consecutive free ports, below the kernel's ephemeral range: a slurmd binds its port only
+    when its node boots, and by then any outgoing connection could have taken an ephemeral port as its source."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for base in range(max(1024, low - 12000), low - count):
+        if all(_bindable(base + i) for i in range(count)):
             return base
+    raise RuntimeError(f"no {count} consecutive free ports below {low}")
 
 
-def _port_free(port: int) -> bool:
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) != 0
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _own(path: Path, user: str) -> None:
@@ -312,7 +323,7 @@ class LocalCluster:
         db_socket = self._database()
         env = {**self.env, "MYSQL_UNIX_PORT": str(db_socket)}
         dbd = spawn(self.procs, ["slurmdbd", "-D"], env)
-        wait_for("slurmdbd", lambda: not _port_free(lay.dbd_port), [dbd], [logs / "slurmdbd.log"])
+        wait_for("slurmdbd", lambda: listening(lay.dbd_port), [dbd], [logs / "slurmdbd.log"])
         ctld = spawn(self.procs, ["slurmctld", "-D", "-i", "-f", str(self.conf)], env)
         wait_for("slurmctld", lambda: subprocess.run(["sinfo"], env=self.env, capture_output=True).returncode == 0,
                  [ctld, dbd], [logs / "slurmctld.log", logs / "slurmdbd.log"])
@@ -386,5 +397,9 @@ class LocalCluster:
 
     def wait(self, what: str, ready: Callable[[], bool], seconds: float) -> None:
         log_dir = Path(self.layout.log_dir)
-        logs = [log_dir / "slurmctld.log", log_dir / "nodes.log", *sorted(log_dir.glob("slurmd-*.log"))]
-        wait_for(what, ready, [], logs, seconds)
+        try:
+            wait_for(what, ready, [], [log_dir / "slurmctld.log", log_dir / "nodes.log"], seconds)
+        except RuntimeError as exc:  # the nodes' own logs exist only now
+            nodes = "\n".join(f"--- {log}\n{log.read_text()[-1500:]}" for log in sorted(log_dir.glob("*slurmd-*.log"))
+                              + sorted(log_dir.glob("boot-*.log")))
+            raise RuntimeError(f"{exc}\n{nodes}") from None
