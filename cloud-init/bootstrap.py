@@ -205,18 +205,28 @@ def containers() -> None:
     run("make", "-C", "/tmp/pyxis", "install", check=False)
 
 
+def gpu_metrics(pool: str) -> None:
+    """The CloudWatch agent (on the Deep Learning AMIs) publishes GPU utilisation for the pool's idle-GPU alarm."""
+    config = BUNDLE / "cloudwatch-agent" / f"{pool}.json"
+    ctl = "/opt/aws/amazon-cloudwatch-agent/bin/amazon-cloudwatch-agent-ctl"
+    if config.exists() and Path(ctl).exists():
+        run(ctl, "-a", "fetch-config", "-m", "ec2", "-c", f"file:{config}", "-s")
+
+
 def compute(settings: dict, ssm) -> None:  # type: ignore[no-untyped-def,type-arg]
     name = node_name()
     run("hostnamectl", "set-hostname", name)
     hosts_entry(settings["head_address"])
     install_munge_key(munge_key(ssm, settings["munge_key_parameter"], create=False))
     run("systemctl", "restart", "munge")
-    pool = settings["pools"][os.environ.get("GPUCLUSTER_POOL") or name.rsplit("-", 1)[0]]
+    pool_name = os.environ.get("GPUCLUSTER_POOL") or name.rsplit("-", 1)[0]
+    pool = settings["pools"][pool_name]
     Path("/etc/profile.d/gpucluster-nccl.sh").write_text(nccl_environment(pool.get("efa_interfaces", 0) > 0))
     # NCCL keeps its buffers in /dev/shm: allow most of the node's memory.
     run("mount", "-o", "remount,size=90%", "/dev/shm", check=False)
     mount_lustre(settings["fsx_dns_name"], settings["fsx_mount_name"])
     containers()
+    gpu_metrics(pool_name)
     # Configless: slurm.conf, gres.conf and plugstack.conf come from the controller.
     Path("/etc/default/slurmd").write_text(f'SLURMD_OPTIONS="--conf-server head:6817 -N {name}"\n')
     run("systemctl", "enable", "--now", "slurmd")

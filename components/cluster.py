@@ -10,6 +10,7 @@ import pulumi_aws as aws
 from components.budget import Budget, BudgetArgs
 from components.gpu_pool import GpuPool, GpuPoolArgs
 from components.head_node import HeadNode, HeadNodeArgs
+from components.monitoring import IdleGpuAlarms, IdleGpuAlarmsArgs
 from components.network import Network, NetworkArgs
 from components.node_access import NodeAccess, NodeAccessArgs
 from components.storage import Storage, StorageArgs
@@ -104,6 +105,7 @@ def create_cluster(stack: Stack) -> dict[str, object]:
         ),
         opts,
     )
+    IdleGpuAlarms(stack.cluster_name, IdleGpuAlarmsArgs(stack=stack, topic_arn=budget.topic_arn), opts)
     estimate = cost.estimate(stack)
     return {
         "vpc_id": network.vpc_id,

@@ -11,6 +11,7 @@ import pulumi
 import pulumi_aws as aws
 
 from components import child
+from gpucluster import monitoring
 
 EC2_ASSUME = json.dumps({"Version": "2012-10-17", "Statement": [
     {"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"}, "Action": "sts:AssumeRole"}]})
@@ -64,6 +65,8 @@ class NodeAccess(pulumi.ComponentResource):
             self.config_parameter_arn, self.munge_key_parameter_arn, self.bundle_arn).apply(lambda a: policy([
                 {"Sid": "ClusterSettings", "Effect": "Allow", "Action": "ssm:GetParameter", "Resource": [a[0], a[1]]},
                 {"Sid": "Bundle", "Effect": "Allow", "Action": "s3:GetObject", "Resource": a[2]},
+                {"Sid": "GpuMetrics", "Effect": "Allow", "Action": "cloudwatch:PutMetricData", "Resource": "*",
+                 "Condition": {"StringEquals": {"cloudwatch:namespace": monitoring.NAMESPACE}}},
             ])), opts=child(self))
         profile = aws.iam.InstanceProfile(f"{name}-compute", role=role.name, opts=child(self))
         self.compute_role_arn = role.arn

@@ -12,7 +12,7 @@ import io
 import tarfile
 from pathlib import Path
 
-from gpucluster import slurm
+from gpucluster import monitoring, slurm
 from gpucluster.spec import Stack
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,6 +30,8 @@ def contents(stack: Stack) -> dict[str, tuple[bytes, int]]:
               for name in EXAMPLES}
     files["accounting.sql"] = (slurm.ACCOUNTING_DB_SQL.encode(), 0o644)
     files["accounting.sh"] = (slurm.accounting_script(stack, CLUSTER_USERS).encode(), 0o755)
+    files |= {f"cloudwatch-agent/{pool.name}.json": (monitoring.agent_config(stack, pool).encode(), 0o644)
+              for pool in monitoring.watched_pools(stack)}
     return files
 
 

@@ -62,10 +62,10 @@ def test_head_role_is_scoped_to_this_cluster(shipped: Shipped) -> None:
             assert all(a.startswith("ec2:Describe") for a in statement["Action"]), sid
 
 
-def test_compute_role_reads_settings_key_and_bundle_only(shipped: Shipped) -> None:
+def test_compute_role_reads_settings_key_bundle_and_writes_gpu_metrics_only(shipped: Shipped) -> None:
     stack, declared = shipped
     compute = _statements(_one(declared, "iam/rolePolicy:RolePolicy", "-compute"))
-    assert set(compute) == {"ClusterSettings", "Bundle"}
+    assert set(compute) == {"ClusterSettings", "Bundle", "GpuMetrics"}
     assert compute["ClusterSettings"]["Action"] == "ssm:GetParameter"
     assert compute["Bundle"]["Action"] == "s3:GetObject" and compute["Bundle"]["Resource"].endswith(
         "/gpucluster/bundle-" + compute["Bundle"]["Resource"].split("bundle-")[-1])
@@ -99,7 +99,8 @@ def test_bundle_object_holds_the_rendered_files(shipped: Shipped) -> None:
     with tarfile.open(fileobj=io.BytesIO(gzip.decompress(data))) as tar:
         names = set(tar.getnames())
     assert {"bootstrap.py", "gpucluster_node.py", "accounting.sql", "accounting.sh", "slurm/slurm.conf", "slurm/gres.conf",
-            "slurm/slurmdbd.conf", "slurm/plugstack.conf"} | {f"examples/{n}" for n in bundle.EXAMPLES} == names
+            "slurm/slurmdbd.conf", "slurm/plugstack.conf"} | {f"examples/{n}" for n in bundle.EXAMPLES} | {
+        f"cloudwatch-agent/{p.name}.json" for p in stack.spec.pools if p.itype.accelerator.kind == "nvidia"} == names
 
 
 def test_bundle_is_deterministic() -> None:
