@@ -9,9 +9,8 @@ import pulumi
 import pulumi_aws as aws
 
 from components import child
+from gpucluster.cost import COST_TAG
 from gpucluster.spec import Budget as BudgetSpec
-
-COST_TAG = "gpucluster:stack"
 
 
 @dataclass(frozen=True)

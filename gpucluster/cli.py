@@ -3,6 +3,7 @@
     python -m gpucluster plan [STACK] [--json]   what a stack creates and costs, offline (default stack: dev)
     python -m gpucluster render STACK --out DIR  the user data EC2 gets and the Slurm files of the head node
     python -m gpucluster preflight STACK         the account's quotas, capacity and prices for the stack (0 ok, 1 fail)
+    python -m gpucluster cost STACK              this month's spend by the stack's tag, forecast, GPU-hours
 """
 
 from __future__ import annotations
@@ -142,6 +143,21 @@ def preflight(args: argparse.Namespace) -> int:
     return 1 if report.failed else 0
 
 
+def spend(args: argparse.Namespace) -> int:
+    """This month's spend, forecast and GPU-hours; Cost Explorer lives in us-east-1 whatever the stack's region."""
+    import datetime as dt
+
+    import boto3
+
+    from gpucluster import spend as money
+
+    stack = _load(args.stack)
+    today = dt.date.today()
+    result = money.spend(boto3.Session().client("ce", region_name="us-east-1"), stack, today)
+    print("\n".join(money.report(stack, result, money.slurm_gpu_hours(money.month_bounds(today)[0]))))
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="python -m gpucluster", description=__doc__)
     sub = top.add_subparsers(dest="command", required=True)
@@ -156,6 +172,9 @@ def parser() -> argparse.ArgumentParser:
     f = sub.add_parser("preflight", help="check the AWS account (quotas, capacity, offers, prices) for a stack")
     f.add_argument("stack", help="a stack name under stacks/ or a path to a stack file")
     f.set_defaults(func=preflight)
+    c = sub.add_parser("cost", help="this month's spend, forecast and GPU-hours of a stack (AWS credentials)")
+    c.add_argument("stack", help="a stack name under stacks/ or a path to a stack file")
+    c.set_defaults(func=spend)
     return top
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from gpucluster import catalog
 from gpucluster.spec import Stack
 
+COST_TAG = "gpucluster:stack"  # the cost-allocation tag that budgets and spend reports filter on
 HOURS_PER_MONTH = 730  # AWS's own convention in its pricing calculator
 
 # us-east-1 reference rates, same date and source as the catalog.
