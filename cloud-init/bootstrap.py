@@ -25,7 +25,6 @@ SETTINGS = Path("/etc/gpucluster/cluster.json")
 STATE = Path("/var/lib/gpucluster")  # the head node's state volume: slurmctld state and MariaDB
 SLURM_ETC = Path("/etc/slurm")
 MUNGE_KEY = Path("/etc/munge/munge.key")
-PROGRAMS = ("resume", "suspend", "resume-fail", "reconcile")
 ENROOT_VERSION = "3.5.0"
 
 log = logging.getLogger("gpucluster-bootstrap")
@@ -130,7 +129,9 @@ def slurm_files(settings: dict) -> None:  # type: ignore[type-arg]
         shutil.chown(d, "slurm", "slurm")
     bin_dir = BUNDLE / "bin"
     bin_dir.mkdir(exist_ok=True)
-    for program in PROGRAMS:
+    from gpucluster_node import COMMANDS  # beside this file in the bundle
+
+    for program in (*COMMANDS, "reconcile"):
         link = bin_dir / program
         if not link.is_symlink():
             link.symlink_to(BUNDLE / "gpucluster_node.py")

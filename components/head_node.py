@@ -13,10 +13,10 @@ import pulumi_aws as aws
 
 from components import child
 from components.node_access import EC2_ASSUME, SSM_CORE, NodeAccess, policy
+from gpucluster.cost import HEAD_ROOT_GIB, HEAD_STATE_GIB
 
 UBUNTU_AMI_PARAMETER = "/aws/service/canonical/ubuntu/server/24.04/stable/current/amd64/hvm/ebs-gp3/ami-id"
 STATE_DEVICE = "/dev/sdf"
-STATE_VOLUME_GIB = 100
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class HeadNode(pulumi.ComponentResource):
         head_profile = aws.iam.InstanceProfile(f"{name}-head", role=head_role.name, opts=child(self))
 
         # Slurm state and the accounting database live on their own volume: a replaced head node keeps the queue.
-        state = aws.ebs.Volume(f"{name}-state", availability_zone=args.availability_zone, size=STATE_VOLUME_GIB,
+        state = aws.ebs.Volume(f"{name}-state", availability_zone=args.availability_zone, size=HEAD_STATE_GIB,
                                type="gp3", encrypted=True, tags={"Name": f"{args.cluster_name}-state"},
                                opts=child(self))
         image = (pulumi.Output.from_input(args.ami_id) if args.ami_id else aws.ssm.get_parameter_output(
@@ -75,7 +75,7 @@ class HeadNode(pulumi.ComponentResource):
             iam_instance_profile=head_profile.name,
             associate_public_ip_address=False,
             metadata_options={"http_endpoint": "enabled", "http_tokens": "required", "http_put_response_hop_limit": 1},
-            root_block_device={"volume_size": 100, "volume_type": "gp3", "encrypted": True},
+            root_block_device={"volume_size": HEAD_ROOT_GIB, "volume_type": "gp3", "encrypted": True},
             user_data=args.user_data,
             user_data_replace_on_change=True,
             tags={"Name": f"{args.cluster_name}-head"},

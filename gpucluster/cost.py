@@ -28,8 +28,9 @@ LUSTRE_USD_PER_GIB_MONTH = {
 }
 # The SSM, SSM messages and EC2 messages endpoints that Session Manager needs in a private subnet.
 SSM_ENDPOINTS = ("ssm", "ssmmessages", "ec2messages")
+# The head node's disks, as components/head_node.py creates them (gp3, encrypted).
 HEAD_ROOT_GIB = 100
-HEAD_STATE_GIB = 100
+HEAD_STATE_GIB = 100  # slurmctld state and MariaDB
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ problem at once, each as (config path, message).
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,8 +52,6 @@ class Network(_Model):
     def _cidr(cls, value: str | None) -> str | None:
         if value is None:
             return value
-        import ipaddress
-
         try:
             net = ipaddress.IPv4Network(value)
         except ValueError:

@@ -31,7 +31,11 @@ def test_head_instance_is_private_imdsv2_encrypted_and_runs_the_rendered_user_da
     assert head.inputs["userData"] == userdata.head_node(stack)
     assert head.inputs["subnetId"].endswith("-private-id") or head.inputs["subnetId"] == stack.spec.network.subnet_id
     assert head.inputs["vpcSecurityGroupIds"] == [f"{_one(declared, 'ec2/securityGroup:SecurityGroup', '-cluster').name}-id"]
+    from gpucluster import cost
+
+    assert head.inputs["rootBlockDevice"]["volumeSize"] == cost.HEAD_ROOT_GIB
     volume = _one(declared, "ebs/volume:Volume")
+    assert volume.inputs["size"] == cost.HEAD_STATE_GIB
     assert volume.inputs["encrypted"] is True and volume.inputs["availabilityZone"] == stack.spec.availability_zone
     attachment = _one(declared, "ec2/volumeAttachment:VolumeAttachment")
     assert attachment.inputs["volumeId"] == f"{volume.name}-id" and attachment.inputs["instanceId"] == f"{head.name}-id"
@@ -67,8 +71,9 @@ def test_compute_role_reads_settings_key_bundle_and_writes_gpu_metrics_only(ship
     compute = _statements(_one(declared, "iam/rolePolicy:RolePolicy", "-compute"))
     assert set(compute) == {"ClusterSettings", "Bundle", "GpuMetrics"}
     assert compute["ClusterSettings"]["Action"] == "ssm:GetParameter"
-    assert compute["Bundle"]["Action"] == "s3:GetObject" and compute["Bundle"]["Resource"].endswith(
-        "/gpucluster/bundle-" + compute["Bundle"]["Resource"].split("bundle-")[-1])
+    bucket = _one(declared, "s3/bucket:Bucket", "-bundle")
+    assert compute["Bundle"] == {"Sid": "Bundle", "Effect": "Allow", "Action": "s3:GetObject", "Resource":
+                                 f"arn:aws:s3:::{bucket.name}-<suffix at up>/{bundle.key(bundle.build(stack))}"}
     profile = _one(declared, "iam/instanceProfile:InstanceProfile", "-compute")
     for lt in of_type(declared, "ec2/launchTemplate:LaunchTemplate"):
         assert lt.inputs["iamInstanceProfile"] == {"arn": f"arn:aws:plan:{stack.region}:123456789012:{profile.name}"}
@@ -103,12 +108,20 @@ def test_bundle_object_holds_the_rendered_files(shipped: Shipped) -> None:
         f"cloudwatch-agent/{p.name}.json" for p in stack.spec.pools if p.itype.accelerator.kind == "nvidia"} == names
 
 
-def test_bundle_is_deterministic() -> None:
+def test_bundle_is_deterministic(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Same content, same bytes, whenever it is built: its S3 key changes only with its content."""
+    import time
+
     from conftest import STACK_FILES
     from gpucluster.spec import load_stack
 
     stack = load_stack(STACK_FILES[0])
-    assert bundle.build(stack) == bundle.build(stack)
+    first = bundle.build(stack)
+    monkeypatch.setattr(time, "time", lambda: 2_000_000_000.0)  # another day, as far as tar and gzip can tell
+    assert bundle.build(stack) == first
+    assert first[4:8] == b"\0\0\0\0"  # gzip header mtime
+    with tarfile.open(fileobj=io.BytesIO(gzip.decompress(first))) as tar:
+        assert {m.mtime for m in tar.getmembers()} == {0}
 
 
 def test_node_program_reads_the_published_settings(shipped: Shipped, tmp_path) -> None:  # type: ignore[no-untyped-def]

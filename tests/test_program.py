@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import FIXTURES, of_type, planned
+from conftest import FIXTURES, ROOT, of_type, planned
 from gpucluster import catalog
 from gpucluster.plan import Declared
 from gpucluster.spec import Stack
@@ -37,9 +37,9 @@ def test_efa_layout_per_pool(shipped: tuple[Stack, tuple[Declared, ...]]) -> Non
 
 
 def test_efa_interface_counts_for_the_big_types() -> None:
-    _, declared = planned(FIXTURES.parent.parent / "stacks" / "Pulumi.team-a.yaml")
+    _, declared = planned(ROOT / "stacks" / "Pulumi.team-a.yaml")
     assert {len(t["networkInterfaces"]) for t in _pool_templates(declared).values()} == {32}  # p5
-    _, declared = planned(FIXTURES.parent.parent / "stacks" / "Pulumi.team-b.yaml")
+    _, declared = planned(ROOT / "stacks" / "Pulumi.team-b.yaml")
     assert len(_pool_templates(declared)["p4d-spot"]["networkInterfaces"]) == 4  # p4d
     _, declared = planned(FIXTURES / "Pulumi.existing.yaml")
     assert len(_pool_templates(declared)["p5en-cb"]["networkInterfaces"]) == 16  # p5en
@@ -204,7 +204,7 @@ def test_existing_network_and_file_system_are_used_not_created() -> None:
 
 
 def test_neuron_pools_boot_the_neuron_ami() -> None:
-    _, declared = planned(FIXTURES.parent.parent / "stacks" / "Pulumi.team-b.yaml")
+    _, declared = planned(ROOT / "stacks" / "Pulumi.team-b.yaml")
     templates = _pool_templates(declared)
     assert templates["trn1"]["imageId"].startswith("<AMI from /aws/service/neuron/")
     assert templates["g6e"]["imageId"].startswith("<AMI from /aws/service/deeplearning/")
@@ -226,7 +226,7 @@ def test_the_program_itself_refuses_bad_config() -> None:
     from gpucluster.plan import run_program, stack_config
     from gpucluster.spec import CONFIG_KEY, load_stack
 
-    stack = load_stack(FIXTURES.parent.parent / "stacks" / "Pulumi.dev.yaml")
+    stack = load_stack(ROOT / "stacks" / "Pulumi.dev.yaml")
     config = stack_config(stack)
     cluster = json.loads(config[CONFIG_KEY])
     cluster["pools"][0]["min_nodes"] = 5
