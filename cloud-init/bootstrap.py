@@ -143,6 +143,18 @@ def slurm_files(settings: dict) -> None:  # type: ignore[type-arg]
         "[Install]\nWantedBy=timers.target\n")
 
 
+def budget_guardrail(systemd: Path = Path("/etc/systemd/system"), sbin: Path = Path("/usr/local/sbin")) -> None:
+    """The guardrail service, and `gpucluster-budget` on the admin's PATH for status, check, close and reopen."""
+    command = sbin / "gpucluster-budget"
+    if not command.is_symlink():
+        command.symlink_to(BUNDLE / "gpucluster_budget.py")
+    # As root: it writes the state that `sudo gpucluster-budget reopen` also writes.
+    (systemd / "gpucluster-budget.service").write_text(
+        "[Unit]\nDescription=gpucluster budget guardrail: close the partitions when the budget is spent\n"
+        "After=slurmctld.service\nWants=slurmctld.service\n\n[Service]\n"
+        f"ExecStart={command} run\nRestart=always\nRestartSec=30\n\n[Install]\nWantedBy=multi-user.target\n")
+
+
 def head(settings: dict, ssm) -> None:  # type: ignore[no-untyped-def,type-arg]
     state_volume(settings["state_volume_id"])
     install_munge_key(munge_key(ssm, settings["munge_key_parameter"], create=True))
@@ -154,6 +166,10 @@ def head(settings: dict, ssm) -> None:  # type: ignore[no-untyped-def,type-arg]
     run("systemctl", "enable", "--now", "slurmdbd")
     run("systemctl", "enable", "--now", "slurmctld")
     run("systemctl", "enable", "--now", "gpucluster-reconcile.timer")
+    if "budget" in settings:
+        budget_guardrail()
+        run("systemctl", "daemon-reload")
+        run("systemctl", "enable", "--now", "gpucluster-budget.service")
     run("sh", str(BUNDLE / "accounting.sh"))  # the team's account, its users and its monthly GPU-hours
     mount_lustre(settings["fsx_dns_name"], settings["fsx_mount_name"])
     os.chmod("/fsx", 0o1777)  # like /tmp: every user may submit from and write into /fsx, only owners delete

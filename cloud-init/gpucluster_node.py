@@ -69,6 +69,7 @@ class Config:
     all_or_nothing: bool = True  # a multi-node job gets all its nodes or none
     capacity_retry_seconds: int = 600
     scontrol: str = "scontrol"
+    budget_state_file: str = "/var/lib/gpucluster/budget.json"  # written by the budget guardrail
 
     @classmethod
     def load(cls, path: Path = CONFIG_PATH) -> Config:
@@ -115,11 +116,11 @@ class Slurm:
     def nodes(self) -> list[dict[str, str]]:
         """One dict per node of `scontrol show nodes --oneliner` (keys such as NodeName, State, Reason)."""
         out = self._run("show", "nodes", "--oneliner")
-        return [_parse_node_line(line) for line in out.splitlines() if line.startswith("NodeName=")]
+        return [parse_oneliner(line) for line in out.splitlines() if line.startswith("NodeName=")]
 
 
-def _parse_node_line(line: str) -> dict[str, str]:
-    # Values run to the next " Key=" (reasons contain spaces).
+def parse_oneliner(line: str) -> dict[str, str]:
+    """One record of `scontrol show ... --oneliner`. Values run to the next " Key=" (reasons contain spaces)."""
     parts = re.split(r" (?=[A-Za-z]+=)", line.strip())
     return dict(p.split("=", 1) for p in parts if "=" in p)
 
@@ -326,7 +327,10 @@ def reconcile(config: Config, ec2, slurm: Slurm, now: float | None = None) -> di
     # Always-on nodes (never suspended, so Slurm never resumes them): launch those without an instance.
     missing = [f"{pool.name}-{i}" for pool in config.pools.values() for i in range(1, pool.min_nodes + 1)
                if f"{pool.name}-{i}" not in instances and f"{pool.name}-{i}" in nodes]
-    if missing:
+    if missing and budget_closed(config):
+        log.warning("always-on node(s) %s have no instance: not launching, the budget guardrail has closed the cluster",
+                    ",".join(missing))
+    elif missing:
         log.info("always-on node(s) %s have no instance: launching", ",".join(missing))
         done["launched"] = sorted(resume(config, ec2, slurm, ",".join(missing)).launched)
     retry = [name for name, n in nodes.items()
@@ -337,6 +341,13 @@ def reconcile(config: Config, ec2, slurm: Slurm, now: float | None = None) -> di
         slurm.power_down(retry)
         done["retried"] = retry
     return done
+
+
+def budget_closed(config: Config) -> bool:
+    try:
+        return bool(json.loads(Path(config.budget_state_file).read_text()).get("closed"))
+    except FileNotFoundError:
+        return False
 
 
 def _is_up(state: str) -> bool:

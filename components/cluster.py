@@ -7,9 +7,9 @@ import base64
 import pulumi
 import pulumi_aws as aws
 
-from components.budget import Budget, BudgetArgs
+from components.budget import Budget, BudgetArgs, LaunchDeny, LaunchDenyArgs
 from components.gpu_pool import GpuPool, GpuPoolArgs
-from components.head_node import HeadNode, HeadNodeArgs
+from components.head_node import GuardrailWiring, HeadNode, HeadNodeArgs
 from components.monitoring import IdleGpuAlarms, IdleGpuAlarmsArgs
 from components.network import Network, NetworkArgs
 from components.node_access import NodeAccess, NodeAccessArgs
@@ -70,6 +70,20 @@ def create_cluster(stack: Stack) -> dict[str, object]:
         )
         for pool in spec.pools
     }
+    budget = Budget(
+        stack.cluster_name,
+        BudgetArgs(
+            budget_name=f"{stack.cluster_name}-monthly",
+            spec=spec.budget,
+            stack=stack.name,
+            activate_cost_tag=spec.budget.activate_cost_allocation_tag,
+        ),
+        opts,
+    )
+    act = spec.budget.act_threshold_percent
+    guardrail = None if act is None else GuardrailWiring(
+        budget_name=budget.budget_name, budget_arn=budget.budget_arn, act_threshold_percent=act,
+        queue_url=budget.queue_url, queue_arn=budget.queue_arn, topic_arn=budget.topic_arn)  # type: ignore[arg-type]
     head = HeadNode(
         stack.cluster_name,
         HeadNodeArgs(
@@ -92,19 +106,14 @@ def create_cluster(stack: Stack) -> dict[str, object]:
             node_program_settings={"all_or_nothing": spec.slurm.all_or_nothing,
                                    "capacity_retry_seconds": spec.slurm.capacity_retry_seconds},
             ami_id=spec.head_node.ami_id,
+            guardrail=guardrail,
         ),
         opts,
     )
-    budget = Budget(
-        stack.cluster_name,
-        BudgetArgs(
-            budget_name=f"{stack.cluster_name}-monthly",
-            spec=spec.budget,
-            stack=stack.name,
-            activate_cost_tag=spec.budget.activate_cost_allocation_tag,
-        ),
-        opts,
-    )
+    if act is not None:
+        LaunchDeny(stack.cluster_name, LaunchDenyArgs(budget_name=budget.budget_name, act_threshold_percent=act,
+                                                      role_name=head.role_name, role_arn=head.role_arn,
+                                                      topic_arn=budget.topic_arn), opts)
     IdleGpuAlarms(stack.cluster_name, IdleGpuAlarmsArgs(stack=stack, topic_arn=budget.topic_arn), opts)
     estimate = cost.estimate(stack)
     return {

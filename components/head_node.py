@@ -41,11 +41,26 @@ class HeadNodeArgs:
     # Settings the node programs read as they are (gpucluster_node.Config): all_or_nothing, capacity_retry_seconds.
     node_program_settings: dict[str, object]
     ami_id: str | None = None
+    guardrail: GuardrailWiring | None = None  # None: the budget only alerts
+
+
+@dataclass(frozen=True)
+class GuardrailWiring:
+    """What the head node's budget guardrail reads and may touch (outputs of the Budget component)."""
+
+    budget_name: pulumi.Input[str]
+    budget_arn: pulumi.Input[str]
+    act_threshold_percent: int
+    queue_url: pulumi.Input[str]
+    queue_arn: pulumi.Input[str]
+    topic_arn: pulumi.Input[str]
 
 
 class HeadNode(pulumi.ComponentResource):
     instance_id: pulumi.Output[str]
     private_ip: pulumi.Output[str]
+    role_name: pulumi.Output[str]
+    role_arn: pulumi.Output[str]
 
     def __init__(self, name: str, args: HeadNodeArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpucluster:head:HeadNode", name, None, opts)
@@ -58,6 +73,12 @@ class HeadNode(pulumi.ComponentResource):
             account, access.config_parameter_arn, access.munge_key_parameter_arn, access.bundle_arn,
             access.compute_role_arn, template_ids).apply(
             lambda a: policy(head_statements(args, a[0], a[1], a[2], a[3], a[4], a[5]))), opts=child(self))
+        guard = args.guardrail
+        if guard is not None:
+            aws.iam.RolePolicy(f"{name}-head-guardrail", role=head_role.id, policy=pulumi.Output.all(
+                guard.queue_arn, guard.topic_arn, guard.budget_arn).apply(
+                lambda a: policy(guardrail_statements(a[0], a[1], a[2]))), opts=child(self))
+        self.role_name, self.role_arn = head_role.name, head_role.arn
         head_profile = aws.iam.InstanceProfile(f"{name}-head", role=head_role.name, opts=child(self))
 
         # Slurm state and the accounting database live on their own volume: a replaced head node keeps the queue.
@@ -86,19 +107,24 @@ class HeadNode(pulumi.ComponentResource):
         self.instance_id = instance.id
         self.private_ip = instance.private_ip
 
+        budget = (pulumi.Output.all(guard.budget_name, account, guard.queue_url, guard.topic_arn).apply(lambda a: {
+            "budget": {"budget_name": a[0], "account_id": a[1], "queue_url": a[2], "topic_arn": a[3],
+                       "act_threshold_percent": guard.act_threshold_percent}}) if guard else {})
         settings = pulumi.Output.all(access.bucket, instance.private_ip, state.id, args.fsx_dns_name,
-                                     args.fsx_mount_name, args.pools).apply(lambda a: json.dumps({
+                                     args.fsx_mount_name, args.pools, budget).apply(lambda a: json.dumps({
                                          "cluster": args.cluster_name, "team": args.team, "region": args.region,
                                          "bundle_bucket": a[0], "bundle_key": args.bundle_key, "head_address": a[1],
                                          "state_volume_id": a[2], "fsx_dns_name": a[3], "fsx_mount_name": a[4],
                                          "munge_key_parameter": args.munge_key_parameter, "pools": a[5],
-                                         "log_file": "/var/log/gpucluster/nodes.log", **args.node_program_settings},
+                                         "log_file": "/var/log/gpucluster/nodes.log", **args.node_program_settings,
+                                         **a[6]},
                                         sort_keys=True))
         # insecure_value: these settings are not secret (pulumi-aws would otherwise encrypt them in state and hide them).
         aws.ssm.Parameter(f"{name}-config", name=args.config_parameter, type="String", insecure_value=settings,
                           description=f"gpucluster {args.cluster_name}: what every node needs to know",
                           opts=child(self))
-        self.register_outputs({"instance_id": self.instance_id, "private_ip": self.private_ip})
+        self.register_outputs({"instance_id": self.instance_id, "private_ip": self.private_ip,
+                               "role_arn": self.role_arn})
 
 
 def head_statements(args: HeadNodeArgs, account: str, config_arn: str, munge_arn: str, bundle_arn: str,
@@ -126,4 +152,17 @@ def head_statements(args: HeadNodeArgs, account: str, config_arn: str, munge_arn
         {"Sid": "ClusterParameters", "Effect": "Allow", "Action": ["ssm:GetParameter"], "Resource": [config_arn, munge_arn]},
         {"Sid": "CreateMungeKeyOnce", "Effect": "Allow", "Action": "ssm:PutParameter", "Resource": munge_arn},
         {"Sid": "Bundle", "Effect": "Allow", "Action": "s3:GetObject", "Resource": bundle_arn},
+    ]
+
+
+def guardrail_statements(queue_arn: str, topic_arn: str, budget_arn: str) -> list[dict[str, object]]:
+    """Read the budget and its queue, tell the subscribers, reverse this budget's actions: nothing else."""
+    return [
+        {"Sid": "BudgetQueue", "Effect": "Allow", "Action": ["sqs:ReceiveMessage", "sqs:DeleteMessage",
+                                                            "sqs:GetQueueAttributes"], "Resource": queue_arn},
+        {"Sid": "TellSubscribers", "Effect": "Allow", "Action": "sns:Publish", "Resource": topic_arn},
+        {"Sid": "ReadBudget", "Effect": "Allow", "Action": ["budgets:ViewBudget", "budgets:DescribeBudgetActionsForBudget"],
+         "Resource": budget_arn},
+        {"Sid": "ReverseBudgetActions", "Effect": "Allow", "Action": "budgets:ExecuteBudgetAction",
+         "Resource": f"{budget_arn}/action/*"},
     ]

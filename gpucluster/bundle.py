@@ -16,7 +16,7 @@ from gpucluster import monitoring, slurm
 from gpucluster.spec import Stack
 
 ROOT = Path(__file__).resolve().parent.parent
-PROGRAMS = ("bootstrap.py", "gpucluster_node.py")
+PROGRAMS = ("bootstrap.py", "gpucluster_node.py", "gpucluster_budget.py")
 # Who submits jobs on the head node: the image's login user (Ubuntu). Add others with `sacctmgr add user`.
 CLUSTER_USERS = ("ubuntu",)
 EXAMPLES = ("launch.sh", "ddp_train.py", "ddp.sbatch", "all_reduce.py", "all_reduce.sbatch", "ddp_container.sbatch")

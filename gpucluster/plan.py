@@ -59,6 +59,10 @@ def _placeholder_outputs(typ: str, name: str, inputs: dict[str, Any], region: st
     elif typ == "aws:fsx/lustreFileSystem:LustreFileSystem":
         out["dnsName"] = f"<{name} DNS name at up>"
         out["mountName"] = "<mount name at up>"
+    elif typ == "aws:sqs/queue:Queue":
+        out["url"] = f"https://sqs.{region}.amazonaws.com/{MOCK_ACCOUNT}/{name}-<suffix at up>"
+    elif typ == "aws:budgets/budgetAction:BudgetAction":
+        out["actionId"] = "<action id at up>"
     return out
 
 
@@ -111,7 +115,7 @@ def _recording_monitor(mocks):  # type: ignore[no-untyped-def]
 
 def stack_config(stack: Stack) -> dict[str, str]:
     """The validated stack as Pulumi hands config to a program: structured values arrive as JSON text."""
-    return {REGION_KEY: stack.region, CONFIG_KEY: stack.spec.model_dump_json(exclude_none=True)}
+    return {REGION_KEY: stack.region, CONFIG_KEY: stack.spec.model_dump_json(exclude_unset=True)}
 
 
 def run_program(stack: Stack, config: dict[str, str] | None = None) -> list[Declared]:

@@ -204,6 +204,9 @@ class Budget(_Model):
     monthly_usd: float = Field(gt=0)
     thresholds_percent: list[int] = Field(default=[50, 80, 100], min_length=1)
     notify_emails: list[str] = Field(min_length=1)
+    # Percent of the monthly budget in actual spend at which the cluster stops starting GPU nodes: the head node's
+    # guardrail closes the partitions and an AWS Budgets action denies the head node's launches. null: alert only.
+    act_threshold_percent: int | None = Field(default=100, ge=1, le=1000)
     # GPU-hours the team's Slurm account may use per month (Slurm GrpTRESMins on gres/gpu, reset monthly). Default:
     # what monthly_usd buys at the pools' mean on-demand price per GPU-hour.
     gpu_hours_per_month: int | None = Field(default=None, ge=0)

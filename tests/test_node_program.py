@@ -138,9 +138,9 @@ def test_reconcile_cleans_both_ways_and_retries_capacity(ec2) -> None:  # type: 
     assert ("update", "nodename=p5-spot-1", "state=power_down_force") in slurm.updates()
 
 
-def test_parse_node_line_keeps_reasons_with_spaces() -> None:
+def test_parse_oneliner_keeps_reasons_with_spaces() -> None:
     line = "NodeName=a-1 Arch=x86_64 State=DOWN+CLOUD Reason=gpucluster: capacity: ICE: no room [slurm@2026-01-01T00:00:00] Comment=(null)"
-    parsed = node._parse_node_line(line)
+    parsed = node.parse_oneliner(line)
     assert parsed["Reason"] == "gpucluster: capacity: ICE: no room [slurm@2026-01-01T00:00:00]"
     assert parsed["State"] == "DOWN+CLOUD"
 

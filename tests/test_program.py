@@ -166,16 +166,79 @@ def test_budget_notifications(shipped: tuple[Stack, tuple[Declared, ...]]) -> No
     assert budget.inputs["timeUnit"] == "MONTHLY" and budget.inputs["budgetType"] == "COST"
     assert budget.inputs["costFilters"] == [{"name": "TagKeyValue", "values": [f"user:gpucluster:stack${stack.name}"]}]
     got = {(n["threshold"], n["notificationType"]) for n in budget.inputs["notifications"]}
-    assert got == {(float(t), k) for t in budget_spec.thresholds_percent for k in ("ACTUAL", "FORECASTED")}
+    act = {budget_spec.act_threshold_percent} - {None}
+    assert got == {(float(t), "FORECASTED") for t in budget_spec.thresholds_percent} | {
+        (float(t), "ACTUAL") for t in set(budget_spec.thresholds_percent) | act}
     topic_arn = f"arn:aws:plan:{stack.region}:123456789012:{topic.name}"
     assert all(n["subscriberSnsTopicArns"] == [topic_arn] for n in budget.inputs["notifications"])
-    emails = sorted(s.inputs["endpoint"] for s in of_type(declared, "sns/topicSubscription:TopicSubscription"))
+    emails = sorted(s.inputs["endpoint"] for s in of_type(declared, "sns/topicSubscription:TopicSubscription")
+                    if s.inputs["protocol"] == "email")
     assert emails == sorted(budget_spec.notify_emails)
     (policy,) = of_type(declared, "sns/topicPolicy:TopicPolicy")
-    assert '"Service": "budgets.amazonaws.com"' in policy.inputs["policy"]
+    (statement,) = json.loads(policy.inputs["policy"])["Statement"]
+    assert statement["Principal"]["Service"] == ["budgets.amazonaws.com", "cloudwatch.amazonaws.com"]
+    assert statement["Condition"] == {"StringEquals": {"aws:SourceAccount": "123456789012"}}
     tags = of_type(declared, "costexplorer/costAllocationTag:CostAllocationTag")
     assert [t.inputs["tagKey"] for t in tags] == (["gpucluster:stack"] if budget_spec.activate_cost_allocation_tag else [])
     assert all(t.retain_on_delete for t in tags)
+
+
+def _arn(stack: Stack, name: str) -> str:
+    return f"arn:aws:plan:{stack.region}:123456789012:{name}"
+
+
+def test_budget_reaches_the_head_node_and_the_launch_deny(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
+    stack, declared = shipped
+    act = stack.spec.budget.act_threshold_percent
+    assert act is not None  # every shipped stack acts on its budget
+    name = stack.cluster_name
+    topic, queue = _arn(stack, f"{name}-alerts"), _arn(stack, f"{name}-guardrail")
+    # Budget messages reach an encrypted queue that only this topic may write to.
+    (q,) = of_type(declared, "sqs/queue:Queue")
+    assert q.inputs["sqsManagedSseEnabled"] is True
+    (queue_policy,) = of_type(declared, "sqs/queuePolicy:QueuePolicy")
+    (allow,) = json.loads(queue_policy.inputs["policy"])["Statement"]
+    assert (allow["Principal"], allow["Action"], allow["Resource"]) == ({"Service": "sns.amazonaws.com"}, "sqs:SendMessage", queue)
+    assert allow["Condition"] == {"ArnEquals": {"aws:SourceArn": topic}}
+    (to_queue,) = [s for s in of_type(declared, "sns/topicSubscription:TopicSubscription") if s.inputs["protocol"] == "sqs"]
+    assert (to_queue.inputs["topic"], to_queue.inputs["endpoint"]) == (topic, queue)
+    # The head node reads that queue and the budget, may tell the subscribers and reverse this budget's actions.
+    guard = {p.name: json.loads(p.inputs["policy"]) for p in of_type(declared, "iam/rolePolicy:RolePolicy")}[f"{name}-head-guardrail"]
+    grants = {s["Sid"]: (s["Action"], s["Resource"]) for s in guard["Statement"]}
+    budget_arn = _arn(stack, f"{name}-monthly")
+    assert grants["BudgetQueue"][1] == queue and grants["TellSubscribers"] == ("sns:Publish", topic)
+    assert grants["ReadBudget"][1] == budget_arn and grants["ReverseBudgetActions"][1] == f"{budget_arn}/action/*"
+    (config,) = [p for p in of_type(declared, "ssm/parameter:Parameter") if p.name == f"{name}-config"]
+    settings = json.loads(config.inputs["insecureValue"])["budget"]
+    assert settings["budget_name"] == f"{name}-monthly" and settings["act_threshold_percent"] == act
+    assert settings["topic_arn"] == topic and settings["queue_url"].startswith("https://sqs.")
+    # The backstop: at the act threshold AWS Budgets attaches the launch deny to the head node's role.
+    (action,) = of_type(declared, "budgets/budgetAction:BudgetAction")
+    assert action.inputs["actionType"] == "APPLY_IAM_POLICY" and action.inputs["approvalModel"] == "AUTOMATIC"
+    assert action.inputs["notificationType"] == "ACTUAL"
+    assert action.inputs["actionThreshold"] == {"actionThresholdType": "PERCENTAGE", "actionThresholdValue": float(act)}
+    deny_arn = _arn(stack, f"{name}-launch-deny")
+    assert action.inputs["definition"] == {"iamActionDefinition": {"policyArn": deny_arn, "roles": [f"{name}-head"]}}
+    assert action.inputs["subscribers"] == [{"address": topic, "subscriptionType": "SNS"}]
+    (deny,) = [p for p in of_type(declared, "iam/policy:Policy") if p.name == f"{name}-launch-deny"]
+    (statement,) = json.loads(deny.inputs["policy"])["Statement"]
+    assert statement["Effect"] == "Deny" and {"ec2:RunInstances", "ec2:CreateFleet"} <= set(statement["Action"])
+    # Its execution role: assumed by Budgets only, may attach and detach exactly that policy on exactly that role.
+    roles = {r.name: json.loads(r.inputs["assumeRolePolicy"]) for r in of_type(declared, "iam/role:Role")}
+    assert roles[f"{name}-budget-action"]["Statement"][0]["Principal"] == {"Service": "budgets.amazonaws.com"}
+    assert action.inputs["executionRoleArn"] == _arn(stack, f"{name}-budget-action")
+    (attach,) = json.loads({p.name: p for p in of_type(declared, "iam/rolePolicy:RolePolicy")}[
+        f"{name}-budget-action"].inputs["policy"])["Statement"]
+    assert attach["Resource"] == _arn(stack, f"{name}-head")
+    assert attach["Condition"] == {"ArnEquals": {"iam:PolicyARN": deny_arn}}
+
+
+def test_a_budget_that_only_alerts_has_no_guardrail() -> None:
+    _, declared = planned(FIXTURES / "Pulumi.existing.yaml")
+    for kind in ("sqs/queue:Queue", "budgets/budgetAction:BudgetAction", "iam/policy:Policy"):
+        assert not of_type(declared, kind), kind
+    (config,) = [p for p in of_type(declared, "ssm/parameter:Parameter") if p.name.endswith("-config")]
+    assert "budget" not in json.loads(config.inputs["insecureValue"])
 
 
 def test_every_resource_sits_in_a_component(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
