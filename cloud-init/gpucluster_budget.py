@@ -11,8 +11,8 @@ The budget itself (DescribeBudget) is the truth, read on every message and every
 - spend back under it (a new month, a raised limit): the partitions it closed reopen and the Budgets action's launch
   deny on the head node's role is reversed.
 
-By hand: `gpucluster-budget status | check | close | reopen`. `reopen` holds for the rest of the month: a person
-decided to spend more. Every action is logged (journal and log file) and published to the topic, so the budget's
+By hand: `gpucluster-budget status | check | close | reopen`. `reopen` holds for the rest of the month (a person
+decided to spend more); `close` holds until someone reopens. Every action is logged (journal and log file) and published to the topic, so the budget's
 subscribers hear of it.
 """
 
@@ -64,6 +64,7 @@ class State:
     since: float = 0.0
     partitions: list[str] = field(default_factory=list)  # the ones it closed: only those reopen
     reopened_by_hand: str = ""  # the month (YYYY-MM, UTC) a person reopened: no closing again in it
+    closed_by_hand: bool = False  # a person closed: only a person reopens
 
     @classmethod
     def load(cls, path: Path) -> State:
@@ -171,7 +172,7 @@ class Guardrail:
                     return "held-open"
                 self._close(state, f"{spend.describe(self.team)}", now)
                 return "closed"
-            if not spend.over and state.closed:
+            if not spend.over and state.closed and not state.closed_by_hand:
                 self._reopen(state, f"spend is back under the act threshold: {spend.describe(self.team)}")
                 return "reopened"
             if state.closed:
@@ -185,6 +186,7 @@ class Guardrail:
             state.reopened_by_hand = ""
             if not state.closed:
                 self._close(state, f"closed by hand by {who}", now)
+            state.closed_by_hand = True
 
     def reopen_by_hand(self, who: str, now: float | None = None) -> None:
         now = time.time() if now is None else now
@@ -228,7 +230,7 @@ class Guardrail:
             if current.startswith(BUDGET_PREFIX):
                 self.slurm.set_admin_comment(job, "")
         was_closed = state.closed
-        state.closed, state.reason, state.since, state.partitions = False, "", 0.0, []
+        state.closed, state.closed_by_hand, state.reason, state.since, state.partitions = False, False, "", 0.0, []
         lifted = self._lift_launch_deny()
         if was_closed or lifted or always_tell:
             self._tell("reopened the partitions", f"{why}. Partitions {', '.join(closed_here) or '(none)'} are UP"

@@ -32,10 +32,12 @@ from gpucluster.spec import Stack
 
 ROOT = Path(__file__).resolve().parent.parent
 NODE_PROGRAM = ROOT / "cloud-init" / "gpucluster_node.py"
+BUDGET_PROGRAM = ROOT / "cloud-init" / "gpucluster_budget.py"
 REQUIRED = ("/usr/bin/python3", "munged", "slurmctld", "slurmd", "slurmdbd", "sinfo", "scontrol", "sbatch", "mariadbd", "mariadb-install-db",
             "unshare", "runuser")
 BOOT_SECONDS = 2.0
 SITE_PACKAGES = Path(__import__("boto3").__file__).resolve().parent.parent
+MOTO_ACCOUNT = "123456789012"
 AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
@@ -271,6 +273,7 @@ class LocalCluster:
         self.config_path.write_text(json.dumps({
             "cluster": self.stack.cluster_name, "region": self.stack.region, "pools": pools,
             "log_file": str(self.root / "log" / "nodes.log"), "scontrol": shutil.which("scontrol"),
+            "team": self.stack.spec.team, "budget_state_file": str(self.root / "budget.json"),
         }, indent=1))
 
     # --- files and daemons ----------------------------------------------------------------------------------------
@@ -386,6 +389,47 @@ class LocalCluster:
                 if "gpucluster:node" in tags:
                     found[tags["gpucluster:node"]] = inst["InstanceId"]
         return found
+
+    # --- the budget guardrail: AWS Budgets, its topic and queue in moto, the service as on the head node ----------
+    def aws(self, service: str):  # type: ignore[no-untyped-def]
+        import boto3
+
+        return boto3.client(service, endpoint_url=self.moto_url, region_name=self.stack.region, **{
+            "aws_access_key_id": "testing", "aws_secret_access_key": "testing"})
+
+    def set_spend(self, actual: float) -> None:
+        """The stack's budget as AWS Budgets would report it (moto keeps the spend it is given)."""
+        budgets, name = self.aws("budgets"), f"{self.stack.cluster_name}-monthly"
+        if any(b["BudgetName"] == name for b in budgets.describe_budgets(AccountId=MOTO_ACCOUNT).get("Budgets", [])):
+            budgets.delete_budget(AccountId=MOTO_ACCOUNT, BudgetName=name)
+        budgets.create_budget(AccountId=MOTO_ACCOUNT, Budget={
+            "BudgetName": name, "BudgetType": "COST", "TimeUnit": "MONTHLY",
+            "BudgetLimit": {"Amount": f"{self.stack.spec.budget.monthly_usd:.2f}", "Unit": "USD"},
+            "CalculatedSpend": {"ActualSpend": {"Amount": f"{actual:.2f}", "Unit": "USD"}}})
+
+    def start_guardrail(self, check_seconds: int) -> str:
+        """What the Budget component and the head node set up: the topic, the queue subscribed to it, the settings, the
+        service. Returns the topic's ARN."""
+        sns, sqs = self.aws("sns"), self.aws("sqs")
+        topic = sns.create_topic(Name=f"{self.stack.cluster_name}-alerts")["TopicArn"]
+        queue = sqs.create_queue(QueueName=f"{self.stack.cluster_name}-guardrail")["QueueUrl"]
+        arn = sqs.get_queue_attributes(QueueUrl=queue, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+        sns.subscribe(TopicArn=topic, Protocol="sqs", Endpoint=arn)
+        settings = json.loads(self.config_path.read_text())
+        settings["budget"] = {"budget_name": f"{self.stack.cluster_name}-monthly", "account_id": MOTO_ACCOUNT,
+                              "act_threshold_percent": self.stack.spec.budget.act_threshold_percent,
+                              "queue_url": queue, "topic_arn": topic, "check_seconds": check_seconds,
+                              "launch_deny_action": False}  # moto serves no Budgets actions
+        self.config_path.write_text(json.dumps(settings, indent=1))
+        env = {**self.env, "PYTHONPATH": str(SITE_PACKAGES)}
+        spawn(self.procs, ["/usr/bin/python3", str(BUDGET_PROGRAM), "run"], env, Path(self.layout.log_dir) / "budget.log")
+        return topic
+
+    def budget_command(self, command: str) -> str:
+        """`gpucluster-budget <command>` as an admin runs it on the head node."""
+        env = {**self.env, "PYTHONPATH": str(SITE_PACKAGES), "SUDO_USER": "alice"}
+        return subprocess.run(["/usr/bin/python3", str(BUDGET_PROGRAM), command], env=env, check=True,
+                              capture_output=True, text=True, timeout=60).stdout
 
     # --- helpers for tests ----------------------------------------------------------------------------------------
     def run(self, *args: str, check: bool = True) -> str:

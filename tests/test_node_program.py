@@ -154,3 +154,15 @@ def test_reconcile_launches_always_on_nodes_without_an_instance(ec2) -> None:  #
     table = [{"NodeName": n, "State": "IDLE"} for n in ("p5-od-1", "p5-od-2")]
     done = node.reconcile(config, ec2, FakeSlurm(table))
     assert done["launched"] == ["p5-od-2"] and set(node.cluster_instances(config, ec2)) == {"p5-od-1", "p5-od-2"}
+
+
+def test_reconcile_launches_no_always_on_node_while_the_budget_is_closed(ec2, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    config = make_config(ec2)
+    pools = {name: node.PoolLaunch(**{**pool.__dict__, "min_nodes": 1}) for name, pool in config.pools.items()}
+    state = tmp_path / "budget.json"
+    config = node.Config(cluster="c1", region="us-east-1", pools=pools, log_file="/dev/null", budget_state_file=str(state))
+    state.write_text('{"closed": true}')  # as the budget guardrail writes it
+    table = [{"NodeName": n, "State": "IDLE"} for n in ("p5-od-1", "p5-spot-1")]
+    assert node.reconcile(config, ec2, FakeSlurm(table))["launched"] == [] and not node.cluster_instances(config, ec2)
+    state.write_text('{"closed": false}')
+    assert node.reconcile(config, ec2, FakeSlurm(table))["launched"] == ["p5-od-1", "p5-spot-1"]

@@ -1,0 +1,95 @@
+"""The budget guardrail on a real Slurm cluster: a budget notification published to the stack's topic (moto SNS ->
+SQS) closes the partitions while a running job finishes; a new job pends, no node is launched for it; the partitions
+reopen when the spend falls back under the threshold, and by hand."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from conftest import FIXTURES
+from gpucluster.spec import load_stack
+from local_cluster import LocalCluster, missing_tools
+
+
+@pytest.fixture
+def cluster():  # type: ignore[no-untyped-def]
+    assert not missing_tools(), f"install Slurm, munge and MariaDB first (make test does): missing {missing_tools()}"
+    root = Path(tempfile.mkdtemp(prefix="gpucluster-budget-"))
+    local = LocalCluster(load_stack(FIXTURES / "Pulumi.local.yaml"), root).start()
+    yield local
+    local.stop()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def partition_states(cluster: LocalCluster) -> dict[str, str]:
+    rows = cluster.run("sinfo", "--noheader", "--format=%R %a").split("\n")
+    return dict(row.split() for row in rows if row)
+
+
+def submit(cluster: LocalCluster, partition: str, command: str) -> str:
+    return cluster.run("sbatch", "--parsable", "-p", partition, "-o", str(cluster.root / "job-%j.out"),
+                       "--wrap", command).strip()
+
+
+def test_spent_budget_closes_partitions_lets_running_jobs_finish_and_reopens(cluster: LocalCluster) -> None:
+    cluster.set_spend(120.0)  # of 500: fine
+    topic = cluster.start_guardrail(check_seconds=5)
+    sns, sqs = cluster.aws("sns"), cluster.aws("sqs")
+    # What the budget's subscribers receive, heard through a queue of our own on the same topic.
+    ear = sqs.create_queue(QueueName="subscriber")["QueueUrl"]
+    sns.subscribe(TopicArn=topic, Protocol="sqs", Endpoint=sqs.get_queue_attributes(
+        QueueUrl=ear, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"])
+
+    running = submit(cluster, "standby", "sleep 20; echo finished")
+    cluster.wait(f"job {running} to run", lambda: cluster.job_state(running) == "RUNNING", 120)
+
+    # AWS Budgets reports the spend over the act threshold and notifies the topic.
+    cluster.set_spend(510.0)
+    sns.publish(TopicArn=topic, Subject="AWS Budgets: gpucluster-local-monthly has exceeded your alert threshold",
+                Message="You requested that we alert you when the ACTUAL Cost associated with your "
+                        "gpucluster-local-monthly budget is greater than $500.00 for the current month.")
+    cluster.wait("partitions to close", lambda: set(partition_states(cluster).values()) == {"down"}, 60)
+    launches = len(cluster.faulty.calls)
+
+    waiting = submit(cluster, "spot", "echo ran after reopening")
+    cluster.wait(f"job {waiting} to carry the budget comment",
+                 lambda: "gpucluster: budget" in cluster.run("scontrol", "show", "job", waiting), 60)
+    shown = cluster.run("scontrol", "show", "job", waiting)
+    assert "JobState=PENDING" in shown and "Reason=PartitionDown" in shown, shown
+    assert "spent $510.00 of its $500.00 monthly budget" in shown, shown
+    # The job that was running when the budget ran out finishes normally.
+    cluster.wait(f"job {running} to complete", lambda: cluster.job_state(running) == "COMPLETED", 120)
+    assert "finished" in (cluster.root / f"job-{running}.out").read_text()
+    # Its node goes back to zero; nothing is launched for the waiting job.
+    cluster.wait("the idle node's instance to be terminated", lambda: not cluster.instances(), 90)
+    assert len(cluster.faulty.calls) == launches and cluster.job_state(waiting) == "PENDING"
+    assert "CLOSED" in cluster.budget_command("status")
+
+    # A new month (or a raised limit): the periodic check finds the spend under the threshold and reopens.
+    cluster.set_spend(3.0)
+    cluster.wait("partitions to reopen", lambda: set(partition_states(cluster).values()) == {"up"}, 60)
+    cluster.wait(f"job {waiting} to complete", lambda: cluster.job_state(waiting) == "COMPLETED", 180)
+    assert "gpucluster: budget" not in cluster.run("scontrol", "show", "job", waiting)
+
+    # By hand: an admin closes and reopens with the documented command.
+    cluster.budget_command("close")
+    assert set(partition_states(cluster).values()) == {"down"}
+    cluster.budget_command("reopen")
+    assert set(partition_states(cluster).values()) == {"up"}
+    assert json.loads((cluster.root / "budget.json").read_text())["reopened_by_hand"]
+
+    subjects = [json.loads(m["Body"])["Subject"] for m in _drain(sqs, ear)]
+    assert [s.rsplit("guardrail ", 1)[-1] for s in subjects if "guardrail" in s] == [
+        "closed the partitions", "reopened the partitions", "closed the partitions", "reopened the partitions"]
+
+
+def _drain(sqs, queue: str) -> list[dict]:  # type: ignore[no-untyped-def,type-arg]
+    messages: list[dict] = []  # type: ignore[type-arg]
+    while batch := sqs.receive_message(QueueUrl=queue, MaxNumberOfMessages=10).get("Messages", []):
+        messages += batch
+    return messages

@@ -1,0 +1,228 @@
+"""The budget guardrail's decisions, against in-process moto (Budgets, SNS, SQS), a stand-in for scontrol that keeps
+partition and job state, and botocore's Stubber for the Budgets actions moto does not serve."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import boto3
+import pytest
+from botocore.stub import Stubber
+from moto import mock_aws
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "cloud-init"))
+import gpucluster_budget as guardrail  # noqa: E402
+import gpucluster_node as node  # noqa: E402
+
+ACCOUNT = "123456789012"
+BUDGET = "gpucluster-t-monthly"
+NOV = time.mktime((2026, 11, 29, 12, 0, 0, 0, 0, 0))
+DEC = time.mktime((2026, 12, 2, 12, 0, 0, 0, 0, 0))
+
+
+class FakeSlurm(guardrail.SlurmQueue):
+    """Partitions, jobs and nodes as scontrol shows them; updates change them as slurmctld would."""
+
+    def __init__(self) -> None:
+        self.partitions_ = {"spot": "UP", "standby": "UP", "maint": "DOWN"}
+        self.jobs = {"7": {"JobState": "RUNNING"}, "8": {"JobState": "PENDING"}}
+        self.node_table = [{"NodeName": "spot-1", "State": "IDLE+CLOUD"},
+                           {"NodeName": "spot-2", "State": "ALLOCATED+CLOUD"},
+                           {"NodeName": "standby-1", "State": "IDLE+CLOUD+POWERED_DOWN"},
+                           {"NodeName": "standby-2", "State": "IDLE"}]  # always-on: left running
+        self.calls: list[tuple[str, ...]] = []
+
+    def _run(self, *args: str) -> str:
+        self.calls.append(args)
+        if args[:2] == ("show", "partitions"):
+            return "\n".join(f"PartitionName={p} AllowGroups=ALL State={s} TotalCPUs=8" for p, s in self.partitions_.items())
+        if args[:2] == ("show", "jobs"):
+            return "\n".join(f"JobId={j} " + " ".join(f"{k}={v}" for k, v in f.items()) for j, f in self.jobs.items())
+        if args[:2] == ("show", "nodes"):
+            return "\n".join(" ".join(f"{k}={v}" for k, v in n.items()) for n in self.node_table)
+        if args[0] == "update":
+            key, value = args[1].split("=", 1)
+            field, new = args[2].split("=", 1)
+            if key == "partitionname":
+                self.partitions_[value] = new
+            elif key == "jobid":
+                self.jobs[value]["AdminComment"] = new
+        return ""
+
+
+@pytest.fixture
+def aws():  # type: ignore[no-untyped-def]
+    with mock_aws():
+        budgets = boto3.client("budgets", region_name="us-east-1")
+        sns = boto3.client("sns", region_name="us-east-1")
+        sqs = boto3.client("sqs", region_name="us-east-1")
+        topic = sns.create_topic(Name="alerts")["TopicArn"]
+        queue = sqs.create_queue(QueueName="guardrail")["QueueUrl"]
+        # What the subscribers hear: the guardrail's own messages, read back through a second queue on the topic.
+        ear = sqs.create_queue(QueueName="ear")["QueueUrl"]
+        ear_arn = sqs.get_queue_attributes(QueueUrl=ear, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+        sns.subscribe(TopicArn=topic, Protocol="sqs", Endpoint=ear_arn)
+        yield budgets, sns, sqs, topic, queue, ear
+
+
+def set_spend(budgets, actual: float, limit: float = 1000.0) -> None:  # type: ignore[no-untyped-def]
+    """The budget as AWS reports it. moto keeps the CalculatedSpend it is given."""
+    try:
+        budgets.delete_budget(AccountId=ACCOUNT, BudgetName=BUDGET)
+    except budgets.exceptions.NotFoundException:
+        pass
+    budgets.create_budget(AccountId=ACCOUNT, Budget={
+        "BudgetName": BUDGET, "BudgetType": "COST", "TimeUnit": "MONTHLY",
+        "BudgetLimit": {"Amount": str(limit), "Unit": "USD"},
+        "CalculatedSpend": {"ActualSpend": {"Amount": str(actual), "Unit": "USD"}}})
+
+
+def make(aws, tmp_path: Path, act: float = 100, deny_action: bool = False):  # type: ignore[no-untyped-def]
+    budgets, sns, _, topic, queue, _ = aws
+    config = node.Config(cluster="gpucluster-t", region="us-east-1", pools={}, log_file="/dev/null",
+                         budget_state_file=str(tmp_path / "budget.json"))
+    guard = guardrail.Guard(budget_name=BUDGET, account_id=ACCOUNT, act_threshold_percent=act, queue_url=queue,
+                            topic_arn=topic, launch_deny_action=deny_action)
+    slurm = FakeSlurm()
+    return guardrail.Guardrail(config, guard, slurm, budgets, sns, team="vision"), slurm
+
+
+def heard(aws) -> list[str]:  # type: ignore[no-untyped-def]
+    _, _, sqs, _, _, ear = aws
+    messages = sqs.receive_message(QueueUrl=ear, MaxNumberOfMessages=10).get("Messages", [])
+    return [json.loads(m["Body"])["Subject"] for m in messages]
+
+
+def test_spend_over_the_act_threshold_closes_and_under_it_reopens(aws, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    g, slurm = make(aws, tmp_path, act=90)
+    set_spend(aws[0], 850)
+    assert g.check(NOV) == "open" and slurm.partitions_["spot"] == "UP"
+    set_spend(aws[0], 905)  # over 90% of 1000
+    assert g.check(NOV) == "closed"
+    # Only the partitions that were open are closed, and only those will reopen.
+    assert slurm.partitions_ == {"spot": "DOWN", "standby": "DOWN", "maint": "DOWN"}
+    assert "gpucluster: budget: partitions closed: team vision spent $905.00" in slurm.jobs["8"]["AdminComment"]
+    assert "AdminComment" not in slurm.jobs["7"]  # running jobs are left alone
+    # The idle cloud node is released now; the busy one, the powered-down one and the always-on one are not touched.
+    assert ("update", "nodename=spot-1", "state=power_down") in slurm.calls
+    assert not [c for c in slurm.calls if c[0] == "update" and c[1].startswith("nodename=") and c[1] != "nodename=spot-1"]
+    assert node.budget_closed(g.config)
+    assert heard(aws) == ["gpucluster gpucluster-t: budget guardrail closed the partitions"]
+
+    assert g.check(NOV) == "closed-still"  # nothing new to say
+    assert heard(aws) == []
+    set_spend(aws[0], 905, limit=2000)  # the team raised its budget
+    assert g.check(NOV) == "reopened"
+    assert slurm.partitions_ == {"spot": "UP", "standby": "UP", "maint": "DOWN"}
+    assert slurm.jobs["8"]["AdminComment"] == ""
+    assert not node.budget_closed(g.config)
+    assert heard(aws) == ["gpucluster gpucluster-t: budget guardrail reopened the partitions"]
+
+
+def test_a_reconfigure_that_reopens_partitions_is_undone_while_closed(aws, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    g, slurm = make(aws, tmp_path)
+    set_spend(aws[0], 1200)
+    g.check(NOV)
+    slurm.partitions_["spot"] = "UP"  # `scontrol reconfigure` brings slurm.conf's State=UP back
+    slurm.jobs["9"] = {"JobState": "PENDING"}  # submitted while closed
+    g.sweep()
+    assert slurm.partitions_["spot"] == "DOWN" and slurm.jobs["9"]["AdminComment"].startswith("gpucluster: budget")
+
+
+def test_reopen_by_hand_holds_for_the_month_then_lapses(aws, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    g, slurm = make(aws, tmp_path)
+    set_spend(aws[0], 1200)
+    g.check(NOV)
+    heard(aws)
+    g.reopen_by_hand("alice", NOV)
+    assert slurm.partitions_["spot"] == "UP"
+    assert heard(aws) == ["gpucluster gpucluster-t: budget guardrail reopened the partitions"]
+    assert g.check(NOV) == "held-open"  # still over budget, but a person decided
+    assert slurm.partitions_["spot"] == "UP"
+    assert g.check(DEC) == "closed"  # a new month: the decision lapses (moto's budget still shows the spend)
+    set_spend(aws[0], 10)
+    g.reopen_by_hand("alice", DEC)
+    g.close_by_hand("bob", DEC)  # a person closes: spend under the threshold does not reopen
+    assert g.check(DEC) == "closed-still" and slurm.partitions_["spot"] == "DOWN"
+    g.reopen_by_hand("alice", DEC)
+    assert slurm.partitions_["spot"] == "UP"
+
+
+def test_reopening_reverses_the_budget_action_that_ran(aws, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    g, slurm = make(aws, tmp_path, deny_action=True)
+    set_spend(aws[0], 1200)
+    g.check(NOV)
+    set_spend(aws[0], 10)
+    action = "0a1b2c3d-0000-4000-8000-00000000beef"
+    real = g.budgets
+    g.budgets = boto3.client("budgets", region_name="us-east-1")
+    g.budgets.describe_budget = real.describe_budget  # the budget itself still comes from moto
+    with Stubber(g.budgets) as stub:
+        stub.add_response("describe_budget_actions_for_budget", {"Actions": [
+            {"ActionId": action, "BudgetName": BUDGET, "NotificationType": "ACTUAL", "ActionType": "APPLY_IAM_POLICY",
+             "ActionThreshold": {"ActionThresholdValue": 100.0, "ActionThresholdType": "PERCENTAGE"},
+             "Definition": {"IamActionDefinition": {"PolicyArn": "arn:aws:iam::123456789012:policy/deny",
+                                                    "Roles": ["head"]}},
+             "ExecutionRoleArn": "arn:aws:iam::123456789012:role/exec", "ApprovalModel": "AUTOMATIC",
+             "Status": "EXECUTION_SUCCESS",
+             "Subscribers": [{"SubscriptionType": "SNS", "Address": "arn:aws:sns:us-east-1:123456789012:alerts"}]}]},
+            {"AccountId": ACCOUNT, "BudgetName": BUDGET})
+        stub.add_response("execute_budget_action", {"AccountId": ACCOUNT, "BudgetName": BUDGET, "ActionId": action,
+                                                    "ExecutionType": "REVERSE_BUDGET_ACTION"},
+                          {"AccountId": ACCOUNT, "BudgetName": BUDGET, "ActionId": action,
+                           "ExecutionType": "REVERSE_BUDGET_ACTION"})
+        assert g.check(NOV) == "reopened"
+        stub.assert_no_pending_responses()
+    assert slurm.partitions_["spot"] == "UP"
+
+
+def test_a_denied_budget_action_is_logged_and_the_partitions_still_reopen(aws, tmp_path: Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+    g, slurm = make(aws, tmp_path, deny_action=True)
+    set_spend(aws[0], 1200)
+    g.check(NOV)
+    real = g.budgets
+    g.budgets = boto3.client("budgets", region_name="us-east-1")
+    with Stubber(g.budgets) as stub:
+        stub.add_client_error("describe_budget_actions_for_budget", service_error_code="AccessDeniedException",
+                              service_message="not authorized to perform: budgets:DescribeBudgetActionsForBudget")
+        g.reopen_by_hand("alice", NOV)
+    g.budgets = real
+    assert slurm.partitions_["spot"] == "UP"
+    assert "could not reverse the budget action" in caplog.text and "AccessDenied" in caplog.text
+
+
+def test_the_service_acts_on_a_message_and_keeps_it_when_the_check_fails(aws, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    budgets, _, sqs, _, _, _ = aws
+    queue = sqs.create_queue(QueueName="short", Attributes={"VisibilityTimeout": "1"})["QueueUrl"]
+    g, slurm = make(aws, tmp_path)
+    g.guard = guardrail.Guard(**{**g.guard.__dict__, "queue_url": queue})
+    set_spend(budgets, 1200)
+    sqs.send_message(QueueUrl=queue, MessageBody=json.dumps({
+        "Type": "Notification", "Subject": "AWS Budgets: gpucluster-t-monthly has exceeded your alert threshold",
+        "Message": "ACTUAL Cost ... is greater than $1,000.00"}))
+    monkeypatch.setattr(guardrail, "RECEIVE_WAIT_SECONDS", 0)
+    pauses: list[float] = []
+    monkeypatch.setattr(guardrail.time, "sleep", pauses.append)
+
+    def unreachable() -> guardrail.Spend:
+        raise RuntimeError("budgets unreachable")
+
+    # Budgets cannot be read: nothing changes, the step pauses, the message is not deleted.
+    monkeypatch.setattr(g, "spend", unreachable)
+    rounds = iter([False, True])
+    guardrail.serve(g, sqs, stop=lambda: next(rounds))
+    assert slurm.partitions_["spot"] == "UP" and pauses == [0]
+    monkeypatch.undo()
+    time.sleep(1.2)  # the visibility timeout: the message is back
+    rounds = iter([False, True])
+    guardrail.serve(g, sqs, stop=lambda: next(rounds))
+    assert slurm.partitions_["spot"] == "DOWN"
+    left = sqs.get_queue_attributes(QueueUrl=queue, AttributeNames=["All"])["Attributes"]
+    assert (left["ApproximateNumberOfMessages"], left["ApproximateNumberOfMessagesNotVisible"]) == ("0", "0")
