@@ -65,3 +65,15 @@ def test_usage_error_exits_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(bootstrap.logging, "FileHandler", lambda path: bootstrap.logging.StreamHandler())
     monkeypatch.setattr(bootstrap.Path, "mkdir", lambda *a, **k: None)
     assert bootstrap.main(["bootstrap.py", "nonsense"]) == 2
+
+
+def test_head_installs_the_budget_guardrail_service_and_command(tmp_path: Path) -> None:
+    systemd, sbin = tmp_path / "systemd", tmp_path / "sbin"
+    systemd.mkdir()
+    sbin.mkdir()
+    bootstrap.budget_guardrail(systemd, sbin)
+    bootstrap.budget_guardrail(systemd, sbin)  # a reboot runs it again
+    assert (sbin / "gpucluster-budget").readlink() == bootstrap.BUNDLE / "gpucluster_budget.py"
+    unit = (systemd / "gpucluster-budget.service").read_text()
+    assert f"ExecStart={sbin}/gpucluster-budget run" in unit and "Restart=always" in unit
+    assert "After=slurmctld.service" in unit and "WantedBy=multi-user.target" in unit
