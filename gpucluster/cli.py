@@ -154,7 +154,7 @@ def spend(args: argparse.Namespace) -> int:
     stack = _load(args.stack)
     today = dt.date.today()
     result = money.spend(boto3.Session().client("ce", region_name="us-east-1"), stack, today)
-    print("\n".join(money.report(stack, result, money.slurm_gpu_hours(money.month_bounds(today)[0]))))
+    print("\n".join(money.report(stack, result, money.slurm_gpu_hours())))
     return 0
 
 

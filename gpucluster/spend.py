@@ -57,23 +57,25 @@ def spend(ce: Any, stack: Stack, today: dt.date) -> Spend:
     return Spend(so_far, forecast, notes)
 
 
-def gpu_hours_by_account(sreport_output: str) -> dict[str, float]:
-    """GPU-hours per account from `sreport -n -P cluster AccountUtilizationByUser -t Hours --tres=gres/gpu`
-    (Cluster|Account|Login|Proper Name|TRES Name|Used); account totals are the lines without a login."""
+def gpu_hours_by_account(sshare_output: str) -> dict[str, float]:
+    """GPU-hours per account from `sshare -n -P -a -o Account,User,GrpTRESRaw`: the TRES-minutes each association
+    used since the monthly reset, the very figure GrpTRESMins is enforced against (live, unlike sreport's hourly
+    rollups). Account rows have no user; sshare indents accounts by depth."""
     hours: dict[str, float] = {}
-    for line in sreport_output.splitlines():
+    for line in sshare_output.splitlines():
         fields = line.split("|")
-        if len(fields) >= 6 and not fields[2] and fields[4] == "gres/gpu":
-            hours[fields[1]] = float(fields[5] or 0)
+        if len(fields) >= 3 and not fields[1]:
+            used = dict(item.split("=", 1) for item in fields[2].split(",") if "=" in item)
+            hours[fields[0].strip()] = int(used.get("gres/gpu", 0)) / 60
     return hours
 
 
-def slurm_gpu_hours(start: dt.date) -> dict[str, float] | None:
-    """From Slurm accounting, when this runs on the head node (sreport present); None elsewhere."""
-    if not shutil.which("sreport"):
+def slurm_gpu_hours(env: dict[str, str] | None = None) -> dict[str, float] | None:
+    """From Slurm, when this runs on the head node (sshare present); None elsewhere."""
+    if not shutil.which("sshare", path=(env or {}).get("PATH")):
         return None
-    out = subprocess.run(["sreport", "-n", "-P", "cluster", "AccountUtilizationByUser", f"start={start.isoformat()}",
-                          "end=now", "-t", "Hours", "--tres=gres/gpu"], capture_output=True, text=True, check=True)
+    out = subprocess.run(["sshare", "-n", "-P", "-a", "-o", "Account,User,GrpTRESRaw"], capture_output=True,
+                         text=True, check=True, env=env)
     return gpu_hours_by_account(out.stdout)
 
 
@@ -93,6 +95,8 @@ def report(stack: Stack, result: Spend, gpu_hours: dict[str, float] | None) -> l
         used = gpu_hours.get(stack.spec.team, 0.0)
         of = f" of {quota:,} ({100 * used / quota:.0f}%)" if quota else ""
         lines.append(f"GPU-hours:           {used:,.1f}{of} for account {stack.spec.team}")
-        lines += [f"  {account}: {h:,.1f}" for account, h in sorted(gpu_hours.items()) if account != stack.spec.team]
+        # root is the sum of all accounts, not an account of its own
+        lines += [f"  {account}: {h:,.1f}" for account, h in sorted(gpu_hours.items())
+                  if account not in (stack.spec.team, "root")]
     lines += [f"Note: {n}" for n in result.notes]
     return lines

@@ -32,10 +32,11 @@ def test_spend_and_forecast_by_the_stack_tag() -> None:
                            "Granularity": "MONTHLY", "Filter": TAG})
         result = spend.spend(client, TEAM_A, TODAY)
     assert result.month_to_date == 180000.50 and result.forecast == 275000.50 and not result.notes
-    lines = spend.report(TEAM_A, result, {"vision": 20000.0, "other": 5.0})
+    lines = spend.report(TEAM_A, result, {"root": 20005.0, "vision": 20000.0, "other": 5.0})
     assert "Spent this month:    $180,000.50 (72% of the budget)" in lines
     assert "Forecast for month:  $275,000.50 - over budget" in lines
     assert "GPU-hours:           20,000.0 of 36,337 (55%) for account vision" in lines
+    assert "  other: 5.0" in lines and not any("root" in line for line in lines)
 
 
 def test_denied_and_missing_forecast_are_said_not_crashed() -> None:
@@ -50,12 +51,13 @@ def test_denied_and_missing_forecast_are_said_not_crashed() -> None:
     assert "GPU-hours:           run this on the head node to read Slurm accounting" in spend.report(TEAM_A, result, None)
 
 
-def test_gpu_hours_from_sreport_account_totals() -> None:
-    out = ("gpucluster-team-a|vision||||\n"  # no TRES line for an idle account is possible too
-           "gpucluster-team-a|vision|||gres/gpu|1520.5\n"
-           "gpucluster-team-a|vision|alice|Alice|gres/gpu|1500.0\n"
-           "gpucluster-team-a|root|||gres/gpu|3\n")
-    assert spend.gpu_hours_by_account(out) == {"vision": 1520.5, "root": 3.0}
+def test_gpu_hours_from_sshare_account_rows() -> None:
+    # As Slurm 22.05's sshare prints it (checked against the real one in tests/integration): minutes per TRES.
+    out = (" root|root|cpu=0,mem=0,energy=0,node=0,billing=0,fs/disk=0,vmem=0,pages=0,gres/gpu=0|\n"
+           "  vision||cpu=7200,mem=9000,node=60,billing=7200,gres/gpu=91230|\n"
+           "   vision|alice|cpu=7200,mem=9000,node=60,billing=7200,gres/gpu=90000|\n"
+           "  speech||cpu=3,mem=0|\n")
+    assert spend.gpu_hours_by_account(out) == {"vision": 1520.5, "speech": 0.0}
 
 
 def test_month_bounds() -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES, ROOT
+from gpucluster import spend
 from gpucluster.spec import load_stack
 from local_cluster import LocalCluster, missing_tools
 
@@ -110,7 +111,7 @@ def test_gpu_hour_quota_holds_jobs_that_would_exceed_it(cluster: LocalCluster) -
     quota = cluster.run("sacctmgr", "-n", "-P", "show", "assoc", "where", "account=local", "user=",
                         "format=GrpTRESMins").split()
     assert quota == ["gres/gpu=37260"]
-    fits = submit(cluster, "-p", "standby", "--gpus=1", "--time=60", "--wrap", "true")
+    fits = submit(cluster, "-p", "standby", "--gpus=1", "--time=60", "--wrap", "sleep 62")
     beyond = submit(cluster, "-p", "standby", "--gpus=1", "--time=30-00:00:00", "--wrap", "true")
     cluster.wait(f"job {fits} to complete", lambda: cluster.job_state(fits) == "COMPLETED", 180)
     assert cluster.job_state(beyond) == "PENDING"
@@ -118,3 +119,6 @@ def test_gpu_hour_quota_holds_jobs_that_would_exceed_it(cluster: LocalCluster) -
     assert reason == "AssocGrpGRESMinutes", reason
     account = cluster.run("squeue", "-h", "-j", beyond, "-o", "%a").strip()
     assert account == "local"
+    # `gpucluster cost` on the head node reads the same figure Slurm enforces: one GPU for a minute and a bit
+    # (Slurm counts whole minutes; root sums the accounts under it).
+    assert spend.slurm_gpu_hours(cluster.env) == {"root": pytest.approx(1 / 60), "local": pytest.approx(1 / 60)}
