@@ -222,12 +222,22 @@ def containers() -> None:
     run("make", "-C", "/tmp/pyxis", "install", check=False)
 
 
-def gpu_metrics(pool: str) -> None:
-    """The CloudWatch agent (on the Deep Learning AMIs) publishes GPU utilisation for the pool's idle-GPU alarm."""
-    config = BUNDLE / "cloudwatch-agent" / f"{pool}.json"
+def gpu_metrics(pool: str, region: str, systemd: Path = Path("/etc/systemd/system")) -> str | None:
+    """Utilisation for the pool's idle alarm: the CloudWatch agent (on the Deep Learning AMIs) on NVIDIA nodes, the
+    neuron-monitor publisher on Trainium nodes. Returns the systemd unit to start, if any."""
+    agent = BUNDLE / "cloudwatch-agent" / f"{pool}.json"
     ctl = "/opt/aws/amazon-cloudwatch-agent/bin/amazon-cloudwatch-agent-ctl"
-    if config.exists() and Path(ctl).exists():
-        run(ctl, "-a", "fetch-config", "-m", "ec2", "-c", f"file:{config}", "-s")
+    if agent.exists() and Path(ctl).exists():
+        run(ctl, "-a", "fetch-config", "-m", "ec2", "-c", f"file:{agent}", "-s")
+    neuron = BUNDLE / "neuron-metrics" / f"{pool}.json"
+    if not neuron.exists():
+        return None
+    (systemd / "gpucluster-neuron-metrics.service").write_text(
+        "[Unit]\nDescription=gpucluster: NeuronCore utilisation to CloudWatch\n\n[Service]\n"
+        f"Environment=AWS_DEFAULT_REGION={region}\n"
+        f"ExecStart=/usr/bin/python3 {BUNDLE}/gpucluster_neuron_metrics.py {neuron} -- /opt/aws/neuron/bin/neuron-monitor\n"
+        "Restart=always\nRestartSec=30\n\n[Install]\nWantedBy=multi-user.target\n")
+    return "gpucluster-neuron-metrics.service"
 
 
 def compute(settings: dict, ssm) -> None:  # type: ignore[no-untyped-def,type-arg]
@@ -243,7 +253,10 @@ def compute(settings: dict, ssm) -> None:  # type: ignore[no-untyped-def,type-ar
     run("mount", "-o", "remount,size=90%", "/dev/shm", check=False)
     mount_lustre(settings["fsx_dns_name"], settings["fsx_mount_name"])
     containers()
-    gpu_metrics(pool_name)
+    unit = gpu_metrics(pool_name, settings["region"])
+    if unit:
+        run("systemctl", "daemon-reload")
+        run("systemctl", "enable", "--now", unit)
     # Configless: slurm.conf, gres.conf and plugstack.conf come from the controller.
     Path("/etc/default/slurmd").write_text(f'SLURMD_OPTIONS="--conf-server head:6817 -N {name}"\n')
     run("systemctl", "enable", "--now", "slurmd")

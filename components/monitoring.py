@@ -1,4 +1,4 @@
-"""Idle-GPU alarms: one per NVIDIA pool, to the budget's subscribers."""
+"""Idle-accelerator alarms: one per GPU or Trainium pool, to the budget's subscribers."""
 
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ class IdleGpuAlarms(pulumi.ComponentResource):
         for pool in monitoring.watched_pools(args.stack):
             aws.cloudwatch.MetricAlarm(
                 f"{name}-{pool.name}-idle-gpu",
-                alarm_description=(f"{args.stack.cluster_name} pool {pool.name}: GPU utilisation under "
+                alarm_description=(f"{args.stack.cluster_name} pool {pool.name}: accelerator utilisation under "
                                    f"{monitoring.IDLE_PERCENT}% for {monitoring.IDLE_MINUTES} minutes"),
                 namespace=monitoring.NAMESPACE,
-                metric_name=monitoring.UTILISATION_METRIC,
+                metric_name=monitoring.utilisation_metric(pool),
                 dimensions=monitoring.dimensions(args.stack, pool),
                 statistic="Average",
                 period=60,

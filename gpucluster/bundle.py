@@ -16,7 +16,7 @@ from gpucluster import monitoring, slurm
 from gpucluster.spec import Stack
 
 ROOT = Path(__file__).resolve().parent.parent
-PROGRAMS = ("bootstrap.py", "gpucluster_node.py", "gpucluster_budget.py")
+PROGRAMS = ("bootstrap.py", "gpucluster_node.py", "gpucluster_budget.py", "gpucluster_neuron_metrics.py")
 # Who submits jobs on the head node: the image's login user (Ubuntu). Add others with `sacctmgr add user`.
 CLUSTER_USERS = ("ubuntu",)
 EXAMPLES = ("launch.sh", "ddp_train.py", "ddp.sbatch", "all_reduce.py", "all_reduce.sbatch", "ddp_container.sbatch")
@@ -30,8 +30,8 @@ def contents(stack: Stack) -> dict[str, tuple[bytes, int]]:
               for name in EXAMPLES}
     files["accounting.sql"] = (slurm.ACCOUNTING_DB_SQL.encode(), 0o644)
     files["accounting.sh"] = (slurm.accounting_script(stack, CLUSTER_USERS).encode(), 0o755)
-    files |= {f"cloudwatch-agent/{pool.name}.json": (monitoring.agent_config(stack, pool).encode(), 0o644)
-              for pool in monitoring.watched_pools(stack)}
+    files |= {name: (text.encode(), 0o644)
+              for name, text in (monitoring.node_config(stack, pool) for pool in monitoring.watched_pools(stack))}
     return files
 
 

@@ -1,7 +1,9 @@
-"""GPU utilisation, published by the CloudWatch agent on every NVIDIA node and watched per pool.
+"""Accelerator utilisation, published by every GPU and Trainium node and watched per pool.
 
-The agent's configuration and the alarms share the names below, so that an alarm always watches the metric the agent
-sends. The rule every GPU dashboard carries: utilisation under 30% for 5 minutes is money burning.
+NVIDIA nodes publish through the CloudWatch agent's nvidia_gpu plugin; Neuron nodes through gpucluster's own small
+publisher fed by neuron-monitor (cloud-init/gpucluster_neuron_metrics.py). Both configurations and the alarms share the
+names below, so that an alarm always watches the metric the nodes send. The rule every GPU dashboard carries:
+utilisation under 30% for 5 minutes is money burning.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import json
 from gpucluster.spec import Pool, Stack
 
 NAMESPACE = "CWAgent"
-UTILISATION_METRIC = "nvidia_smi_utilization_gpu"
+# The CloudWatch agent names its metrics nvidia_smi_<measurement>.
+UTILISATION_METRICS = {"nvidia": "nvidia_smi_utilization_gpu", "neuron": "neuroncore_utilization"}
 CLUSTER_DIMENSION = "gpucluster:cluster"
 POOL_DIMENSION = "gpucluster:pool"
 IDLE_PERCENT = 30
@@ -19,8 +22,28 @@ IDLE_MINUTES = 5
 
 
 def watched_pools(stack: Stack) -> list[Pool]:
-    """NVIDIA pools: the agent's nvidia_gpu plugin reads nvidia-smi (Neuron devices report through neuron-monitor)."""
-    return [p for p in stack.spec.pools if p.itype.accelerator and p.itype.accelerator.kind == "nvidia"]
+    """Every pool with accelerators."""
+    return [p for p in stack.spec.pools if p.itype.accelerator]
+
+
+def utilisation_metric(pool: Pool) -> str:
+    assert pool.itype.accelerator, pool.name
+    return UTILISATION_METRICS[pool.itype.accelerator.kind]
+
+
+def node_config(stack: Stack, pool: Pool) -> tuple[str, str]:
+    """(file name in the bundle, content) of what the pool's nodes run to publish utilisation."""
+    assert pool.itype.accelerator, pool.name
+    if pool.itype.accelerator.kind == "nvidia":
+        return f"cloudwatch-agent/{pool.name}.json", agent_config(stack, pool)
+    return f"neuron-metrics/{pool.name}.json", neuron_publisher_config(stack, pool)
+
+
+def neuron_publisher_config(stack: Stack, pool: Pool) -> str:
+    """For gpucluster_neuron_metrics.py: the mean utilisation of all the node's NeuronCores (0 for cores no runtime
+    uses, so an idle node reports 0 rather than nothing), one data point a minute."""
+    return json.dumps({"namespace": NAMESPACE, "metric_name": UTILISATION_METRICS["neuron"],
+                       "dimensions": dimensions(stack, pool), "period_seconds": 60}, indent=1, sort_keys=True) + "\n"
 
 
 def dimensions(stack: Stack, pool: Pool) -> dict[str, str]:

@@ -103,9 +103,11 @@ def test_bundle_object_holds_the_rendered_files(shipped: Shipped) -> None:
     assert data == bundle.build(stack) and obj.inputs["key"] == bundle.key(data)
     with tarfile.open(fileobj=io.BytesIO(gzip.decompress(data))) as tar:
         names = set(tar.getnames())
-    assert {"bootstrap.py", "gpucluster_node.py", "gpucluster_budget.py", "accounting.sql", "accounting.sh", "slurm/slurm.conf", "slurm/gres.conf",
-            "slurm/slurmdbd.conf", "slurm/plugstack.conf"} | {f"examples/{n}" for n in bundle.EXAMPLES} | {
-        f"cloudwatch-agent/{p.name}.json" for p in stack.spec.pools if p.itype.accelerator.kind == "nvidia"} == names
+    programs = {"bootstrap.py", "gpucluster_node.py", "gpucluster_budget.py", "gpucluster_neuron_metrics.py"}
+    metrics = {f"{'cloudwatch-agent' if p.itype.accelerator.kind == 'nvidia' else 'neuron-metrics'}/{p.name}.json"
+               for p in stack.spec.pools}
+    assert programs | {"accounting.sql", "accounting.sh", "slurm/slurm.conf", "slurm/gres.conf", "slurm/slurmdbd.conf",
+                       "slurm/plugstack.conf"} | {f"examples/{n}" for n in bundle.EXAMPLES} | metrics == names
 
 
 def test_bundle_is_deterministic(monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -1,27 +1,40 @@
-"""Idle-GPU alarms: one per NVIDIA pool, watching exactly what the nodes' CloudWatch agent sends."""
+"""Idle-accelerator alarms: one per GPU or Trainium pool, watching exactly what the nodes publish."""
 
 from __future__ import annotations
 
 import gzip
 import io
 import json
+import sys
 import tarfile
+from pathlib import Path
 
-from conftest import of_type
+import boto3
+import pytest
+from moto import mock_aws
+
+from conftest import ROOT, of_type
 from gpucluster import bundle, monitoring
 from gpucluster.plan import Declared
-from gpucluster.spec import Stack
+from gpucluster.spec import Stack, load_stack
+
+sys.path.insert(0, str(ROOT / "cloud-init"))
+import bootstrap  # noqa: E402
+import gpucluster_neuron_metrics as neuron  # noqa: E402
+
+TEAM_B = load_stack(ROOT / "stacks" / "Pulumi.team-b.yaml")  # has a trn1 pool
 
 
-def test_one_idle_gpu_alarm_per_nvidia_pool(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
+def test_one_idle_alarm_per_accelerator_pool(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
     stack, declared = shipped
     alarms = {a.inputs["dimensions"]["gpucluster:pool"]: a.inputs for a in of_type(declared, "metricAlarm:MetricAlarm")}
-    nvidia = {p.name for p in stack.spec.pools if p.itype.accelerator.kind == "nvidia"}
-    assert set(alarms) == nvidia  # Trainium pools report through neuron-monitor, not nvidia-smi
+    kinds = {p.name: p.itype.accelerator.kind for p in stack.spec.pools if p.itype.accelerator}
+    assert set(alarms) == set(kinds)
     (topic,) = of_type(declared, "sns/topic:Topic")
     topic_arn = f"arn:aws:plan:{stack.region}:123456789012:{topic.name}"
     for pool, alarm in alarms.items():
-        assert (alarm["namespace"], alarm["metricName"]) == ("CWAgent", "nvidia_smi_utilization_gpu")
+        metric = {"nvidia": "nvidia_smi_utilization_gpu", "neuron": "neuroncore_utilization"}[kinds[pool]]
+        assert (alarm["namespace"], alarm["metricName"]) == ("CWAgent", metric)
         assert alarm["dimensions"] == {"gpucluster:cluster": stack.cluster_name, "gpucluster:pool": pool}
         assert (alarm["threshold"], alarm["comparisonOperator"]) == (30, "LessThanThreshold")
         assert (alarm["period"], alarm["evaluationPeriods"], alarm["statistic"]) == (60, 5, "Average")
@@ -32,14 +45,64 @@ def test_nodes_send_what_the_alarm_watches(shipped: tuple[Stack, tuple[Declared,
     stack, declared = shipped
     with tarfile.open(fileobj=io.BytesIO(gzip.decompress(bundle.build(stack)))) as tar:
         for pool in monitoring.watched_pools(stack):
-            config = json.load(tar.extractfile(f"cloudwatch-agent/{pool.name}.json"))  # type: ignore[arg-type]
-            metrics = config["metrics"]
-            assert metrics["namespace"] == monitoring.NAMESPACE
-            assert metrics["global_dimensions"] == monitoring.dimensions(stack, pool)
-            assert metrics["aggregation_dimensions"] == [["gpucluster:cluster", "gpucluster:pool"]]
-            # The agent names the metric nvidia_smi_<measurement>.
-            assert f"nvidia_smi_{metrics['metrics_collected']['nvidia_gpu']['measurement'][0]}" == \
-                monitoring.UTILISATION_METRIC
+            if pool.itype.accelerator.kind == "nvidia":
+                config = json.load(tar.extractfile(f"cloudwatch-agent/{pool.name}.json"))  # type: ignore[arg-type]
+                metrics = config["metrics"]
+                assert metrics["namespace"] == monitoring.NAMESPACE
+                assert metrics["global_dimensions"] == monitoring.dimensions(stack, pool)
+                assert metrics["aggregation_dimensions"] == [["gpucluster:cluster", "gpucluster:pool"]]
+                # The agent names the metric nvidia_smi_<measurement>.
+                sent = f"nvidia_smi_{metrics['metrics_collected']['nvidia_gpu']['measurement'][0]}"
+            else:
+                config = json.load(tar.extractfile(f"neuron-metrics/{pool.name}.json"))  # type: ignore[arg-type]
+                assert config["namespace"] == monitoring.NAMESPACE and config["period_seconds"] == 60
+                assert config["dimensions"] == monitoring.dimensions(stack, pool)
+                sent = config["metric_name"]
+            assert sent == monitoring.utilisation_metric(pool)
     (policy,) = [p for p in of_type(declared, "iam/rolePolicy:RolePolicy") if p.name.endswith("-compute")]
     statements = {s["Sid"]: s for s in json.loads(policy.inputs["policy"])["Statement"]}
     assert statements["GpuMetrics"]["Condition"] == {"StringEquals": {"cloudwatch:namespace": "CWAgent"}}
+
+
+def report(cores_in_use: dict[str, float], devices: int = 16, per_device: int = 2) -> str:
+    """A neuron-monitor report in the documented layout (trn1.32xlarge: 16 devices, 2 NeuronCores each)."""
+    runtimes = [{"pid": 4242, "neuron_runtime_tag": "1", "error": "", "report": {"neuroncore_counters": {
+        "period": 5.0, "error": "", "neuroncores_in_use": {k: {"neuroncore_utilization": v} for k, v in cores_in_use.items()}}}}]
+    return json.dumps({"neuron_runtime_data": runtimes if cores_in_use else [],
+                       "neuron_hardware_info": {"neuron_device_count": devices, "neuroncore_per_device_count": per_device,
+                                                "error": ""}})
+
+
+def test_neuron_utilisation_counts_unused_cores_as_idle() -> None:
+    assert neuron.utilisation(json.loads(report({str(i): 90.0 for i in range(32)}))) == 90.0
+    assert neuron.utilisation(json.loads(report({"0": 96.0, "1": 64.0}))) == 5.0  # 2 of 32 cores busy
+    assert neuron.utilisation(json.loads(report({}))) == 0.0  # no runtime: idle, not silent
+    assert neuron.utilisation({"neuron_runtime_data": []}) is None  # nothing known about the cores
+
+
+def test_trainium_node_publishes_what_the_alarm_reads() -> None:
+    pool = next(p for p in TEAM_B.spec.pools if p.itype.accelerator.kind == "neuron")
+    config = json.loads(monitoring.neuron_publisher_config(TEAM_B, pool))
+    ticks = iter(range(0, 1000, 20))  # a report every 20 s: three reports per 60 s period
+    lines = [report({str(i): 90.0 for i in range(32)})] * 3 + [report({})] * 3 + ["not json"]
+    with mock_aws():
+        cloudwatch = boto3.client("cloudwatch", region_name=TEAM_B.region)
+        assert neuron.publish(lines, config, cloudwatch, clock=lambda: float(next(ticks))) == 2
+        # Read back exactly as the alarm does: namespace, metric, the pool's dimensions.
+        stats = cloudwatch.get_metric_statistics(
+            Namespace=monitoring.NAMESPACE, MetricName=monitoring.utilisation_metric(pool),
+            Dimensions=[{"Name": k, "Value": v} for k, v in monitoring.dimensions(TEAM_B, pool).items()],
+            StartTime="2000-01-01T00:00:00Z", EndTime="2100-01-01T00:00:00Z", Period=86400 * 365 * 100,
+            Statistics=["Minimum", "Maximum", "SampleCount"])["Datapoints"]
+    assert [(d["SampleCount"], d["Minimum"], d["Maximum"]) for d in stats] == [(2.0, 0.0, 90.0)]
+
+
+def test_trainium_node_runs_the_publisher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bootstrap, "BUNDLE", tmp_path)
+    (tmp_path / "neuron-metrics").mkdir()
+    (tmp_path / "neuron-metrics" / "trn1.json").write_text("{}")
+    assert bootstrap.gpu_metrics("trn1", "us-west-2", tmp_path) == "gpucluster-neuron-metrics.service"
+    unit = (tmp_path / "gpucluster-neuron-metrics.service").read_text()
+    assert f"gpucluster_neuron_metrics.py {tmp_path}/neuron-metrics/trn1.json -- /opt/aws/neuron/bin/neuron-monitor" in unit
+    assert "AWS_DEFAULT_REGION=us-west-2" in unit and "Restart=always" in unit
+    assert bootstrap.gpu_metrics("p5-od", "us-west-2", tmp_path) is None  # NVIDIA: the CloudWatch agent, no unit
