@@ -4,7 +4,6 @@ wakes the head node's guardrail, and (LaunchDeny) the Budgets action that denies
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import pulumi

@@ -30,3 +30,19 @@ def shipped(request: pytest.FixtureRequest) -> tuple[Stack, tuple[Declared, ...]
 
 def of_type(declared: tuple[Declared, ...], suffix: str) -> list[Declared]:
     return [d for d in declared if d.type.endswith(suffix)]
+
+
+@pytest.fixture
+def cluster():  # type: ignore[no-untyped-def]
+    """A fresh local Slurm cluster of tests/stacks/Pulumi.local.yaml, EC2 and the rest in moto (tests/integration)."""
+    import shutil
+    import tempfile
+
+    from local_cluster import LocalCluster, missing_tools
+
+    assert not missing_tools(), f"install Slurm, munge and MariaDB first (make test does): missing {missing_tools()}"
+    root = Path(tempfile.mkdtemp(prefix="gpucluster-cluster-"))
+    local = LocalCluster(load_stack(FIXTURES / "Pulumi.local.yaml"), root).start()
+    yield local
+    local.stop()
+    shutil.rmtree(root, ignore_errors=True)

@@ -5,25 +5,8 @@ reopen when the spend falls back under the threshold, and by hand."""
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
-from pathlib import Path
 
-import pytest
-
-from conftest import FIXTURES
-from gpucluster.spec import load_stack
-from local_cluster import LocalCluster, missing_tools
-
-
-@pytest.fixture
-def cluster():  # type: ignore[no-untyped-def]
-    assert not missing_tools(), f"install Slurm, munge and MariaDB first (make test does): missing {missing_tools()}"
-    root = Path(tempfile.mkdtemp(prefix="gpucluster-budget-"))
-    local = LocalCluster(load_stack(FIXTURES / "Pulumi.local.yaml"), root).start()
-    yield local
-    local.stop()
-    shutil.rmtree(root, ignore_errors=True)
+from local_cluster import LocalCluster
 
 
 def partition_states(cluster: LocalCluster) -> dict[str, str]:

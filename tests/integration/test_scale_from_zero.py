@@ -4,28 +4,15 @@ boots a slurmd for each, the job runs; idle nodes are suspended and their instan
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURES, ROOT
+from conftest import ROOT
 from gpucluster import spend
-from gpucluster.spec import load_stack
-from local_cluster import LocalCluster, missing_tools
-
-
-@pytest.fixture
-def cluster():  # type: ignore[no-untyped-def]
-    assert not missing_tools(), f"install Slurm, munge and MariaDB first (make test does): missing {missing_tools()}"
-    root = Path(tempfile.mkdtemp(prefix="gpucluster-cluster-"))
-    local = LocalCluster(load_stack(FIXTURES / "Pulumi.local.yaml"), root).start()
-    yield local
-    local.stop()
-    shutil.rmtree(root, ignore_errors=True)
+from local_cluster import LocalCluster
 
 
 def submit(cluster: LocalCluster, *args: str) -> str:
