@@ -32,6 +32,8 @@ from typing import Any, Iterator
 from gpucluster_node import CONFIG_PATH, REASON_PREFIX, Config, Slurm, parse_oneliner, setup_logging
 
 BUDGET_PREFIX = f"{REASON_PREFIX} budget"
+# How the resume program marks nodes it could not launch while the Budgets action's deny was on the head node's role.
+DENIED_PREFIX = f"{REASON_PREFIX} launch failed: UnauthorizedOperation"
 RECEIVE_WAIT_SECONDS = 20  # SQS long polling: also the pace of the sweep over new pending jobs while closed
 
 log = logging.getLogger("gpucluster-budget")
@@ -229,6 +231,11 @@ class Guardrail:
         for job, current in self.slurm.pending_jobs().items():
             if current.startswith(BUDGET_PREFIX):
                 self.slurm.set_admin_comment(job, "")
+        denied = [n["NodeName"] for n in self.slurm.nodes()
+                  if n.get("Reason", "").startswith(DENIED_PREFIX) and "DOWN" in n.get("State", "")]
+        if denied:  # the launch deny is being lifted: those nodes may launch again
+            log.info("nodes %s were refused a launch while denied: schedulable again", ",".join(denied))
+            self.slurm.power_down(denied)
         was_closed = state.closed
         state.closed, state.closed_by_hand, state.reason, state.since, state.partitions = False, False, "", 0.0, []
         lifted = self._lift_launch_deny()

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Trainium utilisation for the pool's idle alarm: reads neuron-monitor's JSON reports and publishes, once a period,
-the mean utilisation of all the node's NeuronCores to CloudWatch.
+the mean utilisation of all the node's NeuronCores and the device memory its runtimes hold to CloudWatch.
 
 `gpucluster_neuron_metrics.py CONFIG [-- COMMAND...]`: CONFIG is the bundle's neuron-metrics/<pool>.json (namespace,
 metric name, dimensions, period); COMMAND defaults to `neuron-monitor`. Unlike a plain relay of neuron-monitor, a core
@@ -37,21 +37,29 @@ def utilisation(report: dict[str, Any]) -> float | None:
     return sum(in_use.values()) / cores
 
 
+def memory_used(report: dict[str, Any]) -> float:
+    """Bytes of Neuron device memory held by all runtimes in one report."""
+    return float(sum(((r.get("report") or {}).get("memory_used") or {}).get("neuron_runtime_used_bytes", {})
+                     .get("neuron_device", 0) or 0 for r in report.get("neuron_runtime_data") or []))
+
+
 def publish(lines: Iterable[str], config: dict[str, Any], cloudwatch, clock: Callable[[], float] = time.time) -> int:  # type: ignore[no-untyped-def]
     """Average the reports of each period and publish one data point per period. Returns how many it published."""
     dimensions = [{"Name": k, "Value": v} for k, v in sorted(config["dimensions"].items())]
     period = float(config["period_seconds"])
-    samples: list[float] = []
+    samples: list[tuple[float, float]] = []  # (utilisation, memory) per report
     started = clock()
     published = 0
 
     def flush() -> None:
         nonlocal samples, started, published
         if samples:
-            value = sum(samples) / len(samples)
+            busy, held = (sum(column) / len(samples) for column in zip(*samples))
             try:
-                cloudwatch.put_metric_data(Namespace=config["namespace"], MetricData=[{
-                    "MetricName": config["metric_name"], "Dimensions": dimensions, "Value": value, "Unit": "Percent"}])
+                cloudwatch.put_metric_data(Namespace=config["namespace"], MetricData=[
+                    {"MetricName": config["metric_name"], "Dimensions": dimensions, "Value": busy, "Unit": "Percent"},
+                    {"MetricName": config["memory_metric_name"], "Dimensions": dimensions, "Value": held,
+                     "Unit": "Bytes"}])
                 published += 1
             except Exception:  # the next period tries again; the node's work does not depend on this
                 log.exception("PutMetricData failed")
@@ -59,12 +67,14 @@ def publish(lines: Iterable[str], config: dict[str, Any], cloudwatch, clock: Cal
 
     for line in lines:
         try:
-            value = utilisation(json.loads(line))
+            report = json.loads(line)
+            value = utilisation(report)
+            held = memory_used(report)
         except (ValueError, TypeError, AttributeError):
             log.warning("not a neuron-monitor report: %.120s", line)
             continue
         if value is not None:
-            samples.append(value)
+            samples.append((value, held))
         if clock() - started >= period:
             flush()
     flush()

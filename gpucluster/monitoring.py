@@ -41,9 +41,10 @@ def node_config(stack: Stack, pool: Pool) -> tuple[str, str]:
 
 def neuron_publisher_config(stack: Stack, pool: Pool) -> str:
     """For gpucluster_neuron_metrics.py: the mean utilisation of all the node's NeuronCores (0 for cores no runtime
-    uses, so an idle node reports 0 rather than nothing), one data point a minute."""
+    uses, so an idle node reports 0 rather than nothing) and the device memory in use, one data point a minute."""
     return json.dumps({"namespace": NAMESPACE, "metric_name": UTILISATION_METRICS["neuron"],
-                       "dimensions": dimensions(stack, pool), "period_seconds": 60}, indent=1, sort_keys=True) + "\n"
+                       "memory_metric_name": "neuron_memory_used", "dimensions": dimensions(stack, pool),
+                       "period_seconds": 60}, indent=1, sort_keys=True) + "\n"
 
 
 def dimensions(stack: Stack, pool: Pool) -> dict[str, str]:

@@ -34,7 +34,9 @@ class FakeSlurm(guardrail.SlurmQueue):
         self.node_table = [{"NodeName": "spot-1", "State": "IDLE+CLOUD"},
                            {"NodeName": "spot-2", "State": "ALLOCATED+CLOUD"},
                            {"NodeName": "standby-1", "State": "IDLE+CLOUD+POWERED_DOWN"},
-                           {"NodeName": "standby-2", "State": "IDLE"}]  # always-on: left running
+                           {"NodeName": "standby-2", "State": "IDLE"},  # always-on: left running
+                           {"NodeName": "spot-3", "State": "DOWN+CLOUD+POWERED_DOWN",  # launched while denied
+                            "Reason": "gpucluster: launch failed: UnauthorizedOperation: explicit deny [slurm@2026-11-29T10:00:00]"}]
         self.calls: list[tuple[str, ...]] = []
 
     def _run(self, *args: str) -> str:
@@ -179,6 +181,8 @@ def test_reopening_reverses_the_budget_action_that_ran(aws, tmp_path: Path) -> N
         assert g.check(NOV) == "reopened"
         stub.assert_no_pending_responses()
     assert slurm.partitions_["spot"] == "UP"
+    # A node the resume program could not launch under the deny is schedulable again.
+    assert ("update", "nodename=spot-3", "state=power_down_force") in slurm.calls
 
 
 def test_a_denied_budget_action_is_logged_and_the_partitions_still_reopen(aws, tmp_path: Path,

@@ -66,8 +66,10 @@ def test_nodes_send_what_the_alarm_watches(shipped: tuple[Stack, tuple[Declared,
 
 def report(cores_in_use: dict[str, float], devices: int = 16, per_device: int = 2) -> str:
     """A neuron-monitor report in the documented layout (trn1.32xlarge: 16 devices, 2 NeuronCores each)."""
-    runtimes = [{"pid": 4242, "neuron_runtime_tag": "1", "error": "", "report": {"neuroncore_counters": {
-        "period": 5.0, "error": "", "neuroncores_in_use": {k: {"neuroncore_utilization": v} for k, v in cores_in_use.items()}}}}]
+    runtimes = [{"pid": 4242, "neuron_runtime_tag": "1", "error": "", "report": {
+        "neuroncore_counters": {"period": 5.0, "error": "", "neuroncores_in_use": {
+            k: {"neuroncore_utilization": v} for k, v in cores_in_use.items()}},
+        "memory_used": {"period": 5.0, "neuron_runtime_used_bytes": {"host": 1 << 20, "neuron_device": 3 << 30}}}}]
     return json.dumps({"neuron_runtime_data": runtimes if cores_in_use else [],
                        "neuron_hardware_info": {"neuron_device_count": devices, "neuroncore_per_device_count": per_device,
                                                 "error": ""}})
@@ -88,13 +90,18 @@ def test_trainium_node_publishes_what_the_alarm_reads() -> None:
     with mock_aws():
         cloudwatch = boto3.client("cloudwatch", region_name=TEAM_B.region)
         assert neuron.publish(lines, config, cloudwatch, clock=lambda: float(next(ticks))) == 2
-        # Read back exactly as the alarm does: namespace, metric, the pool's dimensions.
-        stats = cloudwatch.get_metric_statistics(
-            Namespace=monitoring.NAMESPACE, MetricName=monitoring.utilisation_metric(pool),
-            Dimensions=[{"Name": k, "Value": v} for k, v in monitoring.dimensions(TEAM_B, pool).items()],
-            StartTime="2000-01-01T00:00:00Z", EndTime="2100-01-01T00:00:00Z", Period=86400 * 365 * 100,
-            Statistics=["Minimum", "Maximum", "SampleCount"])["Datapoints"]
+
+        def read(metric: str) -> list[dict]:  # type: ignore[type-arg]
+            """As the alarm reads: the namespace, the metric, the pool's dimensions; all time in one period."""
+            return cloudwatch.get_metric_statistics(
+                Namespace=monitoring.NAMESPACE, MetricName=metric,
+                Dimensions=[{"Name": k, "Value": v} for k, v in monitoring.dimensions(TEAM_B, pool).items()],
+                StartTime="2000-01-01T00:00:00Z", EndTime="2100-01-01T00:00:00Z", Period=86400 * 365 * 100,
+                Statistics=["Minimum", "Maximum", "SampleCount"])["Datapoints"]
+
+        stats, memory = read(monitoring.utilisation_metric(pool)), read(config["memory_metric_name"])
     assert [(d["SampleCount"], d["Minimum"], d["Maximum"]) for d in stats] == [(2.0, 0.0, 90.0)]
+    assert [d["Maximum"] for d in memory] == [float(3 << 30)]  # the busy minute's device memory
 
 
 def test_trainium_node_runs_the_publisher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
