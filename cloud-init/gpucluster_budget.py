@@ -172,7 +172,7 @@ class Guardrail:
                     log.warning("%s; reopened by hand for %s: staying open", spend.describe(self.team),
                                 state.reopened_by_hand)
                     return "held-open"
-                self._close(state, f"{spend.describe(self.team)}", now)
+                self._close(state, spend.describe(self.team), now)
                 return "closed"
             if not spend.over and state.closed and not state.closed_by_hand:
                 self._reopen(state, f"spend is back under the act threshold: {spend.describe(self.team)}")
