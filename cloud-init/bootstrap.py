@@ -155,6 +155,20 @@ def budget_guardrail(systemd: Path = Path("/etc/systemd/system"), sbin: Path = P
         f"ExecStart={command} run\nRestart=always\nRestartSec=30\n\n[Install]\nWantedBy=multi-user.target\n")
 
 
+PYDANTIC = "pydantic>=2.9,<3"  # as requirements.txt; boto3 and PyYAML come from Ubuntu's packages
+
+
+def command_line(bin_dir: Path = Path("/usr/local/bin")) -> None:
+    """`gpucluster cost|plan|render|preflight` on the head node, from the library and stack file in the bundle."""
+    venv = BUNDLE / "venv"
+    if not (venv / "bin" / "python").exists():
+        run("python3", "-m", "venv", "--system-site-packages", str(venv))
+        run(str(venv / "bin" / "pip"), "install", "--quiet", PYDANTIC)
+    command = bin_dir / "gpucluster"
+    command.write_text(f"#!/bin/sh\nPYTHONPATH={BUNDLE}/lib exec {venv}/bin/python -m gpucluster \"$@\"\n")
+    command.chmod(0o755)
+
+
 def head(settings: dict, ssm) -> None:  # type: ignore[no-untyped-def,type-arg]
     state_volume(settings["state_volume_id"])
     install_munge_key(munge_key(ssm, settings["munge_key_parameter"], create=True))
@@ -171,6 +185,7 @@ def head(settings: dict, ssm) -> None:  # type: ignore[no-untyped-def,type-arg]
         run("systemctl", "daemon-reload")
         run("systemctl", "enable", "--now", "gpucluster-budget.service")
     run("sh", str(BUNDLE / "accounting.sh"))  # the team's account, its users and its monthly GPU-hours
+    command_line()
     mount_lustre(settings["fsx_dns_name"], settings["fsx_mount_name"])
     os.chmod("/fsx", 0o1777)  # like /tmp: every user may submit from and write into /fsx, only owners delete
     shutil.copytree(BUNDLE / "examples", "/fsx/examples", dirs_exist_ok=True)

@@ -73,7 +73,7 @@ def create_cluster(stack: Stack) -> dict[str, object]:
     budget = Budget(
         stack.cluster_name,
         BudgetArgs(
-            budget_name=f"{stack.cluster_name}-monthly",
+            budget_name=stack.budget_name,
             spec=spec.budget,
             stack=stack.name,
             activate_cost_tag=spec.budget.activate_cost_allocation_tag,

@@ -1,4 +1,5 @@
-"""The bundle the head node and compute nodes fetch from S3 at boot: Slurm files, node programs, bootstrap, examples.
+"""The bundle the head node and compute nodes fetch from S3 at boot: Slurm files, node programs, bootstrap, examples,
+and the gpucluster library with the stack's file for the head node's command line.
 
 Deterministic bytes (sorted entries, fixed times and owners), so that its S3 key, named after its digest, changes only
 when its content does.
@@ -13,7 +14,7 @@ import tarfile
 from pathlib import Path
 
 from gpucluster import monitoring, slurm
-from gpucluster.spec import Stack
+from gpucluster.spec import Stack, stack_file
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = ("bootstrap.py", "gpucluster_node.py", "gpucluster_budget.py", "gpucluster_neuron_metrics.py")
@@ -28,6 +29,10 @@ def contents(stack: Stack) -> dict[str, tuple[bytes, int]]:
     files |= {name: ((ROOT / "cloud-init" / name).read_bytes(), 0o755) for name in PROGRAMS}
     files |= {f"examples/{name}": ((ROOT / "examples" / name).read_bytes(), 0o755 if name.endswith(".sh") else 0o644)
               for name in EXAMPLES}
+    # The command line for the admins on the head node (`gpucluster cost`): the library and this stack's file.
+    files |= {f"lib/gpucluster/{source.name}": (source.read_bytes(), 0o644)
+              for source in sorted((ROOT / "gpucluster").glob("*.py"))}
+    files[f"lib/stacks/Pulumi.{stack.name}.yaml"] = (stack_file(stack).encode(), 0o644)  # beside it, as in the repo
     files["accounting.sql"] = (slurm.ACCOUNTING_DB_SQL.encode(), 0o644)
     files["accounting.sh"] = (slurm.accounting_script(stack, CLUSTER_USERS).encode(), 0o755)
     files |= {name: (text.encode(), 0o644)

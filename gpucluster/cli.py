@@ -148,12 +148,18 @@ def spend(args: argparse.Namespace) -> int:
     import datetime as dt
 
     import boto3
+    from botocore.exceptions import BotoCoreError, ClientError
 
     from gpucluster import spend as money
 
     stack = _load(args.stack)
-    today = dt.date.today()
-    result = money.spend(boto3.Session().client("ce", region_name="us-east-1"), stack, today)
+    session = boto3.Session()
+    try:
+        account = session.client("sts", region_name=stack.region).get_caller_identity()["Account"]
+    except (BotoCoreError, ClientError):  # said by the Cost Explorer call below, with the same cause
+        account = None
+    result = money.spend(session.client("ce", region_name="us-east-1"), stack, dt.date.today(),
+                         budgets=session.client("budgets", region_name="us-east-1"), account=account)
     print("\n".join(money.report(stack, result, money.slurm_gpu_hours())))
     return 0
 

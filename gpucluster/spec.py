@@ -284,6 +284,11 @@ class Stack:
         return f"gpucluster-{self.name}"
 
     @property
+    def budget_name(self) -> str:
+        """The AWS Budget of the stack (the guardrail and `cost` read it by this name)."""
+        return f"{self.cluster_name}-monthly"
+
+    @property
     def tags(self) -> dict[str, str]:
         return {"gpucluster:cluster": self.cluster_name, "gpucluster:team": self.spec.team, "gpucluster:stack": self.name}
 
@@ -371,6 +376,14 @@ def resolve_stack_file(stack: str, stacks_dir: Path) -> Path:
     if candidate.suffix in (".yaml", ".yml") or "/" in stack:
         return candidate
     return stacks_dir / f"Pulumi.{stack}.yaml"
+
+
+def stack_file(stack: Stack) -> str:
+    """The validated stack as a stack file (JSON is YAML): what the head node's `gpucluster` command reads."""
+    import json
+
+    config = {REGION_KEY: stack.region, CONFIG_KEY: stack.spec.model_dump(mode="json", exclude_unset=True)}
+    return json.dumps({"config": config}, indent=1, sort_keys=True) + "\n"
 
 
 def load_stack(path: Path) -> Stack:

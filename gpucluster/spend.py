@@ -31,9 +31,11 @@ def _tag_filter(stack: Stack) -> dict[str, Any]:
     return {"Tags": {"Key": COST_TAG, "Values": [stack.name], "MatchOptions": ["EQUALS"]}}
 
 
-def spend(ce: Any, stack: Stack, today: dt.date) -> Spend:
-    """Month to date and forecast from Cost Explorer (whose data lags by up to a day)."""
-    from botocore.exceptions import ClientError
+def spend(ce: Any, stack: Stack, today: dt.date, budgets: Any = None, account: str | None = None) -> Spend:
+    """Month to date and forecast from Cost Explorer (whose data lags by up to a day). Where Cost Explorer is denied
+    (the head node's role may not read account-wide costs), from the stack's own AWS Budget, which tracks the same
+    tag: `budgets` and `account` given."""
+    from botocore.exceptions import BotoCoreError, ClientError
 
     start, end = month_bounds(today)
     notes: list[str] = []
@@ -44,7 +46,12 @@ def spend(ce: Any, stack: Stack, today: dt.date) -> Spend:
             Granularity="MONTHLY", Metrics=["UnblendedCost"], Filter=_tag_filter(stack))
         so_far = sum(float(r["Total"]["UnblendedCost"]["Amount"]) for r in reply["ResultsByTime"])
     except ClientError as exc:
+        if budgets is not None and account:
+            return from_budget(budgets, account, stack, exc.response["Error"]["Code"])
         notes.append(f"spend not read: {exc.response['Error']['Code']} (needs ce:GetCostAndUsage)")
+    except BotoCoreError as exc:  # no credentials, no network
+        notes.append(f"spend not read: {exc}")
+        return Spend(None, None, notes)
     if today + dt.timedelta(days=1) < end:
         try:
             reply = ce.get_cost_forecast(
@@ -55,6 +62,19 @@ def spend(ce: Any, stack: Stack, today: dt.date) -> Spend:
             # Cost Explorer forecasts only once it has enough history for the filter.
             notes.append(f"no forecast: {exc.response['Error']['Code']} (needs ce:GetCostForecast and some history)")
     return Spend(so_far, forecast, notes)
+
+
+def from_budget(budgets: Any, account: str, stack: Stack, ce_error: str) -> Spend:
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        budget = budgets.describe_budget(AccountId=account, BudgetName=stack.budget_name)["Budget"]
+    except (BotoCoreError, ClientError) as exc:
+        return Spend(None, None, [f"spend not read: Cost Explorer {ce_error}, and the budget {stack.budget_name}: {exc}"])
+    calculated = budget.get("CalculatedSpend", {})
+    amount = lambda key: float(calculated[key]["Amount"]) if key in calculated else None  # noqa: E731
+    return Spend(amount("ActualSpend"), amount("ForecastedSpend"),
+                 [f"from the AWS Budget {stack.budget_name} (Cost Explorer: {ce_error}); refreshed a few times a day"])
 
 
 def gpu_hours_by_account(sshare_output: str) -> dict[str, float]:

@@ -15,7 +15,9 @@ import yaml
 from gpucluster.spec import Pool, Stack
 
 EC2_USER_DATA_LIMIT = 16384
-HEAD_PACKAGES = ["munge", "slurmctld", "slurmdbd", "slurm-client", "mariadb-server", "python3-boto3"]
+# python3-venv and python3-yaml: the head node's `gpucluster` command (pydantic 2 goes into a venv).
+HEAD_PACKAGES = ["munge", "slurmctld", "slurmdbd", "slurm-client", "mariadb-server", "python3-boto3", "python3-venv",
+                 "python3-yaml"]
 NODE_PACKAGES = ["munge", "slurmd", "slurm-client", "python3-boto3"]
 FETCHER = (Path(__file__).resolve().parent.parent / "cloud-init" / "fetch_bundle.py").read_text()
 

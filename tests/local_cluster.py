@@ -399,7 +399,7 @@ class LocalCluster:
 
     def set_spend(self, actual: float) -> None:
         """The stack's budget as AWS Budgets would report it (moto keeps the spend it is given)."""
-        budgets, name = self.aws("budgets"), f"{self.stack.cluster_name}-monthly"
+        budgets, name = self.aws("budgets"), self.stack.budget_name
         if any(b["BudgetName"] == name for b in budgets.describe_budgets(AccountId=MOTO_ACCOUNT).get("Budgets", [])):
             budgets.delete_budget(AccountId=MOTO_ACCOUNT, BudgetName=name)
         budgets.create_budget(AccountId=MOTO_ACCOUNT, Budget={
@@ -416,7 +416,7 @@ class LocalCluster:
         arn = sqs.get_queue_attributes(QueueUrl=queue, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
         sns.subscribe(TopicArn=topic, Protocol="sqs", Endpoint=arn)
         settings = json.loads(self.config_path.read_text())
-        settings["budget"] = {"budget_name": f"{self.stack.cluster_name}-monthly", "account_id": MOTO_ACCOUNT,
+        settings["budget"] = {"budget_name": self.stack.budget_name, "account_id": MOTO_ACCOUNT,
                               "act_threshold_percent": self.stack.spec.budget.act_threshold_percent,
                               "queue_url": queue, "topic_arn": topic, "check_seconds": check_seconds,
                               "launch_deny_action": False}  # moto serves no Budgets actions

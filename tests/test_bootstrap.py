@@ -77,3 +77,17 @@ def test_head_installs_the_budget_guardrail_service_and_command(tmp_path: Path) 
     unit = (systemd / "gpucluster-budget.service").read_text()
     assert f"ExecStart={sbin}/gpucluster-budget run" in unit and "Restart=always" in unit
     assert "After=slurmctld.service" in unit and "WantedBy=multi-user.target" in unit
+
+
+def test_head_gets_the_command_line_with_the_pinned_pydantic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from conftest import ROOT as repo
+
+    assert bootstrap.PYDANTIC in (repo / "requirements.txt").read_text().splitlines()
+    ran: list[tuple[str, ...]] = []
+    monkeypatch.setattr(bootstrap, "BUNDLE", tmp_path)
+    monkeypatch.setattr(bootstrap, "run", lambda *args, **kw: ran.append(args))
+    bootstrap.command_line(tmp_path)
+    assert ran == [("python3", "-m", "venv", "--system-site-packages", f"{tmp_path}/venv"),
+                   (f"{tmp_path}/venv/bin/pip", "install", "--quiet", bootstrap.PYDANTIC)]
+    wrapper = (tmp_path / "gpucluster").read_text()
+    assert f"PYTHONPATH={tmp_path}/lib exec {tmp_path}/venv/bin/python -m gpucluster" in wrapper

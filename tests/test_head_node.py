@@ -8,7 +8,7 @@ import io
 import json
 import tarfile
 
-from conftest import of_type
+from conftest import ROOT, of_type
 from gpucluster import bundle, userdata
 from gpucluster.plan import Declared
 from gpucluster.spec import Stack
@@ -107,7 +107,9 @@ def test_bundle_object_holds_the_rendered_files(shipped: Shipped) -> None:
     metrics = {f"{'cloudwatch-agent' if p.itype.accelerator.kind == 'nvidia' else 'neuron-metrics'}/{p.name}.json"
                for p in stack.spec.pools}
     assert programs | {"accounting.sql", "accounting.sh", "slurm/slurm.conf", "slurm/gres.conf", "slurm/slurmdbd.conf",
-                       "slurm/plugstack.conf"} | {f"examples/{n}" for n in bundle.EXAMPLES} | metrics == names
+                       "slurm/plugstack.conf"} | {f"examples/{n}" for n in bundle.EXAMPLES} | metrics | {
+        f"lib/gpucluster/{source.name}" for source in (ROOT / "gpucluster").glob("*.py")} | {
+        f"lib/stacks/Pulumi.{stack.name}.yaml"} == names
 
 
 def test_bundle_is_deterministic(monkeypatch) -> None:  # type: ignore[no-untyped-def]

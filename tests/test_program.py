@@ -205,12 +205,12 @@ def test_budget_reaches_the_head_node_and_the_launch_deny(shipped: tuple[Stack, 
     # The head node reads that queue and the budget, may tell the subscribers and reverse this budget's actions.
     guard = {p.name: json.loads(p.inputs["policy"]) for p in of_type(declared, "iam/rolePolicy:RolePolicy")}[f"{name}-head-guardrail"]
     grants = {s["Sid"]: (s["Action"], s["Resource"]) for s in guard["Statement"]}
-    budget_arn = _arn(stack, f"{name}-monthly")
+    budget_arn = _arn(stack, stack.budget_name)
     assert grants["BudgetQueue"][1] == queue and grants["TellSubscribers"] == ("sns:Publish", topic)
     assert grants["ReadBudget"][1] == budget_arn and grants["ReverseBudgetActions"][1] == f"{budget_arn}/action/*"
     (config,) = [p for p in of_type(declared, "ssm/parameter:Parameter") if p.name == f"{name}-config"]
     settings = json.loads(config.inputs["insecureValue"])["budget"]
-    assert settings["budget_name"] == f"{name}-monthly" and settings["act_threshold_percent"] == act
+    assert settings["budget_name"] == stack.budget_name and settings["act_threshold_percent"] == act
     assert settings["topic_arn"] == topic and settings["queue_url"].startswith("https://sqs.")
     # The backstop: at the act threshold AWS Budgets attaches the launch deny to the head node's role.
     (action,) = of_type(declared, "budgets/budgetAction:BudgetAction")

@@ -62,3 +62,58 @@ def test_gpu_hours_from_sshare_account_rows() -> None:
 
 def test_month_bounds() -> None:
     assert spend.month_bounds(dt.date(2026, 12, 31)) == (dt.date(2026, 12, 1), dt.date(2027, 1, 1))
+
+
+def test_the_head_nodes_command_runs_from_the_bundle_without_pulumi(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The bundle's library and stack file, run as the head node's `gpucluster cost`: no Pulumi there, no
+    credentials here (said, not a crash)."""
+    import gzip
+    import io
+    import subprocess
+    import sys
+    import tarfile
+
+    from gpucluster import bundle
+
+    with tarfile.open(fileobj=io.BytesIO(gzip.decompress(bundle.build(TEAM_A)))) as tar:
+        tar.extractall(tmp_path, filter="data")
+    program = ("import sys; sys.modules['pulumi'] = None; sys.path.insert(0, sys.argv[1]); "
+               "from gpucluster.cli import main; sys.exit(main(['cost', 'team-a']))")
+    env = {"PATH": "/nonexistent", "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x",
+           "AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_MAX_ATTEMPTS": "1", "HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-I", "-c", program, str(tmp_path / "lib")], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "Stack team-a (team vision)" in out.stdout and "Budget:              $250,000.00" in out.stdout
+    assert "Note: spend not read: Could not connect" in out.stdout
+    # The stack file it read is the stack that was planned, to the last setting.
+    from gpucluster.spec import load_stack as load
+
+    assert load(tmp_path / "lib" / "stacks" / "Pulumi.team-a.yaml") == TEAM_A
+
+
+def test_where_cost_explorer_is_denied_the_stacks_budget_answers() -> None:
+    """The head node's role may read its own budget, not the account's costs."""
+    from moto import mock_aws
+
+    with mock_aws():
+        budgets = boto3.client("budgets", region_name="us-east-1")
+        budgets.create_budget(AccountId="123456789012", Budget={
+            "BudgetName": TEAM_A.budget_name, "BudgetType": "COST", "TimeUnit": "MONTHLY",
+            "BudgetLimit": {"Amount": "250000", "Unit": "USD"},
+            "CalculatedSpend": {"ActualSpend": {"Amount": "120000.25", "Unit": "USD"},
+                                "ForecastedSpend": {"Amount": "260000", "Unit": "USD"}}})
+        client = ce()
+        with Stubber(client) as stub:
+            stub.add_client_error("get_cost_and_usage", service_error_code="AccessDeniedException")
+            result = spend.spend(client, TEAM_A, TODAY, budgets=budgets, account="123456789012")
+        assert (result.month_to_date, result.forecast) == (120000.25, 260000.0)
+        assert result.notes == ["from the AWS Budget gpucluster-team-a-monthly (Cost Explorer: AccessDeniedException); "
+                                "refreshed a few times a day"]
+        with Stubber(client) as stub:  # and no budget either: said, with both causes
+            stub.add_client_error("get_cost_and_usage", service_error_code="AccessDeniedException")
+            missing = spend.spend(client, load_stack(ROOT / "stacks" / "Pulumi.dev.yaml"), TODAY, budgets=budgets,
+                                  account="123456789012")
+        assert missing.month_to_date is None
+        assert missing.notes[0].startswith("spend not read: Cost Explorer AccessDeniedException, and the budget "
+                                           "gpucluster-dev-monthly:")
