@@ -71,16 +71,19 @@ def hosts_entry(head_address: str, hosts: Path = Path("/etc/hosts")) -> None:
     hosts.write_text("\n".join(lines + [f"{head_address} head"]) + "\n")
 
 
+def fstab_entry(entry: str, fstab: Path = Path("/etc/fstab")) -> None:
+    """Add a mount to /etc/fstab once: every boot runs the bootstrap again."""
+    if entry not in fstab.read_text():
+        fstab.write_text(fstab.read_text() + entry + "\n")
+
+
 def mount_lustre(dns_name: str, mount_name: str, where: str = "/fsx") -> None:
     if run("mountpoint", "-q", where, check=False).returncode == 0:
         return
     kernel = os.uname().release
     run("apt-get", "install", "-y", "-q", f"lustre-client-modules-{kernel}", "lustre-client-utils", check=False)
     Path(where).mkdir(exist_ok=True)
-    entry = f"{dns_name}@tcp:/{mount_name} {where} lustre defaults,relatime,flock,_netdev,x-systemd.automount 0 0"
-    fstab = Path("/etc/fstab")
-    if entry not in fstab.read_text():
-        fstab.write_text(fstab.read_text() + entry + "\n")
+    fstab_entry(f"{dns_name}@tcp:/{mount_name} {where} lustre defaults,relatime,flock,_netdev,x-systemd.automount 0 0")
     run("mount", where)
 
 
@@ -96,10 +99,7 @@ def state_volume(volume_id: str, where: Path = STATE) -> None:
     if run("blkid", str(device), check=False).returncode != 0:
         run("mkfs.ext4", "-L", "gpucluster-state", str(device))
     where.mkdir(parents=True, exist_ok=True)
-    entry = f"LABEL=gpucluster-state {where} ext4 defaults,nofail 0 2"
-    fstab = Path("/etc/fstab")
-    if entry not in fstab.read_text():
-        fstab.write_text(fstab.read_text() + entry + "\n")
+    fstab_entry(f"LABEL=gpucluster-state {where} ext4 defaults,nofail 0 2")
     run("mount", "-a")
 
 
@@ -109,13 +109,29 @@ def database_on_state_volume() -> None:
     if not data.exists():
         shutil.copytree("/var/lib/mysql", data, symlinks=True)
         shutil.chown(data, "mysql", "mysql")
-    entry = f"{data} /var/lib/mysql none bind 0 0"
-    fstab = Path("/etc/fstab")
-    if entry not in fstab.read_text():
-        fstab.write_text(fstab.read_text() + entry + "\n")
+    fstab_entry(f"{data} /var/lib/mysql none bind 0 0")
     run("mount", "/var/lib/mysql", check=False)
     run("systemctl", "enable", "--now", "mariadb")
     run("mariadb", "-u", "root", "-e", (BUNDLE / "accounting.sql").read_text())
+
+
+SYSTEMD = Path("/etc/systemd/system")
+
+
+def unit(description: str, section: str, body: list[str], after: str = "",
+         wanted_by: str | None = "multi-user.target") -> str:
+    """A systemd unit file: [Unit], the [Service] or [Timer] section, and [Install] when it is enabled on its own."""
+    lines = ["[Unit]", f"Description={description}"] + ([f"After={after}", f"Wants={after}"] if after else [])
+    lines += ["", f"[{section}]", *body]
+    if wanted_by:
+        lines += ["", "[Install]", f"WantedBy={wanted_by}"]
+    return "\n".join(lines) + "\n"
+
+
+def start(*units: str) -> None:
+    run("systemctl", "daemon-reload")
+    for name in units:
+        run("systemctl", "enable", "--now", name)
 
 
 def slurm_files(settings: dict) -> None:  # type: ignore[type-arg]
@@ -135,24 +151,23 @@ def slurm_files(settings: dict) -> None:  # type: ignore[type-arg]
         link = bin_dir / program
         if not link.is_symlink():
             link.symlink_to(BUNDLE / "gpucluster_node.py")
-    Path("/etc/systemd/system/gpucluster-reconcile.service").write_text(
-        "[Unit]\nDescription=gpucluster: match EC2 instances and Slurm nodes\n\n[Service]\nType=oneshot\nUser=slurm\n"
-        f"ExecStart={bin_dir}/reconcile\n")
-    Path("/etc/systemd/system/gpucluster-reconcile.timer").write_text(
-        "[Unit]\nDescription=gpucluster reconciler every minute\n\n[Timer]\nOnBootSec=2min\nOnUnitActiveSec=60s\n\n"
-        "[Install]\nWantedBy=timers.target\n")
+    (SYSTEMD / "gpucluster-reconcile.service").write_text(unit(
+        "gpucluster: match EC2 instances and Slurm nodes", "Service",
+        ["Type=oneshot", "User=slurm", f"ExecStart={bin_dir}/reconcile"], wanted_by=None))
+    (SYSTEMD / "gpucluster-reconcile.timer").write_text(unit(
+        "gpucluster reconciler every minute", "Timer", ["OnBootSec=2min", "OnUnitActiveSec=60s"],
+        wanted_by="timers.target"))
 
 
-def budget_guardrail(systemd: Path = Path("/etc/systemd/system"), sbin: Path = Path("/usr/local/sbin")) -> None:
+def budget_guardrail(systemd: Path = SYSTEMD, sbin: Path = Path("/usr/local/sbin")) -> None:
     """The guardrail service, and `gpucluster-budget` on the admin's PATH for status, check, close and reopen."""
     command = sbin / "gpucluster-budget"
     if not command.is_symlink():
         command.symlink_to(BUNDLE / "gpucluster_budget.py")
     # As root: it writes the state that `sudo gpucluster-budget reopen` also writes.
-    (systemd / "gpucluster-budget.service").write_text(
-        "[Unit]\nDescription=gpucluster budget guardrail: close the partitions when the budget is spent\n"
-        "After=slurmctld.service\nWants=slurmctld.service\n\n[Service]\n"
-        f"ExecStart={command} run\nRestart=always\nRestartSec=30\n\n[Install]\nWantedBy=multi-user.target\n")
+    (systemd / "gpucluster-budget.service").write_text(unit(
+        "gpucluster budget guardrail: close the partitions when the budget is spent", "Service",
+        [f"ExecStart={command} run", "Restart=always", "RestartSec=30"], after="slurmctld.service"))
 
 
 PYDANTIC = "pydantic>=2.9,<3"  # as requirements.txt; boto3 and PyYAML come from Ubuntu's packages
@@ -176,14 +191,10 @@ def head(settings: dict, ssm) -> None:  # type: ignore[no-untyped-def,type-arg]
     run("systemctl", "restart", "munge")
     database_on_state_volume()
     slurm_files(settings)
-    run("systemctl", "daemon-reload")
-    run("systemctl", "enable", "--now", "slurmdbd")
-    run("systemctl", "enable", "--now", "slurmctld")
-    run("systemctl", "enable", "--now", "gpucluster-reconcile.timer")
+    start("slurmdbd", "slurmctld", "gpucluster-reconcile.timer")
     if "budget" in settings:
         budget_guardrail()
-        run("systemctl", "daemon-reload")
-        run("systemctl", "enable", "--now", "gpucluster-budget.service")
+        start("gpucluster-budget.service")
     run("sh", str(BUNDLE / "accounting.sh"))  # the team's account, its users and its monthly GPU-hours
     command_line()
     mount_lustre(settings["fsx_dns_name"], settings["fsx_mount_name"])
@@ -237,7 +248,7 @@ def containers() -> None:
     run("make", "-C", "/tmp/pyxis", "install", check=False)
 
 
-def gpu_metrics(pool: str, region: str, systemd: Path = Path("/etc/systemd/system")) -> str | None:
+def gpu_metrics(pool: str, region: str, systemd: Path = SYSTEMD) -> str | None:
     """Utilisation for the pool's idle alarm: the CloudWatch agent (on the Deep Learning AMIs) on NVIDIA nodes, the
     neuron-monitor publisher on Trainium nodes. Returns the systemd unit to start, if any."""
     agent = BUNDLE / "cloudwatch-agent" / f"{pool}.json"
@@ -247,11 +258,11 @@ def gpu_metrics(pool: str, region: str, systemd: Path = Path("/etc/systemd/syste
     neuron = BUNDLE / "neuron-metrics" / f"{pool}.json"
     if not neuron.exists():
         return None
-    (systemd / "gpucluster-neuron-metrics.service").write_text(
-        "[Unit]\nDescription=gpucluster: NeuronCore utilisation to CloudWatch\n\n[Service]\n"
-        f"Environment=AWS_DEFAULT_REGION={region}\n"
-        f"ExecStart=/usr/bin/python3 {BUNDLE}/gpucluster_neuron_metrics.py {neuron} -- /opt/aws/neuron/bin/neuron-monitor\n"
-        "Restart=always\nRestartSec=30\n\n[Install]\nWantedBy=multi-user.target\n")
+    (systemd / "gpucluster-neuron-metrics.service").write_text(unit(
+        "gpucluster: NeuronCore utilisation to CloudWatch", "Service",
+        [f"Environment=AWS_DEFAULT_REGION={region}",
+         f"ExecStart=/usr/bin/python3 {BUNDLE}/gpucluster_neuron_metrics.py {neuron} -- /opt/aws/neuron/bin/neuron-monitor",
+         "Restart=always", "RestartSec=30"]))
     return "gpucluster-neuron-metrics.service"
 
 
@@ -268,10 +279,9 @@ def compute(settings: dict, ssm) -> None:  # type: ignore[no-untyped-def,type-ar
     run("mount", "-o", "remount,size=90%", "/dev/shm", check=False)
     mount_lustre(settings["fsx_dns_name"], settings["fsx_mount_name"])
     containers()
-    unit = gpu_metrics(pool_name, settings["region"])
-    if unit:
-        run("systemctl", "daemon-reload")
-        run("systemctl", "enable", "--now", unit)
+    metrics = gpu_metrics(pool_name, settings["region"])
+    if metrics:
+        start(metrics)
     # Configless: slurm.conf, gres.conf and plugstack.conf come from the controller.
     Path("/etc/default/slurmd").write_text(f'SLURMD_OPTIONS="--conf-server head:6817 -N {name}"\n')
     run("systemctl", "enable", "--now", "slurmd")

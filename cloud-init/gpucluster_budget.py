@@ -52,9 +52,8 @@ class Guard:
     launch_deny_action: bool = True  # the stack has an AWS Budgets action to reverse on reopening
 
     @classmethod
-    def load(cls, path: Path = CONFIG_PATH) -> Guard:
-        raw = json.loads(path.read_text())["budget"]
-        return cls(**{k: v for k, v in raw.items() if k in cls.__dataclass_fields__})
+    def from_settings(cls, section: dict[str, Any]) -> Guard:
+        return cls(**{k: v for k, v in section.items() if k in cls.__dataclass_fields__})
 
 
 @dataclass
@@ -320,12 +319,13 @@ def main(argv: list[str]) -> int:
     command = argv[1]
     config = Config.load()
     setup_logging(config)
-    raw = json.loads(CONFIG_PATH.read_text())
-    if "budget" not in raw:
+    settings = json.loads(CONFIG_PATH.read_text())
+    if "budget" not in settings:
         print("this cluster has no budget guardrail (budget.act_threshold_percent is null)", file=sys.stderr)
         return 2
     budgets, sns, sqs = clients(config)
-    guardrail = Guardrail(config, Guard.load(), SlurmQueue(config.scontrol), budgets, sns, raw.get("team", ""))
+    guardrail = Guardrail(config, Guard.from_settings(settings["budget"]), SlurmQueue(config.scontrol), budgets, sns,
+                          settings.get("team", ""))
     who = os.environ.get("SUDO_USER") or os.environ.get("USER") or "root"
     try:
         if command == "run":

@@ -30,7 +30,7 @@ class IdleGpuAlarms(pulumi.ComponentResource):
                 metric_name=monitoring.utilisation_metric(pool),
                 dimensions=monitoring.dimensions(args.stack, pool),
                 statistic="Average",
-                period=60,
+                period=monitoring.PERIOD_SECONDS,
                 evaluation_periods=monitoring.IDLE_MINUTES,
                 threshold=monitoring.IDLE_PERCENT,
                 comparison_operator="LessThanThreshold",

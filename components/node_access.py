@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_aws as aws
 
-from components import child
+from components import child, private_bucket
 from gpucluster import monitoring
 
 EC2_ASSUME = json.dumps({"Version": "2012-10-17", "Statement": [
@@ -47,13 +47,7 @@ class NodeAccess(pulumi.ComponentResource):
         self.munge_key_parameter_arn = pulumi.Output.concat(
             f"arn:aws:ssm:{args.region}:", account, f":parameter{args.munge_key_parameter}")
 
-        bucket = aws.s3.Bucket(f"{name}-bundle", force_destroy=True, opts=child(self))
-        aws.s3.BucketPublicAccessBlock(f"{name}-bundle", bucket=bucket.id, block_public_acls=True,
-                                       block_public_policy=True, ignore_public_acls=True,
-                                       restrict_public_buckets=True, opts=child(self))
-        aws.s3.BucketServerSideEncryptionConfiguration(
-            f"{name}-bundle", bucket=bucket.id,
-            rules=[{"apply_server_side_encryption_by_default": {"sse_algorithm": "AES256"}}], opts=child(self))
+        bucket = private_bucket(f"{name}-bundle", child(self), force_destroy=True)
         aws.s3.BucketObjectv2(f"{name}-bundle", bucket=bucket.id, key=args.bundle_key,
                               content_base64=base64.b64encode(args.bundle).decode(), opts=child(self))
         self.bucket = bucket.bucket

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_aws as aws
 
-from components import child
+from components import child, private_bucket
 from gpucluster.spec import Lustre
 
 LUSTRE_VERSION = "2.15"  # data repository associations need 2.12+; 2.15 is the newest client the DLAMIs ship
@@ -71,7 +71,7 @@ class Storage(pulumi.ComponentResource):
             data_compression_type="LZ4",
             subnet_ids=args.subnet_id,
             security_group_ids=[args.security_group_id],
-            # Encrypted at rest always (AWS-managed key); PERSISTENT_2 also encrypts in transit between nodes and FSx.
+            # FSx encrypts Lustre at rest always (AWS-managed key). Only PERSISTENT_2 has backups to carry the tags.
             copy_tags_to_backups=True if lustre.deployment_type == "PERSISTENT_2" else None,
             opts=keep,
         )
@@ -96,20 +96,9 @@ class Storage(pulumi.ComponentResource):
         self.mount_name = fs.mount_name
 
     def _bucket(self, name: str, keep: pulumi.ResourceOptions) -> aws.s3.Bucket:
-        bucket = aws.s3.Bucket(f"{name}-data", force_destroy=not keep.retain_on_delete, opts=keep)
-        aws.s3.BucketPublicAccessBlock(
-            f"{name}-data", bucket=bucket.id, block_public_acls=True, block_public_policy=True,
-            ignore_public_acls=True, restrict_public_buckets=True, opts=keep,
-        )
+        bucket = private_bucket(f"{name}-data", keep, force_destroy=not keep.retain_on_delete)
         aws.s3.BucketVersioning(
             f"{name}-data", bucket=bucket.id, versioning_configuration={"status": "Enabled"}, opts=keep
-        )
-        aws.s3.BucketServerSideEncryptionConfiguration(
-            f"{name}-data",
-            bucket=bucket.id,
-            # SSE-S3: FSx data repository associations read and write it without a key policy to maintain.
-            rules=[{"apply_server_side_encryption_by_default": {"sse_algorithm": "AES256"}}],
-            opts=keep,
         )
         aws.s3.BucketOwnershipControls(
             f"{name}-data", bucket=bucket.id, rule={"object_ownership": "BucketOwnerEnforced"}, opts=keep

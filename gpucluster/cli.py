@@ -26,29 +26,24 @@ def _load(stack_arg: str) -> Stack:
     return load_stack(resolve_stack_file(stack_arg, STACKS_DIR))
 
 
-def _money(value: float) -> str:
-    return f"${value:,.2f}"
-
-
 def cost_table(stack: Stack, estimate: cost.CostEstimate) -> list[str]:
     rows = [("pool", "type", "capacity", "$/node-h", "nodes", "$/h at min", "$/h at max", "priced as")]
     for p in estimate.pools:
-        price = _money(p.usd_per_node_hour) if p.usd_per_node_hour is not None else "unknown"
         rows.append(
-            (p.name, p.instance_type, p.capacity, price, f"{p.min_nodes}-{p.max_nodes}",
-             _money(p.hourly_min), _money(p.hourly_max), p.priced_as)
+            (p.name, p.instance_type, p.capacity, cost.money(p.usd_per_node_hour), f"{p.min_nodes}-{p.max_nodes}",
+             cost.money(p.hourly_min), cost.money(p.hourly_max), p.priced_as)
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines += [
         "",
-        f"FSx for Lustre per month:        {_money(estimate.lustre_monthly)}",
-        f"Head node per month:             {_money(estimate.head_node_monthly)} ({stack.spec.head_node.instance_type}, EBS)",
-        f"NAT and VPC endpoints per month: {_money(estimate.network_monthly)}",
-        f"Cluster per hour:                {_money(estimate.hourly_min)} at min size, {_money(estimate.hourly_max)} at max size",
-        f"Month at max size:               {_money(estimate.monthly_at_max)} against a budget of "
-        f"{_money(estimate.budget_monthly)}",
+        f"FSx for Lustre per month:        {cost.money(estimate.lustre_monthly)}",
+        f"Head node per month:             {cost.money(estimate.head_node_monthly)} ({stack.spec.head_node.instance_type}, EBS)",
+        f"NAT and VPC endpoints per month: {cost.money(estimate.network_monthly)}",
+        f"Cluster per hour:                {cost.money(estimate.hourly_min)} at min size, {cost.money(estimate.hourly_max)} at max size",
+        f"Month at max size:               {cost.money(estimate.monthly_at_max)} against a budget of "
+        f"{cost.money(estimate.budget_monthly)}",
     ]
     if estimate.over_budget:
         lines.append(

@@ -33,6 +33,11 @@ HEAD_ROOT_GIB = 100
 HEAD_STATE_GIB = 100  # slurmctld state and MariaDB
 
 
+def money(value: float | None) -> str:
+    """Dollars as every report prints them; None is a figure nobody could read."""
+    return "unknown" if value is None else f"${value:,.2f}"
+
+
 @dataclass(frozen=True)
 class PoolCost:
     name: str

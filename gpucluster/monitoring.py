@@ -19,6 +19,7 @@ CLUSTER_DIMENSION = "gpucluster:cluster"
 POOL_DIMENSION = "gpucluster:pool"
 IDLE_PERCENT = 30
 IDLE_MINUTES = 5
+PERIOD_SECONDS = 60  # one data point a minute from every node; the alarm averages per minute
 
 
 def watched_pools(stack: Stack) -> list[Pool]:
@@ -44,7 +45,7 @@ def neuron_publisher_config(stack: Stack, pool: Pool) -> str:
     uses, so an idle node reports 0 rather than nothing) and the device memory in use, one data point a minute."""
     return json.dumps({"namespace": NAMESPACE, "metric_name": UTILISATION_METRICS["neuron"],
                        "memory_metric_name": "neuron_memory_used", "dimensions": dimensions(stack, pool),
-                       "period_seconds": 60}, indent=1, sort_keys=True) + "\n"
+                       "period_seconds": PERIOD_SECONDS}, indent=1, sort_keys=True) + "\n"
 
 
 def dimensions(stack: Stack, pool: Pool) -> dict[str, str]:
@@ -55,7 +56,7 @@ def agent_config(stack: Stack, pool: Pool) -> str:
     """amazon-cloudwatch-agent configuration for the pool's nodes: per-GPU metrics every minute, aggregated to the
     pool (the dimensions the alarm watches)."""
     return json.dumps({
-        "agent": {"metrics_collection_interval": 60},
+        "agent": {"metrics_collection_interval": PERIOD_SECONDS},
         "metrics": {
             "namespace": NAMESPACE,
             "global_dimensions": dimensions(stack, pool),

@@ -6,13 +6,14 @@ the plan shows a placeholder that says so.
 
 from __future__ import annotations
 
+import json
 import runpy
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpucluster.spec import CONFIG_KEY, REGION_KEY, Stack
+from gpucluster.spec import CONFIG_KEY, REGION_KEY, Stack, stack_config
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAM = ROOT / "__main__.py"
@@ -113,9 +114,10 @@ def _recording_monitor(mocks):  # type: ignore[no-untyped-def]
     return RecordingMonitor(mocks)
 
 
-def stack_config(stack: Stack) -> dict[str, str]:
+def pulumi_config(stack: Stack) -> dict[str, str]:
     """The validated stack as Pulumi hands config to a program: structured values arrive as JSON text."""
-    return {REGION_KEY: stack.region, CONFIG_KEY: stack.spec.model_dump_json(exclude_unset=True)}
+    config = stack_config(stack)
+    return {REGION_KEY: config[REGION_KEY], CONFIG_KEY: json.dumps(config[CONFIG_KEY])}
 
 
 def run_program(stack: Stack, config: dict[str, str] | None = None) -> list[Declared]:
@@ -131,7 +133,7 @@ def run_program(stack: Stack, config: dict[str, str] | None = None) -> list[Decl
         sys.path.insert(0, str(ROOT))
     monitor = _recording_monitor(_mocks(stack.region))
     settings.set_root_resource(None)  # a fresh stack on every run, also when one process plans several stacks
-    pulumi.runtime.set_all_config(config or stack_config(stack))
+    pulumi.runtime.set_all_config(config or pulumi_config(stack))
     pulumi.runtime.set_mocks(monitor.mocks, project="gpucluster", stack=stack.name, preview=False, monitor=monitor)
 
     def program() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpucluster import cost
+from gpucluster.catalog import Accelerator
 from gpucluster.spec import Pool, Stack
 
 # Slurm must not count memory the kernel, the CUDA driver and the EFA stack keep: a node that registers with less than
@@ -55,14 +56,20 @@ def node_names(pool: Pool) -> list[str]:
     return [f"{pool.name}-{n}" for n in range(1, pool.max_nodes + 1)]
 
 
+def _gres_name_type(pool: Pool) -> tuple[str, str | None]:
+    """Slurm's name for the pool's accelerators and, for GPUs, their type (h100, a100, ...)."""
+    acc = pool.itype.accelerator
+    assert acc, pool.name
+    return ("gpu", acc.model.lower()) if acc.kind == "nvidia" else ("neuron", None)
+
+
 def gres(pool: Pool) -> str | None:
     """The node's generic resources: typed GPUs (gpu:h100:8) or Neuron devices (neuron:16)."""
     acc = pool.itype.accelerator
     if acc is None:
         return None
-    if acc.kind == "nvidia":
-        return f"gpu:{acc.model.lower()}:{acc.count}"
-    return f"neuron:{acc.count}"
+    name, kind = _gres_name_type(pool)
+    return f"{name}:{kind}:{acc.count}" if kind else f"{name}:{acc.count}"
 
 
 DEFAULT_TIME = "1-00:00:00"  # a job without --time gets a day; longer runs say so
@@ -175,6 +182,11 @@ def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
     return "\n".join(line for line in lines if line is not None) + "\n"
 
 
+def device_files(acc: Accelerator, dev_dir: str = "/dev") -> str:
+    """The accelerators' device files as gres.conf names them: /dev/nvidia[0-7], /dev/neuron[0-15]."""
+    return f"{dev_dir}/{acc.kind}0" if acc.count == 1 else f"{dev_dir}/{acc.kind}[0-{acc.count - 1}]"
+
+
 def gres_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
     """Explicit device files: AutoDetect cannot be used for cloud nodes, which do not exist when slurmctld starts."""
     lines = ["# Rendered by gpucluster. One line per pool with accelerators."]
@@ -182,9 +194,10 @@ def gres_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         acc = pool.itype.accelerator
         if acc is None:
             continue
-        name, device, kind = ("gpu", "nvidia", f" Type={acc.model.lower()}") if acc.kind == "nvidia" else ("neuron", "neuron", "")
-        files = f"{layout.dev_dir}/{device}0" if acc.count == 1 else f"{layout.dev_dir}/{device}[0-{acc.count - 1}]"
-        lines.append(f"NodeName={hostlist(pool.name, 1, pool.max_nodes)} Name={name}{kind} File={files}")
+        name, kind = _gres_name_type(pool)
+        files = device_files(acc, layout.dev_dir)
+        lines.append(f"NodeName={hostlist(pool.name, 1, pool.max_nodes)} Name={name}"
+                     f"{f' Type={kind}' if kind else ''} File={files}")
     return "\n".join(lines) + "\n"
 
 

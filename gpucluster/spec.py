@@ -7,6 +7,7 @@ problem at once, each as (config path, message).
 from __future__ import annotations
 
 import ipaddress
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -378,12 +379,14 @@ def resolve_stack_file(stack: str, stacks_dir: Path) -> Path:
     return stacks_dir / f"Pulumi.{stack}.yaml"
 
 
+def stack_config(stack: Stack) -> dict[str, Any]:
+    """The `config:` mapping of the validated stack, as the stack file gave it (defaults left out, explicit nulls kept)."""
+    return {REGION_KEY: stack.region, CONFIG_KEY: stack.spec.model_dump(mode="json", exclude_unset=True)}
+
+
 def stack_file(stack: Stack) -> str:
     """The validated stack as a stack file (JSON is YAML): what the head node's `gpucluster` command reads."""
-    import json
-
-    config = {REGION_KEY: stack.region, CONFIG_KEY: stack.spec.model_dump(mode="json", exclude_unset=True)}
-    return json.dumps({"config": config}, indent=1, sort_keys=True) + "\n"
+    return json.dumps({"config": stack_config(stack)}, indent=1, sort_keys=True) + "\n"
 
 
 def load_stack(path: Path) -> Stack:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpucluster import cost
-from gpucluster.cost import COST_TAG
+from gpucluster.cost import COST_TAG, money
 from gpucluster.spec import Stack
 
 
@@ -101,7 +101,6 @@ def slurm_gpu_hours(env: dict[str, str] | None = None) -> dict[str, float] | Non
 
 def report(stack: Stack, result: Spend, gpu_hours: dict[str, float] | None) -> list[str]:
     budget = stack.spec.budget.monthly_usd
-    money = lambda v: "unknown" if v is None else f"${v:,.2f}"  # noqa: E731
     lines = [f"Stack {stack.name} (team {stack.spec.team}), tag {COST_TAG}={stack.name}",
              f"Spent this month:    {money(result.month_to_date)}"
              + (f" ({100 * result.month_to_date / budget:.0f}% of the budget)" if result.month_to_date is not None else ""),

@@ -286,7 +286,7 @@ class LocalCluster:
             acc = pool.itype.accelerator
             for i in range(acc.count if acc else 0):
                 # slurmd wants a character device behind each gres.conf File=: /dev/null stands in for the GPU.
-                device = Path(lay.dev_dir) / f"{'nvidia' if acc.kind == 'nvidia' else 'neuron'}{i}"
+                device = Path(lay.dev_dir) / f"{acc.kind}{i}"  # as slurm.device_files names them
                 if not device.is_symlink():
                     device.symlink_to("/dev/null")
         self.conf = self.root / "slurm.conf"

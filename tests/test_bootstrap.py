@@ -91,3 +91,12 @@ def test_head_gets_the_command_line_with_the_pinned_pydantic(tmp_path: Path, mon
                    (f"{tmp_path}/venv/bin/pip", "install", "--quiet", bootstrap.PYDANTIC)]
     wrapper = (tmp_path / "gpucluster").read_text()
     assert f"PYTHONPATH={tmp_path}/lib exec {tmp_path}/venv/bin/python -m gpucluster" in wrapper
+
+
+def test_fstab_entries_are_added_once(tmp_path: Path) -> None:
+    fstab = tmp_path / "fstab"
+    fstab.write_text("LABEL=root / ext4 defaults 0 1\n")
+    for _ in range(2):  # every boot runs the bootstrap again
+        bootstrap.fstab_entry("LABEL=gpucluster-state /var/lib/gpucluster ext4 defaults,nofail 0 2", fstab)
+    assert fstab.read_text().splitlines() == ["LABEL=root / ext4 defaults 0 1",
+                                              "LABEL=gpucluster-state /var/lib/gpucluster ext4 defaults,nofail 0 2"]

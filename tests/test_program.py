@@ -241,6 +241,19 @@ def test_a_budget_that_only_alerts_has_no_guardrail() -> None:
     assert "budget" not in json.loads(config.inputs["insecureValue"])
 
 
+def test_every_bucket_is_private_and_encrypted(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
+    _, declared = shipped
+    buckets = {b.name for b in of_type(declared, "s3/bucket:Bucket")}
+    assert buckets  # the bundle bucket at least
+    blocks = {b.name: b.inputs for b in of_type(declared, "s3/bucketPublicAccessBlock:BucketPublicAccessBlock")}
+    sse = {b.name: b.inputs for b in of_type(
+        declared, "s3/bucketServerSideEncryptionConfiguration:BucketServerSideEncryptionConfiguration")}
+    for name in buckets:
+        assert all(blocks[name][k] for k in ("blockPublicAcls", "blockPublicPolicy", "ignorePublicAcls",
+                                             "restrictPublicBuckets")), name
+        assert sse[name]["rules"][0]["applyServerSideEncryptionByDefault"]["sseAlgorithm"] == "AES256", name
+
+
 def test_every_resource_sits_in_a_component(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
     _, declared = shipped
     for d in declared:
@@ -286,11 +299,11 @@ def test_the_program_itself_refuses_bad_config() -> None:
     import pulumi
     import pytest
 
-    from gpucluster.plan import run_program, stack_config
+    from gpucluster.plan import pulumi_config, run_program
     from gpucluster.spec import CONFIG_KEY, load_stack
 
     stack = load_stack(ROOT / "stacks" / "Pulumi.dev.yaml")
-    config = stack_config(stack)
+    config = pulumi_config(stack)
     cluster = json.loads(config[CONFIG_KEY])
     cluster["pools"][0]["min_nodes"] = 5
     with pytest.raises(pulumi.RunError, match=r"gpucluster:cluster.pools\[0\].min_nodes: must be <= max_nodes \(2\), got 5"):
