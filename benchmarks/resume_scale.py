@@ -52,8 +52,8 @@ def main() -> None:
     subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.0.0.0/20", AvailabilityZone="us-east-1a")["Subnet"]["SubnetId"]
     template = ec2.create_launch_template(LaunchTemplateName="bench", LaunchTemplateData={
         "ImageId": "ami-12c6146b", "InstanceType": "p5.48xlarge"})["LaunchTemplate"]["LaunchTemplateId"]
-    pool = node.PoolLaunch("p5", template, subnet, "p5.48xlarge", "on-demand")
-    config = node.Config(cluster="bench", region="us-east-1", pools={"p5": pool}, log_file="/dev/null")
+    pool = node.PoolSettings("p5", template, subnet, "p5.48xlarge", "on-demand")
+    config = node.ClusterSettings(cluster="bench", region="us-east-1", pools={"p5": pool}, log_file="/dev/null")
     print(f"{'nodes':>6} {'seconds':>8} {'s/node':>7} {'scontrol':>8}  EC2 calls")
     for size in args.sizes:
         calls.clear()

@@ -29,7 +29,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from gpucluster_node import CONFIG_PATH, REASON_PREFIX, Config, Slurm, parse_oneliner, setup_logging
+from gpucluster_node import CONFIG_PATH, REASON_PREFIX, Slurm, parse_oneliner, setup_logging
+from gpucluster.settings import BudgetSettings, ClusterSettings  # the bundle's lib/, on the path since gpucluster_node
 
 BUDGET_PREFIX = f"{REASON_PREFIX} budget"
 # How the resume program marks nodes it could not launch while the Budgets action's deny was on the head node's role.
@@ -37,23 +38,6 @@ DENIED_PREFIX = f"{REASON_PREFIX} launch failed: UnauthorizedOperation"
 RECEIVE_WAIT_SECONDS = 20  # SQS long polling: also the pace of the sweep over new pending jobs while closed
 
 log = logging.getLogger("gpucluster-budget")
-
-
-@dataclass(frozen=True)
-class Guard:
-    """The `budget` section of the cluster's settings document."""
-
-    budget_name: str
-    account_id: str
-    act_threshold_percent: float
-    queue_url: str
-    topic_arn: str
-    check_seconds: int = 3600  # AWS refreshes a budget's spend a few times a day
-    launch_deny_action: bool = True  # the stack has an AWS Budgets action to reverse on reopening
-
-    @classmethod
-    def from_settings(cls, section: dict[str, Any]) -> Guard:
-        return cls(**{k: v for k, v in section.items() if k in cls.__dataclass_fields__})
 
 
 @dataclass
@@ -138,7 +122,7 @@ def _idle_and_up(state: str) -> bool:
 
 
 class Guardrail:
-    def __init__(self, config: Config, guard: Guard, slurm: SlurmQueue, budgets, sns, team: str):  # type: ignore[no-untyped-def]
+    def __init__(self, config: ClusterSettings, guard: BudgetSettings, slurm: SlurmQueue, budgets, sns, team: str):  # type: ignore[no-untyped-def]
         self.config, self.guard, self.slurm, self.budgets, self.sns, self.team = config, guard, slurm, budgets, sns, team
         self.state_path = Path(config.budget_state_file)
 
@@ -301,7 +285,7 @@ def _subject(body: str) -> str:
         return body[:120]
 
 
-def clients(config: Config):  # type: ignore[no-untyped-def]
+def clients(config: ClusterSettings):  # type: ignore[no-untyped-def]
     import boto3
 
     # Budgets is a global service answered in us-east-1; SQS and SNS live in the cluster's region.
@@ -317,15 +301,13 @@ def main(argv: list[str]) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     command = argv[1]
-    config = Config.load()
+    config = ClusterSettings.load(CONFIG_PATH)
     setup_logging(config)
-    settings = json.loads(CONFIG_PATH.read_text())
-    if "budget" not in settings:
+    if config.budget is None:
         print("this cluster has no budget guardrail (budget.act_threshold_percent is null)", file=sys.stderr)
         return 2
     budgets, sns, sqs = clients(config)
-    guardrail = Guardrail(config, Guard.from_settings(settings["budget"]), SlurmQueue(config.scontrol), budgets, sns,
-                          settings.get("team", ""))
+    guardrail = Guardrail(config, config.budget, SlurmQueue(config.scontrol), budgets, sns, config.team)
     who = os.environ.get("SUDO_USER") or os.environ.get("USER") or "root"
     try:
         if command == "run":

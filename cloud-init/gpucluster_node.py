@@ -29,7 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-CONFIG_PATH = Path(os.environ.get("GPUCLUSTER_CONFIG", "/etc/gpucluster/cluster.json"))
+# The bundle carries the library beside this program (lib/); the settings contract is in it (standard library only).
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
+from gpucluster.settings import SETTINGS_FILE, ClusterSettings, PoolSettings  # noqa: E402
+
+CONFIG_PATH = Path(os.environ.get("GPUCLUSTER_CONFIG", SETTINGS_FILE))
 REASON_PREFIX = "gpucluster:"
 CAPACITY_PREFIX = f"{REASON_PREFIX} capacity"
 NODE_TAG = "gpucluster:node"
@@ -44,42 +48,6 @@ CAPACITY_ERRORS = {
 }
 
 log = logging.getLogger("gpucluster-node")
-
-
-@dataclass(frozen=True)
-class PoolLaunch:
-    """What CreateFleet needs for one pool (the pool component's launch spec)."""
-
-    name: str
-    launch_template_id: str
-    subnet_id: str
-    instance_type: str
-    market: str  # on-demand | spot | capacity-block
-    placement_group: str | None = None
-    min_nodes: int = 0  # <pool>-1 .. <pool>-<min_nodes> are always on: the reconciler keeps them launched
-
-
-@dataclass(frozen=True)
-class Config:
-    cluster: str
-    region: str
-    pools: dict[str, PoolLaunch]
-    log_file: str = "/var/log/gpucluster/nodes.log"
-    batch_size: int = 500  # nodes per CreateFleet call
-    all_or_nothing: bool = True  # a multi-node job gets all its nodes or none
-    capacity_retry_seconds: int = 600
-    scontrol: str = "scontrol"
-    budget_state_file: str = "/var/lib/gpucluster/budget.json"  # written by the budget guardrail
-
-    @classmethod
-    def load(cls, path: Path = CONFIG_PATH) -> Config:
-        """The cluster's settings document (also read by the bootstrap): the keys this program uses."""
-        raw = json.loads(path.read_text())
-        launch_keys = set(PoolLaunch.__dataclass_fields__) - {"name"}
-        pools = {name: PoolLaunch(name=name, **{k: v for k, v in spec.items() if k in launch_keys})
-                 for name, spec in raw["pools"].items()}
-        own = set(cls.__dataclass_fields__) - {"pools"}
-        return cls(pools=pools, **{k: v for k, v in raw.items() if k in own})
 
 
 class Slurm:
@@ -134,7 +102,7 @@ def chunks(items: list[str], size: int) -> Iterable[list[str]]:
         yield items[i : i + size]
 
 
-def ec2_client(config: Config):  # type: ignore[no-untyped-def]
+def ec2_client(config: ClusterSettings):  # type: ignore[no-untyped-def]
     import boto3
     from botocore.config import Config as BotoConfig
 
@@ -149,7 +117,7 @@ class LaunchResult:
     failed: dict[str, str] = field(default_factory=dict)  # node -> reason
 
 
-def _fleet_request(config: Config, pool: PoolLaunch, count: int) -> dict[str, Any]:
+def _fleet_request(config: ClusterSettings, pool: PoolSettings, count: int) -> dict[str, Any]:
     override: dict[str, Any] = {"InstanceType": pool.instance_type, "SubnetId": pool.subnet_id}
     if pool.placement_group:
         override["Placement"] = {"GroupName": pool.placement_group}
@@ -177,7 +145,7 @@ def _reason(code: str, message: str) -> str:
     return f"{REASON_PREFIX} {kind}: {code}: {message}".replace("\n", " ")
 
 
-def launch(config: Config, ec2, pool: PoolLaunch, nodes: list[str]) -> LaunchResult:  # type: ignore[no-untyped-def]
+def launch(config: ClusterSettings, ec2, pool: PoolSettings, nodes: list[str]) -> LaunchResult:  # type: ignore[no-untyped-def]
     from botocore.exceptions import ClientError
 
     result = LaunchResult()
@@ -237,7 +205,7 @@ def _tag_and_address(ec2, slurm: Slurm, launched: dict[str, str]) -> None:  # ty
     log.error("no address for %s", ", ".join(by_id[i] for i in pending))
 
 
-def resume(config: Config, ec2, slurm: Slurm, hostlist: str) -> LaunchResult:  # type: ignore[no-untyped-def]
+def resume(config: ClusterSettings, ec2, slurm: Slurm, hostlist: str) -> LaunchResult:  # type: ignore[no-untyped-def]
     by_pool: dict[str, list[str]] = defaultdict(list)
     for node in slurm.expand(hostlist):
         by_pool[pool_of(node)].append(node)
@@ -267,7 +235,7 @@ def _group(reasons: dict[str, str]) -> dict[str, list[str]]:
     return grouped
 
 
-def cluster_instances(config: Config, ec2, nodes: list[str] | None = None) -> dict[str, list[str]]:  # type: ignore[no-untyped-def]
+def cluster_instances(config: ClusterSettings, ec2, nodes: list[str] | None = None) -> dict[str, list[str]]:  # type: ignore[no-untyped-def]
     """Live (pending or running) instances of this cluster: node name -> instance ids."""
     filters = [{"Name": f"tag:{CLUSTER_TAG}", "Values": [config.cluster]},
                {"Name": "instance-state-name", "Values": ["pending", "running"]}]
@@ -287,7 +255,7 @@ def terminate(ec2, ids: list[str]) -> None:  # type: ignore[no-untyped-def]
         ec2.terminate_instances(InstanceIds=batch)
 
 
-def suspend(config: Config, ec2, slurm: Slurm, hostlist: str) -> list[str]:  # type: ignore[no-untyped-def]
+def suspend(config: ClusterSettings, ec2, slurm: Slurm, hostlist: str) -> list[str]:  # type: ignore[no-untyped-def]
     nodes = slurm.expand(hostlist)
     ids = [i for found in cluster_instances(config, ec2, nodes).values() for i in found]
     log.info("suspend %s: terminating %s", ",".join(nodes), ",".join(ids) or "nothing")
@@ -295,7 +263,7 @@ def suspend(config: Config, ec2, slurm: Slurm, hostlist: str) -> list[str]:  # t
     return ids
 
 
-def resume_fail(config: Config, ec2, slurm: Slurm, hostlist: str) -> list[str]:  # type: ignore[no-untyped-def]
+def resume_fail(config: ClusterSettings, ec2, slurm: Slurm, hostlist: str) -> list[str]:  # type: ignore[no-untyped-def]
     nodes = slurm.expand(hostlist)
     ids = [i for found in cluster_instances(config, ec2, nodes).values() for i in found]
     log.error("resume failed for %s (never registered): terminating %s", ",".join(nodes), ",".join(ids) or "nothing")
@@ -304,7 +272,7 @@ def resume_fail(config: Config, ec2, slurm: Slurm, hostlist: str) -> list[str]: 
     return ids
 
 
-def reconcile(config: Config, ec2, slurm: Slurm, now: float | None = None) -> dict[str, list[str]]:  # type: ignore[no-untyped-def]
+def reconcile(config: ClusterSettings, ec2, slurm: Slurm, now: float | None = None) -> dict[str, list[str]]:  # type: ignore[no-untyped-def]
     """One pass of the timer. Returns what it did, by kind."""
     now = time.time() if now is None else now
     nodes = {n["NodeName"]: n for n in slurm.nodes()}
@@ -343,7 +311,7 @@ def reconcile(config: Config, ec2, slurm: Slurm, now: float | None = None) -> di
     return done
 
 
-def budget_closed(config: Config) -> bool:
+def budget_closed(config: ClusterSettings) -> bool:
     try:
         return bool(json.loads(Path(config.budget_state_file).read_text()).get("closed"))
     except FileNotFoundError:
@@ -364,7 +332,7 @@ def _reason_time(node: dict[str, str]) -> float:
     return time.mktime(time.strptime(match.group(1), "%Y-%m-%dT%H:%M:%S"))
 
 
-def setup_logging(config: Config) -> None:
+def setup_logging(config: ClusterSettings) -> None:
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if Path("/dev/log").exists():  # the journal: slurmctld keeps nothing of what its programs print
         from logging.handlers import SysLogHandler
@@ -389,7 +357,7 @@ def main(argv: list[str]) -> int:
     args = argv[1:]
     if command not in (*COMMANDS, "reconcile") and args:
         command, args = args[0], args[1:]
-    config = Config.load()
+    config = ClusterSettings.load(CONFIG_PATH)
     setup_logging(config)
     slurm = Slurm(config.scontrol)
     try:

@@ -86,9 +86,9 @@ def set_spend(budgets, actual: float, limit: float = 1000.0) -> None:  # type: i
 
 def make(aws, tmp_path: Path, act: float = 100, deny_action: bool = False):  # type: ignore[no-untyped-def]
     budgets, sns, _, topic, queue, _ = aws
-    config = node.Config(cluster="gpucluster-t", region="us-east-1", pools={}, log_file="/dev/null",
+    config = node.ClusterSettings(cluster="gpucluster-t", region="us-east-1", pools={}, log_file="/dev/null",
                          budget_state_file=str(tmp_path / "budget.json"))
-    guard = guardrail.Guard(budget_name=BUDGET, account_id=ACCOUNT, act_threshold_percent=act, queue_url=queue,
+    guard = guardrail.BudgetSettings(budget_name=BUDGET, account_id=ACCOUNT, act_threshold_percent=act, queue_url=queue,
                             topic_arn=topic, launch_deny_action=deny_action)
     slurm = FakeSlurm()
     return guardrail.Guardrail(config, guard, slurm, budgets, sns, team="vision"), slurm
@@ -206,7 +206,7 @@ def test_the_service_acts_on_a_message_and_keeps_it_when_the_check_fails(aws, tm
     budgets, _, sqs, _, _, _ = aws
     queue = sqs.create_queue(QueueName="short", Attributes={"VisibilityTimeout": "1"})["QueueUrl"]
     g, slurm = make(aws, tmp_path)
-    g.guard = guardrail.Guard(**{**g.guard.__dict__, "queue_url": queue})
+    g.guard = guardrail.BudgetSettings(**{**g.guard.__dict__, "queue_url": queue})
     set_spend(budgets, 1200)
     sqs.send_message(QueueUrl=queue, MessageBody=json.dumps({
         "Type": "Notification", "Subject": "AWS Budgets: gpucluster-t-monthly has exceeded your alert threshold",

@@ -140,6 +140,6 @@ def test_node_program_reads_the_published_settings(shipped: Shipped, tmp_path) -
     stack, declared = shipped
     path = tmp_path / "cluster.json"
     path.write_text(_one(declared, "ssm/parameter:Parameter").inputs["insecureValue"])
-    config = gpucluster_node.Config.load(path)
+    config = gpucluster_node.ClusterSettings.load(path)
     assert config.cluster == stack.cluster_name and set(config.pools) == {p.name for p in stack.spec.pools}
     assert config.all_or_nothing is stack.spec.slurm.all_or_nothing

@@ -41,14 +41,14 @@ def ec2():  # type: ignore[no-untyped-def]
         yield boto3.client("ec2", region_name="us-east-1")
 
 
-def make_config(ec2, **overrides: object) -> node.Config:  # type: ignore[no-untyped-def]
+def make_config(ec2, **overrides: object) -> node.ClusterSettings:  # type: ignore[no-untyped-def]
     vpc = ec2.create_vpc(CidrBlock="10.0.0.0/16")["Vpc"]["VpcId"]
     subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.0.0.0/24", AvailabilityZone="us-east-1a")["Subnet"]["SubnetId"]
     template = ec2.create_launch_template(LaunchTemplateName="lt", LaunchTemplateData={
         "ImageId": "ami-12c6146b", "InstanceType": "p5.48xlarge"})["LaunchTemplate"]["LaunchTemplateId"]
-    pools = {name: node.PoolLaunch(name, template, subnet, "p5.48xlarge", market)
+    pools = {name: node.PoolSettings(name, template, subnet, "p5.48xlarge", market)
              for name, market in (("p5-spot", "spot"), ("p5-od", "on-demand"))}
-    return node.Config(cluster="c1", region="us-east-1", pools=pools, log_file="/dev/null", **overrides)  # type: ignore[arg-type]
+    return node.ClusterSettings(cluster="c1", region="us-east-1", pools=pools, log_file="/dev/null", **overrides)  # type: ignore[arg-type]
 
 
 def test_resume_launches_tags_and_addresses_each_node(ec2) -> None:  # type: ignore[no-untyped-def]
@@ -147,9 +147,9 @@ def test_parse_oneliner_keeps_reasons_with_spaces() -> None:
 
 def test_reconcile_launches_always_on_nodes_without_an_instance(ec2) -> None:  # type: ignore[no-untyped-def]
     config = make_config(ec2)
-    pools = {name: node.PoolLaunch(**{**pool.__dict__, "min_nodes": 2 if name == "p5-od" else 0})
+    pools = {name: node.PoolSettings(**{**pool.__dict__, "min_nodes": 2 if name == "p5-od" else 0})
              for name, pool in config.pools.items()}
-    config = node.Config(cluster="c1", region="us-east-1", pools=pools, log_file="/dev/null")
+    config = node.ClusterSettings(cluster="c1", region="us-east-1", pools=pools, log_file="/dev/null")
     node.resume(config, ec2, FakeSlurm(), "p5-od-1")
     table = [{"NodeName": n, "State": "IDLE"} for n in ("p5-od-1", "p5-od-2")]
     done = node.reconcile(config, ec2, FakeSlurm(table))
@@ -158,9 +158,9 @@ def test_reconcile_launches_always_on_nodes_without_an_instance(ec2) -> None:  #
 
 def test_reconcile_launches_no_always_on_node_while_the_budget_is_closed(ec2, tmp_path) -> None:  # type: ignore[no-untyped-def]
     config = make_config(ec2)
-    pools = {name: node.PoolLaunch(**{**pool.__dict__, "min_nodes": 1}) for name, pool in config.pools.items()}
+    pools = {name: node.PoolSettings(**{**pool.__dict__, "min_nodes": 1}) for name, pool in config.pools.items()}
     state = tmp_path / "budget.json"
-    config = node.Config(cluster="c1", region="us-east-1", pools=pools, log_file="/dev/null", budget_state_file=str(state))
+    config = node.ClusterSettings(cluster="c1", region="us-east-1", pools=pools, log_file="/dev/null", budget_state_file=str(state))
     state.write_text('{"closed": true}')  # as the budget guardrail writes it
     table = [{"NodeName": n, "State": "IDLE"} for n in ("p5-od-1", "p5-spot-1")]
     assert node.reconcile(config, ec2, FakeSlurm(table))["launched"] == [] and not node.cluster_instances(config, ec2)

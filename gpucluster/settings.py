@@ -1,0 +1,146 @@
+"""The one settings contract between the Pulumi program and the programs that run on the nodes.
+
+The head node component writes `ClusterSettings` (as JSON, into the SSM parameter `/gpucluster/<cluster>/config`);
+fetch_bundle.py, bootstrap.py, the node programs and the budget guardrail read it through `ClusterSettings.load`.
+Paths, ports and program names live here once, for both sides.
+
+Standard library only: the nodes import this file from the bundle (`/opt/gpucluster/lib/gpucluster/settings.py`)
+with the system python3, which has no pydantic.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+# --- where things are on a node ---------------------------------------------------------------------------------------
+BUNDLE_DIR = "/opt/gpucluster"  # the unpacked bundle: bootstrap, node programs, Slurm files, examples, lib/
+BIN_DIR = f"{BUNDLE_DIR}/bin"  # Slurm's ResumeProgram, SuspendProgram, ResumeFailProgram and the reconciler
+LIB_DIR = f"{BUNDLE_DIR}/lib"  # the gpucluster library (this file among it) and the stack's file
+FETCHER = f"{BUNDLE_DIR}/fetch_bundle.py"  # written by cloud-init, run by gpucluster-boot.service at every boot
+ETC_DIR = "/etc/gpucluster"
+NODE_ENV_FILE = f"{ETC_DIR}/node.env"  # from user data: cluster, region, role, pool, the settings parameter
+SETTINGS_FILE = f"{ETC_DIR}/cluster.json"  # ClusterSettings as last fetched
+MUNGE_KEY_STAGED = f"{ETC_DIR}/munge.key"  # the key as fetched (root only), installed by the bootstrap
+STATE_DIR = "/var/lib/gpucluster"  # the head node's state volume: slurmctld state and MariaDB
+LOG_DIR = "/var/log/gpucluster"
+NODE_LOG = f"{LOG_DIR}/nodes.log"
+BOOT_LOG = f"{LOG_DIR}/boot.log"
+BUDGET_STATE_FILE = f"{STATE_DIR}/budget.json"  # written by the budget guardrail, read by the reconciler
+IMAGE_MANIFEST = "/opt/gpucluster-image/manifest.json"  # written last by build_image.sh: the image is complete
+BOOT_UNIT = "gpucluster-boot.service"
+
+# --- the cluster's network names and ports ---------------------------------------------------------------------------
+HEAD_HOSTNAME = "head"
+SLURMCTLD_PORT = 6817
+SLURMD_PORT = 6818
+SLURMDBD_PORT = 6819
+
+# --- programs --------------------------------------------------------------------------------------------------------
+NODE_PROGRAM = "gpucluster_node.py"
+NODE_COMMANDS = ("resume", "suspend", "resume-fail", "reconcile")  # links to NODE_PROGRAM in BIN_DIR
+BUDGET_PROGRAM = "gpucluster_budget.py"
+BUDGET_COMMAND = "gpucluster-budget"
+ROLES = ("head", "compute")
+
+
+class SettingsError(ValueError):
+    """The settings document does not match this contract (missing or unknown keys)."""
+
+
+def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise SettingsError(f"{where}: unknown key(s) {', '.join(unknown)}")
+    try:
+        return cls(**raw)
+    except TypeError as exc:  # a required key is missing
+        raise SettingsError(f"{where}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    """What the resume program needs to launch one pool's nodes, and what the bootstrap needs to configure them."""
+
+    name: str
+    launch_template_id: str
+    subnet_id: str
+    instance_type: str
+    market: str  # on-demand | spot | capacity-block
+    launch_template_version: str = "$Latest"
+    capacity_reservation_id: str | None = None
+    placement_group: str | None = None
+    min_nodes: int = 0  # <pool>-1 .. <pool>-<min_nodes> are always on: the reconciler keeps them launched
+    max_nodes: int = 0
+    efa_interfaces: int = 0
+
+
+@dataclass(frozen=True)
+class BudgetSettings:
+    """The budget guardrail's wiring (outputs of the Budget component)."""
+
+    budget_name: str
+    account_id: str
+    act_threshold_percent: float
+    queue_url: str
+    topic_arn: str
+    check_seconds: int = 3600  # AWS refreshes a budget's spend a few times a day
+    launch_deny_action: bool = True  # the stack has an AWS Budgets action to reverse on reopening
+
+
+@dataclass(frozen=True)
+class ClusterSettings:
+    """Everything `pulumi up` learned that a node needs: one JSON document, one loader."""
+
+    cluster: str
+    region: str
+    pools: dict[str, PoolSettings]
+    team: str = ""
+    bundle_bucket: str = ""
+    bundle_key: str = ""
+    head_address: str = ""
+    state_volume_id: str = ""
+    fsx_dns_name: str = ""
+    fsx_mount_name: str = ""
+    munge_key_parameter: str = ""
+    # The node programs' behaviour (stack settings) and where they write.
+    all_or_nothing: bool = True  # a multi-node job gets all its nodes or none
+    capacity_retry_seconds: int = 600
+    batch_size: int = 500  # nodes per CreateFleet call
+    log_file: str = NODE_LOG
+    scontrol: str = "scontrol"
+    budget_state_file: str = BUDGET_STATE_FILE
+    budget: BudgetSettings | None = None
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ClusterSettings:
+        raw = dict(raw)
+        pools = {name: _build(PoolSettings, {"name": name, **{k: v for k, v in spec.items() if k != "name"}},
+                              f"pools.{name}") for name, spec in raw.pop("pools", {}).items()}
+        budget = raw.pop("budget", None)
+        return _build(cls, {**raw, "pools": pools,
+                            "budget": _build(BudgetSettings, budget, "budget") if budget else None}, "settings")
+
+    @classmethod
+    def from_json(cls, text: str) -> ClusterSettings:
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def load(cls, path: str | Path = SETTINGS_FILE) -> ClusterSettings:
+        return cls.from_json(Path(path).read_text())
+
+    def to_json(self) -> str:
+        doc = asdict(self)
+        for spec in doc["pools"].values():
+            del spec["name"]  # the key says it
+        if doc["budget"] is None:
+            del doc["budget"]
+        return json.dumps(doc, sort_keys=True, indent=1)
+
+
+def read_env_file(path: str | Path = NODE_ENV_FILE) -> dict[str, str]:
+    """node.env: KEY=VALUE lines that user data writes (no secret in it)."""
+    return dict(line.strip().split("=", 1) for line in Path(path).read_text().splitlines() if "=" in line)
