@@ -18,6 +18,8 @@ from gpucluster.spec import CONFIG_KEY, REGION_KEY, Stack, stack_config
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAM = ROOT / "__main__.py"
 MOCK_ACCOUNT = "123456789012"
+# An interface's private IP as AWS gives it, from the documentation range (RFC 5737): never a real address.
+PLAN_INTERFACE_IP = "192.0.2.10"
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,8 @@ class Declared:
     inputs: dict[str, Any]
     retain_on_delete: bool
     provider: str
+    delete_before_replace: bool = False
+    ignore_changes: tuple[str, ...] = ()
 
     @property
     def parent_type(self) -> str | None:
@@ -57,6 +61,8 @@ def _placeholder_outputs(typ: str, name: str, inputs: dict[str, Any], region: st
         out["bucket"] = f"{name}-<suffix at up>"
     elif typ == "aws:ec2/instance:Instance":
         out["privateIp"] = "<private IP at up>"
+    elif typ == "aws:ec2/networkInterface:NetworkInterface":
+        out["privateIp"] = PLAN_INTERFACE_IP
     elif typ == "aws:fsx/lustreFileSystem:LustreFileSystem":
         out["dnsName"] = f"<{name} DNS name at up>"
         out["mountName"] = "<mount name at up>"
@@ -107,6 +113,8 @@ def _recording_monitor(mocks):  # type: ignore[no-untyped-def]
                         inputs=rpc.deserialize_properties(request.object),
                         retain_on_delete=bool(request.retainOnDelete),
                         provider=request.provider,
+                        delete_before_replace=request.deleteBeforeReplace,
+                        ignore_changes=tuple(request.ignoreChanges),
                     )
                 )
             return response
