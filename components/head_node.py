@@ -1,19 +1,23 @@
 """The Slurm head node: slurmctld, slurmdbd with MariaDB and munge, configured by cloud-init and the S3 bundle,
-with its least-privilege IAM role, its state volume, and the SSM parameter that tells every node what `pulumi up`
-learned (bucket, file system, head address, pools).
+with its least-privilege IAM role, its state volume, its fixed network interface, and the SSM parameter that tells
+every node what `pulumi up` learned (bucket, file system, head address, pools).
+
+The head node can be replaced (a new user data or instance type): its address lives on its own network interface and
+its Slurm state and accounting on their own volume, so compute nodes and running jobs keep their head.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
+from typing import Any
 
 import pulumi
 import pulumi_aws as aws
 
 from components import child
-from components.node_access import EC2_ASSUME, SSM_CORE, NodeAccess, policy
+from components.node_access import EC2_ASSUME, PARAMETER_READ, SSM_CORE, NodeAccess, policy
 from gpucluster.cost import HEAD_ROOT_GIB, HEAD_STATE_GIB
+from gpucluster.settings import ClusterSettings
 
 UBUNTU_AMI_PARAMETER = "/aws/service/canonical/ubuntu/server/24.04/stable/current/amd64/hvm/ebs-gp3/ami-id"
 STATE_DEVICE = "/dev/sdf"
@@ -40,7 +44,7 @@ class HeadNodeArgs:
     fsx_mount_name: pulumi.Input[str]
     # Settings the node programs read as they are (gpucluster_node.Config): all_or_nothing, capacity_retry_seconds.
     node_program_settings: dict[str, object]
-    ami_id: str | None = None
+    ami_id: pulumi.Input[str] | None = None  # None: the current Ubuntu 24.04 image
     guardrail: GuardrailWiring | None = None  # None: the budget only alerts
 
 
@@ -68,63 +72,80 @@ class HeadNode(pulumi.ComponentResource):
         access = args.access
         head_role = aws.iam.Role(f"{name}-head", assume_role_policy=EC2_ASSUME, opts=child(self))
         aws.iam.RolePolicyAttachment(f"{name}-head-ssm", role=head_role.name, policy_arn=SSM_CORE, opts=child(self))
-        template_ids = pulumi.Output.all(*args.launch_template_ids).apply(lambda ids: ids)
         aws.iam.RolePolicy(f"{name}-head", role=head_role.id, policy=pulumi.Output.all(
-            account, access.config_parameter_arn, access.munge_key_parameter_arn, access.bundle_arn,
-            access.compute_role_arn, template_ids).apply(
-            lambda a: policy(head_statements(args, a[0], a[1], a[2], a[3], a[4], a[5]))), opts=child(self))
+            account=account, config_arn=access.config_parameter_arn, munge_arn=access.munge_key_parameter_arn,
+            bundle_arn=access.bundle_arn, compute_role_arn=access.compute_role_arn,
+            template_ids=args.launch_template_ids).apply(lambda v: policy(head_statements(args, **v))),
+            opts=child(self))
         guard = args.guardrail
         if guard is not None:
             aws.iam.RolePolicy(f"{name}-head-guardrail", role=head_role.id, policy=pulumi.Output.all(
-                guard.queue_arn, guard.topic_arn, guard.budget_arn).apply(
-                lambda a: policy(guardrail_statements(a[0], a[1], a[2]))), opts=child(self))
+                queue_arn=guard.queue_arn, topic_arn=guard.topic_arn, budget_arn=guard.budget_arn).apply(
+                lambda v: policy(guardrail_statements(**v))), opts=child(self))
         self.role_name, self.role_arn = head_role.name, head_role.arn
         head_profile = aws.iam.InstanceProfile(f"{name}-head", role=head_role.name, opts=child(self))
 
+        # The head's address: an interface of its own that outlives every instance it is attached to (attached at
+        # launch, EC2 does not delete it on termination), so nodes and jobs keep reaching slurmctld after a replacement.
+        interface = aws.ec2.NetworkInterface(
+            f"{name}-head-address", subnet_id=args.subnet_id, security_groups=[args.security_group_id],
+            description=f"gpucluster {args.cluster_name}: the head node's fixed address",
+            tags={"Name": f"{args.cluster_name}-head"}, opts=child(self))
         # Slurm state and the accounting database live on their own volume: a replaced head node keeps the queue.
+        # Nothing of the instance is among its inputs, so replacing the instance never replaces the volume.
         state = aws.ebs.Volume(f"{name}-state", availability_zone=args.availability_zone, size=HEAD_STATE_GIB,
                                type="gp3", encrypted=True, tags={"Name": f"{args.cluster_name}-state"},
                                opts=child(self))
-        image = (pulumi.Output.from_input(args.ami_id) if args.ami_id else aws.ssm.get_parameter_output(
+        image = (pulumi.Output.from_input(args.ami_id) if args.ami_id is not None else aws.ssm.get_parameter_output(
             name=UBUNTU_AMI_PARAMETER, opts=pulumi.InvokeOutputOptions(parent=self)).value)
         instance = aws.ec2.Instance(
             f"{name}-head",
             ami=image,
             instance_type=args.instance_type,
-            subnet_id=args.subnet_id,
-            vpc_security_group_ids=[args.security_group_id],
+            # Device 0 is the fixed interface; subnet, security group and "no public IP" are the interface's
+            # (EC2 refuses them beside an existing interface).
+            primary_network_interface={"network_interface_id": interface.id},
             iam_instance_profile=head_profile.name,
-            associate_public_ip_address=False,
             metadata_options={"http_endpoint": "enabled", "http_tokens": "required", "http_put_response_hop_limit": 1},
             root_block_device={"volume_size": HEAD_ROOT_GIB, "volume_type": "gp3", "encrypted": True},
             user_data=args.user_data,
             user_data_replace_on_change=True,
             tags={"Name": f"{args.cluster_name}-head"},
-            opts=child(self, ignore_changes=["ami"]),  # a newer Ubuntu image must not replace a running head node
+            # Delete before replace: two slurmctld must never run at once, and the interface and the state volume
+            # attach to one instance at a time. A newer image must not replace a running head node.
+            opts=child(self, delete_before_replace=True, ignore_changes=["ami"]),
         )
+        # Stop the instance before detaching: slurmctld and MariaDB shut down cleanly and the volume is unmounted.
         aws.ec2.VolumeAttachment(f"{name}-state", device_name=STATE_DEVICE, volume_id=state.id,
-                                 instance_id=instance.id, opts=child(self))
+                                 instance_id=instance.id, stop_instance_before_detaching=True,
+                                 opts=child(self, delete_before_replace=True))
         self.instance_id = instance.id
-        self.private_ip = instance.private_ip
+        self.private_ip = interface.private_ip
 
-        budget = (pulumi.Output.all(guard.budget_name, account, guard.queue_url, guard.topic_arn).apply(lambda a: {
-            "budget": {"budget_name": a[0], "account_id": a[1], "queue_url": a[2], "topic_arn": a[3],
-                       "act_threshold_percent": guard.act_threshold_percent}}) if guard else {})
-        settings = pulumi.Output.all(access.bucket, instance.private_ip, state.id, args.fsx_dns_name,
-                                     args.fsx_mount_name, args.pools, budget).apply(lambda a: json.dumps({
-                                         "cluster": args.cluster_name, "team": args.team, "region": args.region,
-                                         "bundle_bucket": a[0], "bundle_key": args.bundle_key, "head_address": a[1],
-                                         "state_volume_id": a[2], "fsx_dns_name": a[3], "fsx_mount_name": a[4],
-                                         "munge_key_parameter": args.munge_key_parameter, "pools": a[5],
-                                         "log_file": "/var/log/gpucluster/nodes.log", **args.node_program_settings,
-                                         **a[6]},
-                                        sort_keys=True))
+        budget = None if guard is None else {
+            "budget_name": guard.budget_name, "account_id": account, "queue_url": guard.queue_url,
+            "topic_arn": guard.topic_arn, "act_threshold_percent": guard.act_threshold_percent}
+        settings = pulumi.Output.all(
+            bundle_bucket=access.bucket, head_address=interface.private_ip, state_volume_id=state.id,
+            fsx_dns_name=args.fsx_dns_name, fsx_mount_name=args.fsx_mount_name, pools=args.pools,
+            budget=budget).apply(lambda v: settings_document(args, v))
         # insecure_value: these settings are not secret (pulumi-aws would otherwise encrypt them in state and hide them).
         aws.ssm.Parameter(f"{name}-config", name=args.config_parameter, type="String", insecure_value=settings,
                           description=f"gpucluster {args.cluster_name}: what every node needs to know",
                           opts=child(self))
         self.register_outputs({"instance_id": self.instance_id, "private_ip": self.private_ip,
                                "role_arn": self.role_arn})
+
+
+def settings_document(args: HeadNodeArgs, learned: dict[str, Any]) -> str:
+    """The settings parameter's JSON, built through the one contract: a key the contract does not know, or a
+    missing one, fails `pulumi up` here instead of a node at boot."""
+    pools = {name: {**spec, "launch_template_version": str(spec["launch_template_version"])}  # the contract's type
+             for name, spec in learned["pools"].items()}
+    return ClusterSettings.from_dict({
+        "cluster": args.cluster_name, "team": args.team, "region": args.region, "bundle_key": args.bundle_key,
+        "munge_key_parameter": args.munge_key_parameter, **args.node_program_settings, **learned, "pools": pools,
+    }).to_json()
 
 
 def head_statements(args: HeadNodeArgs, account: str, config_arn: str, munge_arn: str, bundle_arn: str,
@@ -149,7 +170,8 @@ def head_statements(args: HeadNodeArgs, account: str, config_arn: str, munge_arn
          "Resource": "*"},
         {"Sid": "PassComputeRoleOnly", "Effect": "Allow", "Action": "iam:PassRole", "Resource": compute_role_arn,
          "Condition": {"StringEquals": {"iam:PassedToService": "ec2.amazonaws.com"}}},
-        {"Sid": "ClusterParameters", "Effect": "Allow", "Action": ["ssm:GetParameter"], "Resource": [config_arn, munge_arn]},
+        {"Sid": "ClusterParameters", "Effect": "Allow", "Action": PARAMETER_READ,
+         "Resource": [config_arn, munge_arn]},
         {"Sid": "CreateMungeKeyOnce", "Effect": "Allow", "Action": "ssm:PutParameter", "Resource": munge_arn},
         {"Sid": "Bundle", "Effect": "Allow", "Action": "s3:GetObject", "Resource": bundle_arn},
     ]

@@ -16,6 +16,8 @@ from gpucluster import monitoring
 EC2_ASSUME = json.dumps({"Version": "2012-10-17", "Statement": [
     {"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"}, "Action": "sts:AssumeRole"}]})
 SSM_CORE = "arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore"  # Session Manager instead of SSH
+# A node reads its settings and the munge key in one GetParameters call; GetParameter stays for single reads.
+PARAMETER_READ = ["ssm:GetParameter", "ssm:GetParameters"]
 
 
 def policy(statements: list[dict[str, object]]) -> str:
@@ -56,14 +58,20 @@ class NodeAccess(pulumi.ComponentResource):
         role = aws.iam.Role(f"{name}-compute", assume_role_policy=EC2_ASSUME, opts=child(self))
         aws.iam.RolePolicyAttachment(f"{name}-compute-ssm", role=role.name, policy_arn=SSM_CORE, opts=child(self))
         aws.iam.RolePolicy(f"{name}-compute", role=role.id, policy=pulumi.Output.all(
-            self.config_parameter_arn, self.munge_key_parameter_arn, self.bundle_arn).apply(lambda a: policy([
-                {"Sid": "ClusterSettings", "Effect": "Allow", "Action": "ssm:GetParameter", "Resource": [a[0], a[1]]},
-                {"Sid": "Bundle", "Effect": "Allow", "Action": "s3:GetObject", "Resource": a[2]},
-                {"Sid": "GpuMetrics", "Effect": "Allow", "Action": "cloudwatch:PutMetricData", "Resource": "*",
-                 "Condition": {"StringEquals": {"cloudwatch:namespace": monitoring.NAMESPACE}}},
-            ])), opts=child(self))
+            config_arn=self.config_parameter_arn, munge_arn=self.munge_key_parameter_arn,
+            bundle_arn=self.bundle_arn).apply(lambda v: policy(compute_statements(**v))), opts=child(self))
         profile = aws.iam.InstanceProfile(f"{name}-compute", role=role.name, opts=child(self))
         self.compute_role_arn = role.arn
         self.compute_instance_profile_arn = profile.arn
         self.register_outputs({"bucket": self.bucket, "compute_role_arn": self.compute_role_arn,
                                "compute_instance_profile_arn": self.compute_instance_profile_arn})
+
+
+def compute_statements(config_arn: str, munge_arn: str, bundle_arn: str) -> list[dict[str, object]]:
+    """Read the cluster's settings, the munge key and the bundle, publish GPU metrics: nothing else."""
+    return [
+        {"Sid": "ClusterSettings", "Effect": "Allow", "Action": PARAMETER_READ, "Resource": [config_arn, munge_arn]},
+        {"Sid": "Bundle", "Effect": "Allow", "Action": "s3:GetObject", "Resource": bundle_arn},
+        {"Sid": "GpuMetrics", "Effect": "Allow", "Action": "cloudwatch:PutMetricData", "Resource": "*",
+         "Condition": {"StringEquals": {"cloudwatch:namespace": monitoring.NAMESPACE}}},
+    ]

@@ -26,11 +26,8 @@ def test_head_instance_is_private_imdsv2_encrypted_and_runs_the_rendered_user_da
     head = _one(declared, "ec2/instance:Instance")
     assert head.inputs["instanceType"] == stack.spec.head_node.instance_type
     assert head.inputs["metadataOptions"]["httpTokens"] == "required"
-    assert head.inputs["associatePublicIpAddress"] is False
     assert head.inputs["rootBlockDevice"]["encrypted"] is True
     assert head.inputs["userData"] == userdata.head_node(stack)
-    assert head.inputs["subnetId"].endswith("-private-id") or head.inputs["subnetId"] == stack.spec.network.subnet_id
-    assert head.inputs["vpcSecurityGroupIds"] == [f"{_one(declared, 'ec2/securityGroup:SecurityGroup', '-cluster').name}-id"]
     from gpucluster import cost
 
     assert head.inputs["rootBlockDevice"]["volumeSize"] == cost.HEAD_ROOT_GIB
@@ -39,6 +36,40 @@ def test_head_instance_is_private_imdsv2_encrypted_and_runs_the_rendered_user_da
     assert volume.inputs["encrypted"] is True and volume.inputs["availabilityZone"] == stack.spec.availability_zone
     attachment = _one(declared, "ec2/volumeAttachment:VolumeAttachment")
     assert attachment.inputs["volumeId"] == f"{volume.name}-id" and attachment.inputs["instanceId"] == f"{head.name}-id"
+
+
+def test_head_instance_boots_on_its_fixed_private_interface(shipped: Shipped) -> None:
+    """Device 0 of the head is an interface of its own in the private subnet with the cluster group: the head's
+    address outlives the instance. The instance sets no network of its own (EC2 refuses both at once)."""
+    stack, declared = shipped
+    head = _one(declared, "ec2/instance:Instance")
+    interface = _one(declared, "ec2/networkInterface:NetworkInterface")
+    # primary_network_interface is device index 0 (pulumi-aws v7's successor of the deprecated network_interfaces).
+    assert head.inputs["primaryNetworkInterface"] == {"networkInterfaceId": f"{interface.name}-id"}
+    for own in ("subnetId", "vpcSecurityGroupIds", "securityGroups", "associatePublicIpAddress", "networkInterfaces",
+                "privateIp", "sourceDestCheck"):
+        assert own not in head.inputs, own
+    private = stack.spec.network.subnet_id or f"{_one(declared, 'ec2/subnet:Subnet', '-private').name}-id"
+    assert interface.inputs["subnetId"] == private
+    assert interface.inputs["securityGroups"] == [f"{_one(declared, 'ec2/securityGroup:SecurityGroup', '-cluster').name}-id"]
+    assert interface.inputs["tags"] == {"Name": f"{stack.cluster_name}-head"}
+    assert "sourceDestCheck" not in interface.inputs  # EC2's default: checked
+    for eip in of_type(declared, "ec2/eip:Eip"):  # no public address reaches the head (the NAT has its own)
+        assert {eip.inputs.get("networkInterface"), eip.inputs.get("instance")} == {None}, eip.name
+
+
+def test_head_is_replaced_delete_first_and_keeps_its_address_and_state(shipped: Shipped) -> None:
+    """Two slurmctld never run at once, the state volume never attaches to two instances (VolumeInUse); the
+    interface and the volume take nothing from the instance, so a new instance replaces neither."""
+    _, declared = shipped
+    head = _one(declared, "ec2/instance:Instance")
+    attachment = _one(declared, "ec2/volumeAttachment:VolumeAttachment")
+    assert head.delete_before_replace and attachment.delete_before_replace
+    assert head.ignore_changes == ("ami",)  # a newer image does not replace a running head
+    assert attachment.inputs["stopInstanceBeforeDetaching"] is True  # slurmctld and MariaDB stop cleanly first
+    for keeper in (_one(declared, "ebs/volume:Volume"), _one(declared, "ec2/networkInterface:NetworkInterface")):
+        assert f"{head.name}-id" not in json.dumps(keeper.inputs), keeper.name
+        assert keeper.parent_urn == head.parent_urn and not keeper.retain_on_delete  # `pulumi destroy` deletes it
 
 
 def _statements(policy: Declared) -> dict[str, dict]:
@@ -70,7 +101,6 @@ def test_compute_role_reads_settings_key_bundle_and_writes_gpu_metrics_only(ship
     stack, declared = shipped
     compute = _statements(_one(declared, "iam/rolePolicy:RolePolicy", "-compute"))
     assert set(compute) == {"ClusterSettings", "Bundle", "GpuMetrics"}
-    assert compute["ClusterSettings"]["Action"] == "ssm:GetParameter"
     bucket = _one(declared, "s3/bucket:Bucket", "-bundle")
     assert compute["Bundle"] == {"Sid": "Bundle", "Effect": "Allow", "Action": "s3:GetObject", "Resource":
                                  f"arn:aws:s3:::{bucket.name}-<suffix at up>/{bundle.key(bundle.build(stack))}"}
@@ -85,7 +115,6 @@ def test_settings_parameter_tells_nodes_what_up_learned(shipped: Shipped) -> Non
     assert param.inputs["name"] == userdata.config_parameter(stack) and param.inputs["type"] == "String"
     settings = json.loads(param.inputs["insecureValue"])
     assert settings["cluster"] == stack.cluster_name and settings["team"] == stack.spec.team
-    assert settings["head_address"] == "<private IP at up>"
     assert settings["all_or_nothing"] is stack.spec.slurm.all_or_nothing
     assert settings["capacity_retry_seconds"] == stack.spec.slurm.capacity_retry_seconds
     assert set(settings["pools"]) == {p.name for p in stack.spec.pools}
@@ -94,6 +123,74 @@ def test_settings_parameter_tells_nodes_what_up_learned(shipped: Shipped) -> Non
         assert settings["pools"][pool.name]["launch_template_id"].endswith("-lt-id")
     # The munge key is never declared: the head node creates it in SSM at first boot.
     assert not [d for d in of_type(declared, "ssm/parameter:Parameter") if d.inputs.get("type") == "SecureString"]
+
+
+def test_head_address_is_the_fixed_interface_ip(shipped: Shipped) -> None:
+    """Nodes reach the head at its interface's address (what AWS gives the interface), not the instance's own."""
+    import ipaddress
+
+    from gpucluster.plan import _placeholder_outputs
+
+    stack, declared = shipped
+    interface = _one(declared, "ec2/networkInterface:NetworkInterface")
+    given = _placeholder_outputs(interface.type, interface.name, interface.inputs, stack.region)["privateIp"]
+    settings = json.loads(_one(declared, "ssm/parameter:Parameter").inputs["insecureValue"])
+    assert settings["head_address"] == given and ipaddress.IPv4Address(given).is_private
+
+
+def test_settings_document_is_the_contract(shipped: Shipped, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The parameter's JSON loads through ClusterSettings and is exactly what the contract writes back."""
+    from gpucluster.settings import ClusterSettings
+
+    stack, declared = shipped
+    text = _one(declared, "ssm/parameter:Parameter").inputs["insecureValue"]
+    (tmp_path / "cluster.json").write_text(text)
+    settings = ClusterSettings.load(tmp_path / "cluster.json")
+    assert settings.to_json() == text
+    assert settings.munge_key_parameter == userdata.munge_key_parameter(stack)
+    assert settings.state_volume_id == f"{_one(declared, 'ebs/volume:Volume').name}-id"
+    for pool in stack.spec.pools:
+        spec = settings.pools[pool.name]
+        assert (spec.name, spec.instance_type, spec.max_nodes) == (pool.name, pool.instance_type, pool.max_nodes)
+        assert isinstance(spec.launch_template_version, str)
+
+
+def test_a_launch_spec_key_the_contract_does_not_know_fails_up() -> None:
+    """The document is built through ClusterSettings.from_dict: drift between pools and contract stops `pulumi up`."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from components.head_node import settings_document
+    from gpucluster.settings import SettingsError
+
+    args = SimpleNamespace(cluster_name="c", team="t", region="us-east-1", bundle_key="k", munge_key_parameter="/m",
+                           node_program_settings={"all_or_nothing": True})
+    pool = {"launch_template_id": "lt-1", "launch_template_version": 3, "subnet_id": "subnet-1",
+            "instance_type": "p5.48xlarge", "market": "spot"}
+    learned = {"bundle_bucket": "b", "head_address": "10.0.0.5", "state_volume_id": "vol-1", "fsx_dns_name": "d",
+               "fsx_mount_name": "m", "budget": None}
+    doc = json.loads(settings_document(args, {**learned, "pools": {"p5": pool}}))  # type: ignore[arg-type]
+    assert doc["pools"]["p5"]["launch_template_version"] == "3" and "budget" not in doc
+    with pytest.raises(SettingsError, match="pools.p5: unknown key"):
+        settings_document(args, {**learned, "pools": {"p5": {**pool, "spot_max_price": 9}}})  # type: ignore[arg-type]
+
+
+def test_nodes_read_settings_and_munge_key_in_one_call_on_those_two_parameters_only(shipped: Shipped) -> None:
+    """GetParameters (one call for both) and GetParameter, on the config and the munge key, for head and compute
+    roles; no other statement of the stack grants an SSM parameter read."""
+    stack, declared = shipped
+    arn = f"arn:aws:ssm:{stack.region}:123456789012:parameter"
+    two = [f"{arn}{userdata.config_parameter(stack)}", f"{arn}{userdata.munge_key_parameter(stack)}"]
+    reads = {}
+    for role_policy in of_type(declared, "iam/rolePolicy:RolePolicy"):
+        for statement in json.loads(role_policy.inputs["policy"])["Statement"]:
+            actions = [statement["Action"]] if isinstance(statement["Action"], str) else statement["Action"]
+            assert not [a for a in actions if a.startswith("ssm:") and "*" in a], role_policy.name
+            if any(a.startswith("ssm:Get") for a in actions):
+                reads[role_policy.name] = (sorted(actions), statement["Resource"])
+    assert reads == {f"{stack.cluster_name}-{role}": (["ssm:GetParameter", "ssm:GetParameters"], two)
+                     for role in ("head", "compute")}
 
 
 def test_bundle_object_holds_the_rendered_files(shipped: Shipped) -> None:
