@@ -23,6 +23,19 @@ AMI_PARAMETERS: dict[str, str] = {
     "nvidia": "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id",
     "neuron": "/aws/service/neuron/dlami/multi-framework/ubuntu-24.04/latest/image_id",
 }
+# The head node's image: plain Ubuntu 24.04 (no accelerator), newest at `up`.
+UBUNTU_AMI_PARAMETER = "/aws/service/canonical/ubuntu/server/24.04/stable/current/amd64/hvm/ebs-gp3/ami-id"
+
+# EC2 Image Builder (components/image.py). Nothing in the build uses an accelerator (packages, a small C plugin, pip
+# downloads), so a general-purpose x86_64 type boots the DLAMIs and Ubuntu alike: 4 vCPUs for the pyxis compile and
+# the unpacking of the torch wheels, 16 GiB for pip, and the cheapest such type in this catalog.
+IMAGE_BUILD_INSTANCE_TYPE = "m7i.xlarge"
+# Expected build-instance time per image: launch, apt, enroot, pyxis, the torch wheels (~3 GB), then Image Builder
+# stops the instance to snapshot it. An estimate, rounded up; EC2 bills by the second.
+IMAGE_BUILD_HOURS = 1.0
+# Amazon EBS snapshots, standard tier, $/GB-month (EBS pricing page, us-east-1, same date). Image Builder itself is
+# free: a build costs its instance time and the AMI's snapshot.
+EBS_SNAPSHOT_USD_PER_GB_MONTH = 0.05
 
 
 @dataclass(frozen=True)

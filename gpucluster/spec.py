@@ -29,6 +29,8 @@ POOL_NAME_RE = r"^[a-z][a-z0-9-]{0,22}[a-z0-9]$"
 # FSx for Lustre SSD capacity: 1200, 2400, then steps of 2400 GiB (SCRATCH_2 and PERSISTENT_2).
 LUSTRE_STEP_GIB = 2400
 LUSTRE_THROUGHPUTS = {"PERSISTENT_2": (125, 250, 500, 1000)}
+# A pool's smallest root volume; the compute node images are baked at this size, so every pool's template holds them.
+MIN_POOL_ROOT_GIB = 120
 
 
 class _Model(BaseModel):
@@ -106,7 +108,7 @@ class Pool(_Model):
     # A spot pool's partition also lists this pool's nodes: when spot capacity runs out, jobs run there.
     fallback: str | None = None
     # Container images, enroot caches and checkpoints staged locally need room; the DLAMIs ship 100+ GiB snapshots.
-    root_volume_gib: int = Field(default=200, ge=120, le=16384)
+    root_volume_gib: int = Field(default=200, ge=MIN_POOL_ROOT_GIB, le=16384)
 
     @model_validator(mode="after")
     def _rules(self) -> Pool:
@@ -244,6 +246,24 @@ class Slurm(_Model):
     capacity_retry_seconds: int = Field(default=600, ge=60, le=86400)
 
 
+class NodeImage(_Model):
+    # Bake the nodes' software into AMIs with EC2 Image Builder at `up` (about an hour per image when it changes), so
+    # that a node starts in seconds. false: stock AMIs, and every node installs its software at first boot (minutes).
+    build: bool = True
+
+
+@dataclass(frozen=True)
+class ImageBuild:
+    """One node image that `up` bakes: the head node's, or the compute nodes' of one accelerator kind."""
+
+    role: Literal["head", "compute"]
+    accelerator: catalog.AcceleratorKind | None = None
+
+    @property
+    def key(self) -> str:
+        return self.role if self.accelerator is None else f"{self.role}-{self.accelerator}"
+
+
 class ClusterSpec(_Model):
     team: str = Field(pattern=NAME_RE, max_length=32)
     availability_zone: str = Field(pattern=r"^[a-z]{2}(-[a-z]+)+-\d[a-z]$")
@@ -253,6 +273,16 @@ class ClusterSpec(_Model):
     storage: Storage
     budget: Budget
     slurm: Slurm = Slurm()
+    image: NodeImage = NodeImage()
+
+    @property
+    def image_builds(self) -> list[ImageBuild]:
+        """The images to bake: the head node's unless it names an AMI, and one per accelerator kind of the pools that
+        name none (an `ami_id` may be an image another stack of the account baked). None with `image.build: false`."""
+        if not self.image.build:
+            return []
+        kinds = sorted({acc.kind for p in self.pools if not p.ami_id and (acc := p.itype.accelerator)})
+        return ([] if self.head_node.ami_id else [ImageBuild("head")]) + [ImageBuild("compute", k) for k in kinds]
 
     @model_validator(mode="after")
     def _unique_pools(self) -> ClusterSpec:
