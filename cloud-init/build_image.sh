@@ -1,0 +1,204 @@
+#!/usr/bin/env bash
+# build_image.sh ROLE (head | compute): install what a gpucluster node of ROLE runs, at pinned versions, and write
+# the image manifest as the very last step. The one build script: EC2 Image Builder runs it while baking the node
+# image (components/image.py), and a node booted on a stock AMI runs it first (bootstrap.py, when the manifest is
+# missing). Exit 0: the manifest lists what was installed. Any other exit: there is no manifest.
+set -euo pipefail
+
+# --- pinned versions -------------------------------------------------------------------------------------------------
+# Ubuntu 24.04 (noble) amd64 archive, as packages.ubuntu.com listed them (pages read 2026-11; slurm-wlm, python-boto3
+# and pyyaml have no update beyond the release pocket). Ubuntu drops a superseded version from its index: the
+# install then fails here, and the variable takes the new version.
+SLURM_VERSION=23.11.4-1.2ubuntu5             # src:slurm-wlm, noble/universe: one version on head and compute
+MUNGE_VERSION=0.5.15-4ubuntu0.1              # noble-security
+MARIADB_VERSION=1:10.11.14-0ubuntu0.24.04.1  # noble-updates
+BOTO3_VERSION=1.34.46+dfsg-1ubuntu1
+PYTHON3_VENV_VERSION=3.12.3-0ubuntu2.1       # noble-updates; depends on exactly this python3
+PYYAML_VERSION=6.0.1-2build2
+ENROOT_VERSION=3.5.0
+# sha256 of enroot_3.5.0-1_amd64.deb and enroot+caps_3.5.0-1_amd64.deb from the v3.5.0 GitHub release: not yet
+# recorded (no access to the release from where this was written). A compute build stops until they are.
+ENROOT_DEB_SHA256=""
+ENROOT_CAPS_DEB_SHA256=""
+PYXIS_TAG=v0.20.1                                     # the pyxis line paired with enroot 3.5.0
+PYXIS_COMMIT=d3ff5b87de45e0cb23dfe626c5edba1238e980e0  # what the tag named when pinned
+CWAGENT_VERSION=1.300072.0b1766
+CWAGENT_KEY_FINGERPRINT=937616F3450B7D806CBD9725D58167303B789C72  # AWS's CloudWatch agent signing key
+TORCH_VERSION=2.13.0     # the examples' version (requirements-dev.txt)
+PYDANTIC_VERSION=2.14.4  # for the head's `gpucluster` command (requirements.txt: pydantic 2)
+# Every other distribution pip installs; torch pins its own CUDA wheels and triton exactly.
+PIP_CONSTRAINTS=(filelock==4.3.1 fsspec==2026.9.0 jinja2==3.1.6 markupsafe==3.0.4 mpmath==1.3.0 networkx==3.6.1
+  setuptools==84.2.1 sympy==1.14.0 typing-extensions==4.16.0 pydantic-core==2.50.5 annotated-types==0.8.0
+  typing-inspection==0.4.5)
+
+HEAD_PACKAGES=("munge=$MUNGE_VERSION" "slurmctld=$SLURM_VERSION" "slurmdbd=$SLURM_VERSION"
+  "slurm-client=$SLURM_VERSION" "mariadb-server=$MARIADB_VERSION" "python3-boto3=$BOTO3_VERSION"
+  "python3-venv=$PYTHON3_VENV_VERSION" "python3-yaml=$PYYAML_VERSION")
+# libslurm-dev: pyxis compiles against this Slurm; python3-venv: the torch venv.
+COMPUTE_PACKAGES=("munge=$MUNGE_VERSION" "slurmd=$SLURM_VERSION" "slurm-client=$SLURM_VERSION"
+  "libslurm-dev=$SLURM_VERSION" "python3-boto3=$BOTO3_VERSION" "python3-venv=$PYTHON3_VENV_VERSION")
+# The boot configures and starts these (bootstrap.py); the image leaves them off.
+HEAD_SERVICES=(munge slurmctld slurmdbd mariadb)
+COMPUTE_SERVICES=(munge slurmd)
+
+# --- where things come from and go ---------------------------------------------------------------------------------
+ENROOT_URL=https://github.com/NVIDIA/enroot/releases/download/v$ENROOT_VERSION
+PYXIS_REPO=https://github.com/NVIDIA/pyxis.git
+CWAGENT_URL=https://amazoncloudwatch-agent.s3.amazonaws.com
+CWAGENT_CTL=/opt/aws/amazon-cloudwatch-agent/bin/amazon-cloudwatch-agent-ctl
+# AWS's signed apt repository for the FSx Lustre client (FSx for Lustre user guide, Ubuntu): apt checks every package
+# against this key, which AWS publishes unversioned.
+LUSTRE_KEY_URL=https://fsx-lustre-client-repo-public-keys.s3.amazonaws.com/fsx-ubuntu-public-key.asc
+LUSTRE_REPO=https://fsx-lustre-client-repo.s3.amazonaws.com/ubuntu
+PYPI=https://pypi.org/simple
+MANIFEST=/opt/gpucluster-image/manifest.json  # IMAGE_MANIFEST in gpucluster/settings.py
+VENV=/opt/gpucluster-image/venv
+
+ROLE=${1:-}
+# For tests only: they run this script as root on a shared machine, so every file it writes goes under this prefix.
+ROOT=${GPUCLUSTER_IMAGE_ROOT:-}
+# For tests only: the first wait between two attempts in milliseconds; it doubles after each failure.
+RETRY_BASE_MS=${GPUCLUSTER_RETRY_BASE_MS:-5000}
+RETRY_ATTEMPTS=5
+export DEBIAN_FRONTEND=noninteractive NEEDRESTART_SUSPEND=1
+
+log() { printf '%s build_image %s: %s\n' "$(date -u +%FT%TZ)" "$ROLE" "$*" >&2; }
+die() {
+  log "FAILED: $*"
+  exit 1
+}
+
+# retry CMD...: up to RETRY_ATTEMPTS attempts, waiting RETRY_BASE_MS, then twice as long after each failure.
+# CMD runs as an `until` condition, where `set -e` is off: a function given here chains its steps with &&.
+retry() {
+  local attempt=1 wait_ms=$RETRY_BASE_MS seconds
+  until "$@"; do
+    ((attempt < RETRY_ATTEMPTS)) || { log "giving up after $attempt attempts: $*"; return 1; }
+    seconds=$((wait_ms / 1000)).$(printf '%03d' $((wait_ms % 1000)))
+    log "attempt $attempt of $RETRY_ATTEMPTS failed, next in ${seconds}s: $*"
+    sleep "$seconds"
+    attempt=$((attempt + 1)) wait_ms=$((wait_ms * 2))
+  done
+}
+
+apt_get() { apt-get -o DPkg::Lock::Timeout=120 -q -y "$@"; }
+apt_install() { retry apt_get install --no-install-recommends "$@"; }
+fetch() { curl -fsSL -o "$2" "$1"; }  # fetch URL FILE
+
+verify_sha256() {  # verify_sha256 FILE SHA256
+  printf '%s  %s\n' "$2" "$1" | sha256sum -c --quiet - || die "sha256 of $1 is not the pinned $2"
+}
+
+check_pins() {  # before anything is fetched: a download with no digest to check against is not installed
+  local pin
+  for pin in ENROOT_DEB_SHA256 ENROOT_CAPS_DEB_SHA256; do
+    [[ ${!pin} =~ ^[0-9a-f]{64}$ ]] || die "$pin is not a sha256: record the v$ENROOT_VERSION release asset's at the top of this script"
+  done
+}
+
+packages() {  # packages PACKAGE=VERSION...
+  install -d "$ROOT/etc/apt/preferences.d" "$ROOT/etc/apt/sources.list.d" "$ROOT/usr/share/keyrings"
+  # Every binary of Slurm's source follows the pin, also as a dependency and on a later apt upgrade.
+  printf 'Package: src:slurm-wlm\nPin: version %s\nPin-Priority: 1001\n' "$SLURM_VERSION" \
+    >"$ROOT/etc/apt/preferences.d/gpucluster-slurm"
+  retry fetch "$LUSTRE_KEY_URL" "$WORK/fsx-ubuntu-public-key.asc"
+  gpg --batch --yes --dearmor -o "$ROOT/usr/share/keyrings/fsx-ubuntu-public-key.gpg" "$WORK/fsx-ubuntu-public-key.asc"
+  echo "deb [signed-by=/usr/share/keyrings/fsx-ubuntu-public-key.gpg] $LUSTRE_REPO noble main" \
+    >"$ROOT/etc/apt/sources.list.d/fsxlustreclientrepo.list"
+  retry apt_get update --error-on=any  # the one index refresh of this run: Ubuntu's and the Lustre repository
+  apt_install "$@"
+  # Built for the running kernel, so not versioned apart from it; -aws follows AWS's kernels (FSx user guide).
+  apt_install "lustre-client-modules-$(uname -r)" lustre-client-modules-aws
+}
+
+clone_pyxis() { rm -rf "$1" && git clone -q --depth 1 --branch "$PYXIS_TAG" "$PYXIS_REPO" "$1"; }
+
+containers() {  # enroot and pyxis: `srun --container-image=...`
+  local deb=$WORK/enroot_${ENROOT_VERSION}-1_amd64.deb caps=$WORK/enroot+caps_${ENROOT_VERSION}-1_amd64.deb
+  retry fetch "$ENROOT_URL/${deb##*/}" "$deb"
+  retry fetch "$ENROOT_URL/${caps##*/}" "$caps"
+  verify_sha256 "$deb" "$ENROOT_DEB_SHA256"
+  verify_sha256 "$caps" "$ENROOT_CAPS_DEB_SHA256"
+  apt_install "$deb" "$caps"
+  retry clone_pyxis "$WORK/pyxis"
+  [[ $(git -C "$WORK/pyxis" rev-parse HEAD) == "$PYXIS_COMMIT" ]] || die "pyxis $PYXIS_TAG is not $PYXIS_COMMIT"
+  # Against /usr/include/slurm from libslurm-dev; installs /usr/local/lib/slurm/spank_pyxis.so (plugstack.conf).
+  make -C "$WORK/pyxis" install DESTDIR="$ROOT"
+  [[ -f $ROOT/usr/local/lib/slurm/spank_pyxis.so ]] || die "pyxis installed no spank_pyxis.so"
+}
+
+cloudwatch_agent() {  # the idle-GPU alarms read its metrics; the Deep Learning AMIs usually carry it
+  if [[ -x $ROOT$CWAGENT_CTL ]]; then
+    log "CloudWatch agent already in the image"
+    return
+  fi
+  local deb=$WORK/amazon-cloudwatch-agent.deb home=$WORK/gnupg fingerprint
+  retry fetch "$CWAGENT_URL/assets/amazon-cloudwatch-agent.gpg" "$WORK/cwagent.gpg"
+  retry fetch "$CWAGENT_URL/ubuntu/amd64/$CWAGENT_VERSION/amazon-cloudwatch-agent.deb" "$deb"
+  retry fetch "$CWAGENT_URL/ubuntu/amd64/$CWAGENT_VERSION/amazon-cloudwatch-agent.deb.sig" "$deb.sig"
+  install -d -m 700 "$home"
+  gpg --batch --homedir "$home" --import "$WORK/cwagent.gpg"
+  fingerprint=$(gpg --batch --homedir "$home" --with-colons --fingerprint | awk -F: '$1 == "fpr" {print $10; exit}')
+  [[ $fingerprint == "$CWAGENT_KEY_FINGERPRINT" ]] || die "CloudWatch agent key is $fingerprint, not the pinned one"
+  gpg --batch --homedir "$home" --verify "$deb.sig" "$deb" || die "CloudWatch agent package signature does not verify"
+  apt_install "$deb"
+}
+
+dcgm() {  # on the NVIDIA Deep Learning AMIs: check, never install
+  if ! command -v nvidia-smi >/dev/null; then
+    echo "none (no NVIDIA driver)"
+  elif command -v dcgmi >/dev/null; then
+    echo "from the parent image"
+  else
+    die "an NVIDIA image without DCGM (dcgmi): the Deep Learning AMI should carry it"
+  fi
+}
+
+python_venv() {  # python_venv REQUIREMENT...: the one venv of the image, every distribution pinned
+  printf '%s\n' "${PIP_CONSTRAINTS[@]}" >"$WORK/constraints.txt"
+  python3 -m venv --system-site-packages "$ROOT$VENV"
+  retry "$ROOT$VENV/bin/pip" install -q --no-cache-dir --only-binary=:all: --index-url "$PYPI" \
+    --constraint "$WORK/constraints.txt" "$@"
+}
+
+write_manifest() {  # the last step: its presence means the image is complete
+  local versions=("\"slurm\": \"$SLURM_VERSION\"" "\"munge\": \"$MUNGE_VERSION\"" "\"boto3\": \"$BOTO3_VERSION\"")
+  if [[ $ROLE == head ]]; then
+    versions+=("\"mariadb\": \"$MARIADB_VERSION\"" "\"pyyaml\": \"$PYYAML_VERSION\"" "\"pydantic\": \"$PYDANTIC_VERSION\"")
+  else
+    versions+=("\"enroot\": \"$ENROOT_VERSION\"" "\"pyxis\": \"$PYXIS_TAG $PYXIS_COMMIT\""
+      "\"cloudwatch_agent\": \"$CWAGENT_VERSION\"" "\"torch\": \"$TORCH_VERSION\"" "\"dcgm\": \"$DCGM\"")
+  fi
+  local IFS=,
+  printf '{"role": "%s", "built_at": "%s", "kernel": "%s", "versions": {%s}}\n' \
+    "$ROLE" "$(date -u +%FT%TZ)" "$(uname -r)" "${versions[*]}" >"$ROOT$MANIFEST.tmp"
+  mv "$ROOT$MANIFEST.tmp" "$ROOT$MANIFEST"
+}
+
+main() {
+  [[ $ROLE == head || $ROLE == compute ]] || { echo "usage: build_image.sh head|compute" >&2; exit 2; }
+  [[ $ROLE == head ]] || check_pins
+  WORK=$(mktemp -d)
+  trap 'rm -rf "$WORK"' EXIT
+  install -d "$ROOT${MANIFEST%/*}" "$ROOT/usr/local/bin"
+  rm -f "$ROOT$MANIFEST"  # a manifest from an earlier run must not vouch for this one
+  log "building the $ROLE image"
+  if [[ $ROLE == head ]]; then
+    packages "${HEAD_PACKAGES[@]}"
+    python_venv "pydantic==$PYDANTIC_VERSION"
+    systemctl disable --now "${HEAD_SERVICES[@]}"
+  else
+    DCGM=$(dcgm)
+    packages "${COMPUTE_PACKAGES[@]}"
+    containers
+    cloudwatch_agent
+    python_venv "torch==$TORCH_VERSION"
+    ln -sf "$VENV/bin/torchrun" "$ROOT/usr/local/bin/torchrun"
+    systemctl disable --now "${COMPUTE_SERVICES[@]}"
+  fi
+  rm -f "$ROOT/etc/munge/munge.key"  # the package's own key: each cluster's comes from SSM at boot
+  write_manifest
+  log "done: $MANIFEST"
+}
+
+main
