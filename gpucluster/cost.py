@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gpucluster import catalog
-from gpucluster.spec import Stack
+from gpucluster.spec import MIN_POOL_ROOT_GIB, ImageBuild, Stack
 
 COST_TAG = "gpucluster:stack"  # the cost-allocation tag that budgets and spend reports filter on
 HOURS_PER_MONTH = 730  # AWS's own convention in its pricing calculator
@@ -31,6 +31,9 @@ SSM_ENDPOINTS = ("ssm", "ssmmessages", "ec2messages")
 # The head node's disks, as components/head_node.py creates them (gp3, encrypted).
 HEAD_ROOT_GIB = 100
 HEAD_STATE_GIB = 100  # slurmctld state and MariaDB
+# The root volume of each baked node image (components/image.py), within what its nodes launch with: Ubuntu's 8 GiB
+# plus the head's packages; for compute the DLAMI's volume plus torch, and no more than a pool's smallest root.
+IMAGE_ROOT_GIB = {"head": 20, "compute": MIN_POOL_ROOT_GIB}
 
 
 def money(value: float | None) -> str:
@@ -58,6 +61,16 @@ class PoolCost:
 
 
 @dataclass(frozen=True)
+class ImageCost:
+    """One node image that `up` bakes: a build's instance time, and its AMI's snapshot each month."""
+
+    key: str  # head, compute-nvidia, compute-neuron
+    root_gib: int
+    build_usd: float
+    snapshot_monthly: float
+
+
+@dataclass(frozen=True)
 class CostEstimate:
     pools: list[PoolCost]
     head_node_monthly: float
@@ -65,10 +78,23 @@ class CostEstimate:
     lustre_monthly: float
     budget_monthly: float
     unpriced: list[str] = field(default_factory=list)  # pools whose type has no price: totals are lower bounds
+    images: list[ImageCost] = field(default_factory=list)
+
+    @property
+    def image_build_usd(self) -> float:
+        """What building every image once costs: at the first `up`, and again when a parent AMI or the script
+        changes. Not in the hourly figures."""
+        return sum(i.build_usd for i in self.images)
+
+    @property
+    def image_snapshots_monthly(self) -> float:
+        """The AMIs' snapshots, priced at their full root volume (EBS bills only the blocks written: an upper bound)."""
+        return sum(i.snapshot_monthly for i in self.images)
 
     @property
     def fixed_hourly(self) -> float:
-        return (self.head_node_monthly + self.network_monthly + self.lustre_monthly) / HOURS_PER_MONTH
+        monthly = self.head_node_monthly + self.network_monthly + self.lustre_monthly + self.image_snapshots_monthly
+        return monthly / HOURS_PER_MONTH
 
     @property
     def hourly_min(self) -> float:
@@ -103,6 +129,8 @@ class CostEstimate:
             "monthly_usd_at_max": round(self.monthly_at_max, 2),
             "budget_monthly_usd": self.budget_monthly,
             "unpriced_pools": self.unpriced,
+            "image_build_usd": round(self.image_build_usd, 2),
+            "image_snapshots_monthly_usd": round(self.image_snapshots_monthly, 2),
         }
 
 
@@ -144,7 +172,15 @@ def estimate(stack: Stack, hourly_overrides: dict[str, float] | None = None) -> 
         lustre_monthly=lustre_monthly,
         budget_monthly=spec.budget.monthly_usd,
         unpriced=[p.name for p in pools if p.usd_per_node_hour is None],
+        images=[_image_cost(build) for build in spec.image_builds],
     )
+
+
+def _image_cost(build: ImageBuild) -> ImageCost:
+    hourly = catalog.lookup(catalog.IMAGE_BUILD_INSTANCE_TYPE).on_demand_usd_per_hour or 0.0
+    root_gib = IMAGE_ROOT_GIB[build.role]
+    return ImageCost(build.key, root_gib, hourly * catalog.IMAGE_BUILD_HOURS,
+                     catalog.EBS_SNAPSHOT_USD_PER_GB_MONTH * root_gib)
 
 
 def gpu_hour_quota(stack: Stack) -> int | None:

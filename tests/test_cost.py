@@ -17,7 +17,12 @@ def test_dev_stack_by_hand() -> None:
     assert est.lustre_monthly == pytest.approx(0.140 * 1200)  # SCRATCH_2, 1200 GiB
     assert est.head_node_monthly == pytest.approx(0.1008 * 730 + 0.08 * 200)  # m7i.large + root and state gp3
     assert est.network_monthly == pytest.approx((0.045 + 3 * 0.01) * 730)  # NAT + three SSM endpoints
-    fixed = (0.140 * 1200 + 0.1008 * 730 + 0.08 * 200 + (0.045 + 0.03) * 730) / 730
+    # Two baked images (head, compute-nvidia): an hour of m7i.xlarge each per build, and their snapshots at the
+    # standard rate for 20 GiB (head) and 120 GiB (compute) roots.
+    assert [(i.key, i.root_gib) for i in est.images] == [("head", 20), ("compute-nvidia", 120)]
+    assert est.image_build_usd == pytest.approx(2 * 0.2016 * 1.0)
+    assert est.image_snapshots_monthly == pytest.approx(0.05 * 20 + 0.05 * 120)  # $7.00
+    fixed = (0.140 * 1200 + 0.1008 * 730 + 0.08 * 200 + (0.045 + 0.03) * 730 + 7.0) / 730
     assert est.hourly_min == pytest.approx(fixed)
     assert est.hourly_max == pytest.approx(fixed + 2 * 0.8048)
     assert est.monthly_at_max == pytest.approx((fixed + 2 * 0.8048) * 730)
@@ -68,3 +73,16 @@ def test_gpu_hour_quota_weights_pools_by_their_gpus() -> None:
     gpus = 4 * 8 + 4 * 4
     dollars = 4 * 21.96 + 4 * 10.49264
     assert cost.gpu_hour_quota(stack) == int(40000 / (dollars / gpus))
+
+
+def test_image_costs_follow_what_is_baked() -> None:
+    stack = load_stack(ROOT / "stacks" / "Pulumi.team-b.yaml")  # head + Trainium + NVIDIA pools
+    est = cost.estimate(stack)
+    assert [i.key for i in est.images] == ["head", "compute-neuron", "compute-nvidia"]
+    assert est.image_build_usd == pytest.approx(3 * 0.2016)
+    assert est.image_snapshots_monthly == pytest.approx(0.05 * (20 + 120 + 120))  # $13.00
+    assert est.summary()["image_build_usd"] == 0.6 and est.summary()["image_snapshots_monthly_usd"] == 13.0
+    stock = stack.spec.model_copy(update={"image": stack.spec.image.model_copy(update={"build": False})})
+    unbaked = cost.estimate(type(stack)(stack.name, stack.region, stock))
+    assert unbaked.images == [] and unbaked.image_build_usd == 0
+    assert est.hourly_min - unbaked.hourly_min == pytest.approx(13.0 / 730)  # snapshots are a monthly fixed cost
