@@ -10,6 +10,7 @@ import pulumi_aws as aws
 from components.budget import Budget, BudgetArgs, LaunchDeny, LaunchDenyArgs
 from components.gpu_pool import GpuPool, GpuPoolArgs
 from components.head_node import GuardrailWiring, HeadNode, HeadNodeArgs
+from components.image import NodeImage, NodeImageArgs
 from components.monitoring import IdleGpuAlarms, IdleGpuAlarmsArgs
 from components.network import Network, NetworkArgs
 from components.node_access import NodeAccess, NodeAccessArgs
@@ -41,6 +42,21 @@ def create_cluster(stack: Stack) -> dict[str, object]:
         StorageArgs(lustre=spec.storage.lustre, subnet_id=network.subnet_id, security_group_id=network.security_group_id),
         opts,
     )
+    # The build instances need the private subnet's route out (NAT) and its SSM endpoints: the whole network first.
+    images = {
+        build.key: NodeImage(
+            f"{stack.cluster_name}-{build.key}",
+            NodeImageArgs(cluster_name=stack.cluster_name, build=build, region=stack.region,
+                          subnet_id=network.subnet_id, security_group_id=network.security_group_id, tags=stack.tags),
+            pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(depends_on=[network])),
+        )
+        for build in spec.image_builds
+    }
+
+    def baked(key: str) -> pulumi.Output[str] | None:
+        """The id of the image baked under `key`; None where none is (image.build false, or an ami_id given)."""
+        return images[key].image_id if key in images else None
+
     bundle_bytes = bundle.build(stack)
     bundle_key = bundle.key(bundle_bytes)
     access = NodeAccess(
@@ -65,6 +81,7 @@ def create_cluster(stack: Stack) -> dict[str, object]:
                 instance_tags=stack.tags,
                 user_data=base64.b64encode(userdata.pool_nodes(stack, pool).encode()).decode(),
                 instance_profile_arn=access.compute_instance_profile_arn,
+                image_id=baked(f"compute-{pool.itype.accelerator.kind}"),  # type: ignore[union-attr]
             ),
             opts,
         )
@@ -105,7 +122,7 @@ def create_cluster(stack: Stack) -> dict[str, object]:
             fsx_mount_name=storage.mount_name,
             node_program_settings={"all_or_nothing": spec.slurm.all_or_nothing,
                                    "capacity_retry_seconds": spec.slurm.capacity_retry_seconds},
-            ami_id=spec.head_node.ami_id,
+            ami_id=spec.head_node.ami_id or baked("head"),  # type: ignore[arg-type]
             guardrail=guardrail,
         ),
         opts,

@@ -28,6 +28,8 @@ class GpuPoolArgs:
     instance_tags: dict[str, str]
     instance_profile_arn: pulumi.Input[str] | None = None
     user_data: pulumi.Input[str] | None = None  # base64, as EC2 takes it
+    # The node image baked for the pool's accelerator kind (components/image.py); the pool's own ami_id wins.
+    image_id: pulumi.Input[str] | None = None
 
 
 def network_interfaces(pool: Pool, subnet_id: pulumi.Input[str], security_group_id: pulumi.Input[str]) -> list[dict]:
@@ -58,10 +60,11 @@ class GpuPool(pulumi.ComponentResource):
         accelerator = pool.itype.accelerator
         assert accelerator, f"{pool.instance_type} has no accelerator"
 
-        if pool.ami_id:
-            self.image_id = pulumi.Output.from_input(pool.ami_id)
+        if pool.ami_id or args.image_id is not None:
+            self.image_id = pulumi.Output.from_input(pool.ami_id or args.image_id)  # type: ignore[arg-type]
         else:
-            # Resolved at `pulumi up`, so every node of a pool boots the same image until the next `up`.
+            # No baked image (image.build false): the stock DLAMI, resolved at `pulumi up`, so every node of a pool
+            # boots the same image until the next `up`; nodes install their software at first boot.
             self.image_id = aws.ssm.get_parameter_output(
                 name=catalog.AMI_PARAMETERS[accelerator.kind], opts=pulumi.InvokeOutputOptions(parent=self)
             ).value

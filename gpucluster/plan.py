@@ -6,6 +6,7 @@ the plan shows a placeholder that says so.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import runpy
 import sys
@@ -50,9 +51,27 @@ def urn_type(urn: str) -> str:
     return urn.split("::")[2].split("$")[-1]
 
 
+# EC2 Image Builder ARNs by resource type: <kind>/<name>, then the semantic version and build where AWS adds them.
+IMAGE_BUILDER_ARNS = {
+    "aws:imagebuilder/component:Component": ("component", "/1.0.0/1"),
+    "aws:imagebuilder/imageRecipe:ImageRecipe": ("image-recipe", "/1.0.0"),
+    "aws:imagebuilder/infrastructureConfiguration:InfrastructureConfiguration": ("infrastructure-configuration", ""),
+    "aws:imagebuilder/distributionConfiguration:DistributionConfiguration": ("distribution-configuration", ""),
+    "aws:imagebuilder/image:Image": ("image", "/1.0.0/1"),
+}
+
+
+def planned_ami_id(name: str) -> str:
+    """The AMI id a planned image build stands for: shaped like AWS's, stable per resource name."""
+    return "ami-" + hashlib.sha256(name.encode()).hexdigest()[:17]
+
+
 def _placeholder_outputs(typ: str, name: str, inputs: dict[str, Any], region: str) -> dict[str, Any]:
     """Values AWS would compute, for the program's `apply`s and exports to run on."""
     out: dict[str, Any] = {"arn": f"arn:aws:plan:{region}:{MOCK_ACCOUNT}:{name}"}
+    if typ in IMAGE_BUILDER_ARNS:
+        kind, version = IMAGE_BUILDER_ARNS[typ]
+        out["arn"] = f"arn:aws:imagebuilder:{region}:{MOCK_ACCOUNT}:{kind}/{name.lower()}{version}"
     if "name" not in inputs:
         out["name"] = name
     if typ == "aws:ec2/launchTemplate:LaunchTemplate":
@@ -70,6 +89,9 @@ def _placeholder_outputs(typ: str, name: str, inputs: dict[str, Any], region: st
         out["url"] = f"https://sqs.{region}.amazonaws.com/{MOCK_ACCOUNT}/{name}-<suffix at up>"
     elif typ == "aws:budgets/budgetAction:BudgetAction":
         out["actionId"] = "<action id at up>"
+    elif typ == "aws:imagebuilder/image:Image":
+        out["outputResources"] = [{"amis": [{"image": planned_ami_id(name), "region": region,
+                                             "accountId": MOCK_ACCOUNT, "name": f"{name}-<build date at up>"}]}]
     return out
 
 

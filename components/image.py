@@ -1,0 +1,126 @@
+"""A node image, baked once by EC2 Image Builder at `pulumi up`: cloud-init/build_image.sh run on the parent AMI.
+
+The parent is the newest Deep Learning AMI of the accelerator kind (compute) or Ubuntu 24.04 (head), resolved at
+`up` like the stock images the pools used before. A change of parent or build script replaces the recipe and bakes a
+new image; Image Builder never deregisters the AMIs it made (their snapshots stay billed until removed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pulumi
+import pulumi_aws as aws
+import yaml
+
+from components import child
+from components.gpu_pool import ROOT_DEVICE
+from components.node_access import EC2_ASSUME, SSM_CORE
+from gpucluster import catalog, cost, settings
+from gpucluster.spec import ImageBuild
+
+BUILD_SCRIPT = Path(__file__).resolve().parent.parent / "cloud-init" / "build_image.sh"
+# On the build instance the script sits beside the manifest it writes: the image keeps what built it.
+SCRIPT_ON_IMAGE = f"{Path(settings.IMAGE_MANIFEST).parent}/build_image.sh"
+HEREDOC_END = "GPUCLUSTER_BUILD_SCRIPT"
+COMPONENT_DATA_LIMIT = 16000  # characters of inline YAML that CreateComponent accepts
+IMAGE_BUILDER_POLICY = "arn:aws:iam::aws:policy/EC2InstanceProfileForImageBuilder"
+# A build is an hour or so, and Image Builder snapshots a 100+ GiB DLAMI volume after it.
+BUILD_TIMEOUT = "180m"
+
+
+@dataclass(frozen=True)
+class NodeImageArgs:
+    cluster_name: str
+    build: ImageBuild
+    region: str
+    subnet_id: pulumi.Input[str]  # private: the build instance reaches apt, GitHub and PyPI through the NAT gateway
+    security_group_id: pulumi.Input[str]
+    # The stack's tags, for what the provider's default tags do not reach: the build instance and the AMI.
+    tags: dict[str, str]
+
+
+def parent_parameter(build: ImageBuild) -> str:
+    """The public SSM parameter naming the newest parent AMI."""
+    return catalog.AMI_PARAMETERS[build.accelerator] if build.accelerator else catalog.UBUNTU_AMI_PARAMETER
+
+
+class _LiteralDumper(yaml.SafeDumper):
+    """Multi-line strings as YAML literal blocks: the script reads in the console as it does in the repository."""
+
+
+_LiteralDumper.add_representer(
+    str, lambda dumper, value: dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|" if "\n" in value else None))
+
+
+def component_document(role: str, script: str) -> str:
+    """The AWSTOE document: write the build script as it is (a quoted heredoc expands nothing), then run it."""
+    if not script.endswith("\n") or f"\n{HEREDOC_END}\n" in script or "{{" in script:
+        raise ValueError("build_image.sh must end with a newline, never contain the heredoc end line, and never "
+                         "contain '{{' (AWSTOE's variable syntax)")
+    write = f"install -d {Path(SCRIPT_ON_IMAGE).parent}\ncat > {SCRIPT_ON_IMAGE} <<'{HEREDOC_END}'\n{script}{HEREDOC_END}\n"
+    document = yaml.dump({
+        "name": f"gpucluster-node-{role}",
+        "description": f"gpucluster {role} node: cloud-init/build_image.sh {role}",
+        "schemaVersion": 1.0,
+        "phases": [{"name": "build", "steps": [
+            {"name": "WriteBuildScript", "action": "ExecuteBash", "inputs": {"commands": [write]}},
+            {"name": "Build", "action": "ExecuteBash", "inputs": {"commands": [f"bash {SCRIPT_ON_IMAGE} {role}"]}},
+        ]}],
+    }, Dumper=_LiteralDumper, sort_keys=False, width=1000)
+    if len(document) > COMPONENT_DATA_LIMIT:
+        raise ValueError(f"the component document is {len(document)} characters; Image Builder takes "
+                         f"{COMPONENT_DATA_LIMIT} inline: shorten build_image.sh")
+    return document
+
+
+class NodeImage(pulumi.ComponentResource):
+    image_id: pulumi.Output[str]
+
+    def __init__(self, name: str, args: NodeImageArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("gpucluster:image:NodeImage", name, None, opts)
+        build = args.build
+        role = aws.iam.Role(f"{name}-build", assume_role_policy=EC2_ASSUME, opts=child(self))
+        attachments = [
+            aws.iam.RolePolicyAttachment(f"{name}-build-{short}", role=role.name, policy_arn=arn, opts=child(self))
+            for short, arn in (("ssm", SSM_CORE), ("imagebuilder", IMAGE_BUILDER_POLICY))
+        ]
+        profile = aws.iam.InstanceProfile(f"{name}-build", role=role.name, opts=child(self))
+
+        component = aws.imagebuilder.Component(
+            name, platform="Linux", version="1.0.0",
+            description=f"{args.cluster_name}: build_image.sh {build.role}",
+            data=component_document(build.role, BUILD_SCRIPT.read_text()), opts=child(self))
+        parent = aws.ssm.get_parameter_output(name=parent_parameter(build),
+                                              opts=pulumi.InvokeOutputOptions(parent=self)).value
+        recipe = aws.imagebuilder.ImageRecipe(
+            name, version="1.0.0", parent_image=parent, components=[{"component_arn": component.arn}],
+            description=f"{args.cluster_name} {build.key} node image",
+            block_device_mappings=[{"device_name": ROOT_DEVICE, "ebs": {
+                "volume_size": cost.IMAGE_ROOT_GIB[build.role], "volume_type": "gp3", "encrypted": "true",
+                "delete_on_termination": "true"}}],
+            opts=child(self))
+        infrastructure = aws.imagebuilder.InfrastructureConfiguration(
+            name, instance_profile_name=profile.name, instance_types=[catalog.IMAGE_BUILD_INSTANCE_TYPE],
+            subnet_id=args.subnet_id, security_group_ids=[args.security_group_id],
+            instance_metadata_options={"http_tokens": "required", "http_put_response_hop_limit": 1},
+            terminate_instance_on_failure=True,
+            resource_tags={**args.tags, "Name": f"{args.cluster_name}-{build.key}-image-build"},
+            description=f"{args.cluster_name}: where {build.key} images are built",
+            # The profile's policies must be attached before a build instance uses it.
+            opts=child(self, depends_on=attachments))
+        distribution = aws.imagebuilder.DistributionConfiguration(
+            name, description=f"{args.cluster_name} {build.key} node image",
+            distributions=[{"region": args.region, "ami_distribution_configuration": {
+                "name": f"{args.cluster_name}-{build.key}-{{{{ imagebuilder:buildDate }}}}",
+                "description": f"gpucluster {build.key} node image of {args.cluster_name}",
+                "ami_tags": {**args.tags, "gpucluster:image": build.key},
+            }}],
+            opts=child(self))
+        image = aws.imagebuilder.Image(
+            name, image_recipe_arn=recipe.arn, infrastructure_configuration_arn=infrastructure.arn,
+            distribution_configuration_arn=distribution.arn,
+            opts=child(self, custom_timeouts=pulumi.CustomTimeouts(create=BUILD_TIMEOUT)))
+        self.image_id = image.output_resources.apply(lambda resources: resources[0].amis[0].image)
+        self.register_outputs({"image_id": self.image_id})

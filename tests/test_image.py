@@ -1,0 +1,478 @@
+"""The node image: cloud-init/build_image.sh, run here with stand-ins for what needs the internet, and the
+NodeImage component under the mock runtime for every shipped stack."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import FIXTURES, ROOT, of_type, planned
+from gpucluster import catalog, cost, settings
+from gpucluster.plan import Declared, run_program
+from gpucluster.spec import Stack, load_stack, stack_config, validate
+
+SCRIPT = ROOT / "cloud-init" / "build_image.sh"
+KERNEL = "6.8.0-1021-aws"
+STANDIN_NAMES = ("apt-get", "curl", "git", "make", "gpg", "systemctl", "uname", "python3", "nvidia-smi", "dcgmi")
+
+# One program behind every stand-in command; it records each call (with what it saw) as a JSON line.
+STANDIN = r'''#!{python}
+"""Stand-in for a command this machine cannot run for real: it has no internet (apt, downloads, git, pip), and
+a package manager, systemd or a kernel module here would change a machine others share."""
+import json, os, sys
+from pathlib import Path
+
+name, args = Path(sys.argv[0]).name, sys.argv[1:]
+env = os.environ
+call = " ".join([name, *args])
+root = env["GPUCLUSTER_IMAGE_ROOT"]
+record = {{"cmd": [name, *args], "manifest_existed": Path(root + "{manifest}").exists(),
+          "debian_frontend": env.get("DEBIAN_FRONTEND")}}
+if name == "pip" and "--constraint" in args:
+    record["constraints"] = Path(args[args.index("--constraint") + 1]).read_text().split()
+state = Path(env["STANDIN_STATE"])
+for i, (pattern, times) in enumerate(json.loads(env.get("STANDIN_FAIL", "[]"))):
+    if pattern in call:
+        seen = state / f"fail-{{i}}"
+        count = int(seen.read_text()) if seen.exists() else 0
+        if count < times:
+            seen.write_text(str(count + 1))
+            record["failed"] = True
+with open(env["STANDIN_LOG"], "a") as log:
+    log.write(json.dumps(record) + "\n")
+if record.get("failed"):
+    sys.exit(1)
+
+def arg_after(flag):
+    return args[args.index(flag) + 1]
+
+if name == "curl":
+    Path(arg_after("-o")).write_text(f"stand-in download of {{args[-1]}}\n")
+elif name == "uname":
+    print(env["STANDIN_KERNEL"])
+elif name == "gpg" and "--dearmor" in args:
+    Path(arg_after("-o")).write_bytes(Path(args[-1]).read_bytes())
+elif name == "gpg" and "--fingerprint" in args:
+    print(f"pub:-:4096:1:D58167303B789C72:::::::\nfpr:::::::::{{env['STANDIN_GPG_FINGERPRINT']}}:")
+elif name == "git" and "clone" in args:
+    Path(args[-1]).mkdir(parents=True)
+elif name == "git" and "rev-parse" in args:
+    print(env["STANDIN_GIT_HEAD"])
+elif name == "make" and "install" in args:
+    plugin = Path(arg_after("install").split("=", 1)[1] + "/usr/local/lib/slurm/spank_pyxis.so")
+    plugin.parent.mkdir(parents=True, exist_ok=True)
+    plugin.touch()
+elif name == "python3" and args[:2] == ["-m", "venv"]:
+    bin_dir = Path(args[-1]) / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    (bin_dir / "pip").symlink_to(sys.argv[0])
+'''
+
+
+def pins() -> dict[str, str]:
+    """The script's top-level NAME=value assignments, unquoted, with earlier ones expanded as bash would."""
+    values: dict[str, str] = {}
+    for m in re.finditer(r"^([A-Z][A-Z0-9_]*)=(\S*)", SCRIPT.read_text(), flags=re.M):
+        values[m[1]] = re.sub(r"\$\{?([A-Z][A-Z0-9_]*)\}?", lambda v: values.get(v[1], v[0]), m[2].strip('"'))
+    return values
+
+
+def payload_sha256(url: str) -> str:
+    return hashlib.sha256(f"stand-in download of {url}\n".encode()).hexdigest()
+
+
+@dataclass
+class Run:
+    returncode: int
+    stderr: str
+    calls: list[dict]
+    root: Path
+
+    def commands(self, name: str) -> list[list[str]]:
+        return [c["cmd"][1:] for c in self.calls if c["cmd"][0] == name]
+
+    @property
+    def manifest(self) -> Path:
+        return self.root / settings.IMAGE_MANIFEST.lstrip("/")
+
+
+@pytest.fixture
+def build(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """Run the build script with stand-ins. Seams, each forced by this machine: the commands above (no internet,
+    a shared machine), GPUCLUSTER_IMAGE_ROOT (the script writes system paths, as root), the enroot digests (the real
+    release assets cannot be downloaded here to hash them: the copy run gets the digests of the stand-in's downloads)
+    and GPUCLUSTER_RETRY_BASE_MS (real back-off waits add up to minutes)."""
+
+    def run(role: str, *, fail: list[tuple[str, int]] = (), gpu_tools: tuple[str, ...] = ("nvidia-smi", "dcgmi"),
+            edits: dict[str, str] | None = None, agent_present: bool = False) -> Run:
+        bin_dir, root, state = tmp_path / "bin", tmp_path / "root", tmp_path / "state"
+        for d in (bin_dir, root, state):
+            shutil.rmtree(d, ignore_errors=True)
+            d.mkdir()
+        standin = bin_dir / "standin"
+        standin.write_text(STANDIN.format(python=sys.executable, manifest=settings.IMAGE_MANIFEST))
+        standin.chmod(0o755)
+        for name in STANDIN_NAMES:
+            if name in gpu_tools or name not in ("nvidia-smi", "dcgmi"):
+                (bin_dir / name).symlink_to(standin)
+        if agent_present:
+            ctl = root / "opt/aws/amazon-cloudwatch-agent/bin/amazon-cloudwatch-agent-ctl"
+            ctl.parent.mkdir(parents=True)
+            ctl.touch(mode=0o755)
+        p = pins()
+        text = SCRIPT.read_text()
+        digests = {"ENROOT_DEB_SHA256": payload_sha256(f"{p['ENROOT_URL']}/enroot_{p['ENROOT_VERSION']}-1_amd64.deb"),
+                   "ENROOT_CAPS_DEB_SHA256": payload_sha256(
+                       f"{p['ENROOT_URL']}/enroot+caps_{p['ENROOT_VERSION']}-1_amd64.deb")}
+        for name, value in {**digests, **(edits or {})}.items():
+            text, n = re.subn(rf"^{name}=\S*", f"{name}={value}", text, flags=re.M)
+            assert n == 1, name
+        script = tmp_path / "build_image.sh"
+        script.write_text(text)
+        env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "GPUCLUSTER_IMAGE_ROOT": str(root),
+               "GPUCLUSTER_RETRY_BASE_MS": "10", "STANDIN_LOG": str(tmp_path / "calls.jsonl"),
+               "STANDIN_STATE": str(state), "STANDIN_FAIL": json.dumps(list(fail)), "STANDIN_KERNEL": KERNEL,
+               "STANDIN_GPG_FINGERPRINT": p["CWAGENT_KEY_FINGERPRINT"], "STANDIN_GIT_HEAD": p["PYXIS_COMMIT"]}
+        (tmp_path / "calls.jsonl").write_text("")
+        done = subprocess.run(["bash", str(script), role], env=env, capture_output=True, text=True, timeout=60)
+        calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+        return Run(done.returncode, done.stderr, calls, root)
+
+    return run
+
+
+# --- the script as text ----------------------------------------------------------------------------------------------
+
+def test_shellcheck_is_clean() -> None:
+    shellcheck = shutil.which("shellcheck")
+    assert shellcheck, "shellcheck is missing: install Debian's shellcheck package (make test's system packages)"
+    done = subprocess.run([shellcheck, str(SCRIPT)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout
+
+
+def test_manifest_path_is_the_settings_contract() -> None:
+    assert pins()["MANIFEST"] == settings.IMAGE_MANIFEST
+    assert pins()["VENV"] == str(Path(settings.IMAGE_MANIFEST).parent / "venv")
+
+
+def test_usage_without_a_role(build) -> None:  # type: ignore[no-untyped-def]
+    run = build("")
+    assert run.returncode == 2 and "usage" in run.stderr and run.calls == []
+
+
+# --- head -------------------------------------------------------------------------------------------------------------
+
+def test_head_build_installs_pinned_packages_once_and_writes_the_manifest_last(build) -> None:  # type: ignore[no-untyped-def]
+    p = pins()
+    run = build("head")
+    assert run.returncode == 0, run.stderr
+    apt = run.commands("apt-get")
+    assert all(c[:2] == ["-o", "DPkg::Lock::Timeout=120"] for c in apt), apt
+    assert all(c["debian_frontend"] == "noninteractive" for c in run.calls if c["cmd"][0] == "apt-get")
+    assert [c for c in apt if "update" in c] == [["-o", "DPkg::Lock::Timeout=120", "-q", "-y", "update",
+                                                 "--error-on=any"]]
+    installs = [c[c.index("install") + 1:] for c in apt if "install" in c]
+    assert installs[0] == ["--no-install-recommends", f"munge={p['MUNGE_VERSION']}",
+                           f"slurmctld={p['SLURM_VERSION']}", f"slurmdbd={p['SLURM_VERSION']}",
+                           f"slurm-client={p['SLURM_VERSION']}", f"mariadb-server={p['MARIADB_VERSION']}",
+                           f"python3-boto3={p['BOTO3_VERSION']}", f"python3-venv={p['PYTHON3_VENV_VERSION']}",
+                           f"python3-yaml={p['PYYAML_VERSION']}"]
+    assert installs[1] == ["--no-install-recommends", f"lustre-client-modules-{KERNEL}", "lustre-client-modules-aws"]
+    assert len(installs) == 2
+    prefs = (run.root / "etc/apt/preferences.d/gpucluster-slurm").read_text()
+    assert prefs == f"Package: src:slurm-wlm\nPin: version {p['SLURM_VERSION']}\nPin-Priority: 1001\n"
+    lustre = (run.root / "etc/apt/sources.list.d/fsxlustreclientrepo.list").read_text()
+    assert lustre == (f"deb [signed-by=/usr/share/keyrings/fsx-ubuntu-public-key.gpg] {p['LUSTRE_REPO']} noble main\n")
+    assert [c[-1] for c in run.commands("curl")] == [p["LUSTRE_KEY_URL"]]
+    (pip,) = [c for c in run.calls if c["cmd"][0] == "pip"]
+    assert pip["cmd"][-1] == f"pydantic=={p['PYDANTIC_VERSION']}" and "--only-binary=:all:" in pip["cmd"]
+    assert all(re.fullmatch(r"[a-z0-9-]+==[0-9][\w.]*", c) for c in pip["constraints"]), pip["constraints"]
+    assert run.commands("systemctl") == [["disable", "--now", "munge", "slurmctld", "slurmdbd", "mariadb"]]
+    assert not any(c["manifest_existed"] for c in run.calls)
+    manifest = json.loads(run.manifest.read_text())
+    assert manifest["role"] == "head" and manifest["kernel"] == KERNEL and manifest["built_at"].endswith("Z")
+    assert manifest["versions"]["slurm"] == p["SLURM_VERSION"]
+    assert manifest["versions"]["pydantic"] == p["PYDANTIC_VERSION"]
+
+
+def test_a_step_that_fails_twice_is_retried_with_doubling_waits(build) -> None:  # type: ignore[no-untyped-def]
+    run = build("head", fail=[("apt-get -o DPkg::Lock::Timeout=120 -q -y update", 2)])
+    assert run.returncode == 0, run.stderr
+    assert sum("update" in c for c in run.commands("apt-get")) == 3
+    assert re.findall(r"attempt (\d) of 5 failed, next in ([\d.]+)s", run.stderr) == [("1", "0.010"), ("2", "0.020")]
+    assert run.manifest.exists()
+
+
+def test_a_step_that_keeps_failing_stops_the_build_without_a_manifest(build) -> None:  # type: ignore[no-untyped-def]
+    run = build("head", fail=[("lustre-client-modules-aws", 99)])
+    assert run.returncode != 0
+    assert sum("lustre-client-modules-aws" in c for c in run.commands("apt-get")) == 5
+    waits = re.findall(r"next in ([\d.]+)s: apt_get install --no-install-recommends lustre", run.stderr)
+    assert waits == ["0.010", "0.020", "0.040", "0.080"]
+    assert "giving up after 5 attempts" in run.stderr
+    assert not run.manifest.exists() and not run.commands("systemctl")
+
+
+def test_an_old_manifest_does_not_survive_a_failed_rebuild(build, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    assert build("head").manifest.exists()
+    run = build("head", fail=[("mariadb-server", 99)])
+    assert run.returncode != 0 and not run.manifest.exists()
+
+
+# --- compute ----------------------------------------------------------------------------------------------------------
+
+def test_compute_build_fetches_only_pinned_and_verified_artifacts(build) -> None:  # type: ignore[no-untyped-def]
+    p = pins()
+    run = build("compute")
+    assert run.returncode == 0, run.stderr
+    cw = f"{p['CWAGENT_URL']}/ubuntu/amd64/{p['CWAGENT_VERSION']}/amazon-cloudwatch-agent.deb"
+    assert [c[-1] for c in run.commands("curl")] == [
+        p["LUSTRE_KEY_URL"],
+        f"{p['ENROOT_URL']}/enroot_{p['ENROOT_VERSION']}-1_amd64.deb",
+        f"{p['ENROOT_URL']}/enroot+caps_{p['ENROOT_VERSION']}-1_amd64.deb",
+        f"{p['CWAGENT_URL']}/assets/amazon-cloudwatch-agent.gpg", cw, f"{cw}.sig"]
+    assert p["ENROOT_URL"].endswith(f"/v{p['ENROOT_VERSION']}")
+    installs = [c[c.index("install") + 1:] for c in run.commands("apt-get") if "install" in c]
+    assert installs[0] == ["--no-install-recommends", f"munge={p['MUNGE_VERSION']}", f"slurmd={p['SLURM_VERSION']}",
+                           f"slurm-client={p['SLURM_VERSION']}", f"libslurm-dev={p['SLURM_VERSION']}",
+                           f"python3-boto3={p['BOTO3_VERSION']}", f"python3-venv={p['PYTHON3_VENV_VERSION']}"]
+    assert installs[1][1:] == [f"lustre-client-modules-{KERNEL}", "lustre-client-modules-aws"]
+    assert sum("update" in c for c in run.commands("apt-get")) == 1
+    assert [Path(a).name for a in installs[2][1:]] == [f"enroot_{p['ENROOT_VERSION']}-1_amd64.deb",
+                                                      f"enroot+caps_{p['ENROOT_VERSION']}-1_amd64.deb"]
+    assert [Path(a).name for a in installs[3][1:]] == ["amazon-cloudwatch-agent.deb"]
+    assert len(installs) == 4
+    clone = next(c for c in run.commands("git") if "clone" in c)
+    assert clone[clone.index("--branch") + 1] == p["PYXIS_TAG"] and p["PYXIS_REPO"] in clone
+    assert run.commands("make") == [["-C", clone[-1], "install", f"DESTDIR={run.root}"]]
+    gpg = run.commands("gpg")
+    assert any("--verify" in c for c in gpg)
+    (pip,) = [c for c in run.calls if c["cmd"][0] == "pip"]
+    assert pip["cmd"][-1] == f"torch=={p['TORCH_VERSION']}"
+    assert os.readlink(run.root / "usr/local/bin/torchrun") == f"{p['VENV']}/bin/torchrun"
+    assert run.commands("systemctl") == [["disable", "--now", "munge", "slurmd"]]
+    assert not any(c["manifest_existed"] for c in run.calls)
+    manifest = json.loads(run.manifest.read_text())
+    assert manifest["role"] == "compute"
+    assert manifest["versions"]["slurm"] == p["SLURM_VERSION"] and manifest["versions"]["dcgm"] == "from the parent image"
+
+
+def test_same_slurm_version_on_head_and_compute(build) -> None:  # type: ignore[no-untyped-def]
+    def slurm_pins(run: Run) -> set[str]:
+        return {a.split("=", 1)[1] for c in run.commands("apt-get") for a in c if re.match(r"slurm|libslurm", a)}
+
+    assert slurm_pins(build("head")) == slurm_pins(build("compute")) == {pins()["SLURM_VERSION"]}
+
+
+@pytest.mark.parametrize("digest", ["", "0" * 64])
+def test_enroot_without_its_pinned_digest_is_not_installed(build, digest: str) -> None:  # type: ignore[no-untyped-def]
+    run = build("compute", edits={"ENROOT_DEB_SHA256": digest})
+    assert run.returncode != 0
+    assert not any(a.endswith(".deb") for c in run.commands("apt-get") for a in c)
+    assert not run.manifest.exists()
+    if not digest:  # refused before anything was fetched or installed
+        assert run.calls == [] and "ENROOT_DEB_SHA256 is not a sha256" in run.stderr
+
+
+@pytest.mark.xfail(strict=True, reason="the sha256 of the enroot v3.5.0 release assets is not recorded yet (the "
+                   "release cannot be downloaded from this machine): a compute build stops until it is; drop this "
+                   "mark with the digests")
+def test_shipped_enroot_digests_are_recorded() -> None:
+    p = pins()
+    assert all(re.fullmatch(r"[0-9a-f]{64}", p[k]) for k in ("ENROOT_DEB_SHA256", "ENROOT_CAPS_DEB_SHA256")), (
+        "record the sha256 of enroot_3.5.0-1_amd64.deb and enroot+caps_3.5.0-1_amd64.deb in build_image.sh")
+
+
+def test_pyxis_at_another_commit_stops_the_build(build) -> None:  # type: ignore[no-untyped-def]
+    run = build("compute", edits={"PYXIS_COMMIT": "0" * 40})
+    assert run.returncode != 0 and not run.commands("make") and not run.manifest.exists()
+
+
+def test_cloudwatch_agent_with_another_signing_key_is_not_installed(build) -> None:  # type: ignore[no-untyped-def]
+    run = build("compute", edits={"CWAGENT_KEY_FINGERPRINT": "0" * 40})
+    assert run.returncode != 0 and "CloudWatch agent key" in run.stderr
+    assert not any("amazon-cloudwatch-agent.deb" in a for c in run.commands("apt-get") for a in c)
+    assert not run.manifest.exists()
+
+
+def test_cloudwatch_agent_already_in_the_image_is_kept(build) -> None:  # type: ignore[no-untyped-def]
+    run = build("compute", agent_present=True)
+    assert run.returncode == 0, run.stderr
+    assert not any("amazoncloudwatch-agent" in c[-1] for c in run.commands("curl"))
+
+
+def test_nvidia_image_without_dcgm_fails_and_neuron_image_needs_none(build) -> None:  # type: ignore[no-untyped-def]
+    run = build("compute", gpu_tools=("nvidia-smi",))
+    assert run.returncode != 0 and "without DCGM" in run.stderr and run.calls == [] and not run.manifest.exists()
+    run = build("compute", gpu_tools=())
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.manifest.read_text())["versions"]["dcgm"] == "none (no NVIDIA driver)"
+
+
+# --- the NodeImage component under the mock runtime ---------------------------------------------------------------
+
+def _children(declared: tuple[Declared, ...] | list[Declared], image: Declared, suffix: str) -> list[Declared]:
+    return [d for d in declared if d.parent_urn == image.urn and d.type.endswith(suffix)]
+
+
+def _expected_keys(stack: Stack) -> set[str]:
+    spec = stack.spec
+    kinds = {p.itype.accelerator.kind for p in spec.pools if not p.ami_id and p.itype.accelerator}
+    return ({"head"} if not spec.head_node.ami_id else set()) | {f"compute-{k}" for k in kinds}
+
+
+def _config(path: Path) -> dict:
+    return json.loads(json.dumps(stack_config(load_stack(path))))
+
+
+def _templates(declared: tuple[Declared, ...] | list[Declared]) -> dict[str, dict]:
+    return {lt.inputs["tagSpecifications"][0]["tags"]["gpucluster:pool"]: lt.inputs
+            for lt in of_type(declared, "ec2/launchTemplate:LaunchTemplate")}
+
+
+def test_one_image_per_role_and_accelerator_kind_needed(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
+    stack, declared = shipped
+    images = {d.name.removeprefix(f"{stack.cluster_name}-"): d for d in declared if d.type == "gpucluster:image:NodeImage"}
+    assert set(images) == _expected_keys(stack)
+    assert set(images) == {i.key for i in cost.estimate(stack).images}
+    for image in images.values():
+        for suffix in ("component:Component", "imageRecipe:ImageRecipe", "image:Image", "iam/role:Role",
+                       "infrastructureConfiguration:InfrastructureConfiguration", "iam/instanceProfile:InstanceProfile",
+                       "distributionConfiguration:DistributionConfiguration"):
+            assert len(_children(declared, image, suffix)) == 1, (image.name, suffix)
+    for d in declared:
+        if d.type.startswith("aws:imagebuilder/"):
+            assert d.parent_type == "gpucluster:image:NodeImage", d.name
+
+
+def test_recipe_parent_image_and_encrypted_root(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
+    stack, declared = shipped
+    parents = {"head": catalog.UBUNTU_AMI_PARAMETER} | {f"compute-{k}": v for k, v in catalog.AMI_PARAMETERS.items()}
+    for key, image in ((d.name.removeprefix(f"{stack.cluster_name}-"), d) for d in declared
+                       if d.type == "gpucluster:image:NodeImage"):
+        (recipe,) = _children(declared, image, "imageRecipe:ImageRecipe")
+        assert recipe.inputs["parentImage"] == f"<AMI from {parents[key]} at up>"
+        (root,) = recipe.inputs["blockDeviceMappings"]
+        assert root["deviceName"] == "/dev/sda1"
+        assert root["ebs"]["encrypted"] == "true" and root["ebs"]["volumeType"] == "gp3"
+        assert root["ebs"]["volumeSize"] <= (100 if key == "head" else min(p.root_volume_gib for p in stack.spec.pools))
+        (component,) = _children(declared, image, "component:Component")
+        assert recipe.inputs["components"] == [{"componentArn": f"arn:aws:imagebuilder:{stack.region}:123456789012:"
+                                                               f"component/{component.name}/1.0.0/1"}]
+
+
+def test_build_instance_private_imdsv2_and_least_privilege(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
+    stack, declared = shipped
+    subnet_id = stack.spec.network.subnet_id or next(
+        f"{s.name}-id" for s in of_type(declared, "ec2/subnet:Subnet") if s.name.endswith("-private"))
+    (sg,) = [g for g in of_type(declared, "ec2/securityGroup:SecurityGroup") if g.name.endswith("-cluster")]
+    for image in (d for d in declared if d.type == "gpucluster:image:NodeImage"):
+        (infra,) = _children(declared, image, "infrastructureConfiguration:InfrastructureConfiguration")
+        assert infra.inputs["subnetId"] == subnet_id
+        assert infra.inputs["securityGroupIds"] == [f"{sg.name}-id"]
+        assert infra.inputs["instanceMetadataOptions"]["httpTokens"] == "required"
+        assert infra.inputs["terminateInstanceOnFailure"] is True
+        assert infra.inputs["instanceTypes"] == [catalog.IMAGE_BUILD_INSTANCE_TYPE]
+        assert infra.inputs["resourceTags"]["gpucluster:stack"] == stack.name  # the build's cost is the stack's
+        (profile,) = _children(declared, image, "iam/instanceProfile:InstanceProfile")
+        assert infra.inputs["instanceProfileName"] == profile.name
+        assert {a.inputs["policyArn"] for a in _children(declared, image, "iam/rolePolicyAttachment:RolePolicyAttachment")} \
+            == {"arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore",
+                "arn:aws:iam::aws:policy/EC2InstanceProfileForImageBuilder"}
+        assert not _children(declared, image, "iam/rolePolicy:RolePolicy")
+        (dist,) = _children(declared, image, "distributionConfiguration:DistributionConfiguration")
+        (target,) = dist.inputs["distributions"]
+        ami = target["amiDistributionConfiguration"]
+        assert target["region"] == stack.region
+        assert ami["name"] == f"{image.name}-{{{{ imagebuilder:buildDate }}}}"
+        assert ami["amiTags"]["gpucluster:cluster"] == stack.cluster_name
+
+
+def test_component_document_carries_exactly_the_build_script(shipped: tuple[Stack, tuple[Declared, ...]],
+                                                              tmp_path: Path) -> None:
+    from components.image import SCRIPT_ON_IMAGE
+
+    stack, declared = shipped
+    for image in (d for d in declared if d.type == "gpucluster:image:NodeImage"):
+        role = image.name.removeprefix(f"{stack.cluster_name}-").split("-")[0]
+        (component,) = _children(declared, image, "component:Component")
+        assert component.inputs["platform"] == "Linux" and len(component.inputs["data"]) <= 16000
+        document = yaml.safe_load(component.inputs["data"])
+        write, run = (step["inputs"]["commands"] for step in document["phases"][0]["steps"])
+        assert run == [f"bash {SCRIPT_ON_IMAGE} {role}"]
+        # The write step, run here with the path moved into tmp_path, reproduces the script byte for byte.
+        target = tmp_path / role / "build_image.sh"
+        mkdir, cat, body = write[0].split("\n", 2)  # the path only in the first two lines, not in the script
+        command = f"{mkdir}\n{cat}".replace(str(Path(SCRIPT_ON_IMAGE).parent), str(target.parent)) + f"\n{body}"
+        subprocess.run(["bash", "-c", command], check=True)
+        assert target.read_bytes() == SCRIPT.read_bytes()
+
+
+def test_templates_and_head_boot_the_baked_images(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
+    from gpucluster.plan import planned_ami_id
+
+    stack, declared = shipped
+    for pool in stack.spec.pools:
+        image = f"{stack.cluster_name}-compute-{pool.itype.accelerator.kind}"  # type: ignore[union-attr]
+        assert _templates(declared)[pool.name]["imageId"] == planned_ami_id(image), pool.name
+    (head,) = of_type(declared, "ec2/instance:Instance")
+    assert head.inputs["ami"] == planned_ami_id(f"{stack.cluster_name}-head")
+    assert re.fullmatch(r"ami-[0-9a-f]{17}", head.inputs["ami"])
+
+
+def test_an_ami_id_wins_and_is_not_built() -> None:
+    """team-b with its Trainium pool and head node on images another stack baked: only the NVIDIA image is built."""
+    config = _config(ROOT / "stacks" / "Pulumi.team-b.yaml")
+    cluster = config["gpucluster:cluster"]
+    cluster["head_node"]["ami_id"] = "ami-0123456789abcdef0"
+    next(p for p in cluster["pools"] if p["name"] == "trn1")["ami_id"] = "ami-0fedcba9876543210"
+    stack = validate("team-b", config)
+    declared = run_program(stack)
+    assert {d.name for d in declared if d.type == "gpucluster:image:NodeImage"} == {"gpucluster-team-b-compute-nvidia"}
+    assert [i.key for i in cost.estimate(stack).images] == ["compute-nvidia"]
+    templates = _templates(declared)
+    assert templates["trn1"]["imageId"] == "ami-0fedcba9876543210"
+    (head,) = of_type(declared, "ec2/instance:Instance")
+    assert head.inputs["ami"] == "ami-0123456789abcdef0"
+
+
+def test_a_pinned_pool_beside_a_baked_one_of_the_same_kind() -> None:
+    stack, declared = planned(FIXTURES / "Pulumi.existing.yaml")  # p5en-cb pins an AMI, b200 does not
+    from gpucluster.plan import planned_ami_id
+
+    templates = _templates(declared)
+    assert templates["p5en-cb"]["imageId"] == "ami-0a1b2c3d4e5f60718"
+    assert templates["b200"]["imageId"] == planned_ami_id("gpucluster-existing-compute-nvidia")
+
+
+def test_build_false_declares_no_image_builder_resources() -> None:
+    config = _config(ROOT / "stacks" / "Pulumi.team-b.yaml")
+    config["gpucluster:cluster"]["image"] = {"build": False}
+    stack = validate("team-b", config)
+    declared = run_program(stack)
+    assert not [d for d in declared if "imagebuilder" in d.type or d.type == "gpucluster:image:NodeImage"]
+    templates = _templates(declared)
+    assert templates["trn1"]["imageId"] == f"<AMI from {catalog.AMI_PARAMETERS['neuron']} at up>"
+    assert templates["g6e"]["imageId"] == f"<AMI from {catalog.AMI_PARAMETERS['nvidia']} at up>"
+    (head,) = of_type(declared, "ec2/instance:Instance")
+    assert head.inputs["ami"] == f"<AMI from {catalog.UBUNTU_AMI_PARAMETER} at up>"
+
+
+def test_component_document_refuses_what_aws_or_awstoe_would_mangle() -> None:
+    from components.image import component_document
+
+    script = SCRIPT.read_text()
+    for bad in (script.rstrip("\n"), script + "echo {{ build.x }}\n", script + "GPUCLUSTER_BUILD_SCRIPT\n",
+                script + "#" * 4000 + "\n"):
+        with pytest.raises(ValueError):
+            component_document("compute", bad)
