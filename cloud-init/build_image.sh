@@ -6,9 +6,9 @@
 set -euo pipefail
 
 # --- pinned versions -------------------------------------------------------------------------------------------------
-# Ubuntu 24.04 (noble) amd64 archive, as packages.ubuntu.com listed them (pages read 2026-11; slurm-wlm, python-boto3
-# and pyyaml have no update beyond the release pocket). Ubuntu drops a superseded version from its index: the
-# install then fails here, and the variable takes the new version.
+# Ubuntu 24.04 (noble) amd64 archive, as packages.ubuntu.com listed them when pinned (slurm-wlm, python-boto3 and
+# pyyaml have nothing beyond the release pocket). Ubuntu drops a superseded version from its index: the install
+# then fails here, and the variable takes the new version.
 SLURM_VERSION=23.11.4-1.2ubuntu5             # src:slurm-wlm, noble/universe: one version on head and compute
 MUNGE_VERSION=0.5.15-4ubuntu0.1              # noble-security
 MARIADB_VERSION=1:10.11.14-0ubuntu0.24.04.1  # noble-updates

@@ -33,8 +33,9 @@ IMAGE_BUILD_INSTANCE_TYPE = "m7i.xlarge"
 # Expected build-instance time per image: launch, apt, enroot, pyxis, the torch wheels (~3 GB), then Image Builder
 # stops the instance to snapshot it. An estimate, rounded up; EC2 bills by the second.
 IMAGE_BUILD_HOURS = 1.0
-# Amazon EBS snapshots, standard tier, $/GB-month (EBS pricing page, us-east-1, same date). Image Builder itself is
-# free: a build costs its instance time and the AMI's snapshot.
+# Amazon EBS snapshots, standard tier, $/GB-month: the EBS pricing page's us-east-1 rate, long unchanged, taken as of
+# PRICE_DATE (not re-read from the page then). Image Builder itself is free: a build costs its instance time and the
+# AMI's snapshot.
 EBS_SNAPSHOT_USD_PER_GB_MONTH = 0.05
 
 
