@@ -1,50 +1,35 @@
-"""The on-node bootstrap's decisions that can be checked off AWS: the munge key in SSM, files it writes."""
+"""The on-node bootstrap's decisions that can be checked off AWS: files it writes, systemd units as this machine's
+systemd reads them, the accounting database's directory. (The munge key's trip through SSM: test_fetch_bundle.py.)"""
 
 from __future__ import annotations
 
+import configparser
+import os
 import pwd
+import shutil
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
-import boto3
 import pytest
-from moto import mock_aws
 
 from conftest import ROOT
+from gpucluster import settings as contract
+from gpucluster import userdata
 
 sys.path.insert(0, str(ROOT / "cloud-init"))
 import bootstrap  # noqa: E402
 
-PARAMETER = "/gpucluster/gpucluster-t/munge-key"
-
-
-@pytest.fixture
-def ssm():  # type: ignore[no-untyped-def]
-    with mock_aws():
-        yield boto3.client("ssm", region_name="us-east-1")
-
-
-def test_first_head_creates_the_key_and_a_racing_head_reads_it(ssm) -> None:  # type: ignore[no-untyped-def]
-    first = bootstrap.munge_key(ssm, PARAMETER, create=True)
-    second = bootstrap.munge_key(ssm, PARAMETER, create=True)  # loses the create, reads the winner's key
-    assert len(first) == 1024 and first == second
-    stored = ssm.get_parameter(Name=PARAMETER)["Parameter"]
-    assert stored["Type"] == "SecureString"
-
-
-def test_compute_node_only_reads_and_gives_up_without_a_head(ssm, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setattr(bootstrap.time, "sleep", lambda seconds: None)
-    with pytest.raises(RuntimeError, match="no munge key"):
-        bootstrap.munge_key(ssm, PARAMETER, create=False, attempts=2)
-    with pytest.raises(ssm.exceptions.ParameterNotFound):
-        ssm.get_parameter(Name=PARAMETER)  # it did not create one
+PACKAGED_SLURMD = Path("/lib/systemd/system/slurmd.service")  # Debian's slurmd package (make test installs it)
 
 
 def test_munge_key_file_is_munge_only(tmp_path: Path) -> None:
-    key = tmp_path / "munge.key"
-    bootstrap.install_munge_key(b"k" * 1024, key)
+    staged, key = tmp_path / "staged.key", tmp_path / "munge" / "munge.key"
+    staged.write_bytes(b"k" * 1024)  # as fetch_bundle.py leaves it
+    bootstrap.install_munge_key(staged, key)
     info = key.stat()
+    assert key.read_bytes() == b"k" * 1024
     assert stat.S_IMODE(info.st_mode) == 0o400 and info.st_uid == pwd.getpwnam("munge").pw_uid
 
 
@@ -79,18 +64,15 @@ def test_head_installs_the_budget_guardrail_service_and_command(tmp_path: Path) 
     assert "After=slurmctld.service" in unit and "WantedBy=multi-user.target" in unit
 
 
-def test_head_gets_the_command_line_with_the_pinned_pydantic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from conftest import ROOT as repo
-
-    assert bootstrap.PYDANTIC in (repo / "requirements.txt").read_text().splitlines()
-    ran: list[tuple[str, ...]] = []
-    monkeypatch.setattr(bootstrap, "BUNDLE", tmp_path)
-    monkeypatch.setattr(bootstrap, "run", lambda *args, **kw: ran.append(args))
-    bootstrap.command_line(tmp_path)
-    assert ran == [("python3", "-m", "venv", "--system-site-packages", f"{tmp_path}/venv"),
-                   (f"{tmp_path}/venv/bin/pip", "install", "--quiet", bootstrap.PYDANTIC)]
-    wrapper = (tmp_path / "gpucluster").read_text()
-    assert f"PYTHONPATH={tmp_path}/lib exec {tmp_path}/venv/bin/python -m gpucluster" in wrapper
+def test_head_gets_the_command_line_from_the_image_venv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`gpucluster` on the head node: the bundle's library on the image's venv (pydantic), nothing installed at boot."""
+    monkeypatch.setattr(bootstrap, "run", lambda *args, **kw: pytest.fail(f"ran {args}"))
+    bootstrap.command_line(tmp_path / "bin")
+    wrapper = tmp_path / "bin" / "gpucluster"
+    assert f"PYTHONPATH={contract.LIB_DIR} exec {bootstrap.IMAGE_VENV}/bin/python -m gpucluster" in wrapper.read_text()
+    assert stat.S_IMODE(wrapper.stat().st_mode) == 0o755
+    # The venv is the one build_image.sh makes.
+    assert f"VENV={bootstrap.IMAGE_VENV}\n" in (ROOT / "cloud-init" / "build_image.sh").read_text()
 
 
 def test_fstab_entries_are_added_once(tmp_path: Path) -> None:
@@ -100,3 +82,93 @@ def test_fstab_entries_are_added_once(tmp_path: Path) -> None:
         bootstrap.fstab_entry("LABEL=gpucluster-state /var/lib/gpucluster ext4 defaults,nofail 0 2", fstab)
     assert fstab.read_text().splitlines() == ["LABEL=root / ext4 defaults 0 1",
                                               "LABEL=gpucluster-state /var/lib/gpucluster ext4 defaults,nofail 0 2"]
+
+
+# --- systemd, as this machine's systemd reads our units (finding 2) ---------------------------------------------------
+
+def condition(root: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["systemd-analyze", "condition", f"--root={root}", "--unit=slurmd.service"],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_slurmd_drop_in_undoes_the_packaged_condition_on_slurm_conf(tmp_path: Path) -> None:
+    """Debian's and Ubuntu's slurmd.service is skipped, without an error, where /etc/slurm/slurm.conf is missing: on
+    every configless compute node. The drop-in empties that condition. systemd evaluates conditions on this
+    machine's own paths, so this machine must have no slurm.conf either."""
+    assert PACKAGED_SLURMD.exists(), "install slurmd first (make test does)"
+    if Path("/etc/slurm/slurm.conf").exists():
+        pytest.skip("this machine has /etc/slurm/slurm.conf: the packaged condition holds here either way")
+    assert "ConditionPathExists=/etc/slurm/slurm.conf" in PACKAGED_SLURMD.read_text()
+    units = tmp_path / "lib" / "systemd" / "system"
+    units.mkdir(parents=True)
+    shutil.copy(PACKAGED_SLURMD, units)
+    skipped = condition(tmp_path)
+    assert skipped.returncode != 0 and "ConditionPathExists=/etc/slurm/slurm.conf failed" in skipped.stderr
+
+    path = bootstrap.drop_in("slurmd.service", bootstrap.SLURMD_DROP_IN, tmp_path / "etc" / "systemd" / "system")
+    assert path == tmp_path / "etc" / "systemd" / "system" / "slurmd.service.d" / "gpucluster.conf"
+    started = condition(tmp_path)
+    assert started.returncode == 0, started.stdout + started.stderr
+
+
+def test_boot_unit_is_one_systemd_accepts(tmp_path: Path) -> None:
+    """The unit user data writes: systemd refuses some settings outright (Restart=always on a oneshot) and only warns
+    about others (an unknown key, a bad value), so no word about the file is allowed either."""
+    assert Path("/usr/bin/python3").exists()  # its ExecStart
+    unit = tmp_path / contract.BOOT_UNIT
+    unit.write_text(userdata.boot_unit())
+    done = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    said = done.stdout + done.stderr
+    assert done.returncode == 0 and contract.BOOT_UNIT not in said, said
+
+
+def test_start_insists_that_each_unit_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`systemctl enable --now` exits 0 for a unit whose condition fails; the boot must fail instead."""
+    ran: list[tuple[str, ...]] = []
+
+    def systemctl(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        ran.append(args)
+        state = "inactive\n" if args[1:] == ("is-active", "slurmd") else "active\n"
+        return subprocess.CompletedProcess(args, 3 if "inactive" in state else 0, state, "")
+
+    monkeypatch.setattr(bootstrap, "run", systemctl)
+    bootstrap.start("munge")
+    with pytest.raises(RuntimeError, match="slurmd is inactive after its start"):
+        bootstrap.start("slurmd")
+    assert ("systemctl", "restart", "slurmd") in ran
+
+
+# --- the accounting database on the state volume (finding 1) ---------------------------------------------------------
+
+def test_database_dir_from_an_earlier_head_is_given_to_mysql(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A state volume that already holds the database (an earlier head node, whose mysql user may have had another
+    uid, or a copy made as root): no new database, every file handed to this image's mysql user."""
+    mysql = pwd.getpwnam("mysql")
+    data, conf = tmp_path / "state" / "mysql", tmp_path / "etc" / "60-gpucluster.cnf"
+    for name in ("mysql/user.frm", "mysql/db.MAI", "slurm_acct_db/job_table.ibd", "ibdata1", "aria_log.00000001"):
+        (data / name).parent.mkdir(parents=True, exist_ok=True)
+        (data / name).write_bytes(b"x")
+    for path in [data, *data.rglob("*")]:
+        os.chown(path, 0, 0)
+    real_run = bootstrap.run
+    ran: list[tuple[str, ...]] = []
+    monkeypatch.setattr(bootstrap, "run", lambda *args, **kw: ran.append(args) or real_run(*args, **kw))
+
+    bootstrap.database_dir(data, conf)
+
+    assert not [args for args in ran if args[0] == "mariadb-install-db"]  # the database is there: keep it
+    for path in [data, *data.rglob("*")]:
+        owner = path.stat()
+        assert (owner.st_uid, owner.st_gid) == (mysql.pw_uid, mysql.pw_gid), path
+    parsed = configparser.ConfigParser()
+    parsed.read_string(conf.read_text())
+    assert parsed["mysqld"]["datadir"] == str(data)
+
+
+def test_database_dir_on_a_new_volume_is_created(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[tuple[str, ...]] = []
+    monkeypatch.setattr(bootstrap, "run", lambda *args, **kw: ran.append(args))
+    data = tmp_path / "state" / "mysql"
+    bootstrap.database_dir(data, tmp_path / "60-gpucluster.cnf")
+    assert ran[0][:3] == ("mariadb-install-db", "--user=mysql", f"--datadir={data}")
+    assert ran[-1] == ("chown", "-R", "mysql:mysql", str(data))

@@ -200,13 +200,16 @@ def test_bundle_object_holds_the_rendered_files(shipped: Shipped) -> None:
     assert data == bundle.build(stack) and obj.inputs["key"] == bundle.key(data)
     with tarfile.open(fileobj=io.BytesIO(gzip.decompress(data))) as tar:
         names = set(tar.getnames())
-    programs = {"bootstrap.py", "gpucluster_node.py", "gpucluster_budget.py", "gpucluster_neuron_metrics.py"}
+    programs = {"bootstrap.py", "build_image.sh", "gpucluster_node.py", "gpucluster_budget.py",
+                "gpucluster_neuron_metrics.py"}
     metrics = {f"{'cloudwatch-agent' if p.itype.accelerator.kind == 'nvidia' else 'neuron-metrics'}/{p.name}.json"
                for p in stack.spec.pools}
-    assert programs | {"accounting.sql", "accounting.sh", "slurm/slurm.conf", "slurm/gres.conf", "slurm/slurmdbd.conf",
-                       "slurm/plugstack.conf"} | {f"examples/{n}" for n in bundle.EXAMPLES} | metrics | {
-        f"lib/gpucluster/{source.name}" for source in (ROOT / "gpucluster").glob("*.py")} | {
-        f"lib/stacks/Pulumi.{stack.name}.yaml"} == names
+    slurm_files = {f"slurm/{n}" for n in ("slurm.conf", "gres.conf", "slurmdbd.conf", "plugstack.conf", "cgroup.conf")}
+    library = {f"lib/gpucluster/{source.name}" for source in (ROOT / "gpucluster").glob("*.py")}
+    # lib/ mirrors the repository for what `gpucluster render` reads there: the stack's file and the fetcher.
+    library |= {f"lib/stacks/Pulumi.{stack.name}.yaml", "lib/cloud-init/fetch_bundle.py"}
+    assert programs | {"accounting.sql", "accounting.sh"} | slurm_files | {f"examples/{n}" for n in bundle.EXAMPLES} | \
+        metrics | library == names
 
 
 def test_bundle_is_deterministic(monkeypatch) -> None:  # type: ignore[no-untyped-def]

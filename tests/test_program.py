@@ -6,7 +6,7 @@ import json
 
 from conftest import FIXTURES, ROOT, of_type, planned
 from gpucluster import catalog
-from gpucluster.plan import Declared
+from gpucluster.plan import Declared, planned_ami_id
 from gpucluster.spec import Stack
 
 PROVIDER = "pulumi:providers:aws"
@@ -276,14 +276,15 @@ def test_existing_network_and_file_system_are_used_not_created() -> None:
     assert cb["capacityReservationSpecification"]["capacityReservationTarget"]["capacityReservationId"] == "cr-0a1b2c3d4e5f60718"
     assert cb["imageId"] == "ami-0a1b2c3d4e5f60718"
     assert "capacityReservationSpecification" not in templates["b200"]
-    assert templates["b200"]["imageId"].startswith("<AMI from /aws/service/deeplearning/")
+    # A pool without an AMI of its own boots the node image baked for its accelerator kind.
+    assert templates["b200"]["imageId"] == planned_ami_id("gpucluster-existing-compute-nvidia")
 
 
 def test_neuron_pools_boot_the_neuron_ami() -> None:
     _, declared = planned(ROOT / "stacks" / "Pulumi.team-b.yaml")
     templates = _pool_templates(declared)
-    assert templates["trn1"]["imageId"].startswith("<AMI from /aws/service/neuron/")
-    assert templates["g6e"]["imageId"].startswith("<AMI from /aws/service/deeplearning/")
+    assert templates["trn1"]["imageId"] == planned_ami_id("gpucluster-team-b-compute-neuron")
+    assert templates["g6e"]["imageId"] == planned_ami_id("gpucluster-team-b-compute-nvidia")
 
 
 def test_catalog_drives_instance_types(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:

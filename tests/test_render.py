@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import ROOT, STACK_FILES
-from gpucluster import slurm, userdata
+from gpucluster import settings, slurm, sources, userdata
 from gpucluster.spec import load_stack
 
 GOLDEN = ROOT / "tests" / "golden"
@@ -39,7 +41,9 @@ def test_render_writes_valid_small_user_data_and_slurm_files(path: Path, tmp_pat
     for name in expected - {n for n in expected if n.startswith("slurm/")}:
         data = (tmp_path / name).read_bytes()
         assert data.startswith(b"#cloud-config\n")
-        assert len(data) < userdata.EC2_USER_DATA_LIMIT // 2, f"{name}: {len(data)} bytes leaves too little headroom"
+        # Most of it is fetch_bundle.py (about 6 KB, the same for every node); a quarter of EC2's limit stays free
+        # for it to grow and for long stack and pool names.
+        assert len(data) < userdata.EC2_USER_DATA_LIMIT * 3 // 4, f"{name}: {len(data)} bytes, too little headroom"
         checked = cloud_init_schema(tmp_path / name)
         assert checked.returncode == 0, checked.stdout + checked.stderr
         assert f"GPUCLUSTER_CONFIG_PARAMETER={userdata.config_parameter(stack)}" in data.decode()
@@ -55,10 +59,26 @@ def test_schema_checker_rejects_a_broken_file(tmp_path: Path) -> None:
 
 
 def test_user_data_carries_no_secret() -> None:
+    """User data is readable by anyone who may describe the instance: it names where the munge key is (the SSM
+    parameter to read, the file to stage it in) and holds no key material, no password, no credential."""
     for path in STACK_FILES:
-        for text in userdata.all_user_data(load_stack(path)).values():
-            lowered = text.lower()
-            assert "munge.key" not in lowered and "password" not in lowered and "secret" not in lowered
+        stack = load_stack(path)
+        for name, text in userdata.all_user_data(stack).items():
+            doc = yaml.safe_load(text)
+            files = {f["path"]: f["content"] for f in doc["write_files"]}
+            # Three files, none of them a key: the node's names, the fetcher (the repository's code) and its unit.
+            assert set(files) == {settings.NODE_ENV_FILE, settings.FETCHER, f"/etc/systemd/system/{settings.BOOT_UNIT}"}
+            assert files[settings.FETCHER].encode() == sources.node_file(userdata.FETCHER)
+            assert files[f"/etc/systemd/system/{settings.BOOT_UNIT}"] == userdata.boot_unit()
+            env = dict(line.split("=", 1) for line in files[settings.NODE_ENV_FILE].splitlines())
+            assert env["GPUCLUSTER_MUNGE_KEY_PARAMETER"] == userdata.munge_key_parameter(stack)  # a name
+            assert env["GPUCLUSTER_MUNGE_KEY_FILE"] == settings.MUNGE_KEY_STAGED  # a path
+            assert all(re.fullmatch(r"[\w./:-]{1,100}", value) for value in env.values()), env
+            # The key file's path is the only mention of it; nothing that looks like key material anywhere.
+            lowered = text.replace(f"GPUCLUSTER_MUNGE_KEY_FILE={settings.MUNGE_KEY_STAGED}\n", "").lower()
+            assert "munge.key" not in lowered and "password" not in lowered and "secret" not in lowered, name
+            assert "akia" not in lowered and "-----begin" not in lowered, name
+            assert not re.search(r"[A-Za-z0-9+/=]{64,}", text), name  # a 1024-byte munge key is 1368 base64 chars
 
 
 def test_golden_team_a(tmp_path: Path) -> None:

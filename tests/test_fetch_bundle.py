@@ -1,0 +1,274 @@
+"""cloud-init/fetch_bundle.py, the first step of every node boot, against moto: the settings and the munge key in one
+SSM call, the bundle from S3 once per bundle key, the head's key creation and its race, and the retries that let
+hundreds of nodes boot at once (Parameter Store throttles) without retrying what can never succeed."""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import io
+import json
+import stat
+import tarfile
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import botocore.retries.bucket
+import botocore.retries.standard
+import pytest
+from botocore.awsrequest import AWSResponse
+from botocore.exceptions import ClientError
+from moto import mock_aws
+
+from conftest import ROOT
+from gpucluster import bundle, userdata
+from gpucluster.settings import ClusterSettings
+from gpucluster.spec import load_stack
+
+spec = importlib.util.spec_from_file_location("fetch_bundle", ROOT / "cloud-init" / "fetch_bundle.py")
+assert spec and spec.loader
+fetcher = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(fetcher)
+
+STACK = load_stack(ROOT / "stacks" / "Pulumi.dev.yaml")
+KEY = bytes(range(256)) * 4  # a 1024-byte munge key
+BUNDLE = bundle.build(STACK)  # once: the repository may change while the tests run
+
+
+class Boto3:
+    """boto3 as fetch() uses it, with every API call and every HTTP attempt counted, and faults injected in front of
+    moto: `faults[operation]` lists error codes the next attempts get instead of an answer."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()  # operations, as the program calls them
+        self.sends: Counter[str] = Counter()  # HTTP attempts, botocore's own retries included
+        self.faults: dict[str, list[str]] = {}
+        self.clients: list[Any] = []
+        self.wrap = lambda client: client
+
+    def client(self, service: str, config: Any = None) -> Any:
+        client = boto3.client(service, config=config)
+        client.meta.events.register("before-call", self._call)
+        client.meta.events.register_first("before-send", self._send)
+        self.clients.append(client)
+        return self.wrap(client)
+
+    def _call(self, event_name: str, **kwargs: Any) -> None:
+        self.calls[event_name.split(".")[-1]] += 1
+
+    def _send(self, request: Any, event_name: str, **kwargs: Any) -> AWSResponse | None:
+        operation = event_name.split(".")[-1]
+        self.sends[operation] += 1
+        faults = self.faults.get(operation)
+        if not faults:
+            return None  # on to moto
+        code = faults.pop(0)
+        body = json.dumps({"__type": code, "message": f"injected {code}"}).encode()
+        return AWSResponse(request.url, 400, {"x-amzn-RequestId": "injected"}, _Raw(body))
+
+
+class _Raw:
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+
+    def stream(self, **kwargs: Any) -> Any:
+        yield self.body
+
+
+@pytest.fixture
+def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """moto with the config parameter `pulumi up` writes and the bundle it uploads; time stands still for retries."""
+    # botocore's backoff and its adaptive rate limiter would wait for real: let its clock run fast instead.
+    monkeypatch.setattr(botocore.retries.standard.ExponentialBackoff, "delay_amount", lambda self, context: 0)
+    ticks = iter(range(0, 10**9, 100))
+    monkeypatch.setattr(botocore.retries.bucket.Clock, "current_time", lambda self: next(ticks))
+    with mock_aws():
+        data = BUNDLE
+        s3 = boto3.client("s3", region_name=STACK.region)
+        s3.create_bucket(Bucket="gpucluster-dev-bundle")
+        s3.put_object(Bucket="gpucluster-dev-bundle", Key=bundle.key(data), Body=data)
+        settings = ClusterSettings(cluster=STACK.cluster_name, region=STACK.region, pools={},
+                                   bundle_bucket="gpucluster-dev-bundle", bundle_key=bundle.key(data),
+                                   munge_key_parameter=userdata.munge_key_parameter(STACK))
+        ssm = boto3.client("ssm", region_name=STACK.region)
+        ssm.put_parameter(Name=userdata.config_parameter(STACK), Type="String", Value=settings.to_json())
+        yield ssm
+
+
+def node_env(tmp_path: Path, role: str) -> dict[str, str]:
+    """What user data gives the node, with its files under tmp_path."""
+    env = userdata.node_env(STACK, role, None if role == "head" else STACK.spec.pools[0])
+    return env | {"GPUCLUSTER_BUNDLE_DIR": str(tmp_path / "opt"),
+                  "GPUCLUSTER_SETTINGS_FILE": str(tmp_path / "cluster.json"),
+                  "GPUCLUSTER_MUNGE_KEY_FILE": str(tmp_path / "munge.key"),
+                  "GPUCLUSTER_BOOT_LOG": str(tmp_path / "boot.log")}
+
+
+def put_key(ssm: Any, key: bytes = KEY) -> None:
+    ssm.put_parameter(Name=userdata.munge_key_parameter(STACK), Type="SecureString",
+                      Value=base64.b64encode(key).decode())
+
+
+def no_sleep(seconds: float) -> None:
+    raise AssertionError(f"slept {seconds} s without a reason")
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+# --- (i) a compute node ---------------------------------------------------------------------------------------------
+
+def test_compute_node_reads_both_in_one_call_and_fetches_the_bundle_once(aws: Any, tmp_path: Path) -> None:
+    put_key(aws)
+    env, api = node_env(tmp_path, "compute"), Boto3()
+    fetcher.fetch(env, api, sleep=no_sleep)
+
+    assert api.calls == Counter({"GetParameters": 1, "GetObject": 1})  # one SSM call for settings and key
+    assert api.sends == api.calls  # and no retry
+    for client in api.clients:  # adaptive retries: client-side rate limiting when hundreds of nodes boot
+        # botocore reads max_attempts=10 as ten retries: eleven attempts in all.
+        assert client.meta.config.retries == {"mode": "adaptive", "total_max_attempts": 11}
+    settings_file, key_file = Path(env["GPUCLUSTER_SETTINGS_FILE"]), Path(env["GPUCLUSTER_MUNGE_KEY_FILE"])
+    assert ClusterSettings.load(settings_file).bundle_key == bundle.key(BUNDLE)
+    assert key_file.read_bytes() == KEY
+    assert (mode(settings_file), mode(key_file)) == (0o644, 0o400)
+    target = Path(env["GPUCLUSTER_BUNDLE_DIR"])
+    unpacked = {str(p.relative_to(target)) for p in target.rglob("*") if p.is_file()}
+    with tarfile.open(fileobj=io.BytesIO(BUNDLE)) as tar:
+        assert unpacked == set(tar.getnames()) | {".bundle-key"}
+    assert (target / ".bundle-key").read_text() == bundle.key(BUNDLE)
+    assert not list(tmp_path.rglob("*.tmp"))  # written atomically, nothing half-written left behind
+
+    again = Boto3()  # a reboot: same bundle key, nothing to download
+    fetcher.fetch(env, again, sleep=no_sleep)
+    assert again.calls == Counter({"GetParameters": 1})
+    assert key_file.read_bytes() == KEY and mode(key_file) == 0o400
+
+
+def test_a_new_bundle_key_is_fetched(aws: Any, tmp_path: Path) -> None:
+    put_key(aws)
+    env = node_env(tmp_path, "compute")
+    fetcher.fetch(env, Boto3(), sleep=no_sleep)
+    (Path(env["GPUCLUSTER_BUNDLE_DIR"]) / ".bundle-key").write_text("gpucluster/bundle-0000000000000000.tar.gz")
+    api = Boto3()
+    fetcher.fetch(env, api, sleep=no_sleep)
+    assert api.calls["GetObject"] == 1
+
+
+# --- (ii) the munge key: the head creates it, compute nodes wait for it ----------------------------------------------
+
+def test_first_head_creates_the_key(aws: Any, tmp_path: Path) -> None:
+    env = node_env(tmp_path, "head")
+    fetcher.fetch(env, Boto3(), sleep=no_sleep)
+    stored = aws.get_parameter(Name=userdata.munge_key_parameter(STACK), WithDecryption=True)["Parameter"]
+    assert stored["Type"] == "SecureString"
+    key = Path(env["GPUCLUSTER_MUNGE_KEY_FILE"]).read_bytes()
+    assert len(key) == 1024 and base64.b64decode(stored["Value"]) == key
+
+    again = Boto3()  # its reboot reads the key it made, creates none
+    fetcher.fetch(env, again, sleep=no_sleep)
+    assert "PutParameter" not in again.calls and Path(env["GPUCLUSTER_MUNGE_KEY_FILE"]).read_bytes() == key
+
+
+def test_a_racing_head_takes_the_winners_key(aws: Any, tmp_path: Path) -> None:
+    """Two heads (a replacement started before the old one is gone): both read no key, the other one writes first."""
+    winner = bytes(reversed(KEY))
+
+    class Raced:
+        def __init__(self, client: Any) -> None:
+            self.client = client
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.client, name)
+
+        def get_parameters(self, **kwargs: Any) -> Any:
+            answer = self.client.get_parameters(**kwargs)
+            put_key(aws, winner)  # the other head, between our read and our create
+            return answer
+
+    api = Boto3()
+    api.wrap = lambda client: Raced(client) if client.meta.service_model.service_name == "ssm" else client
+    env = node_env(tmp_path, "head")
+    fetcher.fetch(env, api, sleep=no_sleep)
+    assert api.calls["PutParameter"] == 1  # it tried, and lost
+    assert Path(env["GPUCLUSTER_MUNGE_KEY_FILE"]).read_bytes() == winner
+    stored = aws.get_parameter(Name=userdata.munge_key_parameter(STACK), WithDecryption=True)["Parameter"]["Value"]
+    assert base64.b64decode(stored) == winner  # not overwritten
+
+
+def test_compute_node_waits_for_the_heads_key(aws: Any, tmp_path: Path) -> None:
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        if len(slept) == 3:
+            put_key(aws)  # the head node is up
+
+    env, api = node_env(tmp_path, "compute"), Boto3()
+    fetcher.fetch(env, api, sleep=sleep)
+    assert len(slept) == 3 and api.calls["GetParameters"] == 4 and "PutParameter" not in api.calls
+    assert all(0 <= s <= min(60, 2 ** attempt) for attempt, s in enumerate(slept))  # jittered, capped backoff
+    assert Path(env["GPUCLUSTER_MUNGE_KEY_FILE"]).read_bytes() == KEY
+
+
+def test_compute_node_gives_up_at_the_deadline(aws: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fetcher, "DEADLINE_SECONDS", 0.3)
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        assert len(slept) < 2000, "still waiting long after the deadline"
+
+    env, api = node_env(tmp_path, "compute"), Boto3()
+    with pytest.raises(RuntimeError, match="gave up after 0.3 s: no munge key"):
+        fetcher.fetch(env, api, sleep=sleep)
+    assert slept and "PutParameter" not in api.calls  # it waited, and created nothing
+    with pytest.raises(aws.exceptions.ParameterNotFound):
+        aws.get_parameter(Name=userdata.munge_key_parameter(STACK))
+    assert not Path(env["GPUCLUSTER_MUNGE_KEY_FILE"]).exists()
+    assert not Path(env["GPUCLUSTER_SETTINGS_FILE"]).exists()
+
+
+def test_no_settings_yet_is_waited_for(aws: Any, tmp_path: Path) -> None:
+    """A node that boots before `pulumi up` has written the config parameter."""
+    put_key(aws)
+    config = aws.get_parameter(Name=userdata.config_parameter(STACK))["Parameter"]["Value"]
+    aws.delete_parameter(Name=userdata.config_parameter(STACK))
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        aws.put_parameter(Name=userdata.config_parameter(STACK), Type="String", Value=config)
+
+    env = node_env(tmp_path, "compute")
+    fetcher.fetch(env, Boto3(), sleep=sleep)
+    assert len(slept) == 1 and Path(env["GPUCLUSTER_SETTINGS_FILE"]).read_text() == config
+
+
+# --- (iii) throttling is retried past botocore's own retries; a refusal is not --------------------------------------
+
+def test_throttling_past_botocores_retries_is_retried_and_the_boot_completes(aws: Any, tmp_path: Path) -> None:
+    put_key(aws)
+    api, slept = Boto3(), []
+    api.faults["GetParameters"] = ["ThrottlingException"] * 25  # botocore gives up after 11 attempts, twice
+    env = node_env(tmp_path, "compute")
+    fetcher.fetch(env, api, sleep=slept.append)
+    assert api.sends["GetParameters"] == 26  # 11 + 11 + (3 throttled and the answer)
+    assert api.calls["GetParameters"] == 3 and len(slept) == 2  # fetch()'s own loop: two more tries
+    assert Path(env["GPUCLUSTER_MUNGE_KEY_FILE"]).read_bytes() == KEY
+    assert (Path(env["GPUCLUSTER_BUNDLE_DIR"]) / "bootstrap.py").exists()
+
+
+def test_access_denied_is_not_retried(aws: Any, tmp_path: Path) -> None:
+    """A node role without ssm:GetParameters: retrying for 15 minutes would only hide it. The unit fails at once."""
+    put_key(aws)
+    api = Boto3()
+    api.faults["GetParameters"] = ["AccessDeniedException"]
+    with pytest.raises(ClientError, match="AccessDeniedException"):
+        fetcher.fetch(node_env(tmp_path, "compute"), api, sleep=no_sleep)
+    assert api.sends["GetParameters"] == 1 and "GetObject" not in api.calls
+    assert not Path(tmp_path / "munge.key").exists()
