@@ -40,6 +40,9 @@ def cost_table(stack: Stack, estimate: cost.CostEstimate) -> list[str]:
         "",
         f"FSx for Lustre per month:        {cost.money(estimate.lustre_monthly)}",
         f"Head node per month:             {cost.money(estimate.head_node_monthly)} ({stack.spec.head_node.instance_type}, EBS)",
+        *([f"Node images:                     {cost.money(estimate.image_build_usd)} per build ({len(estimate.images)} x "
+           f"{catalog.IMAGE_BUILD_HOURS:g} h of {catalog.IMAGE_BUILD_INSTANCE_TYPE}), "
+           f"{cost.money(estimate.image_snapshots_monthly)} per month of snapshots"] if estimate.images else []),
         f"NAT and VPC endpoints per month: {cost.money(estimate.network_monthly)}",
         f"Cluster per hour:                {cost.money(estimate.hourly_min)} at min size, {cost.money(estimate.hourly_max)} at max size",
         f"Month at max size:               {cost.money(estimate.monthly_at_max)} against a budget of "

@@ -56,3 +56,27 @@ def test_bad_input_exits_2_without_traceback(stack: str, message: str) -> None:
     assert out.returncode == 2
     assert message in out.stderr
     assert "Traceback" not in out.stderr and out.stdout == ""
+
+
+def test_plan_text_shows_what_the_node_images_cost() -> None:
+    """team-a bakes the head's image and one NVIDIA compute image. By hand: 2 builds x 1 h of m7i.xlarge at $0.2016 =
+    $0.40; snapshots of a 20 GiB and a 120 GiB root volume at $0.05 per GB-month = $7.00 a month."""
+    out = run("plan", "team-a")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("Head node per month:"))
+    assert lines[head + 1] == ("Node images:                     $0.40 per build (2 x 1 h of m7i.xlarge), "
+                               "$7.00 per month of snapshots")
+
+
+def test_no_node_images_line_without_images() -> None:
+    import dataclasses
+
+    from gpucluster import cli, cost
+    from gpucluster.spec import load_stack
+
+    stack = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")
+    estimate = cost.estimate(stack)
+    assert any(line.startswith("Node images:") for line in cli.cost_table(stack, estimate))
+    assert not any(line.startswith("Node images:")
+                   for line in cli.cost_table(stack, dataclasses.replace(estimate, images=[])))
