@@ -16,10 +16,10 @@ import pulumi_aws as aws
 
 from components import child
 from components.node_access import EC2_ASSUME, PARAMETER_READ, SSM_CORE, NodeAccess, policy
+from gpucluster.catalog import UBUNTU_AMI_PARAMETER
 from gpucluster.cost import HEAD_ROOT_GIB, HEAD_STATE_GIB
 from gpucluster.settings import ClusterSettings
 
-UBUNTU_AMI_PARAMETER = "/aws/service/canonical/ubuntu/server/24.04/stable/current/amd64/hvm/ebs-gp3/ami-id"
 STATE_DEVICE = "/dev/sdf"
 
 
