@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
-"""Bring a gpucluster node up in its role: `bootstrap.py head` or `bootstrap.py compute`.
+"""Configure a gpucluster node in its role: `bootstrap.py head` or `bootstrap.py compute`.
 
-Run by fetch_bundle.py at every boot from the unpacked bundle in /opt/gpucluster; idempotent, so a reboot converges.
-Reads /etc/gpucluster/cluster.json (the cluster's settings from SSM). Logs to /var/log/gpucluster/bootstrap.log and
-the journal. Standard library and boto3 only (Ubuntu's python3-boto3).
+Run by fetch_bundle.py from gpucluster-boot.service at every boot, after the settings, the munge key and the bundle
+are on disk; idempotent, so a reboot converges. It makes no AWS call and, on the node image, installs and downloads
+nothing: on an image without the manifest build_image.sh writes last (a stock AMI), it runs that script first.
+Every service it starts must be running afterwards, or the boot fails loudly (the unit is retried) instead of leaving
+a node that never joins. Logs to the journal and /var/log/gpucluster/boot.log. Standard library only.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import os
@@ -20,103 +21,54 @@ import time
 import urllib.request
 from pathlib import Path
 
-BUNDLE = Path("/opt/gpucluster")
-SETTINGS = Path("/etc/gpucluster/cluster.json")
-STATE = Path("/var/lib/gpucluster")  # the head node's state volume: slurmctld state and MariaDB
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))  # the bundle's copy of the library
+from gpucluster import settings as contract  # noqa: E402
+from gpucluster.settings import ClusterSettings, read_env_file  # noqa: E402
+
+BUNDLE = Path(contract.BUNDLE_DIR)
+STATE = Path(contract.STATE_DIR)
 SLURM_ETC = Path("/etc/slurm")
 MUNGE_KEY = Path("/etc/munge/munge.key")
-ENROOT_VERSION = "3.5.0"
+SYSTEMD = Path("/etc/systemd/system")
+IMAGE_VENV = Path(contract.IMAGE_MANIFEST).parent / "venv"  # build_image.sh: torch (compute), pydantic (head)
 
 log = logging.getLogger("gpucluster-bootstrap")
 
 
 def run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     log.info("$ %s", " ".join(args))
-    return subprocess.run(list(args), check=check, capture_output=True, text=True)
+    done = subprocess.run(list(args), capture_output=True, text=True)
+    if check and done.returncode:
+        raise RuntimeError(f"{' '.join(args)} exited {done.returncode}: {(done.stderr or done.stdout).strip()[-800:]}")
+    return done
 
 
-# --- shared ----------------------------------------------------------------------------------------------------------
-
-def munge_key(ssm, parameter: str, create: bool, attempts: int = 60) -> bytes:  # type: ignore[no-untyped-def]
-    """The cluster's munge key from SSM (SecureString). The head node creates it once; a second head that races it
-    loses the create and reads the winner's key. Compute nodes only read, waiting for the head if needed."""
-    if create:
+def retry(what: str, action, attempts: int = 5, delay: float = 2.0):  # type: ignore[no-untyped-def]
+    """Transient faults at boot (a file system still coming up, a device still attaching) get a few tries."""
+    for attempt in range(attempts):
         try:
-            ssm.put_parameter(Name=parameter, Type="SecureString", Overwrite=False,
-                              Value=base64.b64encode(os.urandom(1024)).decode(),
-                              Description="gpucluster munge key (created by the head node)")
-            log.info("created the munge key in %s", parameter)
-        except ssm.exceptions.ParameterAlreadyExists:
-            log.info("munge key already in %s", parameter)
-    for _ in range(attempts):
-        try:
-            value = ssm.get_parameter(Name=parameter, WithDecryption=True)["Parameter"]["Value"]
-            return base64.b64decode(value)
-        except ssm.exceptions.ParameterNotFound:
-            time.sleep(10)
-    raise RuntimeError(f"no munge key in {parameter}")
+            return action()
+        except (OSError, RuntimeError) as exc:
+            if attempt == attempts - 1:
+                raise RuntimeError(f"{what}: {exc}") from exc
+            log.warning("%s: %s; again in %.0f s", what, exc, delay * 2 ** attempt)
+            time.sleep(delay * 2 ** attempt)
 
 
-def install_munge_key(key: bytes, path: Path = MUNGE_KEY) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(key)
-    path.chmod(0o400)
-    munge = pwd.getpwnam("munge")
-    os.chown(path, munge.pw_uid, munge.pw_gid)
+# --- the node image --------------------------------------------------------------------------------------------------
 
-
-def hosts_entry(head_address: str, hosts: Path = Path("/etc/hosts")) -> None:
-    """Compute nodes reach the controller as `head` (SlurmctldHost); node names themselves are never resolved."""
-    lines = [line for line in hosts.read_text().splitlines() if not line.rstrip().endswith(" head")]
-    hosts.write_text("\n".join(lines + [f"{head_address} head"]) + "\n")
-
-
-def fstab_entry(entry: str, fstab: Path = Path("/etc/fstab")) -> None:
-    """Add a mount to /etc/fstab once: every boot runs the bootstrap again."""
-    if entry not in fstab.read_text():
-        fstab.write_text(fstab.read_text() + entry + "\n")
-
-
-def mount_lustre(dns_name: str, mount_name: str, where: str = "/fsx") -> None:
-    if run("mountpoint", "-q", where, check=False).returncode == 0:
+def ensure_image(role: str, manifest: Path = Path(contract.IMAGE_MANIFEST)) -> None:
+    """On the baked image, nothing to do. On a stock AMI, build what the image would hold, once (slow path)."""
+    if manifest.exists():
+        log.info("node image: %s", json.loads(manifest.read_text()).get("role", "?"))
         return
-    kernel = os.uname().release
-    run("apt-get", "install", "-y", "-q", f"lustre-client-modules-{kernel}", "lustre-client-utils", check=False)
-    Path(where).mkdir(exist_ok=True)
-    fstab_entry(f"{dns_name}@tcp:/{mount_name} {where} lustre defaults,relatime,flock,_netdev,x-systemd.automount 0 0")
-    run("mount", where)
+    log.warning("no %s: this is not a gpucluster node image; installing the software now (minutes)", manifest)
+    run("bash", str(BUNDLE / "build_image.sh"), role)
+    if not manifest.exists():
+        raise RuntimeError(f"build_image.sh {role} finished without writing {manifest}")
 
 
-# --- head ------------------------------------------------------------------------------------------------------------
-
-def state_volume(volume_id: str, where: Path = STATE) -> None:
-    """Format the state volume on first use only, and mount it: the queue and accounting survive a new head node."""
-    device = Path(f"/dev/disk/by-id/nvme-Amazon_Elastic_Block_Store_{volume_id.replace('-', '')}")
-    for _ in range(60):
-        if device.exists():
-            break
-        time.sleep(5)
-    if run("blkid", str(device), check=False).returncode != 0:
-        run("mkfs.ext4", "-L", "gpucluster-state", str(device))
-    where.mkdir(parents=True, exist_ok=True)
-    fstab_entry(f"LABEL=gpucluster-state {where} ext4 defaults,nofail 0 2")
-    run("mount", "-a")
-
-
-def database_on_state_volume() -> None:
-    data = STATE / "mysql"
-    run("systemctl", "stop", "mariadb")
-    if not data.exists():
-        shutil.copytree("/var/lib/mysql", data, symlinks=True)
-        shutil.chown(data, "mysql", "mysql")
-    fstab_entry(f"{data} /var/lib/mysql none bind 0 0")
-    run("mount", "/var/lib/mysql", check=False)
-    run("systemctl", "enable", "--now", "mariadb")
-    run("mariadb", "-u", "root", "-e", (BUNDLE / "accounting.sql").read_text())
-
-
-SYSTEMD = Path("/etc/systemd/system")
-
+# --- systemd ---------------------------------------------------------------------------------------------------------
 
 def unit(description: str, section: str, body: list[str], after: str = "",
          wanted_by: str | None = "multi-user.target") -> str:
@@ -128,29 +80,121 @@ def unit(description: str, section: str, body: list[str], after: str = "",
     return "\n".join(lines) + "\n"
 
 
+def drop_in(service: str, text: str, systemd: Path = SYSTEMD) -> Path:
+    """Our settings on top of a packaged unit, which stays as the package ships it."""
+    path = systemd / f"{service}.d" / "gpucluster.conf"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+# /run/slurm holds the pid files slurm.conf names; several Slurm daemons share it, so a stop keeps it.
+SLURM_RUNTIME = "[Service]\nRuntimeDirectory=slurm\nRuntimeDirectoryPreserve=yes\n"
+# Debian's and Ubuntu's slurmd.service carry ConditionPathExists=/etc/slurm/slurm.conf. A configless node has no such
+# file: systemd would skip slurmd without an error and the node would never register. An empty assignment resets it.
+SLURMD_DROP_IN = "[Unit]\nConditionPathExists=\n\n" + SLURM_RUNTIME
+
+
 def start(*units: str) -> None:
+    """Enable and (re)start each unit, then insist that it runs: `systemctl enable --now` exits 0 even when a unit's
+    condition fails and it is skipped."""
     run("systemctl", "daemon-reload")
     for name in units:
-        run("systemctl", "enable", "--now", name)
+        run("systemctl", "enable", name)
+        run("systemctl", "restart", name)
+        state = run("systemctl", "is-active", name, check=False).stdout.strip()
+        if state != "active":
+            status = run("systemctl", "status", "--no-pager", name, check=False).stdout.strip()
+            raise RuntimeError(f"{name} is {state or 'not running'} after its start:\n{status}")
 
 
-def slurm_files(settings: dict) -> None:  # type: ignore[type-arg]
+# --- shared ----------------------------------------------------------------------------------------------------------
+
+def install_munge_key(staged: Path = Path(contract.MUNGE_KEY_STAGED), path: Path = MUNGE_KEY) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(staged.read_bytes())
+    path.chmod(0o400)
+    munge = pwd.getpwnam("munge")
+    os.chown(path, munge.pw_uid, munge.pw_gid)
+
+
+def hosts_entry(head_address: str, hosts: Path = Path("/etc/hosts")) -> None:
+    """Compute nodes reach the controller as `head` (SlurmctldHost). The address is the head node's fixed network
+    interface, so it holds across a head replacement; rewritten at every boot all the same."""
+    lines = [line for line in hosts.read_text().splitlines() if not line.rstrip().endswith(f" {contract.HEAD_HOSTNAME}")]
+    hosts.write_text("\n".join(lines + [f"{head_address} {contract.HEAD_HOSTNAME}"]) + "\n")
+
+
+def fstab_entry(entry: str, fstab: Path = Path("/etc/fstab")) -> None:
+    """Add a mount to /etc/fstab once: every boot runs the bootstrap again."""
+    if entry not in fstab.read_text():
+        fstab.write_text(fstab.read_text() + entry + "\n")
+
+
+def mounted(where: str) -> bool:
+    return run("mountpoint", "-q", where, check=False).returncode == 0
+
+
+def mount_lustre(dns_name: str, mount_name: str, where: str = "/fsx") -> None:
+    """The client comes with the node image (AWS's FSx Lustre repository); a missing client is a failed boot."""
+    Path(where).mkdir(exist_ok=True)
+    fstab_entry(f"{dns_name}@tcp:/{mount_name} {where} lustre defaults,relatime,flock,_netdev,x-systemd.automount 0 0")
+    if not mounted(where):
+        retry(f"mount {where}", lambda: run("mount", where))
+
+
+# --- head ------------------------------------------------------------------------------------------------------------
+
+def state_volume(volume_id: str, where: Path = STATE, dev: Path = Path("/dev/disk/by-id")) -> None:
+    """Format the state volume on first use only, and mount it: the queue and accounting survive a new head node."""
+    device = dev / f"nvme-Amazon_Elastic_Block_Store_{volume_id.replace('-', '')}"
+    retry(f"state volume {volume_id} to attach", lambda: device.resolve(strict=True), attempts=12)
+    if run("blkid", str(device), check=False).returncode != 0:
+        run("mkfs.ext4", "-q", "-L", "gpucluster-state", str(device))
+    where.mkdir(parents=True, exist_ok=True)
+    # By the volume's own id, not by label: a second volume with the same label must never be mounted instead.
+    fstab_entry(f"{device} {where} ext4 defaults,nofail 0 2")
+    if not mounted(str(where)):
+        run("mount", str(where))
+
+
+def database_dir(data: Path = STATE / "mysql", conf: Path = Path("/etc/mysql/mariadb.conf.d/60-gpucluster.cnf")) -> None:
+    """MariaDB keeps the accounting database on the state volume. Created on first use; owned by `mysql` at every
+    boot, because a new head image may give the mysql user another uid, and a root-owned copy does not start."""
+    conf.parent.mkdir(parents=True, exist_ok=True)
+    conf.write_text(f"# gpucluster: the accounting database lives on the head node's state volume.\n[mysqld]\n"
+                    f"datadir = {data}\n")
+    if not (data / "mysql").is_dir():
+        data.mkdir(parents=True, exist_ok=True)
+        run("mariadb-install-db", "--user=mysql", f"--datadir={data}", "--auth-root-authentication-method=socket",
+            "--skip-test-db")
+    run("chown", "-R", "mysql:mysql", str(data))
+
+
+def slurm_files() -> int:
+    """slurm.conf and friends into /etc/slurm; returns slurmdbd's port."""
     SLURM_ETC.mkdir(exist_ok=True)
     for conf in (BUNDLE / "slurm").iterdir():
         shutil.copy(conf, SLURM_ETC / conf.name)
-    (SLURM_ETC / "slurmdbd.conf").chmod(0o600)
-    shutil.chown(SLURM_ETC / "slurmdbd.conf", "slurm", "slurm")
-    for d in (STATE / "slurmctld", Path("/var/log/slurm"), Path("/var/log/gpucluster")):
+    dbd = SLURM_ETC / "slurmdbd.conf"
+    dbd.chmod(0o600)
+    shutil.chown(dbd, "slurm", "slurm")
+    for d in (STATE / "slurmctld", Path("/var/log/slurm"), Path(contract.LOG_DIR)):
         d.mkdir(parents=True, exist_ok=True)
         shutil.chown(d, "slurm", "slurm")
-    bin_dir = BUNDLE / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    from gpucluster_node import COMMANDS  # beside this file in the bundle
+    for service in ("slurmctld.service", "slurmdbd.service"):
+        drop_in(service, SLURM_RUNTIME)
+    return next(int(line.split("=", 1)[1]) for line in dbd.read_text().splitlines() if line.startswith("DbdPort="))
 
-    for program in (*COMMANDS, "reconcile"):
-        link = bin_dir / program
+
+def node_programs() -> None:
+    """Slurm's resume/suspend/resume-fail programs and the reconciler: links to the node program, and its timer."""
+    bin_dir = Path(contract.BIN_DIR)
+    bin_dir.mkdir(exist_ok=True)
+    for command in contract.NODE_COMMANDS:
+        link = bin_dir / command
         if not link.is_symlink():
-            link.symlink_to(BUNDLE / "gpucluster_node.py")
+            link.symlink_to(BUNDLE / contract.NODE_PROGRAM)
     (SYSTEMD / "gpucluster-reconcile.service").write_text(unit(
         "gpucluster: match EC2 instances and Slurm nodes", "Service",
         ["Type=oneshot", "User=slurm", f"ExecStart={bin_dir}/reconcile"], wanted_by=None))
@@ -161,43 +205,64 @@ def slurm_files(settings: dict) -> None:  # type: ignore[type-arg]
 
 def budget_guardrail(systemd: Path = SYSTEMD, sbin: Path = Path("/usr/local/sbin")) -> None:
     """The guardrail service, and `gpucluster-budget` on the admin's PATH for status, check, close and reopen."""
-    command = sbin / "gpucluster-budget"
+    command = sbin / contract.BUDGET_COMMAND
+    sbin.mkdir(parents=True, exist_ok=True)
     if not command.is_symlink():
-        command.symlink_to(BUNDLE / "gpucluster_budget.py")
+        command.symlink_to(BUNDLE / contract.BUDGET_PROGRAM)
     # As root: it writes the state that `sudo gpucluster-budget reopen` also writes.
     (systemd / "gpucluster-budget.service").write_text(unit(
         "gpucluster budget guardrail: close the partitions when the budget is spent", "Service",
         [f"ExecStart={command} run", "Restart=always", "RestartSec=30"], after="slurmctld.service"))
 
 
-PYDANTIC = "pydantic>=2.9,<3"  # as requirements.txt; boto3 and PyYAML come from Ubuntu's packages
-
-
 def command_line(bin_dir: Path = Path("/usr/local/bin")) -> None:
-    """`gpucluster cost|plan|render|preflight` on the head node, from the library and stack file in the bundle."""
-    venv = BUNDLE / "venv"
-    if not (venv / "bin" / "python").exists():
-        run("python3", "-m", "venv", "--system-site-packages", str(venv))
-        run(str(venv / "bin" / "pip"), "install", "--quiet", PYDANTIC)
+    """`gpucluster cost|render|preflight` for the admins, from the library and stack file in the bundle and the
+    image's venv (pydantic)."""
     command = bin_dir / "gpucluster"
-    command.write_text(f"#!/bin/sh\nPYTHONPATH={BUNDLE}/lib exec {venv}/bin/python -m gpucluster \"$@\"\n")
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    command.write_text(f"#!/bin/sh\nPYTHONPATH={contract.LIB_DIR} exec {IMAGE_VENV}/bin/python -m gpucluster \"$@\"\n")
     command.chmod(0o755)
 
 
-def head(settings: dict, ssm) -> None:  # type: ignore[no-untyped-def,type-arg]
-    state_volume(settings["state_volume_id"])
-    install_munge_key(munge_key(ssm, settings["munge_key_parameter"], create=True))
-    run("systemctl", "enable", "--now", "munge")
-    run("systemctl", "restart", "munge")
-    database_on_state_volume()
-    slurm_files(settings)
-    start("slurmdbd", "slurmctld", "gpucluster-reconcile.timer")
-    if "budget" in settings:
+def wait_for_port(port: int, seconds: float = 60) -> None:
+    """slurmctld's first start fails when slurmdbd does not answer yet ("no TRES")."""
+    import socket
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.5)
+    raise RuntimeError(f"nothing listens on port {port} after {seconds:.0f} s")
+
+
+def controller_up() -> None:
+    answer = run("scontrol", "ping", check=False).stdout
+    if "UP" not in answer:
+        raise RuntimeError(f"slurmctld does not answer yet: {answer.strip()}")
+
+
+def head(s: ClusterSettings) -> None:
+    state_volume(s.state_volume_id)
+    install_munge_key()
+    start("munge")
+    database_dir()
+    start("mariadb")
+    run("mariadb", "-u", "root", "-e", (BUNDLE / "accounting.sql").read_text())
+    dbd_port = slurm_files()
+    node_programs()
+    start("slurmdbd")
+    wait_for_port(dbd_port)
+    start("slurmctld", "gpucluster-reconcile.timer")
+    # slurmdbd pushes new accounts and users to slurmctld; one it cannot reach yet never learns them until it restarts.
+    retry("slurmctld to answer", controller_up, attempts=8, delay=0.5)
+    if s.budget is not None:
         budget_guardrail()
         start("gpucluster-budget.service")
     run("sh", str(BUNDLE / "accounting.sh"))  # the team's account, its users and its monthly GPU-hours
     command_line()
-    mount_lustre(settings["fsx_dns_name"], settings["fsx_mount_name"])
+    mount_lustre(s.fsx_dns_name, s.fsx_mount_name)
     os.chmod("/fsx", 0o1777)  # like /tmp: every user may submit from and write into /fsx, only owners delete
     shutil.copytree(BUNDLE / "examples", "/fsx/examples", dirs_exist_ok=True)
 
@@ -205,21 +270,19 @@ def head(settings: dict, ssm) -> None:  # type: ignore[no-untyped-def,type-arg]
 # --- compute ---------------------------------------------------------------------------------------------------------
 
 def imds(path: str) -> str:
+    """Instance metadata (IMDSv2). AWS_EC2_METADATA_SERVICE_ENDPOINT is the AWS SDKs' own override."""
+    base = os.environ.get("AWS_EC2_METADATA_SERVICE_ENDPOINT", "http://169.254.169.254").rstrip("/")
     token = urllib.request.urlopen(urllib.request.Request(
-        "http://169.254.169.254/latest/api/token", method="PUT",
+        f"{base}/latest/api/token", method="PUT",
         headers={"X-aws-ec2-metadata-token-ttl-seconds": "300"}), timeout=5).read().decode()
     return urllib.request.urlopen(urllib.request.Request(
-        f"http://169.254.169.254/latest/{path}", headers={"X-aws-ec2-metadata-token": token}), timeout=5).read().decode()
+        f"{base}/latest/{path}", headers={"X-aws-ec2-metadata-token": token}), timeout=5).read().decode()
 
 
-def node_name() -> str:
+def node_name(attempts: int = 60) -> str:
     """The Slurm node name the resume program tagged this instance with, read from instance metadata tags."""
-    for _ in range(60):
-        try:
-            return imds("meta-data/tags/instance/gpucluster:node")
-        except OSError:
-            time.sleep(5)
-    raise RuntimeError("no gpucluster:node tag on this instance")
+    return retry("the gpucluster:node tag of this instance", lambda: imds("meta-data/tags/instance/gpucluster:node"),
+                 attempts=attempts, delay=1)
 
 
 def nccl_environment(efa: bool) -> str:
@@ -230,26 +293,23 @@ def nccl_environment(efa: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
-def containers() -> None:
-    """enroot and pyxis, so that `srun --container-image=...` works; the image cache lives on local NVMe."""
-    arch = "amd64"
-    for package in (f"enroot_{ENROOT_VERSION}-1_{arch}.deb", f"enroot+caps_{ENROOT_VERSION}-1_{arch}.deb"):
-        url = f"https://github.com/NVIDIA/enroot/releases/download/v{ENROOT_VERSION}/{package}"
-        run("curl", "-fsSL", "-o", f"/tmp/{package}", url)
-    run("apt-get", "install", "-y", "-q", f"/tmp/enroot_{ENROOT_VERSION}-1_{arch}.deb",
-        f"/tmp/enroot+caps_{ENROOT_VERSION}-1_{arch}.deb")
-    nvme = Path("/opt/dlami/nvme") if Path("/opt/dlami/nvme").is_dir() else Path("/tmp")
-    Path("/etc/enroot/enroot.conf.d").mkdir(parents=True, exist_ok=True)
-    Path("/etc/enroot/enroot.conf.d/gpucluster.conf").write_text(
-        f"ENROOT_CACHE_PATH {nvme}/enroot/cache\nENROOT_DATA_PATH {nvme}/enroot/data\n"
-        f"ENROOT_RUNTIME_PATH {nvme}/enroot/runtime/$(id -u)\n")
-    run("apt-get", "install", "-y", "-q", "libslurm-dev", "build-essential", "git", check=False)
-    run("git", "clone", "--depth=1", "https://github.com/NVIDIA/pyxis.git", "/tmp/pyxis", check=False)
-    run("make", "-C", "/tmp/pyxis", "install", check=False)
+def container_storage(nvme: Path = Path("/opt/dlami/nvme"), fallback: Path = Path("/var/lib/gpucluster-enroot"),
+                      conf: Path = Path("/etc/enroot/enroot.conf.d/gpucluster.conf")) -> Path:
+    """enroot's image cache and container data on local NVMe (dlami-nvme.service mounts it before this unit runs), or
+    on the root volume where the instance has none: never /tmp. Every user's containers go there: mode 1777."""
+    base = nvme if mounted(str(nvme)) else fallback
+    for sub in ("cache", "data", "runtime"):
+        d = base / "enroot" / sub
+        d.mkdir(parents=True, exist_ok=True)
+        d.chmod(0o1777)
+    conf.parent.mkdir(parents=True, exist_ok=True)
+    conf.write_text(f"ENROOT_CACHE_PATH {base}/enroot/cache/$(id -u)\nENROOT_DATA_PATH {base}/enroot/data/$(id -u)\n"
+                    f"ENROOT_RUNTIME_PATH {base}/enroot/runtime/$(id -u)\n")
+    return base
 
 
 def gpu_metrics(pool: str, region: str, systemd: Path = SYSTEMD) -> str | None:
-    """Utilisation for the pool's idle alarm: the CloudWatch agent (on the Deep Learning AMIs) on NVIDIA nodes, the
+    """Utilisation for the pool's idle alarm: the CloudWatch agent (in the node image) on NVIDIA nodes, the
     neuron-monitor publisher on Trainium nodes. Returns the systemd unit to start, if any."""
     agent = BUNDLE / "cloudwatch-agent" / f"{pool}.json"
     ctl = "/opt/aws/amazon-cloudwatch-agent/bin/amazon-cloudwatch-agent-ctl"
@@ -266,43 +326,50 @@ def gpu_metrics(pool: str, region: str, systemd: Path = SYSTEMD) -> str | None:
     return "gpucluster-neuron-metrics.service"
 
 
-def compute(settings: dict, ssm) -> None:  # type: ignore[no-untyped-def,type-arg]
+def set_hostname(name: str) -> None:
+    """The Slurm node name, kept across reboots (user data sets preserve_hostname)."""
+    Path("/etc/hostname").write_text(name + "\n")
+    run("hostname", name)
+
+
+def compute(s: ClusterSettings, env: dict[str, str]) -> None:
     name = node_name()
-    run("hostnamectl", "set-hostname", name)
-    hosts_entry(settings["head_address"])
-    install_munge_key(munge_key(ssm, settings["munge_key_parameter"], create=False))
-    run("systemctl", "restart", "munge")
-    pool_name = os.environ.get("GPUCLUSTER_POOL") or name.rsplit("-", 1)[0]
-    pool = settings["pools"][pool_name]
-    Path("/etc/profile.d/gpucluster-nccl.sh").write_text(nccl_environment(pool.get("efa_interfaces", 0) > 0))
+    set_hostname(name)
+    hosts_entry(s.head_address)
+    install_munge_key()
+    start("munge")
+    pool = s.pools[env["GPUCLUSTER_POOL"]]
+    Path("/etc/profile.d/gpucluster-nccl.sh").write_text(nccl_environment(pool.efa_interfaces > 0))
     # NCCL keeps its buffers in /dev/shm: allow most of the node's memory.
     run("mount", "-o", "remount,size=90%", "/dev/shm", check=False)
-    mount_lustre(settings["fsx_dns_name"], settings["fsx_mount_name"])
-    containers()
-    metrics = gpu_metrics(pool_name, settings["region"])
+    mount_lustre(s.fsx_dns_name, s.fsx_mount_name)
+    container_storage()
+    metrics = gpu_metrics(pool.name, s.region)
     if metrics:
         start(metrics)
-    # Configless: slurm.conf, gres.conf and plugstack.conf come from the controller.
-    Path("/etc/default/slurmd").write_text(f'SLURMD_OPTIONS="--conf-server head:6817 -N {name}"\n')
-    run("systemctl", "enable", "--now", "slurmd")
-    run("systemctl", "restart", "slurmd")
+    # Configless: slurm.conf, gres.conf, cgroup.conf and plugstack.conf come from the controller.
+    Path("/etc/default/slurmd").write_text(
+        f'SLURMD_OPTIONS="--conf-server {contract.HEAD_HOSTNAME}:{s.slurmctld_port} -N {name}"\n')
+    drop_in("slurmd.service", SLURMD_DROP_IN)
+    Path(contract.SLURMD_SPOOL_DIR).mkdir(parents=True, exist_ok=True)
+    start("slurmd")
 
 
 def main(argv: list[str]) -> int:
-    Path("/var/log/gpucluster").mkdir(parents=True, exist_ok=True)
+    Path(contract.LOG_DIR).mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                        handlers=[logging.StreamHandler(sys.stderr),
-                                  logging.FileHandler("/var/log/gpucluster/bootstrap.log")])
+                        handlers=[logging.StreamHandler(sys.stderr), logging.FileHandler(contract.BOOT_LOG)])
     role = argv[1] if len(argv) > 1 else ""
-    if role not in ("head", "compute"):
-        print("usage: bootstrap.py head|compute", file=sys.stderr)
+    if role not in contract.ROLES:
+        print(f"usage: bootstrap.py {'|'.join(contract.ROLES)}", file=sys.stderr)
         return 2
-    import boto3
-
-    settings = json.loads(SETTINGS.read_text())
-    ssm = boto3.client("ssm", region_name=settings["region"])
     try:
-        (head if role == "head" else compute)(settings, ssm)
+        ensure_image(role)
+        s = ClusterSettings.load()
+        if role == "head":
+            head(s)
+        else:
+            compute(s, read_env_file())
     except Exception:
         log.exception("bootstrap %s failed", role)
         return 1

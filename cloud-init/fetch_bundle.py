@@ -1,43 +1,131 @@
 #!/usr/bin/env python3
-"""First step on every gpucluster node: read the cluster's settings from SSM, fetch the bundle from S3, run its
-bootstrap in this node's role. Written by cloud-init from user data; stdlib and boto3 only."""
+"""First step of every boot of a gpucluster node (gpucluster-boot.service, written by cloud-init from user data).
 
+One SSM GetParameters call for the cluster's settings and the munge key, one S3 GetObject for the bundle (skipped
+when the bundle on disk is the current one), then bootstrap.py in this node's role. The head node creates the munge
+key when it is the first. AWS calls use botocore's adaptive retries (client-side rate limiting against Parameter
+Store's shared 40 TPS when hundreds of nodes boot at once), and a whole failed attempt is retried with jittered
+backoff until DEADLINE_SECONDS; then the unit fails and systemd starts it again. Argument: the node.env file.
+Standard library and boto3 (installed first when the image lacks it: the stock-AMI path).
+"""
+
+import base64
 import io
 import json
+import logging
 import os
+import random
 import subprocess
 import sys
 import tarfile
 import time
 
-import boto3
+DEADLINE_SECONDS = 900
+RETRIED = {"ThrottlingException", "TooManyUpdates", "InternalServerError", "ServiceUnavailable", "RequestTimeout"}
+log = logging.getLogger("gpucluster-fetch")
 
-ENV_FILE = "/etc/gpucluster/node.env"
-TARGET = "/opt/gpucluster"
+
+class NotYet(Exception):
+    """What this boot needs is not there yet (a parameter the head node or `pulumi up` has still to write)."""
 
 
-def main() -> int:
-    env = dict(line.strip().split("=", 1) for line in open(ENV_FILE) if "=" in line)
-    ssm = boto3.client("ssm", region_name=env["GPUCLUSTER_REGION"])
-    for attempt in range(30):  # the parameter may lag the instance on a first `pulumi up`
+def boto3_module():  # type: ignore[no-untyped-def]
+    try:
+        import boto3
+    except ImportError:  # a stock AMI: the node image would have it
+        for attempt in range(5):
+            if subprocess.call(["apt-get", "-o", "DPkg::Lock::Timeout=120", "install", "-y", "-q",
+                                "python3-boto3"]) == 0:
+                break
+            time.sleep(2 ** attempt * 5)
+        import boto3
+    return boto3
+
+
+def write_private(path: str, data: bytes, mode: int) -> None:
+    """Atomically, so that a half-written file is never read."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+def settings_and_key(ssm, env: dict) -> tuple:  # type: ignore[no-untyped-def,type-arg]
+    """(settings JSON, munge key bytes) in one GetParameters call; the head creates the key if it is the first."""
+    config, munge = env["GPUCLUSTER_CONFIG_PARAMETER"], env["GPUCLUSTER_MUNGE_KEY_PARAMETER"]
+    found = {p["Name"]: p["Value"] for p in
+             ssm.get_parameters(Names=[config, munge], WithDecryption=True)["Parameters"]}
+    if config not in found:
+        raise NotYet(f"no cluster settings in {config} yet")
+    if munge not in found:
+        if env["GPUCLUSTER_ROLE"] != "head":
+            raise NotYet(f"no munge key in {munge} yet (the head node creates it)")
+        key = base64.b64encode(os.urandom(1024)).decode()
         try:
-            raw = ssm.get_parameter(Name=env["GPUCLUSTER_CONFIG_PARAMETER"])["Parameter"]["Value"]
-            break
-        except ssm.exceptions.ParameterNotFound:
-            time.sleep(10)
-    else:
-        print("gpucluster: no cluster settings in SSM after 5 minutes", file=sys.stderr)
-        return 1
-    config = json.loads(raw)
-    os.makedirs("/etc/gpucluster", exist_ok=True)
-    with open("/etc/gpucluster/cluster.json", "w") as f:
-        f.write(raw)
-    body = boto3.client("s3", region_name=env["GPUCLUSTER_REGION"]).get_object(
-        Bucket=config["bundle_bucket"], Key=config["bundle_key"])["Body"].read()
+            ssm.put_parameter(Name=munge, Type="SecureString", Overwrite=False, Value=key,
+                              Description="gpucluster munge key (created by the head node)")
+            log.info("created the munge key in %s", munge)
+            found[munge] = key
+        except ssm.exceptions.ParameterAlreadyExists:  # another head won the race: take its key
+            found[munge] = ssm.get_parameter(Name=munge, WithDecryption=True)["Parameter"]["Value"]
+    return found[config], base64.b64decode(found[munge])
+
+
+def fetch_bundle(s3, bucket: str, key: str, target: str) -> None:
+    marker = os.path.join(target, ".bundle-key")
+    if os.path.exists(marker) and open(marker).read() == key:
+        log.info("bundle %s already in %s", key, target)
+        return
+    body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
     with tarfile.open(fileobj=io.BytesIO(body)) as bundle:
-        bundle.extractall(TARGET, filter="data")
-    return subprocess.call([sys.executable, f"{TARGET}/bootstrap.py", env["GPUCLUSTER_ROLE"]])
+        # The "data" filter refuses links and paths out of the target; Pythons before 3.11.4 (Debian 12) lack it.
+        bundle.extractall(target, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    write_private(marker, key.encode(), 0o644)
+    log.info("bundle s3://%s/%s unpacked in %s", bucket, key, target)
+
+
+def fetch(env: dict, boto3, sleep=time.sleep) -> None:  # type: ignore[no-untyped-def,type-arg]
+    from botocore.config import Config
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    config = Config(region_name=env["GPUCLUSTER_REGION"], retries={"mode": "adaptive", "max_attempts": 10})
+    ssm, s3 = boto3.client("ssm", config=config), boto3.client("s3", config=config)
+    deadline = time.monotonic() + DEADLINE_SECONDS
+    for attempt in range(1_000_000):
+        try:
+            raw, key = settings_and_key(ssm, env)
+            settings = json.loads(raw)
+            fetch_bundle(s3, settings["bundle_bucket"], settings["bundle_key"], env["GPUCLUSTER_BUNDLE_DIR"])
+            break
+        except (NotYet, BotoCoreError, ClientError) as exc:
+            code = exc.response["Error"]["Code"] if isinstance(exc, ClientError) else type(exc).__name__
+            if isinstance(exc, ClientError) and code not in RETRIED:
+                raise
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"gave up after {DEADLINE_SECONDS} s: {exc}") from exc
+            delay = random.uniform(0, min(60, 2 ** attempt))  # full jitter: booting nodes spread out
+            log.warning("%s (%s); again in %.1f s", exc, code, delay)
+            sleep(delay)
+    write_private(env["GPUCLUSTER_SETTINGS_FILE"], raw.encode(), 0o644)
+    write_private(env["GPUCLUSTER_MUNGE_KEY_FILE"], key, 0o400)
+
+
+def main(argv: list) -> int:  # type: ignore[type-arg]
+    env = dict(line.strip().split("=", 1) for line in open(argv[1]) if "=" in line)
+    os.makedirs(os.path.dirname(env["GPUCLUSTER_BOOT_LOG"]), exist_ok=True)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        handlers=[logging.StreamHandler(), logging.FileHandler(env["GPUCLUSTER_BOOT_LOG"])])
+    try:
+        fetch(env, boto3_module())
+    except Exception:
+        log.exception("fetching the settings and bundle failed")
+        return 1
+    bootstrap = os.path.join(env["GPUCLUSTER_BUNDLE_DIR"], "bootstrap.py")
+    return subprocess.call([sys.executable, bootstrap, env["GPUCLUSTER_ROLE"]])
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv))

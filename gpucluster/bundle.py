@@ -11,28 +11,28 @@ import gzip
 import hashlib
 import io
 import tarfile
-from pathlib import Path
-
-from gpucluster import monitoring, slurm
+from gpucluster import monitoring, slurm, sources
 from gpucluster.spec import Stack, stack_file
 
-ROOT = Path(__file__).resolve().parent.parent
-PROGRAMS = ("bootstrap.py", "gpucluster_node.py", "gpucluster_budget.py", "gpucluster_neuron_metrics.py")
+PROGRAMS = ("bootstrap.py", "build_image.sh", "gpucluster_node.py", "gpucluster_budget.py", "gpucluster_neuron_metrics.py")
 # Who submits jobs on the head node: the image's login user (Ubuntu). Add others with `sacctmgr add user`.
 CLUSTER_USERS = ("ubuntu",)
 EXAMPLES = ("launch.sh", "ddp_train.py", "ddp.sbatch", "all_reduce.py", "all_reduce.sbatch", "ddp_container.sbatch")
 
 
-def contents(stack: Stack) -> dict[str, tuple[bytes, int]]:
-    """Path in the bundle -> (bytes, mode)."""
-    files = {f"slurm/{name}": (text.encode(), 0o644) for name, text in slurm.all_files(stack).items()}
-    files |= {name: ((ROOT / "cloud-init" / name).read_bytes(), 0o755) for name in PROGRAMS}
-    files |= {f"examples/{name}": ((ROOT / "examples" / name).read_bytes(), 0o755 if name.endswith(".sh") else 0o644)
+def contents(stack: Stack, layout: slurm.SlurmLayout = slurm.SlurmLayout()) -> dict[str, tuple[bytes, int]]:
+    """Path in the bundle -> (bytes, mode). `layout`: the Slurm paths and ports (the boot rehearsal's differ)."""
+    files = {f"slurm/{name}": (text.encode(), 0o644) for name, text in slurm.all_files(stack, layout).items()}
+    files |= {name: (sources.node_file(name), 0o755) for name in PROGRAMS}
+    files |= {f"examples/{name}": ((sources.EXAMPLES_DIR / name).read_bytes(), 0o755 if name.endswith(".sh") else 0o644)
               for name in EXAMPLES}
-    # The command line for the admins on the head node (`gpucluster cost`): the library and this stack's file.
-    files |= {f"lib/gpucluster/{source.name}": (source.read_bytes(), 0o644)
-              for source in sorted((ROOT / "gpucluster").glob("*.py"))}
-    files[f"lib/stacks/Pulumi.{stack.name}.yaml"] = (stack_file(stack).encode(), 0o644)  # beside it, as in the repo
+    # The library: the settings contract the node programs import, and the command line for the admins on the head
+    # node (`gpucluster cost|render|preflight`) with this stack's file. lib/ mirrors the repository for what the
+    # library reads (gpucluster.sources): the stack beside it, the fetcher that `render` puts into user data.
+    library = sources.ROOT / "gpucluster"
+    files |= {f"lib/gpucluster/{source.name}": (source.read_bytes(), 0o644) for source in sorted(library.glob("*.py"))}
+    files[f"lib/{sources.STACKS_DIR.name}/Pulumi.{stack.name}.yaml"] = (stack_file(stack).encode(), 0o644)
+    files[f"lib/{sources.NODE_DIR.name}/fetch_bundle.py"] = (sources.node_file("fetch_bundle.py"), 0o644)
     files["accounting.sql"] = (slurm.ACCOUNTING_DB_SQL.encode(), 0o644)
     files["accounting.sh"] = (slurm.accounting_script(stack, CLUSTER_USERS).encode(), 0o755)
     files |= {name: (text.encode(), 0o644)
@@ -40,10 +40,10 @@ def contents(stack: Stack) -> dict[str, tuple[bytes, int]]:
     return files
 
 
-def build(stack: Stack) -> bytes:
+def build(stack: Stack, layout: slurm.SlurmLayout = slurm.SlurmLayout()) -> bytes:
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name, (data, mode) in sorted(contents(stack).items()):
+        for name, (data, mode) in sorted(contents(stack, layout).items()):
             info = tarfile.TarInfo(name)
             info.size, info.mode, info.mtime = len(data), mode, 0
             tar.addfile(info, io.BytesIO(data))

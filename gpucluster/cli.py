@@ -14,16 +14,15 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from gpucluster import catalog, cost
+from gpucluster import catalog, cost, sources
 from gpucluster.plan import Declared, run_program
 from gpucluster.spec import Stack, SpecError, load_stack, resolve_stack_file
 
-STACKS_DIR = Path(__file__).resolve().parent.parent / "stacks"
 EXIT_BAD_INPUT = 2
 
 
 def _load(stack_arg: str) -> Stack:
-    return load_stack(resolve_stack_file(stack_arg, STACKS_DIR))
+    return load_stack(resolve_stack_file(stack_arg, sources.STACKS_DIR))
 
 
 def cost_table(stack: Stack, estimate: cost.CostEstimate) -> list[str]:
@@ -84,6 +83,10 @@ def resource_tree(declared: list[Declared]) -> list[str]:
 
 def plan(args: argparse.Namespace) -> int:
     stack = _load(args.stack)
+    if not sources.PROGRAM.exists():  # the head node's bundle carries the library, not the Pulumi program
+        print(f"plan runs the Pulumi program ({sources.PROGRAM.name} and components/), which is not here: run it from "
+              "a checkout of the repository. Here: render, preflight, cost.", file=sys.stderr)
+        return EXIT_BAD_INPUT
     declared = run_program(stack)
     estimate = cost.estimate(stack)
     if args.json:

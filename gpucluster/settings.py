@@ -24,6 +24,7 @@ ETC_DIR = "/etc/gpucluster"
 NODE_ENV_FILE = f"{ETC_DIR}/node.env"  # from user data: cluster, region, role, pool, the settings parameter
 SETTINGS_FILE = f"{ETC_DIR}/cluster.json"  # ClusterSettings as last fetched
 MUNGE_KEY_STAGED = f"{ETC_DIR}/munge.key"  # the key as fetched (root only), installed by the bootstrap
+SLURMD_SPOOL_DIR = "/var/spool/slurmd"
 STATE_DIR = "/var/lib/gpucluster"  # the head node's state volume: slurmctld state and MariaDB
 LOG_DIR = "/var/log/gpucluster"
 NODE_LOG = f"{LOG_DIR}/nodes.log"
@@ -106,6 +107,7 @@ class ClusterSettings:
     fsx_dns_name: str = ""
     fsx_mount_name: str = ""
     munge_key_parameter: str = ""
+    slurmctld_port: int = SLURMCTLD_PORT  # compute nodes fetch their configuration from it (configless)
     # The node programs' behaviour (stack settings) and where they write.
     all_or_nothing: bool = True  # a multi-node job gets all its nodes or none
     capacity_retry_seconds: int = 600

@@ -1,25 +1,21 @@
 """The cloud-init user data handed to EC2, byte for byte, for the head node and for each pool's nodes.
 
-User data holds no secret and nothing AWS assigns at `pulumi up`: a node learns the bucket, the file system and the
-head node's address from the SSM parameter `config_parameter(stack)`, fetches the bundle (Slurm files, node programs,
-bootstrap) from S3 and runs cloud-init/bootstrap.py in its role. So the bytes are known offline, and small: EC2 takes
-16384 bytes at most.
+User data holds no secret and nothing AWS assigns at `pulumi up`, and installs nothing (the node image holds the
+software). It writes three files: node.env (cluster, region, role, pool, the parameters to read), fetch_bundle.py, and
+the unit gpucluster-boot.service, which runs fetch_bundle.py at every boot, not only the first: it reads the settings
+and the munge key from SSM, fetches the bundle from S3 and runs bootstrap.py in the node's role. So the bytes are known
+offline, and small: EC2 takes 16384 bytes at most.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import yaml
 
+from gpucluster import settings, sources
 from gpucluster.spec import Pool, Stack
 
 EC2_USER_DATA_LIMIT = 16384
-# python3-venv and python3-yaml: the head node's `gpucluster` command (pydantic 2 goes into a venv).
-HEAD_PACKAGES = ["munge", "slurmctld", "slurmdbd", "slurm-client", "mariadb-server", "python3-boto3", "python3-venv",
-                 "python3-yaml"]
-NODE_PACKAGES = ["munge", "slurmd", "slurm-client", "python3-boto3"]
-FETCHER = (Path(__file__).resolve().parent.parent / "cloud-init" / "fetch_bundle.py").read_text()
+FETCHER = "fetch_bundle.py"
 
 
 class _Dumper(yaml.SafeDumper):
@@ -41,28 +37,65 @@ def munge_key_parameter(stack: Stack) -> str:
     return f"/gpucluster/{stack.cluster_name}/munge-key"
 
 
-def _cloud_config(stack: Stack, role: str, packages: list[str], hostname: str | None, pool: Pool | None) -> str:
+def boot_unit() -> str:
+    """gpucluster-boot.service: configure the node at every boot. A failed boot is retried, never left half done."""
+    return "\n".join([
+        "[Unit]",
+        "Description=gpucluster: fetch this node's settings and bundle, then configure it in its role",
+        "Wants=network-online.target",
+        # dlami-nvme.service mounts the instance store that enroot's cache goes on (Deep Learning AMIs).
+        "After=network-online.target dlami-nvme.service",
+        "StartLimitIntervalSec=0",
+        "",
+        "[Service]",
+        "Type=oneshot",
+        "RemainAfterExit=yes",
+        f"ExecStart=/usr/bin/python3 {settings.FETCHER} {settings.NODE_ENV_FILE}",
+        "Restart=on-failure",
+        "RestartSec=30",
+        # A node on a stock AMI builds its software first (build_image.sh): that takes minutes, not seconds.
+        "TimeoutStartSec=90min",
+        "",
+        "[Install]",
+        "WantedBy=multi-user.target",
+        "",
+    ])
+
+
+def node_env(stack: Stack, role: str, pool: Pool | None) -> dict[str, str]:
+    """What a node knows before it has read anything: written by cloud-init to settings.NODE_ENV_FILE."""
     env = {
         "GPUCLUSTER_CLUSTER": stack.cluster_name,
         "GPUCLUSTER_REGION": stack.region,
         "GPUCLUSTER_ROLE": role,
         "GPUCLUSTER_CONFIG_PARAMETER": config_parameter(stack),
+        "GPUCLUSTER_MUNGE_KEY_PARAMETER": munge_key_parameter(stack),
+        "GPUCLUSTER_BUNDLE_DIR": settings.BUNDLE_DIR,
+        "GPUCLUSTER_SETTINGS_FILE": settings.SETTINGS_FILE,
+        "GPUCLUSTER_MUNGE_KEY_FILE": settings.MUNGE_KEY_STAGED,
+        "GPUCLUSTER_BOOT_LOG": settings.BOOT_LOG,
     }
     if pool:
         env["GPUCLUSTER_POOL"] = pool.name
+    return env
+
+
+def _cloud_config(stack: Stack, role: str, hostname: str | None, pool: Pool | None) -> str:
     doc: dict[str, object] = {}
     if hostname:
         doc |= {"hostname": hostname, "manage_etc_hosts": True}
+    else:
+        doc["preserve_hostname"] = True  # the bootstrap names the node after its Slurm node; a reboot keeps it
     doc |= {
-        "package_update": True,
-        "packages": packages,
         "write_files": [
-            {"path": "/etc/gpucluster/node.env", "permissions": "0644",
-             "content": "".join(f"{k}={v}\n" for k, v in env.items())},
-            {"path": "/opt/gpucluster/fetch_bundle.py", "permissions": "0755", "content": FETCHER},
+            {"path": settings.NODE_ENV_FILE, "permissions": "0644",
+             "content": "".join(f"{k}={v}\n" for k, v in node_env(stack, role, pool).items())},
+            {"path": settings.FETCHER, "permissions": "0755", "content": sources.node_file(FETCHER).decode()},
+            {"path": f"/etc/systemd/system/{settings.BOOT_UNIT}", "permissions": "0644", "content": boot_unit()},
         ],
-        # The bootstrap is idempotent: a reboot runs it again and it converges.
-        "runcmd": [["/usr/bin/python3", "/opt/gpucluster/fetch_bundle.py"]],
+        # runcmd runs once per instance; the unit it enables runs at every boot. --no-block: cloud-init is itself
+        # part of the boot that the unit's start would wait for.
+        "runcmd": [["systemctl", "daemon-reload"], ["systemctl", "enable", "--now", "--no-block", settings.BOOT_UNIT]],
     }
     header = (f"#cloud-config\n# gpucluster {role} for stack {stack.name} ({stack.cluster_name}). "
               "Rendered from the stack file; holds no credentials.\n")
@@ -70,12 +103,12 @@ def _cloud_config(stack: Stack, role: str, packages: list[str], hostname: str | 
 
 
 def head_node(stack: Stack) -> str:
-    return _cloud_config(stack, "head", HEAD_PACKAGES, "head", None)
+    return _cloud_config(stack, "head", settings.HEAD_HOSTNAME, None)
 
 
 def pool_nodes(stack: Stack, pool: Pool) -> str:
     # The node takes its Slurm name (from its instance tag) as hostname in the bootstrap; nothing to set here.
-    return _cloud_config(stack, "compute", NODE_PACKAGES, None, pool)
+    return _cloud_config(stack, "compute", None, pool)
 
 
 def all_user_data(stack: Stack) -> dict[str, str]:
