@@ -23,6 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+from gpucluster import settings  # noqa: E402
 from gpucluster.spec import load_stack  # noqa: E402
 from local_cluster import BOOT_SECONDS, LocalCluster  # noqa: E402
 
@@ -45,7 +46,7 @@ def one_run() -> tuple[float, float]:
                           "sleep 5").strip()
         cluster.wait("job running", lambda: cluster.job_state(job) in ("RUNNING", "COMPLETED"), 120)
         total = time.monotonic() - start
-        return total, resume_seconds(root / "log" / "nodes.log")
+        return total, resume_seconds(cluster.head.path(settings.NODE_LOG))
     finally:
         cluster.stop()
         shutil.rmtree(root, ignore_errors=True)

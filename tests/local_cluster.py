@@ -1,19 +1,30 @@
-"""A real Slurm cluster on this machine, started from gpucluster's rendered configuration, with EC2 served by moto.
+"""A real Slurm cluster on this machine, booted the way EC2 boots gpucluster's nodes, with AWS served by moto.
 
-What differs from the head node, and why:
-- paths and ports (SlurmLayout): everything lives in a temporary directory, each slurmd gets its own port;
-- `SlurmdParameters=config_overrides`: the nodes here have 2 cores and no GPU, so slurmd reports the configured ones,
-  and /dev/null stands in for each GPU device file;
-- no cgroups (proctrack/linuxproc, jobacct_gather/linux): this sandbox's cgroup mounts are not usable by Slurm;
-- the node programs run through small wrappers that point boto3 at moto (AWS_ENDPOINT_URL) instead of being linked;
-- "booting" an instance is starting `slurmd -N <node>` here. moto's subnet is 127.0.0.0/24, so the address the resume
-  program gives Slurm is a loopback address that reaches that slurmd.
+The boot rehearsal: every node, the head and each launched instance, is a set of Linux namespaces on this machine with
+its own /etc, /var, /opt, /usr/local and /run (overlays on this machine's, which plays the node image: Debian's Slurm,
+munge and MariaDB) and its own host name. Each boots as EC2 would boot it: its user data, rendered by gpucluster,
+goes through cloud-init's steps, which enable gpucluster-boot.service; that unit runs fetch_bundle.py (settings and
+munge key from SSM, the bundle from S3, all in moto) and bootstrap.py in the node's role, which starts munge, MariaDB,
+slurmdbd, slurmctld or slurmd from the packaged unit files and our drop-ins. Nothing here starts a Slurm daemon.
+
+What this machine forces, and stands in for it:
+- no systemd as PID 1 and no cloud-init datasource: tests/rehearsal/systemctl and tests/rehearsal/cloud_init
+  (their docstrings say what they do);
+- no EC2: instances are moto's; a small instance-metadata server per node answers IMDSv2 (instance id, tags,
+  instance-profile credentials); the node image's Python finds boto3 and the AWS endpoints through one .pth file;
+- no block device or Lustre: the head's state volume is a loop device behind its EBS by-id name, /fsx a directory
+  shared by all nodes (mounted before the boot, so the bootstrap finds it mounted);
+- one host for all nodes: the Slurm ports differ per node (SlurmLayout.node_port_base), slurmd reports the configured
+  CPUs and GPUs (`config_overrides`, /dev/null as each GPU device), no cgroup plugins (this machine's cgroups are not
+  Slurm's to use), and compute nodes boot in a time namespace of their own (slurmctld ignores a node whose boot time
+  predates its resume request).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import pwd
 import shutil
 import signal
@@ -31,14 +42,16 @@ from gpucluster import slurm
 from gpucluster.spec import Stack
 
 ROOT = Path(__file__).resolve().parent.parent
-NODE_PROGRAM = ROOT / "cloud-init" / "gpucluster_node.py"
-BUDGET_PROGRAM = ROOT / "cloud-init" / "gpucluster_budget.py"
-REQUIRED = ("/usr/bin/python3", "munged", "slurmctld", "slurmd", "slurmdbd", "sinfo", "scontrol", "sbatch", "mariadbd", "mariadb-install-db",
-            "unshare", "runuser")
+REHEARSAL = Path(__file__).resolve().parent / "rehearsal"
+REQUIRED = ("/usr/bin/python3", "munged", "slurmctld", "slurmd", "slurmdbd", "sinfo", "scontrol", "sbatch", "mariadbd",
+            "mariadb-install-db", "unshare", "nsenter", "losetup", "mkfs.ext4", "systemd-analyze", "systemd-tmpfiles")
+# What a user or a test runs on the head node: these commands enter its namespaces (a login on the head).
+HEAD_COMMANDS = ("sbatch", "squeue", "scontrol", "sinfo", "sacctmgr", "sshare", "sacct", "scancel", "srun", "sreport")
 BOOT_SECONDS = 2.0
 SITE_PACKAGES = Path(__import__("boto3").__file__).resolve().parent.parent
 MOTO_ACCOUNT = "123456789012"
 AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+IMAGE_AMI = "ami-12c6146b"  # one of moto's images
 
 
 def missing_tools() -> list[str]:
@@ -113,28 +126,38 @@ def wait_for(what: str, ready: Callable[[], bool], watched: list[subprocess.Pope
     raise RuntimeError(f"{what} did not come up in time:\n{tails}")
 
 
-class FaultyEC2:
-    """An HTTP front for moto that answers CreateFleet with an EC2 error for the markets in `failing_markets`."""
+class AwsFront:
+    """An HTTP front for moto, one per caller (a node, or the tests), so that each AWS call is counted against who made
+    it. It can answer CreateFleet with an EC2 error for the markets in `failing_markets`, and the next `throttle[action]`
+    calls of an action with ThrottlingException, as AWS does when an account's request rate is spent."""
 
-    def __init__(self, upstream: str):
-        self.upstream = upstream
-        self.failing_markets: dict[str, str] = {}  # market -> error code
-        self.calls: list[str] = []
+    def __init__(self, upstream: str, who: str, calls: list[tuple[str, str]], failing_markets: dict[str, str],
+                 throttle: dict[str, int]):
+        self.upstream, self.who = upstream, who
+        self.calls = calls  # (who, action), shared by every front of a cluster
+        self.failing_markets, self.throttle = failing_markets, throttle
         front = self
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args: object) -> None:
                 pass
 
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                text = body.decode()
-                if "Action=CreateFleet" in text:
+            def _any(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
+                action = front.action(self.command, self.path, self.headers, body)
+                front.calls.append((front.who, action))
+                if front.throttle.get(action, 0) > 0:
+                    front.throttle[action] -= 1
+                    return self._reply(400, b'{"__type":"ThrottlingException","message":"Rate exceeded"}',
+                                       "application/x-amz-json-1.1")
+                if action == "CreateFleet":
+                    text = body.decode()
                     market = next((m for m in front.failing_markets if f"DefaultTargetCapacityType={m}" in text), None)
-                    front.calls.append(f"CreateFleet {market or 'ok'}")
                     if market:
+                        front.calls[-1] = (front.who, f"CreateFleet {market} refused")
                         return self._reply(200, _fleet_error(front.failing_markets[market]))
-                request = urllib.request.Request(front.upstream + self.path, data=body, method="POST",
+                request = urllib.request.Request(front.upstream + self.path, data=body if body else None,
+                                                 method=self.command,
                                                  headers={k: v for k, v in self.headers.items() if k.lower() != "host"})
                 try:
                     with urllib.request.urlopen(request, timeout=60) as reply:
@@ -142,19 +165,32 @@ class FaultyEC2:
                 except urllib.error.HTTPError as err:
                     self._reply(err.code, err.read(), err.headers.get("Content-Type"))
 
+            do_GET = do_POST = do_PUT = do_HEAD = do_DELETE = _any
+
             def _reply(self, status: int, data: bytes, content_type: str | None = "text/xml") -> None:
                 self.send_response(status)
                 self.send_header("Content-Type", content_type or "text/xml")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                self.wfile.write(data)
+                if self.command != "HEAD":
+                    self.wfile.write(data)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
+    @staticmethod
+    def action(method: str, path: str, headers, body: bytes) -> str:  # type: ignore[no-untyped-def]
+        """The API call: the JSON protocols name it in X-Amz-Target, the query protocols in Action=, S3 by method."""
+        if target := headers.get("X-Amz-Target"):
+            return target.rsplit(".", 1)[-1]
+        if match := re.search(r"Action=(\w+)", body.decode(errors="replace") + path):
+            return match.group(1)
+        return {"GET": "s3:GetObject", "PUT": "s3:PutObject", "HEAD": "s3:HeadObject"}.get(method, f"s3:{method}")
+
     def close(self) -> None:
         self.server.shutdown()
+        self.server.server_close()
 
 
 def _fleet_error(code: str) -> bytes:
@@ -170,20 +206,205 @@ def _fleet_error(code: str) -> bytes:
 </CreateFleetResponse>""".encode()
 
 
+
+
+class InstanceMetadata:
+    """IMDSv2 for one rehearsal node: a token, the instance id, its tags as EC2 has them now (read from moto at each
+    request, so a tag added after launch shows up as on EC2), and instance-profile credentials."""
+
+    def __init__(self, instance_id: str, tags: Callable[[], dict[str, str]]):
+        meta = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_PUT(self) -> None:
+                self._reply(200, "rehearsal-token" if self.path == "/latest/api/token" else "")
+
+            def do_GET(self) -> None:
+                if self.headers.get("X-aws-ec2-metadata-token") != "rehearsal-token":
+                    return self._reply(401, "")
+                path = self.path.removeprefix("/latest/")
+                now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 6 * 3600))
+                answers = {
+                    "meta-data/instance-id": instance_id,
+                    "meta-data/iam/security-credentials/": "gpucluster-node",
+                    "meta-data/iam/security-credentials/gpucluster-node": json.dumps({
+                        "Code": "Success", "Type": "AWS-HMAC", "AccessKeyId": "testing", "SecretAccessKey": "testing",
+                        "Token": "testing", "Expiration": now, "LastUpdated": now}),
+                }
+                if path.startswith("meta-data/tags/instance/"):
+                    value = meta.tags().get(path.removeprefix("meta-data/tags/instance/"))
+                    return self._reply(200, value) if value is not None else self._reply(404, "")
+                self._reply(200, answers[path]) if path in answers else self._reply(404, "")
+
+            def _reply(self, status: int, text: str) -> None:
+                data = text.encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.tags = tags
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+OVERLAID = ("/etc", "/var", "/opt", "/usr/local")  # the node's own copies of the image's directories
+
+
+@dataclass
+class RehearsalNode:
+    """One EC2 instance of the cluster as a set of namespaces; `boot` runs its user data as EC2 and cloud-init would."""
+
+    name: str  # for the harness's logs; the node learns its Slurm name itself
+    root: Path
+    user_data: str
+    aws: AwsFront
+    imds: InstanceMetadata
+    fsx: Path
+    volume: Path | None = None  # the head's state volume (a loop device behind its EBS by-id name)
+    volume_id: str = ""
+    own_clock: bool = False  # compute nodes: a boot time of their own
+    init: subprocess.Popen[bytes] | None = None
+
+    def boot(self) -> None:
+        """Power on: fresh /run, the image's directories overlaid, then cloud-init's first-boot steps (a reboot skips
+        them: cloud-init runs write_files and runcmd once per instance) and the units enabled for multi-user.target."""
+        first = not (self.root / "etc.up").exists()
+        for d in OVERLAID:
+            for part in ("up", "work"):
+                (self.root / f"{d.strip('/').replace('/', '-')}.{part}").mkdir(parents=True, exist_ok=True)
+        run_dir = self.root / "run"
+        shutil.rmtree(run_dir, ignore_errors=True)  # /run is a tmpfs: empty at every boot
+        (run_dir / "rehearsal-systemd").mkdir(parents=True)
+        self._image()
+        (run_dir / "rehearsal-systemd" / "environment.json").write_text(json.dumps(
+            {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}))
+        disk = self.root / "disk-by-id"
+        disk.mkdir(exist_ok=True)
+        if self.volume:
+            link = disk / f"nvme-Amazon_Elastic_Block_Store_{self.volume_id.replace('-', '')}"
+            link.unlink(missing_ok=True)
+            link.symlink_to(self.volume)
+        for where in ("/dev/disk/by-id", "/fsx"):
+            Path(where).mkdir(parents=True, exist_ok=True)  # mount points on this machine; empty
+        mounts = [f"mount -t overlay overlay -o lowerdir={d},upperdir={self._dir(d, 'up')},workdir={self._dir(d, 'work')} {d}"
+                  for d in OVERLAID]
+        mounts += [f"mount --bind {run_dir} /run", "mount -t tmpfs tmpfs /dev/shm", f"mount --bind {disk} /dev/disk/by-id",
+                   f"mount --bind {self.fsx} /fsx", f"mount --bind {REHEARSAL / 'systemctl'} /usr/bin/systemctl",
+                   f"hostname ip-{self.name}", "systemd-tmpfiles --create --prefix=/run --prefix=/var/lib >/dev/null 2>&1 || true",
+                   "exec sleep infinity"]
+        clock = ["--time", f"--boottime=-{Path('/proc/uptime').read_text().split('.')[0]}"] if self.own_clock else []
+        log = open(self.root / "init.log", "ab")
+        self.init = subprocess.Popen(["unshare", "--mount", "--uts", "--propagation", "private", *clock, "--",
+                                      "sh", "-ec", "; ".join(mounts)], stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        wait_for(f"node {self.name}'s namespaces", lambda: self._ready(), [self.init], [self.root / "init.log"], 10)
+        if first:
+            (self.root / "user-data").write_text(self.user_data)
+            self.enter("/usr/bin/python3", str(REHEARSAL / "cloud_init"), str(self.root / "user-data"))
+        else:
+            wants = self.root / "etc.up" / "systemd" / "system" / "multi-user.target.wants"
+            for unit in sorted(p.name for p in wants.iterdir()) if wants.is_dir() else []:
+                self.enter("systemctl", "start", "--no-block", unit)
+
+    def _dir(self, d: str, part: str) -> Path:
+        return self.root / f"{d.strip('/').replace('/', '-')}.{part}"
+
+    def _image(self) -> None:
+        """What the node image adds to this machine's packages: its manifest, its venv, boto3 for the system Python.
+        The .pth file also points the AWS SDK at this node's moto front and metadata server (the seam for EC2)."""
+        image = self._dir("/opt", "up") / "gpucluster-image"
+        image.mkdir(parents=True, exist_ok=True)
+        (image / "manifest.json").write_text(json.dumps({"role": "rehearsal", "from": "Debian packages (make test)"}))
+        venv = image / "venv"
+        if not venv.is_symlink():
+            venv.symlink_to(Path(SITE_PACKAGES).parents[2])  # the test venv: pydantic for `gpucluster`, torch
+        dist = self._dir("/usr/local", "up") / "lib" / "python3.11" / "dist-packages"
+        dist.mkdir(parents=True, exist_ok=True)
+        (dist / "rehearsal.pth").write_text(
+            f"{SITE_PACKAGES}\nimport os; os.environ.setdefault('AWS_ENDPOINT_URL', '{self.aws.url}'); "
+            f"os.environ.setdefault('AWS_EC2_METADATA_SERVICE_ENDPOINT', '{self.imds.url}')\n")
+
+    def _ready(self) -> bool:
+        return self.init is not None and self.init.poll() is None and \
+            os.readlink(f"/proc/{self.init.pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt") and \
+            subprocess.run(self.prefix() + ["mountpoint", "-q", "/fsx"], capture_output=True).returncode == 0
+
+    def prefix(self) -> list[str]:
+        assert self.init is not None
+        return ["nsenter", "-t", str(self.init.pid), "-m", "-u"] + (["-T"] if self.own_clock else []) + ["--"]
+
+    def enter(self, *args: str, env: dict[str, str] | None = None, check: bool = True,
+              timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(self.prefix() + list(args), env=env, capture_output=True, text=True, timeout=timeout)
+        if check and done.returncode:
+            raise RuntimeError(f"on {self.name}: {' '.join(args)} exited {done.returncode}: {done.stderr[-2000:]}")
+        return done
+
+    def path(self, inside: str) -> Path:
+        """A path as the node sees it, read from outside."""
+        assert self.init is not None
+        return Path(f"/proc/{self.init.pid}/root{inside}")
+
+    def boot_state(self) -> str:
+        state = self.root / "run" / "rehearsal-systemd" / "gpucluster-boot.service.json"
+        return json.loads(state.read_text())["state"] if state.exists() else "starting"
+
+    def logs(self) -> str:
+        parts = []
+        for name in ("var.up/log/gpucluster/boot.log", "var.up/log/rehearsal/gpucluster-boot.service.log"):
+            f = self.root / name
+            if f.exists():
+                parts.append(f"--- {self.name}: {name}\n{f.read_text(errors='replace')[-3000:]}")
+        for f in sorted((self.root / "var.up" / "log").glob("slurm/*.log")) + sorted(
+                (self.root / "var.up" / "log" / "rehearsal").glob("*.log")):
+            parts.append(f"--- {self.name}: {f.name}\n{f.read_text(errors='replace')[-1500:]}")
+        return "\n".join(parts)
+
+    def power_off(self) -> None:
+        """Every process of the node ends at once, as when EC2 stops or terminates the instance."""
+        if self.init is None:
+            return
+        try:
+            ns = os.readlink(f"/proc/{self.init.pid}/ns/mnt")
+        except OSError:  # its init is gone: nothing of the node runs any more
+            ns = os.readlink("/proc/self/ns/mnt")
+        for proc in (Path("/proc").iterdir() if ns != os.readlink("/proc/self/ns/mnt") else ()):
+            if proc.name.isdigit() and int(proc.name) != self.init.pid:
+                try:
+                    if os.readlink(proc / "ns" / "mnt") == ns:
+                        os.kill(int(proc.name), signal.SIGKILL)
+                except OSError:
+                    continue
+        stop(self.init)
+        self.init = None
+
+
 @dataclass
 class LocalCluster:
     stack: Stack
     root: Path
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
-    nodes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)  # booted node -> its slurmd
-    boots: list[tuple[str, float]] = field(default_factory=list)  # (node, when its slurmd started)
+    nodes: dict[str, RehearsalNode] = field(default_factory=dict)  # instance id -> booted compute node
+    boots: list[tuple[str, float]] = field(default_factory=list)  # (node name, when its instance booted)
+    calls: list[tuple[str, str]] = field(default_factory=list)  # (who, AWS action) through the fronts
+    failing_markets: dict[str, str] = field(default_factory=dict)
+    throttle: dict[str, int] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
+    _closers: list[Callable[[], None]] = field(default_factory=list)
 
     # --- lifecycle -----------------------------------------------------------------------------------------------
-    def start(self) -> LocalCluster:
+    def start(self, boot_head: bool = True) -> LocalCluster:
         try:
-            self._start()
+            self._start(boot_head)
         except BaseException:
             self.stop()
             raise
@@ -191,195 +412,219 @@ class LocalCluster:
 
     def stop(self) -> None:
         self._stop.set()
-        for proc in list(self.nodes.values()) + list(reversed(self.procs)):
-            stop(proc)
+        for node in list(self.nodes.values()) + ([self.head] if hasattr(self, "head") else []):
+            node.power_off()
         self.nodes.clear()
-        self._stop_orphan_steps()
-        for closer in ("faulty", "moto"):
-            if hasattr(self, closer):
-                getattr(self, closer).stop() if closer == "moto" else getattr(self, closer).close()
+        if hasattr(self, "volume_device"):
+            subprocess.run(["losetup", "-d", self.volume_device], capture_output=True)
+        for close in reversed(self._closers):
+            close()
 
-    def _start(self) -> None:
+    def _start(self, boot_head: bool) -> None:
         from moto.server import ThreadedMotoServer
+
+        from gpucluster import bundle, userdata
 
         self.root.chmod(0o755)
         port = free_port()
         self.moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
         self.moto.start()
+        self._closers.append(self.moto.stop)
         # moto's backends are shared by every server in this process: each cluster starts from an empty account.
         urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/moto-api/reset", method="POST"))
-        self.faulty = FaultyEC2(f"http://127.0.0.1:{port}")
         self.moto_url = f"http://127.0.0.1:{port}"
         nodes = sum(p.max_nodes for p in self.stack.spec.pools)
-        # One block for every port of the cluster: ports picked one by one could land inside the nodes' range.
-        ports = free_port_block(nodes + 3)
-        self.layout = slurm.SlurmLayout(
-            controller_host=socket.gethostname(),
-            controller_port=ports,
-            node_port=ports + 1,
-            dbd_port=ports + 2,
-            node_port_base=ports + 3,
-            state_dir=str(self.root / "state"),
-            spool_dir=str(self.root / "spool"),
-            log_dir=str(self.root / "log"),
-            run_dir=str(self.root / "run"),
-            programs_dir=str(self.root / "bin"),
-            munge_socket=str(self.root / "munge" / "munge.socket"),
-            dev_dir=str(self.root / "dev"),
-            simulated_hardware=True,
-            cgroups=False,
-        )
-        self.config_path = self.root / "cluster.json"
-        self._ec2_world()
-        self._files()
-        self._daemons()
-        threading.Thread(target=self._boot_loop, daemon=True).start()
+        ports = free_port_block(nodes + 3)  # one block: ports picked one by one could land inside the nodes' range
+        self.dev_dir = self.root / "dev"
+        self.layout = slurm.SlurmLayout(controller_port=ports, node_port=ports + 1, dbd_port=ports + 2,
+                                        node_port_base=ports + 3, dev_dir=str(self.dev_dir), simulated_hardware=True,
+                                        cgroups=False, power_save_min_interval=0)
+        self._devices()
+        self.fsx = self.root / "fsx"
+        self.fsx.mkdir()
+        self.bundle = bundle.build(self.stack, self.layout)
+        self._aws_world(bundle.key(self.bundle), userdata)
+        self.env = {**os.environ, "PATH": f"{self._login_commands()}:{os.environ['PATH']}"}
+        self.env.pop("SLURM_CONF", None)
+        if boot_head:
+            self.boot_head()
+            threading.Thread(target=self._boot_loop, daemon=True).start()
 
-    def _stop_orphan_steps(self) -> None:
-        """slurmstepd detaches from slurmd: a job step still running when its "node" stops would outlive the test."""
-        if not hasattr(self, "conf"):
-            return
-        mark = f"SLURM_CONF={self.conf}".encode()
-        for proc in Path("/proc").iterdir():
-            try:
-                if proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(b"slurmstepd") \
-                        and mark in (proc / "environ").read_bytes().split(b"\0"):
-                    os.kill(int(proc.name), signal.SIGKILL)
-            except OSError:  # gone meanwhile, or not ours to read
-                continue
+    def front(self, who: str) -> AwsFront:
+        front = AwsFront(self.moto_url, who, self.calls, self.failing_markets, self.throttle)
+        self._closers.append(front.close)
+        return front
 
-    # --- EC2 in moto: what `pulumi up` would have created -------------------------------------------------------
-    def ec2(self):  # type: ignore[no-untyped-def]
+    def aws(self, service: str):  # type: ignore[no-untyped-def]
         import boto3
 
-        return boto3.client("ec2", endpoint_url=self.moto_url, region_name=self.stack.region, **{
-            "aws_access_key_id": "testing", "aws_secret_access_key": "testing"})
+        return boto3.client(service, endpoint_url=self.moto_url, region_name=self.stack.region,
+                            aws_access_key_id="testing", aws_secret_access_key="testing")
 
-    def _ec2_world(self) -> None:
-        ec2 = self.ec2()
+    def ec2(self):  # type: ignore[no-untyped-def]
+        return self.aws("ec2")
+
+    def _devices(self) -> None:
+        self.dev_dir.mkdir()
+        for pool in self.stack.spec.pools:
+            acc = pool.itype.accelerator
+            for i in range(acc.count if acc else 0):
+                device = self.dev_dir / f"{acc.kind}{i}"  # as slurm.device_files names them
+                if not device.is_symlink():
+                    device.symlink_to("/dev/null")  # slurmd wants a character device behind each gres.conf File=
+
+    # --- AWS in moto: what `pulumi up` would have created -------------------------------------------------------
+    def _aws_world(self, bundle_key: str, userdata) -> None:  # type: ignore[no-untyped-def]
+        from gpucluster.settings import BudgetSettings, ClusterSettings, PoolSettings
+
+        ec2, s3, ssm = self.ec2(), self.aws("s3"), self.aws("ssm")
         vpc = ec2.create_vpc(CidrBlock="127.0.0.0/16")["Vpc"]["VpcId"]
-        subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="127.0.0.0/24",
-                                   AvailabilityZone=self.stack.spec.availability_zone)["Subnet"]["SubnetId"]
+        # moto gives instances addresses from this subnet: loopback addresses that reach this machine's daemons.
+        self.subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="127.0.0.0/24",
+                                        AvailabilityZone=self.stack.spec.availability_zone)["Subnet"]["SubnetId"]
         pools = {}
         for pool in self.stack.spec.pools:
             template = ec2.create_launch_template(
                 LaunchTemplateName=f"{self.stack.cluster_name}-{pool.name}",
-                LaunchTemplateData={"ImageId": "ami-12c6146b", "InstanceType": pool.instance_type,
+                LaunchTemplateData={"ImageId": IMAGE_AMI, "InstanceType": pool.instance_type,
                                     "TagSpecifications": [{"ResourceType": "instance", "Tags": [
                                         {"Key": k, "Value": v} for k, v in {**self.stack.tags, "gpucluster:pool": pool.name}.items()]}]},
             )["LaunchTemplate"]["LaunchTemplateId"]
-            pools[pool.name] = {"launch_template_id": template, "subnet_id": subnet,
-                                "instance_type": pool.instance_type, "market": pool.capacity}
-        self.config_path.write_text(json.dumps({
-            "cluster": self.stack.cluster_name, "region": self.stack.region, "pools": pools,
-            "log_file": str(self.root / "log" / "nodes.log"), "scontrol": shutil.which("scontrol"),
-            "team": self.stack.spec.team, "budget_state_file": str(self.root / "budget.json"),
-        }, indent=1))
+            pools[pool.name] = PoolSettings(name=pool.name, launch_template_id=template, subnet_id=self.subnet,
+                                            instance_type=pool.instance_type, market=pool.capacity,
+                                            max_nodes=pool.max_nodes)
+        head = ec2.run_instances(ImageId=IMAGE_AMI, InstanceType=self.stack.spec.head_node.instance_type, MinCount=1,
+                                 MaxCount=1, SubnetId=self.subnet, TagSpecifications=[{"ResourceType": "instance", "Tags": [
+                                     {"Key": "Name", "Value": f"{self.stack.cluster_name}-head"}]}])["Instances"][0]
+        self.head_instance, self.head_address = head["InstanceId"], head["PrivateIpAddress"]
+        self.volume_id = ec2.create_volume(AvailabilityZone=self.stack.spec.availability_zone, Size=1)["VolumeId"]
+        image = self.root / "state-volume.img"
+        subprocess.run(["truncate", "-s", "256M", str(image)], check=True)
+        self.volume_device = subprocess.run(["losetup", "-f", "--show", str(image)], check=True, capture_output=True,
+                                            text=True).stdout.strip()
+        bucket = f"{self.stack.cluster_name}-bundle"
+        s3.create_bucket(Bucket=bucket)
+        s3.put_object(Bucket=bucket, Key=bundle_key, Body=self.bundle)
+        sns, sqs = self.aws("sns"), self.aws("sqs")
+        self.topic = sns.create_topic(Name=f"{self.stack.cluster_name}-alerts")["TopicArn"]
+        queue = sqs.create_queue(QueueName=f"{self.stack.cluster_name}-guardrail")["QueueUrl"]
+        arn = sqs.get_queue_attributes(QueueUrl=queue, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+        sns.subscribe(TopicArn=self.topic, Protocol="sqs", Endpoint=arn)
+        self.set_spend(0.0)
+        budget = self.stack.spec.budget
+        self.settings = ClusterSettings(
+            cluster=self.stack.cluster_name, team=self.stack.spec.team, region=self.stack.region, pools=pools,
+            bundle_bucket=bucket, bundle_key=bundle_key, head_address=self.head_address, state_volume_id=self.volume_id,
+            fsx_dns_name="fs-0123456789abcdef0.fsx.us-east-1.amazonaws.com", fsx_mount_name="abcdefgh",
+            munge_key_parameter=userdata.munge_key_parameter(self.stack), slurmctld_port=self.layout.controller_port,
+            all_or_nothing=self.stack.spec.slurm.all_or_nothing,
+            capacity_retry_seconds=self.stack.spec.slurm.capacity_retry_seconds,
+            # The guardrail checks the budget every 5 s here instead of hourly: tests shorten timers, not sleep.
+            budget=BudgetSettings(budget_name=self.stack.budget_name, account_id=MOTO_ACCOUNT,
+                                  act_threshold_percent=budget.act_threshold_percent or 100, queue_url=queue,
+                                  topic_arn=self.topic, check_seconds=5, launch_deny_action=False))
+        ssm.put_parameter(Name=userdata.config_parameter(self.stack), Type="String", Value=self.settings.to_json())
+        self.userdata = userdata
 
-    # --- files and daemons ----------------------------------------------------------------------------------------
-    def _files(self) -> None:
-        lay = self.layout
-        for d in (lay.state_dir, lay.spool_dir, lay.log_dir, lay.run_dir, lay.programs_dir, lay.dev_dir):
-            Path(d).mkdir()
-            _own(Path(d), lay.slurm_user)
-        for pool in self.stack.spec.pools:
-            acc = pool.itype.accelerator
-            for i in range(acc.count if acc else 0):
-                # slurmd wants a character device behind each gres.conf File=: /dev/null stands in for the GPU.
-                device = Path(lay.dev_dir) / f"{acc.kind}{i}"  # as slurm.device_files names them
-                if not device.is_symlink():
-                    device.symlink_to("/dev/null")
-        self.conf = self.root / "slurm.conf"
-        self.conf.write_text(slurm.slurm_conf(self.stack, lay))
-        (self.root / "gres.conf").write_text(slurm.gres_conf(self.stack, lay))
-        dbd = self.root / "slurmdbd.conf"
-        dbd.write_text(slurm.slurmdbd_conf(self.stack, lay))
-        dbd.chmod(0o600)
-        _own(dbd, lay.slurm_user)
-        self.env = {**os.environ, **AWS_ENV, "SLURM_CONF": str(self.conf), "GPUCLUSTER_CONFIG": str(self.config_path),
-                    "AWS_ENDPOINT_URL": self.faulty.url}
-        for command in ("resume", "suspend", "resume-fail"):
-            wrapper = Path(lay.programs_dir) / command
-            exports = " ".join(f"{k}={v}" for k, v in self.env.items()
-                               if k.startswith("AWS_") or k in ("SLURM_CONF", "GPUCLUSTER_CONFIG"))
-            # Slurm runs these as the slurm user with the system python3, as on the head node; boto3 comes from the
-            # test environment's site-packages (the interpreter behind it may sit where slurm cannot read).
-            wrapper.write_text(f"#!/bin/sh\nexport {exports} PYTHONPATH={SITE_PACKAGES}\n"
-                               f"exec /usr/bin/python3 {NODE_PROGRAM} {command} \"$@\"\n")
-            wrapper.chmod(0o755)
+    def _login_commands(self) -> Path:
+        """Slurm's commands as a user on the head node runs them."""
+        bin_dir = self.root / "head-login"
+        bin_dir.mkdir(exist_ok=True)
+        for name in HEAD_COMMANDS:
+            # Off the PATH a job inherits (sbatch exports it): inside a job, srun is the node's own.
+            (bin_dir / name).write_text(f"#!/bin/sh\nPATH=$(echo \"$PATH\" | sed 's#{bin_dir}:##')\n"
+                                        f"exec nsenter -t \"$(cat {self.root}/head.pid)\" -m -u -- /usr/bin/{name} \"$@\"\n")
+            (bin_dir / name).chmod(0o755)
+        return bin_dir
 
-    def _daemons(self) -> None:
-        lay = self.layout
-        logs = Path(lay.log_dir)
-        munge_dir = Path(lay.munge_socket).parent
-        munge_dir.mkdir()
-        munge_dir.chmod(0o755)  # munged insists that every client can reach its socket
-        key = munge_dir / "munge.key"
-        key.write_bytes(os.urandom(1024))
-        key.chmod(0o400)
-        for path in (munge_dir, key):
-            _own(path, "munge")
-        spawn(self.procs, ["runuser", "-u", "munge", "--", "munged", "--foreground", f"--key-file={key}",
-                           f"--socket={lay.munge_socket}", f"--pid-file={munge_dir}/munged.pid",
-                           f"--log-file={munge_dir}/munged.log", f"--seed-file={munge_dir}/seed"])
-        db_socket = self._database()
-        env = {**self.env, "MYSQL_UNIX_PORT": str(db_socket)}
-        dbd = spawn(self.procs, ["slurmdbd", "-D"], env)
-        wait_for("slurmdbd", lambda: listening(lay.dbd_port), [dbd], [logs / "slurmdbd.log"])
-        ctld = spawn(self.procs, ["slurmctld", "-D", "-i", "-f", str(self.conf)], env)
-        wait_for("slurmctld", lambda: subprocess.run(["sinfo"], env=self.env, capture_output=True).returncode == 0,
-                 [ctld, dbd], [logs / "slurmctld.log", logs / "slurmdbd.log"])
-        # The head node's accounting script, for the user the tests submit as.
-        subprocess.run(["sh", "-c", slurm.accounting_script(self.stack, ("root",))], env=self.env, check=True,
-                       capture_output=True)
+    # --- booting ----------------------------------------------------------------------------------------------------
+    def boot_head(self, seconds: float = 180, name: str = "head") -> None:
+        """A head node instance: the first, or (with another name) its replacement, which comes up on the same state
+        volume and the same fixed network interface as `pulumi up` gives it."""
+        imds = InstanceMetadata(self.head_instance, lambda: {})
+        self._closers.append(imds.close)
+        self.head = RehearsalNode(name, self.root / name, self.userdata.head_node(self.stack), self.front("head"),
+                                  imds, self.fsx, volume=Path(self.volume_device), volume_id=self.volume_id)
+        self.head.boot()
+        (self.root / "head.pid").write_text(str(self.head.init.pid))  # type: ignore[union-attr]
+        self.wait_booted(self.head, seconds)
+        # As the README tells admins: users other than the image's login user are added by hand; the tests submit
+        # as root.
+        team = self.stack.spec.team
+        self.run("sacctmgr", "-i", "add", "user", "root", f"Account={team}", f"DefaultAccount={team}")
 
-    def _database(self) -> Path:
-        """A private MariaDB with the accounting user slurmdbd connects as (Unix-socket authentication)."""
-        db = self.root / "mysql"
-        data = db / "data"
-        data.mkdir(parents=True)
-        for path in (db, data):
-            _own(path, "mysql")
-        subprocess.run(["mariadb-install-db", "--user=mysql", f"--datadir={data}",
-                        "--auth-root-authentication-method=socket", "--skip-test-db"], check=True, capture_output=True)
-        sock = db / "mysqld.sock"
-        log = db / "error.log"
-        proc = spawn(self.procs, ["mariadbd", "--user=mysql", f"--datadir={data}", f"--socket={sock}",
-                                  "--skip-networking", f"--pid-file={db}/mysqld.pid", f"--log-error={log}"])
-        wait_for("MariaDB", sock.exists, [proc], [log])
-        subprocess.run(["mariadb", f"--socket={sock}", "-u", "root", "-e", slurm.ACCOUNTING_DB_SQL], check=True)
-        return sock
+    def replace_head(self) -> None:
+        """`pulumi up` replacing the head node: the old instance goes first (delete_before_replace), a new one boots."""
+        self.head.power_off()
+        self.boot_head(name=f"head-{len(list(self.root.glob('head*/')))}")
 
-    # --- the node booter: plays the part of EC2 starting and stopping machines ----------------------------------
+    def reboot(self, node: RehearsalNode, seconds: float = 180) -> None:
+        node.power_off()
+        node.boot()
+        if node is self.head:
+            (self.root / "head.pid").write_text(str(self.head.init.pid))  # type: ignore[union-attr]
+        self.wait_booted(node, seconds)
+
+    def wait_booted(self, node: RehearsalNode, seconds: float) -> None:
+        try:
+            wait_for(f"{node.name} to boot", lambda: node.boot_state() in ("active", "failed"), [], [], seconds)
+        except RuntimeError:
+            raise RuntimeError(f"{node.name} did not finish booting in {seconds:.0f} s\n{node.logs()}") from None
+        if node.boot_state() != "active":
+            raise RuntimeError(f"{node.name}'s boot failed\n{node.logs()}")
+
     def _boot_loop(self) -> None:
+        """EC2's part: an instance launched by the resume program boots a little later; a terminated one stops."""
         ec2 = self.ec2()
         seen: dict[str, float] = {}
         while not self._stop.is_set():
             try:
-                live = self.instances(ec2)
+                live = self.instances_by_id(ec2)
             except Exception:  # moto shutting down with the test
                 return
             now = time.monotonic()
-            for node in live.keys() - self.nodes.keys():
+            for instance in live.keys() - self.nodes.keys() - {self.head_instance}:
                 # Slurm compares boot times in whole seconds and ignores a node that "booted" before it was resumed;
                 # a real instance takes minutes, here two seconds are enough.
-                if now - seen.setdefault(node, now) >= BOOT_SECONDS:
-                    self._boot(node)
-                    seen.pop(node)
-            for node in self.nodes.keys() - live.keys():
-                stop(self.nodes.pop(node))
+                if now - seen.setdefault(instance, now) >= BOOT_SECONDS:
+                    seen.pop(instance)
+                    try:
+                        self._boot(instance, live[instance])
+                    except Exception as exc:  # the node stays down; the test's wait reports the logs
+                        (self.root / f"boot-{instance}.error").write_text(str(exc))
+            for instance in self.nodes.keys() - live.keys():
+                self.nodes.pop(instance).power_off()
             time.sleep(0.3)
 
-    def _boot(self, node: str) -> None:
-        (Path(self.layout.spool_dir) / node).mkdir(exist_ok=True)  # the package makes /var/spool/slurmd on a real node
-        uptime = Path("/proc/uptime").read_text().split(".")[0]
-        # slurmctld ignores a node whose boot time predates the resume request: boot it in a time namespace of its own.
-        self.nodes[node] = spawn([], ["unshare", "--time", f"--boottime=-{uptime}", "slurmd", "-D", "-f", str(self.conf),
-                                      "-N", node], self.env, Path(self.layout.log_dir) / f"boot-{node}.log")
-        self.boots.append((node, time.time()))
+    def _boot(self, instance: str, pool_name: str) -> None:
+        pool = next(p for p in self.stack.spec.pools if p.name == pool_name)
+        ec2 = self.ec2()
+
+        def tags() -> dict[str, str]:
+            found = ec2.describe_instances(InstanceIds=[instance])["Reservations"][0]["Instances"][0].get("Tags", [])
+            return {t["Key"]: t["Value"] for t in found}
+
+        imds = InstanceMetadata(instance, tags)
+        self._closers.append(imds.close)
+        node = RehearsalNode(instance, self.root / instance, self.userdata.pool_nodes(self.stack, pool),
+                             self.front(instance), imds, self.fsx, own_clock=True)
+        self.nodes[instance] = node
+        node.boot()
+        self.boots.append((tags().get("gpucluster:node", instance), time.time()))
+
+    def instances_by_id(self, ec2=None) -> dict[str, str]:  # type: ignore[no-untyped-def]
+        """Pending or running instances of this cluster in moto: instance id -> pool."""
+        ec2 = ec2 or self.ec2()
+        found = {}
+        for r in ec2.describe_instances(Filters=[{"Name": "instance-state-name", "Values": ["pending", "running"]},
+                                                 {"Name": "tag:gpucluster:cluster", "Values": [self.stack.cluster_name]}])["Reservations"]:
+            for inst in r["Instances"]:
+                tags = {t["Key"]: t["Value"] for t in inst.get("Tags", [])}
+                found[inst["InstanceId"]] = tags.get("gpucluster:pool", "")
+        return found
 
     def instances(self, ec2=None) -> dict[str, str]:  # type: ignore[no-untyped-def]
-        """Running instances of this cluster in moto: node name -> instance id."""
+        """Running instances of this cluster that carry a node name: node name -> instance id."""
         ec2 = ec2 or self.ec2()
         found = {}
         for r in ec2.describe_instances(Filters=[{"Name": "instance-state-name", "Values": ["pending", "running"]},
@@ -390,13 +635,7 @@ class LocalCluster:
                     found[tags["gpucluster:node"]] = inst["InstanceId"]
         return found
 
-    # --- the budget guardrail: AWS Budgets, its topic and queue in moto, the service as on the head node ----------
-    def aws(self, service: str):  # type: ignore[no-untyped-def]
-        import boto3
-
-        return boto3.client(service, endpoint_url=self.moto_url, region_name=self.stack.region, **{
-            "aws_access_key_id": "testing", "aws_secret_access_key": "testing"})
-
+    # --- the budget guardrail: AWS Budgets and the service the head node runs ---------------------------------------
     def set_spend(self, actual: float) -> None:
         """The stack's budget as AWS Budgets would report it (moto keeps the spend it is given)."""
         budgets, name = self.aws("budgets"), self.stack.budget_name
@@ -407,29 +646,10 @@ class LocalCluster:
             "BudgetLimit": {"Amount": f"{self.stack.spec.budget.monthly_usd:.2f}", "Unit": "USD"},
             "CalculatedSpend": {"ActualSpend": {"Amount": f"{actual:.2f}", "Unit": "USD"}}})
 
-    def start_guardrail(self, check_seconds: int) -> str:
-        """What the Budget component and the head node set up: the topic, the queue subscribed to it, the settings, the
-        service. Returns the topic's ARN."""
-        sns, sqs = self.aws("sns"), self.aws("sqs")
-        topic = sns.create_topic(Name=f"{self.stack.cluster_name}-alerts")["TopicArn"]
-        queue = sqs.create_queue(QueueName=f"{self.stack.cluster_name}-guardrail")["QueueUrl"]
-        arn = sqs.get_queue_attributes(QueueUrl=queue, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
-        sns.subscribe(TopicArn=topic, Protocol="sqs", Endpoint=arn)
-        settings = json.loads(self.config_path.read_text())
-        settings["budget"] = {"budget_name": self.stack.budget_name, "account_id": MOTO_ACCOUNT,
-                              "act_threshold_percent": self.stack.spec.budget.act_threshold_percent,
-                              "queue_url": queue, "topic_arn": topic, "check_seconds": check_seconds,
-                              "launch_deny_action": False}  # moto serves no Budgets actions
-        self.config_path.write_text(json.dumps(settings, indent=1))
-        env = {**self.env, "PYTHONPATH": str(SITE_PACKAGES)}
-        spawn(self.procs, ["/usr/bin/python3", str(BUDGET_PROGRAM), "run"], env, Path(self.layout.log_dir) / "budget.log")
-        return topic
-
     def budget_command(self, command: str) -> str:
-        """`gpucluster-budget <command>` as an admin runs it on the head node."""
-        env = {**self.env, "PYTHONPATH": str(SITE_PACKAGES), "SUDO_USER": "alice"}
-        return subprocess.run(["/usr/bin/python3", str(BUDGET_PROGRAM), command], env=env, check=True,
-                              capture_output=True, text=True, timeout=60).stdout
+        """`sudo gpucluster-budget <command>` as an admin runs it on the head node."""
+        return self.head.enter("/usr/local/sbin/gpucluster-budget", command,
+                               env={**os.environ, "SUDO_USER": "alice"}).stdout
 
     # --- helpers for tests ----------------------------------------------------------------------------------------
     def run(self, *args: str, check: bool = True) -> str:
@@ -439,10 +659,9 @@ class LocalCluster:
         return self.run("scontrol", "show", "job", job).split("JobState=")[1].split()[0]
 
     def wait(self, what: str, ready: Callable[[], bool], seconds: float) -> None:
-        log_dir = Path(self.layout.log_dir)
         try:
-            wait_for(what, ready, [], [log_dir / "slurmctld.log", log_dir / "nodes.log"], seconds)
-        except RuntimeError as exc:  # the nodes' own logs exist only now
-            nodes = "\n".join(f"--- {log}\n{log.read_text()[-1500:]}" for log in sorted(log_dir.glob("*slurmd-*.log"))
-                              + sorted(log_dir.glob("boot-*.log")))
-            raise RuntimeError(f"{exc}\n{nodes}") from None
+            wait_for(what, ready, [], [], seconds)
+        except RuntimeError as exc:
+            logs = "\n".join(node.logs() for node in [self.head, *self.nodes.values()])
+            errors = "\n".join(f.read_text() for f in self.root.glob("boot-*.error"))
+            raise RuntimeError(f"{exc}\n{errors}\n{logs}") from None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+from gpucluster.settings import BUDGET_STATE_FILE
 from local_cluster import LocalCluster
 
 
@@ -21,7 +22,7 @@ def submit(cluster: LocalCluster, partition: str, command: str) -> str:
 
 def test_spent_budget_closes_partitions_lets_running_jobs_finish_and_reopens(cluster: LocalCluster) -> None:
     cluster.set_spend(120.0)  # of 500: fine
-    topic = cluster.start_guardrail(check_seconds=5)
+    topic = cluster.topic  # the head node runs the guardrail from its boot, checking the budget every 5 s here
     sns, sqs = cluster.aws("sns"), cluster.aws("sqs")
     # What the budget's subscribers receive, heard through a queue of our own on the same topic.
     ear = sqs.create_queue(QueueName="subscriber")["QueueUrl"]
@@ -37,7 +38,7 @@ def test_spent_budget_closes_partitions_lets_running_jobs_finish_and_reopens(clu
                 Message="You requested that we alert you when the ACTUAL Cost associated with your "
                         "gpucluster-local-monthly budget is greater than $500.00 for the current month.")
     cluster.wait("partitions to close", lambda: set(partition_states(cluster).values()) == {"down"}, 60)
-    launches = len(cluster.faulty.calls)
+    launches = cluster.calls.count(("head", "CreateFleet"))
 
     waiting = submit(cluster, "spot", "echo ran after reopening")
     cluster.wait(f"job {waiting} to carry the budget comment",
@@ -50,7 +51,7 @@ def test_spent_budget_closes_partitions_lets_running_jobs_finish_and_reopens(clu
     assert "finished" in (cluster.root / f"job-{running}.out").read_text()
     # Its node goes back to zero; nothing is launched for the waiting job.
     cluster.wait("the idle node's instance to be terminated", lambda: not cluster.instances(), 90)
-    assert len(cluster.faulty.calls) == launches and cluster.job_state(waiting) == "PENDING"
+    assert cluster.calls.count(("head", "CreateFleet")) == launches and cluster.job_state(waiting) == "PENDING"
     assert "CLOSED" in cluster.budget_command("status")
 
     # A new month (or a raised limit): the periodic check finds the spend under the threshold and reopens.
@@ -64,7 +65,7 @@ def test_spent_budget_closes_partitions_lets_running_jobs_finish_and_reopens(clu
     assert set(partition_states(cluster).values()) == {"down"}
     cluster.budget_command("reopen")
     assert set(partition_states(cluster).values()) == {"up"}
-    assert json.loads((cluster.root / "budget.json").read_text())["reopened_by_hand"]
+    assert json.loads(cluster.head.path(BUDGET_STATE_FILE).read_text())["reopened_by_hand"]
 
     subjects = [json.loads(m["Body"])["Subject"] for m in _drain(sqs, ear)]
     assert [s.rsplit("guardrail ", 1)[-1] for s in subjects if "guardrail" in s] == [

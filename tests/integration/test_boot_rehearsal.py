@@ -1,0 +1,63 @@
+"""The boot path itself, on nodes booted the way EC2 boots them (tests/local_cluster.py): user data -> cloud-init ->
+gpucluster-boot.service -> fetch_bundle.py -> bootstrap.py -> packaged units with our drop-ins."""
+
+from __future__ import annotations
+
+from gpucluster import settings
+from local_cluster import LocalCluster
+
+
+def head_shell(cluster: LocalCluster, command: str) -> str:
+    return cluster.head.enter("sh", "-c", command).stdout
+
+
+def test_head_runs_its_services_from_the_packaged_units_as_their_users(cluster: LocalCluster) -> None:
+    # MariaDB runs as mysql on the data directory the bootstrap prepared on the state volume (finding: a root-owned
+    # copy kept it from starting, and the head stopped before Slurm).
+    processes = head_shell(cluster, "ps -eo user:12,args")
+    assert any(line.split()[0] == "mysql" and "mariadbd" in line for line in processes.splitlines()), processes
+    assert head_shell(cluster, "stat -c %U /var/lib/gpucluster/mysql /var/lib/gpucluster/mysql/mysql").split() == [
+        "mysql", "mysql"]
+    assert "datadir = /var/lib/gpucluster/mysql" in head_shell(cluster, "cat /etc/mysql/mariadb.conf.d/*gpucluster*")
+    assert head_shell(cluster, "findmnt -n -o SOURCE /var/lib/gpucluster").strip().startswith("/dev/loop")
+    for unit in ("munge", "mariadb", "slurmdbd", "slurmctld", "gpucluster-budget"):
+        assert head_shell(cluster, f"systemctl is-active {unit}").strip() == "active", unit
+    assert "bootstrap head done" in cluster.head.path(settings.BOOT_LOG).read_text()
+
+
+def test_compute_nodes_boot_with_two_aws_calls_through_throttling(cluster: LocalCluster) -> None:
+    # Parameter Store's shared rate is spent: more throttles than botocore's own retries absorb.
+    cluster.throttle["GetParameters"] = 14
+    job = cluster.run("sbatch", "--parsable", "-p", "standby", "-N", "2", "-o", str(cluster.root / "job-%j.out"),
+                      "--wrap", "srun hostname").strip()
+    cluster.wait(f"job {job} to complete", lambda: cluster.job_state(job) == "COMPLETED", 240)
+    assert cluster.throttle["GetParameters"] == 0
+    nodes = list(cluster.nodes.values())
+    booted = {who for who, _ in cluster.calls if who.startswith("i-")}
+    assert len(booted) == 2
+    for who in booted:
+        answered = [a for w, a in cluster.calls if w == who]
+        # Each node: one GetParameters (settings + munge key) and one GetObject (the bundle), after the throttles.
+        assert answered.count("s3:GetObject") == 1 and set(answered) == {"GetParameters", "s3:GetObject"}, answered
+    for node in nodes:
+        # slurmd came up from Debian's unit, whose ConditionPathExists=/etc/slurm/slurm.conf our drop-in resets.
+        assert "ConditionPathExists=\n" in node.path("/etc/systemd/system/slurmd.service.d/gpucluster.conf").read_text()
+        assert not node.path("/etc/slurm/slurm.conf").exists()  # configless: nothing to satisfy the packaged condition
+
+
+def test_head_reboot_and_replacement_keep_queue_and_accounting(cluster: LocalCluster) -> None:
+    held = cluster.run("sbatch", "--parsable", "--hold", "-p", "standby", "--wrap", "true").strip()
+    account = cluster.run("sacctmgr", "-n", "-P", "show", "assoc", "where", "account=local", "user=",
+                          "format=GrpTRESMins")
+    # A reboot runs the bootstrap again from its unit (runcmd alone would run once per instance).
+    cluster.reboot(cluster.head)
+    assert cluster.head.path(settings.BOOT_LOG).read_text().count("bootstrap head done") == 2
+    assert cluster.job_state(held) == "PENDING"
+    # A new head instance on the old state volume and the same address: queue and accounting are still there.
+    cluster.replace_head()
+    assert cluster.head.name != "head"
+    assert cluster.job_state(held) == "PENDING"
+    assert cluster.run("sacctmgr", "-n", "-P", "show", "assoc", "where", "account=local", "user=",
+                       "format=GrpTRESMins") == account
+    cluster.run("scontrol", "release", held)
+    cluster.wait(f"job {held} to complete on the new head", lambda: cluster.job_state(held) == "COMPLETED", 240)
