@@ -1,6 +1,6 @@
 """The `gpucluster` command on the head node runs from the unpacked bundle (lib/ on PYTHONPATH, as the wrapper that
-bootstrap.command_line writes): `render` works there and gives what the repository gives, `plan` says it needs a
-checkout, and the node programs find the settings contract beside them with the system python3 alone."""
+bootstrap.command_line writes, without Pulumi, which the head's venv lacks): `render` works there and gives what the
+repository gives, `plan` says it needs a checkout, and the node programs find the settings contract beside them with the system python3 alone."""
 
 from __future__ import annotations
 
@@ -29,9 +29,27 @@ def unpack(stack_path: Path, target: Path) -> Path:
     return target
 
 
+# The head image's venv holds pydantic over the system's PyYAML and boto3 (build_image.sh): not Pulumi, not moto.
+NOT_ON_THE_HEAD = ("pulumi", "pulumi_aws", "moto", "components")
+BLOCK = f"""
+import runpy, sys
+class NotOnTheHead:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {NOT_ON_THE_HEAD!r}:
+            raise ImportError(f"{{name}} is not on the head node")
+sys.meta_path.insert(0, NotOnTheHead())
+"""
+
+
 def head_command(root: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """`gpucluster ARGS` as /usr/local/bin/gpucluster runs it: the library from the bundle, nothing from here."""
+    """`python ARGS` as /usr/local/bin/gpucluster runs it: the library from the bundle, nothing from here, and none
+    of the packages the head's venv lacks. `-m MODULE ...` and `-c CODE` as python takes them."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")} | {"PYTHONPATH": str(root / "lib")}
+    if args[0] == "-m":
+        code = BLOCK + f"sys.argv = [{args[1]!r}, *sys.argv[1:]]\nrunpy.run_module({args[1]!r}, run_name='__main__')\n"
+        args = ("-c", code, *args[2:])
+    else:
+        args = ("-c", BLOCK + args[1], *args[2:])
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -42,6 +60,7 @@ def test_render_from_the_bundle_gives_the_repositorys_files(path: Path, tmp_path
     stack = load_stack(path)
     which = head_command(root, "-c", "import gpucluster; print(gpucluster.__file__)", cwd=elsewhere)
     assert which.stdout.strip() == str(root / "lib" / "gpucluster" / "__init__.py"), which.stderr
+    assert "pulumi is not on the head node" in head_command(root, "-c", "import pulumi", cwd=elsewhere).stderr
 
     done = head_command(root, "-m", "gpucluster", "render", stack.name, "--out", str(tmp_path / "out"), cwd=elsewhere)
     assert done.returncode == 0, done.stderr
