@@ -33,11 +33,12 @@ def boto3_module():  # type: ignore[no-untyped-def]
     try:
         import boto3
     except ImportError:  # a stock AMI: the node image would have it
+        apt = ["apt-get", "-o", "DPkg::Lock::Timeout=120", "-q"]
         for attempt in range(5):
-            if subprocess.call(["apt-get", "-o", "DPkg::Lock::Timeout=120", "install", "-y", "-q",
-                                "python3-boto3"]) == 0:
+            if subprocess.call(apt + ["update"]) == 0 and subprocess.call(apt + ["install", "-y", "python3-boto3"]) == 0:
                 break
-            time.sleep(2 ** attempt * 5)
+            if attempt < 4:
+                time.sleep(2 ** attempt * 5)
         import boto3
     return boto3
 
