@@ -1,4 +1,5 @@
-"""slurm.conf and gres.conf rendered from the stack: one partition per pool, cloud nodes that Slurm powers up on demand.
+"""slurm.conf, gres.conf and cgroup.conf rendered from the stack: one partition per pool, cloud nodes that Slurm powers up
+on demand.
 
 Compatible with Debian bookworm's Slurm 22.05 (the tests start a real slurmctld on it) and with newer releases.
 """
@@ -11,8 +12,8 @@ from gpucluster import cost
 from gpucluster.catalog import Accelerator
 from gpucluster.spec import Pool, Stack
 
-# Slurm must not count memory the kernel, the CUDA driver and the EFA stack keep: a node that registers with less than
-# RealMemory is drained. EC2's figure is the nominal size; keep 5% back.
+# Slurm must not hand out memory the kernel, the CUDA driver and the EFA stack keep. EC2's figure is the nominal size;
+# keep 5% back. (A node that reads a little under RealMemory still registers: node_reg_mem_percent below.)
 MEMORY_FRACTION = 0.95
 
 
@@ -41,6 +42,9 @@ class SlurmLayout:
     # Track and confine job processes with cgroups (GPU isolation, clean kills, per-job accounting). Only the tests'
     # sandbox, whose cgroup mounts Slurm cannot use, turns this off.
     cgroups: bool = True
+    # Seconds slurmctld gathers resume and suspend requests before acting on them (batched EC2 calls, as
+    # ParallelCluster does). The tests shorten it: they wait on Slurm's timers, they do not sleep through them.
+    power_save_min_interval: int = 30
 
     @property
     def node_file(self) -> str:
@@ -78,10 +82,37 @@ DEFAULT_TIME = "1-00:00:00"  # a job without --time gets a day; longer runs say 
 WEIGHTS = {"spot": 1, "capacity-block": 10, "on-demand": 100}
 
 
+def real_memory(pool: Pool) -> int:
+    """The node's RealMemory in MiB: what Slurm may allocate to jobs."""
+    return int(pool.itype.memory_mib * MEMORY_FRACTION)
+
+
+def job_defaults(members: list[Pool]) -> dict[str, int]:
+    """A partition's defaults for jobs that do not say how much they need, so that a small job leaves the rest of the
+    node to others (CR_Core_Memory without a default gives a job without --mem the whole node's memory).
+
+    - DefMemPerCPU: the node's memory shared out by CPU, for jobs without GPUs.
+    - DefCpuPerGPU and DefMemPerGPU, on partitions of NVIDIA nodes: ML jobs ask for GPUs (--gpus, --gpus-per-node), so
+      they get the CPUs and memory that come with their share of the node (1 of 8 GPUs: 1/8 of the CPUs and memory).
+      A job that asks for GPUs and no memory takes DefMemPerGPU over DefMemPerCPU (select/cons_tres); an explicit
+      --mem, --mem-per-cpu, --cpus-per-task or --cpus-per-gpu still wins. Slurm's manual calls the two DefMem
+      settings mutually exclusive, but 22.05 and 23.11 only reject DefMemPerCPU with DefMemPerNode.
+    Rounded down, so that N shares never exceed the node; the smallest over the partition's pools (a spot pool with
+    an on-demand fallback of another type), so the default fits any node of the partition. slurm-gcp takes the same
+    minimum of memory / CPUs per partition; ParallelCluster sets no defaults and leaves memory to --mem.
+    """
+    defaults = {"DefMemPerCPU": min(real_memory(p) // p.itype.vcpus for p in members)}
+    gpus = [p for p in members if (acc := p.itype.accelerator) and acc.kind == "nvidia"]
+    if gpus:
+        defaults["DefCpuPerGPU"] = min(p.itype.vcpus // p.itype.accelerator.count for p in gpus)  # type: ignore[union-attr]
+        defaults["DefMemPerGPU"] = min(real_memory(p) // p.itype.accelerator.count for p in gpus)  # type: ignore[union-attr]
+    return defaults
+
+
 def _node_lines(pool: Pool, first_port: int | None) -> list[str]:
     itype = pool.itype
     features = [pool.name, itype.name, pool.capacity] + (["efa"] if pool.uses_efa else [])
-    common = f"CPUs={itype.vcpus} RealMemory={int(itype.memory_mib * MEMORY_FRACTION)} Weight={WEIGHTS[pool.capacity]}"
+    common = f"CPUs={itype.vcpus} RealMemory={real_memory(pool)} Weight={WEIGHTS[pool.capacity]}"
     if g := gres(pool):
         common += f" Gres={g}"
     common += f" Features={','.join(features)}"
@@ -148,8 +179,19 @@ def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         # Cloud nodes change address on every launch; sinfo shows powered-down nodes to every user.
         "CommunicationParameters=NoAddrCache",
         "PrivateData=cloud",
-        # Compute nodes fetch slurm.conf and gres.conf from the controller (slurmd --conf-server), so they never drift.
-        "SlurmctldParameters=enable_configless,idle_on_node_suspend",
+        # Compute nodes fetch slurm.conf, gres.conf, cgroup.conf and plugstack.conf from the controller
+        # (slurmd --conf-server), so they never drift. A node whose memory reads up to a quarter under RealMemory still
+        # registers instead of being drained (the CLOUD default is 90%, a node outside power saving 100%). The power
+        # saving thread acts at most every 30 s: nodes asked for in a burst of jobs resume in one call, one CreateFleet
+        # (ParallelCluster's settings).
+        "SlurmctldParameters=enable_configless,idle_on_node_suspend,node_reg_mem_percent=75,"
+        f"power_save_min_interval={layout.power_save_min_interval}",
+        # ParallelCluster's timeouts. Messages may wait a minute for a controller busy with a burst of registrations
+        # (default 10 s); a node that stopped answering, such as a reclaimed spot instance, is set DOWN after 3 minutes
+        # (default 5); a batch job on a freshly booted node has 3 minutes to launch (prolog, environment; default 10 s).
+        "MessageTimeout=60",
+        "SlurmdTimeout=180",
+        "BatchStartTimeout=180",
         "",
         "# Accounting in slurmdbd (MariaDB on the head node), GPU use counted per account.",
         "AccountingStorageType=accounting_storage/slurmdbd",
@@ -177,8 +219,9 @@ def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         default = " Default=YES" if i == 0 else ""
         members = [pool] + ([by_name[pool.fallback]] if pool.fallback else [])
         nodes = ",".join(hostlist(p.name, 1, p.max_nodes) for p in members)
-        lines.append(f"PartitionName={pool.name} Nodes={nodes}{default} DefaultTime={DEFAULT_TIME} MaxTime=INFINITE "
-                     "State=UP")
+        defaults = "".join(f" {key}={value}" for key, value in job_defaults(members).items())
+        lines.append(f"PartitionName={pool.name} Nodes={nodes}{default} DefaultTime={DEFAULT_TIME} MaxTime=INFINITE"
+                     f"{defaults} State=UP")
     return "\n".join(line for line in lines if line is not None) + "\n"
 
 
@@ -243,11 +286,28 @@ def slurmdbd_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
     ])
 
 
+def cgroup_conf(stack: Stack) -> str:
+    """Confinement by task/cgroup (slurmd reads it; configless nodes fetch it from the controller with slurm.conf)."""
+    return "\n".join([
+        f"# Rendered by gpucluster for stack {stack.name}. Jobs are confined to what Slurm allocated them.",
+        # A job sees only the GPUs (and Neuron devices) it was given: CUDA_VISIBLE_DEVICES alone is advice, not a fence.
+        "ConstrainDevices=yes",
+        "ConstrainCores=yes",
+        # The memory limit is the job's allocation (--mem, or the partition's DefMemPerCPU / DefMemPerGPU).
+        "ConstrainRAMSpace=yes",
+        "",
+    ])
+
+
 # pyxis gives srun --container-image (enroot underneath). Optional: a node without the plugin still runs jobs.
 PLUGSTACK_CONF = "# Rendered by gpucluster: pyxis for `srun --container-image`.\noptional /usr/local/lib/slurm/spank_pyxis.so\n"
 
 
 def all_files(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> dict[str, str]:
-    """The files the head node writes to /etc/slurm (compute nodes get them from the controller: configless)."""
-    return {"slurm.conf": slurm_conf(stack, layout), "gres.conf": gres_conf(stack, layout),
-            "slurmdbd.conf": slurmdbd_conf(stack, layout), "plugstack.conf": PLUGSTACK_CONF}
+    """The files the head node writes to /etc/slurm (compute nodes get them from the controller: configless).
+    cgroup.conf only when the cluster uses cgroups."""
+    files = {"slurm.conf": slurm_conf(stack, layout), "gres.conf": gres_conf(stack, layout),
+             "slurmdbd.conf": slurmdbd_conf(stack, layout), "plugstack.conf": PLUGSTACK_CONF}
+    if layout.cgroups:
+        files["cgroup.conf"] = cgroup_conf(stack)
+    return files

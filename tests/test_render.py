@@ -35,7 +35,7 @@ def test_render_writes_valid_small_user_data_and_slurm_files(path: Path, tmp_pat
     done = render(str(path), tmp_path)
     assert done.returncode == 0, done.stderr
     expected = {"head-node.user-data", *(f"{p.name}.user-data" for p in stack.spec.pools),
-                "slurm/slurm.conf", "slurm/gres.conf", "slurm/slurmdbd.conf", "slurm/plugstack.conf"}
+                "slurm/slurm.conf", "slurm/gres.conf", "slurm/slurmdbd.conf", "slurm/plugstack.conf", "slurm/cgroup.conf"}
     written = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()}
     assert written == expected
     for name in expected - {n for n in expected if n.startswith("slurm/")}:
@@ -98,3 +98,105 @@ def test_render_bad_input_exits_2(tmp_path: Path) -> None:
     done = render("tests/bad_stacks/Pulumi.min-above-max.yaml", tmp_path)
     assert done.returncode == 2 and "must be <= max_nodes" in done.stderr and "Traceback" not in done.stderr
     assert not any(tmp_path.iterdir())
+
+
+# --- slurm.conf for cloud nodes: settings that must not quietly disappear ---------------------------------------------
+
+def conf_lines(text: str) -> list[dict[str, str]]:
+    """slurm.conf as Slurm reads it: one dict of key=value per line, comments and blank lines dropped."""
+    return [dict(word.split("=", 1) for word in line.split()) for line in text.splitlines()
+            if line and not line.startswith("#")]
+
+
+def conf_settings(text: str) -> dict[str, str]:
+    """The single-key lines (ClusterName=..., SlurmctldParameters=...)."""
+    return {k: v for line in conf_lines(text) if len(line) == 1 for k, v in line.items()}
+
+
+def partitions(text: str) -> dict[str, dict[str, str]]:
+    return {line["PartitionName"]: line for line in conf_lines(text) if "PartitionName" in line}
+
+
+def nodes(text: str) -> dict[str, dict[str, str]]:
+    return {line["NodeName"]: line for line in conf_lines(text) if "NodeName" in line}
+
+
+def test_p5_partitions_share_cpus_and_memory_by_gpu() -> None:
+    """A job without --mem gets its share of the node, not all of it. p5.48xlarge, by hand: 2 097 152 MiB * 0.95 =
+    1 992 294 MiB RealMemory; / 192 vCPUs = 10 376.5 -> 10 376 MiB per CPU; / 8 GPUs = 249 036.75 -> 249 036 MiB and
+    192 / 8 = 24 CPUs per GPU."""
+    text = slurm.slurm_conf(load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml"))
+    assert nodes(text)["p5-od-[1-4]"]["RealMemory"] == "1992294"
+    for name in ("p5-od", "p5-spot"):
+        part = partitions(text)[name]
+        assert part["DefMemPerCPU"] == "10376"
+        assert part["DefCpuPerGPU"] == "24"
+        assert part["DefMemPerGPU"] == "249036"
+        assert "DefMemPerNode" not in part  # Slurm ignores DefMemPerCPU next to it
+    # Eight 1-GPU jobs fill the node exactly, never more.
+    assert 8 * 249036 <= 1992294 and 8 * 24 == 192 and 192 * 10376 <= 1992294
+
+
+@pytest.mark.parametrize("path", STACK_FILES, ids=lambda p: p.name)
+def test_every_partition_has_defaults_that_fit_its_nodes(path: Path) -> None:
+    stack = load_stack(path)
+    text = slurm.slurm_conf(stack)
+    parts = partitions(text)
+    for pool in stack.spec.pools:
+        part = parts[pool.name]
+        memory = slurm.real_memory(pool)
+        assert 0 < int(part["DefMemPerCPU"]) * pool.itype.vcpus <= memory
+        assert int(part["DefMemPerCPU"]) > memory // pool.itype.vcpus - 1  # rounded down, not thrown away
+        acc = pool.itype.accelerator
+        if acc and acc.kind == "nvidia":
+            assert int(part["DefCpuPerGPU"]) * acc.count == pool.itype.vcpus
+            assert 0 < int(part["DefMemPerGPU"]) * acc.count <= memory
+        else:  # Neuron devices are no "gpu" GRES: the GPU defaults would mean nothing there
+            assert "DefCpuPerGPU" not in part and "DefMemPerGPU" not in part
+
+
+def test_partition_defaults_fit_the_smallest_node_of_a_fallback(tmp_path: Path) -> None:
+    """A spot pool that falls back to another instance type: the defaults fit both kinds of node."""
+    text = (ROOT / "tests" / "stacks" / "Pulumi.local.yaml").read_text()
+    assert text.count("instance_type: g6.xlarge") == 2
+    bigger = tmp_path / "Pulumi.local.yaml"
+    bigger.write_text(text.replace("instance_type: g6.xlarge", "instance_type: g6e.xlarge", 1))  # the spot pool
+    stack = load_stack(bigger)
+    parts = partitions(slurm.slurm_conf(stack))
+    # g6.xlarge: 4 vCPUs, 16 384 MiB * 0.95 = 15 564 MiB, 1 GPU; g6e.xlarge: 4 vCPUs, 31 129 MiB, 1 GPU.
+    assert parts["spot"]["Nodes"] == "spot-[1-2],standby-[1-2]"
+    assert (parts["spot"]["DefMemPerCPU"], parts["spot"]["DefMemPerGPU"]) == ("3891", "15564")
+    assert (parts["standby"]["DefMemPerCPU"], parts["standby"]["DefMemPerGPU"]) == ("3891", "15564")
+
+
+def test_cloud_parameters_and_timeouts() -> None:
+    """What cloud nodes need from the controller (ParallelCluster's values), checked on Slurm 22.05 and 23.11."""
+    settings = conf_settings(slurm.slurm_conf(load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")))
+    assert set(settings["SlurmctldParameters"].split(",")) == {
+        "enable_configless", "idle_on_node_suspend", "node_reg_mem_percent=75", "power_save_min_interval=30"}
+    assert settings["MessageTimeout"] == "60"
+    assert settings["SlurmdTimeout"] == "180"
+    assert settings["BatchStartTimeout"] == "180"
+    # The pid files live in /run/slurm (systemd's RuntimeDirectory=slurm).
+    assert settings["SlurmctldPidFile"] == "/run/slurm/slurmctld.pid"
+    assert settings["SlurmdPidFile"] == "/run/slurm/slurmd.pid"
+    assert settings["SelectTypeParameters"] == "CR_Core_Memory"
+
+
+@pytest.mark.parametrize("path", STACK_FILES, ids=lambda p: p.name)
+def test_cgroup_conf_confines_jobs_when_cgroups_are_on(path: Path) -> None:
+    stack = load_stack(path)
+    files = slurm.all_files(stack)
+    lines = {line for line in files["cgroup.conf"].splitlines() if line and not line.startswith("#")}
+    assert lines == {"ConstrainDevices=yes", "ConstrainCores=yes", "ConstrainRAMSpace=yes"}
+    settings = conf_settings(files["slurm.conf"])
+    assert settings["ProctrackType"] == "proctrack/cgroup"
+    assert settings["TaskPlugin"] == "task/affinity,task/cgroup"
+
+
+def test_no_cgroup_conf_when_cgroups_are_off() -> None:
+    """The test harness's sandbox cannot use cgroups: no cgroup.conf, and no cgroup plugin that would need one."""
+    stack = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")
+    files = slurm.all_files(stack, slurm.SlurmLayout(cgroups=False))
+    assert "cgroup.conf" not in files
+    assert "cgroup" not in files["slurm.conf"]
