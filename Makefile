@@ -8,7 +8,7 @@ STACK ?= dev
 # What the tests run for real: Slurm's daemons with munge and MariaDB, cloud-init's schema checker, shellcheck for
 # build_image.sh, and PyYAML for /usr/bin/python3 (the boot rehearsal's cloud-init stand-in; cloud-init brings it too).
 SYSTEM_PACKAGES := slurmctld slurmd slurm-client slurmdbd munge mariadb-server mariadb-client cloud-init \
-  shellcheck python3-yaml
+  shellcheck python3-yaml systemd util-linux mount e2fsprogs
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: plan test bench system-packages
