@@ -1,5 +1,5 @@
-"""slurm.conf, gres.conf and cgroup.conf rendered from the stack: one partition per pool, cloud nodes that Slurm powers up
-on demand.
+"""slurm.conf, gres.conf and cgroup.conf rendered from the stack: one partition per pool, cloud nodes that Slurm
+powers up on demand.
 
 Compatible with Debian bookworm's Slurm 22.05 (the tests start a real slurmctld on it) and with newer releases.
 """
@@ -94,18 +94,19 @@ def job_defaults(members: list[Pool]) -> dict[str, int]:
     - DefMemPerCPU: the node's memory shared out by CPU, for jobs without GPUs.
     - DefCpuPerGPU and DefMemPerGPU, on partitions of NVIDIA nodes: ML jobs ask for GPUs (--gpus, --gpus-per-node), so
       they get the CPUs and memory that come with their share of the node (1 of 8 GPUs: 1/8 of the CPUs and memory).
-      A job that asks for GPUs and no memory takes DefMemPerGPU over DefMemPerCPU (select/cons_tres); an explicit
-      --mem, --mem-per-cpu, --cpus-per-task or --cpus-per-gpu still wins. Slurm's manual calls the two DefMem
-      settings mutually exclusive, but 22.05 and 23.11 only reject DefMemPerCPU with DefMemPerNode.
+      A job that asks for GPUs and no memory takes DefMemPerGPU, not DefMemPerCPU (select/cons_tres); --mem and
+      --mem-per-* replace the memory default, --cpus-per-task and --cpus-per-gpu the CPU one. Slurm's manual calls
+      the DefMem settings mutually exclusive, but 22.05 and 23.11 only refuse DefMemPerCPU next to DefMemPerNode
+      (seen on 22.05: a 1-GPU job on p5 gets 24 CPUs and 249036 MiB, a CPU job 1 CPU and 10376 MiB, on one node).
     Rounded down, so that N shares never exceed the node; the smallest over the partition's pools (a spot pool with
     an on-demand fallback of another type), so the default fits any node of the partition. slurm-gcp takes the same
-    minimum of memory / CPUs per partition; ParallelCluster sets no defaults and leaves memory to --mem.
+    minimum of memory / CPUs per partition; ParallelCluster sets none (it schedules memory only when asked to).
     """
     defaults = {"DefMemPerCPU": min(real_memory(p) // p.itype.vcpus for p in members)}
-    gpus = [p for p in members if (acc := p.itype.accelerator) and acc.kind == "nvidia"]
+    gpus = [(p, acc.count) for p in members if (acc := p.itype.accelerator) and acc.kind == "nvidia"]
     if gpus:
-        defaults["DefCpuPerGPU"] = min(p.itype.vcpus // p.itype.accelerator.count for p in gpus)  # type: ignore[union-attr]
-        defaults["DefMemPerGPU"] = min(real_memory(p) // p.itype.accelerator.count for p in gpus)  # type: ignore[union-attr]
+        defaults["DefCpuPerGPU"] = min(p.itype.vcpus // count for p, count in gpus)
+        defaults["DefMemPerGPU"] = min(real_memory(p) // count for p, count in gpus)
     return defaults
 
 
