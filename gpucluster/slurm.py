@@ -19,7 +19,8 @@ MEMORY_FRACTION = 0.95
 
 @dataclass(frozen=True)
 class SlurmLayout:
-    """Where things live on the head node. The tests adapt paths and ports to a temporary directory; nothing else."""
+    """Where things live on the head node. The tests move paths and ports to a temporary directory and change only
+    the fields whose comments name them (simulated_hardware, cgroups, power_save_min_interval)."""
 
     controller_host: str = "head"
     controller_port: int = 6817
