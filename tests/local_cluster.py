@@ -503,7 +503,9 @@ class LocalCluster:
         self.volume_device = subprocess.run(["losetup", "-f", "--show", str(image)], check=True, capture_output=True,
                                             text=True).stdout.strip()
         bucket = f"{self.stack.cluster_name}-bundle"
-        s3.create_bucket(Bucket=bucket)
+        # S3 wants the region named for any bucket outside us-east-1 (team-b runs in us-west-2).
+        s3.create_bucket(Bucket=bucket, **({} if self.stack.region == "us-east-1" else {
+            "CreateBucketConfiguration": {"LocationConstraint": self.stack.region}}))
         s3.put_object(Bucket=bucket, Key=bundle_key, Body=self.bundle)
         sns, sqs = self.aws("sns"), self.aws("sqs")
         self.topic = sns.create_topic(Name=f"{self.stack.cluster_name}-alerts")["TopicArn"]
