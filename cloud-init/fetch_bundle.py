@@ -76,14 +76,21 @@ def settings_and_key(ssm, env: dict) -> tuple:  # type: ignore[no-untyped-def,ty
 
 
 def fetch_bundle(s3, bucket: str, key: str, target: str) -> None:
-    marker = os.path.join(target, ".bundle-key")
+    """Unpack the bundle over the last one; files the new bundle no longer has are removed (they were the last's)."""
+    marker, listing = os.path.join(target, ".bundle-key"), os.path.join(target, ".bundle-files")
     if os.path.exists(marker) and open(marker).read() == key:
         log.info("bundle %s already in %s", key, target)
         return
     body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
     with tarfile.open(fileobj=io.BytesIO(body)) as bundle:
+        files = [m.name for m in bundle.getmembers() if m.isfile()]
         # The "data" filter refuses links and paths out of the target; Pythons before 3.11.4 (Debian 12) lack it.
         bundle.extractall(target, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    if os.path.exists(listing):
+        for stale in set(open(listing).read().split()) - set(files):
+            if os.path.isfile(os.path.join(target, stale)):
+                os.remove(os.path.join(target, stale))
+    write_private(listing, "\n".join(files).encode(), 0o644)
     write_private(marker, key.encode(), 0o644)
     log.info("bundle s3://%s/%s unpacked in %s", bucket, key, target)
 

@@ -139,7 +139,7 @@ def test_compute_node_reads_both_in_one_call_and_fetches_the_bundle_once(aws: An
     target = Path(env["GPUCLUSTER_BUNDLE_DIR"])
     unpacked = {str(p.relative_to(target)) for p in target.rglob("*") if p.is_file()}
     with tarfile.open(fileobj=io.BytesIO(BUNDLE)) as tar:
-        assert unpacked == set(tar.getnames()) | {".bundle-key"}
+        assert unpacked == set(tar.getnames()) | {".bundle-key", ".bundle-files"}
     assert (target / ".bundle-key").read_text() == bundle.key(BUNDLE)
     assert not list(tmp_path.rglob("*.tmp"))  # written atomically, nothing half-written left behind
 
@@ -153,10 +153,17 @@ def test_a_new_bundle_key_is_fetched(aws: Any, tmp_path: Path) -> None:
     put_key(aws)
     env = node_env(tmp_path, "compute")
     fetcher.fetch(env, Boto3(), sleep=no_sleep)
-    (Path(env["GPUCLUSTER_BUNDLE_DIR"]) / ".bundle-key").write_text("gpucluster/bundle-0000000000000000.tar.gz")
+    target = Path(env["GPUCLUSTER_BUNDLE_DIR"])
+    (target / ".bundle-key").write_text("gpucluster/bundle-0000000000000000.tar.gz")
+    # The last bundle had a program this one dropped; a file the node made itself is not the bundle's to remove.
+    (target / "retired_program.py").write_text("old")
+    (target / ".bundle-files").write_text((target / ".bundle-files").read_text() + "\nretired_program.py")
+    (target / "fetch_bundle.py").write_text("written by cloud-init")
     api = Boto3()
     fetcher.fetch(env, api, sleep=no_sleep)
     assert api.calls["GetObject"] == 1
+    assert not (target / "retired_program.py").exists()
+    assert (target / "fetch_bundle.py").exists() and (target / "bootstrap.py").exists()
 
 
 # --- (ii) the munge key: the head creates it, compute nodes wait for it ----------------------------------------------
