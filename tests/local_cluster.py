@@ -534,8 +534,11 @@ class LocalCluster:
         bin_dir.mkdir(exist_ok=True)
         for name in HEAD_COMMANDS:
             # Off the PATH a job inherits (sbatch exports it): inside a job, srun is the node's own.
-            (bin_dir / name).write_text(f"#!/bin/sh\nPATH=$(echo \"$PATH\" | sed 's#{bin_dir}:##')\n"
-                                        f"exec nsenter -t \"$(cat {self.root}/head.pid)\" -m -u -- /usr/bin/{name} \"$@\"\n")
+            # Entering the head's mount namespace moves to its root: go back to the submit directory (shared).
+            (bin_dir / name).write_text(
+                f"#!/bin/sh\nPATH=$(echo \"$PATH\" | sed 's#{bin_dir}:##')\n"
+                f"exec nsenter -t \"$(cat {self.root}/head.pid)\" -m -u -- "
+                f"sh -c 'cd \"$1\" && shift && exec \"$@\"' sh \"$PWD\" /usr/bin/{name} \"$@\"\n")
             (bin_dir / name).chmod(0o755)
         return bin_dir
 
@@ -650,8 +653,9 @@ class LocalCluster:
 
     def budget_command(self, command: str) -> str:
         """`sudo gpucluster-budget <command>` as an admin runs it on the head node."""
-        return self.head.enter("/usr/local/sbin/gpucluster-budget", command,
-                               env={**os.environ, "SUDO_USER": "alice"}).stdout
+        login = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root",
+                 "SUDO_USER": "alice"}
+        return self.head.enter("/usr/local/sbin/gpucluster-budget", command, env=login).stdout
 
     # --- helpers for tests ----------------------------------------------------------------------------------------
     def run(self, *args: str, check: bool = True) -> str:
