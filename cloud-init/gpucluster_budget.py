@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from gpucluster_node import CONFIG_PATH, REASON_PREFIX, Slurm, parse_oneliner, setup_logging
+from gpucluster_node import REASON_PREFIX, Slurm, parse_oneliner, setup_logging
 from gpucluster.settings import BudgetSettings, ClusterSettings  # the bundle's lib/, on the path since gpucluster_node
 
 BUDGET_PREFIX = f"{REASON_PREFIX} budget"
@@ -301,7 +301,7 @@ def main(argv: list[str]) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     command = argv[1]
-    config = ClusterSettings.load(CONFIG_PATH)
+    config = ClusterSettings.load()
     setup_logging(config)
     if config.budget is None:
         print("this cluster has no budget guardrail (budget.act_threshold_percent is null)", file=sys.stderr)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import subprocess
 import sys
@@ -33,7 +32,6 @@ from typing import Any, Iterable
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
 from gpucluster.settings import SETTINGS_FILE, ClusterSettings, PoolSettings  # noqa: E402
 
-CONFIG_PATH = Path(os.environ.get("GPUCLUSTER_CONFIG", SETTINGS_FILE))
 REASON_PREFIX = "gpucluster:"
 CAPACITY_PREFIX = f"{REASON_PREFIX} capacity"
 NODE_TAG = "gpucluster:node"
@@ -213,7 +211,7 @@ def resume(config: ClusterSettings, ec2, slurm: Slurm, hostlist: str) -> LaunchR
     for name, nodes in by_pool.items():
         pool = config.pools.get(name)
         if pool is None:
-            reason = f"{REASON_PREFIX} launch failed: no pool {name} in {CONFIG_PATH}"
+            reason = f"{REASON_PREFIX} launch failed: no pool {name} in {SETTINGS_FILE}"
             log.error(reason)
             total.failed.update({n: reason for n in nodes})
             continue
@@ -357,7 +355,7 @@ def main(argv: list[str]) -> int:
     args = argv[1:]
     if command not in (*COMMANDS, "reconcile") and args:
         command, args = args[0], args[1:]
-    config = ClusterSettings.load(CONFIG_PATH)
+    config = ClusterSettings.load()
     setup_logging(config)
     slurm = Slurm(config.scontrol)
     try:
