@@ -16,10 +16,8 @@ BOTO3_VERSION=1.34.46+dfsg-1ubuntu1
 PYTHON3_VENV_VERSION=3.12.3-0ubuntu2.1       # noble-updates; depends on exactly this python3
 PYYAML_VERSION=6.0.1-2build2
 ENROOT_VERSION=3.5.0
-# sha256 of enroot_3.5.0-1_amd64.deb and enroot+caps_3.5.0-1_amd64.deb from the v3.5.0 GitHub release: not yet
-# recorded (no access to the release from where this was written). A compute build stops until they are.
-ENROOT_DEB_SHA256=""
-ENROOT_CAPS_DEB_SHA256=""
+ENROOT_TAG=v$ENROOT_VERSION
+ENROOT_COMMIT=c7dc4a6b66e817af5ceb7d5315850696067b3f80  # what the tag named when pinned; it fixes the submodules too
 PYXIS_TAG=v0.20.1                                     # the pyxis line paired with enroot 3.5.0
 PYXIS_COMMIT=d3ff5b87de45e0cb23dfe626c5edba1238e980e0  # what the tag named when pinned
 CWAGENT_VERSION=1.300072.0b1766
@@ -37,12 +35,18 @@ HEAD_PACKAGES=("munge=$MUNGE_VERSION" "slurmctld=$SLURM_VERSION" "slurmdbd=$SLUR
 # libslurm-dev: pyxis compiles against this Slurm; python3-venv: the torch venv.
 COMPUTE_PACKAGES=("munge=$MUNGE_VERSION" "slurmd=$SLURM_VERSION" "slurm-client=$SLURM_VERSION"
   "libslurm-dev=$SLURM_VERSION" "python3-boto3=$BOTO3_VERSION" "python3-venv=$PYTHON3_VENV_VERSION")
+# enroot from source (its doc/installation.md): git, gcc, make, setcap (libcap2-bin) and patch (for musl) build it;
+# the doc's libtool, automake and libmd-dev served a libbsd that 3.5.0 vendors and builds without them. At run time
+# it needs what its .deb depended on. Unversioned, from the noble archive: the tools only build a source pinned by
+# commit, and the .deb left these dependencies to the archive too.
+ENROOT_BUILD_PACKAGES=(git gcc make libcap2-bin patch)
+ENROOT_RUNTIME_PACKAGES=(curl gawk jq parallel squashfs-tools zstd bsdmainutils)
 # The boot configures and starts these (bootstrap.py); the image leaves them off.
 HEAD_SERVICES=(munge slurmctld slurmdbd mariadb)
 COMPUTE_SERVICES=(munge slurmd)
 
 # --- where things come from and go ---------------------------------------------------------------------------------
-ENROOT_URL=https://github.com/NVIDIA/enroot/releases/download/v$ENROOT_VERSION
+ENROOT_REPO=https://github.com/NVIDIA/enroot.git
 PYXIS_REPO=https://github.com/NVIDIA/pyxis.git
 CWAGENT_URL=https://amazoncloudwatch-agent.s3.amazonaws.com
 CWAGENT_CTL=/opt/aws/amazon-cloudwatch-agent/bin/amazon-cloudwatch-agent-ctl
@@ -85,17 +89,6 @@ apt_get() { apt-get -o DPkg::Lock::Timeout=120 -q -y "$@"; }
 apt_install() { retry apt_get install --no-install-recommends "$@"; }
 fetch() { curl -fsSL -o "$2" "$1"; }  # fetch URL FILE
 
-verify_sha256() {  # verify_sha256 FILE SHA256
-  printf '%s  %s\n' "$2" "$1" | sha256sum -c --quiet - || die "sha256 of $1 is not the pinned $2"
-}
-
-check_pins() {  # before anything is fetched: a download with no digest to check against is not installed
-  local pin
-  for pin in ENROOT_DEB_SHA256 ENROOT_CAPS_DEB_SHA256; do
-    [[ ${!pin} =~ ^[0-9a-f]{64}$ ]] || die "$pin is not a sha256: record the v$ENROOT_VERSION release asset's at the top of this script"
-  done
-}
-
 packages() {  # packages PACKAGE=VERSION...
   install -d "$ROOT/etc/apt/preferences.d" "$ROOT/etc/apt/sources.list.d" "$ROOT/usr/share/keyrings"
   # Every binary of Slurm's source follows the pin, also as a dependency and on a later apt upgrade.
@@ -112,14 +105,28 @@ packages() {  # packages PACKAGE=VERSION...
 }
 
 clone_pyxis() { rm -rf "$1" && git clone -q --depth 1 --branch "$PYXIS_TAG" "$PYXIS_REPO" "$1"; }
+# The submodules (makeself, musl, linux-headers) at the commits the pinned tree names, cloned whole: a shallow fetch of
+# a commit no branch points at needs a server that hands out commits by id. musl's is git://git.musl-libc.org (port
+# 9418, unencrypted): what it sends must still hash to the commit named.
+clone_enroot() {
+  rm -rf "$1" && git clone -q --depth 1 --branch "$ENROOT_TAG" --recurse-submodules "$ENROOT_REPO" "$1"
+}
+# The layout of enroot's .deb (/usr/bin, /usr/lib/enroot, /etc/enroot: the boot adds to /etc/enroot/enroot.conf.d) and
+# its standard flavour, which NVIDIA builds with these flags (pkg/debbuild), in the environment: on make's command
+# line they would replace the Makefile's own CPPFLAGS.
+enroot_make() { CPPFLAGS="-DALLOW_SPECULATION -DINHERIT_FDS" make -C "$WORK/enroot" prefix=/usr sysconfdir=/etc "$@"; }
 
 containers() {  # enroot and pyxis: `srun --container-image=...`
-  local deb=$WORK/enroot_${ENROOT_VERSION}-1_amd64.deb caps=$WORK/enroot+caps_${ENROOT_VERSION}-1_amd64.deb
-  retry fetch "$ENROOT_URL/${deb##*/}" "$deb"
-  retry fetch "$ENROOT_URL/${caps##*/}" "$caps"
-  verify_sha256 "$deb" "$ENROOT_DEB_SHA256"
-  verify_sha256 "$caps" "$ENROOT_CAPS_DEB_SHA256"
-  apt_install "$deb" "$caps"
+  apt_install "${ENROOT_BUILD_PACKAGES[@]}" "${ENROOT_RUNTIME_PACKAGES[@]}"
+  retry clone_enroot "$WORK/enroot"
+  [[ $(git -C "$WORK/enroot" rev-parse HEAD) == "$ENROOT_COMMIT" ]] || die "enroot $ENROOT_TAG is not $ENROOT_COMMIT"
+  enroot_make all  # before the install: one that builds writes its DESTDIR into bin/enroot and enroot.conf
+  enroot_make install DESTDIR="$ROOT"
+  [[ -x $ROOT/usr/bin/enroot && -f $ROOT/etc/enroot/enroot.conf ]] || die "enroot is not in /usr/bin and /etc/enroot"
+  enroot_make setcap DESTDIR="$ROOT"  # as the enroot+caps package: unprivileged users import images
+  # As the .deb: Ubuntu 24.04 lets a program create user namespaces only under an AppArmor profile that allows it.
+  install -D -m 644 "$ROOT/usr/share/enroot/apparmor.profile" "$ROOT/etc/apparmor.d/enroot"
+  if aa-enabled --quiet 2>/dev/null; then apparmor_parser -r -T -W "$ROOT/etc/apparmor.d/enroot"; fi
   retry clone_pyxis "$WORK/pyxis"
   [[ $(git -C "$WORK/pyxis" rev-parse HEAD) == "$PYXIS_COMMIT" ]] || die "pyxis $PYXIS_TAG is not $PYXIS_COMMIT"
   # Against /usr/include/slurm from libslurm-dev; installs /usr/local/lib/slurm/spank_pyxis.so (plugstack.conf).
@@ -166,7 +173,7 @@ write_manifest() {  # the last step: its presence means the image is complete
   if [[ $ROLE == head ]]; then
     versions+=("\"mariadb\": \"$MARIADB_VERSION\"" "\"pyyaml\": \"$PYYAML_VERSION\"" "\"pydantic\": \"$PYDANTIC_VERSION\"")
   else
-    versions+=("\"enroot\": \"$ENROOT_VERSION\"" "\"pyxis\": \"$PYXIS_TAG $PYXIS_COMMIT\""
+    versions+=("\"enroot\": \"$ENROOT_VERSION $ENROOT_COMMIT\"" "\"pyxis\": \"$PYXIS_TAG $PYXIS_COMMIT\""
       "\"cloudwatch_agent\": \"$CWAGENT_VERSION\"" "\"torch\": \"$TORCH_VERSION\"" "\"dcgm\": \"$DCGM\"")
   fi
   local IFS=,
@@ -177,7 +184,6 @@ write_manifest() {  # the last step: its presence means the image is complete
 
 main() {
   [[ $ROLE == head || $ROLE == compute ]] || { echo "usage: build_image.sh head|compute" >&2; exit 2; }
-  [[ $ROLE == head ]] || check_pins
   WORK=$(mktemp -d)
   trap 'rm -rf "$WORK"' EXIT
   install -d "$ROOT${MANIFEST%/*}" "$ROOT/usr/local/bin"
