@@ -299,7 +299,8 @@ class RehearsalNode:
                   for d in OVERLAID]
         mounts += [f"mount --bind {run_dir} /run", "mount -t tmpfs tmpfs /dev/shm", f"mount --bind {disk} /dev/disk/by-id",
                    f"mount --bind {self.fsx} /fsx", f"mount --bind {REHEARSAL / 'systemctl'} /usr/bin/systemctl",
-                   f"hostname ip-{self.name}", "systemd-tmpfiles --create --prefix=/run --prefix=/var/lib >/dev/null 2>&1 || true",
+                   # A new instance has EC2's name; a rebooted one the name in its /etc/hostname, as systemd sets it.
+                   f"hostname ip-{self.name}" if first else "hostname -F /etc/hostname", "systemd-tmpfiles --create --prefix=/run --prefix=/var/lib >/dev/null 2>&1 || true",
                    "exec sleep infinity"]
         clock = ["--time", f"--boottime=-{Path('/proc/uptime').read_text().split('.')[0]}"] if self.own_clock else []
         log = open(self.root / "init.log", "ab")
@@ -556,7 +557,10 @@ class LocalCluster:
         # As the README tells admins: users other than the image's login user are added by hand; the tests submit
         # as root.
         team = self.stack.spec.team
-        self.run("sacctmgr", "-i", "add", "user", "root", f"Account={team}", f"DefaultAccount={team}")
+        # (A replaced head finds the user in the kept database: sacctmgr then adds nothing and exits 1.)
+        self.run("sacctmgr", "-i", "add", "user", "root", f"Account={team}", f"DefaultAccount={team}", check=False)
+        if not self.run("sacctmgr", "-n", "-P", "show", "assoc", "where", "user=root", f"account={team}").strip():
+            raise RuntimeError(f"root is not in the Slurm account {team}")
 
     def replace_head(self) -> None:
         """`pulumi up` replacing the head node: the old instance goes first (delete_before_replace), a new one boots."""
@@ -617,28 +621,23 @@ class LocalCluster:
         node.boot()
         self.boots.append((tags().get("gpucluster:node", instance), time.time()))
 
-    def instances_by_id(self, ec2=None) -> dict[str, str]:  # type: ignore[no-untyped-def]
-        """Pending or running instances of this cluster in moto: instance id -> pool."""
+    def _live(self, ec2=None) -> dict[str, dict[str, str]]:  # type: ignore[no-untyped-def]
+        """Pending or running instances of this cluster in moto: instance id -> its tags."""
         ec2 = ec2 or self.ec2()
-        found = {}
-        for r in ec2.describe_instances(Filters=[{"Name": "instance-state-name", "Values": ["pending", "running"]},
-                                                 {"Name": "tag:gpucluster:cluster", "Values": [self.stack.cluster_name]}])["Reservations"]:
-            for inst in r["Instances"]:
-                tags = {t["Key"]: t["Value"] for t in inst.get("Tags", [])}
-                found[inst["InstanceId"]] = tags.get("gpucluster:pool", "")
-        return found
+        reservations = ec2.describe_instances(Filters=[
+            {"Name": "instance-state-name", "Values": ["pending", "running"]},
+            {"Name": "tag:gpucluster:cluster", "Values": [self.stack.cluster_name]}])["Reservations"]
+        return {i["InstanceId"]: {t["Key"]: t["Value"] for t in i.get("Tags", [])}
+                for r in reservations for i in r["Instances"]}
+
+    def instances_by_id(self, ec2=None) -> dict[str, str]:  # type: ignore[no-untyped-def]
+        """Instance id -> pool."""
+        return {instance: tags.get("gpucluster:pool", "") for instance, tags in self._live(ec2).items()}
 
     def instances(self, ec2=None) -> dict[str, str]:  # type: ignore[no-untyped-def]
-        """Running instances of this cluster that carry a node name: node name -> instance id."""
-        ec2 = ec2 or self.ec2()
-        found = {}
-        for r in ec2.describe_instances(Filters=[{"Name": "instance-state-name", "Values": ["pending", "running"]},
-                                                 {"Name": "tag:gpucluster:cluster", "Values": [self.stack.cluster_name]}])["Reservations"]:
-            for inst in r["Instances"]:
-                tags = {t["Key"]: t["Value"] for t in inst.get("Tags", [])}
-                if "gpucluster:node" in tags:
-                    found[tags["gpucluster:node"]] = inst["InstanceId"]
-        return found
+        """Instances that carry a node name: node name -> instance id."""
+        return {tags["gpucluster:node"]: instance for instance, tags in self._live(ec2).items()
+                if "gpucluster:node" in tags}
 
     # --- the budget guardrail: AWS Budgets and the service the head node runs ---------------------------------------
     def set_spend(self, actual: float) -> None:
