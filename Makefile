@@ -32,3 +32,4 @@ bench: $(VENV)/.installed system-packages
 	$(PY) benchmarks/plan_speed.py
 	$(PY) benchmarks/resume_scale.py
 	$(PY) benchmarks/submit_to_running.py
+	$(PY) benchmarks/boot.py

@@ -182,6 +182,11 @@ def slurm_files() -> int:
     for d in (STATE / "slurmctld", Path("/var/log/slurm"), Path(contract.LOG_DIR)):
         d.mkdir(parents=True, exist_ok=True)
         shutil.chown(d, "slurm", "slurm")
+    # The node programs run as slurm and the budget guardrail as root, both into this log: whoever wrote first must
+    # not lock the other out.
+    node_log = Path(contract.NODE_LOG)
+    node_log.touch()
+    shutil.chown(node_log, "slurm", "slurm")
     for service in ("slurmctld.service", "slurmdbd.service"):
         drop_in(service, SLURM_RUNTIME)
     return next(int(line.split("=", 1)[1]) for line in dbd.read_text().splitlines() if line.startswith("DbdPort="))

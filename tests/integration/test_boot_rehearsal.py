@@ -32,6 +32,11 @@ def test_compute_nodes_boot_with_two_aws_calls_through_throttling(cluster: Local
                       "--wrap", "srun hostname").strip()
     cluster.wait(f"job {job} to complete", lambda: cluster.job_state(job) == "COMPLETED", 240)
     assert cluster.throttle["GetParameters"] == 0
+    # The resume program (as slurm) logs beside the budget guardrail (as root), whichever started first: the log
+    # belongs to slurm (a root-owned one, made by the guardrail's first line, silenced the resume program).
+    assert head_shell(cluster, f"stat -c %U {settings.NODE_LOG}").strip() == "slurm"
+    node_log = cluster.head.path(settings.NODE_LOG).read_text()
+    assert "gpucluster-node" in node_log and "gpucluster-budget" in node_log, node_log[-2000:]
     nodes = list(cluster.nodes.values())
     booted = {who for who, _ in cluster.calls if who.startswith("i-")}
     assert len(booted) == 2
