@@ -32,6 +32,8 @@ MUNGE_KEY = Path("/etc/munge/munge.key")
 SYSTEMD = Path("/etc/systemd/system")
 IMAGE_VENV = Path(contract.IMAGE_MANIFEST).parent / "venv"  # build_image.sh: torch (compute), pydantic (head)
 
+MAX_RETRY_WAIT = 10.0  # seconds: a node's boot counts against Slurm's ResumeTimeout
+
 log = logging.getLogger("gpucluster-bootstrap")
 
 
@@ -51,8 +53,9 @@ def retry(what: str, action, attempts: int = 5, delay: float = 2.0):  # type: ig
         except (OSError, RuntimeError) as exc:
             if attempt == attempts - 1:
                 raise RuntimeError(f"{what}: {exc}") from exc
-            log.warning("%s: %s; again in %.0f s", what, exc, delay * 2 ** attempt)
-            time.sleep(delay * 2 ** attempt)
+            wait = min(delay * 2 ** attempt, MAX_RETRY_WAIT)
+            log.warning("%s: %s; again in %.0f s", what, exc, wait)
+            time.sleep(wait)
 
 
 # --- the node image --------------------------------------------------------------------------------------------------
@@ -90,6 +93,9 @@ def drop_in(service: str, text: str, systemd: Path = SYSTEMD) -> Path:
 
 # /run/slurm holds the pid files slurm.conf names; several Slurm daemons share it, so a stop keeps it.
 SLURM_RUNTIME = "[Service]\nRuntimeDirectory=slurm\nRuntimeDirectoryPreserve=yes\n"
+# Enabled services start at a reboot on their own, before this bootstrap runs: those whose data live on the state
+# volume wait for its mount (fstab's nofail puts it outside local-fs.target's ordering).
+ON_STATE_VOLUME = f"[Unit]\nRequiresMountsFor={STATE}\n\n"
 # Debian's and Ubuntu's slurmd.service carry ConditionPathExists=/etc/slurm/slurm.conf. A configless node has no such
 # file: systemd would skip slurmd without an error and the node would never register. An empty assignment resets it.
 SLURMD_DROP_IN = "[Unit]\nConditionPathExists=\n\n" + SLURM_RUNTIME
@@ -182,13 +188,15 @@ def slurm_files() -> int:
     for d in (STATE / "slurmctld", Path("/var/log/slurm"), Path(contract.LOG_DIR)):
         d.mkdir(parents=True, exist_ok=True)
         shutil.chown(d, "slurm", "slurm")
+    # Like the database: a new head image may give the slurm user another uid; the queue's state files follow it.
+    run("chown", "-R", "slurm:slurm", str(STATE / "slurmctld"))
     # The node programs run as slurm and the budget guardrail as root, both into this log: whoever wrote first must
     # not lock the other out.
     node_log = Path(contract.NODE_LOG)
     node_log.touch()
     shutil.chown(node_log, "slurm", "slurm")
     for service in ("slurmctld.service", "slurmdbd.service"):
-        drop_in(service, SLURM_RUNTIME)
+        drop_in(service, ON_STATE_VOLUME + SLURM_RUNTIME)
     return next(int(line.split("=", 1)[1]) for line in dbd.read_text().splitlines() if line.startswith("DbdPort="))
 
 
@@ -229,17 +237,19 @@ def command_line(bin_dir: Path = Path("/usr/local/bin")) -> None:
     command.chmod(0o755)
 
 
-def wait_for_port(port: int, seconds: float = 60) -> None:
-    """slurmctld's first start fails when slurmdbd does not answer yet ("no TRES")."""
+def wait_for_port(port: int, host: str = "127.0.0.1", seconds: float = 60) -> None:
+    """A daemon this one needs at its start: slurmctld's first start fails when slurmdbd does not answer yet ("no
+    TRES"); a configless slurmd cannot start before its controller answers (a head being replaced)."""
     import socket
 
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
+        try:
+            with socket.create_connection((host, port), timeout=2):
                 return
-        time.sleep(0.5)
-    raise RuntimeError(f"nothing listens on port {port} after {seconds:.0f} s")
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"nothing answers on {host}:{port} after {seconds:.0f} s")
 
 
 def controller_up() -> None:
@@ -253,6 +263,7 @@ def head(s: ClusterSettings) -> None:
     install_munge_key()
     start("munge")
     database_dir()
+    drop_in("mariadb.service", ON_STATE_VOLUME)
     start("mariadb")
     run("mariadb", "-u", "root", "-e", (BUNDLE / "accounting.sql").read_text())
     dbd_port = slurm_files()
@@ -357,6 +368,7 @@ def compute(s: ClusterSettings, env: dict[str, str]) -> None:
         f'SLURMD_OPTIONS="--conf-server {contract.HEAD_HOSTNAME}:{s.slurmctld_port} -N {name}"\n')
     drop_in("slurmd.service", SLURMD_DROP_IN)
     Path(contract.SLURMD_SPOOL_DIR).mkdir(parents=True, exist_ok=True)
+    wait_for_port(s.slurmctld_port, contract.HEAD_HOSTNAME, seconds=600)
     start("slurmd")
 
 

@@ -100,8 +100,10 @@ packages() {  # packages PACKAGE=VERSION...
     >"$ROOT/etc/apt/sources.list.d/fsxlustreclientrepo.list"
   retry apt_get update --error-on=any  # the one index refresh of this run: Ubuntu's and the Lustre repository
   apt_install "$@"
-  # Built for the running kernel, so not versioned apart from it; -aws follows AWS's kernels (FSx user guide).
-  apt_install "lustre-client-modules-$(uname -r)" lustre-client-modules-aws
+  # Built for the running kernel, so not versioned apart from it. Not the lustre-client-modules-aws meta package the
+  # FSx guide adds for kernel upgrades: it may pull a newer kernel into the image, one the parent AMI's NVIDIA and EFA
+  # modules were not built for. A baked image keeps its kernel; a new parent AMI is a new bake.
+  apt_install "lustre-client-modules-$(uname -r)"
 }
 
 clone_pyxis() { rm -rf "$1" && git clone -q --depth 1 --branch "$PYXIS_TAG" "$PYXIS_REPO" "$1"; }

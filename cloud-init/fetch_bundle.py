@@ -81,7 +81,13 @@ def fetch_bundle(s3, bucket: str, key: str, target: str) -> None:
     if os.path.exists(marker) and open(marker).read() == key:
         log.info("bundle %s already in %s", key, target)
         return
-    body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+    try:
+        body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+    except Exception as exc:
+        code = getattr(exc, "response", {}).get("Error", {}).get("Code")
+        if code in ("NoSuchKey", "AccessDenied"):  # `pulumi up` still writing it, or its grant not yet in force
+            raise NotYet(f"no bundle s3://{bucket}/{key} yet ({code})") from exc
+        raise
     with tarfile.open(fileobj=io.BytesIO(body)) as bundle:
         files = [m.name for m in bundle.getmembers() if m.isfile()]
         # The "data" filter refuses links and paths out of the target; Pythons before 3.11.4 (Debian 12) lack it.

@@ -50,10 +50,11 @@ class NodeAccess(pulumi.ComponentResource):
             f"arn:aws:ssm:{args.region}:", account, f":parameter{args.munge_key_parameter}")
 
         bucket = private_bucket(f"{name}-bundle", child(self), force_destroy=True)
-        aws.s3.BucketObjectv2(f"{name}-bundle", bucket=bucket.id, key=args.bundle_key,
-                              content_base64=base64.b64encode(args.bundle).decode(), opts=child(self))
-        self.bucket = bucket.bucket
-        self.bundle_arn = pulumi.Output.concat("arn:aws:s3:::", bucket.bucket, f"/{args.bundle_key}")
+        bundle = aws.s3.BucketObjectv2(f"{name}-bundle", bucket=bucket.id, key=args.bundle_key,
+                                        content_base64=base64.b64encode(args.bundle).decode(), opts=child(self))
+        # Through the object, so that the settings naming it are written only once it is in the bucket.
+        self.bucket = pulumi.Output.all(name=bucket.bucket, uploaded=bundle.id).apply(lambda v: v["name"])
+        self.bundle_arn = pulumi.Output.concat("arn:aws:s3:::", self.bucket, f"/{args.bundle_key}")
 
         role = aws.iam.Role(f"{name}-compute", assume_role_policy=EC2_ASSUME, opts=child(self))
         aws.iam.RolePolicyAttachment(f"{name}-compute-ssm", role=role.name, policy_arn=SSM_CORE, opts=child(self))

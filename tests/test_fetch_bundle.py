@@ -279,3 +279,21 @@ def test_access_denied_is_not_retried(aws: Any, tmp_path: Path) -> None:
         fetcher.fetch(node_env(tmp_path, "compute"), api, sleep=no_sleep)
     assert api.sends["GetParameters"] == 1 and "GetObject" not in api.calls
     assert not Path(tmp_path / "munge.key").exists()
+
+
+def test_a_bundle_not_yet_uploaded_is_waited_for(aws: Any, tmp_path: Path) -> None:
+    """`pulumi up` writes the settings, then the object they name may still be on its way: wait, don't fail."""
+    put_key(aws)
+    s3 = boto3.client("s3", region_name=STACK.region)
+    s3.delete_object(Bucket="gpucluster-dev-bundle", Key=bundle.key(BUNDLE))
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        if len(slept) == 2:
+            s3.put_object(Bucket="gpucluster-dev-bundle", Key=bundle.key(BUNDLE), Body=BUNDLE)  # it arrives
+
+    env, api = node_env(tmp_path, "compute"), Boto3()
+    fetcher.fetch(env, api, sleep=sleep)
+    assert len(slept) == 2 and api.calls["GetObject"] == 3
+    assert (Path(env["GPUCLUSTER_BUNDLE_DIR"]) / "bootstrap.py").exists()
