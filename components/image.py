@@ -1,8 +1,10 @@
 """A node image, baked once by EC2 Image Builder at `pulumi up`: cloud-init/build_image.sh run on the parent AMI.
 
-The parent is the newest Deep Learning AMI of the accelerator kind (compute) or Ubuntu 24.04 (head), resolved at
-`up` like the stock images the pools used before. A change of parent or build script replaces the recipe and bakes a
-new image; Image Builder never deregisters the AMIs it made (their snapshots stay billed until removed).
+The parent is the newest Deep Learning AMI of the accelerator kind (compute) or Ubuntu 24.04 (head): the recipe names
+the public SSM parameter (`ssm:` prefix) and Image Builder reads it when a build starts, so a new DLAMI or Ubuntu
+release changes nothing at `up`. A change of build script, role or root size replaces the recipe and bakes a new image
+on the parent of that day; to take a newer parent without one, `pulumi up --replace` the image. Image Builder never
+deregisters the AMIs it made (their snapshots stay billed until removed).
 """
 
 from __future__ import annotations
@@ -41,9 +43,12 @@ class NodeImageArgs:
     tags: dict[str, str]
 
 
-def parent_parameter(build: ImageBuild) -> str:
-    """The public SSM parameter naming the newest parent AMI."""
-    return catalog.AMI_PARAMETERS[build.accelerator] if build.accelerator else catalog.UBUNTU_AMI_PARAMETER
+def parent_image(build: ImageBuild) -> str:
+    """The recipe's parent: the public SSM parameter naming the newest AMI, which Image Builder resolves at build time
+    (a value resolved at `up` would replace the recipe, and rebake, at every new release). Image Builder's
+    service-linked role may read /aws/service/* parameters, so the build role needs nothing for it."""
+    parameter = catalog.AMI_PARAMETERS[build.accelerator] if build.accelerator else catalog.UBUNTU_AMI_PARAMETER
+    return f"ssm:{parameter}"
 
 
 class _LiteralDumper(yaml.SafeDumper):
@@ -92,10 +97,8 @@ class NodeImage(pulumi.ComponentResource):
             name, platform="Linux", version="1.0.0",
             description=f"{args.cluster_name}: build_image.sh {build.role}",
             data=component_document(build.role, BUILD_SCRIPT.read_text()), opts=child(self))
-        parent = aws.ssm.get_parameter_output(name=parent_parameter(build),
-                                              opts=pulumi.InvokeOutputOptions(parent=self)).value
         recipe = aws.imagebuilder.ImageRecipe(
-            name, version="1.0.0", parent_image=parent, components=[{"component_arn": component.arn}],
+            name, version="1.0.0", parent_image=parent_image(build), components=[{"component_arn": component.arn}],
             description=f"{args.cluster_name} {build.key} node image",
             block_device_mappings=[{"device_name": ROOT_DEVICE, "ebs": {
                 "volume_size": cost.IMAGE_ROOT_GIB[build.role], "volume_type": "gp3", "encrypted": "true",

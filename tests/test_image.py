@@ -429,7 +429,9 @@ def test_recipe_parent_image_and_encrypted_root(shipped: tuple[Stack, tuple[Decl
     for key, image in ((d.name.removeprefix(f"{stack.cluster_name}-"), d) for d in declared
                        if d.type == "gpucluster:image:NodeImage"):
         (recipe,) = _children(declared, image, "imageRecipe:ImageRecipe")
-        assert recipe.inputs["parentImage"] == f"<AMI from {parents[key]} at up>"
+        # The parameter itself, read by Image Builder at build time: an AMI resolved at `up` would replace the recipe
+        # and rebake the image at every DLAMI or Ubuntu release.
+        assert recipe.inputs["parentImage"] == f"ssm:{parents[key]}"
         (root,) = recipe.inputs["blockDeviceMappings"]
         assert root["deviceName"] == "/dev/sda1"
         assert root["ebs"]["encrypted"] == "true" and root["ebs"]["volumeType"] == "gp3"
