@@ -36,6 +36,8 @@ REASON_PREFIX = "gpucluster:"
 CAPACITY_PREFIX = f"{REASON_PREFIX} capacity"
 NODE_TAG = "gpucluster:node"
 SCONTROL_BATCH = 200  # nodes per scontrol update
+# A hung slurmctld must not hang the program: Slurm kills a ResumeProgram only after ResumeTimeout, with nodes half set.
+SCONTROL_TIMEOUT = 60
 TAG_WORKERS = 16  # CreateTags calls in flight (one per instance: each gets its own node name)
 CLUSTER_TAG = "gpucluster:cluster"
 # EC2 answers that mean "not now, try elsewhere or later" rather than "this request is wrong".
@@ -55,7 +57,13 @@ class Slurm:
         self.scontrol = scontrol
 
     def _run(self, *args: str) -> str:
-        return subprocess.run([self.scontrol, *args], check=True, capture_output=True, text=True).stdout
+        try:
+            return subprocess.run([self.scontrol, *args], check=True, capture_output=True, text=True,
+                                  timeout=SCONTROL_TIMEOUT).stdout
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+            # The exception's text has neither scontrol's stderr nor the nodes; stderr is what says why.
+            log.error("%s; stderr: %s", exc, _text(exc.stderr).strip() or "(none)")
+            raise
 
     def expand(self, hostlist: str) -> list[str]:
         return self._run("show", "hostnames", hostlist).split()
@@ -83,6 +91,36 @@ class Slurm:
         """One dict per node of `scontrol show nodes --oneliner` (keys such as NodeName, State, Reason)."""
         out = self._run("show", "nodes", "--oneliner")
         return [parse_oneliner(line) for line in out.splitlines() if line.startswith("NodeName=")]
+
+
+def _text(data: str | bytes | None) -> str:
+    # TimeoutExpired carries raw bytes even when the call asked for text.
+    return data.decode(errors="replace") if isinstance(data, bytes) else data or ""
+
+
+def compress_hostlist(nodes: Iterable[str]) -> str:
+    """Slurm's compressed form of node names, for log lines: p5-od-1,p5-od-2,p5-od-3,p5-od-7 -> p5-od-[1-3,7].
+    Numbers sort as numbers (9 before 10); a name without a trailing number, or with a zero-padded one, stays as is."""
+    numbered: dict[str, set[int]] = defaultdict(set)
+    plain: set[str] = set()
+    for node in nodes:
+        match = re.fullmatch(r"(.*?)(\d+)", node)
+        if match and (match.group(2) == "0" or not match.group(2).startswith("0")):
+            numbered[match.group(1)].add(int(match.group(2)))
+        else:
+            plain.add(node)
+    parts = sorted(plain)
+    for prefix in sorted(numbered):
+        numbers = sorted(numbered[prefix])
+        ranges: list[list[int]] = []
+        for n in numbers:
+            if ranges and n == ranges[-1][1] + 1:
+                ranges[-1][1] = n
+            else:
+                ranges.append([n, n])
+        spans = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
+        parts.append(f"{prefix}{numbers[0]}" if len(numbers) == 1 else f"{prefix}[{spans}]")
+    return ",".join(parts)
 
 
 def parse_oneliner(line: str) -> dict[str, str]:
@@ -153,7 +191,7 @@ def launch(config: ClusterSettings, ec2, pool: PoolSettings, nodes: list[str]) -
         except ClientError as exc:
             error = exc.response.get("Error", {})
             reason = _reason(error.get("Code", "Unknown"), error.get("Message", str(exc)))
-            log.error("CreateFleet for %s failed: %s", ",".join(batch), reason)
+            log.error("CreateFleet for %s failed: %s", compress_hostlist(batch), reason)
             result.failed.update({n: reason for n in batch})
             continue
         ids = [i for group in response.get("Instances", []) for i in group.get("InstanceIds", [])]
@@ -200,7 +238,7 @@ def _tag_and_address(ec2, slurm: Slurm, launched: dict[str, str]) -> None:  # ty
         if not pending:
             return
         time.sleep(2)
-    log.error("no address for %s", ", ".join(by_id[i] for i in pending))
+    log.error("no address for %s", compress_hostlist(by_id[i] for i in pending))
 
 
 def resume(config: ClusterSettings, ec2, slurm: Slurm, hostlist: str) -> LaunchResult:  # type: ignore[no-untyped-def]
@@ -215,7 +253,7 @@ def resume(config: ClusterSettings, ec2, slurm: Slurm, hostlist: str) -> LaunchR
             log.error(reason)
             total.failed.update({n: reason for n in nodes})
             continue
-        log.info("resume %s: %d node(s) of pool %s (%s)", ",".join(nodes), len(nodes), name, pool.market)
+        log.info("resume %s: %d node(s) of pool %s (%s)", compress_hostlist(nodes), len(nodes), name, pool.market)
         result = launch(config, ec2, pool, nodes)
         total.launched.update(result.launched)
         total.failed.update(result.failed)
@@ -256,7 +294,7 @@ def terminate(ec2, ids: list[str]) -> None:  # type: ignore[no-untyped-def]
 def suspend(config: ClusterSettings, ec2, slurm: Slurm, hostlist: str) -> list[str]:  # type: ignore[no-untyped-def]
     nodes = slurm.expand(hostlist)
     ids = [i for found in cluster_instances(config, ec2, nodes).values() for i in found]
-    log.info("suspend %s: terminating %s", ",".join(nodes), ",".join(ids) or "nothing")
+    log.info("suspend %s: terminating %s", compress_hostlist(nodes), ",".join(ids) or "nothing")
     terminate(ec2, ids)
     return ids
 
@@ -264,7 +302,8 @@ def suspend(config: ClusterSettings, ec2, slurm: Slurm, hostlist: str) -> list[s
 def resume_fail(config: ClusterSettings, ec2, slurm: Slurm, hostlist: str) -> list[str]:  # type: ignore[no-untyped-def]
     nodes = slurm.expand(hostlist)
     ids = [i for found in cluster_instances(config, ec2, nodes).values() for i in found]
-    log.error("resume failed for %s (never registered): terminating %s", ",".join(nodes), ",".join(ids) or "nothing")
+    log.error("resume failed for %s (never registered): terminating %s", compress_hostlist(nodes),
+              ",".join(ids) or "nothing")
     terminate(ec2, ids)
     slurm.set_down(nodes, f"{REASON_PREFIX} launch failed: node did not register before ResumeTimeout")
     return ids
@@ -287,7 +326,7 @@ def reconcile(config: ClusterSettings, ec2, slurm: Slurm, now: float | None = No
     vanished = [name for name, n in nodes.items()
                 if name not in instances and _is_up(n["State"]) and pool_of(name) in config.pools]
     if vanished:
-        log.error("node(s) %s lost their instance: setting them DOWN", ",".join(vanished))
+        log.error("node(s) %s lost their instance: setting them DOWN", compress_hostlist(vanished))
         slurm.set_down(vanished, f"{REASON_PREFIX} instance vanished (spot reclaim or terminated outside Slurm)")
         done["down"] = vanished
     # Always-on nodes (never suspended, so Slurm never resumes them): launch those without an instance.
@@ -295,15 +334,15 @@ def reconcile(config: ClusterSettings, ec2, slurm: Slurm, now: float | None = No
                if f"{pool.name}-{i}" not in instances and f"{pool.name}-{i}" in nodes]
     if missing and budget_closed(config):
         log.warning("always-on node(s) %s have no instance: not launching, the budget guardrail has closed the cluster",
-                    ",".join(missing))
+                    compress_hostlist(missing))
     elif missing:
-        log.info("always-on node(s) %s have no instance: launching", ",".join(missing))
+        log.info("always-on node(s) %s have no instance: launching", compress_hostlist(missing))
         done["launched"] = sorted(resume(config, ec2, slurm, ",".join(missing)).launched)
     retry = [name for name, n in nodes.items()
              if n.get("Reason", "").startswith(CAPACITY_PREFIX) and "DOWN" in n["State"]
              and now - _reason_time(n) >= config.capacity_retry_seconds]
     if retry:
-        log.info("node(s) %s: capacity may be back, making them schedulable again", ",".join(retry))
+        log.info("node(s) %s: capacity may be back, making them schedulable again", compress_hostlist(retry))
         slurm.power_down(retry)
         done["retried"] = retry
     return done
@@ -371,7 +410,10 @@ def main(argv: list[str]) -> int:
         # Slurm only sees the exit status; the log keeps the whole story.
         log.exception("%s %s failed", command, " ".join(args))
         if command == "resume" and args:
-            slurm.set_down(slurm.expand(args[0]), f"{REASON_PREFIX} launch failed: resume program error, see log")
+            try:
+                slurm.set_down(slurm.expand(args[0]), f"{REASON_PREFIX} launch failed: resume program error, see log")
+            except Exception:  # scontrol itself may be what failed; the exit status still tells Slurm
+                log.exception("could not set %s DOWN after the failure", args[0])
         return 1
     return 0
 

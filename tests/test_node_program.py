@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import boto3
 import pytest
@@ -166,3 +168,59 @@ def test_reconcile_launches_no_always_on_node_while_the_budget_is_closed(ec2, tm
     assert node.reconcile(config, ec2, FakeSlurm(table))["launched"] == [] and not node.cluster_instances(config, ec2)
     state.write_text('{"closed": false}')
     assert node.reconcile(config, ec2, FakeSlurm(table))["launched"] == ["p5-od-1", "p5-spot-1"]
+
+
+@pytest.mark.parametrize("nodes,expected", [
+    (["p5-od-3"], "p5-od-3"),  # a single node has no brackets
+    (["p5-od-1", "p5-od-2", "p5-od-3", "p5-od-4", "p5-od-7"], "p5-od-[1-4,7]"),  # a gap
+    (["p5-od-10", "p5-od-9", "p5-od-11", "p5-od-2"], "p5-od-[2,9-11]"),  # numeric order: 9 before 10
+    (["p5-spot-2", "p5-od-1", "p5-spot-1", "p5-od-2", "p5-od-2"], "p5-od-[1-2],p5-spot-[1-2]"),  # pools, a duplicate
+    (["head", "p5-od-01", "p5-od-1"], "head,p5-od-01,p5-od-1"),  # no number, a padded number: as they are
+    ([], ""),
+])
+def test_hostlist_compresses_like_slurm(nodes: list[str], expected: str) -> None:
+    assert node.compress_hostlist(nodes) == expected
+
+
+def test_resume_logs_nodes_as_a_hostlist(ec2, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+    config = make_config(ec2)
+    with caplog.at_level("INFO", logger="gpucluster-node"):
+        node.resume(config, ec2, FakeSlurm(), ",".join(f"p5-od-{i}" for i in (1, 2, 3, 10)))
+    assert "resume p5-od-[1-3,10]: 4 node(s) of pool p5-od" in caplog.text
+
+
+def fake_scontrol(tmp_path: Path, body: str) -> str:
+    script = tmp_path / "scontrol"
+    script.write_text(f"#!/bin/sh\n{body}\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+def test_a_failing_scontrol_is_logged_with_its_stderr(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    slurm = node.Slurm(fake_scontrol(tmp_path, 'echo "slurm_update error: Invalid node name specified" >&2; exit 1'))
+    with pytest.raises(subprocess.CalledProcessError):
+        slurm.set_down(["p5-od-1"], "gpucluster: test")
+    assert "returned non-zero exit status 1" in caplog.text and "nodename=p5-od-1" in caplog.text
+    assert "stderr: slurm_update error: Invalid node name specified" in caplog.text
+
+
+def test_a_hung_scontrol_times_out(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(node, "SCONTROL_TIMEOUT", 0.3)
+    slurm = node.Slurm(fake_scontrol(tmp_path, 'echo "waiting for slurmctld" >&2; exec sleep 10'))
+    started = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        slurm.expand("p5-od-[1-2]")
+    assert time.monotonic() - started < 5
+    assert "timed out after 0.3 seconds" in caplog.text and "stderr: waiting for slurmctld" in caplog.text
+
+
+def test_main_survives_a_failing_scontrol_in_its_fallback(ec2, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                         caplog: pytest.LogCaptureFixture,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    config = make_config(ec2, scontrol=fake_scontrol(tmp_path, 'echo "Unable to contact slurm controller" >&2; exit 1'))
+    monkeypatch.setattr(node.ClusterSettings, "load", classmethod(lambda cls: config))
+    monkeypatch.setattr(node, "setup_logging", lambda config: None)  # keep pytest's log capture
+    assert node.main(["resume", "p5-od-[1-2]"]) == 1  # resume failed, and so did the fallback's set_down
+    assert "could not set p5-od-[1-2] DOWN after the failure" in caplog.text
+    assert "stderr: Unable to contact slurm controller" in caplog.text
