@@ -171,6 +171,12 @@ def _fleet_request(config: ClusterSettings, pool: PoolSettings, count: int) -> d
         if config.all_or_nothing else {}
     if pool.market == "spot":
         request["SpotOptions"] = {"AllocationStrategy": "price-capacity-optimized", **all_or_nothing}
+    elif pool.market == "capacity-block":
+        # The template's market type and reservation target pick the block. No AllocationStrategy (a block is one
+        # instance pool; ParallelCluster and Karpenter send none) and no CapacityReservationOptions: EC2's Capacity
+        # Blocks fleet tutorial says that with DefaultTargetCapacityType capacity-block they raise an exception.
+        if all_or_nothing:
+            request["OnDemandOptions"] = all_or_nothing
     else:
         request["OnDemandOptions"] = {"AllocationStrategy": "lowest-price", **all_or_nothing}
     return request

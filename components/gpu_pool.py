@@ -100,13 +100,15 @@ class GpuPool(pulumi.ComponentResource):
                     },
                 }
             ],
-            # Capacity blocks are reservations: the node must target its block. Spot/on-demand is chosen per
-            # CreateFleet request (the market export below), so that one template serves the fallback path too.
+            # Capacity blocks are reservations: the node must target its block, and EC2 launches into a block only
+            # with the capacity-block market type on the template. Spot/on-demand is chosen per CreateFleet request
+            # (the market export below).
             capacity_reservation_specification=(
                 {"capacity_reservation_target": {"capacity_reservation_id": pool.capacity_reservation_id}}
                 if pool.capacity == "capacity-block"
                 else None
             ),
+            instance_market_options={"market_type": "capacity-block"} if pool.capacity == "capacity-block" else None,
             iam_instance_profile={"arn": args.instance_profile_arn} if args.instance_profile_arn else None,
             user_data=args.user_data,
             tag_specifications=[

@@ -275,7 +275,8 @@ def test_existing_network_and_file_system_are_used_not_created() -> None:
     cb = templates["p5en-cb"]
     assert cb["capacityReservationSpecification"]["capacityReservationTarget"]["capacityReservationId"] == "cr-0a1b2c3d4e5f60718"
     assert cb["imageId"] == "ami-0a1b2c3d4e5f60718"
-    assert "capacityReservationSpecification" not in templates["b200"]
+    assert cb["instanceMarketOptions"] == {"marketType": "capacity-block"}  # EC2 launches into a block only so
+    assert not {"capacityReservationSpecification", "instanceMarketOptions"} & set(templates["b200"])
     # A pool without an AMI of its own boots the node image baked for its accelerator kind.
     assert templates["b200"]["imageId"] == planned_ami_id("gpucluster-existing-compute-nvidia")
 
