@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pulumi
@@ -18,6 +19,8 @@ class StorageArgs:
     lustre: Lustre
     subnet_id: pulumi.Input[str]
     security_group_id: pulumi.Input[str]
+    # The group's rules (Network.security_group_rules): FSx refuses a group whose rules are not yet in force.
+    security_group_rules: Sequence[pulumi.Resource] = ()
 
 
 class Storage(pulumi.ComponentResource):
@@ -73,7 +76,8 @@ class Storage(pulumi.ComponentResource):
             security_group_ids=[args.security_group_id],
             # FSx encrypts Lustre at rest always (AWS-managed key). Only PERSISTENT_2 has backups to carry the tags.
             copy_tags_to_backups=True if lustre.deployment_type == "PERSISTENT_2" else None,
-            opts=keep,
+            # CreateFileSystem checks the group's rules synchronously (InvalidNetworkSettings, aws-parallelcluster#6181).
+            opts=child(self, retain_on_delete=lustre.keep, depends_on=list(args.security_group_rules)),
         )
         # One association for the whole namespace: new and changed S3 objects appear under /fsx, and files written to
         # /fsx (checkpoints) are exported back to S3 automatically.
