@@ -1,4 +1,5 @@
-"""Shared storage: FSx for Lustre at /fsx, linked to S3 so that datasets come in and checkpoints outlive the cluster."""
+"""Shared storage: FSx for Lustre at /fsx, linked to S3 so that datasets come in and, in the stack's own bucket,
+checkpoints outlive the cluster."""
 
 from __future__ import annotations
 
@@ -79,18 +80,20 @@ class Storage(pulumi.ComponentResource):
             # CreateFileSystem checks the group's rules synchronously (InvalidNetworkSettings, aws-parallelcluster#6181).
             opts=child(self, retain_on_delete=lustre.keep, depends_on=list(args.security_group_rules)),
         )
-        # One association for the whole namespace: new and changed S3 objects appear under /fsx, and files written to
-        # /fsx (checkpoints) are exported back to S3 automatically.
+        # One association for the whole namespace: new, changed and deleted S3 objects show under /fsx.
+        events = ["NEW", "CHANGED", "DELETED"]
+        policies: dict[str, object] = {"auto_import_policy": {"events": events}}
+        # Only the stack's own bucket takes exports (checkpoints, and deletions under /fsx). A bucket the team named
+        # holds their dataset: exporting would let `rm` under /fsx delete their objects.
+        if not lustre.data_repository:
+            policies["auto_export_policy"] = {"events": events}
         aws.fsx.DataRepositoryAssociation(
             f"{name}-s3",
             file_system_id=fs.id,
             file_system_path="/",
             data_repository_path=self.data_repository,
             batch_import_meta_data_on_create=True,
-            s3={
-                "auto_import_policy": {"events": ["NEW", "CHANGED", "DELETED"]},
-                "auto_export_policy": {"events": ["NEW", "CHANGED", "DELETED"]},
-            },
+            s3=policies,
             # Deleting the association must not delete the data it exported.
             delete_data_in_filesystem=False,
             opts=keep,

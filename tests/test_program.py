@@ -163,14 +163,16 @@ def test_fsx_settings(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
     (dra,) = of_type(declared, "fsx/dataRepositoryAssociation:DataRepositoryAssociation")
     assert dra.inputs["fileSystemId"] == f"{fs.name}-id"
     assert dra.inputs["s3"]["autoImportPolicy"]["events"] == ["NEW", "CHANGED", "DELETED"]
-    assert dra.inputs["s3"]["autoExportPolicy"]["events"] == ["NEW", "CHANGED", "DELETED"]
     storage = tuple(d for d in declared if d.parent_type == "gpucluster:storage:Storage")
     buckets = of_type(storage, "s3/bucket:Bucket")
     if lustre.data_repository:
         assert dra.inputs["dataRepositoryPath"] == lustre.data_repository and not buckets
+        # The team's own bucket: import only, so that deleting under /fsx never deletes their objects.
+        assert "autoExportPolicy" not in dra.inputs["s3"]
     else:
         (bucket,) = buckets
         assert dra.inputs["dataRepositoryPath"].startswith("s3://")
+        assert dra.inputs["s3"]["autoExportPolicy"]["events"] == ["NEW", "CHANGED", "DELETED"]
         (block,) = of_type(storage, "s3/bucketPublicAccessBlock:BucketPublicAccessBlock")
         assert all(block.inputs[k] for k in ("blockPublicAcls", "blockPublicPolicy", "ignorePublicAcls", "restrictPublicBuckets"))
         (versioning,) = of_type(storage, "s3/bucketVersioning:BucketVersioning")
@@ -181,6 +183,19 @@ def test_fsx_settings(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
     # Data the team keeps survives `pulumi destroy`; scratch data goes with the cluster.
     data = [d for d in declared if d.parent_type == "gpucluster:storage:Storage"]
     assert data and all(d.retain_on_delete is lustre.keep for d in data)
+
+
+def test_only_the_stacks_own_bucket_takes_exports() -> None:
+    """team-b names its existing dataset bucket: import only. team-a's bucket is the stack's: import and export."""
+    events = ["NEW", "CHANGED", "DELETED"]
+    stack, declared = planned(ROOT / "stacks" / "Pulumi.team-b.yaml")
+    assert stack.spec.storage.lustre.data_repository
+    (dra,) = of_type(declared, "fsx/dataRepositoryAssociation:DataRepositoryAssociation")
+    assert dra.inputs["s3"] == {"autoImportPolicy": {"events": events}}
+    stack, declared = planned(ROOT / "stacks" / "Pulumi.team-a.yaml")
+    assert not stack.spec.storage.lustre.data_repository
+    (dra,) = of_type(declared, "fsx/dataRepositoryAssociation:DataRepositoryAssociation")
+    assert dra.inputs["s3"] == {"autoImportPolicy": {"events": events}, "autoExportPolicy": {"events": events}}
 
 
 def test_budget_notifications(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
