@@ -39,7 +39,8 @@ def create_cluster(stack: Stack) -> dict[str, object]:
     )
     storage = Storage(
         stack.cluster_name,
-        StorageArgs(lustre=spec.storage.lustre, subnet_id=network.subnet_id, security_group_id=network.security_group_id),
+        StorageArgs(lustre=spec.storage.lustre, subnet_id=network.subnet_id, security_group_id=network.security_group_id,
+                    security_group_rules=network.security_group_rules),
         opts,
     )
     # The build instances need the private subnet's route out (NAT) and its SSM endpoints: the whole network first.
@@ -111,6 +112,7 @@ def create_cluster(stack: Stack) -> dict[str, object]:
             instance_type=spec.head_node.instance_type,
             subnet_id=network.subnet_id,
             security_group_id=network.security_group_id,
+            security_group_rules=network.security_group_rules,
             user_data=userdata.head_node(stack),
             access=access,
             bundle_key=bundle_key,

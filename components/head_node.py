@@ -8,6 +8,7 @@ its Slurm state and accounting on their own volume, so compute nodes and running
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,8 @@ class HeadNodeArgs:
     # Settings the node programs read as they are (gpucluster_node.Config): all_or_nothing, capacity_retry_seconds.
     node_program_settings: dict[str, object]
     ami_id: pulumi.Input[str] | None = None  # None: the current Ubuntu 24.04 image
+    # The group's rules (Network.security_group_rules): the head's boot mounts /fsx and reaches S3 and SSM through them.
+    security_group_rules: Sequence[pulumi.Resource] = ()
     guardrail: GuardrailWiring | None = None  # None: the budget only alerts
 
 
@@ -113,7 +116,8 @@ class HeadNode(pulumi.ComponentResource):
             tags={"Name": f"{args.cluster_name}-head"},
             # Delete before replace: two slurmctld must never run at once, and the interface and the state volume
             # attach to one instance at a time. A newer image must not replace a running head node.
-            opts=child(self, delete_before_replace=True, ignore_changes=["ami"]),
+            opts=child(self, delete_before_replace=True, ignore_changes=["ami"],
+                       depends_on=list(args.security_group_rules)),
         )
         # Stop the instance before detaching: slurmctld and MariaDB shut down cleanly and the volume is unmounted.
         aws.ec2.VolumeAttachment(f"{name}-state", device_name=STATE_DEVICE, volume_id=state.id,

@@ -36,6 +36,9 @@ class Network(pulumi.ComponentResource):
     vpc_id: pulumi.Output[str]
     subnet_id: pulumi.Output[str]
     security_group_id: pulumi.Output[str]
+    # The group's rules are resources of their own, created beside the group: whatever needs them in force at create
+    # (FSx checks them synchronously) depends on these, not only on the group's id.
+    security_group_rules: list[pulumi.Resource]
 
     def __init__(self, name: str, args: NetworkArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpucluster:network:Network", name, None, opts)
@@ -53,19 +56,20 @@ class Network(pulumi.ComponentResource):
         )
         # EFA's SRD traffic needs an all-protocol rule to and from the group itself. It also covers Lustre (TCP 988,
         # 1018-1023) and Slurm (6817-6819) between nodes, head node and FSx, which all sit in this group.
-        aws.vpc.SecurityGroupIngressRule(
+        self_in = aws.vpc.SecurityGroupIngressRule(
             f"{name}-self-in", security_group_id=sg.id, referenced_security_group_id=sg.id, ip_protocol="-1",
             description="all traffic from cluster members", opts=child(self),
         )
-        aws.vpc.SecurityGroupEgressRule(
+        self_out = aws.vpc.SecurityGroupEgressRule(
             f"{name}-self-out", security_group_id=sg.id, referenced_security_group_id=sg.id, ip_protocol="-1",
             description="all traffic to cluster members (EFA needs it explicitly)", opts=child(self),
         )
-        aws.vpc.SecurityGroupEgressRule(
+        egress = aws.vpc.SecurityGroupEgressRule(
             f"{name}-egress", security_group_id=sg.id, cidr_ipv4="0.0.0.0/0", ip_protocol="-1",
             description="outbound through NAT: packages, container registries, AWS APIs", opts=child(self),
         )
         self.security_group_id = sg.id
+        self.security_group_rules = [self_in, self_out, egress]
         self.register_outputs(
             {"vpc_id": self.vpc_id, "subnet_id": self.subnet_id, "security_group_id": self.security_group_id}
         )

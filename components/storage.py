@@ -1,7 +1,9 @@
-"""Shared storage: FSx for Lustre at /fsx, linked to S3 so that datasets come in and checkpoints outlive the cluster."""
+"""Shared storage: FSx for Lustre at /fsx, linked to S3 so that datasets come in and, in the stack's own bucket,
+checkpoints outlive the cluster."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pulumi
@@ -18,6 +20,8 @@ class StorageArgs:
     lustre: Lustre
     subnet_id: pulumi.Input[str]
     security_group_id: pulumi.Input[str]
+    # The group's rules (Network.security_group_rules): FSx refuses a group whose rules are not yet in force.
+    security_group_rules: Sequence[pulumi.Resource] = ()
 
 
 class Storage(pulumi.ComponentResource):
@@ -73,20 +77,23 @@ class Storage(pulumi.ComponentResource):
             security_group_ids=[args.security_group_id],
             # FSx encrypts Lustre at rest always (AWS-managed key). Only PERSISTENT_2 has backups to carry the tags.
             copy_tags_to_backups=True if lustre.deployment_type == "PERSISTENT_2" else None,
-            opts=keep,
+            # CreateFileSystem checks the group's rules synchronously (InvalidNetworkSettings, aws-parallelcluster#6181).
+            opts=child(self, retain_on_delete=lustre.keep, depends_on=list(args.security_group_rules)),
         )
-        # One association for the whole namespace: new and changed S3 objects appear under /fsx, and files written to
-        # /fsx (checkpoints) are exported back to S3 automatically.
+        # One association for the whole namespace: new, changed and deleted S3 objects show under /fsx.
+        events = ["NEW", "CHANGED", "DELETED"]
+        policies: dict[str, object] = {"auto_import_policy": {"events": events}}
+        # Only the stack's own bucket takes exports (checkpoints, and deletions under /fsx). A bucket the team named
+        # holds their dataset: exporting would let `rm` under /fsx delete their objects.
+        if not lustre.data_repository:
+            policies["auto_export_policy"] = {"events": events}
         aws.fsx.DataRepositoryAssociation(
             f"{name}-s3",
             file_system_id=fs.id,
             file_system_path="/",
             data_repository_path=self.data_repository,
             batch_import_meta_data_on_create=True,
-            s3={
-                "auto_import_policy": {"events": ["NEW", "CHANGED", "DELETED"]},
-                "auto_export_policy": {"events": ["NEW", "CHANGED", "DELETED"]},
-            },
+            s3=policies,
             # Deleting the association must not delete the data it exported.
             delete_data_in_filesystem=False,
             opts=keep,

@@ -34,6 +34,7 @@ class Declared:
     provider: str
     delete_before_replace: bool = False
     ignore_changes: tuple[str, ...] = ()
+    dependencies: tuple[str, ...] = ()  # URNs it waits for: its inputs' resources and its depends_on
 
     @property
     def parent_type(self) -> str | None:
@@ -135,6 +136,7 @@ def _recording_monitor(mocks):  # type: ignore[no-untyped-def]
                         provider=request.provider,
                         delete_before_replace=request.deleteBeforeReplace,
                         ignore_changes=tuple(request.ignoreChanges),
+                        dependencies=tuple(request.dependencies),
                     )
                 )
             return response

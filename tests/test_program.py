@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
-from conftest import FIXTURES, ROOT, of_type, planned
+import pytest
+from conftest import FIXTURES, ROOT, STACK_FILES, of_type, planned
 from gpucluster import catalog
 from gpucluster.plan import Declared, planned_ami_id
 from gpucluster.spec import Stack
@@ -110,6 +112,30 @@ def test_cluster_group_talks_to_itself(shipped: tuple[Stack, tuple[Declared, ...
         assert fs.inputs["securityGroupIds"] == [sg_id]
 
 
+def _cluster_group_rules(declared: tuple[Declared, ...]) -> set[str]:
+    """URNs of the cluster security group's rules."""
+    (sg,) = [s for s in of_type(declared, "ec2/securityGroup:SecurityGroup") if s.name.endswith("-cluster")]
+    rules = {r.urn for r in declared if r.type.startswith("aws:vpc/securityGroup")
+             and r.inputs["securityGroupId"] == f"{sg.name}-id"}
+    assert len(rules) == 3  # from and to itself, out to the internet
+    return rules
+
+
+def test_file_system_waits_for_the_group_rules(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
+    """FSx checks the group's rules at CreateFileSystem (aws-parallelcluster#6181): the rules exist before it."""
+    _, declared = shipped
+    (fs,) = of_type(declared, "fsx/lustreFileSystem:LustreFileSystem")
+    assert _cluster_group_rules(declared) <= set(fs.dependencies)
+
+
+@pytest.mark.parametrize("path", [*STACK_FILES, FIXTURES / "Pulumi.existing.yaml"], ids=lambda p: p.name)
+def test_head_node_waits_for_the_group_rules(path: Path) -> None:
+    """The head's boot mounts /fsx and reaches S3 and SSM, also where the file system is not the stack's."""
+    _, declared = planned(path)
+    (head,) = of_type(declared, "ec2/instance:Instance")
+    assert _cluster_group_rules(declared) <= set(head.dependencies)
+
+
 def test_new_network_is_private_with_endpoints(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
     stack, declared = shipped
     (vpc,) = of_type(declared, "ec2/vpc:Vpc")
@@ -137,14 +163,16 @@ def test_fsx_settings(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
     (dra,) = of_type(declared, "fsx/dataRepositoryAssociation:DataRepositoryAssociation")
     assert dra.inputs["fileSystemId"] == f"{fs.name}-id"
     assert dra.inputs["s3"]["autoImportPolicy"]["events"] == ["NEW", "CHANGED", "DELETED"]
-    assert dra.inputs["s3"]["autoExportPolicy"]["events"] == ["NEW", "CHANGED", "DELETED"]
     storage = tuple(d for d in declared if d.parent_type == "gpucluster:storage:Storage")
     buckets = of_type(storage, "s3/bucket:Bucket")
     if lustre.data_repository:
         assert dra.inputs["dataRepositoryPath"] == lustre.data_repository and not buckets
+        # The team's own bucket: import only, so that deleting under /fsx never deletes their objects.
+        assert "autoExportPolicy" not in dra.inputs["s3"]
     else:
         (bucket,) = buckets
         assert dra.inputs["dataRepositoryPath"].startswith("s3://")
+        assert dra.inputs["s3"]["autoExportPolicy"]["events"] == ["NEW", "CHANGED", "DELETED"]
         (block,) = of_type(storage, "s3/bucketPublicAccessBlock:BucketPublicAccessBlock")
         assert all(block.inputs[k] for k in ("blockPublicAcls", "blockPublicPolicy", "ignorePublicAcls", "restrictPublicBuckets"))
         (versioning,) = of_type(storage, "s3/bucketVersioning:BucketVersioning")
@@ -155,6 +183,19 @@ def test_fsx_settings(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
     # Data the team keeps survives `pulumi destroy`; scratch data goes with the cluster.
     data = [d for d in declared if d.parent_type == "gpucluster:storage:Storage"]
     assert data and all(d.retain_on_delete is lustre.keep for d in data)
+
+
+def test_only_the_stacks_own_bucket_takes_exports() -> None:
+    """team-b names its existing dataset bucket: import only. team-a's bucket is the stack's: import and export."""
+    events = ["NEW", "CHANGED", "DELETED"]
+    stack, declared = planned(ROOT / "stacks" / "Pulumi.team-b.yaml")
+    assert stack.spec.storage.lustre.data_repository
+    (dra,) = of_type(declared, "fsx/dataRepositoryAssociation:DataRepositoryAssociation")
+    assert dra.inputs["s3"] == {"autoImportPolicy": {"events": events}}
+    stack, declared = planned(ROOT / "stacks" / "Pulumi.team-a.yaml")
+    assert not stack.spec.storage.lustre.data_repository
+    (dra,) = of_type(declared, "fsx/dataRepositoryAssociation:DataRepositoryAssociation")
+    assert dra.inputs["s3"] == {"autoImportPolicy": {"events": events}, "autoExportPolicy": {"events": events}}
 
 
 def test_budget_notifications(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
