@@ -80,23 +80,45 @@ def _statements(policy: Declared) -> dict[str, dict]:
 
 def test_head_role_is_scoped_to_this_cluster(shipped: Shipped) -> None:
     stack, declared = shipped
+    region, ec2 = stack.region, f"arn:aws:ec2:{stack.region}:123456789012"
     head = _statements(_one(declared, "iam/rolePolicy:RolePolicy", "-head"))
-    templates = sorted(f"arn:aws:ec2:{stack.region}:123456789012:launch-template/{planned_id(lt, stack.region)}"
-                       for lt in of_type(declared, "ec2/launchTemplate:LaunchTemplate"))
-    launch = head["LaunchFromClusterTemplatesOnly"]
-    assert sorted(launch["Condition"]["ArnLike"]["ec2:LaunchTemplate"]) == templates
+    launch_actions = ["ec2:RunInstances", "ec2:CreateFleet"]
+    # Instances only with this cluster's tag in the request (the resume program's CreateFleet TagSpecifications).
+    assert head["LaunchClusterInstancesOnly"] == {
+        "Sid": "LaunchClusterInstancesOnly", "Effect": "Allow", "Action": launch_actions,
+        "Resource": f"{ec2}:instance/*",
+        "Condition": {"StringEquals": {"aws:RequestTag/gpucluster:cluster": stack.cluster_name}}}
+    # Everything else a launch touches, named: this cluster's templates, subnet, group, images, placement groups
+    # and reservations; interfaces, volumes and the fleet it creates. No ec2:LaunchTemplate condition key.
+    launch = head["LaunchFromClusterResourcesOnly"]
+    assert launch["Action"] == launch_actions and "Condition" not in launch
+    templates = {f"{ec2}:launch-template/{planned_id(lt, region)}" for lt in of_type(declared, "ec2/launchTemplate:LaunchTemplate")}
+    subnet = stack.spec.network.subnet_id or planned_id(_one(declared, "ec2/subnet:Subnet", "-private"), region)
+    group = planned_id(_one(declared, "ec2/securityGroup:SecurityGroup", "-cluster"), region)
+    images = {f"arn:aws:ec2:{region}::image/{lt.inputs['imageId']}" for lt in of_type(declared, "ec2/launchTemplate:LaunchTemplate")}
+    groups = {f"{ec2}:placement-group/{pg.name}" for pg in of_type(declared, "ec2/placementGroup:PlacementGroup")}
+    reservations = {f"{ec2}:capacity-reservation/{p.capacity_reservation_id}" for p in stack.spec.pools
+                    if p.capacity_reservation_id}
+    created = {f"{ec2}:{kind}/*" for kind in ("fleet", "network-interface", "volume")}
+    assert set(launch["Resource"]) == templates | {f"{ec2}:subnet/{subnet}", f"{ec2}:security-group/{group}"} | \
+        images | groups | reservations | created
+    assert len(templates) == len(stack.spec.pools) and all(t.split("/")[1].startswith("lt-") for t in templates)
+    assert head["TagAtLaunch"]["Resource"] == [f"{ec2}:instance/*", *sorted(created)]
+    assert head["TagAtLaunch"]["Condition"] == {"StringEquals": {"ec2:CreateAction": ["RunInstances", "CreateFleet"]}}
     terminate = head["TagAndTerminateClusterInstancesOnly"]
-    assert "ec2:TerminateInstances" in terminate["Action"]
+    assert "ec2:TerminateInstances" in terminate["Action"] and terminate["Resource"] == f"{ec2}:instance/*"
     assert terminate["Condition"] == {"StringEquals": {"aws:ResourceTag/gpucluster:cluster": stack.cluster_name}}
+    assert head["DecodeLaunchErrors"]["Action"] == "sts:DecodeAuthorizationMessage"
     compute_role = _one(declared, "iam/role:Role", "-compute")
     assert head["PassComputeRoleOnly"]["Resource"] == f"arn:aws:iam::123456789012:role/{compute_role.name}"
-    munge = f"arn:aws:ssm:{stack.region}:123456789012:parameter{userdata.munge_key_parameter(stack)}"
+    munge = f"arn:aws:ssm:{region}:123456789012:parameter{userdata.munge_key_parameter(stack)}"
     assert head["CreateMungeKeyOnce"] == {"Sid": "CreateMungeKeyOnce", "Effect": "Allow", "Action": "ssm:PutParameter",
                                           "Resource": munge}
-    # Nothing but Describe* is granted on every resource without a condition.
+    # On every resource without a condition: Describe*, and decoding an authorization message (no resource type).
     for sid, statement in head.items():
         if statement["Resource"] == "*" and "Condition" not in statement:
-            assert all(a.startswith("ec2:Describe") for a in statement["Action"]), sid
+            actions = [statement["Action"]] if isinstance(statement["Action"], str) else statement["Action"]
+            assert all(a.startswith("ec2:Describe") or a == "sts:DecodeAuthorizationMessage" for a in actions), sid
 
 
 def test_compute_role_reads_settings_key_bundle_and_writes_gpu_metrics_only(shipped: Shipped) -> None:
