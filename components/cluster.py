@@ -120,6 +120,7 @@ def create_cluster(stack: Stack) -> dict[str, object]:
             munge_key_parameter=userdata.munge_key_parameter(stack),
             pools={name: pool.launch_spec for name, pool in pools.items()},
             launch_template_ids=[pool.launch_template_id for pool in pools.values()],
+            image_ids=[pool.image_id for pool in pools.values()],
             fsx_dns_name=storage.dns_name,
             fsx_mount_name=storage.mount_name,
             node_program_settings={"all_or_nothing": spec.slurm.all_or_nothing,

@@ -22,6 +22,7 @@ from gpucluster.cost import HEAD_ROOT_GIB, HEAD_STATE_GIB
 from gpucluster.settings import ClusterSettings
 
 STATE_DEVICE = "/dev/sdf"
+CLUSTER_TAG = "gpucluster:cluster"  # on every instance the cluster launches (gpucluster_node.CLUSTER_TAG)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class HeadNodeArgs:
     # Pool name -> launch spec (outputs of each GpuPool), published to every node through the config parameter.
     pools: dict[str, dict[str, object]]
     launch_template_ids: list[pulumi.Input[str]]
+    image_ids: list[pulumi.Input[str]]  # the AMIs of those templates: the only images the head may launch
     fsx_dns_name: pulumi.Input[str]
     fsx_mount_name: pulumi.Input[str]
     # Settings the node programs read as they are (gpucluster_node.Config): all_or_nothing, capacity_retry_seconds.
@@ -78,7 +80,9 @@ class HeadNode(pulumi.ComponentResource):
         aws.iam.RolePolicy(f"{name}-head", role=head_role.id, policy=pulumi.Output.all(
             account=account, config_arn=access.config_parameter_arn, munge_arn=access.munge_key_parameter_arn,
             bundle_arn=access.bundle_arn, compute_role_arn=access.compute_role_arn,
-            template_ids=args.launch_template_ids).apply(lambda v: policy(head_statements(args, **v))),
+            template_ids=args.launch_template_ids, image_ids=args.image_ids, subnet_id=args.subnet_id,
+            security_group_id=args.security_group_id, pools=args.pools).apply(
+                lambda v: policy(head_statements(args, **v))),
             opts=child(self))
         guard = args.guardrail
         if guard is not None:
@@ -153,25 +157,39 @@ def settings_document(args: HeadNodeArgs, learned: dict[str, Any]) -> str:
 
 
 def head_statements(args: HeadNodeArgs, account: str, config_arn: str, munge_arn: str, bundle_arn: str,
-                    compute_role_arn: str, template_ids: list[str]) -> list[dict[str, object]]:
-    """Launch only from this cluster's templates, tag and terminate only this cluster's instances, pass only the
+                    compute_role_arn: str, template_ids: list[str], image_ids: list[str], subnet_id: str,
+                    security_group_id: str, pools: dict[str, dict[str, Any]]) -> list[dict[str, object]]:
+    """Launch only from this cluster's templates, images, subnet, security group, placement groups and reservations,
+    and only instances tagged with this cluster (ParallelCluster's explicit-resource form: every resource a
+    CreateFleet/RunInstances call touches is named); tag and terminate only this cluster's instances, pass only the
     compute role, create and read only this cluster's parameters."""
     region = args.region
-    cluster_tag = {"aws:ResourceTag/gpucluster:cluster": args.cluster_name}
-    templates = [f"arn:aws:ec2:{region}:{account}:launch-template/{t}" for t in template_ids]
+    ec2 = f"arn:aws:ec2:{region}:{account}"
+    templates = [f"{ec2}:launch-template/{t}" for t in template_ids]
+    groups = sorted({f"{ec2}:placement-group/{p['placement_group']}" for p in pools.values() if p["placement_group"]})
+    reservations = sorted({f"{ec2}:capacity-reservation/{p['capacity_reservation_id']}"
+                           for p in pools.values() if p["capacity_reservation_id"]})
+    created = [f"{ec2}:{kind}/*" for kind in ("fleet", "network-interface", "volume")]
     return [
-        {"Sid": "LaunchFromClusterTemplatesOnly", "Effect": "Allow", "Action": ["ec2:RunInstances", "ec2:CreateFleet"],
-         "Resource": "*", "Condition": {"ArnLike": {"ec2:LaunchTemplate": templates}}},
-        {"Sid": "FleetRequest", "Effect": "Allow", "Action": "ec2:CreateFleet",
-         "Resource": [f"arn:aws:ec2:{region}:{account}:fleet/*", *templates]},
-        {"Sid": "TagAtLaunch", "Effect": "Allow", "Action": "ec2:CreateTags", "Resource": "*",
+        # The resume program's CreateFleet tags every instance with the cluster (TagSpecifications): no other.
+        {"Sid": "LaunchClusterInstancesOnly", "Effect": "Allow", "Action": ["ec2:RunInstances", "ec2:CreateFleet"],
+         "Resource": f"{ec2}:instance/*",
+         "Condition": {"StringEquals": {f"aws:RequestTag/{CLUSTER_TAG}": args.cluster_name}}},
+        {"Sid": "LaunchFromClusterResourcesOnly", "Effect": "Allow", "Action": ["ec2:RunInstances", "ec2:CreateFleet"],
+         "Resource": [*templates, f"{ec2}:subnet/{subnet_id}", f"{ec2}:security-group/{security_group_id}",
+                      *sorted({f"arn:aws:ec2:{region}::image/{i}" for i in image_ids}), *groups, *reservations,
+                      *created]},
+        {"Sid": "TagAtLaunch", "Effect": "Allow", "Action": "ec2:CreateTags",
+         "Resource": [f"{ec2}:instance/*", *created],
          "Condition": {"StringEquals": {"ec2:CreateAction": ["RunInstances", "CreateFleet"]}}},
         {"Sid": "TagAndTerminateClusterInstancesOnly", "Effect": "Allow",
-         "Action": ["ec2:CreateTags", "ec2:TerminateInstances"],
-         "Resource": f"arn:aws:ec2:{region}:{account}:instance/*", "Condition": {"StringEquals": cluster_tag}},
+         "Action": ["ec2:CreateTags", "ec2:TerminateInstances"], "Resource": f"{ec2}:instance/*",
+         "Condition": {"StringEquals": {f"aws:ResourceTag/{CLUSTER_TAG}": args.cluster_name}}},
         {"Sid": "Describe", "Effect": "Allow", "Action": ["ec2:DescribeInstances", "ec2:DescribeInstanceStatus",
                                                         "ec2:DescribeLaunchTemplates", "ec2:DescribeLaunchTemplateVersions"],
          "Resource": "*"},
+        # An UnauthorizedOperation from a launch carries an encoded message: this reads which statement refused.
+        {"Sid": "DecodeLaunchErrors", "Effect": "Allow", "Action": "sts:DecodeAuthorizationMessage", "Resource": "*"},
         {"Sid": "PassComputeRoleOnly", "Effect": "Allow", "Action": "iam:PassRole", "Resource": compute_role_arn,
          "Condition": {"StringEquals": {"iam:PassedToService": "ec2.amazonaws.com"}}},
         {"Sid": "ClusterParameters", "Effect": "Allow", "Action": PARAMETER_READ,

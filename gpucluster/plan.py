@@ -65,33 +65,130 @@ def planned_ami_id(name: str) -> str:
     return "ami-" + hashlib.sha256(name.encode()).hexdigest()[:17]
 
 
+def _hex(typ: str, name: str, length: int) -> str:
+    return hashlib.sha256(f"{typ}::{name}".encode()).hexdigest()[:length]
+
+
+# EC2 and FSx ids by resource type: AWS's prefix, then 17 hex digits (the ARN's resource kind where it has one).
+EC2_IDS = {
+    "aws:ec2/vpc:Vpc": ("vpc", "vpc"),
+    "aws:ec2/subnet:Subnet": ("subnet", "subnet"),
+    "aws:ec2/securityGroup:SecurityGroup": ("sg", "security-group"),
+    "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule": ("sgr", "security-group-rule"),
+    "aws:vpc/securityGroupEgressRule:SecurityGroupEgressRule": ("sgr", "security-group-rule"),
+    "aws:ec2/internetGateway:InternetGateway": ("igw", "internet-gateway"),
+    "aws:ec2/natGateway:NatGateway": ("nat", "natgateway"),
+    "aws:ec2/eip:Eip": ("eipalloc", "elastic-ip"),
+    "aws:ec2/routeTable:RouteTable": ("rtb", "route-table"),
+    "aws:ec2/routeTableAssociation:RouteTableAssociation": ("rtbassoc", None),
+    "aws:ec2/vpcEndpoint:VpcEndpoint": ("vpce", "vpc-endpoint"),
+    "aws:ec2/networkInterface:NetworkInterface": ("eni", "network-interface"),
+    "aws:ec2/instance:Instance": ("i", "instance"),
+    "aws:ec2/launchTemplate:LaunchTemplate": ("lt", "launch-template"),
+    "aws:ebs/volume:Volume": ("vol", "volume"),
+    "aws:ec2/volumeAttachment:VolumeAttachment": ("vai", None),
+    "aws:fsx/lustreFileSystem:LustreFileSystem": ("fs", "file-system"),
+    "aws:fsx/dataRepositoryAssociation:DataRepositoryAssociation": ("dra", None),
+}
+
+
+def autoname(typ: str, name: str) -> str:
+    """The physical name Pulumi gives a resource declared without one: its name, a dash, 7 random hex digits
+    (here derived from the name, so the plan is the same at every run)."""
+    return f"{name}-{_hex(typ, name, 7)}"
+
+
 def _placeholder_outputs(typ: str, name: str, inputs: dict[str, Any], region: str) -> dict[str, Any]:
-    """Values AWS would compute, for the program's `apply`s and exports to run on."""
-    out: dict[str, Any] = {"arn": f"arn:aws:plan:{region}:{MOCK_ACCOUNT}:{name}"}
-    if typ in IMAGE_BUILDER_ARNS:
-        kind, version = IMAGE_BUILDER_ARNS[typ]
-        out["arn"] = f"arn:aws:imagebuilder:{region}:{MOCK_ACCOUNT}:{kind}/{name.lower()}{version}"
+    """Values AWS would compute, for the program's `apply`s and exports to run on: ids and ARNs in AWS's format for
+    the type, the rest as placeholders that say so. The resource's id is under "id"."""
+    out: dict[str, Any] = {}
     if "name" not in inputs:
         out["name"] = name
+    physical = inputs.get("name", name)
+    service = typ.split(":")[1].split("/")[0]
+    acct = MOCK_ACCOUNT
+    if typ in EC2_IDS:
+        prefix, kind = EC2_IDS[typ]
+        out["id"] = f"{prefix}-{_hex(typ, name, 17)}"
+        if kind:
+            out["arn"] = f"arn:aws:{'fsx' if service == 'fsx' else 'ec2'}:{region}:{acct}:{kind}/{out['id']}"
+        if typ == "aws:fsx/dataRepositoryAssociation:DataRepositoryAssociation":
+            out["arn"] = f"arn:aws:fsx:{region}:{acct}:association/{inputs.get('fileSystemId')}/{out['id']}"
+    elif typ in IMAGE_BUILDER_ARNS:
+        kind, version = IMAGE_BUILDER_ARNS[typ]
+        out["id"] = out["arn"] = f"arn:aws:imagebuilder:{region}:{acct}:{kind}/{name.lower()}{version}"
+    elif typ == "aws:ec2/placementGroup:PlacementGroup":
+        out["id"], out["placementGroupId"] = physical, f"pg-{_hex(typ, name, 17)}"
+        out["arn"] = f"arn:aws:ec2:{region}:{acct}:placement-group/{physical}"
+    elif typ in ("aws:iam/role:Role", "aws:iam/instanceProfile:InstanceProfile"):
+        out["id"] = physical
+        out["arn"] = f"arn:aws:iam::{acct}:{'role' if typ.endswith('Role') else 'instance-profile'}/{physical}"
+        out["uniqueId"] = ("AROA" if typ.endswith("Role") else "AIPA") + _hex(typ, name, 17).upper()
+    elif typ == "aws:iam/policy:Policy":
+        out["id"] = out["arn"] = f"arn:aws:iam::{acct}:policy/{physical}"
+    elif typ == "aws:iam/rolePolicy:RolePolicy":
+        out["id"] = f"{inputs['role']}:{physical}"
+    elif typ == "aws:iam/rolePolicyAttachment:RolePolicyAttachment":
+        out["id"] = f"{inputs['role']}-{int(_hex(typ, name, 16), 16):026d}"
+    elif typ == "aws:s3/bucket:Bucket":
+        bucket = inputs.get("bucket") or autoname(typ, name)
+        out["id"], out["bucket"], out["arn"] = bucket, bucket, f"arn:aws:s3:::{bucket}"
+    elif typ == "aws:s3/bucketObjectv2:BucketObjectv2":
+        out["id"], out["arn"] = inputs["key"], f"arn:aws:s3:::{inputs['bucket']}/{inputs['key']}"
+    elif typ.startswith("aws:s3/"):
+        out["id"] = inputs["bucket"]  # the bucket's settings are known by its name
+    elif typ == "aws:sns/topic:Topic":
+        out["id"] = out["arn"] = f"arn:aws:sns:{region}:{acct}:{physical}"
+    elif typ == "aws:sns/topicPolicy:TopicPolicy":
+        out["id"] = inputs["arn"]
+    elif typ == "aws:sns/topicSubscription:TopicSubscription":
+        h = _hex(typ, name, 32)
+        out["id"] = out["arn"] = f"{inputs['topic']}:{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+    elif typ == "aws:sqs/queue:Queue":
+        out["arn"] = f"arn:aws:sqs:{region}:{acct}:{physical}"
+        out["id"] = out["url"] = f"https://sqs.{region}.amazonaws.com/{acct}/{physical}"
+    elif typ == "aws:sqs/queuePolicy:QueuePolicy":
+        out["id"] = inputs["queueUrl"]
+    elif typ == "aws:ssm/parameter:Parameter":
+        out["id"], out["arn"] = physical, f"arn:aws:ssm:{region}:{acct}:parameter/{physical.lstrip('/')}"
+    elif typ == "aws:budgets/budget:Budget":
+        out["id"], out["arn"] = f"{acct}:{physical}", f"arn:aws:budgets::{acct}:budget/{physical}"
+    elif typ == "aws:budgets/budgetAction:BudgetAction":
+        h = _hex(typ, name, 32)
+        out["actionId"] = f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+        budget = inputs["budgetName"]
+        out["id"] = f"{acct}:{out['actionId']}:{budget}"
+        out["arn"] = f"arn:aws:budgets::{acct}:budget/{budget}/action/{out['actionId']}"
+    elif typ == "aws:cloudwatch/metricAlarm:MetricAlarm":
+        out["id"], out["arn"] = physical, f"arn:aws:cloudwatch:{region}:{acct}:alarm:{physical}"
+    elif typ == "aws:costexplorer/costAllocationTag:CostAllocationTag":
+        out["id"] = inputs["tagKey"]
+    else:
+        out["id"] = f"{name}-id"  # not an AWS resource (the provider), or one the plan has no format for yet
+
     if typ == "aws:ec2/launchTemplate:LaunchTemplate":
         out["latestVersion"] = 1
-    elif typ == "aws:s3/bucket:Bucket":
-        out["bucket"] = f"{name}-<suffix at up>"
     elif typ == "aws:ec2/instance:Instance":
         out["privateIp"] = "<private IP at up>"
     elif typ == "aws:ec2/networkInterface:NetworkInterface":
         out["privateIp"] = PLAN_INTERFACE_IP
     elif typ == "aws:fsx/lustreFileSystem:LustreFileSystem":
-        out["dnsName"] = f"<{name} DNS name at up>"
+        out["dnsName"] = f"{out['id']}.fsx.{region}.amazonaws.com"
         out["mountName"] = "<mount name at up>"
-    elif typ == "aws:sqs/queue:Queue":
-        out["url"] = f"https://sqs.{region}.amazonaws.com/{MOCK_ACCOUNT}/{name}-<suffix at up>"
-    elif typ == "aws:budgets/budgetAction:BudgetAction":
-        out["actionId"] = "<action id at up>"
     elif typ == "aws:imagebuilder/image:Image":
         out["outputResources"] = [{"amis": [{"image": planned_ami_id(name), "region": region,
-                                             "accountId": MOCK_ACCOUNT, "name": f"{name}-<build date at up>"}]}]
+                                             "accountId": acct, "name": f"{name}-<build date at up>"}]}]
     return out
+
+
+def planned_id(declared: Declared, region: str) -> str:
+    """The id the plan gave a declared resource (what another resource's input holds when it names this one)."""
+    return _placeholder_outputs(declared.type, declared.name, declared.inputs, region)["id"]
+
+
+def planned_outputs(declared: Declared, region: str) -> dict[str, Any]:
+    """What the plan gave a declared resource beside its inputs: id, ARN and the values AWS computes."""
+    return _placeholder_outputs(declared.type, declared.name, declared.inputs, region)
 
 
 def _mocks(region: str):  # type: ignore[no-untyped-def]
@@ -99,8 +196,8 @@ def _mocks(region: str):  # type: ignore[no-untyped-def]
 
     class PlanMocks(Mocks):
         def new_resource(self, args):  # type: ignore[no-untyped-def]
-            state = {**args.inputs, **_placeholder_outputs(args.typ, args.name, args.inputs, region)}
-            return f"{args.name}-id", state
+            outputs = _placeholder_outputs(args.typ, args.name, args.inputs, region)
+            return outputs.pop("id"), {**args.inputs, **outputs}
 
         def call(self, args):  # type: ignore[no-untyped-def]
             if args.token == "aws:ssm/getParameter:getParameter":

@@ -10,7 +10,7 @@ import tarfile
 
 from conftest import ROOT, of_type
 from gpucluster import bundle, userdata
-from gpucluster.plan import Declared
+from gpucluster.plan import Declared, planned_id, planned_outputs
 from gpucluster.spec import Stack
 
 Shipped = tuple[Stack, tuple[Declared, ...]]
@@ -35,7 +35,8 @@ def test_head_instance_is_private_imdsv2_encrypted_and_runs_the_rendered_user_da
     assert volume.inputs["size"] == cost.HEAD_STATE_GIB
     assert volume.inputs["encrypted"] is True and volume.inputs["availabilityZone"] == stack.spec.availability_zone
     attachment = _one(declared, "ec2/volumeAttachment:VolumeAttachment")
-    assert attachment.inputs["volumeId"] == f"{volume.name}-id" and attachment.inputs["instanceId"] == f"{head.name}-id"
+    assert attachment.inputs["volumeId"] == planned_id(volume, stack.region)
+    assert attachment.inputs["instanceId"] == planned_id(head, stack.region)
 
 
 def test_head_instance_boots_on_its_fixed_private_interface(shipped: Shipped) -> None:
@@ -45,13 +46,14 @@ def test_head_instance_boots_on_its_fixed_private_interface(shipped: Shipped) ->
     head = _one(declared, "ec2/instance:Instance")
     interface = _one(declared, "ec2/networkInterface:NetworkInterface")
     # primary_network_interface is device index 0 (pulumi-aws v7's successor of the deprecated network_interfaces).
-    assert head.inputs["primaryNetworkInterface"] == {"networkInterfaceId": f"{interface.name}-id"}
+    assert head.inputs["primaryNetworkInterface"] == {"networkInterfaceId": planned_id(interface, stack.region)}
     for own in ("subnetId", "vpcSecurityGroupIds", "securityGroups", "associatePublicIpAddress", "networkInterfaces",
                 "privateIp", "sourceDestCheck"):
         assert own not in head.inputs, own
-    private = stack.spec.network.subnet_id or f"{_one(declared, 'ec2/subnet:Subnet', '-private').name}-id"
+    private = stack.spec.network.subnet_id or planned_id(_one(declared, "ec2/subnet:Subnet", "-private"), stack.region)
     assert interface.inputs["subnetId"] == private
-    assert interface.inputs["securityGroups"] == [f"{_one(declared, 'ec2/securityGroup:SecurityGroup', '-cluster').name}-id"]
+    assert interface.inputs["securityGroups"] == [
+        planned_id(_one(declared, "ec2/securityGroup:SecurityGroup", "-cluster"), stack.region)]
     assert interface.inputs["tags"] == {"Name": f"{stack.cluster_name}-head"}
     assert "sourceDestCheck" not in interface.inputs  # EC2's default: checked
     for eip in of_type(declared, "ec2/eip:Eip"):  # no public address reaches the head (the NAT has its own)
@@ -61,14 +63,14 @@ def test_head_instance_boots_on_its_fixed_private_interface(shipped: Shipped) ->
 def test_head_is_replaced_delete_first_and_keeps_its_address_and_state(shipped: Shipped) -> None:
     """Two slurmctld never run at once, the state volume never attaches to two instances (VolumeInUse); the
     interface and the volume take nothing from the instance, so a new instance replaces neither."""
-    _, declared = shipped
+    stack, declared = shipped
     head = _one(declared, "ec2/instance:Instance")
     attachment = _one(declared, "ec2/volumeAttachment:VolumeAttachment")
     assert head.delete_before_replace and attachment.delete_before_replace
     assert head.ignore_changes == ("ami",)  # a newer image does not replace a running head
     assert attachment.inputs["stopInstanceBeforeDetaching"] is True  # slurmctld and MariaDB stop cleanly first
     for keeper in (_one(declared, "ebs/volume:Volume"), _one(declared, "ec2/networkInterface:NetworkInterface")):
-        assert f"{head.name}-id" not in json.dumps(keeper.inputs), keeper.name
+        assert planned_id(head, stack.region) not in json.dumps(keeper.inputs), keeper.name
         assert keeper.parent_urn == head.parent_urn and not keeper.retain_on_delete  # `pulumi destroy` deletes it
 
 
@@ -78,35 +80,57 @@ def _statements(policy: Declared) -> dict[str, dict]:
 
 def test_head_role_is_scoped_to_this_cluster(shipped: Shipped) -> None:
     stack, declared = shipped
+    region, ec2 = stack.region, f"arn:aws:ec2:{stack.region}:123456789012"
     head = _statements(_one(declared, "iam/rolePolicy:RolePolicy", "-head"))
-    templates = sorted(f"arn:aws:ec2:{stack.region}:123456789012:launch-template/{lt.name}-id"
-                       for lt in of_type(declared, "ec2/launchTemplate:LaunchTemplate"))
-    launch = head["LaunchFromClusterTemplatesOnly"]
-    assert sorted(launch["Condition"]["ArnLike"]["ec2:LaunchTemplate"]) == templates
+    launch_actions = ["ec2:RunInstances", "ec2:CreateFleet"]
+    # Instances only with this cluster's tag in the request (the resume program's CreateFleet TagSpecifications).
+    assert head["LaunchClusterInstancesOnly"] == {
+        "Sid": "LaunchClusterInstancesOnly", "Effect": "Allow", "Action": launch_actions,
+        "Resource": f"{ec2}:instance/*",
+        "Condition": {"StringEquals": {"aws:RequestTag/gpucluster:cluster": stack.cluster_name}}}
+    # Everything else a launch touches, named: this cluster's templates, subnet, group, images, placement groups
+    # and reservations; interfaces, volumes and the fleet it creates. No ec2:LaunchTemplate condition key.
+    launch = head["LaunchFromClusterResourcesOnly"]
+    assert launch["Action"] == launch_actions and "Condition" not in launch
+    templates = {f"{ec2}:launch-template/{planned_id(lt, region)}" for lt in of_type(declared, "ec2/launchTemplate:LaunchTemplate")}
+    subnet = stack.spec.network.subnet_id or planned_id(_one(declared, "ec2/subnet:Subnet", "-private"), region)
+    group = planned_id(_one(declared, "ec2/securityGroup:SecurityGroup", "-cluster"), region)
+    images = {f"arn:aws:ec2:{region}::image/{lt.inputs['imageId']}" for lt in of_type(declared, "ec2/launchTemplate:LaunchTemplate")}
+    groups = {f"{ec2}:placement-group/{pg.name}" for pg in of_type(declared, "ec2/placementGroup:PlacementGroup")}
+    reservations = {f"{ec2}:capacity-reservation/{p.capacity_reservation_id}" for p in stack.spec.pools
+                    if p.capacity_reservation_id}
+    created = {f"{ec2}:{kind}/*" for kind in ("fleet", "network-interface", "volume")}
+    assert set(launch["Resource"]) == templates | {f"{ec2}:subnet/{subnet}", f"{ec2}:security-group/{group}"} | \
+        images | groups | reservations | created
+    assert len(templates) == len(stack.spec.pools) and all(t.split("/")[1].startswith("lt-") for t in templates)
+    assert head["TagAtLaunch"]["Resource"] == [f"{ec2}:instance/*", *sorted(created)]
+    assert head["TagAtLaunch"]["Condition"] == {"StringEquals": {"ec2:CreateAction": ["RunInstances", "CreateFleet"]}}
     terminate = head["TagAndTerminateClusterInstancesOnly"]
-    assert "ec2:TerminateInstances" in terminate["Action"]
+    assert "ec2:TerminateInstances" in terminate["Action"] and terminate["Resource"] == f"{ec2}:instance/*"
     assert terminate["Condition"] == {"StringEquals": {"aws:ResourceTag/gpucluster:cluster": stack.cluster_name}}
+    assert head["DecodeLaunchErrors"]["Action"] == "sts:DecodeAuthorizationMessage"
     compute_role = _one(declared, "iam/role:Role", "-compute")
-    assert head["PassComputeRoleOnly"]["Resource"] == f"arn:aws:plan:{stack.region}:123456789012:{compute_role.name}"
-    munge = f"arn:aws:ssm:{stack.region}:123456789012:parameter{userdata.munge_key_parameter(stack)}"
+    assert head["PassComputeRoleOnly"]["Resource"] == f"arn:aws:iam::123456789012:role/{compute_role.name}"
+    munge = f"arn:aws:ssm:{region}:123456789012:parameter{userdata.munge_key_parameter(stack)}"
     assert head["CreateMungeKeyOnce"] == {"Sid": "CreateMungeKeyOnce", "Effect": "Allow", "Action": "ssm:PutParameter",
                                           "Resource": munge}
-    # Nothing but Describe* is granted on every resource without a condition.
+    # On every resource without a condition: Describe*, and decoding an authorization message (no resource type).
     for sid, statement in head.items():
         if statement["Resource"] == "*" and "Condition" not in statement:
-            assert all(a.startswith("ec2:Describe") for a in statement["Action"]), sid
+            actions = [statement["Action"]] if isinstance(statement["Action"], str) else statement["Action"]
+            assert all(a.startswith("ec2:Describe") or a == "sts:DecodeAuthorizationMessage" for a in actions), sid
 
 
 def test_compute_role_reads_settings_key_bundle_and_writes_gpu_metrics_only(shipped: Shipped) -> None:
     stack, declared = shipped
     compute = _statements(_one(declared, "iam/rolePolicy:RolePolicy", "-compute"))
     assert set(compute) == {"ClusterSettings", "Bundle", "GpuMetrics"}
-    bucket = _one(declared, "s3/bucket:Bucket", "-bundle")
+    bucket = planned_id(_one(declared, "s3/bucket:Bucket", "-bundle"), stack.region)
     assert compute["Bundle"] == {"Sid": "Bundle", "Effect": "Allow", "Action": "s3:GetObject", "Resource":
-                                 f"arn:aws:s3:::{bucket.name}-<suffix at up>/{bundle.key(bundle.build(stack))}"}
+                                 f"arn:aws:s3:::{bucket}/{bundle.key(bundle.build(stack))}"}
     profile = _one(declared, "iam/instanceProfile:InstanceProfile", "-compute")
     for lt in of_type(declared, "ec2/launchTemplate:LaunchTemplate"):
-        assert lt.inputs["iamInstanceProfile"] == {"arn": f"arn:aws:plan:{stack.region}:123456789012:{profile.name}"}
+        assert lt.inputs["iamInstanceProfile"] == {"arn": f"arn:aws:iam::123456789012:instance-profile/{profile.name}"}
 
 
 def test_settings_parameter_tells_nodes_what_up_learned(shipped: Shipped) -> None:
@@ -120,7 +144,7 @@ def test_settings_parameter_tells_nodes_what_up_learned(shipped: Shipped) -> Non
     assert set(settings["pools"]) == {p.name for p in stack.spec.pools}
     for pool in stack.spec.pools:
         assert settings["pools"][pool.name]["market"] == pool.capacity
-        assert settings["pools"][pool.name]["launch_template_id"].endswith("-lt-id")
+        assert settings["pools"][pool.name]["launch_template_id"].startswith("lt-")
     # The munge key is never declared: the head node creates it in SSM at first boot.
     assert not [d for d in of_type(declared, "ssm/parameter:Parameter") if d.inputs.get("type") == "SecureString"]
 
@@ -129,11 +153,9 @@ def test_head_address_is_the_fixed_interface_ip(shipped: Shipped) -> None:
     """Nodes reach the head at its interface's address (what AWS gives the interface), not the instance's own."""
     import ipaddress
 
-    from gpucluster.plan import _placeholder_outputs
-
     stack, declared = shipped
     interface = _one(declared, "ec2/networkInterface:NetworkInterface")
-    given = _placeholder_outputs(interface.type, interface.name, interface.inputs, stack.region)["privateIp"]
+    given = planned_outputs(interface, stack.region)["privateIp"]
     settings = json.loads(_one(declared, "ssm/parameter:Parameter").inputs["insecureValue"])
     assert settings["head_address"] == given and ipaddress.IPv4Address(given).is_private
 
@@ -148,7 +170,7 @@ def test_settings_document_is_the_contract(shipped: Shipped, tmp_path) -> None: 
     settings = ClusterSettings.load(tmp_path / "cluster.json")
     assert settings.to_json() == text
     assert settings.munge_key_parameter == userdata.munge_key_parameter(stack)
-    assert settings.state_volume_id == f"{_one(declared, 'ebs/volume:Volume').name}-id"
+    assert settings.state_volume_id == planned_id(_one(declared, "ebs/volume:Volume"), stack.region)
     for pool in stack.spec.pools:
         spec = settings.pools[pool.name]
         assert (spec.name, spec.instance_type, spec.max_nodes) == (pool.name, pool.instance_type, pool.max_nodes)

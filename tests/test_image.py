@@ -17,7 +17,7 @@ import yaml
 
 from conftest import FIXTURES, ROOT, of_type, planned
 from gpucluster import catalog, cost, settings
-from gpucluster.plan import Declared, run_program
+from gpucluster.plan import Declared, planned_id, run_program
 from gpucluster.spec import Stack, load_stack, stack_config, validate
 
 SCRIPT = ROOT / "cloud-init" / "build_image.sh"
@@ -444,12 +444,12 @@ def test_recipe_parent_image_and_encrypted_root(shipped: tuple[Stack, tuple[Decl
 def test_build_instance_private_imdsv2_and_least_privilege(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
     stack, declared = shipped
     subnet_id = stack.spec.network.subnet_id or next(
-        f"{s.name}-id" for s in of_type(declared, "ec2/subnet:Subnet") if s.name.endswith("-private"))
+        planned_id(s, stack.region) for s in of_type(declared, "ec2/subnet:Subnet") if s.name.endswith("-private"))
     (sg,) = [g for g in of_type(declared, "ec2/securityGroup:SecurityGroup") if g.name.endswith("-cluster")]
     for image in (d for d in declared if d.type == "gpucluster:image:NodeImage"):
         (infra,) = _children(declared, image, "infrastructureConfiguration:InfrastructureConfiguration")
         assert infra.inputs["subnetId"] == subnet_id
-        assert infra.inputs["securityGroupIds"] == [f"{sg.name}-id"]
+        assert infra.inputs["securityGroupIds"] == [planned_id(sg, stack.region)]
         assert infra.inputs["instanceMetadataOptions"]["httpTokens"] == "required"
         assert infra.inputs["terminateInstanceOnFailure"] is True
         assert infra.inputs["instanceTypes"] == [catalog.IMAGE_BUILD_INSTANCE_TYPE]

@@ -31,7 +31,7 @@ def test_one_idle_alarm_per_accelerator_pool(shipped: tuple[Stack, tuple[Declare
     kinds = {p.name: p.itype.accelerator.kind for p in stack.spec.pools if p.itype.accelerator}
     assert set(alarms) == set(kinds)
     (topic,) = of_type(declared, "sns/topic:Topic")
-    topic_arn = f"arn:aws:plan:{stack.region}:123456789012:{topic.name}"
+    topic_arn = f"arn:aws:sns:{stack.region}:123456789012:{topic.name}"
     for pool, alarm in alarms.items():
         metric = {"nvidia": "nvidia_smi_utilization_gpu", "neuron": "neuroncore_utilization"}[kinds[pool]]
         assert (alarm["namespace"], alarm["metricName"]) == ("CWAgent", metric)

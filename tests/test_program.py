@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import FIXTURES, ROOT, STACK_FILES, of_type, planned
 from gpucluster import catalog
-from gpucluster.plan import Declared, planned_ami_id
+from gpucluster.plan import Declared, planned_ami_id, planned_id
 from gpucluster.spec import Stack
 
 PROVIDER = "pulumi:providers:aws"
@@ -102,7 +102,7 @@ def test_cluster_group_talks_to_itself(shipped: tuple[Stack, tuple[Declared, ...
     """EFA needs all traffic to and from the group itself; the same rule opens Lustre's 988 and 1018-1023."""
     stack, declared = shipped
     (cluster_sg,) = [s for s in of_type(declared, "ec2/securityGroup:SecurityGroup") if s.name.endswith("-cluster")]
-    sg_id = f"{cluster_sg.name}-id"
+    sg_id = planned_id(cluster_sg, stack.region)
     for kind in ("Ingress", "Egress"):
         rules = of_type(declared, f"vpc/securityGroup{kind}Rule:SecurityGroup{kind}Rule")
         assert any(r.inputs["securityGroupId"] == sg_id and r.inputs.get("referencedSecurityGroupId") == sg_id
@@ -148,7 +148,7 @@ def test_new_network_is_private_with_endpoints(shipped: tuple[Stack, tuple[Decla
         assert endpoints[service]["vpcEndpointType"] == "Interface" and endpoints[service]["privateDnsEnabled"]
     (nat,) = of_type(declared, "ec2/natGateway:NatGateway")
     (private_rt,) = [r for r in of_type(declared, "ec2/routeTable:RouteTable") if r.name.endswith("-private")]
-    assert private_rt.inputs["routes"] == [{"cidrBlock": "0.0.0.0/0", "natGatewayId": f"{nat.name}-id"}]
+    assert private_rt.inputs["routes"] == [{"cidrBlock": "0.0.0.0/0", "natGatewayId": planned_id(nat, stack.region)}]
 
 
 def test_fsx_settings(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
@@ -161,7 +161,7 @@ def test_fsx_settings(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
     assert fs.inputs["dataCompressionType"] == "LZ4"
     assert fs.inputs["fileSystemTypeVersion"] == "2.15"
     (dra,) = of_type(declared, "fsx/dataRepositoryAssociation:DataRepositoryAssociation")
-    assert dra.inputs["fileSystemId"] == f"{fs.name}-id"
+    assert dra.inputs["fileSystemId"] == planned_id(fs, stack.region)
     assert dra.inputs["s3"]["autoImportPolicy"]["events"] == ["NEW", "CHANGED", "DELETED"]
     storage = tuple(d for d in declared if d.parent_type == "gpucluster:storage:Storage")
     buckets = of_type(storage, "s3/bucket:Bucket")
@@ -210,7 +210,7 @@ def test_budget_notifications(shipped: tuple[Stack, tuple[Declared, ...]]) -> No
     act = {budget_spec.act_threshold_percent} - {None}
     assert got == {(float(t), "FORECASTED") for t in budget_spec.thresholds_percent} | {
         (float(t), "ACTUAL") for t in set(budget_spec.thresholds_percent) | act}
-    topic_arn = f"arn:aws:plan:{stack.region}:123456789012:{topic.name}"
+    topic_arn = f"arn:aws:sns:{stack.region}:123456789012:{topic.name}"
     assert all(n["subscriberSnsTopicArns"] == [topic_arn] for n in budget.inputs["notifications"])
     emails = sorted(s.inputs["endpoint"] for s in of_type(declared, "sns/topicSubscription:TopicSubscription")
                     if s.inputs["protocol"] == "email")
@@ -224,8 +224,10 @@ def test_budget_notifications(shipped: tuple[Stack, tuple[Declared, ...]]) -> No
     assert all(t.retain_on_delete for t in tags)
 
 
-def _arn(stack: Stack, name: str) -> str:
-    return f"arn:aws:plan:{stack.region}:123456789012:{name}"
+def _arn(stack: Stack, service: str, resource: str) -> str:
+    """An ARN in AWS's format for its service: IAM and Budgets have no region."""
+    region = "" if service in ("iam", "budgets") else stack.region
+    return f"arn:aws:{service}:{region}:123456789012:{resource}"
 
 
 def test_budget_reaches_the_head_node_and_the_launch_deny(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
@@ -233,7 +235,7 @@ def test_budget_reaches_the_head_node_and_the_launch_deny(shipped: tuple[Stack, 
     act = stack.spec.budget.act_threshold_percent
     assert act is not None  # every shipped stack acts on its budget
     name = stack.cluster_name
-    topic, queue = _arn(stack, f"{name}-alerts"), _arn(stack, f"{name}-guardrail")
+    topic, queue = _arn(stack, "sns", f"{name}-alerts"), _arn(stack, "sqs", f"{name}-guardrail")
     # Budget messages reach an encrypted queue that only this topic may write to.
     (q,) = of_type(declared, "sqs/queue:Queue")
     assert q.inputs["sqsManagedSseEnabled"] is True
@@ -246,7 +248,7 @@ def test_budget_reaches_the_head_node_and_the_launch_deny(shipped: tuple[Stack, 
     # The head node reads that queue and the budget, may tell the subscribers and reverse this budget's actions.
     guard = {p.name: json.loads(p.inputs["policy"]) for p in of_type(declared, "iam/rolePolicy:RolePolicy")}[f"{name}-head-guardrail"]
     grants = {s["Sid"]: (s["Action"], s["Resource"]) for s in guard["Statement"]}
-    budget_arn = _arn(stack, stack.budget_name)
+    budget_arn = _arn(stack, "budgets", f"budget/{stack.budget_name}")
     assert grants["BudgetQueue"][1] == queue and grants["TellSubscribers"] == ("sns:Publish", topic)
     assert grants["ReadBudget"][1] == budget_arn and grants["ReverseBudgetActions"][1] == f"{budget_arn}/action/*"
     (config,) = [p for p in of_type(declared, "ssm/parameter:Parameter") if p.name == f"{name}-config"]
@@ -258,7 +260,7 @@ def test_budget_reaches_the_head_node_and_the_launch_deny(shipped: tuple[Stack, 
     assert action.inputs["actionType"] == "APPLY_IAM_POLICY" and action.inputs["approvalModel"] == "AUTOMATIC"
     assert action.inputs["notificationType"] == "ACTUAL"
     assert action.inputs["actionThreshold"] == {"actionThresholdType": "PERCENTAGE", "actionThresholdValue": float(act)}
-    deny_arn = _arn(stack, f"{name}-launch-deny")
+    deny_arn = _arn(stack, "iam", f"policy/{name}-launch-deny")
     assert action.inputs["definition"] == {"iamActionDefinition": {"policyArn": deny_arn, "roles": [f"{name}-head"]}}
     assert action.inputs["subscribers"] == [{"address": topic, "subscriptionType": "SNS"}]
     (deny,) = [p for p in of_type(declared, "iam/policy:Policy") if p.name == f"{name}-launch-deny"]
@@ -267,10 +269,10 @@ def test_budget_reaches_the_head_node_and_the_launch_deny(shipped: tuple[Stack, 
     # Its execution role: assumed by Budgets only, may attach and detach exactly that policy on exactly that role.
     roles = {r.name: json.loads(r.inputs["assumeRolePolicy"]) for r in of_type(declared, "iam/role:Role")}
     assert roles[f"{name}-budget-action"]["Statement"][0]["Principal"] == {"Service": "budgets.amazonaws.com"}
-    assert action.inputs["executionRoleArn"] == _arn(stack, f"{name}-budget-action")
+    assert action.inputs["executionRoleArn"] == _arn(stack, "iam", f"role/{name}-budget-action")
     (attach,) = json.loads({p.name: p for p in of_type(declared, "iam/rolePolicy:RolePolicy")}[
         f"{name}-budget-action"].inputs["policy"])["Statement"]
-    assert attach["Resource"] == _arn(stack, f"{name}-head")
+    assert attach["Resource"] == _arn(stack, "iam", f"role/{name}-head")
     assert attach["Condition"] == {"ArnEquals": {"iam:PolicyARN": deny_arn}}
 
 
