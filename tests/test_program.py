@@ -112,28 +112,28 @@ def test_cluster_group_talks_to_itself(shipped: tuple[Stack, tuple[Declared, ...
         assert fs.inputs["securityGroupIds"] == [sg_id]
 
 
-def _cluster_group_rules(declared: tuple[Declared, ...]) -> set[str]:
+def _cluster_group_rules(stack: Stack, declared: tuple[Declared, ...]) -> set[str]:
     """URNs of the cluster security group's rules."""
     (sg,) = [s for s in of_type(declared, "ec2/securityGroup:SecurityGroup") if s.name.endswith("-cluster")]
     rules = {r.urn for r in declared if r.type.startswith("aws:vpc/securityGroup")
-             and r.inputs["securityGroupId"] == f"{sg.name}-id"}
+             and r.inputs["securityGroupId"] == planned_id(sg, stack.region)}
     assert len(rules) == 3  # from and to itself, out to the internet
     return rules
 
 
 def test_file_system_waits_for_the_group_rules(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
     """FSx checks the group's rules at CreateFileSystem (aws-parallelcluster#6181): the rules exist before it."""
-    _, declared = shipped
+    stack, declared = shipped
     (fs,) = of_type(declared, "fsx/lustreFileSystem:LustreFileSystem")
-    assert _cluster_group_rules(declared) <= set(fs.dependencies)
+    assert _cluster_group_rules(stack, declared) <= set(fs.dependencies)
 
 
 @pytest.mark.parametrize("path", [*STACK_FILES, FIXTURES / "Pulumi.existing.yaml"], ids=lambda p: p.name)
 def test_head_node_waits_for_the_group_rules(path: Path) -> None:
     """The head's boot mounts /fsx and reaches S3 and SSM, also where the file system is not the stack's."""
-    _, declared = planned(path)
+    stack, declared = planned(path)
     (head,) = of_type(declared, "ec2/instance:Instance")
-    assert _cluster_group_rules(declared) <= set(head.dependencies)
+    assert _cluster_group_rules(stack, declared) <= set(head.dependencies)
 
 
 def test_new_network_is_private_with_endpoints(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
