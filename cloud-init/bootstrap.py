@@ -168,8 +168,9 @@ def database_dir(data: Path = STATE / "mysql", conf: Path = Path("/etc/mysql/mar
     """MariaDB keeps the accounting database on the state volume. Created on first use; owned by `mysql` at every
     boot, because a new head image may give the mysql user another uid, and a root-owned copy does not start."""
     conf.parent.mkdir(parents=True, exist_ok=True)
+    # slurmdbd reaches it over its Unix socket ("localhost"): no TCP listener at all.
     conf.write_text(f"# gpucluster: the accounting database lives on the head node's state volume.\n[mysqld]\n"
-                    f"datadir = {data}\n")
+                    f"datadir = {data}\nskip-networking\n")
     if not (data / "mysql").is_dir():
         data.mkdir(parents=True, exist_ok=True)
         run("mariadb-install-db", "--user=mysql", f"--datadir={data}", "--auth-root-authentication-method=socket",

@@ -160,9 +160,10 @@ def test_database_dir_from_an_earlier_head_is_given_to_mysql(tmp_path: Path, mon
     for path in [data, *data.rglob("*")]:
         owner = path.stat()
         assert (owner.st_uid, owner.st_gid) == (mysql.pw_uid, mysql.pw_gid), path
-    parsed = configparser.ConfigParser()
+    parsed = configparser.ConfigParser(allow_no_value=True)
     parsed.read_string(conf.read_text())
     assert parsed["mysqld"]["datadir"] == str(data)
+    assert "skip-networking" in parsed["mysqld"]  # slurmdbd uses the socket; nothing listens on TCP
 
 
 def test_database_dir_on_a_new_volume_is_created(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

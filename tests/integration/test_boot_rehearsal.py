@@ -19,6 +19,7 @@ def test_head_runs_its_services_from_the_packaged_units_as_their_users(cluster: 
     assert head_shell(cluster, "stat -c %U /var/lib/gpucluster/mysql /var/lib/gpucluster/mysql/mysql").split() == [
         "mysql", "mysql"]
     assert "datadir = /var/lib/gpucluster/mysql" in head_shell(cluster, "cat /etc/mysql/mariadb.conf.d/*gpucluster*")
+    assert "mariadbd" not in head_shell(cluster, "ss -ltnp")  # reached over its socket only
     assert head_shell(cluster, "findmnt -n -o SOURCE /var/lib/gpucluster").strip().startswith("/dev/loop")
     for unit in ("munge", "mariadb", "slurmdbd", "slurmctld", "gpucluster-budget"):
         assert head_shell(cluster, f"systemctl is-active {unit}").strip() == "active", unit
