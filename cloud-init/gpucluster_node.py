@@ -46,6 +46,11 @@ CAPACITY_ERRORS = {
     "MaxSpotInstanceCountExceeded", "SpotMaxPriceTooLow", "VcpuLimitExceeded", "InstanceLimitExceeded",
     "ReservationCapacityExceeded", "InsufficientReservedInstanceCapacity",
 }
+# A new account has no spot service-linked role until someone allowed to (iam:CreateServiceLinkedRole) makes it; the
+# head role may not, so EC2 refuses every spot launch. The DOWN reason carries the fix (sinfo -R shows it); the
+# reconciler does not retry these nodes: once the role exists, `scontrol update nodename=... state=resume`.
+SPOT_ROLE_ERROR = "AuthFailure.ServiceLinkedRoleCreationNotPermitted"
+SPOT_ROLE_FIX = "aws iam create-service-linked-role --aws-service-name spot.amazonaws.com"
 
 log = logging.getLogger("gpucluster-node")
 
@@ -183,6 +188,10 @@ def _fleet_request(config: ClusterSettings, pool: PoolSettings, count: int) -> d
 
 
 def _reason(code: str, message: str) -> str:
+    lowered = message.lower()
+    if code == SPOT_ROLE_ERROR or ("service-linked role" in lowered and "spot" in lowered):
+        # The fix first: set_down keeps 200 characters of a reason.
+        return f"{REASON_PREFIX} launch failed: no spot service-linked role, run once: {SPOT_ROLE_FIX} ({code})"
     kind = "capacity" if code in CAPACITY_ERRORS else "launch failed"
     return f"{REASON_PREFIX} {kind}: {code}: {message}".replace("\n", " ")
 

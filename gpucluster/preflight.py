@@ -3,7 +3,8 @@
 Uses the caller's AWS credentials (boto3's usual chain: AWS_PROFILE, environment, SSO; AWS_ENDPOINT_URL is honoured).
 Per pool: offered in the AZ, EFA, the vCPU quota of its family and market, its capacity reservation, the spot
 placement score, the AMI parameter, and live spot prices, which then update the cost table. Every check says pass, warn
-or fail, and how to fix a failure. An API that is denied or unavailable is a warning naming the permission.
+or fail, and how to fix a failure. Per account, for a stack with a spot pool: the spot service-linked role. An API
+that is denied or unavailable is a warning naming the permission.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ QUOTAS = {
     ("trn", "on-demand"): ("L-2C3B7624", "Running On-Demand Trn instances"),
     ("trn", "spot"): ("L-6B0D517C", "All Trn Spot Instance Requests"),
 }
+# EC2 launches spot instances (CreateFleet included) through this service-linked role, one per account. A caller without
+# iam:CreateServiceLinkedRole cannot make EC2 create it on first use: CreateFleet then fails with
+# AuthFailure.ServiceLinkedRoleCreationNotPermitted. (AWS EC2 User Guide, "Service-linked role for Spot Instance requests")
+SPOT_ROLE = "AWSServiceRoleForEC2Spot"
+SPOT_ROLE_FIX = "aws iam create-service-linked-role --aws-service-name spot.amazonaws.com"
 DENIED = {"AccessDenied", "AccessDeniedException", "UnauthorizedOperation", "UnauthorizedException"}
 LOW_SPOT_SCORE = 3  # of 10: "unlikely to succeed" in AWS's own scale
 
@@ -175,6 +181,18 @@ def check_ami(ssm: Any, ec2: Any, pool: Pool) -> Check:
     return Check(pool.name, "ami", "pass", f"{name} -> {value}")
 
 
+def check_spot_role(iam: Any, stack: Stack) -> Check:
+    """One per account, so one check for the stack, naming the pools that need it."""
+    pools = ", ".join(p.name for p in stack.spec.pools if p.capacity == "spot")
+    try:
+        role = iam.get_role(RoleName=SPOT_ROLE)["Role"]
+    except iam.exceptions.NoSuchEntityException:
+        return Check(None, "spot role", "fail",
+                     f"no {SPOT_ROLE} in this account: spot launches ({pools}) fail with "
+                     "AuthFailure.ServiceLinkedRoleCreationNotPermitted", f"once per account: {SPOT_ROLE_FIX}")
+    return Check(None, "spot role", "pass", f"{role['Arn']} exists (spot pools: {pools})")
+
+
 def spot_price(ec2: Any, pool: Pool, az: str) -> tuple[Check, float | None]:
     history = ec2.describe_spot_price_history(
         InstanceTypes=[pool.instance_type], AvailabilityZone=az, ProductDescriptions=["Linux/UNIX"],
@@ -205,6 +223,9 @@ def run(stack: Stack, session: Any) -> Report:
     ec2, ssm = session.client("ec2", region_name=region), session.client("ssm", region_name=region)
     quotas = session.client("service-quotas", region_name=region)
     checks: list[Check] = []
+    if any(p.capacity == "spot" for p in stack.spec.pools):
+        iam = session.client("iam", region_name=region)
+        checks += guarded(None, "spot role", "iam:GetRole", lambda: check_spot_role(iam, stack))
     prices: dict[str, float] = {}
     zone_ids: dict[str, str] = {}
     checks += guarded(None, "zone", "ec2:DescribeAvailabilityZones", lambda: _zone(ec2, az, zone_ids))

@@ -106,6 +106,39 @@ def test_api_errors_mark_nodes_down_with_the_aws_reason(ec2, code: str, kind: st
     assert slurm.updates()[0][2] == "state=down"
 
 
+SPOT_ROLE_DOWN = ("gpucluster: launch failed: no spot service-linked role, run once: "
+                  "aws iam create-service-linked-role --aws-service-name spot.amazonaws.com")
+
+
+@pytest.mark.parametrize("code,message", [
+    ("AuthFailure.ServiceLinkedRoleCreationNotPermitted",
+     "The provided credentials do not have permission to create the service-linked role for EC2 Spot Instances."),
+    ("AuthFailure", "The provided credentials do not have permission to create the service-linked role for EC2 Spot "
+                    "Instances."),  # another code, the same message
+])
+def test_missing_spot_role_sets_nodes_down_with_the_command_that_fixes_it(ec2, code: str, message: str) -> None:  # type: ignore[no-untyped-def]
+    config, slurm = make_config(ec2), FakeSlurm()
+    with Stubber(ec2) as stub:
+        stub.add_client_error("create_fleet", service_error_code=code, service_message=message, http_status_code=403)
+        result = node.resume(config, ec2, slurm, "p5-spot-1,p5-spot-2")
+    reason = f"{SPOT_ROLE_DOWN} ({code})"
+    assert result.failed == {"p5-spot-1": reason, "p5-spot-2": reason} and len(reason) <= 200
+    (down,) = slurm.updates()
+    assert down == ("update", "nodename=p5-spot-1,p5-spot-2", "state=down", f"reason={reason}")
+    assert not reason.startswith(node.CAPACITY_PREFIX)  # not retried by the reconciler: it would fail again
+
+
+def test_missing_spot_role_in_an_instant_fleets_errors(ec2) -> None:  # type: ignore[no-untyped-def]
+    """An instant fleet may answer 200 with no instance and the error in Errors: the same reason."""
+    config, slurm = make_config(ec2), FakeSlurm()
+    ec2.create_fleet = lambda **kw: {"FleetId": "fleet-1", "Instances": [], "Errors": [
+        {"ErrorCode": "AuthFailure.ServiceLinkedRoleCreationNotPermitted", "ErrorMessage": "The provided credentials "
+         "do not have permission to create the service-linked role for EC2 Spot Instances.", "Lifecycle": "spot"}]}
+    result = node.resume(config, ec2, slurm, "p5-spot-1")
+    assert result.failed == {"p5-spot-1": f"{SPOT_ROLE_DOWN} (AuthFailure.ServiceLinkedRoleCreationNotPermitted)"}
+    assert slurm.updates()[0][3].startswith(f"reason={SPOT_ROLE_DOWN}")
+
+
 def test_unknown_pool_is_refused_not_launched(ec2) -> None:  # type: ignore[no-untyped-def]
     config, slurm = make_config(ec2), FakeSlurm()
     result = node.resume(config, ec2, slurm, "ghost-1")

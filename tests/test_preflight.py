@@ -13,6 +13,7 @@ import boto3
 import pytest
 import yaml
 from botocore.stub import Stubber
+from moto import mock_aws
 from moto.server import ThreadedMotoServer
 
 from conftest import FIXTURES, ROOT
@@ -47,9 +48,19 @@ def run_cli(path: Path, url: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=300)
 
 
+def spot_role(iam) -> None:  # type: ignore[no-untyped-def]
+    """AWSServiceRoleForEC2Spot as AWS makes it. moto's create_service_linked_role names the spot role
+    AWSServiceRoleForspot, so it is made with create_role at the service-linked path."""
+    iam.create_role(RoleName=preflight.SPOT_ROLE, Path="/aws-service-role/spot.amazonaws.com/",
+                    AssumeRolePolicyDocument='{"Version": "2012-10-17", "Statement": [{"Effect": "Allow", '
+                    '"Principal": {"Service": "spot.amazonaws.com"}, "Action": "sts:AssumeRole"}]}')
+
+
 def test_preflight_against_moto(moto_url: str, tmp_path: Path) -> None:
     ec2 = boto3.client("ec2", region_name="us-west-2", endpoint_url=moto_url, aws_access_key_id="t",
                        aws_secret_access_key="t")
+    spot_role(boto3.client("iam", region_name="us-west-2", endpoint_url=moto_url, aws_access_key_id="t",
+                           aws_secret_access_key="t"))
     image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
     done = run_cli(stack_file(tmp_path, image), moto_url)
     out = done.stdout
@@ -62,6 +73,8 @@ def test_preflight_against_moto(moto_url: str, tmp_path: Path) -> None:
     assert "WARN spot score  not checked, ec2:GetSpotPlacementScores unavailable" in out
     # moto's (fake) live spot price replaces the on-demand upper bound in the cost table.
     assert "PASS spot price" in out and "live spot" in out
+    assert "PASS spot role   arn:aws:iam::123456789012:role/aws-service-role/spot.amazonaws.com/AWSServiceRoleForEC2Spot" \
+        " exists (spot pools: p4d-spot)" in out
     assert "0 fail" in out
 
 
@@ -163,3 +176,68 @@ def test_unresolvable_ami_parameter_fails() -> None:
         stub.add_client_error("get_parameter", service_error_code="ParameterNotFound")
         check = preflight.check_ami(ssm, client("ec2"), pool)
     assert check.status == "fail" and "does not resolve in this region" in check.detail
+
+
+# --- the spot service-linked role --------------------------------------------------------------------------------------
+
+class Session:
+    """A boto3 Session stand-in: hands out the given clients and records which services were asked for."""
+
+    def __init__(self, **clients):  # type: ignore[no-untyped-def]
+        self.clients, self.asked = clients, []
+
+    def client(self, service: str, region_name: str | None = None):  # type: ignore[no-untyped-def]
+        self.asked.append(service)
+        return self.clients.get(service) or client(service)
+
+
+def test_missing_spot_role_fails_with_the_command_to_create_it() -> None:
+    stack = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")
+    with mock_aws():
+        check = preflight.check_spot_role(boto3.client("iam", region_name="us-east-1"), stack)
+    assert check.status == "fail" and check.pool is None
+    assert "no AWSServiceRoleForEC2Spot in this account: spot launches (p5-spot) fail" in check.detail
+    assert check.fix == "once per account: aws iam create-service-linked-role --aws-service-name spot.amazonaws.com"
+
+
+def test_existing_spot_role_passes() -> None:
+    stack = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")
+    with mock_aws():
+        iam = boto3.client("iam", region_name="us-east-1")
+        spot_role(iam)
+        check = preflight.check_spot_role(iam, stack)
+    assert check.status == "pass" and check.detail.endswith("AWSServiceRoleForEC2Spot exists (spot pools: p5-spot)")
+
+
+def test_denied_get_role_is_a_warning_naming_the_permission() -> None:
+    stack = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")
+    iam = client("iam")
+    with Stubber(iam) as stub:
+        stub.add_client_error("get_role", service_error_code="AccessDenied", http_status_code=403,
+                              expected_params={"RoleName": "AWSServiceRoleForEC2Spot"})
+        checks = preflight.guarded(None, "spot role", "iam:GetRole", lambda: preflight.check_spot_role(iam, stack))
+        stub.assert_no_pending_responses()
+    assert checks == [preflight.Check(None, "spot role", "warn", "not checked, denied (AccessDenied): grant iam:GetRole")]
+
+
+def _all_denied(service: str):  # type: ignore[no-untyped-def]
+    """A client whose every call is denied before it is sent: run() then has only warnings, and asks no AWS."""
+    from botocore.exceptions import ClientError
+
+    def deny(model, **_):  # type: ignore[no-untyped-def]
+        raise ClientError({"Error": {"Code": "AccessDenied", "Message": "denied"}}, model.name)
+
+    c = client(service)
+    c.meta.events.register("before-call", deny)
+    return c
+
+
+def test_run_asks_iam_only_for_a_stack_with_spot_pools() -> None:
+    denied = preflight.Check(None, "spot role", "warn", "not checked, denied (AccessDenied): grant iam:GetRole")
+    for stack, asks in ((load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml"), True),
+                        (load_stack(FIXTURES / "Pulumi.existing.yaml"), False)):  # capacity-block only
+        assert any(p.capacity == "spot" for p in stack.spec.pools) is asks
+        session = Session(**{s: _all_denied(s) for s in ("ec2", "ssm", "service-quotas", "iam")})
+        report = preflight.run(stack, session)
+        assert ("iam" in session.asked) is asks
+        assert [c for c in report.checks if c.name == "spot role"] == ([denied] if asks else [])
