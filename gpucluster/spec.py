@@ -560,6 +560,8 @@ def _node_problems(node: yaml.Node, path: list[str | int]) -> list[tuple[list[st
             if isinstance(key, yaml.ScalarNode) and key.value == "<<":
                 out.append((path, "merge keys (<<) are YAML 1.1 only: write the keys out"))
                 continue
+            if isinstance(key, yaml.ScalarNode) and (problem := _scalar_problem(key)):
+                out.append((path + [name], f"key {problem}"))
             if name in seen:
                 out.append((path + [name], (f"duplicate key (also on line {seen[name] + 1}); "
                                              "YAML keeps only the last one")))

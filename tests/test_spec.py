@@ -130,3 +130,12 @@ def test_availability_zone_must_be_of_the_region() -> None:
     with pytest.raises(SpecError) as caught:
         validate("s1", cfg)
     assert ("gpucluster:cluster.availability_zone", "us-east-2a is not in region us-east-1") in caught.value.problems
+
+
+def test_yaml_1_1_boolean_key_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "Pulumi.s1.yaml"
+    path.write_text("config:\n  aws:region: us-east-1\n  gpucluster:cluster:\n    on: 1\n")
+    with pytest.raises(SpecError) as caught:
+        load_stack(path)
+    assert any(p == "gpucluster:cluster.on" and m.startswith("key 'on' is a boolean in YAML 1.1")
+               for p, m in caught.value.problems), caught.value.problems
