@@ -147,3 +147,16 @@ def interface_layout(itype: InstanceType, efa: bool) -> list[NetworkInterface]:
     return [NetworkInterface(0, 0, "efa")] + [
         NetworkInterface(card, 0, extra) for card in range(1, itype.efa_interfaces)
     ]
+
+
+# The AWS regions of the commercial partition (`aws`) a stack may name in `aws:region`: the partition's region list in
+# botocore 1.44.8's data/endpoints.json, recorded 2026-11-30. The program writes `arn:aws:` ARNs, so the China and
+# GovCloud partitions are left out on purpose. A region AWS opened later is refused until it is added here.
+REGIONS_SOURCE = "botocore 1.44.8 data/endpoints.json, partition aws, recorded 2026-11-30"
+AWS_REGIONS = frozenset({
+    "af-south-1", "ap-east-1", "ap-east-2", "ap-northeast-1", "ap-northeast-2", "ap-northeast-3", "ap-south-1",
+    "ap-south-2", "ap-southeast-1", "ap-southeast-2", "ap-southeast-3", "ap-southeast-4", "ap-southeast-5",
+    "ap-southeast-6", "ap-southeast-7", "ca-central-1", "ca-west-1", "eu-central-1", "eu-central-2", "eu-north-1",
+    "eu-south-1", "eu-south-2", "eu-west-1", "eu-west-2", "eu-west-3", "il-central-1", "me-central-1", "me-south-1",
+    "mx-central-1", "sa-east-1", "us-east-1", "us-east-2", "us-west-1", "us-west-2",
+})

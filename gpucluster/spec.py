@@ -33,8 +33,41 @@ LUSTRE_THROUGHPUTS = {"PERSISTENT_2": (125, 250, 500, 1000)}
 MIN_POOL_ROOT_GIB = 120
 
 
+# Slurm words a pool name may not take. slurm.conf's PartitionName=DEFAULT line sets defaults for the partitions after
+# it and defines no partition: src/common/read_config.c (_parse_partitionname) compares the name with
+# xstrcasecmp(value, "DEFAULT"), so any case of "default" is taken. ("ALL" is a keyword of Nodes=, AllowGroups= and the
+# like, not of PartitionName, and pool names are lowercase anyway.)
+SLURM_RESERVED_POOL_NAMES = frozenset({"default"})
+
+# Pulumi auto-names a resource without an explicit name "<logical name>-<7 hex digits>" (pulumi-terraform-bridge:
+# resource.NewUniqueHex(name+"-", 7, ...)): 8 characters past the logical name.
+AUTONAME_SUFFIX = 8
+# The AWS names the program derives from the stack name, with AWS's limit on each (the longest of each kind; a
+# `{stack}` is the stack name). Read off components/: NodeImage's build role "<cluster>-<image key>-build" (image keys
+# head, compute-nvidia, compute-neuron), NodeAccess's bundle bucket, Budget's guardrail queue and its budget, whose
+# name is explicit (no suffix). Limits: IAM role names 64 (IAM quotas page), S3 bucket names 63 (S3 bucket naming
+# rules), SQS queue names 80 (CreateQueue), AWS Budgets names 100 (Budgets API, BudgetName). Every other derived name
+# (instance profiles and policies 128, Image Builder 128, launch templates 128, SNS topics 256, security groups 255)
+# is longer-limited and no longer than these.
+DERIVED_NAMES: tuple[tuple[str, str, int, int], ...] = (
+    ("IAM role", "gpucluster-{stack}-compute-nvidia-build", 64, AUTONAME_SUFFIX),
+    ("IAM role", "gpucluster-{stack}-budget-action", 64, AUTONAME_SUFFIX),
+    ("S3 bucket", "gpucluster-{stack}-bundle", 63, AUTONAME_SUFFIX),
+    ("SQS queue", "gpucluster-{stack}-guardrail", 80, AUTONAME_SUFFIX),
+    ("AWS budget", "gpucluster-{stack}-monthly", 100, 0),
+)
+# The longest stack name every derived name fits (24 with the IAM build role).
+MAX_STACK_NAME = min(limit - suffix - len(t.format(stack="")) for _, t, limit, suffix in DERIVED_NAMES)
+
+# A plain e-mail address, as AWS SNS and Budgets take it: a dot-atom local part and a DNS domain with a letter TLD.
+_ATOM = r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+"
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+EMAIL_RE = rf"{_ATOM}(?:\.{_ATOM})*@(?:{_LABEL}\.)+[A-Za-z]{{2,63}}"
+
+
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # .nan and .inf are floats in YAML 1.1 and 1.2 alike: no field of the spec means anything with them.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 def _rule_errors(model: str, problems: list[tuple[tuple[str | int, ...], str]], data: Any) -> ValidationError:
@@ -109,6 +142,14 @@ class Pool(_Model):
     fallback: str | None = None
     # Container images, enroot caches and checkpoints staged locally need room; the DLAMIs ship 100+ GiB snapshots.
     root_volume_gib: int = Field(default=200, ge=MIN_POOL_ROOT_GIB, le=16384)
+
+    @field_validator("name")
+    @classmethod
+    def _not_reserved(cls, value: str) -> str:
+        if value.lower() in SLURM_RESERVED_POOL_NAMES:
+            raise ValueError(f"{value!r} is reserved by Slurm (PartitionName={value} sets partition defaults in "
+                             "slurm.conf): choose another name")
+        return value
 
     @model_validator(mode="after")
     def _rules(self) -> Pool:
@@ -229,9 +270,9 @@ class Budget(_Model):
     @field_validator("notify_emails")
     @classmethod
     def _emails(cls, value: list[str]) -> list[str]:
-        bad = [e for e in value if not re.fullmatch(r"[^@\s]+@[^@\s]+\.[^@\s]+", e)]
-        if bad:
-            raise ValueError(f"not an email address: {', '.join(bad)}")
+        problems = [((i,), f"not an email address: {e!r}") for i, e in enumerate(value) if not re.fullmatch(EMAIL_RE, e)]
+        if problems:
+            raise _rule_errors("notify_emails", problems, value)
         return value
 
 
@@ -286,20 +327,34 @@ class ClusterSpec(_Model):
 
     @model_validator(mode="after")
     def _unique_pools(self) -> ClusterSpec:
-        seen: dict[str, int] = {}
-        problems: list[tuple[tuple[str | int, ...], str]] = []
-        for i, pool in enumerate(self.pools):
-            if pool.name in seen:
-                problems.append((("pools", i, "name"), f"duplicate pool name {pool.name!r} (also pools[{seen[pool.name]}])"))
-            seen.setdefault(pool.name, i)
-        for i, pool in enumerate(self.pools):
-            target = next((p for p in self.pools if p.name == pool.fallback), None)
-            if pool.fallback is not None and (target is None or target.capacity == "spot"):
-                names = [p.name for p in self.pools if p.capacity != "spot"]
-                problems.append((("pools", i, "fallback"), f"must name an on-demand or capacity-block pool: {names}"))
+        problems = _pool_set_problems([p.model_dump() for p in self.pools])
         if problems:
             raise _rule_errors("cluster", problems, None)
         return self
+
+
+def _pool_set_problems(pools: list[Any]) -> list[tuple[tuple[str | int, ...], str]]:
+    """Rules across the pools. Also run on the raw mappings when a field error stops pydantic before its model
+    validators, so that a typo elsewhere does not hide a duplicate name or a bad fallback."""
+    pools = [p if isinstance(p, dict) else {} for p in pools]
+    seen: dict[str, int] = {}
+    problems: list[tuple[tuple[str | int, ...], str]] = []
+    for i, pool in enumerate(pools):
+        name = pool.get("name")
+        if not isinstance(name, str):
+            continue
+        if name in seen:
+            problems.append((("pools", i, "name"), f"duplicate pool name {name!r} (also pools[{seen[name]}])"))
+        seen.setdefault(name, i)
+    for i, pool in enumerate(pools):
+        fallback = pool.get("fallback")
+        if fallback is None:
+            continue
+        target = next((p for p in pools if p.get("name") == fallback), None)
+        if target is None or target.get("capacity", "on-demand") == "spot":
+            names = [p.get("name") for p in pools if p.get("capacity", "on-demand") != "spot"]
+            problems.append((("pools", i, "fallback"), f"must name an on-demand or capacity-block pool: {names}"))
+    return problems
 
 
 @dataclass(frozen=True)
@@ -370,14 +425,34 @@ def _message(err: ErrorDetails) -> str:
     return err["msg"].removeprefix("Value error, ")
 
 
+def _region_problems(region: Any) -> list[tuple[str, str]]:
+    if region is None:
+        return [(REGION_KEY, "required: the AWS region, e.g. us-east-1")]
+    if not isinstance(region, str) or region not in catalog.AWS_REGIONS:
+        return [(REGION_KEY, (f"{region!r} is not an AWS region (known: {catalog.REGIONS_SOURCE}): use one such "
+                              "as us-east-1"))]
+    return []
+
+
+def _stack_name_problems(stack: str) -> list[tuple[str, str]]:
+    if not re.fullmatch(NAME_RE, stack):
+        return [("stack", f"stack name {stack!r} must be lowercase letters, digits and '-'")]
+    if len(stack) > MAX_STACK_NAME:
+        worst = min(DERIVED_NAMES, key=lambda d: d[2] - d[3] - len(d[1].format(stack="")))
+        name = worst[1].format(stack=stack)
+        return [("stack", (f"stack name {stack!r} is {len(stack)} characters; at most {MAX_STACK_NAME} fit AWS's "
+                           f"names (the {worst[0]} {name}{'-xxxxxxx' if worst[3] else ''} would be "
+                           f"{len(name) + worst[3]} of {worst[2]})"))]
+    return []
+
+
 def validate(stack: str, config: dict[str, Any], source: str = "") -> Stack:
-    """Validate the `config:` mapping of a stack file. Raises SpecError listing every problem."""
+    """Validate the `config:` mapping of a stack file. Raises SpecError listing every problem: field errors, the
+    rules across fields and the region's, all at once (a field error does not hide the others)."""
     problems: list[tuple[str, str]] = []
     region = config.get(REGION_KEY)
-    if not isinstance(region, str) or not re.fullmatch(r"[a-z]{2}(-[a-z]+)+-\d", region):
-        problems.append((REGION_KEY, "required: the AWS region, e.g. us-east-1"))
-    if not re.fullmatch(NAME_RE, stack):
-        problems.append(("stack", f"stack name {stack!r} must be lowercase letters, digits and '-'"))
+    problems += _region_problems(region)
+    problems += _stack_name_problems(stack)
     raw = config.get(CONFIG_KEY)
     spec = None
     if not isinstance(raw, dict):
@@ -386,9 +461,17 @@ def validate(stack: str, config: dict[str, Any], source: str = "") -> Stack:
         try:
             spec = ClusterSpec.model_validate(raw)
         except ValidationError as exc:
-            problems += [(_path(e["loc"]), _message(e)) for e in exc.errors()]
-    if spec and isinstance(region, str) and not spec.availability_zone.startswith(region):
-        problems.append((_path(("availability_zone",)), f"{spec.availability_zone} is not in region {region}"))
+            found = [(_path(e["loc"]), _message(e)) for e in exc.errors()]
+            # Pydantic skips a model's own validators when one of its fields fails: run the rules across pools on the
+            # raw mappings, keeping what pydantic did not already say.
+            if isinstance(raw.get("pools"), list):
+                found += [(p, m) for p, m in ((_path(loc), msg) for loc, msg in _pool_set_problems(raw["pools"]))
+                          if (p, m) not in found]
+            problems += found
+        az = raw.get("availability_zone")
+        if isinstance(region, str) and not _region_problems(region) and isinstance(az, str) \
+                and re.fullmatch(r"[a-z]{2}(-[a-z]+)+-\d[a-z]", az) and not re.fullmatch(re.escape(region) + "[a-z]", az):
+            problems.append((_path(("availability_zone",)), f"{az} is not in region {region}"))
     if problems or spec is None:
         raise SpecError(source or stack, problems)
     return Stack(name=stack, region=region, spec=spec)  # type: ignore[arg-type]
@@ -419,16 +502,116 @@ def stack_file(stack: Stack) -> str:
     return json.dumps({"config": stack_config(stack)}, indent=1, sort_keys=True) + "\n"
 
 
+# PyYAML reads YAML 1.1; Pulumi reads the same stack file with Go's YAML 1.2 reader. Where the two disagree on what a
+# plain (unquoted) scalar is, the stack file is refused rather than read as YAML 1.2 here: a file is checked by this
+# module and then deployed by Pulumi, and only a file both readers take the same way makes the check mean anything.
+# (Reading as 1.2 here would still leave `yes` a string here and a string in Pulumi while the author meant a boolean.)
+_YAML12_BOOL = re.compile(r"true|True|TRUE|false|False|FALSE")
+_YAML12_INT = re.compile(r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+")
+_YAML12_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?|[-+]?\.(inf|Inf|INF)|\.(nan|NaN|NAN)")
+_YAML12_NULL = re.compile(r"~|null|Null|NULL|")
+
+
+def _yaml12_kind(text: str) -> str:
+    """What YAML 1.2's core schema makes of a plain scalar."""
+    for kind, pattern in (("null", _YAML12_NULL), ("bool", _YAML12_BOOL), ("int", _YAML12_INT),
+                          ("float", _YAML12_FLOAT)):
+        if pattern.fullmatch(text):
+            return kind
+    return "str"
+
+
+_YAML11_KIND = {"tag:yaml.org,2002:null": "null", "tag:yaml.org,2002:bool": "bool", "tag:yaml.org,2002:int": "int",
+                "tag:yaml.org,2002:float": "float", "tag:yaml.org,2002:timestamp": "timestamp"}
+
+
+def _scalar_problem(node: yaml.ScalarNode) -> str | None:
+    if node.style is not None or not node.tag.startswith("tag:yaml.org,2002:"):
+        return None  # quoted, block or explicitly tagged: both readers agree
+    # y/Y/n/N are booleans in the YAML 1.1 spec's bool type (and Go's yaml.v2) though PyYAML leaves them strings.
+    v11 = "bool" if node.value in ("y", "Y", "n", "N") else _YAML11_KIND.get(node.tag, "str")
+    v12 = _yaml12_kind(node.value)
+    if v11 == v12 and (v11 != "int" or not re.fullmatch(r"[-+]?0[0-9]+", node.value)):
+        return None
+    if v11 == "bool" or v12 == "bool":
+        return (f"{node.value!r} is a boolean in YAML 1.1 but not in YAML 1.2 (Pulumi's reader): write true or false, "
+                "or quote it if it is a string")
+    if v11 == "int" and v12 == "int":
+        return (f"{node.value!r} is octal in YAML 1.1 but decimal in YAML 1.2 (Pulumi's reader): write the number "
+                "without the leading 0, or quote it if it is a string")
+    if ":" in node.value and v11 in ("int", "float"):
+        return (f"{node.value!r} is a base-60 number in YAML 1.1 but a string in YAML 1.2 (Pulumi's reader): quote "
+                "it, or write the number in decimal")
+
+    def kind(k: str) -> str:
+        return {"str": "a string", "int": "an integer", "float": "a float", "null": "null"}.get(k, f"a {k}")
+
+    return (f"{node.value!r} is {kind(v11)} in YAML 1.1 but {kind(v12)} in YAML 1.2 (Pulumi's reader): quote it if "
+            "it is a string, or write the number in plain decimal")
+
+
+def _node_problems(node: yaml.Node, path: list[str | int]) -> list[tuple[list[str | int], str]]:
+    """Duplicate keys (PyYAML keeps the last one silently) and YAML 1.1-only scalars, each with its path."""
+    out: list[tuple[list[str | int], str]] = []
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key, value in node.value:
+            name = key.value if isinstance(key, yaml.ScalarNode) else str(key.tag)
+            if isinstance(key, yaml.ScalarNode) and key.value == "<<":
+                out.append((path, "merge keys (<<) are YAML 1.1 only: write the keys out"))
+                continue
+            if isinstance(key, yaml.ScalarNode) and (problem := _scalar_problem(key)):
+                out.append((path + [name], f"key {problem}"))
+            if name in seen:
+                out.append((path + [name], (f"duplicate key (also on line {seen[name] + 1}); "
+                                             "YAML keeps only the last one")))
+            seen.setdefault(name, key.start_mark.line)
+            out += _node_problems(value, path + [name])
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            out += _node_problems(item, path + [i])
+    elif isinstance(node, yaml.ScalarNode):
+        problem = _scalar_problem(node)
+        if problem:
+            out.append((path, problem))
+    return out
+
+
+def _doc_path(path: list[str | int]) -> str:
+    """A document path as the config path the other messages use."""
+    if path[:2] == ["config", CONFIG_KEY]:
+        return _path(tuple(path[2:]))
+    if path[:1] == ["config"] and len(path) > 1:
+        rest = path[1:]
+        return str(rest[0]) + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in rest[1:])
+    return ".".join(str(p) for p in path) or "file"
+
+
 def load_stack(path: Path) -> Stack:
     name = stack_name_from_path(path)
     try:
-        doc = yaml.safe_load(path.read_text())
+        text = path.read_bytes().decode("utf-8")
     except FileNotFoundError:
         raise SpecError(str(path), [("file", "no such stack file")]) from None
+    except UnicodeDecodeError as exc:
+        raise SpecError(str(path), [("file", (f"not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+                                              f"{exc.start}): save the file as UTF-8"))]) from None
+    except OSError as exc:
+        raise SpecError(str(path), [("file", f"cannot read: {exc.strerror}")]) from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        doc = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise SpecError(str(path), [("file", f"not valid YAML: {exc}")]) from None
+    syntax = [(_doc_path(p), m) for p, m in _node_problems(node, [])] if node is not None else []
     if not isinstance(doc, dict) or not isinstance(doc.get("config"), dict):
-        raise SpecError(str(path), [("config", "a stack file has a top-level `config:` mapping")])
+        raise SpecError(str(path), syntax + [("config", "a stack file has a top-level `config:` mapping")])
+    try:
+        validate(name, doc["config"], str(path))
+    except SpecError as exc:
+        raise SpecError(str(path), syntax + [p for p in exc.problems if p not in syntax]) from None
+    if syntax:
+        raise SpecError(str(path), syntax)
     return validate(name, doc["config"], str(path))
 
 

@@ -80,3 +80,46 @@ def test_no_node_images_line_without_images() -> None:
     assert any(line.startswith("Node images:") for line in cli.cost_table(stack, estimate))
     assert not any(line.startswith("Node images:")
                    for line in cli.cost_table(stack, dataclasses.replace(estimate, images=[])))
+
+
+def test_every_class_of_problem_at_once_exit_2(tmp_path) -> None:
+    """One file with a duplicate key, a YAML 1.1 boolean, an unknown region, a reserved pool name, a bad e-mail
+    address, a non-finite number, a field error beside a cross-field one, and a stack name too long for AWS."""
+    path = tmp_path / "Pulumi.vision-research-platform1.yaml"
+    path.write_text(
+        "config:\n"
+        "  aws:region: us-moon-1\n"
+        "  gpucluster:cluster:\n"
+        "    team: vision\n"
+        "    availability_zone: us-moon-1a\n"
+        "    network: {vpc_cidr: 10.42.0.0/16}\n"
+        "    pools:\n"
+        "      - {name: default, instance_type: p9.huge, max_nodes: 2}\n"
+        "      - {name: default, instance_type: p5.48xlarge, max_nodes: 2, efa: yes}\n"
+        "    storage: {lustre: {deployment_type: SCRATCH_2, storage_capacity_gib: 1200}}\n"
+        "    budget:\n"
+        "      monthly_usd: .inf\n"
+        "      monthly_usd: .nan\n"
+        "      notify_emails: [ops@@example.com]\n"
+    )
+    out = run("plan", str(path), "--json")
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr and out.stdout == ""
+    for line in [
+        "gpucluster:cluster.budget.monthly_usd: duplicate key",
+        "gpucluster:cluster.pools[1].efa: 'yes' is a boolean in YAML 1.1",
+        "aws:region: 'us-moon-1' is not an AWS region",
+        "stack: stack name 'vision-research-platform1' is 25 characters",
+        "gpucluster:cluster.pools[0].name: 'default' is reserved by Slurm",
+        "gpucluster:cluster.pools[0].instance_type: unsupported instance type 'p9.huge'",
+        "gpucluster:cluster.pools[1].name: duplicate pool name 'default'",
+        "gpucluster:cluster.budget.monthly_usd: Input should be a finite number",
+        "gpucluster:cluster.budget.notify_emails[0]: not an email address: 'ops@@example.com'",
+    ]:
+        assert f"  {line}" in out.stderr, out.stderr
+
+
+def test_not_utf8_exits_2_without_traceback() -> None:
+    out = run("plan", "tests/bad_stacks/Pulumi.not-utf8.yaml")
+    assert out.returncode == 2
+    assert "file: not UTF-8 text" in out.stderr and "Traceback" not in out.stderr

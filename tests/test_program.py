@@ -364,3 +364,37 @@ def test_pool_templates_carry_the_rendered_user_data(shipped: tuple[Stack, tuple
     templates = _pool_templates(declared)
     for pool in stack.spec.pools:
         assert base64.b64decode(templates[pool.name]["userData"]).decode() == userdata.pool_nodes(stack, pool)
+
+
+# AWS's limits on the names Pulumi derives from logical names ("<logical>-<7 hex>", 8 characters more): IAM quotas,
+# S3 bucket naming rules, the SQS, SNS, EC2, Image Builder and CloudWatch API references.
+AUTO_NAME_LIMITS = {
+    "aws:iam/role:Role": 64, "aws:iam/instanceProfile:InstanceProfile": 128, "aws:iam/policy:Policy": 128,
+    "aws:iam/rolePolicy:RolePolicy": 128, "aws:s3/bucket:Bucket": 63, "aws:s3/bucketV2:BucketV2": 63,
+    "aws:sqs/queue:Queue": 80, "aws:sns/topic:Topic": 256, "aws:ec2/securityGroup:SecurityGroup": 255,
+    "aws:ec2/launchTemplate:LaunchTemplate": 128, "aws:ec2/placementGroup:PlacementGroup": 255,
+    "aws:imagebuilder/component:Component": 128, "aws:imagebuilder/imageRecipe:ImageRecipe": 128,
+    "aws:imagebuilder/infrastructureConfiguration:InfrastructureConfiguration": 128,
+    "aws:imagebuilder/distributionConfiguration:DistributionConfiguration": 128,
+    "aws:cloudwatch/metricAlarm:MetricAlarm": 255,
+}
+
+
+def test_longest_stack_name_fits_every_derived_aws_name() -> None:
+    """spec.MAX_STACK_NAME against what the program really declares: team-b (NVIDIA and Neuron images, a budget
+    action) renamed to the longest allowed stack name, every auto-named resource within AWS's limit, and the tightest
+    exactly at it (so the limit is not looser than it needs to be)."""
+    import dataclasses
+
+    from gpucluster.plan import run_program
+    from gpucluster.spec import AUTONAME_SUFFIX, MAX_STACK_NAME, load_stack
+
+    stack = dataclasses.replace(load_stack(ROOT / "stacks" / "Pulumi.team-b.yaml"), name="s" * MAX_STACK_NAME)
+    declared = run_program(stack)
+    slack = {}
+    for d in declared:
+        if d.type in AUTO_NAME_LIMITS:
+            slack[(d.type, d.name)] = AUTO_NAME_LIMITS[d.type] - len(d.name) - AUTONAME_SUFFIX
+    assert slack and min(slack.values()) == 0, sorted(slack.items(), key=lambda kv: kv[1])[:5]
+    budgets = of_type(tuple(declared), "budgets/budget:Budget")
+    assert budgets and all(len(b.inputs["name"]) <= 100 for b in budgets)

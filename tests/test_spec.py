@@ -14,7 +14,8 @@ BAD = sorted((ROOT / "tests" / "bad_stacks").glob("Pulumi.*.yaml"))
 
 
 def expectations(path: Path) -> list[str]:
-    return re.findall(r"^# expect: (.+)$", path.read_text(), flags=re.M)
+    # Read leniently: one file of the corpus is not UTF-8 on purpose (its expectations are ASCII).
+    return re.findall(r"^# expect: (.+)$", path.read_bytes().decode("utf-8", "replace"), flags=re.M)
 
 
 @pytest.mark.parametrize("path", BAD, ids=lambda p: p.name)
@@ -86,3 +87,55 @@ def test_lustre_capacity_steps_accepted(capacity: int) -> None:
     cfg = _config()
     cfg["gpucluster:cluster"]["storage"]["lustre"]["storage_capacity_gib"] = capacity
     assert validate("s1", cfg).spec.storage.lustre.storage_capacity_gib == capacity
+
+
+@pytest.mark.parametrize("text,what", [
+    ("on", "is a boolean in YAML 1.1"), ("n", "is a boolean in YAML 1.1"), ("Off", "is a boolean in YAML 1.1"),
+    ("0777", "is octal in YAML 1.1"), ("1:30", "is a base-60 number"), ("1:30.5", "is a base-60 number"),
+    ("1_000", "is an integer in YAML 1.1 but a string"), ("1e3", "is a string in YAML 1.1 but a float"),
+    ("0o17", "is a string in YAML 1.1 but an integer"), ("2025-01-01", "is a timestamp in YAML 1.1 but a string"),
+])
+def test_yaml_1_1_only_forms_are_refused(tmp_path: Path, text: str, what: str) -> None:
+    path = tmp_path / "Pulumi.s1.yaml"
+    path.write_text(f"config:\n  aws:region: us-east-1\n  gpucluster:cluster:\n    team: {text}\n")
+    with pytest.raises(SpecError) as caught:
+        load_stack(path)
+    assert any(p == "gpucluster:cluster.team" and what in m for p, m in caught.value.problems), caught.value.problems
+
+
+@pytest.mark.parametrize("text", ["true", "false", "12", "'yes'", '"0777"', "1.5", "0x1f", "null", "us-east-1",
+                                  "10.42.0.0/16", "p5.48xlarge"])
+def test_forms_both_readers_agree_on_pass(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "Pulumi.s1.yaml"
+    path.write_text(f"config:\n  aws:region: us-east-1\n  gpucluster:cluster:\n    team: {text}\n")
+    with pytest.raises(SpecError) as caught:
+        load_stack(path)
+    assert not any("YAML 1.1" in m for _, m in caught.value.problems), caught.value.problems
+
+
+def test_stack_name_limit_is_the_iam_build_role() -> None:
+    from gpucluster.spec import AUTONAME_SUFFIX, MAX_STACK_NAME
+
+    assert MAX_STACK_NAME == 24
+    assert len(f"gpucluster-{'s' * MAX_STACK_NAME}-compute-nvidia-build") + AUTONAME_SUFFIX == 64
+    validate("s" * MAX_STACK_NAME, _config())
+    with pytest.raises(SpecError):
+        validate("s" * (MAX_STACK_NAME + 1), _config())
+
+
+def test_availability_zone_must_be_of_the_region() -> None:
+    cfg = _config()
+    cfg["gpucluster:cluster"]["availability_zone"] = "us-east-2a"
+    cfg["gpucluster:cluster"]["pools"][0]["instance_type"] = "p9.huge"  # a field error does not hide it
+    with pytest.raises(SpecError) as caught:
+        validate("s1", cfg)
+    assert ("gpucluster:cluster.availability_zone", "us-east-2a is not in region us-east-1") in caught.value.problems
+
+
+def test_yaml_1_1_boolean_key_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "Pulumi.s1.yaml"
+    path.write_text("config:\n  aws:region: us-east-1\n  gpucluster:cluster:\n    on: 1\n")
+    with pytest.raises(SpecError) as caught:
+        load_stack(path)
+    assert any(p == "gpucluster:cluster.on" and m.startswith("key 'on' is a boolean in YAML 1.1")
+               for p, m in caught.value.problems), caught.value.problems
