@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpucluster import cost
+from gpucluster import cost, settings
 from gpucluster.catalog import Accelerator
 from gpucluster.spec import Pool, Stack
 
@@ -19,18 +19,19 @@ MEMORY_FRACTION = 0.95
 
 @dataclass(frozen=True)
 class SlurmLayout:
-    """Where things live on the head node. The tests move paths and ports to a temporary directory and change only
-    the fields whose comments name them (simulated_hardware, cgroups, power_save_min_interval)."""
+    """Where things live on the head node (names and paths the nodes share come from the settings contract). The boot
+    rehearsal changes only ports and the fields whose comments name them (simulated_hardware, cgroups,
+    power_save_min_interval, dev_dir)."""
 
-    controller_host: str = "head"
-    controller_port: int = 6817
-    node_port: int = 6818
-    dbd_port: int = 6819
-    state_dir: str = "/var/lib/gpucluster/slurmctld"  # on the state volume that survives a head-node replacement
-    spool_dir: str = "/var/spool/slurmd"
+    controller_host: str = settings.HEAD_HOSTNAME
+    controller_port: int = settings.SLURMCTLD_PORT
+    node_port: int = settings.SLURMD_PORT
+    dbd_port: int = settings.SLURMDBD_PORT
+    state_dir: str = f"{settings.STATE_DIR}/slurmctld"  # on the state volume that survives a head-node replacement
+    spool_dir: str = settings.SLURMD_SPOOL_DIR
     log_dir: str = "/var/log/slurm"
     run_dir: str = "/run/slurm"
-    programs_dir: str = "/opt/gpucluster/bin"
+    programs_dir: str = settings.BIN_DIR
     munge_socket: str = "/run/munge/munge.socket.2"
     slurm_user: str = "slurm"
     # Tests run several slurmd on one host: each node then gets its own port from here up, and the slurmd paths
