@@ -298,7 +298,7 @@ def imds(path: str) -> str:
 
 def node_name(attempts: int = 60) -> str:
     """The Slurm node name the resume program tagged this instance with, read from instance metadata tags."""
-    return retry("the gpucluster:node tag of this instance", lambda: imds("meta-data/tags/instance/gpucluster:node"),
+    return retry("the gpucluster:node tag of this instance", lambda: imds(f"meta-data/tags/instance/{contract.NODE_TAG}"),
                  attempts=attempts, delay=1)
 
 

@@ -11,6 +11,7 @@ Standard library and boto3 (installed first when the image lacks it: the stock-A
 
 import base64
 import io
+import itertools
 import json
 import logging
 import os
@@ -108,7 +109,7 @@ def fetch(env: dict, boto3, sleep=time.sleep) -> None:  # type: ignore[no-untype
     config = Config(region_name=env["GPUCLUSTER_REGION"], retries={"mode": "adaptive", "max_attempts": 10})
     ssm, s3 = boto3.client("ssm", config=config), boto3.client("s3", config=config)
     deadline = time.monotonic() + DEADLINE_SECONDS
-    for attempt in range(1_000_000):
+    for attempt in itertools.count():
         try:
             raw, key = settings_and_key(ssm, env)
             settings = json.loads(raw)

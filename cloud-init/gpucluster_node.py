@@ -30,16 +30,14 @@ from typing import Any, Iterable
 
 # The bundle carries the library beside this program (lib/); the settings contract is in it (standard library only).
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
-from gpucluster.settings import SETTINGS_FILE, ClusterSettings, PoolSettings  # noqa: E402
+from gpucluster.settings import CLUSTER_TAG, NODE_TAG, SETTINGS_FILE, ClusterSettings, PoolSettings  # noqa: E402
 
 REASON_PREFIX = "gpucluster:"
 CAPACITY_PREFIX = f"{REASON_PREFIX} capacity"
-NODE_TAG = "gpucluster:node"
 SCONTROL_BATCH = 200  # nodes per scontrol update
 # A hung slurmctld must not hang the program: Slurm kills a ResumeProgram only after ResumeTimeout, with nodes half set.
 SCONTROL_TIMEOUT = 60
 TAG_WORKERS = 16  # CreateTags calls in flight (one per instance: each gets its own node name)
-CLUSTER_TAG = "gpucluster:cluster"
 # EC2 answers that mean "not now, try elsewhere or later" rather than "this request is wrong".
 CAPACITY_ERRORS = {
     "InsufficientInstanceCapacity", "InsufficientCapacityOnHost", "UnfulfillableCapacity", "InsufficientHostCapacity",

@@ -12,7 +12,7 @@ import pulumi
 import pulumi_aws as aws
 
 from components import child
-from gpucluster import catalog
+from gpucluster import catalog, settings
 from gpucluster.spec import Pool
 
 ROOT_DEVICE = "/dev/sda1"  # Ubuntu-based DLAMIs
@@ -74,7 +74,7 @@ class GpuPool(pulumi.ComponentResource):
             group = aws.ec2.PlacementGroup(f"{name}-pg", strategy="cluster", opts=child(self))
             self.placement_group = group.name
 
-        node_tags = {**args.instance_tags, "gpucluster:pool": pool.name}
+        node_tags = {**args.instance_tags, settings.POOL_TAG: pool.name}
         template = aws.ec2.LaunchTemplate(
             f"{name}-lt",
             description=f"{args.cluster_name} pool {pool.name}: {pool.instance_type}",

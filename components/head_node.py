@@ -19,10 +19,9 @@ from components import child
 from components.node_access import EC2_ASSUME, PARAMETER_READ, SSM_CORE, NodeAccess, policy
 from gpucluster.catalog import UBUNTU_AMI_PARAMETER
 from gpucluster.cost import HEAD_ROOT_GIB, HEAD_STATE_GIB
-from gpucluster.settings import ClusterSettings
+from gpucluster.settings import CLUSTER_TAG, ClusterSettings
 
 STATE_DEVICE = "/dev/sdf"
-CLUSTER_TAG = "gpucluster:cluster"  # on every instance the cluster launches (gpucluster_node.CLUSTER_TAG)
 
 
 @dataclass(frozen=True)

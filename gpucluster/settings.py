@@ -33,6 +33,13 @@ BUDGET_STATE_FILE = f"{STATE_DIR}/budget.json"  # written by the budget guardrai
 IMAGE_MANIFEST = "/opt/gpucluster-image/manifest.json"  # written last by build_image.sh: the image is complete
 BOOT_UNIT = "gpucluster-boot.service"
 
+# --- the tags every resource of a cluster carries, and the node name the resume program gives an instance ----------
+CLUSTER_TAG = "gpucluster:cluster"
+TEAM_TAG = "gpucluster:team"
+STACK_TAG = "gpucluster:stack"
+POOL_TAG = "gpucluster:pool"  # on the instances, volumes and interfaces of a pool (its launch template)
+NODE_TAG = "gpucluster:node"  # the Slurm node name; the node reads it from its instance metadata tags
+
 # --- the cluster's network names and ports ---------------------------------------------------------------------------
 HEAD_HOSTNAME = "head"
 SLURMCTLD_PORT = 6817

@@ -17,7 +17,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
 
-from gpucluster import catalog
+from gpucluster import catalog, settings
 
 CONFIG_KEY = "gpucluster:cluster"
 REGION_KEY = "aws:region"
@@ -376,7 +376,7 @@ class Stack:
 
     @property
     def tags(self) -> dict[str, str]:
-        return {"gpucluster:cluster": self.cluster_name, "gpucluster:team": self.spec.team, "gpucluster:stack": self.name}
+        return {settings.CLUSTER_TAG: self.cluster_name, settings.TEAM_TAG: self.spec.team, settings.STACK_TAG: self.name}
 
 
 class SpecError(Exception):

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import pwd
 import shutil
 import signal
 import socket
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Callable
 
 from gpucluster import slurm
+from gpucluster.settings import CLUSTER_TAG, NODE_TAG, POOL_TAG
 from gpucluster.spec import Stack
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,7 +50,6 @@ HEAD_COMMANDS = ("sbatch", "squeue", "scontrol", "sinfo", "sacctmgr", "sshare", 
 BOOT_SECONDS = 2.0
 SITE_PACKAGES = Path(__import__("boto3").__file__).resolve().parent.parent
 MOTO_ACCOUNT = "123456789012"
-AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 IMAGE_AMI = "ami-12c6146b"  # one of moto's images
 
 
@@ -83,23 +82,10 @@ def _bindable(port: int) -> bool:
     return True
 
 
-def listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _own(path: Path, user: str) -> None:
-    entry = pwd.getpwnam(user)
-    os.chown(path, entry.pw_uid, entry.pw_gid)
 
 
-def spawn(procs: list[subprocess.Popen[bytes]], args: list[str], env: dict[str, str] | None = None,
-          log: Path | None = None) -> subprocess.Popen[bytes]:
-    """Start a daemon in its own process group, so that a wrapper (runuser, unshare) dies with what it runs."""
-    out = open(log, "ab") if log else subprocess.DEVNULL
-    proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    procs.append(proc)
-    return proc
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -489,7 +475,7 @@ class LocalCluster:
                 LaunchTemplateName=f"{self.stack.cluster_name}-{pool.name}",
                 LaunchTemplateData={"ImageId": IMAGE_AMI, "InstanceType": pool.instance_type,
                                     "TagSpecifications": [{"ResourceType": "instance", "Tags": [
-                                        {"Key": k, "Value": v} for k, v in {**self.stack.tags, "gpucluster:pool": pool.name}.items()]}]},
+                                        {"Key": k, "Value": v} for k, v in {**self.stack.tags, POOL_TAG: pool.name}.items()]}]},
             )["LaunchTemplate"]["LaunchTemplateId"]
             pools[pool.name] = PoolSettings(name=pool.name, launch_template_id=template, subnet_id=self.subnet,
                                             instance_type=pool.instance_type, market=pool.capacity,
@@ -619,25 +605,25 @@ class LocalCluster:
                              self.front(instance), imds, self.fsx, own_clock=True)
         self.nodes[instance] = node
         node.boot()
-        self.boots.append((tags().get("gpucluster:node", instance), time.time()))
+        self.boots.append((tags().get(NODE_TAG, instance), time.time()))
 
     def _live(self, ec2=None) -> dict[str, dict[str, str]]:  # type: ignore[no-untyped-def]
         """Pending or running instances of this cluster in moto: instance id -> its tags."""
         ec2 = ec2 or self.ec2()
         reservations = ec2.describe_instances(Filters=[
             {"Name": "instance-state-name", "Values": ["pending", "running"]},
-            {"Name": "tag:gpucluster:cluster", "Values": [self.stack.cluster_name]}])["Reservations"]
+            {"Name": f"tag:{CLUSTER_TAG}", "Values": [self.stack.cluster_name]}])["Reservations"]
         return {i["InstanceId"]: {t["Key"]: t["Value"] for t in i.get("Tags", [])}
                 for r in reservations for i in r["Instances"]}
 
     def instances_by_id(self, ec2=None) -> dict[str, str]:  # type: ignore[no-untyped-def]
         """Instance id -> pool."""
-        return {instance: tags.get("gpucluster:pool", "") for instance, tags in self._live(ec2).items()}
+        return {instance: tags.get(POOL_TAG, "") for instance, tags in self._live(ec2).items()}
 
     def instances(self, ec2=None) -> dict[str, str]:  # type: ignore[no-untyped-def]
         """Instances that carry a node name: node name -> instance id."""
-        return {tags["gpucluster:node"]: instance for instance, tags in self._live(ec2).items()
-                if "gpucluster:node" in tags}
+        return {tags[NODE_TAG]: instance for instance, tags in self._live(ec2).items()
+                if NODE_TAG in tags}
 
     # --- the budget guardrail: AWS Budgets and the service the head node runs ---------------------------------------
     def set_spend(self, actual: float) -> None:
