@@ -49,6 +49,28 @@ REQUIRED = ("/usr/bin/python3", "munged", "slurmctld", "slurmd", "slurmdbd", "si
 HEAD_COMMANDS = ("sbatch", "squeue", "scontrol", "sinfo", "sacctmgr", "sshare", "sacct", "scancel", "srun", "sreport")
 BOOT_SECONDS = 2.0
 SITE_PACKAGES = Path(__import__("boto3").__file__).resolve().parent.parent
+# What the node image's python3-boto3 gives the system Python (Debian's is too old for AWS_ENDPOINT_URL): copied out
+# of the test venv, whose directory the slurm user running the resume program may not be allowed to enter.
+AWS_SDK = ("boto3", "botocore", "s3transfer", "jmespath", "dateutil", "urllib3", "six.py")
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:  # another file system
+        shutil.copy2(source, target)
+
+
+def image_sdk(target: Path) -> Path:
+    """The AWS SDK for the rehearsal image, readable by every user."""
+    target.mkdir(mode=0o755)
+    for name in AWS_SDK:
+        source = SITE_PACKAGES / name
+        if source.is_dir():
+            shutil.copytree(source, target / name, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(str(source), str(target / name))
+    return target
 MOTO_ACCOUNT = "123456789012"
 IMAGE_AMI = "ami-12c6146b"  # one of moto's images
 
@@ -255,6 +277,7 @@ class RehearsalNode:
     aws: AwsFront
     imds: InstanceMetadata
     fsx: Path
+    sdk: Path  # the image's AWS SDK (image_sdk)
     volume: Path | None = None  # the head's state volume (a loop device behind its EBS by-id name)
     volume_id: str = ""
     own_clock: bool = False  # compute nodes: a boot time of their own
@@ -317,7 +340,7 @@ class RehearsalNode:
         dist = self._dir("/usr/local", "up") / "lib" / "python3.11" / "dist-packages"
         dist.mkdir(parents=True, exist_ok=True)
         (dist / "rehearsal.pth").write_text(
-            f"{SITE_PACKAGES}\nimport os; os.environ.setdefault('AWS_ENDPOINT_URL', '{self.aws.url}'); "
+            f"{self.sdk}\nimport os; os.environ.setdefault('AWS_ENDPOINT_URL', '{self.aws.url}'); "
             f"os.environ.setdefault('AWS_EC2_METADATA_SERVICE_ENDPOINT', '{self.imds.url}')\n")
 
     def _ready(self) -> bool:
@@ -429,6 +452,7 @@ class LocalCluster:
         self._devices()
         self.fsx = self.root / "fsx"
         self.fsx.mkdir()
+        self.sdk = image_sdk(self.root / "image-python")
         self.bundle = bundle.build(self.stack, self.layout)
         self._aws_world(bundle.key(self.bundle), userdata)
         self.env = {**os.environ, "PATH": f"{self._login_commands()}:{os.environ['PATH']}"}
@@ -536,7 +560,7 @@ class LocalCluster:
         imds = InstanceMetadata(self.head_instance, lambda: {})
         self._closers.append(imds.close)
         self.head = RehearsalNode(name, self.root / name, self.userdata.head_node(self.stack), self.front("head"),
-                                  imds, self.fsx, volume=Path(self.volume_device), volume_id=self.volume_id)
+                                  imds, self.fsx, self.sdk, volume=Path(self.volume_device), volume_id=self.volume_id)
         self.head.boot()
         (self.root / "head.pid").write_text(str(self.head.init.pid))  # type: ignore[union-attr]
         self.wait_booted(self.head, seconds)
@@ -602,7 +626,7 @@ class LocalCluster:
         imds = InstanceMetadata(instance, tags)
         self._closers.append(imds.close)
         node = RehearsalNode(instance, self.root / instance, self.userdata.pool_nodes(self.stack, pool),
-                             self.front(instance), imds, self.fsx, own_clock=True)
+                             self.front(instance), imds, self.fsx, self.sdk, own_clock=True)
         self.nodes[instance] = node
         node.boot()
         self.boots.append((tags().get(NODE_TAG, instance), time.time()))
