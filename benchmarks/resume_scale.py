@@ -2,24 +2,27 @@
 
     python benchmarks/resume_scale.py [--sizes 1 64 1024]
 
-Slurm is replaced by a stand-in that records the scontrol calls (their count is printed); EC2 is moto over HTTP, so
-the figures include real request encoding and round trips, not AWS's own latency.
+Slurm is replaced by a stand-in that records the scontrol calls (their count is printed); EC2 is a moto server in a
+process of its own (as EC2 is a service of its own), so the figures include real request encoding and round trips,
+not AWS's own latency.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
+import socket
+import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
 import boto3
-from moto.server import ThreadedMotoServer
+from botocore.exceptions import EndpointConnectionError
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "cloud-init"))
+sys.path[:0] = [str(ROOT), str(ROOT / "cloud-init")]  # the library (the settings contract) and the node program
 import gpucluster_node as node  # noqa: E402
 
 
@@ -29,10 +32,6 @@ class RecordingSlurm(node.Slurm):
 
     def _run(self, *args: str) -> str:
         self.calls += 1
-        if args[:2] == ("show", "hostnames"):  # the pool's nodes are named pool-1..pool-N
-            prefix, span = args[2].split("[")
-            first, last = span.rstrip("]").split("-")
-            return "\n".join(f"{prefix}{i}" for i in range(int(first), int(last) + 1))
         return ""
 
 
@@ -40,12 +39,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 64, 1024])
     args = parser.parse_args()
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # the moto server's request log
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    ec2 = boto3.client("ec2", region_name="us-east-1", endpoint_url=f"http://{host}:{port}",
+    port = free_port()
+    server = subprocess.Popen([str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ec2 = boto3.client("ec2", region_name="us-east-1", endpoint_url=f"http://127.0.0.1:{port}",
                        aws_access_key_id="bench", aws_secret_access_key="bench")
+    wait_for_server(ec2)
     calls: Counter[str] = Counter()
     ec2.meta.events.register("before-call.ec2", lambda model, **kw: calls.update([model.name]))
     vpc = ec2.create_vpc(CidrBlock="10.0.0.0/16")["Vpc"]["VpcId"]
@@ -53,7 +52,9 @@ def main() -> None:
     template = ec2.create_launch_template(LaunchTemplateName="bench", LaunchTemplateData={
         "ImageId": "ami-12c6146b", "InstanceType": "p5.48xlarge"})["LaunchTemplate"]["LaunchTemplateId"]
     pool = node.PoolSettings("p5", template, subnet, "p5.48xlarge", "on-demand")
-    config = node.ClusterSettings(cluster="bench", region="us-east-1", pools={"p5": pool}, log_file="/dev/null")
+    registry = Path(tempfile.mkdtemp(prefix="resume-scale-")) / "instances.json"
+    config = node.ClusterSettings(cluster="bench", region="us-east-1", pools={"p5": pool}, log_file="/dev/null",
+                                  registry_file=str(registry))
     print(f"{'nodes':>6} {'seconds':>8} {'s/node':>7} {'scontrol':>8}  EC2 calls")
     for size in args.sizes:
         calls.clear()
@@ -64,8 +65,25 @@ def main() -> None:
         assert len(result.launched) == size, result.failed
         ops = ", ".join(f"{op} {n}" for op, n in sorted(calls.items()))
         print(f"{size:6d} {seconds:8.2f} {seconds / size:7.3f} {slurm.calls:8d}  {ops}")
-        node.terminate(ec2, list(result.launched.values()))
-    server.stop()
+        node.suspend(config, ec2, slurm, f"p5-[1-{size}]")  # the registry empty again for the next size
+    server.terminate()
+    server.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_server(ec2) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(100):
+        try:
+            ec2.describe_regions()
+            return
+        except EndpointConnectionError:
+            time.sleep(0.1)
+    raise RuntimeError("the moto server did not start")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import pwd
+import re
 import shutil
 import subprocess
 import sys
@@ -37,9 +38,9 @@ MAX_RETRY_WAIT = 10.0  # seconds: a node's boot counts against Slurm's ResumeTim
 log = logging.getLogger("gpucluster-bootstrap")
 
 
-def run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+def run(*args: str, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     log.info("$ %s", " ".join(args))
-    done = subprocess.run(list(args), capture_output=True, text=True)
+    done = subprocess.run(list(args), capture_output=True, text=True, env=env)
     if check and done.returncode:
         raise RuntimeError(f"{' '.join(args)} exited {done.returncode}: {(done.stderr or done.stdout).strip()[-800:]}")
     return done
@@ -186,11 +187,11 @@ def slurm_files() -> int:
     dbd = SLURM_ETC / "slurmdbd.conf"
     dbd.chmod(0o600)
     shutil.chown(dbd, "slurm", "slurm")
-    for d in (STATE / "slurmctld", Path("/var/log/slurm"), Path(contract.LOG_DIR)):
+    for d in (STATE / "slurmctld", Path(contract.NODE_REGISTRY_DIR), Path("/var/log/slurm"), Path(contract.LOG_DIR)):
         d.mkdir(parents=True, exist_ok=True)
         shutil.chown(d, "slurm", "slurm")
     # Like the database: a new head image may give the slurm user another uid; the queue's state files follow it.
-    run("chown", "-R", "slurm:slurm", str(STATE / "slurmctld"))
+    run("chown", "-R", "slurm:slurm", str(STATE / "slurmctld"), contract.NODE_REGISTRY_DIR)
     # The node programs run as slurm and the budget guardrail as root, both into this log: whoever wrote first must
     # not lock the other out.
     node_log = Path(contract.NODE_LOG)
@@ -213,7 +214,8 @@ def node_programs() -> None:
         "gpucluster: match EC2 instances and Slurm nodes", "Service",
         ["Type=oneshot", "User=slurm", f"ExecStart={bin_dir}/reconcile"], wanted_by=None))
     (SYSTEMD / "gpucluster-reconcile.timer").write_text(unit(
-        "gpucluster reconciler every minute", "Timer", ["OnBootSec=2min", "OnUnitActiveSec=60s"],
+        # From the moment the bootstrap starts it (always-on nodes powered up at once), then every minute.
+        "gpucluster reconciler every minute", "Timer", ["OnActiveSec=10s", "OnUnitActiveSec=60s"],
         wanted_by="timers.target"))
 
 
@@ -296,10 +298,34 @@ def imds(path: str) -> str:
         f"{base}/latest/{path}", headers={"X-aws-ec2-metadata-token": token}), timeout=5).read().decode()
 
 
-def node_name(attempts: int = 60) -> str:
-    """The Slurm node name the resume program tagged this instance with, read from instance metadata tags."""
-    return retry("the gpucluster:node tag of this instance", lambda: imds(f"meta-data/tags/instance/{contract.NODE_TAG}"),
-                 attempts=attempts, delay=1)
+def slurm_client_conf(s: ClusterSettings, path: Path = Path(contract.SLURM_CLIENT_CONF)) -> Path:
+    """What scontrol needs to ask the controller before slurmd has fetched the cluster's configuration."""
+    path.write_text(f"ClusterName={s.cluster}\nSlurmctldHost={contract.HEAD_HOSTNAME}\nSlurmctldPort={s.slurmctld_port}\n"
+                    "AuthType=auth/munge\n")
+    return path
+
+
+def own_node(instance_id: str, scontrol_output: str) -> str:
+    """The node whose NodeHostName is this instance's id: the resume program set it the moment EC2 answered."""
+    found = [fields["NodeName"] for line in scontrol_output.splitlines()
+             if (fields := dict(re.findall(r"(?:^| )(NodeName|NodeHostName)=(\S+)", line))).get("NodeHostName") == instance_id]
+    if len(found) != 1:
+        raise RuntimeError(f"{len(found)} Slurm node(s) for {instance_id}: {', '.join(found) or 'none yet'}")
+    return found[0]
+
+
+def node_name(s: ClusterSettings, saved: Path = Path(contract.NODE_NAME_FILE), attempts: int = 60) -> str:
+    """This instance's Slurm node name, learned from the controller at the first boot and kept for the instance's
+    life (a reboot keeps its node). No per-instance AWS call: Slurm knows which node this instance is."""
+    if saved.exists():
+        return saved.read_text().strip()
+    instance_id = imds("meta-data/instance-id")
+    env = {**os.environ, "SLURM_CONF": str(slurm_client_conf(s))}
+    name = retry(f"the Slurm node of {instance_id}",
+                 lambda: own_node(instance_id, run("scontrol", "show", "nodes", "--oneliner", env=env).stdout),
+                 attempts=attempts, delay=2)
+    saved.write_text(name + "\n")
+    return name
 
 
 def nccl_environment(efa: bool) -> str:
@@ -350,11 +376,12 @@ def set_hostname(name: str) -> None:
 
 
 def compute(s: ClusterSettings, env: dict[str, str]) -> None:
-    name = node_name()
-    set_hostname(name)
     hosts_entry(s.head_address)
     install_munge_key()
     start("munge")
+    wait_for_port(s.slurmctld_port, contract.HEAD_HOSTNAME, seconds=600)  # a head being replaced comes back
+    name = node_name(s)
+    set_hostname(name)
     pool = s.pools[env["GPUCLUSTER_POOL"]]
     Path("/etc/profile.d/gpucluster-nccl.sh").write_text(nccl_environment(pool.efa_interfaces > 0))
     # NCCL keeps its buffers in /dev/shm: allow most of the node's memory.
@@ -369,7 +396,6 @@ def compute(s: ClusterSettings, env: dict[str, str]) -> None:
         f'SLURMD_OPTIONS="--conf-server {contract.HEAD_HOSTNAME}:{s.slurmctld_port} -N {name}"\n')
     drop_in("slurmd.service", SLURMD_DROP_IN)
     Path(contract.SLURMD_SPOOL_DIR).mkdir(parents=True, exist_ok=True)
-    wait_for_port(s.slurmctld_port, contract.HEAD_HOSTNAME, seconds=600)
     start("slurmd")
 
 

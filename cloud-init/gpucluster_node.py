@@ -4,49 +4,66 @@
 Installed as /opt/gpucluster/bin/gpucluster_node.py with the links `resume`, `suspend`, `resume-fail` and `reconcile`;
 the name it is called by picks the command. Slurm passes a host list such as `p5-spot-[1-4]` as the only argument.
 
-- resume: launch one EC2 instance per node with CreateFleet (type instant) from the pool's launch template, tag it with
-  its node name and give Slurm its address. Nodes that EC2 cannot launch (capacity, quota, spot price) are set DOWN
-  with the AWS reason, so Slurm requeues the job and schedules it where it can run (a fallback pool).
+- resume: launch one EC2 instance per node with CreateFleet (type instant) from the pool's launch template, grouped by
+  job (SLURM_RESUME_FILE, Slurm 23.02 and later): a multi-node job gets all its nodes in one request or none, and one
+  job's shortage does not fail another's nodes. The registry records which instance is which node the moment EC2
+  answers; Slurm gets each node's instance id, and the instance learns its node name from Slurm by that id (no
+  per-instance API call, no DescribeInstances). Nodes that EC2 cannot launch are set DOWN with the AWS reason, so Slurm requeues the job and
+  schedules it where it can run (a fallback pool).
 - suspend: terminate the instances of the listed nodes.
 - resume-fail: a launched node that never registered: terminate it and set it DOWN with the reason.
-- reconcile (timer): terminate instances that no Slurm node owns; set DOWN nodes whose instance vanished; give nodes that
-  were set DOWN for lack of capacity another chance after `capacity_retry_seconds`.
+- reconcile (timer): classify every node (its Slurm state and its instance) and every unowned instance into a status,
+  then act per status: power up always-on nodes, set DOWN nodes whose instance vanished, return nodes DOWN for a passing
+  cause to service with backoff, terminate instances nothing owns once their launch grace is over.
 
 Needs only the standard library and boto3. Every action is logged to the log file and to stderr (the journal).
 """
 
 from __future__ import annotations
 
+import enum
+import fcntl
 import json
 import logging
+import os
 import re
 import subprocess
 import sys
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 # The bundle carries the library beside this program (lib/); the settings contract is in it (standard library only).
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
-from gpucluster.settings import CLUSTER_TAG, NODE_TAG, SETTINGS_FILE, ClusterSettings, PoolSettings  # noqa: E402
+from gpucluster.settings import (  # noqa: E402
+    CLUSTER_TAG, POOL_TAG, SETTINGS_FILE, SLURM_USER, ClusterSettings, PoolSettings,
+)
 
 REASON_PREFIX = "gpucluster:"
 CAPACITY_PREFIX = f"{REASON_PREFIX} capacity"
+# Reasons that a retry cannot cure: the node stays DOWN until someone fixes the stack.
+CONFIGURATION_PREFIX = f"{REASON_PREFIX} configuration"
 SCONTROL_BATCH = 200  # nodes per scontrol update
 # A hung slurmctld must not hang the program: Slurm kills a ResumeProgram only after ResumeTimeout, with nodes half set.
 SCONTROL_TIMEOUT = 60
-TAG_WORKERS = 16  # CreateTags calls in flight (one per instance: each gets its own node name)
+DESCRIBE_BATCH = 500  # instance ids per DescribeInstances
+TERMINATE_BATCH = 1000  # instance ids per TerminateInstances
+MAX_RETRY_SECONDS = 3600  # the backoff of a node that keeps failing stops doubling here
 # EC2 answers that mean "not now, try elsewhere or later" rather than "this request is wrong".
 CAPACITY_ERRORS = {
     "InsufficientInstanceCapacity", "InsufficientCapacityOnHost", "UnfulfillableCapacity", "InsufficientHostCapacity",
     "MaxSpotInstanceCountExceeded", "SpotMaxPriceTooLow", "VcpuLimitExceeded", "InstanceLimitExceeded",
     "ReservationCapacityExceeded", "InsufficientReservedInstanceCapacity",
 }
+# EC2 answers that say the request itself is wrong (a template, subnet or instance type the stack names): retrying
+# cannot help. UnauthorizedOperation is not among them: the budget's deny action causes it, and reopening lifts it.
+CONFIGURATION_ERRORS = re.compile(r"^(Invalid|MissingParameter|Unsupported|OptInRequired)")
 # A new account has no spot service-linked role until someone allowed to (iam:CreateServiceLinkedRole) makes it; the
 # head role may not, so EC2 refuses every spot launch. The DOWN reason carries the fix (sinfo -R shows it); the
-# reconciler does not retry these nodes: once the role exists, `scontrol update nodename=... state=resume`.
+# reconciler retries with backoff, so the nodes come back once the role exists.
 SPOT_ROLE_ERROR = "AuthFailure.ServiceLinkedRoleCreationNotPermitted"
 SPOT_ROLE_FIX = "aws iam create-service-linked-role --aws-service-name spot.amazonaws.com"
 
@@ -68,27 +85,36 @@ class Slurm:
             log.error("%s; stderr: %s", exc, _text(exc.stderr).strip() or "(none)")
             raise
 
-    def expand(self, hostlist: str) -> list[str]:
-        return self._run("show", "hostnames", hostlist).split()
+    def _update(self, nodes: list[str], *settings: str) -> None:
+        for batch in chunks(sorted(nodes), SCONTROL_BATCH):
+            self._run("update", f"nodename={','.join(batch)}", *settings)
 
-    def set_addresses(self, addresses: dict[str, str]) -> None:
-        """NodeAddr for many nodes per call: scontrol takes matching lists of names and addresses."""
-        items = sorted(addresses.items())
+    def set_instances(self, instances: dict[str, str]) -> None:
+        """Each node's instance id as its NodeHostName, many nodes per call (scontrol takes matching lists): the
+        instance finds its node by it. When the node registers, Slurm sets NodeAddr and NodeHostName from it
+        (cloud_reg_addrs), and back to the node name when it powers down."""
+        items = sorted(instances.items())
         for i in range(0, len(items), SCONTROL_BATCH):
             names = ",".join(n for n, _ in items[i : i + SCONTROL_BATCH])
-            addrs = ",".join(a for _, a in items[i : i + SCONTROL_BATCH])
-            self._run("update", f"nodename={names}", f"nodeaddr={addrs}", f"nodehostname={names}")
+            ids = ",".join(a for _, a in items[i : i + SCONTROL_BATCH])
+            self._run("update", f"nodename={names}", f"nodehostname={ids}")
 
     def set_down(self, nodes: list[str], reason: str) -> None:
         """DOWN with the reason: Slurm requeues the job (held for the credential lifetime, 120 s by default) and
-        schedules it on nodes that are not DOWN. The nodes stay DOWN until the reconciler retries them."""
+        schedules it on nodes that are not DOWN. The reconciler returns the node to service later, unless the reason
+        is a configuration error."""
         if nodes:
-            self._run("update", f"nodename={','.join(nodes)}", "state=down", f"reason={reason[:200]}")
+            self._update(nodes, "state=down", f"reason={reason[:200]}")
 
     def power_down(self, nodes: list[str]) -> None:
         """Back to powered-down cloud nodes (idle~), schedulable again."""
         if nodes:
-            self._run("update", f"nodename={','.join(nodes)}", "state=power_down_force")
+            self._update(nodes, "state=power_down_force")
+
+    def power_up(self, nodes: list[str]) -> None:
+        """Slurm runs the resume program for them and counts on them from then on (always-on nodes)."""
+        if nodes:
+            self._update(nodes, "state=power_up")
 
     def nodes(self) -> list[dict[str, str]]:
         """One dict per node of `scontrol show nodes --oneliner` (keys such as NodeName, State, Reason)."""
@@ -99,6 +125,23 @@ class Slurm:
 def _text(data: str | bytes | None) -> str:
     # TimeoutExpired carries raw bytes even when the call asked for text.
     return data.decode(errors="replace") if isinstance(data, bytes) else data or ""
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """Slurm's host list to names, as `scontrol show hostnames` gives them but without repeats: p5-od-[1-3,7],head ->
+    p5-od-1, p5-od-2, p5-od-3, p5-od-7, head. Zero padding is kept (n[01-02] -> n01, n02); several bracket groups in
+    one name multiply out (r[1-2]n[1-2] -> r1n1, r1n2, r2n1, r2n2). No scontrol call: the programs run per node list."""
+    names: list[str] = []
+    for item in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", hostlist):
+        expanded = [""]
+        for literal, ranges in re.findall(r"([^\[]*)(?:\[([^\]]*)\])?", item):
+            numbers = []
+            for span in filter(None, (ranges or "").split(",")):
+                first, _, last = span.partition("-")
+                numbers += [str(n).zfill(len(first)) for n in range(int(first), int(last or first) + 1)]
+            expanded = [e + literal + n for e in expanded for n in (numbers or [""])]
+        names += [e for e in expanded if e]
+    return list(dict.fromkeys(names))
 
 
 def compress_hostlist(nodes: Iterable[str]) -> str:
@@ -150,13 +193,61 @@ def ec2_client(config: ClusterSettings):  # type: ignore[no-untyped-def]
                         config=BotoConfig(retries={"mode": "adaptive", "max_attempts": 10}))
 
 
+# --- the registry: which instance is which node ---------------------------------------------------------------------
+
+@dataclass
+class RegistryState:
+    """node -> {"instance": id, "launched": epoch seconds}, and node -> consecutive failed returns to service."""
+
+    instances: dict[str, dict[str, Any]] = field(default_factory=dict)
+    failures: dict[str, int] = field(default_factory=dict)
+
+    def owner(self) -> dict[str, str]:
+        """instance id -> node."""
+        return {entry["instance"]: node for node, entry in self.instances.items()}
+
+
+@contextmanager
+def registry(config: ClusterSettings) -> Iterator[RegistryState]:
+    """Read, change and write the registry under its lock (resume, suspend and the reconciler run side by side).
+    Written by rename, so a crash leaves the old file or the new one, never half of one."""
+    path = Path(config.registry_file)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        raw = json.loads(path.read_text()) if path.exists() else {}
+        state = RegistryState(raw.get("instances", {}), raw.get("failures", {}))
+        yield state
+        temporary = path.with_suffix(".tmp")
+        temporary.write_text(json.dumps({"instances": state.instances, "failures": state.failures}, sort_keys=True))
+        os.replace(temporary, path)
+
+
+def read_registry(config: ClusterSettings) -> RegistryState:
+    with registry(config) as state:
+        return state
+
+
+# --- launching --------------------------------------------------------------------------------------------------------
+
 @dataclass
 class LaunchResult:
     launched: dict[str, str] = field(default_factory=dict)  # node -> instance id
     failed: dict[str, str] = field(default_factory=dict)  # node -> reason
 
 
-def _fleet_request(config: ClusterSettings, pool: PoolSettings, count: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class LaunchGroup:
+    """Nodes of one pool launched in one CreateFleet call: all of them or none when `whole` (the nodes of one
+    multi-node job), as many as EC2 gives otherwise (single-node jobs packed together)."""
+
+    pool: str
+    nodes: tuple[str, ...]
+    whole: bool = False
+    job: str = ""
+
+
+def _fleet_request(config: ClusterSettings, pool: PoolSettings, count: int, all_or_nothing: bool) -> dict[str, Any]:
     override: dict[str, Any] = {"InstanceType": pool.instance_type, "SubnetId": pool.subnet_id}
     if pool.placement_group:
         override["Placement"] = {"GroupName": pool.placement_group}
@@ -169,19 +260,19 @@ def _fleet_request(config: ClusterSettings, pool: PoolSettings, count: int) -> d
         "TargetCapacitySpecification": {"TotalTargetCapacity": count, "DefaultTargetCapacityType": pool.market},
         "TagSpecifications": [{"ResourceType": "instance", "Tags": [{"Key": CLUSTER_TAG, "Value": config.cluster}]}],
     }
-    # MinTargetCapacity makes EC2 launch the whole batch or nothing; it needs one type in one AZ.
-    all_or_nothing = {"MinTargetCapacity": count, "SingleInstanceType": True, "SingleAvailabilityZone": True} \
-        if config.all_or_nothing else {}
+    # MinTargetCapacity makes EC2 launch the whole request or nothing; it needs one type in one AZ.
+    whole = {"MinTargetCapacity": count, "SingleInstanceType": True, "SingleAvailabilityZone": True} \
+        if all_or_nothing else {}
     if pool.market == "spot":
-        request["SpotOptions"] = {"AllocationStrategy": "price-capacity-optimized", **all_or_nothing}
+        request["SpotOptions"] = {"AllocationStrategy": "price-capacity-optimized", **whole}
     elif pool.market == "capacity-block":
         # The template's market type and reservation target pick the block. No AllocationStrategy (a block is one
         # instance pool; ParallelCluster and Karpenter send none) and no CapacityReservationOptions: EC2's Capacity
         # Blocks fleet tutorial says that with DefaultTargetCapacityType capacity-block they raise an exception.
-        if all_or_nothing:
-            request["OnDemandOptions"] = all_or_nothing
+        if whole:
+            request["OnDemandOptions"] = whole
     else:
-        request["OnDemandOptions"] = {"AllocationStrategy": "lowest-price", **all_or_nothing}
+        request["OnDemandOptions"] = {"AllocationStrategy": "lowest-price", **whole}
     return request
 
 
@@ -190,91 +281,149 @@ def _reason(code: str, message: str) -> str:
     if code == SPOT_ROLE_ERROR or ("service-linked role" in lowered and "spot" in lowered):
         # The fix first: set_down keeps 200 characters of a reason.
         return f"{REASON_PREFIX} launch failed: no spot service-linked role, run once: {SPOT_ROLE_FIX} ({code})"
+    if CONFIGURATION_ERRORS.match(code):
+        return f"{CONFIGURATION_PREFIX}: fix the stack and pulumi up: {code}: {message}".replace("\n", " ")
     kind = "capacity" if code in CAPACITY_ERRORS else "launch failed"
     return f"{REASON_PREFIX} {kind}: {code}: {message}".replace("\n", " ")
 
 
-def launch(config: ClusterSettings, ec2, pool: PoolSettings, nodes: list[str]) -> LaunchResult:  # type: ignore[no-untyped-def]
+def launch_groups(config: ClusterSettings, nodes: list[str], jobs: dict[str, list[str]]) -> list[LaunchGroup]:
+    """The CreateFleet calls for `nodes`: each multi-node job's nodes of a pool in one all-or-nothing call, whatever
+    its size (a job is never split across calls); every other node packed per pool into best-effort calls of
+    `batch_size`. `jobs` maps a job id to its nodes being resumed (see `job_nodes`)."""
+    wanted = set(nodes)
+    groups: list[LaunchGroup] = []
+    loose: dict[str, list[str]] = defaultdict(list)
+    placed: set[str] = set()
+    for job, members in jobs.items():
+        mine = [n for n in dict.fromkeys(members) if n in wanted and n not in placed]
+        placed.update(mine)
+        by_pool: dict[str, list[str]] = defaultdict(list)
+        for n in mine:
+            by_pool[pool_of(n)].append(n)
+        for pool, of_pool in by_pool.items():
+            if config.all_or_nothing and len(mine) > 1:
+                groups.append(LaunchGroup(pool, tuple(of_pool), whole=True, job=job))
+            else:
+                loose[pool] += of_pool
+    for n in nodes:
+        if n not in placed:
+            loose[pool_of(n)].append(n)
+    for pool, members in loose.items():
+        groups += [LaunchGroup(pool, tuple(batch)) for batch in chunks(members, config.batch_size)]
+    return groups
+
+
+def launch_group(config: ClusterSettings, ec2, pool: PoolSettings, group: LaunchGroup) -> LaunchResult:  # type: ignore[no-untyped-def]
     from botocore.exceptions import ClientError
 
-    result = LaunchResult()
-    for batch in chunks(nodes, config.batch_size):
-        try:
-            response = ec2.create_fleet(**_fleet_request(config, pool, len(batch)))
-        except ClientError as exc:
-            error = exc.response.get("Error", {})
-            reason = _reason(error.get("Code", "Unknown"), error.get("Message", str(exc)))
-            log.error("CreateFleet for %s failed: %s", compress_hostlist(batch), reason)
-            result.failed.update({n: reason for n in batch})
-            continue
-        ids = [i for group in response.get("Instances", []) for i in group.get("InstanceIds", [])]
+    batch = list(group.nodes)
+    try:
+        response = ec2.create_fleet(**_fleet_request(config, pool, len(batch), group.whole))
+    except ClientError as exc:
+        error = exc.response.get("Error", {})
+        reason = _reason(error.get("Code", "Unknown"), error.get("Message", str(exc)))
+        log.error("CreateFleet for %s failed: %s", compress_hostlist(batch), reason)
+        return LaunchResult(failed={n: reason for n in batch})
+    ids = [i for fleet in response.get("Instances", []) for i in fleet.get("InstanceIds", [])]
+    if len(ids) < len(batch) and group.whole and ids:
+        log.warning("pool %s: %d of %d instances launched, all-or-nothing: terminating them", pool.name, len(ids),
+                    len(batch))
+        terminate(ec2, ids)
+        ids = []
+    result = LaunchResult(launched=dict(zip(batch, ids)))
+    if len(ids) < len(batch):
         errors = response.get("Errors", [])
-        if len(ids) < len(batch) and config.all_or_nothing and ids:
-            log.warning("pool %s: %d of %d instances launched, all-or-nothing: terminating them", pool.name, len(ids),
-                        len(batch))
-            ec2.terminate_instances(InstanceIds=ids)
-            ids = []
-        for node, instance in zip(batch, ids):
-            result.launched[node] = instance
-        if len(ids) < len(batch):
-            first = errors[0] if errors else {"ErrorCode": "UnfulfillableCapacity", "ErrorMessage": "no instance launched"}
-            reason = _reason(first.get("ErrorCode", "Unknown"), first.get("ErrorMessage", ""))
-            log.error("pool %s: %s", pool.name, reason)
-            result.failed.update({n: reason for n in batch[len(ids):]})
+        first = errors[0] if errors else {"ErrorCode": "UnfulfillableCapacity", "ErrorMessage": "no instance launched"}
+        reason = _reason(first.get("ErrorCode", "Unknown"), first.get("ErrorMessage", ""))
+        log.error("pool %s: %s", pool.name, reason)
+        result.failed = {n: reason for n in batch[len(ids):]}
     return result
 
 
-def _tag_and_address(ec2, slurm: Slurm, launched: dict[str, str]) -> None:  # type: ignore[no-untyped-def]
-    from concurrent.futures import ThreadPoolExecutor
-
-    def tag(item: tuple[str, str]) -> None:
-        node, instance = item
-        ec2.create_tags(Resources=[instance], Tags=[{"Key": "Name", "Value": node}, {"Key": NODE_TAG, "Value": node}])
-
-    with ThreadPoolExecutor(TAG_WORKERS) as pool:
-        list(pool.map(tag, launched.items()))
-    by_id = {v: k for k, v in launched.items()}
-    pending = set(by_id)
-    # A new instance may take a moment to show its private address.
-    for _ in range(30):
-        found: dict[str, str] = {}
-        for batch in chunks(sorted(pending), 500):
-            for reservation in ec2.describe_instances(InstanceIds=batch)["Reservations"]:
-                for inst in reservation["Instances"]:
-                    if inst.get("PrivateIpAddress") and inst["InstanceId"] in pending:
-                        found[by_id[inst["InstanceId"]]] = inst["PrivateIpAddress"]
-                        pending.discard(inst["InstanceId"])
-        if found:
-            slurm.set_addresses(found)
-            for node, address in sorted(found.items()):
-                log.info("node %s is %s at %s", node, launched[node], address)
-        if not pending:
-            return
-        time.sleep(2)
-    log.error("no address for %s", compress_hostlist(by_id[i] for i in pending))
+def job_nodes(config: ClusterSettings, nodes: list[str], resume_file: str | None) -> dict[str, list[str]]:
+    """Job id -> its nodes being resumed, from SLURM_RESUME_FILE (Slurm 23.02 and later). Slurm 22.05 writes none: the
+    call's nodes then count as one job when all-or-nothing holds, since no one can tell them apart."""
+    if resume_file and Path(resume_file).exists():
+        doc = json.loads(Path(resume_file).read_text())
+        return {str(job["job_id"]): expand_hostlist(job.get("nodes_resume", "")) for job in doc.get("jobs", [])}
+    return {"(this call)": nodes} if config.all_or_nothing else {}
 
 
-def resume(config: ClusterSettings, ec2, slurm: Slurm, hostlist: str) -> LaunchResult:  # type: ignore[no-untyped-def]
-    by_pool: dict[str, list[str]] = defaultdict(list)
-    for node in slurm.expand(hostlist):
-        by_pool[pool_of(node)].append(node)
+def live_instances(ec2, ids: Iterable[str]) -> dict[str, dict[str, Any]]:  # type: ignore[no-untyped-def]
+    """The pending or running ones among `ids`: id -> DescribeInstances' record. EC2 keeps terminated instances
+    visible for a while; an id it no longer knows at all is simply not live."""
+    from botocore.exceptions import ClientError
+
+    found: dict[str, dict[str, Any]] = {}
+    for batch in chunks(sorted(set(ids)), DESCRIBE_BATCH):
+        try:
+            pages = ec2.get_paginator("describe_instances").paginate(Filters=[
+                {"Name": "instance-id", "Values": batch}, {"Name": "instance-state-name", "Values": ["pending", "running"]}])
+            for page in pages:
+                for reservation in page["Reservations"]:
+                    found.update({i["InstanceId"]: i for i in reservation["Instances"]})
+        except ClientError as exc:
+            log.error("DescribeInstances for %d instance(s) failed: %s", len(batch), exc)
+            raise
+    return found
+
+
+def resume(config: ClusterSettings, ec2, slurm: Slurm, hostlist: str,  # type: ignore[no-untyped-def]
+           resume_file: str | None = None) -> LaunchResult:
+    nodes = expand_hostlist(hostlist)
     total = LaunchResult()
-    for name, nodes in by_pool.items():
-        pool = config.pools.get(name)
+    # A node whose instance still lives (a resume Slurm repeats, an always-on node powered up again) keeps it.
+    entries = read_registry(config).instances
+    live = live_instances(ec2, [entries[n]["instance"] for n in nodes if n in entries])
+    kept = {n: entries[n]["instance"] for n in nodes if n in entries and entries[n]["instance"] in live}
+    if kept:
+        log.info("resume %s: their instances still run, not launching others", compress_hostlist(kept))
+        total.launched.update(kept)
+    jobs = job_nodes(config, nodes, resume_file)
+    for group in launch_groups(config, [n for n in nodes if n not in kept], jobs):
+        pool = config.pools.get(group.pool)
         if pool is None:
-            reason = f"{REASON_PREFIX} launch failed: no pool {name} in {SETTINGS_FILE}"
+            reason = f"{CONFIGURATION_PREFIX}: no pool {group.pool} in {SETTINGS_FILE}"
             log.error(reason)
-            total.failed.update({n: reason for n in nodes})
+            total.failed.update({n: reason for n in group.nodes})
             continue
-        log.info("resume %s: %d node(s) of pool %s (%s)", compress_hostlist(nodes), len(nodes), name, pool.market)
-        result = launch(config, ec2, pool, nodes)
+        log.info("resume %s: %d node(s) of pool %s (%s)%s", compress_hostlist(group.nodes), len(group.nodes),
+                 pool.name, pool.market, f", job {group.job}, all or nothing" if group.whole else "")
+        result = launch_group(config, ec2, pool, group)
+        _record(config, result.launched)  # before anything else can go wrong: a launched instance is never unowned
         total.launched.update(result.launched)
         total.failed.update(result.failed)
+    # A job gets all its nodes or none, across pools too (a partition with a fallback pool).
+    for job, members in jobs.items():
+        failed = [n for n in members if n in total.failed]
+        doomed = [n for n in members if n in total.launched and n not in kept] if failed and config.all_or_nothing else []
+        if doomed:
+            log.warning("job %s: %s failed, terminating its other node(s) %s", job, compress_hostlist(failed),
+                        compress_hostlist(doomed))
+            terminate(ec2, [total.launched.pop(n) for n in doomed])
+            _forget(config, doomed)
+            total.failed.update({n: total.failed[failed[0]] for n in doomed})
     if total.launched:
-        _tag_and_address(ec2, slurm, total.launched)
-    for reason, nodes in _group(total.failed).items():
-        slurm.set_down(nodes, reason)
+        slurm.set_instances(total.launched)
+        for name, instance in sorted(total.launched.items()):
+            log.info("node %s is %s", name, instance)
+    for reason, down in _group(total.failed).items():
+        slurm.set_down(down, reason)
     return total
+
+
+def _record(config: ClusterSettings, launched: dict[str, str]) -> None:
+    if launched:
+        now = time.time()
+        with registry(config) as state:
+            state.instances.update({n: {"instance": i, "launched": now} for n, i in launched.items()})
+
+
+def _forget(config: ClusterSettings, nodes: Iterable[str]) -> list[str]:
+    """Drop the nodes from the registry; returns their instances."""
+    with registry(config) as state:
+        return [state.instances.pop(n)["instance"] for n in nodes if n in state.instances]
 
 
 def _group(reasons: dict[str, str]) -> dict[str, list[str]]:
@@ -284,37 +433,34 @@ def _group(reasons: dict[str, str]) -> dict[str, list[str]]:
     return grouped
 
 
-def cluster_instances(config: ClusterSettings, ec2, nodes: list[str] | None = None) -> dict[str, list[str]]:  # type: ignore[no-untyped-def]
-    """Live (pending or running) instances of this cluster: node name -> instance ids."""
-    filters = [{"Name": f"tag:{CLUSTER_TAG}", "Values": [config.cluster]},
+def cluster_instances(config: ClusterSettings, ec2) -> dict[str, dict[str, Any]]:  # type: ignore[no-untyped-def]
+    """Live (pending or running) instances of this cluster's pools: id -> DescribeInstances' record. The head node
+    carries the cluster tag too, but no pool tag."""
+    filters = [{"Name": f"tag:{CLUSTER_TAG}", "Values": [config.cluster]}, {"Name": "tag-key", "Values": [POOL_TAG]},
                {"Name": "instance-state-name", "Values": ["pending", "running"]}]
-    if nodes is not None:
-        filters.append({"Name": f"tag:{NODE_TAG}", "Values": nodes})
-    found: dict[str, list[str]] = defaultdict(list)
+    found: dict[str, dict[str, Any]] = {}
     for page in ec2.get_paginator("describe_instances").paginate(Filters=filters):
         for reservation in page["Reservations"]:
-            for inst in reservation["Instances"]:
-                tags = {t["Key"]: t["Value"] for t in inst.get("Tags", [])}
-                found[tags.get(NODE_TAG, "")].append(inst["InstanceId"])
+            found.update({i["InstanceId"]: i for i in reservation["Instances"]})
     return found
 
 
 def terminate(ec2, ids: list[str]) -> None:  # type: ignore[no-untyped-def]
-    for batch in chunks(ids, 1000):
+    for batch in chunks(sorted(set(ids)), TERMINATE_BATCH):
         ec2.terminate_instances(InstanceIds=batch)
 
 
 def suspend(config: ClusterSettings, ec2, slurm: Slurm, hostlist: str) -> list[str]:  # type: ignore[no-untyped-def]
-    nodes = slurm.expand(hostlist)
-    ids = [i for found in cluster_instances(config, ec2, nodes).values() for i in found]
+    nodes = expand_hostlist(hostlist)
+    ids = _forget(config, nodes)
     log.info("suspend %s: terminating %s", compress_hostlist(nodes), ",".join(ids) or "nothing")
     terminate(ec2, ids)
     return ids
 
 
 def resume_fail(config: ClusterSettings, ec2, slurm: Slurm, hostlist: str) -> list[str]:  # type: ignore[no-untyped-def]
-    nodes = slurm.expand(hostlist)
-    ids = [i for found in cluster_instances(config, ec2, nodes).values() for i in found]
+    nodes = expand_hostlist(hostlist)
+    ids = _forget(config, nodes)
     log.error("resume failed for %s (never registered): terminating %s", compress_hostlist(nodes),
               ",".join(ids) or "nothing")
     terminate(ec2, ids)
@@ -322,43 +468,158 @@ def resume_fail(config: ClusterSettings, ec2, slurm: Slurm, hostlist: str) -> li
     return ids
 
 
-def reconcile(config: ClusterSettings, ec2, slurm: Slurm, now: float | None = None) -> dict[str, list[str]]:  # type: ignore[no-untyped-def]
-    """One pass of the timer. Returns what it did, by kind."""
-    now = time.time() if now is None else now
-    nodes = {n["NodeName"]: n for n in slurm.nodes()}
-    instances = cluster_instances(config, ec2)
-    done: dict[str, list[str]] = {"terminated": [], "down": [], "retried": [], "launched": []}
+# --- the reconciler: classify, then act -------------------------------------------------------------------------------
 
-    for node, ids in instances.items():
-        state = nodes.get(node, {}).get("State", "")
-        # POWERED_DOWN (not POWERING_UP): Slurm believes the node is off, so the instance is a leftover.
-        if node not in nodes or ("POWERED_DOWN" in state and "POWERING_UP" not in state):
-            log.warning("instance(s) %s of %s have no live Slurm node: terminating", ",".join(ids), node or "no node")
-            terminate(ec2, ids)
-            done["terminated"] += ids
-    vanished = [name for name, n in nodes.items()
-                if name not in instances and _is_up(n["State"]) and pool_of(name) in config.pools]
-    if vanished:
-        log.error("node(s) %s lost their instance: setting them DOWN", compress_hostlist(vanished))
-        slurm.set_down(vanished, f"{REASON_PREFIX} instance vanished (spot reclaim or terminated outside Slurm)")
-        done["down"] = vanished
-    # Always-on nodes (never suspended, so Slurm never resumes them): launch those without an instance.
-    missing = [f"{pool.name}-{i}" for pool in config.pools.values() for i in range(1, pool.min_nodes + 1)
-               if f"{pool.name}-{i}" not in instances and f"{pool.name}-{i}" in nodes]
-    if missing and budget_closed(config):
-        log.warning("always-on node(s) %s have no instance: not launching, the budget guardrail has closed the cluster",
-                    compress_hostlist(missing))
-    elif missing:
-        log.info("always-on node(s) %s have no instance: launching", compress_hostlist(missing))
-        done["launched"] = sorted(resume(config, ec2, slurm, ",".join(missing)).launched)
-    retry = [name for name, n in nodes.items()
-             if n.get("Reason", "").startswith(CAPACITY_PREFIX) and "DOWN" in n["State"]
-             and now - _reason_time(n) >= config.capacity_retry_seconds]
-    if retry:
-        log.info("node(s) %s: capacity may be back, making them schedulable again", compress_hostlist(retry))
-        slurm.power_down(retry)
-        done["retried"] = retry
+class Status(enum.Enum):
+    HEALTHY = "healthy"  # up with its instance, or off without one
+    CHANGING = "changing"  # powering up or down: the resume and suspend programs (and ResumeTimeout) see to it
+    POWER_UP = "power up"  # an always-on node that is off: Slurm is asked to power it up (the resume program runs)
+    LOST = "lost"  # Slurm counts on it, its instance is gone (spot reclaim, terminated outside Slurm): set DOWN
+    RETRY = "retry"  # DOWN for a passing cause and its backoff is over: terminate what is left, back to service
+    BACKING_OFF = "backing off"  # DOWN for a passing cause, waiting for its next try
+    NEEDS_FIX = "needs a fix"  # DOWN for a configuration error: stays DOWN, its reason says what to fix
+    HELD = "held by an admin"  # DOWN or DRAIN set by a person (or drained by Slurm): left alone
+    LEFTOVER = "leftover"  # Slurm has it off but its instance runs: terminate
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """What the reconciler knows of one node."""
+
+    name: str
+    flags: frozenset[str]
+    reason: str = ""
+    reason_user: str = ""
+    reason_time: float = 0.0
+    always_on: bool = False
+    has_instance: bool = False  # a live instance the registry gives it
+    failures: int = 0  # consecutive returns to service that did not stick
+
+    @classmethod
+    def from_slurm(cls, record: dict[str, str], **known: Any) -> NodeView:
+        reason = record.get("Reason", "")
+        # scontrol shows `Reason=text [user@2026-11-29T15:10:00]`.
+        stamp = re.search(r"\[([^@\]]+)@(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)\]$", reason)
+        return cls(name=record["NodeName"], flags=frozenset(record.get("State", "").split("+")), reason=reason,
+                   reason_user=stamp.group(1) if stamp else "",
+                   reason_time=time.mktime(time.strptime(stamp.group(2), "%Y-%m-%dT%H:%M:%S")) if stamp else 0.0,
+                   **known)
+
+
+def retry_delay(failures: int, base: int) -> float:
+    """Seconds a node waits, DOWN, before its next return to service: the base, doubled per failure before, capped."""
+    return min(base * 2 ** min(failures, 16), max(base, MAX_RETRY_SECONDS))
+
+
+def classify(node: NodeView, now: float, retry_base: int) -> Status:
+    """The node's status from its Slurm state and its instance: a pure function, one row per case."""
+    flags = node.flags
+    if "FUTURE" in flags:
+        return Status.HEALTHY
+    if "DOWN" in flags or "DRAIN" in flags:
+        if node.reason_user != SLURM_USER or "DOWN" not in flags:
+            return Status.HELD  # an admin's hold; drained nodes finish their jobs first (health checks drain)
+        if node.reason.startswith(CONFIGURATION_PREFIX):
+            return Status.NEEDS_FIX
+        return Status.RETRY if now - node.reason_time >= retry_delay(node.failures, retry_base) else Status.BACKING_OFF
+    if flags & {"POWERING_UP", "POWERING_DOWN", "POWER_DOWN"}:
+        return Status.CHANGING
+    if "POWERED_DOWN" in flags:
+        if node.has_instance:
+            return Status.LEFTOVER
+        return Status.POWER_UP if node.always_on else Status.HEALTHY
+    return Status.HEALTHY if node.has_instance else Status.LOST
+
+
+def orphans(instances: dict[str, dict[str, Any]], owned: set[str], now: float, grace: int) -> list[str]:
+    """Live pool instances no node owns, launched more than `grace` seconds ago."""
+    return sorted(i for i, inst in instances.items() if i not in owned and now - _launch_time(inst) >= grace)
+
+
+def _launch_time(instance: dict[str, Any]) -> float:
+    launched = instance.get("LaunchTime")
+    return launched.timestamp() if hasattr(launched, "timestamp") else time.time()
+
+
+def always_on_nodes(config: ClusterSettings) -> set[str]:
+    return {f"{pool.name}-{i}" for pool in config.pools.values() for i in range(1, pool.min_nodes + 1)}
+
+
+def reconcile(config: ClusterSettings, ec2, slurm: Slurm, now: float | None = None) -> dict[str, list[str]]:  # type: ignore[no-untyped-def]
+    """One pass of the timer. Returns what it did, by status. Each action is guarded on its own: one that fails is
+    logged and the others still run."""
+    now = time.time() if now is None else now
+    instances = cluster_instances(config, ec2)
+    state = read_registry(config)
+    always_on = always_on_nodes(config)
+    views = [NodeView.from_slurm(record, always_on=record["NodeName"] in always_on,
+                                 has_instance=state.instances.get(record["NodeName"], {}).get("instance") in instances,
+                                 failures=state.failures.get(record["NodeName"], 0))
+             for record in slurm.nodes() if pool_of(record["NodeName"]) in config.pools]
+    by_status: dict[Status, list[str]] = defaultdict(list)
+    for view in views:
+        by_status[classify(view, now, config.capacity_retry_seconds)].append(view.name)
+    stray = orphans(instances, set(state.owner()), now, config.orphan_grace_seconds)
+    done: dict[str, list[str]] = {}
+
+    def act(what: str, nodes: list[str], action: Callable[[list[str]], object]) -> None:
+        if not nodes:
+            return
+        try:
+            action(nodes)
+            done[what] = sorted(nodes)
+        except Exception:  # the next pass tries again; the other actions of this pass still run
+            log.exception("reconcile: %s %s failed", what, compress_hostlist(nodes))
+
+    act("terminated", stray, lambda ids: _terminate_orphans(ec2, ids))
+    act("leftover", by_status[Status.LEFTOVER], lambda nodes: terminate(ec2, _forget(config, nodes)))
+    act("down", by_status[Status.LOST], lambda nodes: _set_lost(slurm, nodes))
+    act("retried", by_status[Status.RETRY], lambda nodes: _return_to_service(config, ec2, slurm, nodes))
+    act("powered up", by_status[Status.POWER_UP], lambda nodes: _power_up(config, slurm, nodes))
+    healthy_up = [v.name for v in views if classify(v, now, config.capacity_retry_seconds) is Status.HEALTHY
+                  and v.has_instance and v.failures]
+    act("recovered", healthy_up, lambda nodes: _clear_failures(config, nodes))
+    for status in (Status.NEEDS_FIX, Status.BACKING_OFF):
+        if by_status[status]:
+            log.info("reconcile: %s %s", status.value, compress_hostlist(by_status[status]))
     return done
+
+
+def _terminate_orphans(ec2, ids: list[str]) -> None:  # type: ignore[no-untyped-def]
+    log.warning("instance(s) %s belong to no node (past their launch grace): terminating", ",".join(ids))
+    terminate(ec2, ids)
+
+
+def _set_lost(slurm: Slurm, nodes: list[str]) -> None:
+    log.error("node(s) %s lost their instance: setting them DOWN", compress_hostlist(nodes))
+    slurm.set_down(nodes, f"{REASON_PREFIX} instance vanished (spot reclaim or terminated outside Slurm)")
+
+
+def _return_to_service(config: ClusterSettings, ec2, slurm: Slurm, nodes: list[str]) -> None:  # type: ignore[no-untyped-def]
+    """Terminate what is left of the nodes' instances and power them down: idle~, ready for the next job (or, for an
+    always-on node, for the next pass to power it up). Counts the attempt, so the next one waits twice as long."""
+    ids = _forget(config, nodes)
+    log.info("node(s) %s: returning to service (terminating %s)", compress_hostlist(nodes), ",".join(ids) or "nothing")
+    terminate(ec2, ids)
+    with registry(config) as state:
+        for n in nodes:
+            state.failures[n] = state.failures.get(n, 0) + 1
+    slurm.power_down(nodes)
+
+
+def _power_up(config: ClusterSettings, slurm: Slurm, nodes: list[str]) -> None:
+    if budget_closed(config):
+        log.warning("always-on node(s) %s are off: not powering up, the budget guardrail has closed the cluster",
+                    compress_hostlist(nodes))
+        raise RuntimeError("budget closed")
+    log.info("always-on node(s) %s are off: powering them up", compress_hostlist(nodes))
+    slurm.power_up(nodes)
+
+
+def _clear_failures(config: ClusterSettings, nodes: list[str]) -> None:
+    with registry(config) as state:
+        for n in nodes:
+            state.failures.pop(n, None)
 
 
 def budget_closed(config: ClusterSettings) -> bool:
@@ -366,20 +627,6 @@ def budget_closed(config: ClusterSettings) -> bool:
         return bool(json.loads(Path(config.budget_state_file).read_text()).get("closed"))
     except FileNotFoundError:
         return False
-
-
-def _is_up(state: str) -> bool:
-    """A node Slurm counts on: powered up, not on its way up or down, not already DOWN."""
-    flags = set(state.split("+"))
-    return not flags & {"POWERED_DOWN", "POWERING_UP", "POWERING_DOWN", "DOWN", "DRAIN", "FUTURE"}
-
-
-def _reason_time(node: dict[str, str]) -> float:
-    # scontrol shows `Reason=text [user@2026-11-29T15:10:00]`.
-    match = re.search(r"@(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)\]", node.get("Reason", ""))
-    if not match:
-        return 0.0
-    return time.mktime(time.strptime(match.group(1), "%Y-%m-%dT%H:%M:%S"))
 
 
 def setup_logging(config: ClusterSettings) -> None:
@@ -399,21 +646,23 @@ def setup_logging(config: ClusterSettings) -> None:
                         format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s", force=True)
 
 
-COMMANDS = {"resume": resume, "suspend": suspend, "resume-fail": resume_fail}
+COMMANDS = {"suspend": suspend, "resume-fail": resume_fail}
 
 
 def main(argv: list[str]) -> int:
     command = Path(argv[0]).name
     args = argv[1:]
-    if command not in (*COMMANDS, "reconcile") and args:
+    if command not in (*COMMANDS, "resume", "reconcile") and args:
         command, args = args[0], args[1:]
     config = ClusterSettings.load()
     setup_logging(config)
     slurm = Slurm(config.scontrol)
     try:
         ec2 = ec2_client(config)
-        if command == "reconcile":
+        if command == "reconcile" and not args:
             reconcile(config, ec2, slurm)
+        elif command == "resume" and len(args) == 1:
+            resume(config, ec2, slurm, args[0], os.environ.get("SLURM_RESUME_FILE"))
         elif command in COMMANDS and len(args) == 1:
             COMMANDS[command](config, ec2, slurm, args[0])
         else:
@@ -424,7 +673,8 @@ def main(argv: list[str]) -> int:
         log.exception("%s %s failed", command, " ".join(args))
         if command == "resume" and args:
             try:
-                slurm.set_down(slurm.expand(args[0]), f"{REASON_PREFIX} launch failed: resume program error, see log")
+                # Passing: the reconciler returns them to service with backoff (and terminates what was launched).
+                slurm.set_down(expand_hostlist(args[0]), f"{REASON_PREFIX} launch failed: resume program error, see log")
             except Exception:  # scontrol itself may be what failed; the exit status still tells Slurm
                 log.exception("could not set %s DOWN after the failure", args[0])
         return 1

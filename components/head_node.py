@@ -160,7 +160,7 @@ def head_statements(args: HeadNodeArgs, account: str, config_arn: str, munge_arn
                     security_group_id: str, pools: dict[str, dict[str, Any]]) -> list[dict[str, object]]:
     """Launch only from this cluster's templates, images, subnet, security group, placement groups and reservations,
     and only instances tagged with this cluster (ParallelCluster's explicit-resource form: every resource a
-    CreateFleet/RunInstances call touches is named); tag and terminate only this cluster's instances, pass only the
+    CreateFleet/RunInstances call touches is named); terminate only this cluster's instances, pass only the
     compute role, create and read only this cluster's parameters."""
     region = args.region
     ec2 = f"arn:aws:ec2:{region}:{account}"
@@ -181,8 +181,8 @@ def head_statements(args: HeadNodeArgs, account: str, config_arn: str, munge_arn
         {"Sid": "TagAtLaunch", "Effect": "Allow", "Action": "ec2:CreateTags",
          "Resource": [f"{ec2}:instance/*", *created],
          "Condition": {"StringEquals": {"ec2:CreateAction": ["RunInstances", "CreateFleet"]}}},
-        {"Sid": "TagAndTerminateClusterInstancesOnly", "Effect": "Allow",
-         "Action": ["ec2:CreateTags", "ec2:TerminateInstances"], "Resource": f"{ec2}:instance/*",
+        {"Sid": "TerminateClusterInstancesOnly", "Effect": "Allow",
+         "Action": "ec2:TerminateInstances", "Resource": f"{ec2}:instance/*",
          "Condition": {"StringEquals": {f"aws:ResourceTag/{CLUSTER_TAG}": args.cluster_name}}},
         {"Sid": "Describe", "Effect": "Allow", "Action": ["ec2:DescribeInstances", "ec2:DescribeInstanceStatus",
                                                         "ec2:DescribeLaunchTemplates", "ec2:DescribeLaunchTemplateVersions"],

@@ -30,6 +30,12 @@ LOG_DIR = "/var/log/gpucluster"
 NODE_LOG = f"{LOG_DIR}/nodes.log"
 BOOT_LOG = f"{LOG_DIR}/boot.log"
 BUDGET_STATE_FILE = f"{STATE_DIR}/budget.json"  # written by the budget guardrail, read by the reconciler
+# Which instance is which Slurm node: written by the resume program the moment CreateFleet answers, read by suspend and
+# the reconciler. On the state volume (a replaced head keeps it), in a directory the slurm user owns.
+NODE_REGISTRY_DIR = f"{STATE_DIR}/nodes"
+NODE_REGISTRY = f"{NODE_REGISTRY_DIR}/instances.json"
+NODE_NAME_FILE = f"{ETC_DIR}/node-name"  # a compute instance's Slurm node name, learned at its first boot
+SLURM_CLIENT_CONF = f"{ETC_DIR}/slurm-client.conf"  # enough for scontrol to reach the controller before slurmd runs
 IMAGE_MANIFEST = "/opt/gpucluster-image/manifest.json"  # written last by build_image.sh: the image is complete
 BOOT_UNIT = "gpucluster-boot.service"
 
@@ -38,10 +44,10 @@ CLUSTER_TAG = "gpucluster:cluster"
 TEAM_TAG = "gpucluster:team"
 STACK_TAG = "gpucluster:stack"
 POOL_TAG = "gpucluster:pool"  # on the instances, volumes and interfaces of a pool (its launch template)
-NODE_TAG = "gpucluster:node"  # the Slurm node name; the node reads it from its instance metadata tags
 
 # --- the cluster's network names and ports ---------------------------------------------------------------------------
 HEAD_HOSTNAME = "head"
+SLURM_USER = "slurm"  # SlurmUser: the daemons, the node programs and the reconciler run as it
 SLURMCTLD_PORT = 6817
 SLURMD_PORT = 6818
 SLURMDBD_PORT = 6819
@@ -117,8 +123,12 @@ class ClusterSettings:
     slurmctld_port: int = SLURMCTLD_PORT  # compute nodes fetch their configuration from it (configless)
     # The node programs' behaviour (stack settings) and where they write.
     all_or_nothing: bool = True  # a multi-node job gets all its nodes or none
-    capacity_retry_seconds: int = 600
-    batch_size: int = 500  # nodes per CreateFleet call
+    capacity_retry_seconds: int = 600  # first retry of a node DOWN for a passing cause; doubles per failure, to 1 h
+    batch_size: int = 500  # nodes per CreateFleet call (a multi-node job is never split: its nodes go in one call)
+    # An instance no node owns is left alone this long after its launch (ParallelCluster: 300 s): the resume program
+    # records it a moment after CreateFleet answers, and a reconciler pass may fall in between.
+    orphan_grace_seconds: int = 300
+    registry_file: str = NODE_REGISTRY
     log_file: str = NODE_LOG
     scontrol: str = "scontrol"
     budget_state_file: str = BUDGET_STATE_FILE

@@ -33,7 +33,7 @@ class SlurmLayout:
     run_dir: str = "/run/slurm"
     programs_dir: str = settings.BIN_DIR
     munge_socket: str = "/run/munge/munge.socket.2"
-    slurm_user: str = "slurm"
+    slurm_user: str = settings.SLURM_USER
     # Tests run several slurmd on one host: each node then gets its own port from here up, and the slurmd paths
     # carry %n (the node name). On the cluster every node is its own host and uses node_port.
     node_port_base: int | None = None
@@ -112,26 +112,20 @@ def job_defaults(members: list[Pool]) -> dict[str, int]:
     return defaults
 
 
-def _node_lines(pool: Pool, first_port: int | None) -> list[str]:
+def _node_line(pool: Pool, first_port: int | None) -> str:
+    """One line per pool. Every node is a CLOUD node, the always-on ones too (they are in SuspendExcNodes and the
+    reconciler has them powered up): a node without State=CLOUD needs an address Slurm can resolve at its start, which
+    an instance that does not exist yet has not (Slurm 23.11 hides such a node as FUTURE, 22.05 drops it)."""
     itype = pool.itype
     features = [pool.name, itype.name, pool.capacity] + (["efa"] if pool.uses_efa else [])
-    common = f"CPUs={itype.vcpus} RealMemory={real_memory(pool)} Weight={WEIGHTS[pool.capacity]}"
+    line = f"NodeName={hostlist(pool.name, 1, pool.max_nodes)} CPUs={itype.vcpus} RealMemory={real_memory(pool)}" \
+           f" Weight={WEIGHTS[pool.capacity]}"
     if g := gres(pool):
-        common += f" Gres={g}"
-    common += f" Features={','.join(features)}"
-    def ports(first: int, last: int) -> str:
-        if first_port is None:
-            return ""
-        return f" Port={first_port + first - 1}" if first == last else f" Port=[{first_port + first - 1}-{first_port + last - 1}]"
-
-    lines = []
-    # The first min_nodes are always on (never suspended); the rest are CLOUD nodes, powered up when jobs need them.
-    if pool.min_nodes:
-        lines.append(f"NodeName={hostlist(pool.name, 1, pool.min_nodes)} {common}{ports(1, pool.min_nodes)}")
-    if pool.max_nodes > pool.min_nodes:
-        first, last = pool.min_nodes + 1, pool.max_nodes
-        lines.append(f"NodeName={hostlist(pool.name, first, last)} {common}{ports(first, last)} State=CLOUD")
-    return lines
+        line += f" Gres={g}"
+    line += f" Features={','.join(features)}"
+    if first_port is not None:
+        line += f" Port={first_port}" if pool.max_nodes == 1 else f" Port=[{first_port}-{first_port + pool.max_nodes - 1}]"
+    return line + " State=CLOUD"
 
 
 def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
@@ -183,11 +177,13 @@ def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         "CommunicationParameters=NoAddrCache",
         "PrivateData=cloud",
         # Compute nodes fetch slurm.conf, gres.conf, cgroup.conf and plugstack.conf from the controller
-        # (slurmd --conf-server), so they never drift. A node whose memory reads up to a quarter under RealMemory still
+        # (slurmd --conf-server), so they never drift. A node's address is the one it registers from (cloud_reg_addrs,
+        # as slurm-gcp does): the resume program need not ask EC2 for it. A node whose memory reads up to a quarter
+        # under RealMemory still
         # registers instead of being drained (the CLOUD default is 90%, a node outside power saving 100%). The power
         # saving thread acts at most every 30 s: nodes asked for in a burst of jobs resume in one call, one CreateFleet
         # (ParallelCluster's settings).
-        "SlurmctldParameters=enable_configless,idle_on_node_suspend,node_reg_mem_percent=75,"
+        "SlurmctldParameters=enable_configless,idle_on_node_suspend,cloud_reg_addrs,node_reg_mem_percent=75,"
         f"power_save_min_interval={layout.power_save_min_interval}",
         # ParallelCluster's timeouts. Messages may wait a minute for a controller busy with a burst of registrations
         # (default 10 s); a node that stopped answering, such as a reclaimed spot instance, is set DOWN after 3 minutes
@@ -214,7 +210,7 @@ def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
     ]
     port = layout.node_port_base
     for pool in pools:
-        lines += _node_lines(pool, port)
+        lines.append(_node_line(pool, port))
         port = port + pool.max_nodes if port is not None else None
     lines.append("")
     by_name = {p.name: p for p in pools}

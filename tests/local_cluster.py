@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Callable
 
 from gpucluster import slurm
-from gpucluster.settings import CLUSTER_TAG, NODE_TAG, POOL_TAG
+from gpucluster.settings import CLUSTER_TAG, NODE_REGISTRY, POOL_TAG
 from gpucluster.spec import Stack
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -629,10 +629,16 @@ class LocalCluster:
                              self.front(instance), imds, self.fsx, self.sdk, own_clock=True)
         self.nodes[instance] = node
         node.boot()
-        self.boots.append((tags().get(NODE_TAG, instance), time.time()))
+        self.boots.append((self.registry().get(instance, instance), time.time()))
+
+    def registry(self) -> dict[str, str]:
+        """The head's record of which instance is which node (the resume program's registry): instance id -> node."""
+        path = self.head.path(NODE_REGISTRY)
+        entries = json.loads(path.read_text())["instances"] if path.exists() else {}
+        return {entry["instance"]: node for node, entry in entries.items()}
 
     def _live(self, ec2=None) -> dict[str, dict[str, str]]:  # type: ignore[no-untyped-def]
-        """Pending or running instances of this cluster in moto: instance id -> its tags."""
+        """Pending or running instances of this cluster's pools in moto: instance id -> its tags."""
         ec2 = ec2 or self.ec2()
         reservations = ec2.describe_instances(Filters=[
             {"Name": "instance-state-name", "Values": ["pending", "running"]},
@@ -645,9 +651,17 @@ class LocalCluster:
         return {instance: tags.get(POOL_TAG, "") for instance, tags in self._live(ec2).items()}
 
     def instances(self, ec2=None) -> dict[str, str]:  # type: ignore[no-untyped-def]
-        """Instances that carry a node name: node name -> instance id."""
-        return {tags[NODE_TAG]: instance for instance, tags in self._live(ec2).items()
-                if NODE_TAG in tags}
+        """Live instances the cluster knows as nodes: node name -> instance id."""
+        live = self._live(ec2)
+        return {node: instance for instance, node in self.registry().items() if instance in live}
+
+    def reconcile(self) -> str:
+        """One pass of the reconciler, as its timer starts it on the head (the rehearsal's timers do not fire);
+        returns what it logged."""
+        log = self.head.path("/var/log/rehearsal/gpucluster-reconcile.service.log")
+        before = log.stat().st_size if log.exists() else 0
+        self.head.enter("systemctl", "start", "gpucluster-reconcile.service")
+        return log.read_text()[before:]
 
     # --- the budget guardrail: AWS Budgets and the service the head node runs ---------------------------------------
     def set_spend(self, actual: float) -> None:

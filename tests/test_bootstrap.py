@@ -173,3 +173,34 @@ def test_database_dir_on_a_new_volume_is_created(tmp_path: Path, monkeypatch: py
     bootstrap.database_dir(data, tmp_path / "60-gpucluster.cnf")
     assert ran[0][:3] == ("mariadb-install-db", "--user=mysql", f"--datadir={data}")
     assert ran[-1] == ("chown", "-R", "mysql:mysql", str(data))
+
+
+SCONTROL_NODES = "\n".join([
+    "NodeName=p5-od-1 Arch=x86_64 CoresPerSocket=1 NodeAddr=p5-od-1 NodeHostName=i-0aaaaaaaaaaaaaaa1 Version=23.11.4 "
+    "State=IDLE+CLOUD+POWERING_UP Reason=(null)",
+    "NodeName=p5-od-2 Arch=x86_64 NodeAddr=10.0.0.7 NodeHostName=p5-od-2 State=IDLE+CLOUD",
+    "NodeName=p5-od-3 Arch=x86_64 NodeAddr=p5-od-3 NodeHostName=i-0aaaaaaaaaaaaaaa3 State=ALLOCATED+CLOUD+POWERING_UP",
+])
+
+
+def test_an_instance_finds_its_node_by_its_instance_id() -> None:
+    assert bootstrap.own_node("i-0aaaaaaaaaaaaaaa3", SCONTROL_NODES) == "p5-od-3"
+    with pytest.raises(RuntimeError, match="0 Slurm node"):  # the resume program has not told Slurm yet: retried
+        bootstrap.own_node("i-0bbbbbbbbbbbbbbb9", SCONTROL_NODES)
+
+
+def test_a_rebooted_instance_keeps_its_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    saved = tmp_path / "node-name"
+    saved.write_text("p5-od-3\n")
+    monkeypatch.setattr(bootstrap, "imds", lambda path: pytest.fail("asked the metadata service again"))
+    assert bootstrap.node_name(None, saved) == "p5-od-3"  # type: ignore[arg-type]
+
+
+def test_real_scontrol_accepts_the_client_conf(tmp_path: Path) -> None:
+    """scontrol refuses a configuration without ClusterName even to expand a host list (the boot rehearsal shows the
+    file reaching the controller)."""
+    settings = contract.ClusterSettings(cluster="team-a", region="us-east-1", pools={}, slurmctld_port=16817)
+    conf = bootstrap.slurm_client_conf(settings, tmp_path / "client.conf")
+    offline = subprocess.run(["scontrol", "show", "hostnames", "p5-od-[1-2]"], env={**os.environ, "SLURM_CONF": str(conf)},
+                             capture_output=True, text=True, timeout=30)
+    assert offline.stdout.split() == ["p5-od-1", "p5-od-2"], offline.stderr

@@ -37,9 +37,8 @@ SCENARIOS: dict[str, tuple[node.PoolSettings, bool]] = {
 
 def request(scenario: str) -> dict[str, Any]:
     pool, all_or_nothing = SCENARIOS[scenario]
-    config = node.ClusterSettings(cluster="team-a", region="us-east-1", pools={pool.name: pool},
-                                  all_or_nothing=all_or_nothing)
-    return node._fleet_request(config, pool, 4)
+    config = node.ClusterSettings(cluster="team-a", region="us-east-1", pools={pool.name: pool})
+    return node._fleet_request(config, pool, 4, all_or_nothing)
 
 
 def ec2_input() -> Shape:
@@ -80,5 +79,5 @@ def test_capacity_block_fleet_names_the_block_market_and_nothing_a_block_refuses
     assert sent["TargetCapacitySpecification"]["DefaultTargetCapacityType"] == "capacity-block"
     assert "OnDemandOptions" not in sent and "SpotOptions" not in sent
     pool, _ = SCENARIOS["capacity-block"]
-    aon = node._fleet_request(node.ClusterSettings("team-a", "us-east-1", {pool.name: pool}), pool, 4)
+    aon = node._fleet_request(node.ClusterSettings("team-a", "us-east-1", {pool.name: pool}), pool, 4, True)
     assert aon["OnDemandOptions"] == {"MinTargetCapacity": 4, "SingleInstanceType": True, "SingleAvailabilityZone": True}

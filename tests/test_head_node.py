@@ -105,8 +105,8 @@ def test_head_role_is_scoped_to_this_cluster(shipped: Shipped) -> None:
     assert len(templates) == len(stack.spec.pools) and all(t.split("/")[1].startswith("lt-") for t in templates)
     assert head["TagAtLaunch"]["Resource"] == [f"{ec2}:instance/*", *sorted(created)]
     assert head["TagAtLaunch"]["Condition"] == {"StringEquals": {"ec2:CreateAction": ["RunInstances", "CreateFleet"]}}
-    terminate = head["TagAndTerminateClusterInstancesOnly"]
-    assert "ec2:TerminateInstances" in terminate["Action"] and terminate["Resource"] == f"{ec2}:instance/*"
+    terminate = head["TerminateClusterInstancesOnly"]
+    assert terminate["Action"] == "ec2:TerminateInstances" and terminate["Resource"] == f"{ec2}:instance/*"
     assert terminate["Condition"] == {"StringEquals": {"aws:ResourceTag/gpucluster:cluster": stack.cluster_name}}
     assert head["DecodeLaunchErrors"]["Action"] == "sts:DecodeAuthorizationMessage"
     compute_role = _one(declared, "iam/role:Role", "-compute")

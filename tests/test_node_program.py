@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import tempfile
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import boto3
@@ -44,37 +47,110 @@ def ec2():  # type: ignore[no-untyped-def]
 
 
 def make_config(ec2, **overrides: object) -> node.ClusterSettings:  # type: ignore[no-untyped-def]
+    """Two pools of p5 (spot and on-demand) in moto; the registry in a fresh directory."""
+    overrides.setdefault("registry_file", str(Path(tempfile.mkdtemp(prefix="registry-")) / "instances.json"))
     vpc = ec2.create_vpc(CidrBlock="10.0.0.0/16")["Vpc"]["VpcId"]
     subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.0.0.0/24", AvailabilityZone="us-east-1a")["Subnet"]["SubnetId"]
     template = ec2.create_launch_template(LaunchTemplateName="lt", LaunchTemplateData={
-        "ImageId": "ami-12c6146b", "InstanceType": "p5.48xlarge"})["LaunchTemplate"]["LaunchTemplateId"]
+        "ImageId": "ami-12c6146b", "InstanceType": "p5.48xlarge", "TagSpecifications": [
+            {"ResourceType": "instance", "Tags": [{"Key": node.POOL_TAG, "Value": "p5"}]}]})["LaunchTemplate"]["LaunchTemplateId"]
     pools = {name: node.PoolSettings(name, template, subnet, "p5.48xlarge", market)
              for name, market in (("p5-spot", "spot"), ("p5-od", "on-demand"))}
     return node.ClusterSettings(cluster="c1", region="us-east-1", pools=pools, log_file="/dev/null", **overrides)  # type: ignore[arg-type]
 
 
-def test_resume_launches_tags_and_addresses_each_node(ec2) -> None:  # type: ignore[no-untyped-def]
+def live(config: node.ClusterSettings, ec2) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    """node -> instance, for the registry's nodes whose instance runs."""
+    running = node.cluster_instances(config, ec2)
+    return {n: e["instance"] for n, e in node.read_registry(config).instances.items() if e["instance"] in running}
+
+
+def test_resume_launches_and_records_each_node_without_a_call_per_instance(ec2) -> None:  # type: ignore[no-untyped-def]
     config, slurm = make_config(ec2), FakeSlurm()
-    result = node.resume(config, ec2, slurm, "p5-od-1,p5-od-2,p5-spot-3")
+    calls: list[str] = []
+    ec2.meta.events.register("before-call.ec2", lambda model, **kw: calls.append(model.name))
+    result = node.resume(config, ec2, slurm, "p5-od-[1-2],p5-spot-3")
+    assert calls == ["CreateFleet", "CreateFleet"]  # one per pool; no tags, no DescribeInstances
     assert set(result.launched) == {"p5-od-1", "p5-od-2", "p5-spot-3"} and not result.failed
-    live = node.cluster_instances(config, ec2)
-    assert {n: len(ids) for n, ids in live.items()} == {"p5-od-1": 1, "p5-od-2": 1, "p5-spot-3": 1}
-    spot = ec2.describe_instances(InstanceIds=live["p5-spot-3"])["Reservations"][0]["Instances"][0]
+    assert live(config, ec2) == result.launched  # the registry knows each instance as its node
+    spot = ec2.describe_instances(InstanceIds=[result.launched["p5-spot-3"]])["Reservations"][0]["Instances"][0]
     assert spot.get("InstanceLifecycle") == "spot"
-    (update,) = [c for c in slurm.updates() if c[2].startswith("nodeaddr=")]  # one call for all three
-    addresses = dict(zip(update[1].split("=")[1].split(","), update[2].split("=")[1].split(",")))
-    assert set(addresses) == {"p5-od-1", "p5-od-2", "p5-spot-3"}
-    assert update[3] == f"nodehostname={update[1].split('=')[1]}"
-    assert all(a.startswith("10.0.0.") for a in addresses.values())
+    # Slurm learns each node's instance in one call; the instance finds its node by it.
+    assert slurm.updates() == [("update", "nodename=p5-od-1,p5-od-2,p5-spot-3",
+                                "nodehostname=" + ",".join(result.launched[n] for n in ("p5-od-1", "p5-od-2", "p5-spot-3")))]
 
 
-def test_batches_respect_the_batch_size(ec2) -> None:  # type: ignore[no-untyped-def]
-    config = make_config(ec2, batch_size=2)
+def test_resume_keeps_a_nodes_live_instance(ec2) -> None:  # type: ignore[no-untyped-def]
+    """Slurm may resume a node again (a repeated power up, a restarted controller): no second instance for it."""
+    config = make_config(ec2)
+    first = node.resume(config, ec2, FakeSlurm(), "p5-od-1").launched
+    again = node.resume(config, ec2, FakeSlurm(), "p5-od-[1-2]").launched
+    assert again["p5-od-1"] == first["p5-od-1"] and len(node.cluster_instances(config, ec2)) == 2
+
+
+def test_best_effort_batches_respect_the_batch_size(ec2) -> None:  # type: ignore[no-untyped-def]
+    config = make_config(ec2, batch_size=2, all_or_nothing=False)
     calls = []
     original = ec2.create_fleet
     ec2.create_fleet = lambda **kw: calls.append(kw["TargetCapacitySpecification"]["TotalTargetCapacity"]) or original(**kw)
-    node.resume(config, ec2, FakeSlurm(), ",".join(f"p5-od-{i}" for i in range(1, 6)))
+    node.resume(config, ec2, FakeSlurm(), "p5-od-[1-5]")
     assert calls == [2, 2, 1]
+
+
+def resume_file(tmp_path: Path, jobs: dict[int, str]) -> str:
+    """SLURM_RESUME_FILE as Slurm 23.02 and later write it."""
+    path = tmp_path / "resume.json"
+    path.write_text(json.dumps({"all_nodes_resume": ",".join(jobs.values()), "jobs": [
+        {"job_id": job, "nodes_alloc": nodes, "nodes_resume": nodes, "partition": "p", "oversubscribe": "OK"}
+        for job, nodes in jobs.items()]}))
+    return str(path)
+
+
+def test_a_job_is_never_split_and_single_node_jobs_share_calls(ec2, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    config = make_config(ec2, batch_size=2)
+    sent = []
+    original = ec2.create_fleet
+    ec2.create_fleet = lambda **kw: sent.append(kw) or original(**kw)
+    jobs = {7: "p5-od-[1-3]", 8: "p5-od-4", 9: "p5-od-5", 10: "p5-od-6"}
+    node.resume(config, ec2, FakeSlurm(), "p5-od-[1-6]", resume_file(tmp_path, jobs))
+    shapes = [(kw["TargetCapacitySpecification"]["TotalTargetCapacity"], kw["OnDemandOptions"].get("MinTargetCapacity"))
+              for kw in sent]
+    # Job 7's three nodes in one all-or-nothing call, over the batch size; the single-node jobs packed best effort.
+    assert shapes == [(3, 3), (2, None), (1, None)]
+
+
+def refuse_market(ec2, market: str, code: str = "InsufficientInstanceCapacity") -> None:  # type: ignore[no-untyped-def]
+    """EC2 answers an instant fleet of `market` with no instance and the error, as it does when it has no room."""
+    original = ec2.create_fleet
+
+    def create_fleet(**kw):  # type: ignore[no-untyped-def]
+        if kw["TargetCapacitySpecification"]["DefaultTargetCapacityType"] == market:
+            return {"FleetId": "fleet-1", "Instances": [], "Errors": [{"ErrorCode": code, "ErrorMessage": "no room"}]}
+        return original(**kw)
+
+    ec2.create_fleet = create_fleet
+
+
+def test_two_coalesced_jobs_succeed_or_fail_on_their_own(ec2, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Slurm resumes the nodes of two jobs in one call; spot has no room. The spot job's nodes go DOWN (it is
+    requeued); the on-demand job's nodes are launched."""
+    config, slurm = make_config(ec2), FakeSlurm()
+    refuse_market(ec2, "spot")
+    result = node.resume(config, ec2, slurm, "p5-od-[1-2],p5-spot-[1-2]",
+                         resume_file(tmp_path, {11: "p5-spot-[1-2]", 12: "p5-od-[1-2]"}))
+    assert set(result.launched) == {"p5-od-1", "p5-od-2"} and set(live(config, ec2)) == {"p5-od-1", "p5-od-2"}
+    assert set(result.failed) == {"p5-spot-1", "p5-spot-2"}
+    (down,) = [c for c in slurm.updates() if "state=down" in c]
+    assert down[1] == "nodename=p5-spot-1,p5-spot-2"
+
+
+def test_a_job_across_two_pools_gets_all_its_nodes_or_none(ec2, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A partition with a fallback pool can give one job nodes of two pools: all of them, or none."""
+    config, slurm = make_config(ec2), FakeSlurm()
+    refuse_market(ec2, "spot")
+    result = node.resume(config, ec2, slurm, "p5-od-1,p5-spot-1", resume_file(tmp_path, {13: "p5-od-1,p5-spot-1"}))
+    assert not result.launched and not node.cluster_instances(config, ec2) and not live(config, ec2)
+    assert set(result.failed) == {"p5-od-1", "p5-spot-1"}
 
 
 def test_all_or_nothing_terminates_a_partial_fleet(ec2) -> None:  # type: ignore[no-untyped-def]
@@ -96,7 +172,11 @@ def test_all_or_nothing_terminates_a_partial_fleet(ec2) -> None:  # type: ignore
     assert down[3] == "reason=gpucluster: capacity: InsufficientInstanceCapacity: no room"
 
 
-@pytest.mark.parametrize("code,kind", [("VcpuLimitExceeded", "capacity"), ("InvalidLaunchTemplateId.NotFound", "launch failed")])
+@pytest.mark.parametrize("code,kind", [
+    ("VcpuLimitExceeded", "capacity"),
+    ("UnauthorizedOperation", "launch failed"),  # the budget's deny action: lifted when the budget reopens
+    ("InvalidLaunchTemplateId.NotFound", "configuration: fix the stack and pulumi up"),
+])
 def test_api_errors_mark_nodes_down_with_the_aws_reason(ec2, code: str, kind: str) -> None:  # type: ignore[no-untyped-def]
     config, slurm = make_config(ec2), FakeSlurm()
     with Stubber(ec2) as stub:
@@ -125,7 +205,8 @@ def test_missing_spot_role_sets_nodes_down_with_the_command_that_fixes_it(ec2, c
     assert result.failed == {"p5-spot-1": reason, "p5-spot-2": reason} and len(reason) <= 200
     (down,) = slurm.updates()
     assert down == ("update", "nodename=p5-spot-1,p5-spot-2", "state=down", f"reason={reason}")
-    assert not reason.startswith(node.CAPACITY_PREFIX)  # not retried by the reconciler: it would fail again
+    # Retried with backoff, not held for a fix to the stack: the nodes come back once someone creates the role.
+    assert not reason.startswith(node.CONFIGURATION_PREFIX)
 
 
 def test_missing_spot_role_in_an_instant_fleets_errors(ec2) -> None:  # type: ignore[no-untyped-def]
@@ -149,28 +230,132 @@ def test_suspend_terminates_only_the_listed_nodes(ec2) -> None:  # type: ignore[
     config = make_config(ec2)
     node.resume(config, ec2, FakeSlurm(), "p5-od-1,p5-od-2")
     node.suspend(config, ec2, FakeSlurm(), "p5-od-1")
-    assert set(node.cluster_instances(config, ec2)) == {"p5-od-2"}
+    assert set(live(config, ec2)) == {"p5-od-2"} and len(node.cluster_instances(config, ec2)) == 1
 
 
-def test_reconcile_cleans_both_ways_and_retries_capacity(ec2) -> None:  # type: ignore[no-untyped-def]
+NOW = 1_800_000_000.0
+
+
+def view(state: str, reason: str = "", user: str = "slurm", ago: float = 0, **known: object) -> node.NodeView:
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(NOW - ago))
+    record = {"NodeName": "p5-od-1", "State": state, **({"Reason": f"{reason} [{user}@{stamp}]"} if reason else {})}
+    return node.NodeView.from_slurm(record, **known)  # type: ignore[arg-type]
+
+
+S = node.Status
+
+
+@pytest.mark.parametrize("case,expected", [
+    (view("IDLE+CLOUD+POWERED_DOWN"), S.HEALTHY),  # off, no instance
+    (view("IDLE+CLOUD+POWERED_DOWN", has_instance=True), S.LEFTOVER),  # off, but its instance runs
+    (view("IDLE+CLOUD+POWERED_DOWN", always_on=True), S.POWER_UP),
+    (view("ALLOCATED+CLOUD+POWERING_UP"), S.CHANGING),  # being launched: the resume program has it
+    (view("IDLE+CLOUD+POWERING_DOWN", has_instance=True), S.CHANGING),
+    (view("MIXED+CLOUD", has_instance=True), S.HEALTHY),
+    (view("MIXED+CLOUD"), S.LOST),  # Slurm counts on it, its instance is gone
+    (view("IDLE+CLOUD", always_on=True), S.LOST),
+    (view("DOWN+CLOUD+POWERED_DOWN", "gpucluster: capacity: ICE: x", ago=601), S.RETRY),
+    (view("DOWN+CLOUD+POWERED_DOWN", "gpucluster: capacity: ICE: x", ago=599), S.BACKING_OFF),
+    (view("DOWN+CLOUD", "gpucluster: instance vanished", ago=1199, failures=1), S.BACKING_OFF),  # doubled
+    (view("DOWN+CLOUD", "gpucluster: instance vanished", ago=1201, failures=1), S.RETRY),
+    (view("DOWN+CLOUD", "gpucluster: instance vanished", ago=3601, failures=9), S.RETRY),  # capped at an hour
+    (view("DOWN+CLOUD+NOT_RESPONDING", "Not responding", ago=700, has_instance=True), S.RETRY),  # Slurm's own
+    (view("DOWN+CLOUD", "ResumeTimeout reached", ago=700), S.RETRY),
+    (view("DOWN+CLOUD", "gpucluster: configuration: fix the stack and pulumi up: InvalidSubnetID.NotFound: x",
+          ago=9999), S.NEEDS_FIX),
+    (view("DOWN+CLOUD", "bad GPU, RMA", user="root", ago=9999), S.HELD),  # an admin's
+    (view("IDLE+DRAIN+CLOUD", "Kill task failed", ago=9999, has_instance=True), S.HELD),
+    (view("IDLE+CLOUD+FUTURE"), S.HEALTHY),
+])
+def test_classify(case: node.NodeView, expected: node.Status) -> None:
+    assert node.classify(case, NOW, retry_base=600) is expected
+
+
+def test_reconcile_acts_per_status(ec2) -> None:  # type: ignore[no-untyped-def]
     config = make_config(ec2, capacity_retry_seconds=600)
-    node.resume(config, ec2, FakeSlurm(), "p5-od-1,p5-od-2")
+    launched = node.resume(config, ec2, FakeSlurm(), "p5-od-1,p5-od-2,p5-od-4").launched
+    ec2.terminate_instances(InstanceIds=[launched["p5-od-4"]])  # a spot reclaim, say
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 700))
     table = [
         {"NodeName": "p5-od-1", "State": "IDLE+CLOUD+POWERED_DOWN"},  # Slurm thinks it is off: instance is leftover
         {"NodeName": "p5-od-2", "State": "ALLOCATED+CLOUD"},  # healthy
-        {"NodeName": "p5-od-3", "State": "MIXED+CLOUD"},  # up in Slurm, but no instance: vanished
+        {"NodeName": "p5-od-4", "State": "MIXED+CLOUD"},  # up in Slurm, but its instance is gone
         {"NodeName": "p5-spot-1", "State": "DOWN+CLOUD+POWERED_DOWN",
          "Reason": f"gpucluster: capacity: InsufficientInstanceCapacity: x [slurm@{stamp}]"},
         {"NodeName": "p5-spot-2", "State": "DOWN+CLOUD+POWERED_DOWN",
          "Reason": f"gpucluster: capacity: InsufficientInstanceCapacity: x [slurm@{time.strftime('%Y-%m-%dT%H:%M:%S')}]"},
+        {"NodeName": "other-1", "State": "IDLE+CLOUD"},  # not one of this cluster's pools: not ours to judge
     ]
     slurm = FakeSlurm(table)
     done = node.reconcile(config, ec2, slurm)
-    assert len(done["terminated"]) == 1 and set(node.cluster_instances(config, ec2)) == {"p5-od-2"}
-    assert done["down"] == ["p5-od-3"]
-    assert done["retried"] == ["p5-spot-1"]  # p5-spot-2 went down a moment ago: not yet
+    assert done == {"leftover": ["p5-od-1"], "down": ["p5-od-4"], "retried": ["p5-spot-1"]}
+    assert set(live(config, ec2)) == {"p5-od-2"} and len(node.cluster_instances(config, ec2)) == 1
     assert ("update", "nodename=p5-spot-1", "state=power_down_force") in slurm.updates()
+    assert node.read_registry(config).failures == {"p5-spot-1": 1}  # its next try waits twice as long
+
+
+def test_a_reconcile_during_a_resume_terminates_nothing(ec2) -> None:  # type: ignore[no-untyped-def]
+    """An instance EC2 launched a moment ago that no node owns yet (the resume program has not recorded it) is left
+    alone until its launch grace is over; past it, it is an orphan."""
+    config = make_config(ec2, orphan_grace_seconds=300)
+    fresh = ec2.create_fleet(**node._fleet_request(config, config.pools["p5-od"], 1, False))["Instances"][0]["InstanceIds"]
+    assert node.reconcile(config, ec2, FakeSlurm([{"NodeName": "p5-od-1", "State": "IDLE+CLOUD+POWERING_UP"}])) == {}
+    assert set(node.cluster_instances(config, ec2)) == set(fresh)
+    done = node.reconcile(config, ec2, FakeSlurm(), now=time.time() + 301)
+    assert done == {"terminated": fresh} and not node.cluster_instances(config, ec2)
+
+
+def test_the_head_node_is_never_an_orphan(ec2) -> None:  # type: ignore[no-untyped-def]
+    config = make_config(ec2, orphan_grace_seconds=0)
+    ec2.run_instances(ImageId="ami-12c6146b", MinCount=1, MaxCount=1, TagSpecifications=[
+        {"ResourceType": "instance", "Tags": [{"Key": node.CLUSTER_TAG, "Value": config.cluster}]}])
+    assert node.reconcile(config, ec2, FakeSlurm()) == {}
+
+
+def test_one_failing_action_does_not_stop_the_others(ec2, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+    config = make_config(ec2, orphan_grace_seconds=0)
+    stray = ec2.create_fleet(**node._fleet_request(config, config.pools["p5-od"], 1, False))["Instances"][0]["InstanceIds"]
+
+    class RefusingSlurm(FakeSlurm):
+        def set_down(self, nodes: list[str], reason: str) -> None:
+            raise subprocess.CalledProcessError(1, "scontrol")
+
+    done = node.reconcile(config, ec2, RefusingSlurm([{"NodeName": "p5-od-3", "State": "IDLE+CLOUD"},
+                                                      {"NodeName": "p5-od-4", "State": "IDLE+CLOUD+POWERED_DOWN"}]))
+    assert done == {"terminated": stray}  # setting p5-od-3 DOWN failed; the orphan went all the same
+    assert "reconcile: down p5-od-3 failed" in caplog.text
+
+
+def always_on_config(ec2, budget_state: Path | None = None) -> node.ClusterSettings:  # type: ignore[no-untyped-def]
+    config = make_config(ec2)
+    pools = {name: node.PoolSettings(**{**pool.__dict__, "min_nodes": 2 if name == "p5-od" else 0})
+             for name, pool in config.pools.items()}
+    extra = {"budget_state_file": str(budget_state)} if budget_state else {}
+    return node.ClusterSettings(cluster="c1", region="us-east-1", pools=pools, log_file="/dev/null",
+                                registry_file=config.registry_file, **extra)  # type: ignore[arg-type]
+
+
+def test_reconcile_powers_up_always_on_nodes_through_slurm(ec2) -> None:  # type: ignore[no-untyped-def]
+    """Slurm powers them up (and runs the resume program): it then counts on them and never suspends them."""
+    config = always_on_config(ec2)
+    table = [{"NodeName": "p5-od-1", "State": "IDLE+CLOUD+POWERED_DOWN"},
+             {"NodeName": "p5-od-2", "State": "IDLE+CLOUD+POWERED_DOWN"},
+             {"NodeName": "p5-od-3", "State": "IDLE+CLOUD+POWERED_DOWN"}]
+    slurm = FakeSlurm(table)
+    assert node.reconcile(config, ec2, slurm) == {"powered up": ["p5-od-1", "p5-od-2"]}
+    assert slurm.updates() == [("update", "nodename=p5-od-1,p5-od-2", "state=power_up")]
+    assert not node.cluster_instances(config, ec2)  # launching is the resume program's part
+
+
+def test_reconcile_powers_up_no_always_on_node_while_the_budget_is_closed(ec2, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    state = tmp_path / "budget.json"
+    config = always_on_config(ec2, state)
+    state.write_text('{"closed": true}')  # as the budget guardrail writes it
+    table = [{"NodeName": "p5-od-1", "State": "IDLE+CLOUD+POWERED_DOWN"}]
+    slurm = FakeSlurm(table)
+    assert node.reconcile(config, ec2, slurm) == {} and not slurm.updates()
+    state.write_text('{"closed": false}')
+    assert node.reconcile(config, ec2, FakeSlurm(table)) == {"powered up": ["p5-od-1"]}
 
 
 def test_parse_oneliner_keeps_reasons_with_spaces() -> None:
@@ -180,27 +365,16 @@ def test_parse_oneliner_keeps_reasons_with_spaces() -> None:
     assert parsed["State"] == "DOWN+CLOUD"
 
 
-def test_reconcile_launches_always_on_nodes_without_an_instance(ec2) -> None:  # type: ignore[no-untyped-def]
-    config = make_config(ec2)
-    pools = {name: node.PoolSettings(**{**pool.__dict__, "min_nodes": 2 if name == "p5-od" else 0})
-             for name, pool in config.pools.items()}
-    config = node.ClusterSettings(cluster="c1", region="us-east-1", pools=pools, log_file="/dev/null")
-    node.resume(config, ec2, FakeSlurm(), "p5-od-1")
-    table = [{"NodeName": n, "State": "IDLE"} for n in ("p5-od-1", "p5-od-2")]
-    done = node.reconcile(config, ec2, FakeSlurm(table))
-    assert done["launched"] == ["p5-od-2"] and set(node.cluster_instances(config, ec2)) == {"p5-od-1", "p5-od-2"}
-
-
-def test_reconcile_launches_no_always_on_node_while_the_budget_is_closed(ec2, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    config = make_config(ec2)
-    pools = {name: node.PoolSettings(**{**pool.__dict__, "min_nodes": 1}) for name, pool in config.pools.items()}
-    state = tmp_path / "budget.json"
-    config = node.ClusterSettings(cluster="c1", region="us-east-1", pools=pools, log_file="/dev/null", budget_state_file=str(state))
-    state.write_text('{"closed": true}')  # as the budget guardrail writes it
-    table = [{"NodeName": n, "State": "IDLE"} for n in ("p5-od-1", "p5-spot-1")]
-    assert node.reconcile(config, ec2, FakeSlurm(table))["launched"] == [] and not node.cluster_instances(config, ec2)
-    state.write_text('{"closed": false}')
-    assert node.reconcile(config, ec2, FakeSlurm(table))["launched"] == ["p5-od-1", "p5-spot-1"]
+@pytest.mark.parametrize("hostlist,expected", [
+    ("p5-od-[1-3,7]", ["p5-od-1", "p5-od-2", "p5-od-3", "p5-od-7"]),
+    ("p5-od-2,head", ["p5-od-2", "head"]),
+    ("n[01-02]", ["n01", "n02"]),  # padding kept
+    ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),
+    ("a-[1-2],a-2,b-[3]", ["a-1", "a-2", "b-3"]),
+    ("", []),
+])
+def test_hostlist_expands_like_slurm(hostlist: str, expected: list[str]) -> None:
+    assert node.expand_hostlist(hostlist) == expected
 
 
 @pytest.mark.parametrize("nodes,expected", [
@@ -243,7 +417,7 @@ def test_a_hung_scontrol_times_out(tmp_path: Path, caplog: pytest.LogCaptureFixt
     slurm = node.Slurm(fake_scontrol(tmp_path, 'echo "waiting for slurmctld" >&2; exec sleep 10'))
     started = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired):
-        slurm.expand("p5-od-[1-2]")
+        slurm.nodes()
     assert time.monotonic() - started < 5
     assert "timed out after 0.3 seconds" in caplog.text and "stderr: waiting for slurmctld" in caplog.text
 

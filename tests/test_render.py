@@ -158,7 +158,7 @@ def test_every_partition_has_defaults_that_fit_its_nodes(path: Path) -> None:
 def test_partition_defaults_fit_the_smallest_node_of_a_fallback(tmp_path: Path) -> None:
     """A spot pool that falls back to another instance type: the defaults fit both kinds of node."""
     text = (ROOT / "tests" / "stacks" / "Pulumi.local.yaml").read_text()
-    assert text.count("instance_type: g6.xlarge") == 2
+    assert text.count("instance_type: g6.xlarge") == 3
     bigger = tmp_path / "Pulumi.local.yaml"
     bigger.write_text(text.replace("instance_type: g6.xlarge", "instance_type: g6e.xlarge", 1))  # the spot pool
     stack = load_stack(bigger)
@@ -169,11 +169,21 @@ def test_partition_defaults_fit_the_smallest_node_of_a_fallback(tmp_path: Path) 
     assert (parts["standby"]["DefMemPerCPU"], parts["standby"]["DefMemPerGPU"]) == ("3891", "15564")
 
 
+def test_always_on_nodes_are_cloud_nodes_that_are_never_suspended() -> None:
+    """Every node is State=CLOUD (Slurm hides or drops a non-cloud node whose address nothing resolves); the
+    always-on ones (min_nodes) are kept out of power saving, and the reconciler powers them up."""
+    text = slurm.slurm_conf(load_stack(ROOT / "tests" / "stacks" / "Pulumi.existing.yaml"))  # p5en-cb: min 2 of 2
+    assert {name: line.get("State") for name, line in nodes(text).items()} == {
+        "p5en-cb-[1-2]": "CLOUD", "b200-[1-2]": "CLOUD"}
+    assert conf_settings(text)["SuspendExcNodes"] == "p5en-cb-[1-2]"
+
+
 def test_cloud_parameters_and_timeouts() -> None:
     """What cloud nodes need from the controller (ParallelCluster's values), checked on Slurm 22.05 and 23.11."""
     settings = conf_settings(slurm.slurm_conf(load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")))
     assert set(settings["SlurmctldParameters"].split(",")) == {
-        "enable_configless", "idle_on_node_suspend", "node_reg_mem_percent=75", "power_save_min_interval=30"}
+        "enable_configless", "idle_on_node_suspend", "cloud_reg_addrs", "node_reg_mem_percent=75",
+        "power_save_min_interval=30"}
     assert settings["MessageTimeout"] == "60"
     assert settings["SlurmdTimeout"] == "180"
     assert settings["BatchStartTimeout"] == "180"

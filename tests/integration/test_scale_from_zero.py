@@ -13,6 +13,7 @@ import pytest
 
 from conftest import ROOT
 from gpucluster import spend
+from gpucluster.settings import POOL_TAG
 from local_cluster import LocalCluster
 
 
@@ -26,7 +27,7 @@ def test_two_node_job_scales_from_zero_and_back(cluster: LocalCluster) -> None:
     cluster.wait(f"job {job} to complete", lambda: cluster.job_state(job) == "COMPLETED", 180)
     output = (cluster.root / f"job-{job}.out").read_text()
     assert "ran on standby-1" in output and "ran on standby-2" in output, output
-    # Each node was an instance launched for the job, tagged with its node name, reached at its moto address.
+    # Each node was an instance launched for the job, recorded as its node, reached at its moto address.
     launched = {node for node, _ in cluster.boots}
     assert launched == {"standby-1", "standby-2"}
     addresses = cluster.run("sinfo", "--noheader", "-N", "-p", "standby", "--format=%N %o")
@@ -34,7 +35,7 @@ def test_two_node_job_scales_from_zero_and_back(cluster: LocalCluster) -> None:
     # After SuspendTime idle seconds the suspend program terminates both instances.
     cluster.wait("idle nodes to be suspended", lambda: not cluster.instances(), 120)
     ec2 = cluster.ec2()
-    launched_by_slurm = ec2.describe_instances(Filters=[{"Name": "tag-key", "Values": ["gpucluster:node"]}])
+    launched_by_slurm = ec2.describe_instances(Filters=[{"Name": "tag-key", "Values": [POOL_TAG]}])
     states = {i["State"]["Name"] for r in launched_by_slurm["Reservations"] for i in r["Instances"]}
     assert states == {"terminated"}
     # Powering down (idle%) for SuspendTimeout, then powered down (idle~): either way no instance, ready to resume.
