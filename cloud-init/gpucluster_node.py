@@ -579,9 +579,9 @@ def reconcile(config: ClusterSettings, ec2, slurm: Slurm, now: float | None = No
     healthy_up = [v.name for v in views if classify(v, now, config.capacity_retry_seconds) is Status.HEALTHY
                   and v.has_instance and v.failures]
     act("recovered", healthy_up, lambda nodes: _clear_failures(config, nodes))
-    for status in (Status.NEEDS_FIX, Status.BACKING_OFF):
-        if by_status[status]:
-            log.info("reconcile: %s %s", status.value, compress_hostlist(by_status[status]))
+    log.info("reconcile: %s", "; ".join(f"{status.value} {compress_hostlist(nodes)}"
+                                         for status, nodes in sorted(by_status.items(), key=lambda i: i[0].value)
+                                         if nodes))
     return done
 
 

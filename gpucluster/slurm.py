@@ -21,7 +21,7 @@ MEMORY_FRACTION = 0.95
 class SlurmLayout:
     """Where things live on the head node (names and paths the nodes share come from the settings contract). The boot
     rehearsal changes only ports and the fields whose comments name them (simulated_hardware, cgroups,
-    power_save_min_interval, dev_dir)."""
+    power_save_min_interval, suspend_timeout, dev_dir)."""
 
     controller_host: str = settings.HEAD_HOSTNAME
     controller_port: int = settings.SLURMCTLD_PORT
@@ -47,6 +47,9 @@ class SlurmLayout:
     # Seconds slurmctld gathers resume and suspend requests before acting on them (batched EC2 calls, as
     # ParallelCluster does). The tests shorten it: they wait on Slurm's timers, they do not sleep through them.
     power_save_min_interval: int = 30
+    # Seconds a node takes to power down (the suspend program terminates its instance): no job lands on it meanwhile.
+    # EC2 needs a minute or two; the tests' instances are gone at once.
+    suspend_timeout: int = 120
 
     @property
     def node_file(self) -> str:
@@ -167,7 +170,7 @@ def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         f"ResumeFailProgram={layout.programs_dir}/resume-fail",
         f"ResumeTimeout={settings.resume_timeout_seconds}",
         f"SuspendTime={settings.suspend_time_seconds}",
-        "SuspendTimeout=120",
+        f"SuspendTimeout={layout.suspend_timeout}",
         "ResumeRate=0",
         "SuspendRate=0",
         f"SuspendExcNodes={','.join(always_on)}" if always_on else None,

@@ -448,7 +448,8 @@ class LocalCluster:
         self.dev_dir = self.root / "dev"
         self.layout = slurm.SlurmLayout(controller_port=ports, node_port=ports + 1, dbd_port=ports + 2,
                                         node_port_base=ports + 3, dev_dir=str(self.dev_dir), simulated_hardware=True,
-                                        cgroups=False, power_save_min_interval=0)
+                                        cgroups=False, power_save_min_interval=0,
+                                        suspend_timeout=5)
         self._devices()
         self.fsx = self.root / "fsx"
         self.fsx.mkdir()
@@ -503,7 +504,7 @@ class LocalCluster:
             )["LaunchTemplate"]["LaunchTemplateId"]
             pools[pool.name] = PoolSettings(name=pool.name, launch_template_id=template, subnet_id=self.subnet,
                                             instance_type=pool.instance_type, market=pool.capacity,
-                                            max_nodes=pool.max_nodes)
+                                            min_nodes=pool.min_nodes, max_nodes=pool.max_nodes)
         head = ec2.run_instances(ImageId=IMAGE_AMI, InstanceType=self.stack.spec.head_node.instance_type, MinCount=1,
                                  MaxCount=1, SubnetId=self.subnet, TagSpecifications=[{"ResourceType": "instance", "Tags": [
                                      {"Key": "Name", "Value": f"{self.stack.cluster_name}-head"}]}])["Instances"][0]
@@ -531,7 +532,9 @@ class LocalCluster:
             fsx_dns_name="fs-0123456789abcdef0.fsx.us-east-1.amazonaws.com", fsx_mount_name="abcdefgh",
             munge_key_parameter=userdata.munge_key_parameter(self.stack), slurmctld_port=self.layout.controller_port,
             all_or_nothing=self.stack.spec.slurm.all_or_nothing,
-            capacity_retry_seconds=self.stack.spec.slurm.capacity_retry_seconds,
+            # A node DOWN for a passing cause is retried after 5 s here instead of 10 min (the stack file's minimum
+            # is a minute): tests shorten timers, not sleep.
+            capacity_retry_seconds=5,
             # The guardrail checks the budget every 5 s here instead of hourly: tests shorten timers, not sleep.
             budget=BudgetSettings(budget_name=self.stack.budget_name, account_id=MOTO_ACCOUNT,
                                   act_threshold_percent=budget.act_threshold_percent or 100, queue_url=queue,
