@@ -10,6 +10,7 @@ a node that never joins. Logs to the journal and /var/log/gpucluster/boot.log. S
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))  # the bundle's copy of the library
 from gpucluster import settings as contract  # noqa: E402
+from gpucluster.hostlist import compress_hostlist, expand_hostlist  # noqa: E402
 from gpucluster.settings import ClusterSettings, read_env_file  # noqa: E402
 
 BUNDLE = Path(contract.BUNDLE_DIR)
@@ -281,9 +283,89 @@ def head(s: ClusterSettings) -> None:
         start("gpucluster-budget.service")
     run("sh", str(BUNDLE / "accounting.sh"))  # the team's account, its users and its monthly GPU-hours
     command_line()
+    update_timer()
+    start(f"{contract.UPDATE_UNIT}.timer")
     mount_lustre(s.fsx_dns_name, s.fsx_mount_name)
     os.chmod("/fsx", 0o1777)  # like /tmp: every user may submit from and write into /fsx, only owners delete
     shutil.copytree(BUNDLE / "examples", "/fsx/examples", dirs_exist_ok=True)
+
+
+# --- the head: a changed stack applied in place ------------------------------------------------------------------------
+
+REMOVED_REASON = "gpucluster: removed from the stack by pulumi up"
+
+
+def update_timer(systemd: Path = SYSTEMD) -> None:
+    """Every minute the fetcher reads the settings (one GetParameters call) and, when a `pulumi up` changed them, the
+    bundle they name; then `bootstrap.py head --update`. The fetcher is the bundle's copy, so it is the new one."""
+    (systemd / f"{contract.UPDATE_UNIT}.service").write_text(unit(
+        "gpucluster: apply a changed stack (pulumi up) on the running head", "Service",
+        ["Type=oneshot", f"ExecStart=/usr/bin/python3 {contract.LIB_DIR}/cloud-init/fetch_bundle.py "
+                         f"{contract.NODE_ENV_FILE} --update {contract.APPLIED_FILE}"], wanted_by=None))
+    (systemd / f"{contract.UPDATE_UNIT}.timer").write_text(unit(
+        "gpucluster: look for a changed stack every minute", "Timer", ["OnActiveSec=60s", "OnUnitActiveSec=60s"],
+        wanted_by="timers.target"))
+
+
+def mark_applied(settings_file: Path = Path(contract.SETTINGS_FILE), marker: Path = Path(contract.APPLIED_FILE)) -> None:
+    marker.write_text(hashlib.sha256(settings_file.read_bytes()).hexdigest() + "\n")
+
+
+def node_lines(slurm_conf: str) -> set[str]:
+    return {line for line in slurm_conf.splitlines() if line.startswith("NodeName=")}
+
+
+def conf_nodes(slurm_conf: str) -> set[str]:
+    return {n for line in node_lines(slurm_conf) for n in expand_hostlist(line.split()[0].split("=", 1)[1])}
+
+
+def slurm_states() -> dict[str, set[str]]:
+    out = run("scontrol", "show", "nodes", "--oneliner").stdout
+    return {f["NodeName"]: set(f.get("State", "").split("+")) for line in out.splitlines()
+            if (f := dict(re.findall(r"(?:^| )(NodeName|State)=(\S+)", line))).get("NodeName")}
+
+
+def retire(nodes: list[str], states: dict[str, set[str]]) -> list[str]:
+    """Nodes the new configuration drops go first: drained, so no job lands on them, and powered down once their jobs
+    end (the suspend program terminates their instances). Returns those not powered down yet."""
+    busy = [n for n in nodes if n in states and ("POWERED_DOWN" not in states[n] or "POWERING_UP" in states[n])]
+    idle_down = [n for n in busy if "DOWN" in states[n] and not states[n] & {"POWER_DOWN", "POWERING_DOWN"}]
+    to_drain = [n for n in busy if n not in idle_down and not states[n] & {"POWER_DOWN", "POWERING_DOWN", "DRAIN"}]
+    if idle_down:  # DOWN nodes run no job
+        run("scontrol", "update", f"nodename={','.join(idle_down)}", "state=power_down_force")
+    if to_drain:
+        run("scontrol", "update", f"nodename={','.join(to_drain)}", "state=power_down_asap", f"reason={REMOVED_REASON}")
+    return busy
+
+
+def update(s: ClusterSettings) -> bool:
+    """Apply a changed stack on the running head, without stopping running jobs or the fleet: nodes the stack drops
+    are retired first (the update waits, timer tick after timer tick, until they are powered down); then the new
+    Slurm files; slurmctld restarts when node definitions changed (it keeps its queue and running jobs in its state
+    files; slurmd and jobs run on), else it rereads them; `scontrol reconfigure` sends them to the configless nodes;
+    accounts and quota are set anew. New nodes launch from the pools' new launch template versions (their default).
+    Returns whether everything was applied."""
+    old = (SLURM_ETC / "slurm.conf").read_text()
+    new = (BUNDLE / "slurm" / "slurm.conf").read_text()
+    gone = sorted(conf_nodes(old) - conf_nodes(new))
+    waiting = retire(gone, slurm_states()) if gone else []
+    if waiting:
+        log.info("waiting for %s, which the stack drops, to finish their jobs and power down",
+                 compress_hostlist(waiting))
+        return False
+    slurm_files()
+    node_programs()
+    if node_lines(old) != node_lines(new):
+        run("systemctl", "restart", "slurmctld")
+        retry("slurmctld to answer", controller_up, attempts=8, delay=0.5)
+    run("scontrol", "reconfigure")
+    run("sh", str(BUNDLE / "accounting.sh"))
+    if s.budget is not None:
+        budget_guardrail()
+        run("systemctl", "restart", "gpucluster-budget.service")
+    command_line()
+    shutil.copytree(BUNDLE / "examples", "/fsx/examples", dirs_exist_ok=True)
+    return True
 
 
 # --- compute ---------------------------------------------------------------------------------------------------------
@@ -404,18 +486,25 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         handlers=[logging.StreamHandler(sys.stderr), logging.FileHandler(contract.BOOT_LOG)])
     role = argv[1] if len(argv) > 1 else ""
-    if role not in contract.ROLES:
-        print(f"usage: bootstrap.py {'|'.join(contract.ROLES)}", file=sys.stderr)
+    updating = argv[2:] == ["--update"]
+    if role not in contract.ROLES or argv[2:] not in ([], ["--update"]) or (updating and role != "head"):
+        print(f"usage: bootstrap.py {'|'.join(contract.ROLES)} | bootstrap.py head --update", file=sys.stderr)
         return 2
     try:
-        ensure_image(role)
         s = ClusterSettings.load()
+        if updating:
+            if update(s):
+                mark_applied()
+                log.info("bootstrap head --update: the changed stack is applied")
+            return 0
+        ensure_image(role)
         if role == "head":
             head(s)
+            mark_applied()
         else:
             compute(s, read_env_file())
     except Exception:
-        log.exception("bootstrap %s failed", role)
+        log.exception("bootstrap %s%s failed", role, " --update" if updating else "")
         return 1
     log.info("bootstrap %s done", role)
     return 0

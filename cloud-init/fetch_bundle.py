@@ -7,9 +7,15 @@ key when it is the first. AWS calls use botocore's adaptive retries (client-side
 Store's shared 40 TPS when hundreds of nodes boot at once), and a whole failed attempt is retried with jittered
 backoff until DEADLINE_SECONDS; then the unit fails and systemd starts it again. Argument: the node.env file.
 Standard library and boto3 (installed first when the image lacks it: the stock-AMI path).
+
+With `--update APPLIED_FILE` (the head's update timer, every minute): the same two calls, but bootstrap.py runs (as
+`head --update`) only when the settings differ from the ones whose SHA-256 is in APPLIED_FILE, which the bootstrap
+writes once it has applied them. A later `pulumi up` writes new settings naming a new bundle: so it reaches the
+running head within the timer's period.
 """
 
 import base64
+import hashlib
 import io
 import itertools
 import json
@@ -80,7 +86,7 @@ def fetch_bundle(s3, bucket: str, key: str, target: str) -> None:
     """Unpack the bundle over the last one; files the new bundle no longer has are removed (they were the last's)."""
     marker, listing = os.path.join(target, ".bundle-key"), os.path.join(target, ".bundle-files")
     if os.path.exists(marker) and open(marker).read() == key:
-        log.info("bundle %s already in %s", key, target)
+        log.debug("bundle %s already in %s", key, target)  # every minute on the head: not worth a line
         return
     try:
         body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
@@ -102,7 +108,8 @@ def fetch_bundle(s3, bucket: str, key: str, target: str) -> None:
     log.info("bundle s3://%s/%s unpacked in %s", bucket, key, target)
 
 
-def fetch(env: dict, boto3, sleep=time.sleep) -> None:  # type: ignore[no-untyped-def,type-arg]
+def fetch(env: dict, boto3, sleep=time.sleep) -> bytes:  # type: ignore[no-untyped-def,type-arg]
+    """Settings and munge key into their files, the bundle unpacked; returns the settings as fetched."""
     from botocore.config import Config
     from botocore.exceptions import BotoCoreError, ClientError
 
@@ -126,20 +133,32 @@ def fetch(env: dict, boto3, sleep=time.sleep) -> None:  # type: ignore[no-untype
             sleep(delay)
     write_private(env["GPUCLUSTER_SETTINGS_FILE"], raw.encode(), 0o644)
     write_private(env["GPUCLUSTER_MUNGE_KEY_FILE"], key, 0o400)
+    return raw.encode()
+
+
+def applied(path: str, settings: bytes) -> bool:
+    """Whether the head has applied exactly these settings (and so their bundle)."""
+    return os.path.exists(path) and open(path).read().strip() == hashlib.sha256(settings).hexdigest()
 
 
 def main(argv: list) -> int:  # type: ignore[type-arg]
     env = dict(line.strip().split("=", 1) for line in open(argv[1]) if "=" in line)
+    applied_file = argv[3] if len(argv) == 4 and argv[2] == "--update" else None
     os.makedirs(os.path.dirname(env["GPUCLUSTER_BOOT_LOG"]), exist_ok=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         handlers=[logging.StreamHandler(), logging.FileHandler(env["GPUCLUSTER_BOOT_LOG"])])
     try:
-        fetch(env, boto3_module())
+        settings = fetch(env, boto3_module())
     except Exception:
         log.exception("fetching the settings and bundle failed")
         return 1
     bootstrap = os.path.join(env["GPUCLUSTER_BUNDLE_DIR"], "bootstrap.py")
-    return subprocess.call([sys.executable, bootstrap, env["GPUCLUSTER_ROLE"]])
+    if applied_file is None:
+        return subprocess.call([sys.executable, bootstrap, env["GPUCLUSTER_ROLE"]])
+    if applied(applied_file, settings):
+        return 0
+    log.info("the stack changed: applying it in place")
+    return subprocess.call([sys.executable, bootstrap, env["GPUCLUSTER_ROLE"], "--update"])
 
 
 if __name__ == "__main__":

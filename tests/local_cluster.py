@@ -72,6 +72,7 @@ def image_sdk(target: Path) -> Path:
             _link_or_copy(str(source), str(target / name))
     return target
 MOTO_ACCOUNT = "123456789012"
+SPARE_NODE_PORTS = 4  # for nodes of pools that a test's changed stack adds (LocalCluster.apply)
 IMAGE_AMI = "ami-12c6146b"  # one of moto's images
 
 
@@ -443,7 +444,7 @@ class LocalCluster:
         # moto's backends are shared by every server in this process: each cluster starts from an empty account.
         urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/moto-api/reset", method="POST"))
         self.moto_url = f"http://127.0.0.1:{port}"
-        nodes = sum(p.max_nodes for p in self.stack.spec.pools)
+        nodes = sum(p.max_nodes for p in self.stack.spec.pools) + SPARE_NODE_PORTS
         ports = free_port_block(nodes + 3)  # one block: ports picked one by one could land inside the nodes' range
         self.dev_dir = self.root / "dev"
         self.layout = slurm.SlurmLayout(controller_port=ports, node_port=ports + 1, dbd_port=ports + 2,
@@ -477,7 +478,7 @@ class LocalCluster:
         return self.aws("ec2")
 
     def _devices(self) -> None:
-        self.dev_dir.mkdir()
+        self.dev_dir.mkdir(exist_ok=True)
         for pool in self.stack.spec.pools:
             acc = pool.itype.accelerator
             for i in range(acc.count if acc else 0):
@@ -487,24 +488,14 @@ class LocalCluster:
 
     # --- AWS in moto: what `pulumi up` would have created -------------------------------------------------------
     def _aws_world(self, bundle_key: str, userdata) -> None:  # type: ignore[no-untyped-def]
-        from gpucluster.settings import BudgetSettings, ClusterSettings, PoolSettings
+        from gpucluster.settings import BudgetSettings, ClusterSettings
 
         ec2, s3, ssm = self.ec2(), self.aws("s3"), self.aws("ssm")
         vpc = ec2.create_vpc(CidrBlock="127.0.0.0/16")["Vpc"]["VpcId"]
         # moto gives instances addresses from this subnet: loopback addresses that reach this machine's daemons.
         self.subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="127.0.0.0/24",
                                         AvailabilityZone=self.stack.spec.availability_zone)["Subnet"]["SubnetId"]
-        pools = {}
-        for pool in self.stack.spec.pools:
-            template = ec2.create_launch_template(
-                LaunchTemplateName=f"{self.stack.cluster_name}-{pool.name}",
-                LaunchTemplateData={"ImageId": IMAGE_AMI, "InstanceType": pool.instance_type,
-                                    "TagSpecifications": [{"ResourceType": "instance", "Tags": [
-                                        {"Key": k, "Value": v} for k, v in {**self.stack.tags, POOL_TAG: pool.name}.items()]}]},
-            )["LaunchTemplate"]["LaunchTemplateId"]
-            pools[pool.name] = PoolSettings(name=pool.name, launch_template_id=template, subnet_id=self.subnet,
-                                            instance_type=pool.instance_type, market=pool.capacity,
-                                            min_nodes=pool.min_nodes, max_nodes=pool.max_nodes)
+        pools = self._pool_settings(ec2, {})
         head = ec2.run_instances(ImageId=IMAGE_AMI, InstanceType=self.stack.spec.head_node.instance_type, MinCount=1,
                                  MaxCount=1, SubnetId=self.subnet, TagSpecifications=[{"ResourceType": "instance", "Tags": [
                                      {"Key": "Name", "Value": f"{self.stack.cluster_name}-head"}]}])["Instances"][0]
@@ -541,6 +532,48 @@ class LocalCluster:
                                   topic_arn=self.topic, check_seconds=5, launch_deny_action=False))
         ssm.put_parameter(Name=userdata.config_parameter(self.stack), Type="String", Value=self.settings.to_json())
         self.userdata = userdata
+
+    def _pool_settings(self, ec2, known: dict) -> dict:  # type: ignore[no-untyped-def,type-arg]
+        """What the GpuPool components export for the stack's pools: a launch template for each new one."""
+        from gpucluster.settings import PoolSettings
+
+        pools = {}
+        for pool in self.stack.spec.pools:
+            template = known[pool.name].launch_template_id if pool.name in known else ec2.create_launch_template(
+                LaunchTemplateName=f"{self.stack.cluster_name}-{pool.name}",
+                LaunchTemplateData={"ImageId": IMAGE_AMI, "InstanceType": pool.instance_type,
+                                    "TagSpecifications": [{"ResourceType": "instance", "Tags": [
+                                        {"Key": k, "Value": v} for k, v in {**self.stack.tags, POOL_TAG: pool.name}.items()]}]},
+            )["LaunchTemplate"]["LaunchTemplateId"]
+            pools[pool.name] = PoolSettings(name=pool.name, launch_template_id=template, subnet_id=self.subnet,
+                                            instance_type=pool.instance_type, market=pool.capacity,
+                                            min_nodes=pool.min_nodes, max_nodes=pool.max_nodes)
+        return pools
+
+    def apply(self, stack: Stack) -> None:
+        """`pulumi up` with a changed stack file: launch templates for new pools, the new bundle in S3, the new
+        settings in SSM. The running head's update timer picks them up (`update` runs it here)."""
+        from dataclasses import replace
+
+        from gpucluster import bundle
+
+        self.stack = stack
+        self._devices()
+        data = bundle.build(stack, self.layout)
+        key = bundle.key(data)
+        self.aws("s3").put_object(Bucket=self.settings.bundle_bucket, Key=key, Body=data)
+        self.settings = replace(self.settings, pools=self._pool_settings(self.ec2(), self.settings.pools), bundle_key=key)
+        self.aws("ssm").put_parameter(Name=self.userdata.config_parameter(stack), Type="String",
+                                      Value=self.settings.to_json(), Overwrite=True)
+
+    def update(self) -> str:
+        """One run of the head's update unit, as its timer starts it every minute; returns what the boot log gained."""
+        from gpucluster.settings import BOOT_LOG
+
+        log = self.head.path(BOOT_LOG)
+        before = log.stat().st_size
+        self.head.enter("systemctl", "start", "gpucluster-update.service")
+        return log.read_text()[before:]
 
     def _login_commands(self) -> Path:
         """Slurm's commands as a user on the head node runs them."""

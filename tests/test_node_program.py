@@ -16,6 +16,7 @@ from botocore.stub import Stubber
 from moto import mock_aws
 
 from conftest import ROOT
+from gpucluster import hostlist
 
 sys.path.insert(0, str(ROOT / "cloud-init"))
 import gpucluster_node as node  # noqa: E402
@@ -365,7 +366,7 @@ def test_parse_oneliner_keeps_reasons_with_spaces() -> None:
     assert parsed["State"] == "DOWN+CLOUD"
 
 
-@pytest.mark.parametrize("hostlist,expected", [
+@pytest.mark.parametrize("text,expected", [
     ("p5-od-[1-3,7]", ["p5-od-1", "p5-od-2", "p5-od-3", "p5-od-7"]),
     ("p5-od-2,head", ["p5-od-2", "head"]),
     ("n[01-02]", ["n01", "n02"]),  # padding kept
@@ -373,8 +374,8 @@ def test_parse_oneliner_keeps_reasons_with_spaces() -> None:
     ("a-[1-2],a-2,b-[3]", ["a-1", "a-2", "b-3"]),
     ("", []),
 ])
-def test_hostlist_expands_like_slurm(hostlist: str, expected: list[str]) -> None:
-    assert node.expand_hostlist(hostlist) == expected
+def test_hostlist_expands_like_slurm(text: str, expected: list[str]) -> None:
+    assert hostlist.expand_hostlist(text) == expected
 
 
 @pytest.mark.parametrize("nodes,expected", [
@@ -386,7 +387,7 @@ def test_hostlist_expands_like_slurm(hostlist: str, expected: list[str]) -> None
     ([], ""),
 ])
 def test_hostlist_compresses_like_slurm(nodes: list[str], expected: str) -> None:
-    assert node.compress_hostlist(nodes) == expected
+    assert hostlist.compress_hostlist(nodes) == expected
 
 
 def test_resume_logs_nodes_as_a_hostlist(ec2, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
