@@ -204,3 +204,57 @@ def test_real_scontrol_accepts_the_client_conf(tmp_path: Path) -> None:
     offline = subprocess.run(["scontrol", "show", "hostnames", "p5-od-[1-2]"], env={**os.environ, "SLURM_CONF": str(conf)},
                              capture_output=True, text=True, timeout=30)
     assert offline.stdout.split() == ["p5-od-1", "p5-od-2"], offline.stderr
+
+
+def test_update_units_are_ones_systemd_accepts_and_look_every_minute(tmp_path: Path) -> None:
+    """The head's update timer: a changed stack reaches the running head within two minutes of `pulumi up`."""
+    bootstrap.update_timer(tmp_path)
+    service, timer = tmp_path / f"{contract.UPDATE_UNIT}.service", tmp_path / f"{contract.UPDATE_UNIT}.timer"
+    done = subprocess.run(["systemd-analyze", "verify", str(service), str(timer)], capture_output=True, text=True,
+                          timeout=60)
+    said = done.stdout + done.stderr
+    assert done.returncode == 0 and contract.UPDATE_UNIT not in said, said
+    assert "OnUnitActiveSec=60s" in timer.read_text()
+    assert f"fetch_bundle.py {contract.NODE_ENV_FILE} --update {contract.APPLIED_FILE}" in service.read_text()
+    assert f"ExecStart=/usr/bin/python3 {contract.LIB_DIR}/cloud-init/fetch_bundle.py" in service.read_text()  # the bundle's
+
+
+def test_the_fetcher_and_the_bootstrap_agree_on_what_was_applied(tmp_path: Path) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fetch_bundle", ROOT / "cloud-init" / "fetch_bundle.py")
+    fetcher = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(fetcher)  # type: ignore[union-attr]
+    settings, marker = tmp_path / "cluster.json", tmp_path / "applied"
+    settings.write_bytes(b'{"cluster": "c1"}')
+    assert not fetcher.applied(str(marker), settings.read_bytes())  # never applied
+    bootstrap.mark_applied(settings, marker)
+    assert fetcher.applied(str(marker), settings.read_bytes())
+    assert not fetcher.applied(str(marker), b'{"cluster": "c1", "bundle_key": "new"}')  # a `pulumi up` later
+
+
+@pytest.mark.parametrize("states,commands,waiting", [
+    # Powered down (idle~, or DOWN and powered down): gone at once.
+    ({"x-1": {"IDLE", "CLOUD", "POWERED_DOWN"}, "x-2": {"DOWN", "CLOUD", "POWERED_DOWN"}}, [], []),
+    # Running a job: drained and powered down once the job ends; waited for.
+    ({"x-1": {"ALLOCATED", "CLOUD"}}, [("nodename=x-1", "state=power_down_asap")], ["x-1"]),
+    # Already on its way: nothing more to ask; waited for.
+    ({"x-1": {"IDLE", "CLOUD", "DRAIN", "POWER_DOWN"}, "x-2": {"IDLE", "CLOUD", "POWERING_DOWN"}}, [], ["x-1", "x-2"]),
+    # DOWN with an instance perhaps left: no job runs on it, powered down now.
+    ({"x-1": {"DOWN", "CLOUD", "NOT_RESPONDING"}}, [("nodename=x-1", "state=power_down_force")], ["x-1"]),
+    # Being launched for a job: drained like a busy node.
+    ({"x-1": {"ALLOCATED", "CLOUD", "POWERED_DOWN", "POWERING_UP"}}, [("nodename=x-1", "state=power_down_asap")], ["x-1"]),
+])
+def test_nodes_a_stack_drops_are_retired_before_they_go(states: dict[str, set[str]], commands: list[tuple[str, str]],
+                                                        waiting: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[tuple[str, ...]] = []
+    monkeypatch.setattr(bootstrap, "run", lambda *args, **kw: ran.append(args))
+    assert bootstrap.retire(sorted(states), states) == waiting
+    assert [call[2:4] for call in ran] == commands
+    assert all(call[-1] == f"reason={bootstrap.REMOVED_REASON}" for call in ran if "state=power_down_asap" in call)
+
+
+def test_conf_nodes_reads_every_node_of_slurm_conf() -> None:
+    text = "ClusterName=c\nNodeName=p5-od-[1-3] CPUs=192 State=CLOUD\nNodeName=extra-1 CPUs=4 State=CLOUD\n" \
+           "PartitionName=p5-od Nodes=p5-od-[1-3] State=UP\n"
+    assert bootstrap.conf_nodes(text) == {"p5-od-1", "p5-od-2", "p5-od-3", "extra-1"}
