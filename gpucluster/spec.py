@@ -153,24 +153,7 @@ class Pool(_Model):
 
     @model_validator(mode="after")
     def _rules(self) -> Pool:
-        problems: list[tuple[tuple[str | int, ...], str]] = []
-        itype = catalog.ACCELERATED[self.instance_type]
-        if self.min_nodes > self.max_nodes:
-            problems.append((("min_nodes",), f"must be <= max_nodes ({self.max_nodes}), got {self.min_nodes}"))
-        if self.efa and not itype.efa_supported:
-            with_efa = ", ".join(t.name for t in catalog.ACCELERATED.values() if t.efa_supported)
-            problems.append((("efa",), f"{self.instance_type} does not support EFA; types with EFA: {with_efa}"))
-        if self.capacity == "capacity-block":
-            if not self.capacity_reservation_id:
-                problems.append((("capacity_reservation_id",), "a capacity-block pool must name its reservation (cr-...)"))
-            if self.min_nodes != self.max_nodes:
-                problems.append(
-                    (("min_nodes",), f"a capacity-block pool is paid for whole: min_nodes must equal max_nodes ({self.max_nodes})")
-                )
-        elif self.capacity_reservation_id:
-            problems.append((("capacity_reservation_id",), "only allowed with capacity: capacity-block"))
-        if self.fallback is not None and self.capacity != "spot":
-            problems.append((("fallback",), "only a spot pool falls back (to an on-demand or capacity-block pool)"))
+        problems = _pool_rules(self.model_dump())
         if problems:
             raise _rule_errors("pool", problems, self.name)
         return self
@@ -183,6 +166,37 @@ class Pool(_Model):
     def uses_efa(self) -> bool:
         """EFA is on by default wherever the type supports it."""
         return self.itype.efa_supported if self.efa is None else self.efa
+
+
+def _pool_rules(pool: dict[str, Any]) -> list[tuple[tuple[str | int, ...], str]]:
+    """A pool's rules across its fields, on a mapping: the model's own, and the raw one when a field error (a typo in
+    its instance type, say) stopped pydantic before the model's validator, so that it does not hide them. A value of
+    the wrong type is left to its field's error."""
+    def count(key: str, default: int | None = None) -> int | None:
+        value = pool.get(key, default)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    problems: list[tuple[tuple[str | int, ...], str]] = []
+    min_nodes, max_nodes = count("min_nodes", 0), count("max_nodes")
+    capacity = pool.get("capacity", "on-demand")
+    instance_type = pool.get("instance_type")
+    itype = catalog.ACCELERATED.get(instance_type) if isinstance(instance_type, str) else None
+    if min_nodes is not None and max_nodes is not None and min_nodes > max_nodes:
+        problems.append((("min_nodes",), f"must be <= max_nodes ({max_nodes}), got {min_nodes}"))
+    if pool.get("efa") is True and itype is not None and not itype.efa_supported:
+        with_efa = ", ".join(t.name for t in catalog.ACCELERATED.values() if t.efa_supported)
+        problems.append((("efa",), f"{instance_type} does not support EFA; types with EFA: {with_efa}"))
+    if capacity == "capacity-block":
+        if not pool.get("capacity_reservation_id"):
+            problems.append((("capacity_reservation_id",), "a capacity-block pool must name its reservation (cr-...)"))
+        if min_nodes is not None and max_nodes is not None and min_nodes != max_nodes:
+            problems.append((("min_nodes",), f"a capacity-block pool is paid for whole: min_nodes must equal max_nodes "
+                                             f"({max_nodes})"))
+    elif pool.get("capacity_reservation_id"):
+        problems.append((("capacity_reservation_id",), "only allowed with capacity: capacity-block"))
+    if pool.get("fallback") is not None and capacity != "spot":
+        problems.append((("fallback",), "only a spot pool falls back (to an on-demand or capacity-block pool)"))
+    return problems
 
 
 class Lustre(_Model):
@@ -462,10 +476,13 @@ def validate(stack: str, config: dict[str, Any], source: str = "") -> Stack:
             spec = ClusterSpec.model_validate(raw)
         except ValidationError as exc:
             found = [(_path(e["loc"]), _message(e)) for e in exc.errors()]
-            # Pydantic skips a model's own validators when one of its fields fails: run the rules across pools on the
-            # raw mappings, keeping what pydantic did not already say.
+            # Pydantic skips a model's own validators when one of its fields fails: run each pool's rules and the
+            # rules across pools on the raw mappings, keeping what pydantic did not already say.
             if isinstance(raw.get("pools"), list):
-                found += [(p, m) for p, m in ((_path(loc), msg) for loc, msg in _pool_set_problems(raw["pools"]))
+                rules = [(("pools", i, *loc), msg) for i, pool in enumerate(raw["pools"]) if isinstance(pool, dict)
+                         for loc, msg in _pool_rules(pool)]
+                found += [(p, m) for p, m in dict.fromkeys((_path(loc), msg) for loc, msg in
+                                                           rules + _pool_set_problems(raw["pools"]))
                           if (p, m) not in found]
             problems += found
         az = raw.get("availability_zone")
