@@ -87,7 +87,6 @@ class GpuPool(pulumi.ComponentResource):
                 "http_tokens": "required",  # IMDSv2 only
                 # enroot/pyxis containers share the host network namespace, so one hop is enough.
                 "http_put_response_hop_limit": 1,
-                "instance_metadata_tags": "enabled",  # the node reads its Slurm name from its tags
             },
             block_device_mappings=[
                 {

@@ -10,7 +10,7 @@ slurmdbd, slurmctld or slurmd from the packaged unit files and our drop-ins. Not
 What this machine forces, and stands in for it:
 - no systemd as PID 1 and no cloud-init datasource: tests/rehearsal/systemctl and tests/rehearsal/cloud_init
   (their docstrings say what they do);
-- no EC2: instances are moto's; a small instance-metadata server per node answers IMDSv2 (instance id, tags,
+- no EC2: instances are moto's; a small instance-metadata server per node answers IMDSv2 (instance id and
   instance-profile credentials); the node image's Python finds boto3 and the AWS endpoints through one .pth file;
 - no block device or Lustre: the head's state volume is a loop device behind its EBS by-id name, /fsx a directory
   shared by all nodes (mounted before the boot, so the bootstrap finds it mounted);
@@ -218,12 +218,9 @@ def _fleet_error(code: str) -> bytes:
 
 
 class InstanceMetadata:
-    """IMDSv2 for one rehearsal node: a token, the instance id, its tags as EC2 has them now (read from moto at each
-    request, so a tag added after launch shows up as on EC2), and instance-profile credentials."""
+    """IMDSv2 for one rehearsal node: a token, the instance id and instance-profile credentials."""
 
-    def __init__(self, instance_id: str, tags: Callable[[], dict[str, str]]):
-        meta = self
-
+    def __init__(self, instance_id: str):
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args: object) -> None:
                 pass
@@ -243,9 +240,6 @@ class InstanceMetadata:
                         "Code": "Success", "Type": "AWS-HMAC", "AccessKeyId": "testing", "SecretAccessKey": "testing",
                         "Token": "testing", "Expiration": now, "LastUpdated": now}),
                 }
-                if path.startswith("meta-data/tags/instance/"):
-                    value = meta.tags().get(path.removeprefix("meta-data/tags/instance/"))
-                    return self._reply(200, value) if value is not None else self._reply(404, "")
                 self._reply(200, answers[path]) if path in answers else self._reply(404, "")
 
             def _reply(self, status: int, text: str) -> None:
@@ -255,7 +249,6 @@ class InstanceMetadata:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self.tags = tags
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
@@ -593,7 +586,7 @@ class LocalCluster:
     def boot_head(self, seconds: float = 180, name: str = "head") -> None:
         """A head node instance: the first, or (with another name) its replacement, which comes up on the same state
         volume and the same fixed network interface as `pulumi up` gives it."""
-        imds = InstanceMetadata(self.head_instance, lambda: {})
+        imds = InstanceMetadata(self.head_instance)
         self._closers.append(imds.close)
         self.head = RehearsalNode(name, self.root / name, self.userdata.head_node(self.stack), self.front("head"),
                                   imds, self.fsx, self.sdk, volume=Path(self.volume_device), volume_id=self.volume_id)
@@ -653,13 +646,7 @@ class LocalCluster:
 
     def _boot(self, instance: str, pool_name: str) -> None:
         pool = next(p for p in self.stack.spec.pools if p.name == pool_name)
-        ec2 = self.ec2()
-
-        def tags() -> dict[str, str]:
-            found = ec2.describe_instances(InstanceIds=[instance])["Reservations"][0]["Instances"][0].get("Tags", [])
-            return {t["Key"]: t["Value"] for t in found}
-
-        imds = InstanceMetadata(instance, tags)
+        imds = InstanceMetadata(instance)
         self._closers.append(imds.close)
         node = RehearsalNode(instance, self.root / instance, self.userdata.pool_nodes(self.stack, pool),
                              self.front(instance), imds, self.fsx, self.sdk, own_clock=True)
