@@ -305,7 +305,8 @@ def job_nodes(config: ClusterSettings, nodes: list[str], resume_file: str | None
     call's nodes then count as one job when all-or-nothing holds, since no one can tell them apart."""
     if resume_file and Path(resume_file).exists():
         doc = json.loads(Path(resume_file).read_text())
-        return {str(job["job_id"]): expand_hostlist(job.get("nodes_resume", "")) for job in doc.get("jobs", [])}
+        # Slurm writes null for a field without a value; a manual power_up has no job at all.
+        return {str(job["job_id"]): expand_hostlist(job.get("nodes_resume") or "") for job in doc.get("jobs") or []}
     return {"(this call)": nodes} if config.all_or_nothing else {}
 
 
@@ -478,7 +479,7 @@ def classify(node: NodeView, now: float, retry_base: int) -> Status:
     if "DOWN" in flags or "DRAIN" in flags:
         if node.reason_user != SLURM_USER or "DOWN" not in flags:
             return Status.HELD  # an admin's hold; drained nodes finish their jobs first (health checks drain)
-        if node.reason.startswith(CONFIGURATION_PREFIX):
+        if CONFIGURATION_PREFIX in node.reason:  # slurmctld appends its own reasons to one already there: "old : new"
             return Status.NEEDS_FIX
         return Status.RETRY if now - node.reason_time >= retry_delay(node.failures, retry_base) else Status.BACKING_OFF
     if flags & {"POWERING_UP", "POWERING_DOWN", "POWER_DOWN"}:

@@ -21,7 +21,7 @@ MEMORY_FRACTION = 0.95
 class SlurmLayout:
     """Where things live on the head node (names and paths the nodes share come from the settings contract). The boot
     rehearsal changes only ports and the fields whose comments name them (simulated_hardware, cgroups,
-    power_save_min_interval, suspend_timeout, dev_dir)."""
+    power_save_min_interval, suspend_timeout, cloud_reg_addrs, dev_dir)."""
 
     controller_host: str = settings.HEAD_HOSTNAME
     controller_port: int = settings.SLURMCTLD_PORT
@@ -47,6 +47,9 @@ class SlurmLayout:
     # Seconds slurmctld gathers resume and suspend requests before acting on them (batched EC2 calls, as
     # ParallelCluster does). The tests shorten it: they wait on Slurm's timers, they do not sleep through them.
     power_save_min_interval: int = 30
+    # Slurm 22.05 (the tests' Slurm) sets a cloud node's address from its registration only with cloud_reg_addrs;
+    # 23.11 (the node images') always does, and logs an error for the option it calls defunct. Never set on a cluster.
+    cloud_reg_addrs: bool = False
     # Seconds a node takes to power down (the suspend program terminates its instance): no job lands on it meanwhile.
     # EC2 needs a minute or two; the tests' instances are gone at once.
     suspend_timeout: int = 120
@@ -180,13 +183,14 @@ def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         "CommunicationParameters=NoAddrCache",
         "PrivateData=cloud",
         # Compute nodes fetch slurm.conf, gres.conf, cgroup.conf and plugstack.conf from the controller
-        # (slurmd --conf-server), so they never drift. A node's address is the one it registers from (cloud_reg_addrs,
-        # as slurm-gcp does): the resume program need not ask EC2 for it. A node whose memory reads up to a quarter
-        # under RealMemory still
+        # (slurmd --conf-server), so they never drift. A cloud node's address is the one it registers from (Slurm
+        # 23.11 does this for every cloud node): the resume program need not ask EC2 for it. A node whose memory reads
+        # up to a quarter under RealMemory still
         # registers instead of being drained (the CLOUD default is 90%, a node outside power saving 100%). The power
         # saving thread acts at most every 30 s: nodes asked for in a burst of jobs resume in one call, one CreateFleet
         # (ParallelCluster's settings).
-        "SlurmctldParameters=enable_configless,idle_on_node_suspend,cloud_reg_addrs,node_reg_mem_percent=75,"
+        "SlurmctldParameters=enable_configless,idle_on_node_suspend,"
+        f"{'cloud_reg_addrs,' if layout.cloud_reg_addrs else ''}node_reg_mem_percent=75,"
         f"power_save_min_interval={layout.power_save_min_interval}",
         # ParallelCluster's timeouts. Messages may wait a minute for a controller busy with a burst of registrations
         # (default 10 s); a node that stopped answering, such as a reclaimed spot instance, is set DOWN after 3 minutes

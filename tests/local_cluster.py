@@ -14,6 +14,8 @@ What this machine forces, and stands in for it:
   instance-profile credentials); the node image's Python finds boto3 and the AWS endpoints through one .pth file;
 - no block device or Lustre: the head's state volume is a loop device behind its EBS by-id name, /fsx a directory
   shared by all nodes (mounted before the boot, so the bootstrap finds it mounted);
+- Debian's Slurm 22.05, not the images' 23.11: slurm.conf asks for cloud_reg_addrs (a node's address from its
+  registration), which 23.11 always does;
 - one host for all nodes: the Slurm ports differ per node (SlurmLayout.node_port_base), slurmd reports the configured
   CPUs and GPUs (`config_overrides`, /dev/null as each GPU device), no cgroup plugins (this machine's cgroups are not
   Slurm's to use), and compute nodes boot in a time namespace of their own (slurmctld ignores a node whose boot time
@@ -443,7 +445,7 @@ class LocalCluster:
         self.layout = slurm.SlurmLayout(controller_port=ports, node_port=ports + 1, dbd_port=ports + 2,
                                         node_port_base=ports + 3, dev_dir=str(self.dev_dir), simulated_hardware=True,
                                         cgroups=False, power_save_min_interval=0,
-                                        suspend_timeout=5)
+                                        suspend_timeout=5, cloud_reg_addrs=True)
         self._devices()
         self.fsx = self.root / "fsx"
         self.fsx.mkdir()

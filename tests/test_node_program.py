@@ -132,6 +132,19 @@ def refuse_market(ec2, market: str, code: str = "InsufficientInstanceCapacity") 
     ec2.create_fleet = create_fleet
 
 
+def test_a_resume_file_of_a_manual_power_up_has_no_jobs(ec2, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """`scontrol update state=power_up` (the reconciler's, for always-on nodes): Slurm writes an empty job list, and
+    null for fields without a value."""
+    config = make_config(ec2)
+    path = tmp_path / "resume.json"
+    path.write_text(json.dumps({"all_nodes_resume": "p5-od-[1-2]", "jobs": [
+        {"job_id": 5, "nodes_alloc": None, "nodes_resume": None, "extra": None, "features": None}]}))
+    assert node.job_nodes(config, ["p5-od-1", "p5-od-2"], str(path)) == {"5": []}
+    path.write_text(json.dumps({"all_nodes_resume": "p5-od-[1-2]", "jobs": []}))
+    result = node.resume(config, ec2, FakeSlurm(), "p5-od-[1-2]", str(path))
+    assert set(result.launched) == {"p5-od-1", "p5-od-2"}
+
+
 def test_two_coalesced_jobs_succeed_or_fail_on_their_own(ec2, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Slurm resumes the nodes of two jobs in one call; spot has no room. The spot job's nodes go DOWN (it is
     requeued); the on-demand job's nodes are launched."""
@@ -264,6 +277,9 @@ S = node.Status
     (view("DOWN+CLOUD", "ResumeTimeout reached", ago=700), S.RETRY),
     (view("DOWN+CLOUD", "gpucluster: configuration: fix the stack and pulumi up: InvalidSubnetID.NotFound: x",
           ago=9999), S.NEEDS_FIX),
+    # slurmctld appends its own reason to one already there ("old : new"): the configuration error still shows.
+    (view("DOWN+CLOUD", "Not responding : gpucluster: configuration: fix the stack and pulumi up: X", ago=9999),
+     S.NEEDS_FIX),
     (view("DOWN+CLOUD", "bad GPU, RMA", user="root", ago=9999), S.HELD),  # an admin's
     (view("IDLE+DRAIN+CLOUD", "Kill task failed", ago=9999, has_instance=True), S.HELD),
     (view("IDLE+CLOUD+FUTURE"), S.HEALTHY),

@@ -182,8 +182,7 @@ def test_cloud_parameters_and_timeouts() -> None:
     """What cloud nodes need from the controller (ParallelCluster's values), checked on Slurm 22.05 and 23.11."""
     settings = conf_settings(slurm.slurm_conf(load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")))
     assert set(settings["SlurmctldParameters"].split(",")) == {
-        "enable_configless", "idle_on_node_suspend", "cloud_reg_addrs", "node_reg_mem_percent=75",
-        "power_save_min_interval=30"}
+        "enable_configless", "idle_on_node_suspend", "node_reg_mem_percent=75", "power_save_min_interval=30"}
     assert settings["MessageTimeout"] == "60"
     assert settings["SlurmdTimeout"] == "180"
     assert settings["BatchStartTimeout"] == "180"
