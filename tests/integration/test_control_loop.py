@@ -1,6 +1,7 @@
 """The reconciler on the boot rehearsal's cluster (tests/local_cluster.py): always-on nodes powered up through Slurm and
-kept up, a node whose instance vanished returned to service, and a pass in the middle of a resume harmless. The
-rehearsal's timers do not fire: the tests start the reconciler's unit themselves, as its timer would."""
+kept up, and a node whose instance vanished returned to service (a pass in the middle of a resume is in
+test_scale_from_zero.py). The rehearsal's timers do not fire: the tests start the reconciler's unit themselves, as its
+timer would."""
 
 from __future__ import annotations
 
@@ -31,18 +32,3 @@ def test_always_on_node_is_powered_up_and_comes_back_after_its_instance_vanishes
     cluster.wait("always-1 to be powered up", lambda: "powering them up" in cluster.reconcile(), 60)
     cluster.wait("always-1 to come back", lambda: node_state(cluster, "always-1") == "idle", 120)
     assert cluster.instances()["always-1"] != first
-
-
-def test_a_reconcile_during_a_resume_terminates_nothing(cluster: LocalCluster) -> None:
-    job = cluster.run("sbatch", "--parsable", "-p", "standby", "-N", "2", "-o", "/dev/null",
-                      "--wrap", "srun hostname").strip()
-
-    def launched() -> set[str]:
-        return {i for i, pool in cluster.instances_by_id().items() if pool == "standby"}
-
-    cluster.wait("the job's instances to be launched", lambda: len(launched()) == 2, 60)
-    before = launched()
-    passes = [cluster.reconcile() for _ in range(3)]  # while the nodes boot and register (and always-1 powers up)
-    assert not any("terminating" in p or "DOWN" in p for p in passes), passes
-    assert ("head", "TerminateInstances") not in cluster.calls and launched() == before
-    cluster.wait(f"job {job} to complete", lambda: cluster.job_state(job) == "COMPLETED", 180)

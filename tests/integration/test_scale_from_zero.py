@@ -24,18 +24,29 @@ def submit(cluster: LocalCluster, *args: str) -> str:
 def test_two_node_job_scales_from_zero_and_back(cluster: LocalCluster) -> None:
     assert not cluster.instances()
     job = submit(cluster, "-p", "standby", "-N", "2", "--wrap", "srun bash -c 'echo ran on $SLURMD_NODENAME'")
+
+    def standby() -> set[str]:
+        return {i for i, pool in cluster.instances_by_id().items() if pool == "standby"}
+
+    cluster.wait("the job's instances to be launched", lambda: len(standby()) == 2, 60)
+    before = standby()
+    # Reconciler passes while the nodes boot and register (and always-1 is powered up) terminate nothing.
+    passes = [cluster.reconcile() for _ in range(3)]
+    assert not any("terminating" in p or "DOWN" in p for p in passes), passes
+    assert ("head", "TerminateInstances") not in cluster.calls and standby() == before
     cluster.wait(f"job {job} to complete", lambda: cluster.job_state(job) == "COMPLETED", 180)
     output = (cluster.root / f"job-{job}.out").read_text()
     assert "ran on standby-1" in output and "ran on standby-2" in output, output
-    # Each node was an instance launched for the job, recorded as its node, reached at its moto address.
-    launched = {node for node, _ in cluster.boots}
-    assert launched == {"standby-1", "standby-2"}
+    # Each node was an instance launched for the job (and the always-on one), recorded as its node, reached at its
+    # moto address.
+    assert {node for node, _ in cluster.boots} <= {"standby-1", "standby-2", "always-1"}
+    assert {"standby-1", "standby-2"} <= {node for node, _ in cluster.boots}
     addresses = cluster.run("sinfo", "--noheader", "-N", "-p", "standby", "--format=%N %o")
     assert all(line.split()[1].startswith("127.0.0.") for line in addresses.splitlines()), addresses
     # After SuspendTime idle seconds the suspend program terminates both instances.
-    cluster.wait("idle nodes to be suspended", lambda: not cluster.instances(), 120)
+    cluster.wait("idle nodes to be suspended", lambda: not {"standby-1", "standby-2"} & set(cluster.instances()), 120)
     ec2 = cluster.ec2()
-    launched_by_slurm = ec2.describe_instances(Filters=[{"Name": "tag-key", "Values": [POOL_TAG]}])
+    launched_by_slurm = ec2.describe_instances(Filters=[{"Name": f"tag:{POOL_TAG}", "Values": ["standby"]}])
     states = {i["State"]["Name"] for r in launched_by_slurm["Reservations"] for i in r["Instances"]}
     assert states == {"terminated"}
     # Powering down (idle%) for SuspendTimeout, then powered down (idle~): either way no instance, ready to resume.
