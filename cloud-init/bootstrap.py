@@ -144,12 +144,34 @@ def mounted(where: str) -> bool:
     return run("mountpoint", "-q", where, check=False).returncode == 0
 
 
-def mount_lustre(dns_name: str, mount_name: str, where: str = "/fsx") -> None:
+def mount_lustre(dns_name: str, mount_name: str, where: str = contract.SHARED_DIR) -> None:
     """The client comes with the node image (AWS's FSx Lustre repository); a missing client is a failed boot."""
     Path(where).mkdir(exist_ok=True)
     fstab_entry(f"{dns_name}@tcp:/{mount_name} {where} lustre defaults,relatime,flock,_netdev,x-systemd.automount 0 0")
     if not mounted(where):
         retry(f"mount {where}", lambda: run("mount", where))
+
+
+def shared_home(shared: Path = Path(contract.SHARED_HOME), home: Path = Path("/home"),
+                users: tuple[str, ...] = (contract.LOGIN_USER,)) -> None:
+    """Home directories on the Lustre file system, the same on the head and on every compute node, so that code,
+    venvs and job output in ~ are where the job runs (HyperPod does the same; ParallelCluster exports /home from its
+    head over NFS). /home is a bind mount of it (in fstab, after /fsx, for reboots). The login user's home is made
+    from /etc/skel the first time; `useradd -m` on the head then makes new users' homes there too."""
+    shared.mkdir(mode=0o755, exist_ok=True)
+    for user in users:
+        try:
+            account = pwd.getpwnam(user)
+        except KeyError:
+            continue
+        mine = shared / user
+        if not mine.exists():
+            shutil.copytree("/etc/skel", mine, symlinks=True)
+            run("chown", "-R", f"{account.pw_uid}:{account.pw_gid}", str(mine))
+            mine.chmod(0o750)
+    fstab_entry(f"{shared} {home} none bind,x-systemd.requires-mounts-for={contract.SHARED_DIR} 0 0")
+    if not mounted(str(home)):
+        run("mount", "--bind", str(shared), str(home))
 
 
 # --- head ------------------------------------------------------------------------------------------------------------
@@ -286,6 +308,7 @@ def head(s: ClusterSettings) -> None:
     update_timer()
     start(f"{contract.UPDATE_UNIT}.timer")
     mount_lustre(s.fsx_dns_name, s.fsx_mount_name)
+    shared_home()
     os.chmod("/fsx", 0o1777)  # like /tmp: every user may submit from and write into /fsx, only owners delete
     shutil.copytree(BUNDLE / "examples", "/fsx/examples", dirs_exist_ok=True)
 
@@ -411,10 +434,11 @@ def node_name(s: ClusterSettings, saved: Path = Path(contract.NODE_NAME_FILE), a
 
 
 def nccl_environment(efa: bool) -> str:
-    """Environment for NCCL jobs (aws-ofi-nccl >= 1.7, libfabric >= 1.18 as on the DLAMIs)."""
-    lines = ["export NCCL_SOCKET_IFNAME=^docker,lo,veth", "export NCCL_DEBUG=${NCCL_DEBUG:-WARN}"]
+    """NCCL/EFA settings for jobs (aws-ofi-nccl >= 1.7, libfabric >= 1.18 as on the DLAMIs), as NAME=value lines for
+    the TaskProlog (task_prolog.sh), which gives them to every task that does not set them itself."""
+    lines = ["NCCL_SOCKET_IFNAME=^docker,lo,veth", "NCCL_DEBUG=WARN"]
     if efa:
-        lines += ["export FI_PROVIDER=efa", "export FI_EFA_USE_HUGE_PAGE=0"]
+        lines += ["FI_PROVIDER=efa", "FI_EFA_USE_HUGE_PAGE=0"]
     return "\n".join(lines) + "\n"
 
 
@@ -465,10 +489,11 @@ def compute(s: ClusterSettings, env: dict[str, str]) -> None:
     name = node_name(s)
     set_hostname(name)
     pool = s.pools[env["GPUCLUSTER_POOL"]]
-    Path("/etc/profile.d/gpucluster-nccl.sh").write_text(nccl_environment(pool.efa_interfaces > 0))
+    Path(contract.NCCL_ENV_FILE).write_text(nccl_environment(pool.efa_interfaces > 0))
     # NCCL keeps its buffers in /dev/shm: allow most of the node's memory.
     run("mount", "-o", "remount,size=90%", "/dev/shm", check=False)
     mount_lustre(s.fsx_dns_name, s.fsx_mount_name)
+    shared_home()
     container_storage()
     metrics = gpu_metrics(pool.name, s.region)
     if metrics:

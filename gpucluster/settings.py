@@ -37,7 +37,9 @@ BUDGET_STATE_FILE = f"{STATE_DIR}/budget.json"  # written by the budget guardrai
 NODE_REGISTRY_DIR = f"{STATE_DIR}/nodes"
 NODE_REGISTRY = f"{NODE_REGISTRY_DIR}/instances.json"
 NODE_NAME_FILE = f"{ETC_DIR}/node-name"  # a compute instance's Slurm node name, learned at its first boot
-SLURM_CLIENT_CONF = f"{ETC_DIR}/slurm-client.conf"  # enough for scontrol to reach the controller before slurmd runs
+SLURM_CLIENT_CONF = f"{ETC_DIR}/slurm-client.conf"
+NCCL_ENV_FILE = f"{ETC_DIR}/nccl.env"  # a compute node's NCCL/EFA settings (NAME=value), for every job step
+TASK_PROLOG = f"{BUNDLE_DIR}/task_prolog.sh"  # Slurm's TaskProlog: puts NCCL_ENV_FILE into each task's environment  # enough for scontrol to reach the controller before slurmd runs
 IMAGE_MANIFEST = "/opt/gpucluster-image/manifest.json"  # written last by build_image.sh: the image is complete
 BOOT_UNIT = "gpucluster-boot.service"
 
@@ -49,7 +51,10 @@ POOL_TAG = "gpucluster:pool"  # on the instances, volumes and interfaces of a po
 
 # --- the cluster's network names and ports ---------------------------------------------------------------------------
 HEAD_HOSTNAME = "head"
-SLURM_USER = "slurm"  # SlurmUser: the daemons, the node programs and the reconciler run as it
+SLURM_USER = "slurm"
+LOGIN_USER = "ubuntu"  # the images' login user: in the team's Slurm account, its home on the shared file system
+SHARED_DIR = "/fsx"  # the Lustre file system, on every node
+SHARED_HOME = f"{SHARED_DIR}/home"  # bind-mounted at /home on every node: code, venvs and job output follow the job  # SlurmUser: the daemons, the node programs and the reconciler run as it
 SLURMCTLD_PORT = 6817
 SLURMD_PORT = 6818
 SLURMDBD_PORT = 6819

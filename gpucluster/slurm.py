@@ -137,7 +137,7 @@ def _node_line(pool: Pool, first_port: int | None) -> str:
 def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
     spec = stack.spec
     pools = spec.pools
-    settings = spec.slurm
+    timers = spec.slurm
     always_on = [hostlist(p.name, 1, p.min_nodes) for p in pools if p.min_nodes]
     gres_types = sorted({g.split(":")[0] for p in pools if (g := gres(p))})
     lines: list[str | None] = [
@@ -159,6 +159,8 @@ def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         "MpiDefault=none",
         f"ProctrackType=proctrack/{'cgroup' if layout.cgroups else 'linuxproc'}",
         f"TaskPlugin=task/affinity{',task/cgroup' if layout.cgroups else ''}",
+        # Every task gets the node's NCCL/EFA settings, batch scripts that read no profile too; the user's own win.
+        f"TaskProlog={settings.TASK_PROLOG}",
         "SchedulerType=sched/backfill",
         "SelectType=select/cons_tres",
         "SelectTypeParameters=CR_Core_Memory",
@@ -171,8 +173,8 @@ def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         f"ResumeProgram={layout.programs_dir}/resume",
         f"SuspendProgram={layout.programs_dir}/suspend",
         f"ResumeFailProgram={layout.programs_dir}/resume-fail",
-        f"ResumeTimeout={settings.resume_timeout_seconds}",
-        f"SuspendTime={settings.suspend_time_seconds}",
+        f"ResumeTimeout={timers.resume_timeout_seconds}",
+        f"SuspendTime={timers.suspend_time_seconds}",
         f"SuspendTimeout={layout.suspend_timeout}",
         "ResumeRate=0",
         "SuspendRate=0",

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Callable
 
 from gpucluster import slurm
-from gpucluster.settings import CLUSTER_TAG, NODE_REGISTRY, POOL_TAG
+from gpucluster.settings import CLUSTER_TAG, LOGIN_USER, NODE_REGISTRY, POOL_TAG
 from gpucluster.spec import Stack
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,6 +74,7 @@ def image_sdk(target: Path) -> Path:
             _link_or_copy(str(source), str(target / name))
     return target
 MOTO_ACCOUNT = "123456789012"
+LOGIN_UID = 1100  # the rehearsal image's login user, when this machine has none of that name
 SPARE_NODE_PORTS = 4  # for nodes of pools that a test's changed stack adds (LocalCluster.apply)
 IMAGE_AMI = "ami-12c6146b"  # one of moto's images
 
@@ -325,7 +326,8 @@ class RehearsalNode:
         return self.root / f"{d.strip('/').replace('/', '-')}.{part}"
 
     def _image(self) -> None:
-        """What the node image adds to this machine's packages: its manifest, its venv, boto3 for the system Python.
+        """What the node image adds to this machine's packages: its manifest, its venv, boto3 for the system Python,
+        its login user.
         The .pth file also points the AWS SDK at this node's moto front and metadata server (the seam for EC2)."""
         image = self._dir("/opt", "up") / "gpucluster-image"
         image.mkdir(parents=True, exist_ok=True)
@@ -333,6 +335,13 @@ class RehearsalNode:
         venv = image / "venv"
         if not venv.is_symlink():
             venv.symlink_to(Path(SITE_PACKAGES).parents[2])  # the test venv: pydantic for `gpucluster`, torch
+        # The images' login user, which this machine may lack (a uid of its own here; Ubuntu's is 1000).
+        for name, entry in (("passwd", f"{LOGIN_USER}:x:{LOGIN_UID}:{LOGIN_UID}::/home/{LOGIN_USER}:/bin/bash"),
+                            ("group", f"{LOGIN_USER}:x:{LOGIN_UID}:")):
+            target = self._dir("/etc", "up") / name
+            host = Path("/etc") / name
+            if not target.exists() and not any(line.split(":")[0] == LOGIN_USER for line in host.read_text().splitlines()):
+                target.write_text(host.read_text() + entry + "\n")
         dist = self._dir("/usr/local", "up") / "lib" / "python3.11" / "dist-packages"
         dist.mkdir(parents=True, exist_ok=True)
         (dist / "rehearsal.pth").write_text(

@@ -40,7 +40,7 @@ def test_hosts_entry_replaces_an_old_head_address(tmp_path: Path) -> None:
     assert hosts.read_text() == "127.0.0.1 localhost\n10.0.0.17 head\n"
 
 
-def test_nccl_environment_turns_on_efa_only_where_the_pool_has_it() -> None:
+def test_nccl_environment_turns_on_efa_only_where_the_pool_has_it() -> None:  # NAME=value lines for the TaskProlog
     assert "FI_PROVIDER=efa" in bootstrap.nccl_environment(efa=True)
     assert "FI_EFA_USE_HUGE_PAGE=0" in bootstrap.nccl_environment(efa=True)
     assert "FI_PROVIDER" not in bootstrap.nccl_environment(efa=False)
@@ -258,3 +258,41 @@ def test_conf_nodes_reads_every_node_of_slurm_conf() -> None:
     text = "ClusterName=c\nNodeName=p5-od-[1-3] CPUs=192 State=CLOUD\nNodeName=extra-1 CPUs=4 State=CLOUD\n" \
            "PartitionName=p5-od Nodes=p5-od-[1-3] State=UP\n"
     assert bootstrap.conf_nodes(text) == {"p5-od-1", "p5-od-2", "p5-od-3", "extra-1"}
+
+
+def task_prolog(tmp_path: Path, env_text: str, environment: dict[str, str]) -> str:
+    """The TaskProlog as slurmstepd runs it, reading its env file from a copy under tmp_path (the path it reads is
+    fixed: /etc/gpucluster/nccl.env, so the copy of the script is pointed there)."""
+    env_file = tmp_path / "nccl.env"
+    env_file.write_text(env_text)
+    script = tmp_path / "task_prolog.sh"
+    script.write_text((ROOT / "cloud-init" / "task_prolog.sh").read_text().replace(contract.NCCL_ENV_FILE, str(env_file)))
+    assert str(env_file) in script.read_text()
+    return subprocess.run(["sh", str(script)], env={"PATH": "/usr/bin:/bin", **environment}, capture_output=True,
+                          text=True, check=True).stdout
+
+
+def test_task_prolog_gives_each_task_the_nccl_settings_and_the_users_win(tmp_path: Path) -> None:
+    text = bootstrap.nccl_environment(efa=True)
+    printed = task_prolog(tmp_path, text, {"NCCL_DEBUG": "INFO"})
+    assert printed.splitlines() == ["export NCCL_SOCKET_IFNAME=^docker,lo,veth", "export FI_PROVIDER=efa",
+                                    "export FI_EFA_USE_HUGE_PAGE=0"]  # NCCL_DEBUG is the user's
+    assert task_prolog(tmp_path, text, {"NCCL_DEBUG": ""}).count("NCCL_DEBUG") == 0  # set, even empty: theirs
+
+
+def test_shared_home_makes_the_login_users_home_once_and_binds_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[tuple[str, ...]] = []
+    monkeypatch.setattr(bootstrap, "run", lambda *args, **kw: ran.append(args))
+    monkeypatch.setattr(bootstrap, "mounted", lambda where: False)
+    fstab = tmp_path / "fstab"
+    monkeypatch.setattr(bootstrap, "fstab_entry", lambda entry: fstab.write_text(fstab.read_text() + entry + "\n"
+                                                                              if fstab.exists() else entry + "\n"))
+    shared, home, me = tmp_path / "fsx-home", tmp_path / "home", pwd.getpwuid(os.getuid())
+    bootstrap.shared_home(shared, home, users=(me.pw_name, "no-such-user"))
+    assert (shared / me.pw_name).is_dir() and not (shared / "no-such-user").exists()
+    assert ("chown", "-R", f"{me.pw_uid}:{me.pw_gid}", str(shared / me.pw_name)) in ran
+    assert ("mount", "--bind", str(shared), str(home)) in ran
+    assert fstab.read_text() == f"{shared} {home} none bind,x-systemd.requires-mounts-for=/fsx 0 0\n"
+    (shared / me.pw_name / "work").write_text("kept")
+    bootstrap.shared_home(shared, home, users=(me.pw_name,))  # the next node, or a reboot: nothing made again
+    assert (shared / me.pw_name / "work").read_text() == "kept"

@@ -3,7 +3,10 @@ gpucluster-boot.service -> fetch_bundle.py -> bootstrap.py -> packaged units wit
 
 from __future__ import annotations
 
+import os
+
 from gpucluster import settings
+from gpucluster.settings import LOGIN_USER
 from local_cluster import LocalCluster
 
 
@@ -29,9 +32,19 @@ def test_head_runs_its_services_from_the_packaged_units_as_their_users(cluster: 
 def test_compute_nodes_boot_with_two_aws_calls_through_throttling(cluster: LocalCluster) -> None:
     # Parameter Store's shared rate is spent: more throttles than botocore's own retries absorb.
     cluster.throttle["GetParameters"] = 14
-    job = cluster.run("sbatch", "--parsable", "-p", "standby", "-N", "2", "-o", str(cluster.root / "job-%j.out"),
-                      "--wrap", "srun hostname").strip()
+    # The login user submits a plain batch script that sources nothing from the home directory on the head: it runs on
+    # the compute nodes (the same home there), writes its output back there, and every task has the node's NCCL
+    # settings (the TaskProlog), with the user's own NCCL_DEBUG winning over ours.
+    home = cluster.fsx / "home" / LOGIN_USER
+    script = home / "env.sbatch"
+    script.write_text("#!/bin/bash\nsrun bash -c 'echo \"task $(hostname) $NCCL_SOCKET_IFNAME $NCCL_DEBUG $PWD\"'\n")
+    os.chown(script, home.stat().st_uid, home.stat().st_gid)
+    job = head_shell(cluster, f"runuser -l {LOGIN_USER} -c 'NCCL_DEBUG=INFO sbatch --parsable -p standby -N 2 env.sbatch'").strip()
     cluster.wait(f"job {job} to complete", lambda: cluster.job_state(job) == "COMPLETED", 240)
+    output = home / f"slurm-{job}.out"
+    assert output.stat().st_uid == home.stat().st_uid  # written by the job, as the user, on a compute node
+    tasks = sorted(line for line in output.read_text().splitlines() if line.startswith("task"))
+    assert tasks == [f"task standby-{n} ^docker,lo,veth INFO /home/{LOGIN_USER}" for n in (1, 2)], tasks
     assert cluster.throttle["GetParameters"] == 0
     # The resume program (as slurm) logs beside the budget guardrail (as root), whichever started first: the log
     # belongs to slurm (a root-owned one, made by the guardrail's first line, silenced the resume program).
