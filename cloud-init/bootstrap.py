@@ -169,7 +169,8 @@ def shared_home(shared: Path = Path(contract.SHARED_HOME), home: Path = Path("/h
             shutil.copytree("/etc/skel", mine, symlinks=True)
             run("chown", "-R", f"{account.pw_uid}:{account.pw_gid}", str(mine))
             mine.chmod(0o750)
-    fstab_entry(f"{shared} {home} none bind,x-systemd.requires-mounts-for={contract.SHARED_DIR} 0 0")
+    # _netdev and nofail, like /fsx: a Lustre that is slow to come back must not hold a reboot in emergency mode.
+    fstab_entry(f"{shared} {home} none bind,_netdev,nofail,x-systemd.requires-mounts-for={contract.SHARED_DIR} 0 0")
     if not mounted(str(home)):
         run("mount", "--bind", str(shared), str(home))
 
@@ -221,8 +222,10 @@ def slurm_files() -> int:
     node_log = Path(contract.NODE_LOG)
     node_log.touch()
     shutil.chown(node_log, "slurm", "slurm")
-    for service in ("slurmctld.service", "slurmdbd.service"):
-        drop_in(service, ON_STATE_VOLUME + SLURM_RUNTIME)
+    drop_in("slurmdbd.service", ON_STATE_VOLUME + SLURM_RUNTIME)
+    # A restart (a changed stack) must not kill resume and suspend programs under way: Slurm lets them outlive
+    # slurmctld, systemd's default kills the whole control group.
+    drop_in("slurmctld.service", ON_STATE_VOLUME + SLURM_RUNTIME + "KillMode=process\n")
     return next(int(line.split("=", 1)[1]) for line in dbd.read_text().splitlines() if line.startswith("DbdPort="))
 
 
@@ -315,7 +318,10 @@ def head(s: ClusterSettings) -> None:
 
 # --- the head: a changed stack applied in place ------------------------------------------------------------------------
 
-REMOVED_REASON = "gpucluster: removed from the stack by pulumi up"
+# Under the node programs' configuration prefix: the reconciler leaves such a node DOWN.
+REMOVED_REASON = "gpucluster: configuration: removed from the stack by pulumi up"
+RESTART_PENDING = Path(contract.ETC_DIR) / "slurmctld-restart-pending"  # node definitions changed, not yet restarted
+BUSY = {"ALLOCATED", "MIXED", "COMPLETING", "POWER_UP", "POWERING_UP"}  # a job has it, or it is being launched
 
 
 def update_timer(systemd: Path = SYSTEMD) -> None:
@@ -350,14 +356,18 @@ def slurm_states() -> dict[str, set[str]]:
 
 def retire(nodes: list[str], states: dict[str, set[str]]) -> list[str]:
     """Nodes the new configuration drops go first: drained, so no job lands on them, and powered down once their jobs
-    end (the suspend program terminates their instances). Returns those not powered down yet."""
-    busy = [n for n in nodes if n in states and ("POWERED_DOWN" not in states[n] or "POWERING_UP" in states[n])]
-    idle_down = [n for n in busy if "DOWN" in states[n] and not states[n] & {"POWER_DOWN", "POWERING_DOWN"}]
-    to_drain = [n for n in busy if n not in idle_down and not states[n] & {"POWER_DOWN", "POWERING_DOWN", "DRAIN"}]
-    if idle_down:  # DOWN nodes run no job
-        run("scontrol", "update", f"nodename={','.join(idle_down)}", "state=power_down_force")
-    if to_drain:
-        run("scontrol", "update", f"nodename={','.join(to_drain)}", "state=power_down_asap", f"reason={REMOVED_REASON}")
+    end (the suspend program terminates their instances); once off, set DOWN so that nothing wakes them before the
+    new configuration is in. Returns those not done yet."""
+    busy = [n for n in nodes if n in states and ("POWERED_DOWN" not in states[n] or states[n] & BUSY)]
+    off = [n for n in nodes if n in states and n not in busy and "DOWN" not in states[n]]
+    down = [n for n in busy if "DOWN" in states[n] and not states[n] & {"POWER_DOWN", "POWERING_DOWN"}]
+    drain = [n for n in busy if n not in down and not states[n] & {"POWER_DOWN", "POWERING_DOWN"}]
+    if off:
+        run("scontrol", "update", f"nodename={','.join(off)}", "state=down", f"reason={REMOVED_REASON}")
+    if down:  # DOWN nodes run no job
+        run("scontrol", "update", f"nodename={','.join(down)}", "state=power_down_force")
+    if drain:
+        run("scontrol", "update", f"nodename={','.join(drain)}", "state=power_down_asap", f"reason={REMOVED_REASON}")
     return busy
 
 
@@ -376,11 +386,14 @@ def update(s: ClusterSettings) -> bool:
         log.info("waiting for %s, which the stack drops, to finish their jobs and power down",
                  compress_hostlist(waiting))
         return False
+    if node_lines(old) != node_lines(new):
+        RESTART_PENDING.touch()  # kept until the restart worked: the next tick compares the new files with themselves
     slurm_files()
     node_programs()
-    if node_lines(old) != node_lines(new):
+    if RESTART_PENDING.exists():
         run("systemctl", "restart", "slurmctld")
         retry("slurmctld to answer", controller_up, attempts=8, delay=0.5)
+        RESTART_PENDING.unlink()
     run("scontrol", "reconfigure")
     run("sh", str(BUNDLE / "accounting.sh"))
     if s.budget is not None:

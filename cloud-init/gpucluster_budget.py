@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from gpucluster_node import REASON_PREFIX, Slurm, parse_oneliner, setup_logging
+from gpucluster_node import REASON_PREFIX, Slurm, always_on_nodes, parse_oneliner, setup_logging
 from gpucluster.settings import BudgetSettings, ClusterSettings  # the bundle's lib/, on the path since gpucluster_node
 
 BUDGET_PREFIX = f"{REASON_PREFIX} budget"
@@ -107,16 +107,18 @@ class SlurmQueue(Slurm):
     def set_admin_comment(self, job: str, text: str) -> None:
         self._run("update", f"jobid={job}", f"admincomment={text}")
 
-    def power_down_idle(self) -> list[str]:
-        """Nodes that are up and idle: powered down now (Slurm calls the suspend program), not after SuspendTime."""
-        idle = [n["NodeName"] for n in self.nodes() if _idle_and_up(n.get("State", ""))]
+    def power_down_idle(self, keep: set[str]) -> list[str]:
+        """Nodes that are up and idle: powered down now (Slurm calls the suspend program), not after SuspendTime.
+        `keep`: the always-on nodes, which the team chose to keep running (a power-down request would override
+        SuspendExcNodes)."""
+        idle = [n["NodeName"] for n in self.nodes() if _idle_and_up(n.get("State", "")) and n["NodeName"] not in keep]
         if idle:
             self._run("update", f"nodename={','.join(idle)}", "state=power_down")
         return idle
 
 
 def _idle_and_up(state: str) -> bool:
-    """An idle cloud node that is up. Always-on nodes (not CLOUD) are left running: the team chose to keep them."""
+    """An idle cloud node that is up."""
     flags = set(state.split("+"))
     return {"IDLE", "CLOUD"} <= flags and not flags & {"POWERED_DOWN", "POWERING_DOWN", "POWERING_UP", "DOWN", "COMPLETING"}
 
@@ -203,7 +205,7 @@ class Guardrail:
         for job, current in self.slurm.pending_jobs().items():
             if current != comment:
                 self.slurm.set_admin_comment(job, comment)
-        released = self.slurm.power_down_idle()
+        released = self.slurm.power_down_idle(keep=always_on_nodes(self.config))
         if released:
             log.info("budget closed: powering down idle node(s) %s", ",".join(released))
 

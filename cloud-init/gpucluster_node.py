@@ -30,6 +30,7 @@ import re
 import subprocess
 import sys
 import time
+import uuid
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -50,7 +51,7 @@ CONFIGURATION_PREFIX = f"{REASON_PREFIX} configuration"
 SCONTROL_BATCH = 200  # nodes per scontrol update
 # A hung slurmctld must not hang the program: Slurm kills a ResumeProgram only after ResumeTimeout, with nodes half set.
 SCONTROL_TIMEOUT = 60
-DESCRIBE_BATCH = 500  # instance ids per DescribeInstances
+DESCRIBE_BATCH = 200  # instance ids per DescribeInstances filter (EC2 takes at most 200 values per filter)
 TERMINATE_BATCH = 1000  # instance ids per TerminateInstances
 MAX_RETRY_SECONDS = 3600  # the backoff of a node that keeps failing stops doubling here
 # EC2 answers that mean "not now, try elsewhere or later" rather than "this request is wrong".
@@ -278,7 +279,8 @@ def launch_group(config: ClusterSettings, ec2, pool: PoolSettings, group: Launch
 
     batch = list(group.nodes)
     try:
-        response = ec2.create_fleet(**_fleet_request(config, pool, len(batch), group.whole))
+        # The token makes botocore's own retries of a timed-out call idempotent: never a second fleet for it.
+        response = ec2.create_fleet(**_fleet_request(config, pool, len(batch), group.whole), ClientToken=str(uuid.uuid4()))
     except ClientError as exc:
         error = exc.response.get("Error", {})
         reason = _reason(error.get("Code", "Unknown"), error.get("Message", str(exc)))
@@ -380,10 +382,12 @@ def _record(config: ClusterSettings, launched: dict[str, str]) -> None:
             state.instances.update({n: {"instance": i, "launched": now} for n, i in launched.items()})
 
 
-def _forget(config: ClusterSettings, nodes: Iterable[str]) -> list[str]:
-    """Drop the nodes from the registry; returns their instances."""
+def _forget(config: ClusterSettings, nodes: Iterable[str], seen: dict[str, str] | None = None) -> list[str]:
+    """Drop the nodes from the registry; returns their instances. With `seen` (node -> instance, as a reconciler pass
+    saw them), only entries still naming that instance: a resume that ran meanwhile keeps its fresh one."""
     with registry(config) as state:
-        return [state.instances.pop(n)["instance"] for n in nodes if n in state.instances]
+        return [state.instances.pop(n)["instance"] for n in nodes
+                if n in state.instances and (seen is None or state.instances[n]["instance"] == seen.get(n))]
 
 
 def _group(reasons: dict[str, str]) -> dict[str, list[str]]:
@@ -419,13 +423,16 @@ def suspend(config: ClusterSettings, ec2, slurm: Slurm, hostlist: str) -> list[s
 
 
 def resume_fail(config: ClusterSettings, ec2, slurm: Slurm, hostlist: str) -> list[str]:  # type: ignore[no-untyped-def]
+    """Nodes Slurm gave up on at ResumeTimeout. Only those the resume program launched are set DOWN with this reason:
+    the others were set DOWN by it already, with EC2's reason (a configuration error's fix must stay visible)."""
     nodes = expand_hostlist(hostlist)
-    ids = _forget(config, nodes)
+    with registry(config) as state:
+        launched = {n: state.instances.pop(n)["instance"] for n in nodes if n in state.instances}
     log.error("resume failed for %s (never registered): terminating %s", compress_hostlist(nodes),
-              ",".join(ids) or "nothing")
-    terminate(ec2, ids)
-    slurm.set_down(nodes, f"{REASON_PREFIX} launch failed: node did not register before ResumeTimeout")
-    return ids
+              ",".join(launched.values()) or "nothing")
+    terminate(ec2, list(launched.values()))
+    slurm.set_down(sorted(launched), f"{REASON_PREFIX} launch failed: node did not register before ResumeTimeout")
+    return list(launched.values())
 
 
 # --- the reconciler: classify, then act -------------------------------------------------------------------------------
@@ -482,7 +489,7 @@ def classify(node: NodeView, now: float, retry_base: int) -> Status:
         if CONFIGURATION_PREFIX in node.reason:  # slurmctld appends its own reasons to one already there: "old : new"
             return Status.NEEDS_FIX
         return Status.RETRY if now - node.reason_time >= retry_delay(node.failures, retry_base) else Status.BACKING_OFF
-    if flags & {"POWERING_UP", "POWERING_DOWN", "POWER_DOWN"}:
+    if flags & {"POWERING_UP", "POWERING_DOWN", "POWER_DOWN", "POWER_UP"}:  # asked for, or under way
         return Status.CHANGING
     if "POWERED_DOWN" in flags:
         if node.has_instance:
@@ -512,29 +519,37 @@ def reconcile(config: ClusterSettings, ec2, slurm: Slurm, now: float | None = No
     instances = cluster_instances(config, ec2)
     state = read_registry(config)
     always_on = always_on_nodes(config)
+    records = slurm.nodes()
     views = [NodeView.from_slurm(record, always_on=record["NodeName"] in always_on,
                                  has_instance=state.instances.get(record["NodeName"], {}).get("instance") in instances,
                                  failures=state.failures.get(record["NodeName"], 0))
-             for record in slurm.nodes() if pool_of(record["NodeName"]) in config.pools]
+             for record in records if pool_of(record["NodeName"]) in config.pools]
     by_status: dict[Status, list[str]] = defaultdict(list)
     for view in views:
         by_status[classify(view, now, config.capacity_retry_seconds)].append(view.name)
     stray = orphans(instances, set(state.owner()), now, config.orphan_grace_seconds)
+    # Entries for nodes Slurm no longer has (a stack that dropped them, applied by a new head): their instances are
+    # nobody's, past the same grace.
+    known = {record["NodeName"] for record in records}  # a pool the new settings drop may still be draining
+    gone = [n for n, e in state.instances.items()
+            if n not in known and now - e.get("launched", 0) >= config.orphan_grace_seconds]
+    seen = {n: e["instance"] for n, e in state.instances.items()}
     done: dict[str, list[str]] = {}
 
     def act(what: str, nodes: list[str], action: Callable[[list[str]], object]) -> None:
         if not nodes:
             return
         try:
-            action(nodes)
-            done[what] = sorted(nodes)
+            if action(nodes) is not False:
+                done[what] = sorted(nodes)
         except Exception:  # the next pass tries again; the other actions of this pass still run
             log.exception("reconcile: %s %s failed", what, compress_hostlist(nodes))
 
     act("terminated", stray, lambda ids: _terminate_orphans(ec2, ids))
-    act("leftover", by_status[Status.LEFTOVER], lambda nodes: terminate(ec2, _forget(config, nodes)))
+    act("forgotten", gone, lambda nodes: _terminate_orphans(ec2, _forget(config, nodes, seen)))
+    act("leftover", by_status[Status.LEFTOVER], lambda nodes: terminate(ec2, _forget(config, nodes, seen)))
     act("down", by_status[Status.LOST], lambda nodes: _set_lost(slurm, nodes))
-    act("retried", by_status[Status.RETRY], lambda nodes: _return_to_service(config, ec2, slurm, nodes))
+    act("retried", by_status[Status.RETRY], lambda nodes: _return_to_service(config, ec2, slurm, nodes, seen))
     act("powered up", by_status[Status.POWER_UP], lambda nodes: _power_up(config, slurm, nodes))
     healthy_up = [v.name for v in views if classify(v, now, config.capacity_retry_seconds) is Status.HEALTHY
                   and v.has_instance and v.failures]
@@ -546,8 +561,9 @@ def reconcile(config: ClusterSettings, ec2, slurm: Slurm, now: float | None = No
 
 
 def _terminate_orphans(ec2, ids: list[str]) -> None:  # type: ignore[no-untyped-def]
-    log.warning("instance(s) %s belong to no node (past their launch grace): terminating", ",".join(ids))
-    terminate(ec2, ids)
+    if ids:
+        log.warning("instance(s) %s belong to no node (past their launch grace): terminating", ",".join(ids))
+        terminate(ec2, ids)
 
 
 def _set_lost(slurm: Slurm, nodes: list[str]) -> None:
@@ -555,10 +571,11 @@ def _set_lost(slurm: Slurm, nodes: list[str]) -> None:
     slurm.set_down(nodes, f"{REASON_PREFIX} instance vanished (spot reclaim or terminated outside Slurm)")
 
 
-def _return_to_service(config: ClusterSettings, ec2, slurm: Slurm, nodes: list[str]) -> None:  # type: ignore[no-untyped-def]
+def _return_to_service(config: ClusterSettings, ec2, slurm: Slurm, nodes: list[str],  # type: ignore[no-untyped-def]
+                       seen: dict[str, str]) -> None:
     """Terminate what is left of the nodes' instances and power them down: idle~, ready for the next job (or, for an
     always-on node, for the next pass to power it up). Counts the attempt, so the next one waits twice as long."""
-    ids = _forget(config, nodes)
+    ids = _forget(config, nodes, seen)
     log.info("node(s) %s: returning to service (terminating %s)", compress_hostlist(nodes), ",".join(ids) or "nothing")
     terminate(ec2, ids)
     with registry(config) as state:
@@ -567,13 +584,14 @@ def _return_to_service(config: ClusterSettings, ec2, slurm: Slurm, nodes: list[s
     slurm.power_down(nodes)
 
 
-def _power_up(config: ClusterSettings, slurm: Slurm, nodes: list[str]) -> None:
+def _power_up(config: ClusterSettings, slurm: Slurm, nodes: list[str]) -> bool:
     if budget_closed(config):
         log.warning("always-on node(s) %s are off: not powering up, the budget guardrail has closed the cluster",
                     compress_hostlist(nodes))
-        raise RuntimeError("budget closed")
+        return False
     log.info("always-on node(s) %s are off: powering them up", compress_hostlist(nodes))
     slurm.power_up(nodes)
+    return True
 
 
 def _clear_failures(config: ClusterSettings, nodes: list[str]) -> None:

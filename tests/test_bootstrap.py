@@ -234,8 +234,13 @@ def test_the_fetcher_and_the_bootstrap_agree_on_what_was_applied(tmp_path: Path)
 
 
 @pytest.mark.parametrize("states,commands,waiting", [
-    # Powered down (idle~, or DOWN and powered down): gone at once.
-    ({"x-1": {"IDLE", "CLOUD", "POWERED_DOWN"}, "x-2": {"DOWN", "CLOUD", "POWERED_DOWN"}}, [], []),
+    # Powered down: done at once; one still schedulable is set DOWN so that no job wakes it meanwhile.
+    ({"x-1": {"IDLE", "CLOUD", "POWERED_DOWN"}, "x-2": {"DOWN", "CLOUD", "POWERED_DOWN"}},
+     [("nodename=x-1", "state=down")], []),
+    # A job was just placed on a powered-down node (it is not powering up yet): busy.
+    ({"x-1": {"ALLOCATED", "CLOUD", "POWERED_DOWN"}}, [("nodename=x-1", "state=power_down_asap")], ["x-1"]),
+    # Drained by an admin while busy: still powered down once its jobs end.
+    ({"x-1": {"MIXED", "CLOUD", "DRAIN"}}, [("nodename=x-1", "state=power_down_asap")], ["x-1"]),
     # Running a job: drained and powered down once the job ends; waited for.
     ({"x-1": {"ALLOCATED", "CLOUD"}}, [("nodename=x-1", "state=power_down_asap")], ["x-1"]),
     # Already on its way: nothing more to ask; waited for.
@@ -251,7 +256,7 @@ def test_nodes_a_stack_drops_are_retired_before_they_go(states: dict[str, set[st
     monkeypatch.setattr(bootstrap, "run", lambda *args, **kw: ran.append(args))
     assert bootstrap.retire(sorted(states), states) == waiting
     assert [call[2:4] for call in ran] == commands
-    assert all(call[-1] == f"reason={bootstrap.REMOVED_REASON}" for call in ran if "state=power_down_asap" in call)
+    assert all(call[-1] == f"reason={bootstrap.REMOVED_REASON}" for call in ran if "state=power_down_force" not in call)
 
 
 def test_conf_nodes_reads_every_node_of_slurm_conf() -> None:
@@ -292,7 +297,7 @@ def test_shared_home_makes_the_login_users_home_once_and_binds_it(tmp_path: Path
     assert (shared / me.pw_name).is_dir() and not (shared / "no-such-user").exists()
     assert ("chown", "-R", f"{me.pw_uid}:{me.pw_gid}", str(shared / me.pw_name)) in ran
     assert ("mount", "--bind", str(shared), str(home)) in ran
-    assert fstab.read_text() == f"{shared} {home} none bind,x-systemd.requires-mounts-for=/fsx 0 0\n"
+    assert fstab.read_text() == f"{shared} {home} none bind,_netdev,nofail,x-systemd.requires-mounts-for=/fsx 0 0\n"
     (shared / me.pw_name / "work").write_text("kept")
     bootstrap.shared_home(shared, home, users=(me.pw_name,))  # the next node, or a reboot: nothing made again
     assert (shared / me.pw_name / "work").read_text() == "kept"

@@ -448,3 +448,25 @@ def test_main_survives_a_failing_scontrol_in_its_fallback(ec2, tmp_path: Path,  
     assert node.main(["resume", "p5-od-[1-2]"]) == 1  # resume failed, and so did the fallback's set_down
     assert "could not set p5-od-[1-2] DOWN after the failure" in caplog.text
     assert "stderr: Unable to contact slurm controller" in caplog.text
+
+
+def test_instances_of_nodes_slurm_no_longer_has_are_terminated_after_the_grace(ec2) -> None:  # type: ignore[no-untyped-def]
+    """A stack that dropped nodes, applied by a new head: the registry still names their instances, Slurm does not
+    list the nodes. A node Slurm still lists (a dropped pool draining) keeps its instance."""
+    config = make_config(ec2, orphan_grace_seconds=300)
+    launched = node.resume(config, ec2, FakeSlurm(), "p5-od-[1-2]").launched
+    draining = FakeSlurm([{"NodeName": "p5-od-2", "State": "ALLOCATED+CLOUD"}])  # p5-od-1 is gone from slurm.conf
+    assert "forgotten" not in node.reconcile(config, ec2, draining)  # within the grace: perhaps a resume under way
+    done = node.reconcile(config, ec2, draining, now=time.time() + 301)
+    assert done.get("forgotten") == ["p5-od-1"]
+    assert set(live(config, ec2)) == {"p5-od-2"} and launched["p5-od-1"] not in node.cluster_instances(config, ec2)
+
+
+def test_resume_fail_keeps_the_reason_of_nodes_it_never_launched(ec2) -> None:  # type: ignore[no-untyped-def]
+    """At ResumeTimeout Slurm also calls resume-fail for nodes the resume program set DOWN with EC2's reason (a
+    configuration error's fix must stay on them)."""
+    config, slurm = make_config(ec2), FakeSlurm()
+    launched = node.resume(config, ec2, FakeSlurm(), "p5-od-1").launched
+    assert node.resume_fail(config, ec2, slurm, "p5-od-[1-2]") == [launched["p5-od-1"]]
+    (down,) = slurm.updates()
+    assert down[1] == "nodename=p5-od-1" and not node.cluster_instances(config, ec2)
