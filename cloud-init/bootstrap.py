@@ -77,9 +77,11 @@ def ensure_image(role: str, manifest: Path = Path(contract.IMAGE_MANIFEST)) -> N
 # --- systemd ---------------------------------------------------------------------------------------------------------
 
 def unit(description: str, section: str, body: list[str], after: str = "",
-         wanted_by: str | None = "multi-user.target") -> str:
-    """A systemd unit file: [Unit], the [Service] or [Timer] section, and [Install] when it is enabled on its own."""
+         wanted_by: str | None = "multi-user.target", ordered_after: str = "") -> str:
+    """A systemd unit file: [Unit], the [Service] or [Timer] section, and [Install] when it is enabled on its own.
+    `after`: a unit it needs and starts after; `ordered_after`: one it only waits for when both are starting."""
     lines = ["[Unit]", f"Description={description}"] + ([f"After={after}", f"Wants={after}"] if after else [])
+    lines += [f"After={ordered_after}"] if ordered_after else []
     lines += ["", f"[{section}]", *body]
     if wanted_by:
         lines += ["", "[Install]", f"WantedBy={wanted_by}"]
@@ -330,7 +332,8 @@ def update_timer(systemd: Path = SYSTEMD) -> None:
     (systemd / f"{contract.UPDATE_UNIT}.service").write_text(unit(
         "gpucluster: apply a changed stack (pulumi up) on the running head", "Service",
         ["Type=oneshot", f"ExecStart=/usr/bin/python3 {contract.LIB_DIR}/cloud-init/fetch_bundle.py "
-                         f"{contract.NODE_ENV_FILE} --update {contract.APPLIED_FILE}"], wanted_by=None))
+                         f"{contract.NODE_ENV_FILE} --update {contract.APPLIED_FILE}"], wanted_by=None,
+        ordered_after=contract.BOOT_UNIT))  # never beside a boot's own bootstrap
     (systemd / f"{contract.UPDATE_UNIT}.timer").write_text(unit(
         "gpucluster: look for a changed stack every minute", "Timer", ["OnActiveSec=60s", "OnUnitActiveSec=60s"],
         wanted_by="timers.target"))

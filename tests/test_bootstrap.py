@@ -215,6 +215,8 @@ def test_update_units_are_ones_systemd_accepts_and_look_every_minute(tmp_path: P
     said = done.stdout + done.stderr
     assert done.returncode == 0 and contract.UPDATE_UNIT not in said, said
     assert "OnUnitActiveSec=60s" in timer.read_text()
+    # Ordered after the boot unit (a reboot's bootstrap and an update never run together), without starting it.
+    assert f"After={contract.BOOT_UNIT}" in service.read_text() and "Wants=" not in service.read_text()
     assert f"fetch_bundle.py {contract.NODE_ENV_FILE} --update {contract.APPLIED_FILE}" in service.read_text()
     assert f"ExecStart=/usr/bin/python3 {contract.LIB_DIR}/cloud-init/fetch_bundle.py" in service.read_text()  # the bundle's
 
