@@ -8,6 +8,5 @@ first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 first_addr=$(scontrol show node "$first" | sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p')
 gpus=${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-1}}
 gpus=${gpus##*:}  # --gpus-per-node may carry a type (h100:8)
-[ -f /etc/profile.d/gpucluster-nccl.sh ] && . /etc/profile.d/gpucluster-nccl.sh  # EFA/NCCL settings of the pool
 exec srun --kill-on-bad-exit=1 bash -c "exec torchrun --nnodes=$SLURM_NNODES --node-rank=\$SLURM_NODEID \
   --nproc-per-node=$gpus --master-addr=$first_addr --master-port=29500 $script $*"
