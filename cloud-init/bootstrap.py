@@ -260,6 +260,15 @@ def budget_guardrail(systemd: Path = SYSTEMD, sbin: Path = Path("/usr/local/sbin
         [f"ExecStart={command} run", "Restart=always", "RestartSec=30"], after="slurmctld.service"))
 
 
+def node_names(systemd: Path = SYSTEMD) -> None:
+    """The service that publishes registered nodes' names and addresses (gpucluster_hosts.py): as root, for the head's
+    /etc/hosts; it waits for slurmctld, and retries while /fsx is not there yet (a reboot)."""
+    (systemd / "gpucluster-hosts.service").write_text(unit(
+        "gpucluster: node names that resolve (/etc/hosts and the shared hosts file)", "Service",
+        [f"ExecStart=/usr/bin/python3 {contract.HOSTS_PROGRAM} publish", "Restart=always", "RestartSec=5"],
+        after="slurmctld.service"))
+
+
 def command_line(bin_dir: Path = Path("/usr/local/bin")) -> None:
     """`gpucluster cost|render|preflight` for the admins, from the library and stack file in the bundle and the
     image's venv (pydantic)."""
@@ -314,7 +323,9 @@ def head(s: ClusterSettings) -> None:
     start(f"{contract.UPDATE_UNIT}.timer")
     mount_lustre(s.fsx_dns_name, s.fsx_mount_name)
     shared_home()
-    os.chmod("/fsx", 0o1777)  # like /tmp: every user may submit from and write into /fsx, only owners delete
+    os.chmod("/fsx", 0o1777)
+    node_names()
+    start("gpucluster-hosts.service")  # like /tmp: every user may submit from and write into /fsx, only owners delete
     shutil.copytree(BUNDLE / "examples", "/fsx/examples", dirs_exist_ok=True)
 
 

@@ -161,6 +161,10 @@ def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         f"TaskPlugin=task/affinity{',task/cgroup' if layout.cgroups else ''}",
         # Every task gets the node's NCCL/EFA settings, batch scripts that read no profile too; the user's own win.
         f"TaskProlog={settings.TASK_PROLOG}",
+        # Before a job starts, on each of its nodes: the names of the job's nodes resolve (/etc/hosts). Alloc: at the
+        # job's start on all its nodes, not at each node's first step.
+        f"Prolog={settings.HOSTS_PROGRAM}",
+        "PrologFlags=Alloc",
         "SchedulerType=sched/backfill",
         "SelectType=select/cons_tres",
         "SelectTypeParameters=CR_Core_Memory",

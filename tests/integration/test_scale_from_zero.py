@@ -23,7 +23,10 @@ def submit(cluster: LocalCluster, *args: str) -> str:
 
 def test_two_node_job_scales_from_zero_and_back(cluster: LocalCluster) -> None:
     assert not cluster.instances()
-    job = submit(cluster, "-p", "standby", "-N", "2", "--wrap", "srun bash -c 'echo ran on $SLURMD_NODENAME'")
+    # Each task resolves both nodes' names (the job's prolog) and its own host name is its node's.
+    job = submit(cluster, "-p", "standby", "-N", "2", "--wrap",
+                 "srun bash -c 'echo ran on $SLURMD_NODENAME as $(hostname) resolving $(getent hosts standby-1 "
+                 "standby-2 | wc -l)'")
 
     def standby() -> set[str]:
         return {i for i, pool in cluster.instances_by_id().items() if pool == "standby"}
@@ -36,7 +39,10 @@ def test_two_node_job_scales_from_zero_and_back(cluster: LocalCluster) -> None:
     assert ("head", "TerminateInstances") not in cluster.calls and standby() == before
     cluster.wait(f"job {job} to complete", lambda: cluster.job_state(job) == "COMPLETED", 180)
     output = (cluster.root / f"job-{job}.out").read_text()
-    assert "ran on standby-1" in output and "ran on standby-2" in output, output
+    assert "ran on standby-1 as standby-1 resolving 2" in output, output
+    assert "ran on standby-2 as standby-2 resolving 2" in output, output
+    cluster.wait("the head to resolve the nodes", lambda: cluster.head.enter(
+        "getent", "hosts", "standby-1", check=False).returncode == 0, 30)
     # Each node was an instance launched for the job (and the always-on one), recorded as its node, reached at its
     # moto address.
     assert {node for node, _ in cluster.boots} <= {"standby-1", "standby-2", "always-1"}
@@ -45,6 +51,9 @@ def test_two_node_job_scales_from_zero_and_back(cluster: LocalCluster) -> None:
     assert all(line.split()[1].startswith("127.0.0.") for line in addresses.splitlines()), addresses
     # After SuspendTime idle seconds the suspend program terminates both instances.
     cluster.wait("idle nodes to be suspended", lambda: not {"standby-1", "standby-2"} & set(cluster.instances()), 120)
+    # A node powered down is no longer a name anyone resolves.
+    cluster.wait("standby-1's name to go", lambda: cluster.head.enter(
+        "getent", "hosts", "standby-1", check=False).returncode == 2, 60)
     ec2 = cluster.ec2()
     launched_by_slurm = ec2.describe_instances(Filters=[{"Name": f"tag:{POOL_TAG}", "Values": ["standby"]}])
     states = {i["State"]["Name"] for r in launched_by_slurm["Reservations"] for i in r["Instances"]}

@@ -1,0 +1,139 @@
+#!/usr/bin/python3
+"""Node names that resolve: every node's Slurm name in /etc/hosts on the head and on the nodes of each job.
+
+Slurm knows each node's address once the node registers (Slurm 23.11 takes it from the registration). Two modes:
+- `gpucluster_hosts.py publish` (the head's gpucluster-hosts.service, every PUBLISH_SECONDS): the names and addresses
+  of the registered nodes into a hosts file on the shared file system, written by rename, and into the head's own
+  /etc/hosts. A node powered down leaves both, so its name stops resolving.
+- no argument (Slurm's Prolog on the compute nodes, as root, with PrologFlags=Alloc: on every node of a job before the
+  job starts): the shared file into this node's /etc/hosts, waiting until every node of the job is in it, so a job
+  script's `$(hostname)` rendezvous or `scontrol show hostnames` idiom resolves from its first line.
+Containers that pyxis starts see the host's /etc/hosts (enroot mounts it). One writer, readers only at job starts:
+it scales with the cluster, and a replaced head rebuilds the file from Slurm. Standard library only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
+from gpucluster.hostlist import compress_hostlist, expand_hostlist  # noqa: E402
+from gpucluster.settings import NODE_HOSTS_FILE  # noqa: E402
+
+BEGIN, END = "# gpucluster nodes: begin (written by gpucluster_hosts.py)", "# gpucluster nodes: end"
+PUBLISH_SECONDS = 2.0
+PROLOG_WAIT_SECONDS = 60  # a job starts anyway after this (its own tools may not need names), with a log line
+SCONTROL_TIMEOUT = 30
+IPV4 = re.compile(r"\d{1,3}(\.\d{1,3}){3}")
+log = logging.getLogger("gpucluster-hosts")
+
+
+def registered(scontrol_output: str) -> dict[str, str]:
+    """Node -> address for the nodes that are up with an address of their own (not powered down or going down)."""
+    found = {}
+    for line in scontrol_output.splitlines():
+        fields = dict(re.findall(r"(?:^| )(NodeName|NodeAddr|State)=(\S+)", line))
+        flags = set(fields.get("State", "").split("+"))
+        if IPV4.fullmatch(fields.get("NodeAddr", "")) and not flags & {"POWERED_DOWN", "POWERING_DOWN"}:
+            found[fields["NodeName"]] = fields["NodeAddr"]
+    return found
+
+
+def render(entries: dict[str, str]) -> str:
+    return "".join(f"{address} {name}\n" for name, address in sorted(entries.items()))
+
+
+def parse(text: str) -> dict[str, str]:
+    return {parts[1]: parts[0] for line in text.splitlines() if len(parts := line.split()) == 2}
+
+
+def with_block(hosts_text: str, entries: dict[str, str]) -> str:
+    """/etc/hosts with its gpucluster block replaced (the rest, the head's line included, kept as it is)."""
+    lines, inside = [], False
+    for line in hosts_text.splitlines():
+        if line == BEGIN:
+            inside = True
+        elif line == END:
+            inside = False
+        elif not inside:
+            lines.append(line)
+    return "\n".join(lines + [BEGIN] + render(entries).splitlines() + [END]) + "\n"
+
+
+def write_atomically(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(text)
+    os.chmod(temporary, 0o644)
+    os.replace(temporary, path)
+
+
+def update_hosts(entries: dict[str, str], hosts: Path = Path("/etc/hosts")) -> bool:
+    """/etc/hosts is replaced by rename where it is a file of its own; returns whether it changed."""
+    current = hosts.read_text()
+    new = with_block(current, entries)
+    if new == current:
+        return False
+    write_atomically(hosts, new)
+    return True
+
+
+def scontrol_nodes() -> str:
+    return subprocess.run(["scontrol", "show", "nodes", "--oneliner"], check=True, capture_output=True, text=True,
+                          timeout=SCONTROL_TIMEOUT).stdout
+
+
+def publish_once(shared: Path, hosts: Path, nodes: str) -> dict[str, str]:
+    entries = registered(nodes)
+    shared.parent.mkdir(parents=True, exist_ok=True)
+    if not shared.exists() or shared.read_text() != render(entries):
+        write_atomically(shared, render(entries))
+    update_hosts(entries, hosts)
+    return entries
+
+
+def publish(shared: Path = Path(NODE_HOSTS_FILE), hosts: Path = Path("/etc/hosts")) -> None:
+    known: dict[str, str] = {}
+    while True:
+        try:
+            entries = publish_once(shared, hosts, scontrol_nodes())
+            if entries != known:
+                log.info("%d node name(s) published: %s", len(entries), compress_hostlist(entries) or "none")
+                known = entries
+        except (OSError, subprocess.SubprocessError) as exc:  # slurmctld restarting, /fsx slow: the next round
+            log.warning("publishing node names failed: %s", exc)
+        time.sleep(PUBLISH_SECONDS)
+
+
+def prolog(job_nodes: list[str], shared: Path = Path(NODE_HOSTS_FILE), hosts: Path = Path("/etc/hosts"),
+           wait: float = PROLOG_WAIT_SECONDS, sleep=time.sleep) -> list[str]:  # type: ignore[no-untyped-def]
+    """Returns the job's nodes still missing when it gave up waiting (none, normally)."""
+    deadline = time.monotonic() + wait
+    while True:
+        entries = parse(shared.read_text()) if shared.exists() else {}
+        update_hosts(entries, hosts)
+        missing = [n for n in job_nodes if n not in entries]
+        if not missing or time.monotonic() >= deadline:
+            return missing
+        sleep(0.5)
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(levelname)s %(message)s", stream=sys.stderr)
+    if argv[1:] == ["publish"]:
+        publish()
+        return 0
+    job = os.environ.get("SLURM_JOB_ID", "?")
+    missing = prolog(expand_hostlist(os.environ.get("SLURM_JOB_NODELIST", "")))
+    if missing:  # never fail a prolog for it: Slurm would drain the node
+        log.warning("job %s starts with no address yet for %s", job, compress_hostlist(missing))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
