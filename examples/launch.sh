@@ -3,8 +3,9 @@
 # Used by the sbatch files here:  launch.sh SCRIPT [ARGS...]
 set -euo pipefail
 script=$1; shift
-# Rendezvous on the job's first node, by name (every node of the job resolves it: the cluster's prolog).
-first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# Rendezvous on this host, the job's first node (where the batch script runs), by name: every node of the job
+# resolves it (the cluster's prolog). `scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1` names it too.
+first=$(hostname)
 gpus=${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-1}}
 gpus=${gpus##*:}  # --gpus-per-node may carry a type (h100:8)
 exec srun --kill-on-bad-exit=1 bash -c "exec torchrun --nnodes=$SLURM_NNODES --node-rank=\$SLURM_NODEID \

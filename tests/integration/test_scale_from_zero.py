@@ -23,10 +23,12 @@ def submit(cluster: LocalCluster, *args: str) -> str:
 
 def test_two_node_job_scales_from_zero_and_back(cluster: LocalCluster) -> None:
     assert not cluster.instances()
-    # Each task resolves both nodes' names (the job's prolog) and its own host name is its node's.
+    # Each task's host name is its node's, and it resolves both nodes' names (the job's prolog), the first one as job
+    # scripts name it.
     job = submit(cluster, "-p", "standby", "-N", "2", "--wrap",
-                 "srun bash -c 'echo ran on $SLURMD_NODENAME as $(hostname) resolving $(getent hosts standby-1 "
-                 "standby-2 | wc -l)'")
+                 'first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1); '
+                 "srun bash -c \"echo ran on \\$SLURMD_NODENAME as \\$(hostname) resolving "
+                 "\\$(getent hosts $first standby-1 standby-2 | wc -l)\"")
 
     def standby() -> set[str]:
         return {i for i, pool in cluster.instances_by_id().items() if pool == "standby"}
@@ -39,8 +41,8 @@ def test_two_node_job_scales_from_zero_and_back(cluster: LocalCluster) -> None:
     assert ("head", "TerminateInstances") not in cluster.calls and standby() == before
     cluster.wait(f"job {job} to complete", lambda: cluster.job_state(job) == "COMPLETED", 180)
     output = (cluster.root / f"job-{job}.out").read_text()
-    assert "ran on standby-1 as standby-1 resolving 2" in output, output
-    assert "ran on standby-2 as standby-2 resolving 2" in output, output
+    assert "ran on standby-1 as standby-1 resolving 3" in output, output
+    assert "ran on standby-2 as standby-2 resolving 3" in output, output
     cluster.wait("the head to resolve the nodes", lambda: cluster.head.enter(
         "getent", "hosts", "standby-1", check=False).returncode == 0, 30)
     # Each node was an instance launched for the job (and the always-on one), recorded as its node, reached at its
