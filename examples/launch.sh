@@ -6,7 +6,9 @@ script=$1; shift
 # Rendezvous on this host, the job's first node (where the batch script runs), by name: every node of the job
 # resolves it (the cluster's prolog). `scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1` names it too.
 first=$(hostname)
+# A port of the job's own: two jobs sharing a node (or following each other onto it) never meet.
+port=$((29500 + SLURM_JOB_ID % 1000))
 gpus=${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-1}}
 gpus=${gpus##*:}  # --gpus-per-node may carry a type (h100:8)
 exec srun --kill-on-bad-exit=1 bash -c "exec torchrun --nnodes=$SLURM_NNODES --node-rank=\$SLURM_NODEID \
-  --nproc-per-node=$gpus --master-addr=$first --master-port=29500 $script $*"
+  --nproc-per-node=$gpus --master-addr=$first --master-port=$port $script $*"
