@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import pwd
-import re
 import shutil
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))  # the bundle's copy of the library
 from gpucluster import settings as contract  # noqa: E402
 from gpucluster.hostlist import compress_hostlist, expand_hostlist  # noqa: E402
+from gpucluster.scontrol import node_records, state_flags  # noqa: E402
 from gpucluster.settings import ClusterSettings, read_env_file  # noqa: E402
 
 BUNDLE = Path(contract.BUNDLE_DIR)
@@ -363,9 +363,7 @@ def conf_nodes(slurm_conf: str) -> set[str]:
 
 
 def slurm_states() -> dict[str, set[str]]:
-    out = run("scontrol", "show", "nodes", "--oneliner").stdout
-    return {f["NodeName"]: set(f.get("State", "").split("+")) for line in out.splitlines()
-            if (f := dict(re.findall(r"(?:^| )(NodeName|State)=(\S+)", line))).get("NodeName")}
+    return {r["NodeName"]: state_flags(r) for r in node_records(run("scontrol", "show", "nodes", "--oneliner").stdout)}
 
 
 def retire(nodes: list[str], states: dict[str, set[str]]) -> list[str]:
@@ -439,8 +437,7 @@ def slurm_client_conf(s: ClusterSettings, path: Path = Path(contract.SLURM_CLIEN
 
 def own_node(instance_id: str, scontrol_output: str) -> str:
     """The node whose NodeHostName is this instance's id: the resume program set it the moment EC2 answered."""
-    found = [fields["NodeName"] for line in scontrol_output.splitlines()
-             if (fields := dict(re.findall(r"(?:^| )(NodeName|NodeHostName)=(\S+)", line))).get("NodeHostName") == instance_id]
+    found = [r["NodeName"] for r in node_records(scontrol_output) if r.get("NodeHostName") == instance_id]
     if len(found) != 1:
         raise RuntimeError(f"{len(found)} Slurm node(s) for {instance_id}: {', '.join(found) or 'none yet'}")
     return found[0]

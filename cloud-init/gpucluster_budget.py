@@ -29,7 +29,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from gpucluster_node import REASON_PREFIX, Slurm, always_on_nodes, parse_oneliner, setup_logging
+from gpucluster_node import REASON_PREFIX, Slurm, always_on_nodes, setup_logging
+from gpucluster.scontrol import parse_oneliner  # noqa: E402  (the bundle's lib/, on the path since gpucluster_node)
 from gpucluster.settings import BudgetSettings, ClusterSettings  # the bundle's lib/, on the path since gpucluster_node
 
 BUDGET_PREFIX = f"{REASON_PREFIX} budget"

@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
 from gpucluster.hostlist import compress_hostlist, expand_hostlist  # noqa: E402
+from gpucluster.scontrol import node_records, state_flags  # noqa: E402
 from gpucluster.settings import NODE_HOSTS_FILE  # noqa: E402
 
 BEGIN, END = "# gpucluster nodes: begin (written by gpucluster_hosts.py)", "# gpucluster nodes: end"
@@ -36,13 +37,8 @@ log = logging.getLogger("gpucluster-hosts")
 
 def registered(scontrol_output: str) -> dict[str, str]:
     """Node -> address for the nodes that are up with an address of their own (not powered down or going down)."""
-    found = {}
-    for line in scontrol_output.splitlines():
-        fields = dict(re.findall(r"(?:^| )(NodeName|NodeAddr|State)=(\S+)", line))
-        flags = set(fields.get("State", "").split("+"))
-        if IPV4.fullmatch(fields.get("NodeAddr", "")) and not flags & {"POWERED_DOWN", "POWERING_DOWN"}:
-            found[fields["NodeName"]] = fields["NodeAddr"]
-    return found
+    return {r["NodeName"]: r["NodeAddr"] for r in node_records(scontrol_output)
+            if IPV4.fullmatch(r.get("NodeAddr", "")) and not state_flags(r) & {"POWERED_DOWN", "POWERING_DOWN"}}
 
 
 def render(entries: dict[str, str]) -> str:

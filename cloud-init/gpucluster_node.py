@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterable, Iterator
 # The bundle carries the library beside this program (lib/); the settings contract is in it (standard library only).
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
 from gpucluster.hostlist import compress_hostlist, expand_hostlist  # noqa: E402
+from gpucluster.scontrol import node_records, state_flags  # noqa: E402
 from gpucluster.settings import (  # noqa: E402
     CLUSTER_TAG, POOL_TAG, SETTINGS_FILE, SLURM_USER, ClusterSettings, PoolSettings,
 )
@@ -121,18 +122,12 @@ class Slurm:
     def nodes(self) -> list[dict[str, str]]:
         """One dict per node of `scontrol show nodes --oneliner` (keys such as NodeName, State, Reason)."""
         out = self._run("show", "nodes", "--oneliner")
-        return [parse_oneliner(line) for line in out.splitlines() if line.startswith("NodeName=")]
+        return node_records(out)
 
 
 def _text(data: str | bytes | None) -> str:
     # TimeoutExpired carries raw bytes even when the call asked for text.
     return data.decode(errors="replace") if isinstance(data, bytes) else data or ""
-
-
-def parse_oneliner(line: str) -> dict[str, str]:
-    """One record of `scontrol show ... --oneliner`. Values run to the next " Key=" (reasons contain spaces)."""
-    parts = re.split(r" (?=[A-Za-z]+=)", line.strip())
-    return dict(p.split("=", 1) for p in parts if "=" in p)
 
 
 def pool_of(node: str) -> str:
@@ -168,7 +163,7 @@ class RegistryState:
 
 
 @contextmanager
-def registry(config: ClusterSettings) -> Iterator[RegistryState]:
+def registry(config: ClusterSettings, write: bool = True) -> Iterator[RegistryState]:
     """Read, change and write the registry under its lock (resume, suspend and the reconciler run side by side).
     Written by rename, so a crash leaves the old file or the new one, never half of one."""
     path = Path(config.registry_file)
@@ -178,13 +173,14 @@ def registry(config: ClusterSettings) -> Iterator[RegistryState]:
         raw = json.loads(path.read_text()) if path.exists() else {}
         state = RegistryState(raw.get("instances", {}), raw.get("failures", {}))
         yield state
-        temporary = path.with_suffix(".tmp")
-        temporary.write_text(json.dumps({"instances": state.instances, "failures": state.failures}, sort_keys=True))
-        os.replace(temporary, path)
+        if write:
+            temporary = path.with_suffix(".tmp")
+            temporary.write_text(json.dumps({"instances": state.instances, "failures": state.failures}, sort_keys=True))
+            os.replace(temporary, path)
 
 
 def read_registry(config: ClusterSettings) -> RegistryState:
-    with registry(config) as state:
+    with registry(config, write=False) as state:
         return state
 
 
@@ -467,7 +463,7 @@ class NodeView:
         reason = record.get("Reason", "")
         # scontrol shows `Reason=text [user@2026-11-29T15:10:00]`.
         stamp = re.search(r"\[([^@\]]+)@(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)\]$", reason)
-        return cls(name=record["NodeName"], flags=frozenset(record.get("State", "").split("+")), reason=reason,
+        return cls(name=record["NodeName"], flags=frozenset(state_flags(record)), reason=reason,
                    reason_user=stamp.group(1) if stamp else "",
                    reason_time=time.mktime(time.strptime(stamp.group(2), "%Y-%m-%dT%H:%M:%S")) if stamp else 0.0,
                    **known)
@@ -524,9 +520,10 @@ def reconcile(config: ClusterSettings, ec2, slurm: Slurm, now: float | None = No
                                  has_instance=state.instances.get(record["NodeName"], {}).get("instance") in instances,
                                  failures=state.failures.get(record["NodeName"], 0))
              for record in records if pool_of(record["NodeName"]) in config.pools]
+    statuses = {view.name: classify(view, now, config.capacity_retry_seconds) for view in views}
     by_status: dict[Status, list[str]] = defaultdict(list)
-    for view in views:
-        by_status[classify(view, now, config.capacity_retry_seconds)].append(view.name)
+    for name, status in statuses.items():
+        by_status[status].append(name)
     stray = orphans(instances, set(state.owner()), now, config.orphan_grace_seconds)
     # Entries for nodes Slurm no longer has (a stack that dropped them, applied by a new head): their instances are
     # nobody's, past the same grace.
@@ -551,8 +548,7 @@ def reconcile(config: ClusterSettings, ec2, slurm: Slurm, now: float | None = No
     act("down", by_status[Status.LOST], lambda nodes: _set_lost(slurm, nodes))
     act("retried", by_status[Status.RETRY], lambda nodes: _return_to_service(config, ec2, slurm, nodes, seen))
     act("powered up", by_status[Status.POWER_UP], lambda nodes: _power_up(config, slurm, nodes))
-    healthy_up = [v.name for v in views if classify(v, now, config.capacity_retry_seconds) is Status.HEALTHY
-                  and v.has_instance and v.failures]
+    healthy_up = [v.name for v in views if statuses[v.name] is Status.HEALTHY and v.has_instance and v.failures]
     act("recovered", healthy_up, lambda nodes: _clear_failures(config, nodes))
     log.info("reconcile: %s", "; ".join(f"{status.value} {compress_hostlist(nodes)}"
                                          for status, nodes in sorted(by_status.items(), key=lambda i: i[0].value)

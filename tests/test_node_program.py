@@ -7,7 +7,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import boto3
@@ -16,7 +15,7 @@ from botocore.stub import Stubber
 from moto import mock_aws
 
 from conftest import ROOT
-from gpucluster import hostlist
+from gpucluster import hostlist, scontrol
 
 sys.path.insert(0, str(ROOT / "cloud-init"))
 import gpucluster_node as node  # noqa: E402
@@ -377,7 +376,7 @@ def test_reconcile_powers_up_no_always_on_node_while_the_budget_is_closed(ec2, t
 
 def test_parse_oneliner_keeps_reasons_with_spaces() -> None:
     line = "NodeName=a-1 Arch=x86_64 State=DOWN+CLOUD Reason=gpucluster: capacity: ICE: no room [slurm@2026-01-01T00:00:00] Comment=(null)"
-    parsed = node.parse_oneliner(line)
+    parsed = scontrol.parse_oneliner(line)
     assert parsed["Reason"] == "gpucluster: capacity: ICE: no room [slurm@2026-01-01T00:00:00]"
     assert parsed["State"] == "DOWN+CLOUD"
 
