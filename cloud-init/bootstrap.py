@@ -323,9 +323,9 @@ def head(s: ClusterSettings) -> None:
     start(f"{contract.UPDATE_UNIT}.timer")
     mount_lustre(s.fsx_dns_name, s.fsx_mount_name)
     shared_home()
-    os.chmod("/fsx", 0o1777)
+    os.chmod("/fsx", 0o1777)  # like /tmp: every user may submit from and write into /fsx, only owners delete
     node_names()
-    start("gpucluster-hosts.service")  # like /tmp: every user may submit from and write into /fsx, only owners delete
+    start("gpucluster-hosts.service")
     shutil.copytree(BUNDLE / "examples", "/fsx/examples", dirs_exist_ok=True)
 
 
@@ -411,6 +411,8 @@ def update(s: ClusterSettings) -> bool:
     if s.budget is not None:
         budget_guardrail()
         run("systemctl", "restart", "gpucluster-budget.service")
+    node_names()
+    run("systemctl", "restart", "gpucluster-hosts.service")  # the new bundle's publisher
     command_line()
     shutil.copytree(BUNDLE / "examples", "/fsx/examples", dirs_exist_ok=True)
     return True
