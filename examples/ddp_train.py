@@ -57,6 +57,9 @@ def main() -> None:
     host = os.environ.get("SLURMD_NODENAME", os.uname().nodename)
     print(f"rank {rank}/{world} on {host} backend {dist.get_backend()} loss {first:.4f} -> {last:.4f} weights {digest}",
           flush=True)
+    # Every rank done with the group before any tears it down: gloo aborts a process whose peer closed first
+    # ("terminate called without an active exception", seen on the rehearsal once in a few runs).
+    dist.barrier()
     dist.destroy_process_group()
 
 
