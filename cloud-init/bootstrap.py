@@ -239,10 +239,10 @@ def node_programs() -> None:
         link = bin_dir / command
         if not link.is_symlink():
             link.symlink_to(BUNDLE / contract.NODE_PROGRAM)
-    (SYSTEMD / "gpucluster-reconcile.service").write_text(unit(
+    (SYSTEMD / f"{contract.RECONCILE_UNIT}.service").write_text(unit(
         "gpucluster: match EC2 instances and Slurm nodes", "Service",
         ["Type=oneshot", "User=slurm", f"ExecStart={bin_dir}/reconcile"], wanted_by=None))
-    (SYSTEMD / "gpucluster-reconcile.timer").write_text(unit(
+    (SYSTEMD / f"{contract.RECONCILE_UNIT}.timer").write_text(unit(
         # From the moment the bootstrap starts it (always-on nodes powered up at once), then every minute.
         "gpucluster reconciler every minute", "Timer", ["OnActiveSec=10s", "OnUnitActiveSec=60s"],
         wanted_by="timers.target"))
@@ -255,7 +255,7 @@ def budget_guardrail(systemd: Path = SYSTEMD, sbin: Path = Path("/usr/local/sbin
     if not command.is_symlink():
         command.symlink_to(BUNDLE / contract.BUDGET_PROGRAM)
     # As root: it writes the state that `sudo gpucluster-budget reopen` also writes.
-    (systemd / "gpucluster-budget.service").write_text(unit(
+    (systemd / f"{contract.BUDGET_UNIT}.service").write_text(unit(
         "gpucluster budget guardrail: close the partitions when the budget is spent", "Service",
         [f"ExecStart={command} run", "Restart=always", "RestartSec=30"], after="slurmctld.service"))
 
@@ -311,12 +311,12 @@ def head(s: ClusterSettings) -> None:
     node_programs()
     start("slurmdbd")
     wait_for_port(dbd_port)
-    start("slurmctld", "gpucluster-reconcile.timer")
+    start("slurmctld", f"{contract.RECONCILE_UNIT}.timer")
     # slurmdbd pushes new accounts and users to slurmctld; one it cannot reach yet never learns them until it restarts.
     retry("slurmctld to answer", controller_up, attempts=8, delay=0.5)
     if s.budget is not None:
         budget_guardrail()
-        start("gpucluster-budget.service")
+        start(f"{contract.BUDGET_UNIT}.service")
     run("sh", str(BUNDLE / "accounting.sh"))  # the team's account, its users and its monthly GPU-hours
     command_line()
     update_timer()
@@ -410,7 +410,7 @@ def update(s: ClusterSettings) -> bool:
     run("sh", str(BUNDLE / "accounting.sh"))
     if s.budget is not None:
         budget_guardrail()
-        run("systemctl", "restart", "gpucluster-budget.service")
+        run("systemctl", "restart", f"{contract.BUDGET_UNIT}.service")
     node_names()
     run("systemctl", "restart", "gpucluster-hosts.service")  # the new bundle's publisher
     command_line()

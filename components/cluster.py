@@ -15,6 +15,7 @@ from components.monitoring import IdleGpuAlarms, IdleGpuAlarmsArgs
 from components.network import Network, NetworkArgs
 from components.node_access import NodeAccess, NodeAccessArgs
 from components.storage import Storage, StorageArgs
+from components.teardown import Teardown, TeardownArgs
 from gpucluster import bundle, cost, userdata
 from gpucluster.spec import Stack
 
@@ -39,7 +40,7 @@ def create_cluster(stack: Stack) -> dict[str, object]:
     )
     storage = Storage(
         stack.cluster_name,
-        StorageArgs(lustre=spec.storage.lustre, subnet_id=network.subnet_id, security_group_id=network.security_group_id,
+        StorageArgs(lustre=spec.storage.lustre, region=stack.region, subnet_id=network.subnet_id, security_group_id=network.security_group_id,
                     security_group_rules=network.security_group_rules),
         opts,
     )
@@ -130,11 +131,22 @@ def create_cluster(stack: Stack) -> dict[str, object]:
         ),
         opts,
     )
-    if act is not None:
-        LaunchDeny(stack.cluster_name, LaunchDenyArgs(budget_name=budget.budget_name, act_threshold_percent=act,
-                                                      role_name=head.role_name, role_arn=head.role_arn,
-                                                      topic_arn=budget.topic_arn), opts)
+    deny = None if act is None else LaunchDeny(
+        stack.cluster_name, LaunchDenyArgs(budget_name=budget.budget_name, act_threshold_percent=act,
+                                           role_name=head.role_name, role_arn=head.role_arn,
+                                           topic_arn=budget.topic_arn), opts)
     IdleGpuAlarms(stack.cluster_name, IdleGpuAlarmsArgs(stack=stack, topic_arn=budget.topic_arn), opts)
+    kept = [f"{k.what}: {cost.money(k.monthly_usd) + ' per month' if k.monthly_usd is not None else k.note}"
+            for k in cost.kept_on_destroy(stack)]
+    # Deleted before everything it depends on: the nodes Slurm launched go before the network, the placement
+    # groups, the templates and the head; the file system's flush after them (nothing writes any more); the budget
+    # and its deny action last of all, so they watch the fleet until it is gone.
+    Teardown(stack.cluster_name, TeardownArgs(
+        cluster_name=stack.cluster_name, region=stack.region, head_instance_id=head.instance_id,
+        munge_key_parameter=userdata.munge_key_parameter(stack),
+        cluster_resources=[network, storage, access, *pools.values(), *images.values(), head, budget,
+                           *([deny] if deny else [])],
+        kept=kept), opts)
     estimate = cost.estimate(stack)
     return {
         "vpc_id": network.vpc_id,
@@ -152,4 +164,5 @@ def create_cluster(stack: Stack) -> dict[str, object]:
         "alerts_topic_arn": budget.topic_arn,
         "hourly_cost_usd_min": round(estimate.hourly_min, 2),
         "hourly_cost_usd_max": round(estimate.hourly_max, 2),
+        "kept_on_destroy": kept,
     }

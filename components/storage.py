@@ -10,6 +10,7 @@ import pulumi
 import pulumi_aws as aws
 
 from components import child, private_bucket
+from components.teardown import lustre_export
 from gpucluster.spec import Lustre
 
 LUSTRE_VERSION = "2.15"  # data repository associations need 2.12+; 2.15 is the newest client the DLAMIs ship
@@ -18,6 +19,7 @@ LUSTRE_VERSION = "2.15"  # data repository associations need 2.12+; 2.15 is the 
 @dataclass(frozen=True)
 class StorageArgs:
     lustre: Lustre
+    region: str
     subnet_id: pulumi.Input[str]
     security_group_id: pulumi.Input[str]
     # The group's rules (Network.security_group_rules): FSx refuses a group whose rules are not yet in force.
@@ -56,12 +58,12 @@ class Storage(pulumi.ComponentResource):
 
     def _create(self, name: str, args: StorageArgs) -> None:
         lustre = args.lustre
-        # retain_on_delete: `pulumi destroy` forgets kept data instead of deleting it.
-        keep = child(self, retain_on_delete=lustre.keep)
+        # retain_on_delete: `pulumi destroy` forgets what it keeps instead of deleting it.
+        keep_fs = child(self, retain_on_delete=lustre.keep_file_system_on_destroy)
         if lustre.data_repository:
             self.data_repository = pulumi.Output.from_input(lustre.data_repository)
         else:
-            bucket = self._bucket(name, keep)
+            bucket = self._bucket(name, child(self, retain_on_delete=lustre.keep_bucket_on_destroy))
             self.bucket = bucket.bucket
             self.data_repository = pulumi.Output.concat("s3://", bucket.bucket)
 
@@ -75,19 +77,22 @@ class Storage(pulumi.ComponentResource):
             data_compression_type="LZ4",
             subnet_ids=args.subnet_id,
             security_group_ids=[args.security_group_id],
-            # FSx encrypts Lustre at rest always (AWS-managed key). Only PERSISTENT_2 has backups to carry the tags.
+            # FSx encrypts Lustre at rest always (AWS-managed key). Only PERSISTENT_2 has backups to carry the tags,
+            # and a final backup at delete, which would outlive the stack and bill: the data is in S3 already.
             copy_tags_to_backups=True if lustre.deployment_type == "PERSISTENT_2" else None,
+            skip_final_backup=True if lustre.deployment_type == "PERSISTENT_2" else None,
             # CreateFileSystem checks the group's rules synchronously (InvalidNetworkSettings, aws-parallelcluster#6181).
-            opts=child(self, retain_on_delete=lustre.keep, depends_on=list(args.security_group_rules)),
+            opts=child(self, retain_on_delete=lustre.keep_file_system_on_destroy,
+                       depends_on=list(args.security_group_rules)),
         )
         # One association for the whole namespace: new, changed and deleted S3 objects show under /fsx.
         events = ["NEW", "CHANGED", "DELETED"]
         policies: dict[str, object] = {"auto_import_policy": {"events": events}}
         # Only the stack's own bucket takes exports (checkpoints, and deletions under /fsx). A bucket the team named
         # holds their dataset: exporting would let `rm` under /fsx delete their objects.
-        if not lustre.data_repository:
+        if lustre.exports:
             policies["auto_export_policy"] = {"events": events}
-        aws.fsx.DataRepositoryAssociation(
+        association = aws.fsx.DataRepositoryAssociation(
             f"{name}-s3",
             file_system_id=fs.id,
             file_system_path="/",
@@ -96,8 +101,12 @@ class Storage(pulumi.ComponentResource):
             s3=policies,
             # Deleting the association must not delete the data it exported.
             delete_data_in_filesystem=False,
-            opts=keep,
+            opts=keep_fs,
         )
+        if lustre.exports:
+            # At destroy, before the association and the file system go: what automatic export has not yet written
+            # to S3 is exported and awaited; a failed export stops the deletion.
+            lustre_export(f"{name}-flush", args.region, fs.id, child(self, depends_on=[association]))
         self.file_system_id = fs.id
         self.dns_name = fs.dns_name
         self.mount_name = fs.mount_name

@@ -4,6 +4,7 @@
     python -m gpucluster render STACK --out DIR  the user data EC2 gets and the Slurm files of the head node
     python -m gpucluster preflight STACK         the account's quotas, capacity and prices for the stack (0 ok, 1 fail)
     python -m gpucluster cost STACK              this month's spend by the stack's tag, forecast, GPU-hours
+    python -m gpucluster leftovers STACK         what is still tagged with the stack (after a destroy), per month
 """
 
 from __future__ import annotations
@@ -47,6 +48,13 @@ def cost_table(stack: Stack, estimate: cost.CostEstimate) -> list[str]:
         f"Month at max size:               {cost.money(estimate.monthly_at_max)} against a budget of "
         f"{cost.money(estimate.budget_monthly)}",
     ]
+    kept = cost.kept_on_destroy(stack)
+    lines.append("Kept after `pulumi destroy`:     " + ("; ".join(
+        f"{k.what}, {cost.money(k.monthly_usd) + ' per month' if k.monthly_usd is not None else k.note}"
+        for k in kept) if kept else "nothing"))
+    if not stack.spec.storage.lustre.exports and not stack.spec.storage.lustre.file_system_id:
+        lines.append("Files written under /fsx are not exported (the team's bucket is imported only): they go with "
+                     "the file system.")
     if estimate.over_budget:
         lines.append(
             f"WARNING: at full size the cluster crosses its budget after {estimate.hours_at_max_within_budget:,.0f} "
@@ -165,6 +173,25 @@ def spend(args: argparse.Namespace) -> int:
     return 0
 
 
+def leftovers(args: argparse.Namespace) -> int:
+    """Resources still tagged with the stack, with what each bills per month."""
+    import boto3
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from gpucluster import leftovers as left
+
+    stack = _load(args.stack)
+    session = boto3.Session(region_name=stack.region)
+    clients = {name: session.client(name) for name in ("resourcegroupstaggingapi", "ec2", "fsx", "s3")}
+    try:
+        found = left.find(clients, stack.name)
+    except (BotoCoreError, ClientError) as exc:
+        print(f"leftovers: AWS answered: {exc}", file=sys.stderr)
+        return 1
+    print("\n".join(left.report(stack.name, stack.region, found)))
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="python -m gpucluster", description=__doc__)
     sub = top.add_subparsers(dest="command", required=True)
@@ -182,6 +209,9 @@ def parser() -> argparse.ArgumentParser:
     c = sub.add_parser("cost", help="this month's spend, forecast and GPU-hours of a stack (AWS credentials)")
     c.add_argument("stack", help="a stack name under stacks/ or a path to a stack file")
     c.set_defaults(func=spend)
+    left = sub.add_parser("leftovers", help="what is still tagged with a stack, and its monthly cost (AWS credentials)")
+    left.add_argument("stack", help="a stack name under stacks/ or a path to a stack file")
+    left.set_defaults(func=leftovers)
     return top
 
 

@@ -18,6 +18,8 @@ HOURS_PER_MONTH = 730  # AWS's own convention in its pricing calculator
 NAT_GATEWAY_USD_PER_HOUR = 0.045
 INTERFACE_ENDPOINT_USD_PER_HOUR = 0.01  # per endpoint per AZ
 GP3_USD_PER_GIB_MONTH = 0.08
+S3_STANDARD_USD_PER_GB_MONTH = 0.023  # first 50 TB
+PUBLIC_IPV4_USD_PER_HOUR = 0.005  # an Elastic IP, attached or not
 # FSx for Lustre SSD, $/GiB-month, by deployment type and throughput tier (MB/s/TiB; None where fixed).
 LUSTRE_USD_PER_GIB_MONTH = {
     ("SCRATCH_2", None): 0.140,
@@ -162,8 +164,8 @@ def estimate(stack: Stack, hourly_overrides: dict[str, float] | None = None) -> 
     lustre = spec.storage.lustre
     lustre_monthly = 0.0
     if lustre.deployment_type and lustre.storage_capacity_gib:
-        rate = LUSTRE_USD_PER_GIB_MONTH[(lustre.deployment_type, lustre.throughput_mb_per_tib)]
-        lustre_monthly = rate * lustre.storage_capacity_gib
+        lustre_monthly = lustre_usd_per_month(lustre.deployment_type, lustre.throughput_mb_per_tib,
+                                                     lustre.storage_capacity_gib)
 
     return CostEstimate(
         pools=pools,
@@ -181,6 +183,34 @@ def _image_cost(build: ImageBuild) -> ImageCost:
     root_gib = IMAGE_ROOT_GIB[build.role]
     return ImageCost(build.key, root_gib, hourly * catalog.IMAGE_BUILD_HOURS,
                      catalog.EBS_SNAPSHOT_USD_PER_GB_MONTH * root_gib)
+
+
+@dataclass(frozen=True)
+class Kept:
+    """Something `pulumi destroy` leaves on purpose, and what it goes on costing."""
+
+    what: str
+    monthly_usd: float | None  # None: it depends on what it will hold
+    note: str
+
+
+def lustre_usd_per_month(deployment_type: str, throughput_mb_per_tib: int | None, capacity_gib: int) -> float:
+    return LUSTRE_USD_PER_GIB_MONTH[(deployment_type, throughput_mb_per_tib)] * capacity_gib
+
+
+def kept_on_destroy(stack: Stack) -> list[Kept]:
+    """What survives `pulumi destroy` of the stack (storage.lustre's keep_*_on_destroy)."""
+    lustre = stack.spec.storage.lustre
+    kept = []
+    if lustre.exports and lustre.keep_bucket_on_destroy:
+        kept.append(Kept("the stack's S3 bucket (the data written under /fsx, exported)", None,
+                         f"S3 Standard ${S3_STANDARD_USD_PER_GB_MONTH}/GB-month of what it holds"))
+    if lustre.keep_file_system_on_destroy and lustre.deployment_type and lustre.storage_capacity_gib:
+        kept.append(Kept(f"the FSx for Lustre file system ({lustre.deployment_type}, {lustre.storage_capacity_gib} GiB)",
+                         lustre_usd_per_month(lustre.deployment_type, lustre.throughput_mb_per_tib,
+                                        lustre.storage_capacity_gib),
+                         "storage.lustre.keep_file_system_on_destroy"))
+    return kept
 
 
 def gpu_hour_quota(stack: Stack) -> int | None:

@@ -37,11 +37,14 @@ BUDGET_STATE_FILE = f"{STATE_DIR}/budget.json"  # written by the budget guardrai
 NODE_REGISTRY_DIR = f"{STATE_DIR}/nodes"
 NODE_REGISTRY = f"{NODE_REGISTRY_DIR}/instances.json"
 NODE_NAME_FILE = f"{ETC_DIR}/node-name"  # a compute instance's Slurm node name, learned at its first boot
-SLURM_CLIENT_CONF = f"{ETC_DIR}/slurm-client.conf"
+SLURM_CLIENT_CONF = f"{ETC_DIR}/slurm-client.conf"  # enough for scontrol to reach the controller before slurmd runs
 NCCL_ENV_FILE = f"{ETC_DIR}/nccl.env"  # a compute node's NCCL/EFA settings (NAME=value), for every job step
-TASK_PROLOG = f"{BUNDLE_DIR}/task_prolog.sh"  # Slurm's TaskProlog: puts NCCL_ENV_FILE into each task's environment  # enough for scontrol to reach the controller before slurmd runs
+TASK_PROLOG = f"{BUNDLE_DIR}/task_prolog.sh"  # Slurm's TaskProlog: puts NCCL_ENV_FILE into each task's environment
 IMAGE_MANIFEST = "/opt/gpucluster-image/manifest.json"  # written last by build_image.sh: the image is complete
 BOOT_UNIT = "gpucluster-boot.service"
+# The head's units that may launch or keep nodes, besides slurmctld: stopped first when the cluster is torn down.
+RECONCILE_UNIT = "gpucluster-reconcile"  # a service and its timer
+BUDGET_UNIT = "gpucluster-budget"  # the guardrail service (it reopens partitions when the spend falls back)
 
 # --- the tags every resource of a cluster carries, and the node name the resume program gives an instance ----------
 CLUSTER_TAG = "gpucluster:cluster"
@@ -51,12 +54,12 @@ POOL_TAG = "gpucluster:pool"  # on the instances, volumes and interfaces of a po
 
 # --- the cluster's network names and ports ---------------------------------------------------------------------------
 HEAD_HOSTNAME = "head"
-SLURM_USER = "slurm"
+SLURM_USER = "slurm"  # SlurmUser: the daemons, the node programs and the reconciler run as it
 LOGIN_USER = "ubuntu"  # the images' login user: in the team's Slurm account, its home on the shared file system
 SHARED_DIR = "/fsx"  # the Lustre file system, on every node
 SHARED_HOME = f"{SHARED_DIR}/home"  # bind-mounted at /home on every node: code, venvs and job output follow the job
 NODE_HOSTS_FILE = f"{SHARED_DIR}/.gpucluster/hosts"  # registered nodes' names and addresses, kept by the head
-HOSTS_PROGRAM = f"{BUNDLE_DIR}/gpucluster_hosts.py"  # publishes them (head) and is Slurm's Prolog (compute nodes)  # SlurmUser: the daemons, the node programs and the reconciler run as it
+HOSTS_PROGRAM = f"{BUNDLE_DIR}/gpucluster_hosts.py"  # publishes them (head) and is Slurm's Prolog (compute nodes)
 SLURMCTLD_PORT = 6817
 SLURMD_PORT = 6818
 SLURMDBD_PORT = 6819

@@ -208,8 +208,10 @@ class Lustre(_Model):
     # An existing file system is mounted by DNS name and mount name; FSx has no lookup by id in Pulumi.
     dns_name: str | None = None
     mount_name: str | None = None
-    # Keep the file system and the bucket on `pulumi destroy`; default: on for PERSISTENT_2, off for SCRATCH_2.
-    keep_on_destroy: bool | None = None
+    # What `pulumi destroy` keeps. The data lives in S3 (the association exports to the stack's bucket); the file
+    # system is a cache of it that bills every month, so it goes unless asked for. The stack's bucket stays.
+    keep_file_system_on_destroy: bool = False
+    keep_bucket_on_destroy: bool = True
 
     @model_validator(mode="after")
     def _rules(self) -> Lustre:
@@ -221,6 +223,9 @@ class Lustre(_Model):
             for key in ("dns_name", "mount_name"):
                 if not getattr(self, key):
                     problems.append(((key,), "required with file_system_id (see `aws fsx describe-file-systems`)"))
+            for key in ("keep_file_system_on_destroy", "keep_bucket_on_destroy"):
+                if key in self.model_fields_set:
+                    problems.append(((key,), "not allowed with file_system_id (the stack never deletes it)"))
         else:
             if self.deployment_type is None:
                 problems.append((("deployment_type",), "required: SCRATCH_2 or PERSISTENT_2 (or file_system_id)"))
@@ -243,15 +248,17 @@ class Lustre(_Model):
             for key in ("dns_name", "mount_name"):
                 if getattr(self, key):
                     problems.append(((key,), "only allowed with file_system_id"))
+            if self.data_repository and "keep_bucket_on_destroy" in self.model_fields_set:
+                problems.append((("keep_bucket_on_destroy",), "not allowed with data_repository (the stack never "
+                                 "deletes the team's bucket)"))
         if problems:
             raise _rule_errors("lustre", problems, None)
         return self
 
     @property
-    def keep(self) -> bool:
-        if self.keep_on_destroy is not None:
-            return self.keep_on_destroy
-        return self.deployment_type == "PERSISTENT_2"
+    def exports(self) -> bool:
+        """Files written under /fsx go to S3: only to the stack's own bucket (a team's bucket is imported only)."""
+        return not self.file_system_id and not self.data_repository
 
 
 class Storage(_Model):

@@ -179,10 +179,15 @@ def test_fsx_settings(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
         assert versioning.inputs["versioningConfiguration"]["status"] == "Enabled"
         (sse,) = of_type(storage, "s3/bucketServerSideEncryptionConfiguration:BucketServerSideEncryptionConfiguration")
         assert sse.inputs["rules"][0]["applyServerSideEncryptionByDefault"]["sseAlgorithm"] == "AES256"
-        assert bucket.inputs["forceDestroy"] is (not lustre.keep)
-    # Data the team keeps survives `pulumi destroy`; scratch data goes with the cluster.
-    data = [d for d in declared if d.parent_type == "gpucluster:storage:Storage"]
-    assert data and all(d.retain_on_delete is lustre.keep for d in data)
+        # The stack's bucket holds the data: kept at `pulumi destroy` (and never emptied by it) unless asked.
+        assert lustre.keep_bucket_on_destroy and bucket.inputs["forceDestroy"] is False
+        bucket_parts = [d for d in storage if d.name == bucket.name]
+        assert len(bucket_parts) == 5 and all(d.retain_on_delete for d in bucket_parts)
+    # The file system is a cache of S3 that bills monthly: deleted with the stack unless asked, with no final
+    # backup left behind.
+    assert fs.retain_on_delete is dra.retain_on_delete is lustre.keep_file_system_on_destroy is False
+    if lustre.deployment_type == "PERSISTENT_2":
+        assert fs.inputs["skipFinalBackup"] is True
 
 
 def test_only_the_stacks_own_bucket_takes_exports() -> None:

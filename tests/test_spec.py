@@ -68,12 +68,30 @@ def test_efa_defaults_to_what_the_type_supports() -> None:
     assert validate("s1", _config(efa=False)).spec.pools[0].uses_efa is False
 
 
-def test_keep_on_destroy_defaults_by_deployment_type() -> None:
-    persistent = validate("s1", _config())
-    assert persistent.spec.storage.lustre.keep is True
+def test_destroy_keeps_the_bucket_and_deletes_the_file_system_unless_asked() -> None:
+    lustre = validate("s1", _config()).spec.storage.lustre
+    assert lustre.keep_bucket_on_destroy is True and lustre.keep_file_system_on_destroy is False and lustre.exports
     cfg = _config()
-    cfg["gpucluster:cluster"]["storage"]["lustre"] = {"deployment_type": "SCRATCH_2", "storage_capacity_gib": 1200}
-    assert validate("s1", cfg).spec.storage.lustre.keep is False
+    cfg["gpucluster:cluster"]["storage"]["lustre"].update(keep_file_system_on_destroy=True, keep_bucket_on_destroy=False)
+    kept = validate("s1", cfg).spec.storage.lustre
+    assert kept.keep_file_system_on_destroy is True and kept.keep_bucket_on_destroy is False
+
+
+@pytest.mark.parametrize(("lustre", "key", "reason"), [
+    ({"data_repository": "s3://team-data/set", "keep_bucket_on_destroy": False}, "keep_bucket_on_destroy",
+     "not allowed with data_repository (the stack never deletes the team's bucket)"),
+    ({"file_system_id": "fs-0123456789abcdef0", "dns_name": "d", "mount_name": "m", "deployment_type": None,
+      "storage_capacity_gib": None, "throughput_mb_per_tib": None, "keep_file_system_on_destroy": True},
+     "keep_file_system_on_destroy", "not allowed with file_system_id (the stack never deletes it)"),
+])
+def test_keep_keys_only_where_the_stack_owns_what_they_keep(lustre: dict, key: str, reason: str) -> None:  # type: ignore[type-arg]
+    cfg = _config()
+    cfg["gpucluster:cluster"]["storage"]["lustre"].update(lustre)
+    cfg["gpucluster:cluster"]["storage"]["lustre"] = {k: v for k, v in cfg["gpucluster:cluster"]["storage"]["lustre"].items()
+                                                      if v is not None}
+    with pytest.raises(SpecError) as bad:
+        validate("s1", cfg)
+    assert f"gpucluster:cluster.storage.lustre.{key}: {reason}" in bad.value.render()
 
 
 def test_valid_capacity_block_pool() -> None:
