@@ -26,13 +26,16 @@ class Leftover:
 
 def kind_of(arn: str) -> tuple[str, str]:
     """(kind, resource id) of an ARN: arn:aws:ec2:us-east-1:123:instance/i-1 -> ("ec2:instance", "i-1");
-    arn:aws:s3:::bucket -> ("s3:bucket", "bucket")."""
+    arn:aws:s3:::bucket -> ("s3:bucket", "bucket"); arn:aws:sns:us-east-1:123:topic -> ("sns", "topic")."""
     parts = arn.split(":", 5)
     service, resource = parts[2], parts[5]
     if service == "s3":
         return "s3:bucket", resource
-    kind, _, ident = resource.partition("/") if "/" in resource else resource.partition(":")
-    return f"{service}:{kind}", ident
+    for separator in ("/", ":"):
+        if separator in resource:
+            kind, _, ident = resource.partition(separator)
+            return f"{service}:{kind}", ident
+    return service, resource  # a topic or a queue: the ARN ends with its name
 
 
 def find(clients: dict[str, Any], stack_name: str) -> list[Leftover]:
@@ -121,7 +124,7 @@ def _vpc_endpoint(clients: dict[str, Any], ident: str) -> tuple[float, str] | No
 
 def _file_system(clients: dict[str, Any], ident: str) -> tuple[float | None, str] | None:
     fs = clients["fsx"].describe_file_systems(FileSystemIds=[ident])["FileSystems"][0]
-    if fs["Lifecycle"] == "DELETING":
+    if fs.get("Lifecycle") == "DELETING":
         return None
     lustre = fs.get("LustreConfiguration", {})
     deployment, throughput = lustre.get("DeploymentType", ""), lustre.get("PerUnitStorageThroughput")
