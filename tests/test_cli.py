@@ -123,3 +123,21 @@ def test_not_utf8_exits_2_without_traceback() -> None:
     out = run("plan", "tests/bad_stacks/Pulumi.not-utf8.yaml")
     assert out.returncode == 2
     assert "file: not UTF-8 text" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_plan_says_what_destroy_keeps_and_what_it_costs(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """team-a keeps its bucket (priced by what it holds); with the file system kept too, its month by hand: 4800 GiB
+    of PERSISTENT_2 at 250 MB/s/TiB, $0.210 per GiB-month = $1,008.00. team-b's bucket is the team's, import only."""
+    import yaml
+
+    out = run("plan", "team-a")
+    assert "Kept after `pulumi destroy`:     the stack's S3 bucket (the data written under /fsx, exported), S3 " \
+           "Standard $0.023/GB-month of what it holds" in out.stdout, out.stdout[-1500:]
+    doc = yaml.safe_load((ROOT / "stacks" / "Pulumi.team-a.yaml").read_text())
+    doc["config"]["gpucluster:cluster"]["storage"]["lustre"]["keep_file_system_on_destroy"] = True
+    (tmp_path / "Pulumi.team-a.yaml").write_text(yaml.safe_dump(doc))
+    kept = run("plan", str(tmp_path / "Pulumi.team-a.yaml"))
+    assert "; the FSx for Lustre file system (PERSISTENT_2, 4800 GiB), $1,008.00 per month" in kept.stdout
+    team_b = run("plan", "team-b")
+    assert "Kept after `pulumi destroy`:     nothing" in team_b.stdout
+    assert "Files written under /fsx are not exported (the team's bucket is imported only)" in team_b.stdout

@@ -290,6 +290,9 @@ def test_pulumi_deletes_the_fleet_step_before_what_the_fleet_uses() -> None:
     assert step.inputs["cluster"] == stack.cluster_name and step.inputs["region"] == stack.region
     assert step.inputs["munge_key_parameter"] == f"/gpucluster/{stack.cluster_name}/munge-key"
     assert not step.retain_on_delete
+    # What destroy keeps, said by the step as it runs (and by the plan).
+    assert step.inputs["kept"] == ["the stack's S3 bucket (the data written under /fsx, exported): S3 Standard "
+                                   "$0.023/GB-month of what it holds"]
 
 
 def test_the_flush_runs_before_the_association_and_the_file_system_go() -> None:
