@@ -58,7 +58,7 @@ def aws(moto_url: str):  # type: ignore[no-untyped-def]
 
 class RecordingHead:
     """Stands in for Session Manager's Run Command, which needs an SSM agent on a real instance (the local cluster's
-    test, tests/integration/test_teardown.py, runs the same script on a real slurmctld). Records the script and when
+    test, tests/integration/test_destroy.py, runs the same script on a real slurmctld). Records the script and when
     it ran among the EC2 calls."""
 
     def __init__(self, events: list[str], reachable: bool = True):
