@@ -80,6 +80,9 @@ def component_document(role: str, script: str) -> str:
     return document
 
 
+BUILD_LOG_DAYS = 30
+
+
 class NodeImage(pulumi.ComponentResource):
     image_id: pulumi.Output[str]
 
@@ -121,9 +124,14 @@ class NodeImage(pulumi.ComponentResource):
                 "ami_tags": {**args.tags, "gpucluster:image": build.key},
             }}],
             opts=child(self))
+        # The build's log, declared here so that it expires and goes with the stack (Image Builder would create
+        # /aws/imagebuilder/<recipe> itself, kept forever). Under /aws/imagebuilder/: the build role's managed
+        # policy may write there only.
+        build_log = aws.cloudwatch.LogGroup(f"{name}-build-log", name=f"/aws/imagebuilder/{name}",
+                                            retention_in_days=BUILD_LOG_DAYS, opts=child(self))
         image = aws.imagebuilder.Image(
             name, image_recipe_arn=recipe.arn, infrastructure_configuration_arn=infrastructure.arn,
-            distribution_configuration_arn=distribution.arn,
+            distribution_configuration_arn=distribution.arn, logging_configuration={"log_group_name": build_log.name},
             opts=child(self, custom_timeouts=pulumi.CustomTimeouts(create=BUILD_TIMEOUT)))
         self.image_id = image.output_resources.apply(lambda resources: resources[0].amis[0].image)
         self.register_outputs({"image_id": self.image_id})

@@ -59,7 +59,7 @@ class Storage(pulumi.ComponentResource):
     def _create(self, name: str, args: StorageArgs) -> None:
         lustre = args.lustre
         # retain_on_delete: `pulumi destroy` forgets what it keeps instead of deleting it.
-        keep_fs = child(self, retain_on_delete=lustre.keep_file_system_on_destroy)
+        keep_fs = child(self, retain_on_delete=lustre.keeps_file_system)
         if lustre.data_repository:
             self.data_repository = pulumi.Output.from_input(lustre.data_repository)
         else:
@@ -82,7 +82,7 @@ class Storage(pulumi.ComponentResource):
             copy_tags_to_backups=True if lustre.deployment_type == "PERSISTENT_2" else None,
             skip_final_backup=True if lustre.deployment_type == "PERSISTENT_2" else None,
             # CreateFileSystem checks the group's rules synchronously (InvalidNetworkSettings, aws-parallelcluster#6181).
-            opts=child(self, retain_on_delete=lustre.keep_file_system_on_destroy,
+            opts=child(self, retain_on_delete=lustre.keeps_file_system,
                        depends_on=list(args.security_group_rules)),
         )
         # One association for the whole namespace: new, changed and deleted S3 objects show under /fsx.
@@ -103,9 +103,9 @@ class Storage(pulumi.ComponentResource):
             delete_data_in_filesystem=False,
             opts=keep_fs,
         )
-        if lustre.exports:
+        if lustre.exports and lustre.keep_bucket_on_destroy:
             # At destroy, before the association and the file system go: what automatic export has not yet written
-            # to S3 is exported and awaited; a failed export stops the deletion.
+            # to the kept bucket is exported and awaited; a failed export stops the deletion.
             lustre_export(f"{name}-flush", args.region, fs.id, child(self, depends_on=[association]))
         self.file_system_id = fs.id
         self.dns_name = fs.dns_name

@@ -11,7 +11,9 @@ environment); it is pickled by reference to this module, so `destroy` must run f
 Pulumi's own commands do.
 
 Creating or updating a step does nothing; a step is never replaced (a replacement would delete it: terminate the
-fleet during an `up`).
+fleet during an `up`). For the same reason its URN must never change: renaming the cluster, a step, its component
+or its type, or moving it to another parent, makes `pulumi up` delete the old step, which terminates the running
+fleet and deletes the munge key and the node images. tests/test_teardown.py pins the URNs.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pulumi.dynamic import CreateResult, DiffResult, Resource, ResourceProvider,
 from components import child
 
 PROVIDER_KEY = "__provider"
+SKIP_FLUSH = "GPUCLUSTER_SKIP_FLUSH"  # set to 1 for a destroy that gives up what only the file system holds
 
 
 def _clients(region: str, *services: str) -> list[Any]:
@@ -77,7 +80,8 @@ class FleetTeardownProvider(_Step):
         ec2, ssm = _clients(props["region"], "ec2", "ssm")
         fleet = teardown.Fleet(cluster=props["cluster"], head_instance_id=props["head_instance_id"],
                                munge_key_parameter=props["munge_key_parameter"],
-                               timeout_seconds=float(props["timeout_seconds"]))
+                               timeout_seconds=float(props["timeout_seconds"]),
+                               quiet_seconds=float(props["quiet_seconds"]))
         teardown.tear_down_fleet(fleet, ec2, ssm, teardown.SsmChannel(ssm, fleet.head_instance_id))
         for line in props.get("kept", []):
             logging.getLogger("gpucluster.teardown").info("kept: %s", line)
@@ -85,9 +89,15 @@ class FleetTeardownProvider(_Step):
 
 class LustreExportProvider(_Step):
     def delete(self, _id: str, props: dict[str, Any]) -> None:
+        import os
+
         from gpucluster import teardown
 
         _log_to_stderr()
+        if os.environ.get(SKIP_FLUSH) == "1":  # a file system that can no longer export must not block destroy
+            logging.getLogger("gpucluster.teardown").warning(
+                "%s=1: %s is deleted without exporting what S3 does not have yet", SKIP_FLUSH, props["file_system_id"])
+            return
         (fsx,) = _clients(props["region"], "fsx")
         teardown.flush_to_s3(fsx, props["file_system_id"], timeout_seconds=float(props["timeout_seconds"]))
 
@@ -103,6 +113,7 @@ class LustreExportStep(Resource, module="gpucluster", name="LustreExport"):
 
 
 FLEET_TIMEOUT_SECONDS = 900  # terminating a fleet of p5 takes minutes
+FLEET_QUIET_SECONDS = 30  # no instance seen for this long after the head stopped: the fleet is gone
 EXPORT_TIMEOUT_SECONDS = 6 * 3600  # an export of a large, freshly written file system takes hours
 
 
@@ -128,6 +139,7 @@ class Teardown(pulumi.ComponentResource):
             f"{name}-fleet",
             {"cluster": args.cluster_name, "region": args.region, "head_instance_id": args.head_instance_id,
              "munge_key_parameter": args.munge_key_parameter, "timeout_seconds": FLEET_TIMEOUT_SECONDS,
+             "quiet_seconds": FLEET_QUIET_SECONDS,
              "kept": list(args.kept)},
             child(self, depends_on=list(args.cluster_resources)),
         )

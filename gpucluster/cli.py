@@ -52,7 +52,8 @@ def cost_table(stack: Stack, estimate: cost.CostEstimate) -> list[str]:
     lines.append("Kept after `pulumi destroy`:     " + ("; ".join(
         f"{k.what}, {cost.money(k.monthly_usd) + ' per month' if k.monthly_usd is not None else k.note}"
         for k in kept) if kept else "nothing"))
-    if not stack.spec.storage.lustre.exports and not stack.spec.storage.lustre.file_system_id:
+    lustre = stack.spec.storage.lustre
+    if not lustre.exports and not lustre.file_system_id and not lustre.keeps_file_system:
         lines.append("Files written under /fsx are not exported (the team's bucket is imported only): they go with "
                      "the file system.")
     if estimate.over_budget:

@@ -205,7 +205,7 @@ def kept_on_destroy(stack: Stack) -> list[Kept]:
     if lustre.exports and lustre.keep_bucket_on_destroy:
         kept.append(Kept("the stack's S3 bucket (the data written under /fsx, exported)", None,
                          f"S3 Standard ${S3_STANDARD_USD_PER_GB_MONTH}/GB-month of what it holds"))
-    if lustre.keep_file_system_on_destroy and lustre.deployment_type and lustre.storage_capacity_gib:
+    if lustre.keeps_file_system and lustre.deployment_type and lustre.storage_capacity_gib:
         kept.append(Kept(f"the FSx for Lustre file system ({lustre.deployment_type}, {lustre.storage_capacity_gib} GiB)",
                          lustre_usd_per_month(lustre.deployment_type, lustre.throughput_mb_per_tib,
                                         lustre.storage_capacity_gib),

@@ -62,7 +62,7 @@ def _priced(clients: dict[str, Any], arn: str) -> Leftover | None:
             return Leftover(arn, kind, None, "not priced here (free or billed by use)")
         priced = price(clients, ident)
     except ClientError as exc:
-        if "NotFound" in exc.response["Error"]["Code"]:
+        if "NotFound" in exc.response["Error"]["Code"] or exc.response["Error"]["Code"] == "NoSuchBucket":
             return None
         return Leftover(arn, kind, None, f"could not be read: {exc.response['Error']['Code']}")
     return None if priced is None else Leftover(arn, kind, priced[0], priced[1])
@@ -70,10 +70,10 @@ def _priced(clients: dict[str, Any], arn: str) -> Leftover | None:
 
 def _instance(clients: dict[str, Any], ident: str) -> tuple[float | None, str] | None:
     reservations = clients["ec2"].describe_instances(InstanceIds=[ident])["Reservations"]
-    instance = next(i for r in reservations for i in r["Instances"])
-    state, itype = instance["State"]["Name"], instance["InstanceType"]
-    if state == "terminated":
+    instance = next((i for r in reservations for i in r["Instances"]), None)
+    if instance is None or instance["State"]["Name"] == "terminated":
         return None
+    state, itype = instance["State"]["Name"], instance["InstanceType"]
     if state != "running" and state != "pending":
         return 0.0, f"{itype}, {state} (its volumes bill)"
     try:

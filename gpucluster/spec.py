@@ -209,8 +209,9 @@ class Lustre(_Model):
     dns_name: str | None = None
     mount_name: str | None = None
     # What `pulumi destroy` keeps. The data lives in S3 (the association exports to the stack's bucket); the file
-    # system is a cache of it that bills every month, so it goes unless asked for. The stack's bucket stays.
-    keep_file_system_on_destroy: bool = False
+    # system is a cache of it that bills every month, so it goes unless asked for. The stack's bucket stays. With a
+    # team's bucket nothing is exported: the stack must say whether the file system (homes, checkpoints) stays.
+    keep_file_system_on_destroy: bool | None = None
     keep_bucket_on_destroy: bool = True
 
     @model_validator(mode="after")
@@ -251,9 +252,20 @@ class Lustre(_Model):
             if self.data_repository and "keep_bucket_on_destroy" in self.model_fields_set:
                 problems.append((("keep_bucket_on_destroy",), "not allowed with data_repository (the stack never "
                                  "deletes the team's bucket)"))
+            if self.data_repository and self.keep_file_system_on_destroy is None:
+                problems.append((("keep_file_system_on_destroy",), "required with data_repository: nothing written "
+                                 "under /fsx (homes, checkpoints) is exported to the team's bucket, so say true to "
+                                 "keep the file system at `pulumi destroy` (it bills monthly) or false to lose it"))
+            if self.keep_file_system_on_destroy and not self.data_repository and not self.keep_bucket_on_destroy:
+                problems.append((("keep_bucket_on_destroy",), "must be true when the file system is kept: its "
+                                 "association would name a deleted bucket"))
         if problems:
             raise _rule_errors("lustre", problems, None)
         return self
+
+    @property
+    def keeps_file_system(self) -> bool:
+        return bool(self.keep_file_system_on_destroy)
 
     @property
     def exports(self) -> bool:
@@ -435,11 +447,19 @@ PATTERN_HELP = {
 }
 
 
+# Keys an earlier release read, and what took their place.
+RENAMED = {
+    "keep_on_destroy": "keep_file_system_on_destroy (default false) and keep_bucket_on_destroy (default true)",
+}
+
+
 def _message(err: ErrorDetails) -> str:
     field = err["loc"][-1] if err["loc"] else ""
     if err["type"] == "string_pattern_mismatch" and field in PATTERN_HELP:
         return f"{err['input']!r} is not allowed: use {PATTERN_HELP[field]}"
     if err["type"] == "extra_forbidden":
+        if field in RENAMED:
+            return f"renamed: {RENAMED[field]}"
         return "unknown key (check the spelling; see README for the keys)"
     if err["type"] == "missing":
         return "required key is missing"

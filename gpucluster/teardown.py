@@ -21,10 +21,9 @@ log = logging.getLogger("gpucluster.teardown")
 # States of an instance that still bills or may come back; "shutting-down" is on its way out, but not gone yet.
 LIVE_STATES = ("pending", "running", "stopping", "stopped", "shutting-down")
 TERMINATE_BATCH = 1000  # TerminateInstances takes up to 1000 ids per call
-# Sweeps that must find nothing before the fleet counts as gone: a resume program that was mid-CreateFleet when the
-# head was quiesced, or an instance DescribeInstances does not list yet (eventual consistency), shows in the second.
-QUIET_SWEEPS = 2
 GONE_CODES = ("InvalidInstanceID.NotFound", "InvalidInstanceID.Malformed")
+# Refusals no retry can change: the destroying principal may not terminate (or see) the instances.
+DENIED_CODES = ("UnauthorizedOperation", "AuthFailure")
 
 
 class TeardownError(Exception):
@@ -53,20 +52,30 @@ class Fleet:
     munge_key_parameter: str
     timeout_seconds: float = 900.0  # p5 instances take minutes to terminate
     poll_seconds: float = 5.0
+    # How long sweeps must find nothing before the fleet counts as gone: an instance CreateFleet made just before the
+    # head stopped, and one DescribeInstances does not list yet (eventual consistency), show within it.
+    quiet_seconds: float = 30.0
 
 
 def quiesce_script() -> str:
     """What the head runs first: nothing of the cluster may launch a node any more. The reconciler (which powers
-    always-on nodes up), the update timer (which may add pools) and the budget guardrail (which reopens partitions)
-    stop; every partition goes DOWN, so slurmctld starts no job and resumes no node. Running jobs are not cancelled:
-    their nodes are terminated next."""
+    always-on nodes up), the update timer and a run of it in progress (which reconfigures slurmctld, so reopens the
+    partitions) and the budget guardrail (which reopens them too) stop; every partition goes DOWN, so slurmctld starts
+    no job and resumes no node, and the script fails unless they all are. Running jobs are not cancelled: their nodes
+    are terminated next."""
+    units = [f"{RECONCILE_UNIT}.timer", f"{RECONCILE_UNIT}.service", f"{UPDATE_UNIT}.timer", f"{UPDATE_UNIT}.service",
+             f"{BUDGET_UNIT}.service"]
     return "\n".join([
-        "set -u",
-        f"systemctl stop {RECONCILE_UNIT}.timer {RECONCILE_UNIT}.service {UPDATE_UNIT}.timer {BUDGET_UNIT}.service",
-        "for partition in $(sinfo --noheader --format=%R); do",
-        '  scontrol update partitionname="$partition" state=down || exit 1',
+        "set -eu",
+        f"systemctl stop {' '.join(units)}",
+        "partitions=$(sinfo --noheader --format=%R)",
+        '[ -n "$partitions" ] || { echo "slurmctld lists no partition" >&2; exit 1; }',
+        "for partition in $partitions; do",
+        '  scontrol update partitionname="$partition" state=down',
         "done",
-        'echo "partitions down: $(sinfo --noheader --format=%R | tr \'\\n\' \' \')"',
+        "open=$(sinfo --noheader --format='%R %a' | awk '$2 != \"down\" {print $1}')",
+        '[ -z "$open" ] || { echo "still open: $open" >&2; exit 1; }',
+        'echo "partitions down:" $partitions',
     ])
 
 
@@ -111,29 +120,35 @@ class SsmChannel:
 
 def quiesce_head(channel: HeadChannel, ec2: Any, fleet: Fleet, clock: Clock = time.monotonic,
                  sleep: Sleep = time.sleep) -> str:
-    """Stop the head launching nodes: close the partitions through `channel`; when that fails, stop the head instance
-    itself (it is deleted right after the fleet anyway) so that nothing on it can launch. Returns what was done."""
+    """Stop the head launching nodes: close the partitions through `channel` (when it answers), then stop the head
+    instance itself, which Pulumi deletes right after the fleet anyway: a resume program already running, or one
+    slurmctld started just before the partitions closed, ends with it. Returns what was done."""
     try:
-        said = channel.run(quiesce_script()).strip()
-        return f"head {fleet.head_instance_id} quiesced: {said}"
+        closed = f"quiesced ({channel.run(quiesce_script()).strip()})"
     except HeadUnreachable as exc:
-        cause = str(exc)
-    log.warning("the head node %s cannot close its partitions (%s): stopping the instance instead",
-                fleet.head_instance_id, cause)
+        log.warning("the head node %s cannot close its partitions (%s): stopping it all the same",
+                    fleet.head_instance_id, exc)
+        closed = f"could not close its partitions ({exc})"
+    return f"head {fleet.head_instance_id} {closed}; {stop_head(ec2, fleet, clock, sleep)}"
+
+
+def stop_head(ec2: Any, fleet: Fleet, clock: Clock = time.monotonic, sleep: Sleep = time.sleep) -> str:
     from botocore.exceptions import ClientError
 
-    try:
-        ec2.stop_instances(InstanceIds=[fleet.head_instance_id], Force=True)
-    except ClientError as exc:
-        if exc.response["Error"]["Code"] in GONE_CODES:
-            return f"head {fleet.head_instance_id} is gone already"
-        raise TeardownError(f"the head node {fleet.head_instance_id} could not close its partitions ({cause}) "
-                            f"nor be stopped ({exc}): it could launch nodes while they are terminated") from exc
     deadline = clock() + fleet.timeout_seconds
+    asked = False
     while True:
         state = _state(ec2, fleet.head_instance_id)
-        if state in ("stopped", "terminated", None):
-            return f"head {fleet.head_instance_id} stopped (it could not close its partitions: {cause})"
+        if state in ("stopped", "terminated", "shutting-down", None):
+            return f"{state or 'gone'}"
+        if not asked and state in ("pending", "running"):
+            try:
+                ec2.stop_instances(InstanceIds=[fleet.head_instance_id], Force=True)
+                asked = True
+            except ClientError as exc:
+                if exc.response["Error"]["Code"] != "IncorrectInstanceState":  # it changed state meanwhile
+                    raise TeardownError(f"the head node {fleet.head_instance_id} could not be stopped ({exc}): it "
+                                        "could launch nodes while they are terminated") from exc
         if clock() >= deadline:
             raise TeardownError(f"the head node {fleet.head_instance_id} is still {state} after "
                                 f"{fleet.timeout_seconds:.0f} s of stopping")
@@ -190,13 +205,14 @@ def terminate(ec2: Any, instance_ids: list[str]) -> dict[str, str]:
 
 
 def terminate_fleet(ec2: Any, fleet: Fleet, clock: Clock = time.monotonic, sleep: Sleep = time.sleep) -> list[str]:
-    """Terminate every instance tagged with the cluster but the head, sweep after sweep, until QUIET_SWEEPS sweeps in
-    a row find none (an instance launched moments ago shows in a later sweep); within the step's time, or a
+    """Terminate every instance tagged with the cluster but the head, sweep after sweep, until sweeps have found none
+    for `quiet_seconds` (an instance launched moments ago shows in a later sweep); within the step's time, or a
     TeardownError naming each instance left, its state and what EC2 said. Returns the instances terminated."""
-    deadline = clock() + fleet.timeout_seconds
+    start = clock()
+    deadline = start + fleet.timeout_seconds
     terminated: list[str] = []
     refused: dict[str, str] = {}
-    quiet = 0
+    last_seen = start
     while True:
         live = cluster_instances(ec2, fleet.cluster, spare=[fleet.head_instance_id])
         going = [i for i, state in live.items() if state != "shutting-down"]
@@ -204,8 +220,14 @@ def terminate_fleet(ec2: Any, fleet: Fleet, clock: Clock = time.monotonic, sleep
             log.info("terminating %d instance(s) of %s: %s", len(going), fleet.cluster, " ".join(sorted(going)))
             refused = terminate(ec2, going)
             terminated += [i for i in going if i not in refused and i not in terminated]
-        quiet = 0 if live else quiet + 1
-        if quiet >= QUIET_SWEEPS:
+            denied = {i: why for i, why in refused.items() if why.startswith(DENIED_CODES)}
+            if denied:
+                raise TeardownError(f"may not terminate the instances of cluster {fleet.cluster}: " + ", ".join(
+                    f"{i}: {why}" for i, why in sorted(denied.items())) + ". Destroy with credentials allowed "
+                    "ec2:TerminateInstances on them, then run it again")
+        if live:
+            last_seen = clock()
+        elif clock() - last_seen >= fleet.quiet_seconds:
             return terminated
         if clock() >= deadline:
             left = ", ".join(f"{i} ({state}{': ' + refused[i] if i in refused else ''})"
@@ -240,10 +262,11 @@ def delete_run_time_leftovers(ec2: Any, ssm: Any, fleet: Fleet) -> list[str]:
             done.append(f"kept image {image['ImageId']} ({image.get('Name', '')}): other instances run from it: "
                         f"{' '.join(users)}")
             continue
-        ec2.deregister_image(ImageId=image["ImageId"])
         snapshots = [m["Ebs"]["SnapshotId"] for m in image.get("BlockDeviceMappings", [])
                      if m.get("Ebs", {}).get("SnapshotId")]
-        for snapshot in snapshots:
+        # With its snapshots in the same call: once deregistered, the AMI is no longer found, nor are they by it.
+        ec2.deregister_image(ImageId=image["ImageId"], DeleteAssociatedSnapshots=True)
+        for snapshot in snapshots:  # what the call left (older APIs and stand-ins ignore the flag)
             try:
                 ec2.delete_snapshot(SnapshotId=snapshot)
             except ClientError as exc:

@@ -70,16 +70,24 @@ def test_efa_defaults_to_what_the_type_supports() -> None:
 
 def test_destroy_keeps_the_bucket_and_deletes_the_file_system_unless_asked() -> None:
     lustre = validate("s1", _config()).spec.storage.lustre
-    assert lustre.keep_bucket_on_destroy is True and lustre.keep_file_system_on_destroy is False and lustre.exports
+    assert lustre.keep_bucket_on_destroy is True and lustre.keeps_file_system is False and lustre.exports
     cfg = _config()
-    cfg["gpucluster:cluster"]["storage"]["lustre"].update(keep_file_system_on_destroy=True, keep_bucket_on_destroy=False)
+    cfg["gpucluster:cluster"]["storage"]["lustre"].update(keep_file_system_on_destroy=True)
     kept = validate("s1", cfg).spec.storage.lustre
-    assert kept.keep_file_system_on_destroy is True and kept.keep_bucket_on_destroy is False
+    assert kept.keeps_file_system is True and kept.keep_bucket_on_destroy is True
 
 
 @pytest.mark.parametrize(("lustre", "key", "reason"), [
-    ({"data_repository": "s3://team-data/set", "keep_bucket_on_destroy": False}, "keep_bucket_on_destroy",
+    ({"data_repository": "s3://team-data/set", "keep_bucket_on_destroy": False, "keep_file_system_on_destroy": False},
+     "keep_bucket_on_destroy",
      "not allowed with data_repository (the stack never deletes the team's bucket)"),
+    ({"data_repository": "s3://team-data/set"}, "keep_file_system_on_destroy",
+     "required with data_repository: nothing written under /fsx (homes, checkpoints) is exported to the team's "
+     "bucket, so say true to keep the file system at `pulumi destroy` (it bills monthly) or false to lose it"),
+    ({"keep_file_system_on_destroy": True, "keep_bucket_on_destroy": False}, "keep_bucket_on_destroy",
+     "must be true when the file system is kept: its association would name a deleted bucket"),
+    ({"keep_on_destroy": True}, "keep_on_destroy",
+     "renamed: keep_file_system_on_destroy (default false) and keep_bucket_on_destroy (default true)"),
     ({"file_system_id": "fs-0123456789abcdef0", "dns_name": "d", "mount_name": "m", "deployment_type": None,
       "storage_capacity_gib": None, "throughput_mb_per_tib": None, "keep_file_system_on_destroy": True},
      "keep_file_system_on_destroy", "not allowed with file_system_id (the stack never deletes it)"),

@@ -125,6 +125,7 @@ def test_the_fleet_goes_first_including_instances_launched_while_the_step_runs(a
         {"ResourceType": "instance", "Tags": [{"Key": CLUSTER_TAG, "Value": "gpucluster-other"}]}])["Instances"][0]["InstanceId"]
     ssm.put_parameter(Name=MUNGE, Type="SecureString", Value="key")
     events: list[str] = []
+    ec2.meta.events.register("before-call.ec2.StopInstances", lambda **kw: events.append("stop head"))
     ec2.meta.events.register("before-call.ec2.TerminateInstances", lambda **kw: events.append("terminate"))
     late: dict[str, str] = {}
 
@@ -139,13 +140,14 @@ def test_the_fleet_goes_first_including_instances_launched_while_the_step_runs(a
     fleet = teardown.Fleet(CLUSTER, head, MUNGE, timeout_seconds=60, poll_seconds=5)
     said = teardown.tear_down_fleet(fleet, ec2, ssm, channel, clock=clock, sleep=clock.sleep)
 
-    assert events[0] == "quiesce" and "terminate" in events  # the partitions close before anything is terminated
+    # The partitions close and the head stops before anything is terminated.
+    assert events[:3] == ["quiesce", "stop head", "terminate"], events
     assert channel.scripts == [teardown.quiesce_script()]
     after = states(ec2)
     assert late and all(after[i] == "terminated" for i in [*first.values(), *late.values()]), after
-    assert after[head] == "running" and after[other] == "running"  # the head is Pulumi's to delete
+    assert after[head] == "stopped" and after[other] == "running"  # the head is Pulumi's to delete
     assert not teardown.cluster_instances(ec2, CLUSTER, spare=[head])
-    assert clock.sleeps >= teardown.QUIET_SWEEPS  # it kept sweeping after the first empty look
+    assert clock.now >= fleet.quiet_seconds  # it kept sweeping for the quiet period after the last instance seen
     assert f"terminated 4 instance(s) of {CLUSTER}" in " ".join(said)
     assert f"deleted parameter {MUNGE}" in said
     assert not ssm.describe_parameters()["Parameters"]
@@ -181,7 +183,33 @@ def test_a_head_that_cannot_close_its_partitions_is_stopped_before_the_sweep(aws
                                     RecordingHead(events, reachable=False), clock=clock, sleep=clock.sleep)
     assert events[:3] == ["quiesce", "stop head", "terminate"]
     assert states(ec2)[head] == "stopped"
-    assert "stopped (it could not close its partitions: its SSM agent is not online" in said[0]
+    assert said[0] == (f"head {head} could not close its partitions (its SSM agent is not online (ConnectionLost)); "
+                       "stopped")
+
+
+def test_a_head_already_gone_does_not_stop_the_teardown(aws) -> None:  # type: ignore[no-untyped-def]
+    ec2, ssm = aws("ec2"), aws("ssm")
+    config, head = world(aws)
+    launched = node.resume(config, ec2, _Slurm(), "p5-od-1").launched
+    ec2.terminate_instances(InstanceIds=[head])
+    clock = Clock()
+    said = teardown.tear_down_fleet(teardown.Fleet(CLUSTER, head, MUNGE), ec2, ssm, RecordingHead([], reachable=False),
+                                    clock=clock, sleep=clock.sleep)
+    assert said[0].endswith("; terminated") and states(ec2)[launched["p5-od-1"]] == "terminated"
+
+
+def test_credentials_that_may_not_terminate_fail_at_once() -> None:
+    ec2 = boto3.client("ec2", region_name="us-east-1", aws_access_key_id="t", aws_secret_access_key="t")
+    stub = Stubber(ec2)
+    stub.add_response("describe_instances", {"Reservations": [{"Instances": [
+        {"InstanceId": "i-0123456789abcdef0", "State": {"Name": "running", "Code": 16}}]}]})
+    stub.add_client_error("terminate_instances", "UnauthorizedOperation", "You are not authorized",
+                          expected_params={"InstanceIds": ["i-0123456789abcdef0"]})
+    clock = Clock()
+    with stub, pytest.raises(teardown.TeardownError, match="may not terminate the instances of cluster .*"
+                             "i-0123456789abcdef0: UnauthorizedOperation"):
+        teardown.terminate_fleet(ec2, teardown.Fleet(CLUSTER, "i-0head", MUNGE), clock=clock, sleep=clock.sleep)
+    assert clock.sleeps == 0  # no quarter of an hour of retries
 
 
 def test_the_stacks_images_go_unless_another_cluster_runs_from_them(aws) -> None:  # type: ignore[no-untyped-def]
@@ -328,7 +356,8 @@ def test_the_serialised_provider_tears_the_fleet_down_in_a_fresh_process(aws, mo
     config, head = world(aws, stack.cluster_name)
     ec2 = aws("ec2")
     launched = node.resume(config, ec2, _Slurm(), "p5-od-[1-2]").launched
-    props = {**{k: v for k, v in step.inputs.items()}, "head_instance_id": head, "timeout_seconds": 60}
+    props = {**{k: v for k, v in step.inputs.items()}, "head_instance_id": head, "timeout_seconds": 60,
+             "quiet_seconds": 2}
     program = ("import base64, json, sys, dill\n"
                "props = json.loads(sys.stdin.read())\n"
                "provider = dill.loads(base64.b64decode(props['__provider']))\n"
@@ -357,3 +386,30 @@ class _Slurm(node.Slurm):
         if args[:2] == ("show", "hostnames"):
             return "\n".join(args[2].split(","))
         return ""
+
+
+def test_the_steps_urns_never_change() -> None:
+    """A step whose URN changes is deleted by the next `pulumi up`, and its delete terminates the running fleet: a
+    rename here must be a deliberate migration (`pulumi state rename`), never a refactoring's side effect."""
+    _, declared = planned(TEAM_A)
+    assert {d.urn for d in declared if d.type.startswith("pulumi-python:dynamic/gpucluster:")} == {
+        "urn:pulumi:team-a::gpucluster::gpucluster:teardown:Teardown$pulumi-python:dynamic/gpucluster:FleetTeardown"
+        "::gpucluster-team-a-fleet",
+        "urn:pulumi:team-a::gpucluster::gpucluster:storage:Storage$pulumi-python:dynamic/gpucluster:LustreExport"
+        "::gpucluster-team-a-flush",
+    }
+
+
+def test_a_flush_can_be_skipped_by_the_destroying_operator() -> None:
+    """GPUCLUSTER_SKIP_FLUSH=1: a file system that can no longer export (FAILED, a broken bucket policy) must not
+    keep destroy failing for ever. No FSx call is made (the endpoint would refuse every one)."""
+    from components.teardown import SKIP_FLUSH
+
+    env = {**os.environ, SKIP_FLUSH: "1", "AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "t",
+           "AWS_SECRET_ACCESS_KEY": "t"}
+    program = ("from components.teardown import LustreExportProvider\n"
+               "LustreExportProvider().delete('f', {'region': 'us-east-1', 'file_system_id': 'fs-0123456789abcdef0', "
+               "'timeout_seconds': 5})\n")
+    done = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert f"{SKIP_FLUSH}=1: fs-0123456789abcdef0 is deleted without exporting" in done.stderr
