@@ -6,9 +6,10 @@ PY := $(VENV)/bin/python
 STACK ?= dev
 
 # What the tests run for real: Slurm's daemons with munge and MariaDB, cloud-init's schema checker, shellcheck for
-# build_image.sh, and PyYAML for /usr/bin/python3 (the boot rehearsal's cloud-init stand-in; cloud-init brings it too).
+# build_image.sh, PyYAML for /usr/bin/python3 (the boot rehearsal's cloud-init stand-in; cloud-init brings it too),
+# iptables and iproute2 for the nodes' lockdown (tests/test_lockdown.py).
 SYSTEM_PACKAGES := slurmctld slurmd slurm-client slurmdbd munge mariadb-server mariadb-client cloud-init \
-  shellcheck python3-yaml systemd util-linux mount e2fsprogs
+  shellcheck python3-yaml systemd util-linux mount e2fsprogs iptables iproute2
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: plan test bench system-packages

@@ -23,6 +23,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))  # the bundle's copy of the library
+from gpucluster import lockdown  # noqa: E402
 from gpucluster import settings as contract  # noqa: E402
 from gpucluster.hostlist import compress_hostlist, expand_hostlist  # noqa: E402
 from gpucluster.scontrol import node_records, state_flags  # noqa: E402
@@ -122,11 +123,26 @@ def start(*units: str) -> None:
 # --- shared ----------------------------------------------------------------------------------------------------------
 
 def install_munge_key(staged: Path = Path(contract.MUNGE_KEY_STAGED), path: Path = MUNGE_KEY) -> None:
+    """Readable by munge alone from its first byte: written to a file created 0400 and owned by munge, then renamed
+    over the key (writing in place would leave a new key world-readable until a chmod)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(staged.read_bytes())
-    path.chmod(0o400)
     munge = pwd.getpwnam("munge")
-    os.chown(path, munge.pw_uid, munge.pw_gid)
+    tmp = path.with_name(f".{path.name}.new")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
+    try:
+        os.fchown(fd, munge.pw_uid, munge.pw_gid)
+        os.write(fd, staged.read_bytes())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def lock_down(role: str) -> None:
+    """The lockdown cloud-init's bootcmd ran before the network came up, once more now that the image's packages are
+    all there (on a stock AMI the slurm user exists only after build_image.sh). A failure fails the boot: a node
+    whose users could reach the instance's credentials must not serve."""
+    run("sh", "-c", lockdown.script(role))
 
 
 def hosts_entry(head_address: str, hosts: Path = Path("/etc/hosts")) -> None:
@@ -549,6 +565,7 @@ def main(argv: list[str]) -> int:
                 log.info("bootstrap head --update: the changed stack is applied")
             return 0
         ensure_image(role)
+        lock_down(role)
         if role == "head":
             head(s)
             mark_applied()

@@ -29,12 +29,14 @@ PIP_CONSTRAINTS=(filelock==4.3.1 fsspec==2026.9.0 jinja2==3.1.6 markupsafe==3.0.
   setuptools==84.2.1 sympy==1.14.0 typing-extensions==4.16.0 pydantic-core==2.50.5 annotated-types==0.8.0
   typing-inspection==0.4.5)
 
+# iptables: every boot's lockdown (gpucluster/lockdown.py) keeps instance metadata from users with it; Ubuntu's
+# images carry it, named here so that no parent image can lack it. Unversioned, from the noble archive, like the tools.
 HEAD_PACKAGES=("munge=$MUNGE_VERSION" "slurmctld=$SLURM_VERSION" "slurmdbd=$SLURM_VERSION"
   "slurm-client=$SLURM_VERSION" "mariadb-server=$MARIADB_VERSION" "python3-boto3=$BOTO3_VERSION"
-  "python3-venv=$PYTHON3_VENV_VERSION" "python3-yaml=$PYYAML_VERSION")
+  "python3-venv=$PYTHON3_VENV_VERSION" "python3-yaml=$PYYAML_VERSION" iptables)
 # libslurm-dev: pyxis compiles against this Slurm; python3-venv: the torch venv.
 COMPUTE_PACKAGES=("munge=$MUNGE_VERSION" "slurmd=$SLURM_VERSION" "slurm-client=$SLURM_VERSION"
-  "libslurm-dev=$SLURM_VERSION" "python3-boto3=$BOTO3_VERSION" "python3-venv=$PYTHON3_VENV_VERSION")
+  "libslurm-dev=$SLURM_VERSION" "python3-boto3=$BOTO3_VERSION" "python3-venv=$PYTHON3_VENV_VERSION" iptables)
 # enroot from source (its doc/installation.md): git, gcc, make, setcap (libcap2-bin) and patch (for musl) build it;
 # the doc's libtool, automake and libmd-dev served a libbsd that 3.5.0 vendors and builds without them. At run time
 # it needs what its .deb depended on. Unversioned, from the noble archive: the tools only build a source pinned by

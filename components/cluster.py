@@ -15,6 +15,7 @@ from components.monitoring import IdleGpuAlarms, IdleGpuAlarmsArgs
 from components.network import Network, NetworkArgs
 from components.node_access import NodeAccess, NodeAccessArgs
 from components.storage import Storage, StorageArgs
+from components.team_access import TeamAccess, TeamAccessArgs
 from components.teardown import Teardown, TeardownArgs
 from gpucluster import bundle, cost, userdata
 from gpucluster.spec import Stack
@@ -131,6 +132,8 @@ def create_cluster(stack: Stack) -> dict[str, object]:
         ),
         opts,
     )
+    team = TeamAccess(stack.cluster_name, TeamAccessArgs(cluster_name=stack.cluster_name, region=stack.region,
+                                                         head_instance_id=head.instance_id), opts)
     deny = None if act is None else LaunchDeny(
         stack.cluster_name, LaunchDenyArgs(budget_name=budget.budget_name, act_threshold_percent=act,
                                            role_name=head.role_name, role_arn=head.role_arn,
@@ -159,7 +162,13 @@ def create_cluster(stack: Stack) -> dict[str, object]:
         "pools": {name: pool.launch_spec for name, pool in pools.items()},
         "head_node_instance_id": head.instance_id,
         "head_node_private_ip": head.private_ip,
-        "connect": pulumi.Output.concat("aws ssm start-session --region ", stack.region, " --target ", head.instance_id),
+        # A shell on the head as the login user (no sudo), and the admins' (sudo): each needs its policy attached.
+        "connect": pulumi.Output.concat("aws ssm start-session --region ", stack.region, " --target ", head.instance_id,
+                                        " --document-name ", team.user_document),
+        "connect_admin": pulumi.Output.concat("aws ssm start-session --region ", stack.region, " --target ",
+                                              head.instance_id, " --document-name ", team.admin_document),
+        "user_access_policy_arn": team.user_policy_arn,
+        "admin_access_policy_arn": team.admin_policy_arn,
         "budget_name": budget.budget_name,
         "alerts_topic_arn": budget.topic_arn,
         "hourly_cost_usd_min": round(estimate.hourly_min, 2),

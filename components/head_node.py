@@ -16,7 +16,7 @@ import pulumi
 import pulumi_aws as aws
 
 from components import child
-from components.node_access import EC2_ASSUME, PARAMETER_READ, SSM_CORE, NodeAccess, policy
+from components.node_access import EC2_ASSUME, PARAMETER_READ, SSM_AGENT, NodeAccess, policy
 from gpucluster.catalog import UBUNTU_AMI_PARAMETER
 from gpucluster.cost import HEAD_ROOT_GIB, HEAD_STATE_GIB
 from gpucluster.settings import CLUSTER_TAG, ClusterSettings
@@ -75,7 +75,6 @@ class HeadNode(pulumi.ComponentResource):
         account = aws.get_caller_identity_output(opts=pulumi.InvokeOutputOptions(parent=self)).account_id
         access = args.access
         head_role = aws.iam.Role(f"{name}-head", assume_role_policy=EC2_ASSUME, opts=child(self))
-        aws.iam.RolePolicyAttachment(f"{name}-head-ssm", role=head_role.name, policy_arn=SSM_CORE, opts=child(self))
         aws.iam.RolePolicy(f"{name}-head", role=head_role.id, policy=pulumi.Output.all(
             account=account, config_arn=access.config_parameter_arn, munge_arn=access.munge_key_parameter_arn,
             bundle_arn=access.bundle_arn, compute_role_arn=access.compute_role_arn,
@@ -161,7 +160,9 @@ def head_statements(args: HeadNodeArgs, account: str, config_arn: str, munge_arn
     """Launch only from this cluster's templates, images, subnet, security group, placement groups and reservations,
     and only instances tagged with this cluster (ParallelCluster's explicit-resource form: every resource a
     CreateFleet/RunInstances call touches is named); terminate only this cluster's instances, pass only the
-    compute role, create and read only this cluster's parameters."""
+    compute role, create and read only this cluster's parameters. Only root and the slurm user on the head get these
+    credentials (gpucluster.lockdown): a login user gets none, so cannot launch outside Slurm, terminate nodes or
+    reverse the budget's action."""
     region = args.region
     ec2 = f"arn:aws:ec2:{region}:{account}"
     templates = [f"{ec2}:launch-template/{t}" for t in template_ids]
@@ -174,38 +175,55 @@ def head_statements(args: HeadNodeArgs, account: str, config_arn: str, munge_arn
         {"Sid": "LaunchClusterInstancesOnly", "Effect": "Allow", "Action": ["ec2:RunInstances", "ec2:CreateFleet"],
          "Resource": f"{ec2}:instance/*",
          "Condition": {"StringEquals": {f"aws:RequestTag/{CLUSTER_TAG}": args.cluster_name}}},
+        # Every other resource a launch touches, named: the pools' templates, the subnet, the security group, the
+        # images, placement groups and reservations of this cluster; the fleet, interfaces and volumes it creates.
         {"Sid": "LaunchFromClusterResourcesOnly", "Effect": "Allow", "Action": ["ec2:RunInstances", "ec2:CreateFleet"],
          "Resource": [*templates, f"{ec2}:subnet/{subnet_id}", f"{ec2}:security-group/{security_group_id}",
                       *sorted({f"arn:aws:ec2:{region}::image/{i}" for i in image_ids}), *groups, *reservations,
                       *created]},
+        # Tags only as part of a launch (the templates' TagSpecifications): no retagging an existing instance into
+        # the cluster, which would let the terminate statement below reach it.
         {"Sid": "TagAtLaunch", "Effect": "Allow", "Action": "ec2:CreateTags",
          "Resource": [f"{ec2}:instance/*", *created],
          "Condition": {"StringEquals": {"ec2:CreateAction": ["RunInstances", "CreateFleet"]}}},
+        # Suspend, resume-fail and the reconciler end nodes: only instances tagged with this cluster.
         {"Sid": "TerminateClusterInstancesOnly", "Effect": "Allow",
          "Action": "ec2:TerminateInstances", "Resource": f"{ec2}:instance/*",
          "Condition": {"StringEquals": {f"aws:ResourceTag/{CLUSTER_TAG}": args.cluster_name}}},
+        # Resume and the reconciler read instance states; these Describe actions take no resource but "*".
         {"Sid": "Describe", "Effect": "Allow", "Action": ["ec2:DescribeInstances", "ec2:DescribeInstanceStatus",
                                                         "ec2:DescribeLaunchTemplates", "ec2:DescribeLaunchTemplateVersions"],
          "Resource": "*"},
         # An UnauthorizedOperation from a launch carries an encoded message: this reads which statement refused.
         {"Sid": "DecodeLaunchErrors", "Effect": "Allow", "Action": "sts:DecodeAuthorizationMessage", "Resource": "*"},
+        # The nodes it launches get the compute role, which holds less than this one; to EC2 only.
         {"Sid": "PassComputeRoleOnly", "Effect": "Allow", "Action": "iam:PassRole", "Resource": compute_role_arn,
          "Condition": {"StringEquals": {"iam:PassedToService": "ec2.amazonaws.com"}}},
+        # The boot and the update timer read the cluster's settings and its munge key: this cluster's two only.
         {"Sid": "ClusterParameters", "Effect": "Allow", "Action": PARAMETER_READ,
          "Resource": [config_arn, munge_arn]},
+        # The first head creates the key (fetch_bundle.py, Overwrite=False); the parameter is this cluster's.
         {"Sid": "CreateMungeKeyOnce", "Effect": "Allow", "Action": "ssm:PutParameter", "Resource": munge_arn},
+        # The Slurm files and node programs: this stack's bundle object only.
         {"Sid": "Bundle", "Effect": "Allow", "Action": "s3:GetObject", "Resource": bundle_arn},
+        SSM_AGENT,
     ]
 
 
 def guardrail_statements(queue_arn: str, topic_arn: str, budget_arn: str) -> list[dict[str, object]]:
-    """Read the budget and its queue, tell the subscribers, reverse this budget's actions: nothing else."""
+    """Read the budget and its queue, tell the subscribers, reverse this budget's actions: nothing else. The guardrail
+    runs as root; the slurm user's programs share the role but not this need."""
     return [
+        # Budget notifications arrive through the stack's own queue (SNS -> SQS).
         {"Sid": "BudgetQueue", "Effect": "Allow", "Action": ["sqs:ReceiveMessage", "sqs:DeleteMessage",
                                                             "sqs:GetQueueAttributes"], "Resource": queue_arn},
+        # The guardrail tells the budget's subscribers when it closes or reopens the partitions: this topic only.
         {"Sid": "TellSubscribers", "Effect": "Allow", "Action": "sns:Publish", "Resource": topic_arn},
+        # The spend it compares with the act threshold, and whether the backstop action has fired: this budget only.
         {"Sid": "ReadBudget", "Effect": "Allow", "Action": ["budgets:ViewBudget", "budgets:DescribeBudgetActionsForBudget"],
          "Resource": budget_arn},
+        # `gpucluster-budget reopen` (by an admin: sudo) lifts the deny policy the backstop attached: this budget's
+        # actions only. A login user cannot: the head's credentials are root's and slurm's (gpucluster.lockdown).
         {"Sid": "ReverseBudgetActions", "Effect": "Allow", "Action": "budgets:ExecuteBudgetAction",
          "Resource": f"{budget_arn}/action/*"},
     ]

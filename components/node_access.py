@@ -15,9 +15,19 @@ from gpucluster import monitoring
 
 EC2_ASSUME = json.dumps({"Version": "2012-10-17", "Statement": [
     {"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"}, "Action": "sts:AssumeRole"}]})
-SSM_CORE = "arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore"  # Session Manager instead of SSH
+# The image build instances only (Image Builder's documented pair with EC2InstanceProfileForImageBuilder).
+SSM_CORE = "arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore"
 # A node reads its settings and the munge key in one GetParameters call; GetParameter stays for single reads.
 PARAMETER_READ = ["ssm:GetParameter", "ssm:GetParameters"]
+# What the nodes' SSM agent needs for Session Manager (the ssmmessages channels) and Run Command (ec2messages, which
+# `pulumi destroy` uses to close the partitions), and no more. Not AmazonSSMManagedInstanceCore: it also allows
+# ssm:GetParameter(s) on every parameter of the account, another stack's munge key among them. These actions take no
+# resource but "*".
+SSM_AGENT = {"Sid": "SessionManagerAndRunCommand", "Effect": "Allow", "Resource": "*", "Action": [
+    "ssm:UpdateInstanceInformation", "ssmmessages:CreateControlChannel", "ssmmessages:CreateDataChannel",
+    "ssmmessages:OpenControlChannel", "ssmmessages:OpenDataChannel", "ec2messages:AcknowledgeMessage",
+    "ec2messages:DeleteMessage", "ec2messages:FailMessage", "ec2messages:GetEndpoint", "ec2messages:GetMessages",
+    "ec2messages:SendReply"]}
 
 
 def policy(statements: list[dict[str, object]]) -> str:
@@ -57,7 +67,6 @@ class NodeAccess(pulumi.ComponentResource):
         self.bundle_arn = pulumi.Output.concat("arn:aws:s3:::", self.bucket, f"/{args.bundle_key}")
 
         role = aws.iam.Role(f"{name}-compute", assume_role_policy=EC2_ASSUME, opts=child(self))
-        aws.iam.RolePolicyAttachment(f"{name}-compute-ssm", role=role.name, policy_arn=SSM_CORE, opts=child(self))
         aws.iam.RolePolicy(f"{name}-compute", role=role.id, policy=pulumi.Output.all(
             config_arn=self.config_parameter_arn, munge_arn=self.munge_key_parameter_arn,
             bundle_arn=self.bundle_arn).apply(lambda v: policy(compute_statements(**v))), opts=child(self))
@@ -69,10 +78,16 @@ class NodeAccess(pulumi.ComponentResource):
 
 
 def compute_statements(config_arn: str, munge_arn: str, bundle_arn: str) -> list[dict[str, object]]:
-    """Read the cluster's settings, the munge key and the bundle, publish GPU metrics: nothing else."""
+    """Read the cluster's settings, the munge key and the bundle, publish GPU metrics, let the SSM agent work:
+    nothing else. Only root on the node gets these credentials (gpucluster.lockdown): a job gets none."""
     return [
+        # The boot reads both in one call. The munge key lets a node join Slurm: root on any node of the cluster
+        # holds it anyway (munged needs it on every node), and no user reaches the credentials that read it.
         {"Sid": "ClusterSettings", "Effect": "Allow", "Action": PARAMETER_READ, "Resource": [config_arn, munge_arn]},
+        # The Slurm files, node programs and examples: this stack's bundle object only.
         {"Sid": "Bundle", "Effect": "Allow", "Action": "s3:GetObject", "Resource": bundle_arn},
+        # The CloudWatch agent's GPU metrics (idle-GPU alarms), in the cluster's namespace only.
         {"Sid": "GpuMetrics", "Effect": "Allow", "Action": "cloudwatch:PutMetricData", "Resource": "*",
          "Condition": {"StringEquals": {"cloudwatch:namespace": monitoring.NAMESPACE}}},
+        SSM_AGENT,
     ]

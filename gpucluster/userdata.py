@@ -1,7 +1,8 @@
 """The cloud-init user data handed to EC2, byte for byte, for the head node and for each pool's nodes.
 
 User data holds no secret and nothing AWS assigns at `pulumi up`, and installs nothing (the node image holds the
-software). It writes three files: node.env (cluster, region, role, pool, the parameters to read), fetch_bundle.py, and
+software). At every boot, before the network is online, it runs the lockdown (gpucluster.lockdown: instance metadata
+for root and the daemons only, no root for the login user). It writes three files: node.env (cluster, region, role, pool, the parameters to read), fetch_bundle.py, and
 the unit gpucluster-boot.service, which runs fetch_bundle.py at every boot, not only the first: it reads the settings
 and the munge key from SSM, fetches the bundle from S3 and runs bootstrap.py in the node's role. So the bytes are known
 offline, and small: EC2 takes 16384 bytes at most.
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import yaml
 
-from gpucluster import settings, sources
+from gpucluster import lockdown, settings, sources
 from gpucluster.spec import Pool, Stack
 
 EC2_USER_DATA_LIMIT = 16384
@@ -87,6 +88,9 @@ def _cloud_config(stack: Stack, role: str, hostname: str | None, pool: Pool | No
     else:
         doc["preserve_hostname"] = True  # the bootstrap names the node after its Slurm node; a reboot keeps it
     doc |= {
+        # bootcmd runs at every boot, early (cloud-init's init stage, before network-online.target): before Session
+        # Manager's agent or slurmd can start anything a user asked for.
+        "bootcmd": [["sh", "-c", lockdown.script(role)]],
         "write_files": [
             {"path": settings.NODE_ENV_FILE, "permissions": "0644",
              "content": "".join(f"{k}={v}\n" for k, v in node_env(stack, role, pool).items())},
@@ -107,7 +111,7 @@ def head_node(stack: Stack) -> str:
 
 
 def pool_nodes(stack: Stack, pool: Pool) -> str:
-    # The node takes its Slurm name (from its instance tag) as hostname in the bootstrap; nothing to set here.
+    # The node takes its Slurm name (found by its instance id) as hostname in the bootstrap; nothing to set here.
     return _cloud_config(stack, "compute", None, pool)
 
 

@@ -46,7 +46,8 @@ from gpucluster.spec import Stack
 ROOT = Path(__file__).resolve().parent.parent
 REHEARSAL = Path(__file__).resolve().parent / "rehearsal"
 REQUIRED = ("/usr/bin/python3", "munged", "slurmctld", "slurmd", "slurmdbd", "sinfo", "scontrol", "sbatch", "mariadbd",
-            "mariadb-install-db", "unshare", "nsenter", "losetup", "mkfs.ext4", "systemd-analyze", "systemd-tmpfiles")
+            "mariadb-install-db", "unshare", "nsenter", "losetup", "mkfs.ext4", "systemd-analyze", "systemd-tmpfiles",
+            "iptables")
 # What a user or a test runs on the head node: these commands enter its namespaces (a login on the head).
 HEAD_COMMANDS = ("sbatch", "squeue", "scontrol", "sinfo", "sacctmgr", "sshare", "sacct", "scancel", "srun", "sreport")
 BOOT_SECONDS = 2.0
@@ -318,6 +319,7 @@ class RehearsalNode:
             (self.root / "user-data").write_text(self.user_data)
             self.enter("/usr/bin/python3", str(REHEARSAL / "cloud_init"), str(self.root / "user-data"))
         else:
+            self.enter("/usr/bin/python3", str(REHEARSAL / "cloud_init"), str(self.root / "user-data"), "--every-boot")
             wants = self.root / "etc.up" / "systemd" / "system" / "multi-user.target.wants"
             for unit in sorted(p.name for p in wants.iterdir()) if wants.is_dir() else []:
                 self.enter("systemctl", "start", "--no-block", unit)
@@ -403,6 +405,19 @@ class RehearsalNode:
         self.init = None
 
 
+def remove_lockdown_rules() -> None:
+    """The nodes' lockdown (their bootcmd) put its metadata rules in this machine's network namespace, which every
+    rehearsal node shares: take them out again."""
+    from gpucluster.lockdown import IMDS_ADDRESSES, IMDS_CHAIN
+
+    for tool, address in IMDS_ADDRESSES.items():
+        while subprocess.run([tool, "-w", "-D", "OUTPUT", "-d", address, "-j", IMDS_CHAIN],
+                             capture_output=True).returncode == 0:
+            pass
+        subprocess.run([tool, "-w", "-F", IMDS_CHAIN], capture_output=True)
+        subprocess.run([tool, "-w", "-X", IMDS_CHAIN], capture_output=True)
+
+
 @dataclass
 class LocalCluster:
     stack: Stack
@@ -432,6 +447,7 @@ class LocalCluster:
         self.nodes.clear()
         if hasattr(self, "volume_device"):
             subprocess.run(["losetup", "-d", self.volume_device], capture_output=True)
+        remove_lockdown_rules()
         for close in reversed(self._closers):
             close()
 

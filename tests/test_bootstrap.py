@@ -31,6 +31,12 @@ def test_munge_key_file_is_munge_only(tmp_path: Path) -> None:
     info = key.stat()
     assert key.read_bytes() == b"k" * 1024
     assert stat.S_IMODE(info.st_mode) == 0o400 and info.st_uid == pwd.getpwnam("munge").pw_uid
+    # A new key (a replaced head's) replaces the file whole: never a moment of an old mode on new bytes.
+    key.chmod(0o644)
+    staged.write_bytes(b"n" * 1024)
+    bootstrap.install_munge_key(staged, key)
+    assert key.read_bytes() == b"n" * 1024 and stat.S_IMODE(key.stat().st_mode) == 0o400
+    assert [p.name for p in key.parent.iterdir()] == ["munge.key"]
 
 
 def test_hosts_entry_replaces_an_old_head_address(tmp_path: Path) -> None:

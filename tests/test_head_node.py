@@ -114,17 +114,19 @@ def test_head_role_is_scoped_to_this_cluster(shipped: Shipped) -> None:
     munge = f"arn:aws:ssm:{region}:123456789012:parameter{userdata.munge_key_parameter(stack)}"
     assert head["CreateMungeKeyOnce"] == {"Sid": "CreateMungeKeyOnce", "Effect": "Allow", "Action": "ssm:PutParameter",
                                           "Resource": munge}
-    # On every resource without a condition: Describe*, and decoding an authorization message (no resource type).
+    # On every resource without a condition: Describe*, decoding an authorization message and the SSM agent's
+    # channels (none of which has a resource type).
     for sid, statement in head.items():
         if statement["Resource"] == "*" and "Condition" not in statement:
             actions = [statement["Action"]] if isinstance(statement["Action"], str) else statement["Action"]
-            assert all(a.startswith("ec2:Describe") or a == "sts:DecodeAuthorizationMessage" for a in actions), sid
+            assert all(a.startswith("ec2:Describe") or a == "sts:DecodeAuthorizationMessage" or a in SSM_AGENT_ACTIONS
+                       for a in actions), sid
 
 
 def test_compute_role_reads_settings_key_bundle_and_writes_gpu_metrics_only(shipped: Shipped) -> None:
     stack, declared = shipped
     compute = _statements(_one(declared, "iam/rolePolicy:RolePolicy", "-compute"))
-    assert set(compute) == {"ClusterSettings", "Bundle", "GpuMetrics"}
+    assert set(compute) == {"ClusterSettings", "Bundle", "GpuMetrics", "SessionManagerAndRunCommand"}
     bucket = planned_id(_one(declared, "s3/bucket:Bucket", "-bundle"), stack.region)
     assert compute["Bundle"] == {"Sid": "Bundle", "Effect": "Allow", "Action": "s3:GetObject", "Resource":
                                  f"arn:aws:s3:::{bucket}/{bundle.key(bundle.build(stack))}"}
@@ -265,3 +267,58 @@ def test_node_program_reads_the_published_settings(shipped: Shipped, tmp_path) -
     config = gpucluster_node.ClusterSettings.load(path)
     assert config.cluster == stack.cluster_name and set(config.pools) == {p.name for p in stack.spec.pools}
     assert config.all_or_nothing is stack.spec.slurm.all_or_nothing
+
+
+SSM_AGENT_ACTIONS = {
+    "ssm:UpdateInstanceInformation", "ssmmessages:CreateControlChannel", "ssmmessages:CreateDataChannel",
+    "ssmmessages:OpenControlChannel", "ssmmessages:OpenDataChannel", "ec2messages:AcknowledgeMessage",
+    "ec2messages:DeleteMessage", "ec2messages:FailMessage", "ec2messages:GetEndpoint", "ec2messages:GetMessages",
+    "ec2messages:SendReply"}
+# Per role, every action it holds (inline policies) and every managed policy attached to it: a permission added or
+# widened fails here, to be reviewed as an attacker would (see the comments at each statement).
+ROLE_ACTIONS = {
+    "-head": SSM_AGENT_ACTIONS | {
+        "ec2:RunInstances", "ec2:CreateFleet", "ec2:CreateTags", "ec2:TerminateInstances", "ec2:DescribeInstances",
+        "ec2:DescribeInstanceStatus", "ec2:DescribeLaunchTemplates", "ec2:DescribeLaunchTemplateVersions",
+        "sts:DecodeAuthorizationMessage", "iam:PassRole", "ssm:GetParameter", "ssm:GetParameters", "ssm:PutParameter",
+        "s3:GetObject"},
+    "-compute": SSM_AGENT_ACTIONS | {"ssm:GetParameter", "ssm:GetParameters", "s3:GetObject",
+                                     "cloudwatch:PutMetricData"},
+    "-budget-action": {"iam:AttachRolePolicy", "iam:DetachRolePolicy"},
+}
+GUARDRAIL_ACTIONS = {"sqs:ReceiveMessage", "sqs:DeleteMessage", "sqs:GetQueueAttributes", "sns:Publish",
+                     "budgets:ViewBudget", "budgets:DescribeBudgetActionsForBudget", "budgets:ExecuteBudgetAction"}
+IMAGE_BUILD_MANAGED = {"arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore",
+                       "arn:aws:iam::aws:policy/EC2InstanceProfileForImageBuilder"}
+
+
+def _actions(document: str) -> set[str]:
+    found: set[str] = set()
+    for statement in json.loads(document)["Statement"]:
+        found |= {statement["Action"]} if isinstance(statement["Action"], str) else set(statement["Action"])
+    return found
+
+
+def test_each_role_holds_exactly_its_actions(shipped: Shipped) -> None:
+    stack, declared = shipped
+    roles = {d.name: d for d in of_type(declared, "iam/role:Role")}
+    inline: dict[str, set[str]] = {name: set() for name in roles}
+    managed: dict[str, set[str]] = {name: set() for name in roles}
+    for rp in of_type(declared, "iam/rolePolicy:RolePolicy"):
+        owner = next(name for name in roles if planned_id(roles[name], stack.region) == rp.inputs["role"])
+        inline[owner] |= _actions(rp.inputs["policy"])
+    for attachment in of_type(declared, "iam/rolePolicyAttachment:RolePolicyAttachment"):
+        owner = next(name for name in roles if roles[name].name == attachment.inputs["role"]
+                     or planned_outputs(roles[name], stack.region).get("name") == attachment.inputs["role"])
+        managed[owner].add(attachment.inputs["policyArn"])
+    guardrail = stack.spec.budget.act_threshold_percent is not None
+    for name in roles:
+        suffix = name.removeprefix(stack.cluster_name)
+        if suffix in ROLE_ACTIONS:
+            expected = ROLE_ACTIONS[suffix] | (GUARDRAIL_ACTIONS if suffix == "-head" and guardrail else set())
+            assert inline[name] == expected, (name, inline[name] ^ expected)
+            # No managed policy on a node role: AmazonSSMManagedInstanceCore would read every parameter of the
+            # account (another stack's munge key).
+            assert not managed[name], (name, managed[name])
+        else:  # an image build role: Image Builder's documented pair, nothing inline
+            assert suffix.endswith("-build") and managed[name] == IMAGE_BUILD_MANAGED and not inline[name], name

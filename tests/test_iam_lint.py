@@ -17,6 +17,7 @@ with warnings.catch_warnings():
 # QueuePolicy, BucketPolicy) and trust policies (Role).
 POLICY_INPUTS = ("policy", "assumeRolePolicy")
 
+SESSION_DOCUMENT_CHECK = "Unknown condition ssm:SessionDocumentAccessCheck for action ssm:StartSession"
 # (issue, policy's name without the cluster name, action or what it is about) -> why the finding is wrong here.
 SUPPRESSED = {
     ("MALFORMED", "role trust policy", "Statement contains neither Resource nor NotResource"):
@@ -37,6 +38,11 @@ SUPPRESSED = {
         "launches",
     ("PRIVILEGE_ESCALATION", "head", "CreateEC2WithExistingIP"):
         "the same PassRole: the one role it can pass is the compute role, which has less than the head's own",
+    ("UNKNOWN_CONDITION_FOR_ACTION", "user-access", SESSION_DOCUMENT_CHECK):
+        "parliament's IAM database predates the key; AWS's Session Manager quickstart end-user policies use it on "
+        "ssm:StartSession so that a caller cannot fall back to the default document (ssm-user, sudo)",
+    ("UNKNOWN_CONDITION_FOR_ACTION", "admin-access", SESSION_DOCUMENT_CHECK):
+        "as for user-access: the admin document, only with its own name",
     ("PERMISSIONS_MANAGEMENT_ACTIONS", "budget-action", "iam:attachrolepolicy"):
         "the Budgets action's role attaches exactly the launch-deny policy (iam:PolicyARN) to exactly the head role",
     ("PERMISSIONS_MANAGEMENT_ACTIONS", "budget-action", "iam:detachrolepolicy"):

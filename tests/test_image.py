@@ -210,7 +210,7 @@ def test_head_build_installs_pinned_packages_once_and_writes_the_manifest_last(b
                            f"slurmctld={p['SLURM_VERSION']}", f"slurmdbd={p['SLURM_VERSION']}",
                            f"slurm-client={p['SLURM_VERSION']}", f"mariadb-server={p['MARIADB_VERSION']}",
                            f"python3-boto3={p['BOTO3_VERSION']}", f"python3-venv={p['PYTHON3_VENV_VERSION']}",
-                           f"python3-yaml={p['PYYAML_VERSION']}"]
+                           f"python3-yaml={p['PYYAML_VERSION']}", "iptables"]  # the lockdown's
     assert installs[1] == ["--no-install-recommends", f"lustre-client-modules-{KERNEL}"]  # no kernel-following meta
     assert len(installs) == 2
     prefs = (run.root / "etc/apt/preferences.d/gpucluster-slurm").read_text()
@@ -265,7 +265,8 @@ def test_compute_build_fetches_only_pinned_and_verified_artifacts(build) -> None
     installs = [c[c.index("install") + 1:] for c in run.commands("apt-get") if "install" in c]
     assert installs[0] == ["--no-install-recommends", f"munge={p['MUNGE_VERSION']}", f"slurmd={p['SLURM_VERSION']}",
                            f"slurm-client={p['SLURM_VERSION']}", f"libslurm-dev={p['SLURM_VERSION']}",
-                           f"python3-boto3={p['BOTO3_VERSION']}", f"python3-venv={p['PYTHON3_VENV_VERSION']}"]
+                           f"python3-boto3={p['BOTO3_VERSION']}", f"python3-venv={p['PYTHON3_VENV_VERSION']}",
+                           "iptables"]
     assert installs[1][1:] == [f"lustre-client-modules-{KERNEL}"]
     assert sum("update" in c for c in run.commands("apt-get")) == 1
     assert installs[2][1:] == ["git", "gcc", "make", "libcap2-bin", "patch",  # enroot's build and run time
@@ -546,3 +547,14 @@ def test_component_document_refuses_what_aws_or_awstoe_would_mangle() -> None:
                 script + "#" * 4000 + "\n"):
         with pytest.raises(ValueError):
             component_document("compute", bad)
+
+
+def test_each_build_logs_to_a_group_the_stack_owns() -> None:
+    """Image Builder's own default group (/aws/imagebuilder/<recipe>) would outlive the stack, unexpiring."""
+    _, declared = planned(ROOT / "stacks" / "Pulumi.team-a.yaml")
+    groups = {d.name: d for d in of_type(declared, "cloudwatch/logGroup:LogGroup")}
+    for image in of_type(declared, "imagebuilder/image:Image"):
+        group = groups[f"{image.name}-build-log"]
+        assert group.inputs["name"] == f"/aws/imagebuilder/{image.name}" and group.inputs["retentionInDays"] == 30
+        assert image.inputs["loggingConfiguration"] == {"logGroupName": group.inputs["name"]}
+        assert not group.retain_on_delete

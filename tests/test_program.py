@@ -185,7 +185,7 @@ def test_fsx_settings(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
         assert len(bucket_parts) == 5 and all(d.retain_on_delete for d in bucket_parts)
     # The file system is a cache of S3 that bills monthly: deleted with the stack unless asked, with no final
     # backup left behind.
-    assert fs.retain_on_delete is dra.retain_on_delete is lustre.keep_file_system_on_destroy is False
+    assert fs.retain_on_delete is dra.retain_on_delete is lustre.keeps_file_system is False
     if lustre.deployment_type == "PERSISTENT_2":
         assert fs.inputs["skipFinalBackup"] is True
 
@@ -283,8 +283,9 @@ def test_budget_reaches_the_head_node_and_the_launch_deny(shipped: tuple[Stack, 
 
 def test_a_budget_that_only_alerts_has_no_guardrail() -> None:
     _, declared = planned(FIXTURES / "Pulumi.existing.yaml")
-    for kind in ("sqs/queue:Queue", "budgets/budgetAction:BudgetAction", "iam/policy:Policy"):
+    for kind in ("sqs/queue:Queue", "budgets/budgetAction:BudgetAction"):
         assert not of_type(declared, kind), kind
+    assert not [p for p in of_type(declared, "iam/policy:Policy") if p.name.endswith("-launch-deny")]
     (config,) = [p for p in of_type(declared, "ssm/parameter:Parameter") if p.name.endswith("-config")]
     assert "budget" not in json.loads(config.inputs["insecureValue"])
 

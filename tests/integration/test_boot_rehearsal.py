@@ -3,7 +3,11 @@ gpucluster-boot.service -> fetch_bundle.py -> bootstrap.py -> packaged units wit
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from gpucluster import settings
 from gpucluster.settings import LOGIN_USER
@@ -29,22 +33,72 @@ def test_head_runs_its_services_from_the_packaged_units_as_their_users(cluster: 
     assert "bootstrap head done" in cluster.head.path(settings.BOOT_LOG).read_text()
 
 
+# What a job tries to get the node's credentials or its munge key with (the probe's answer, or why it got none).
+PROBE = ("import urllib.request\n"
+         "request = urllib.request.Request('http://169.254.169.254/latest/api/token', method='PUT', "
+         "headers={'X-aws-ec2-metadata-token-ttl-seconds': '60'})\n"
+         "try:\n    print('metadata:', urllib.request.urlopen(request, timeout=3).read().decode())\n"
+         "except OSError as exc:\n    print('metadata: refused', type(exc).__name__)\n"
+         "for key in ('/etc/munge/munge.key', '/etc/gpucluster/munge.key'):\n"
+         "    try:\n        open(key, 'rb').read()\n        print('key: read', key)\n"
+         "    except OSError as exc:\n        print('key: refused', key, type(exc).__name__)\n")
+
+
+@contextlib.contextmanager
+def metadata_on_link_local():  # type: ignore[no-untyped-def]
+    """Instance metadata where EC2 serves it, 169.254.169.254:80, for this test: the rehearsal's nodes share this
+    machine's network namespace, where their lockdown's rules (from their user data's bootcmd) are in force. The
+    nodes' own stand-ins (tests/local_cluster.py) listen elsewhere, so the boot path is unaffected."""
+    class Metadata(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_PUT(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"token")
+
+    subprocess.run(["ip", "addr", "add", "169.254.169.254/32", "dev", "lo"], check=True)
+    server = ThreadingHTTPServer(("169.254.169.254", 80), Metadata)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield
+    finally:
+        server.shutdown()
+        server.server_close()
+        subprocess.run(["ip", "addr", "del", "169.254.169.254/32", "dev", "lo"], check=True)
+
+
 def test_compute_nodes_boot_with_two_aws_calls_through_throttling(cluster: LocalCluster) -> None:
     # Parameter Store's shared rate is spent: more throttles than botocore's own retries absorb.
     cluster.throttle["GetParameters"] = 14
     # The login user submits a plain batch script that sources nothing from the home directory on the head: it runs on
     # the compute nodes (the same home there), writes its output back there, and every task has the node's NCCL
-    # settings (the TaskProlog), with the user's own NCCL_DEBUG winning over ours.
+    # settings (the TaskProlog), with the user's own NCCL_DEBUG winning over ours. Each task also tries for the
+    # instance's credentials and the munge key.
     home = cluster.fsx / "home" / LOGIN_USER
     script = home / "env.sbatch"
-    script.write_text("#!/bin/bash\nsrun bash -c 'echo \"task $(hostname) $NCCL_SOCKET_IFNAME $NCCL_DEBUG $PWD\"'\n")
-    os.chown(script, home.stat().st_uid, home.stat().st_gid)
-    job = head_shell(cluster, f"runuser -l {LOGIN_USER} -c 'NCCL_DEBUG=INFO sbatch --parsable -p standby -N 2 env.sbatch'").strip()
-    cluster.wait(f"job {job} to complete", lambda: cluster.job_state(job) == "COMPLETED", 240)
+    (home / "probe.py").write_text(PROBE)
+    script.write_text("#!/bin/bash\nsrun bash -c 'echo \"task $(hostname) $NCCL_SOCKET_IFNAME $NCCL_DEBUG $PWD\"; "
+                      "/usr/bin/python3 probe.py'\n")
+    for path in (script, home / "probe.py"):
+        os.chown(path, home.stat().st_uid, home.stat().st_gid)
+    with metadata_on_link_local():
+        job = head_shell(cluster, f"runuser -l {LOGIN_USER} -c 'NCCL_DEBUG=INFO sbatch --parsable -p standby -N 2 "
+                                  "env.sbatch'").strip()
+        cluster.wait(f"job {job} to complete", lambda: cluster.job_state(job) == "COMPLETED", 240)
+        # Root on the same node gets the answer: the rule is the node's lockdown, not a dead endpoint.
+        root = next(iter(cluster.nodes.values())).enter("/usr/bin/python3", "-c", PROBE).stdout
     output = home / f"slurm-{job}.out"
     assert output.stat().st_uid == home.stat().st_uid  # written by the job, as the user, on a compute node
-    tasks = sorted(line for line in output.read_text().splitlines() if line.startswith("task"))
+    lines = output.read_text().splitlines()
+    tasks = sorted(line for line in lines if line.startswith("task"))
     assert tasks == [f"task standby-{n} ^docker,lo,veth INFO /home/{LOGIN_USER}" for n in (1, 2)], tasks
+    # The job gets no credentials and no munge key, on either node.
+    assert sorted(line for line in lines if not line.startswith("task")) == sorted(2 * [
+        "metadata: refused URLError", "key: refused /etc/munge/munge.key PermissionError",
+        "key: refused /etc/gpucluster/munge.key PermissionError"]), lines
+    assert "metadata: token" in root and "key: read /etc/munge/munge.key" in root, root
     assert cluster.throttle["GetParameters"] == 0
     # The resume program (as slurm) logs beside the budget guardrail (as root), whichever started first: the log
     # belongs to slurm (a root-owned one, made by the guardrail's first line, silenced the resume program).

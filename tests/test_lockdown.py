@@ -1,0 +1,143 @@
+"""The lockdown every node runs at boot (gpucluster.lockdown), run for real: the exact script, in a network namespace
+of its own with a stand-in for instance metadata on 169.254.169.254 (this machine is not on EC2, and iptables' owner
+match works in a namespace), and in a mount namespace whose /etc is an overlay (the images' login user, its sudo
+rule and its docker group are seeded there; this machine's /etc is left alone). The stand-in sits in a namespace of
+its own behind a veth pair, so the node reaches it from an address of its own, as on EC2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from gpucluster import lockdown
+from gpucluster.settings import LOGIN_USER, SLURM_USER
+
+METADATA = textwrap.dedent('''
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class Metadata(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_PUT(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"token")
+
+    HTTPServer(("169.254.169.254", 80), Metadata).serve_forever()
+''')
+
+DRIVER = textwrap.dedent('''
+    import json, os, pwd, subprocess, sys
+
+    work, script = sys.argv[1], sys.argv[2]
+    for d in ("up", "work"):
+        os.makedirs(f"{work}/{d}", exist_ok=True)
+    subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
+                    f"lowerdir=/etc,upperdir={work}/up,workdir={work}/work", "/etc"], check=True)
+    # The image's login user as Ubuntu's cloud images make it: a sudo rule from cloud-init, in docker's group.
+    with open("/etc/passwd", "a") as f:
+        f.write("LOGIN:x:1100:1100::/home/LOGIN:/bin/bash\\n")
+    with open("/etc/group", "a") as f:
+        f.write("LOGIN:x:1100:\\ndocker:x:1101:LOGIN\\nlxd:x:1102:someone,LOGIN\\n")
+    os.makedirs("/etc/sudoers.d", exist_ok=True)
+    with open("/etc/sudoers.d/90-cloud-init-users", "w") as f:
+        f.write("# Created by cloud-init\\n\\n# User rules for LOGIN\\nLOGIN ALL=(ALL) NOPASSWD:ALL\\n")
+    # Instance metadata where EC2 has it: off the node, through a link of its own (a veth pair into a namespace that
+    # holds 169.254.169.254), so that the node talks to it from an address of its own, as on EC2.
+    server = subprocess.Popen(["unshare", "--net", "sh", "-c", 'read go && exec /usr/bin/python3 -c "$0"', SERVER],
+                              stdin=subprocess.PIPE, text=True)
+    import time
+    while os.readlink(f"/proc/{server.pid}/ns/net") == os.readlink("/proc/self/ns/net"):
+        time.sleep(0.01)  # until unshare has made the namespace
+    def ip(*args, where=None):
+        subprocess.run((["nsenter", "-t", str(where), "-n"] if where else []) + ["ip", *args], check=True)
+    ip("link", "add", "node0", "type", "veth", "peer", "name", "imds0", "netns", str(server.pid))
+    ip("link", "set", "lo", "up"); ip("addr", "add", "10.0.0.2/24", "dev", "node0"); ip("link", "set", "node0", "up")
+    ip("route", "add", "169.254.169.254/32", "dev", "node0")
+    ip("link", "set", "lo", "up", where=server.pid)
+    ip("addr", "add", "169.254.169.254/32", "dev", "imds0", where=server.pid)
+    ip("link", "set", "imds0", "up", where=server.pid)
+    ip("route", "add", "10.0.0.0/24", "dev", "imds0", where=server.pid)
+    server.stdin.write("go\\n"); server.stdin.flush()
+    import socket
+    for _ in range(100):
+        try:
+            socket.create_connection(("169.254.169.254", 80), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+
+    done = subprocess.run(["sh", "-c", open(script).read()], capture_output=True, text=True)
+    probe = ("import urllib.request\\n"
+             "request = urllib.request.Request('http://169.254.169.254/latest/api/token', method='PUT', "
+             "headers={'X-aws-ec2-metadata-token-ttl-seconds': '60'})\\n"
+             "try:\\n    print(urllib.request.urlopen(request, timeout=5).read().decode())\\n"
+             "except OSError as exc:\\n    print(type(exc).__name__, exc)\\n")
+    answers = {}
+    for user in ("root", "SLURM", "LOGIN", "nobody"):
+        entry = pwd.getpwnam(user)
+        answers[user] = subprocess.run(["setpriv", f"--reuid={entry.pw_uid}", f"--regid={entry.pw_gid}",
+                                        "--clear-groups", "/usr/bin/python3", "-c", probe],
+                                       capture_output=True, text=True).stdout.strip()
+    print(json.dumps({"rc": done.returncode, "stderr": done.stderr, "answers": answers,
+                      "groups": subprocess.run(["id", "-nG", "LOGIN"], capture_output=True, text=True).stdout.split(),
+                      "sudoers": open("/etc/sudoers.d/90-cloud-init-users").read(),
+                      "rules": subprocess.run(["iptables", "-S", "GPUCLUSTER-IMDS"], capture_output=True,
+                                              text=True).stdout}))
+    server.kill()
+''').replace("LOGIN", LOGIN_USER).replace("SLURM", SLURM_USER).replace("SERVER", repr(METADATA))
+
+
+def run_in_namespaces(tmp_path: Path, role: str, times: int = 1) -> dict:  # type: ignore[type-arg]
+    missing = [tool for tool in ("iptables", "unshare", "setpriv", "ip") if not shutil.which(tool)]
+    assert not missing, f"install {missing} (make test does)"
+    script = tmp_path / "lockdown.sh"
+    script.write_text(lockdown.script(role))
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER if times == 1 else DRIVER.replace(
+        'done = subprocess.run(["sh", "-c", open(script).read()], capture_output=True, text=True)',
+        'done = subprocess.run(["sh", "-c", open(script).read()], capture_output=True, text=True)\n'
+        'done = subprocess.run(["sh", "-c", open(script).read()], capture_output=True, text=True)'))
+    done = subprocess.run(["unshare", "--net", "--mount", "--propagation", "private", "/usr/bin/python3", str(driver),
+                           str(tmp_path / "etc"), str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("role", ["head", "compute"])
+def test_only_root_and_the_daemons_get_instance_metadata(tmp_path: Path, role: str) -> None:
+    result = run_in_namespaces(tmp_path, role)
+    assert result["rc"] == 0, result["stderr"]
+    answers = result["answers"]
+    assert answers["root"] == "token"  # the boot unit, the SSM and CloudWatch agents, the budget guardrail
+    # The head's resume, suspend and reconciler programs run as the slurm user; nothing on a compute node does.
+    assert answers[SLURM_USER] == "token" if role == "head" else "Connection refused" in answers[SLURM_USER], answers
+    for user in (LOGIN_USER, "nobody"):
+        assert "Connection refused" in answers[user], answers  # refused at once, not left to time out
+    assert "-A GPUCLUSTER-IMDS -m owner --uid-owner 0 -j ACCEPT" in result["rules"], result["rules"]
+
+
+def test_the_login_user_loses_every_way_to_root(tmp_path: Path) -> None:
+    result = run_in_namespaces(tmp_path, "compute")
+    assert not {"docker", "lxd", "sudo"} & set(result["groups"]), result["groups"]
+    assert LOGIN_USER in result["groups"]  # its own group stays
+    assert f"{LOGIN_USER} ALL=" not in result["sudoers"] and "# Created by cloud-init" in result["sudoers"]
+
+
+def test_the_lockdown_runs_again_at_every_boot_without_piling_up_rules(tmp_path: Path) -> None:
+    """bootcmd runs it at every boot and the bootstrap once more: the chain is rebuilt, not appended to."""
+    result = run_in_namespaces(tmp_path, "head", times=2)
+    assert result["rc"] == 0, result["stderr"]
+    assert result["rules"].count("-j ACCEPT") == 2 and result["rules"].count("-j REJECT") == 1, result["rules"]
+    assert result["answers"]["root"] == "token" and result["answers"][LOGIN_USER] != "token"
+
+
+def test_an_unknown_role_is_refused() -> None:
+    with pytest.raises(ValueError, match="role must be one of"):
+        lockdown.script("login")
