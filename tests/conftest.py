@@ -46,3 +46,22 @@ def cluster():  # type: ignore[no-untyped-def]
     yield local
     local.stop()
     shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def moto_url():  # type: ignore[no-untyped-def]
+    """A moto server on 127.0.0.1 for the module's boto3 code (AWS_ENDPOINT_URL or endpoint_url)."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+def reset_moto(url: str) -> None:
+    """An empty account: moto's backends are shared by every server in the process."""
+    import urllib.request
+
+    urllib.request.urlopen(urllib.request.Request(f"{url}/moto-api/reset", method="POST"))

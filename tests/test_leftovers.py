@@ -6,26 +6,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import urllib.request
 
 import boto3
 import pytest
-from moto.server import ThreadedMotoServer
 
-from conftest import ROOT
+from conftest import ROOT, reset_moto
 from gpucluster import catalog, cost, leftovers
 from gpucluster.settings import STACK_TAG
-
-
-@pytest.fixture(scope="module")
-def moto_url():  # type: ignore[no-untyped-def]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    url = f"http://{host}:{port}"
-    urllib.request.urlopen(urllib.request.Request(f"{url}/moto-api/reset", method="POST"))
-    yield url
-    server.stop()
 
 
 def tags(stack: str) -> list[dict[str, str]]:
@@ -33,6 +20,8 @@ def tags(stack: str) -> list[dict[str, str]]:
 
 
 def test_leftovers_lists_what_still_bills_with_its_monthly_cost(moto_url: str) -> None:
+    reset_moto(moto_url)
+
     def client(service: str):  # type: ignore[no-untyped-def]
         return boto3.client(service, region_name="us-east-1", endpoint_url=moto_url, aws_access_key_id="t",
                             aws_secret_access_key="t")

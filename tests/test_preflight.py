@@ -14,22 +14,12 @@ import pytest
 import yaml
 from botocore.stub import Stubber
 from moto import mock_aws
-from moto.server import ThreadedMotoServer
 
 from conftest import FIXTURES, ROOT
 from gpucluster import preflight
 from gpucluster.spec import load_stack
 
 TEAM_B = ROOT / "stacks" / "Pulumi.team-b.yaml"
-
-
-@pytest.fixture(scope="module")
-def moto_url():  # type: ignore[no-untyped-def]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
 
 
 def stack_file(tmp_path: Path, ami: str | None) -> Path:

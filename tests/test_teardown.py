@@ -19,9 +19,8 @@ from pathlib import Path
 import boto3
 import pytest
 from botocore.stub import Stubber
-from moto.server import ThreadedMotoServer
 
-from conftest import ROOT, of_type, planned
+from conftest import ROOT, of_type, planned, reset_moto
 from gpucluster import teardown
 from gpucluster.plan import planned_id
 from gpucluster.settings import CLUSTER_TAG, POOL_TAG, STACK_TAG, ClusterSettings, PoolSettings
@@ -34,21 +33,10 @@ MUNGE = f"/gpucluster/{CLUSTER}/munge-key"
 AMI = "ami-12c6146b"  # one of moto's own images
 
 
-@pytest.fixture(scope="module")
-def moto_url():  # type: ignore[no-untyped-def]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
 @pytest.fixture
 def aws(moto_url: str):  # type: ignore[no-untyped-def]
     """Clients on an empty account (moto's backends are reset per test)."""
-    import urllib.request
-
-    urllib.request.urlopen(urllib.request.Request(f"{moto_url}/moto-api/reset", method="POST"))
+    reset_moto(moto_url)
 
     def client(service: str):  # type: ignore[no-untyped-def]
         return boto3.client(service, region_name="us-east-1", endpoint_url=moto_url, aws_access_key_id="t",
