@@ -42,7 +42,7 @@ def test_destroy_while_a_job_runs_terminates_its_nodes_and_leaves_no_slurmd(clus
     said = teardown.tear_down_fleet(fleet, cluster.ec2(), cluster.aws("ssm"), HeadShell(cluster))
 
     # The script ran on the real slurmctld, which it checked had every partition down, before EC2 stopped the head.
-    assert said[0] == (f"head {cluster.head_instance} quiesced (partitions down: always spot standby); stopped"), said
+    assert said[0] == (f"head {cluster.head_instance} quiesced (partitions down: spot standby always); stopped"), said
     states = {i["InstanceId"]: i["State"]["Name"] for r in cluster.ec2().describe_instances()["Reservations"]
               for i in r["Instances"]}
     assert all(states[i] == "terminated" for i in nodes.values()) and states[cluster.head_instance] == "stopped"
@@ -51,5 +51,6 @@ def test_destroy_while_a_job_runs_terminates_its_nodes_and_leaves_no_slurmd(clus
     # the compute instances EC2 terminates; the head's stop it leaves to the test, which stops it now.)
     cluster.wait("the terminated nodes' slurmd to be gone", lambda: not slurmd_running(), 15)
     cluster.head.power_off()
-    assert not subprocess.run(["pgrep", "-x", "slurmctld"], capture_output=True).stdout
+    cluster.wait("the stopped head's slurmctld to be gone",
+                 lambda: not subprocess.run(["pgrep", "-x", "slurmctld"], capture_output=True).stdout, 15)
     assert any(line == f"deleted parameter {fleet.munge_key_parameter}" for line in said), said
