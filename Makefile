@@ -7,9 +7,9 @@ STACK ?= dev
 
 # What the tests run for real: Slurm's daemons with munge and MariaDB, cloud-init's schema checker, shellcheck for
 # build_image.sh, PyYAML for /usr/bin/python3 (the boot rehearsal's cloud-init stand-in; cloud-init brings it too),
-# iptables and iproute2 for the nodes' lockdown (tests/test_lockdown.py).
+# iptables, iproute2 and sudo for the nodes' lockdown (tests/test_lockdown.py).
 SYSTEM_PACKAGES := slurmctld slurmd slurm-client slurmdbd munge mariadb-server mariadb-client cloud-init \
-  shellcheck python3-yaml systemd util-linux mount e2fsprogs iptables iproute2
+  shellcheck python3-yaml systemd util-linux mount e2fsprogs iptables iproute2 sudo
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: plan test bench system-packages

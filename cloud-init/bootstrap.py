@@ -165,7 +165,10 @@ def mounted(where: str) -> bool:
 def mount_lustre(dns_name: str, mount_name: str, where: str = contract.SHARED_DIR) -> None:
     """The client comes with the node image (AWS's FSx Lustre repository); a missing client is a failed boot."""
     Path(where).mkdir(exist_ok=True)
-    fstab_entry(f"{dns_name}@tcp:/{mount_name} {where} lustre defaults,relatime,flock,_netdev,x-systemd.automount 0 0")
+    # nosuid, nodev: files come into /fsx from S3 with the owner and mode bits of the objects' metadata; whoever may
+    # write to the bucket must not be able to plant a setuid-root program or a device there.
+    fstab_entry(f"{dns_name}@tcp:/{mount_name} {where} lustre "
+                "defaults,relatime,flock,nosuid,nodev,_netdev,x-systemd.automount 0 0")
     if not mounted(where):
         retry(f"mount {where}", lambda: run("mount", where))
 
@@ -188,9 +191,10 @@ def shared_home(shared: Path = Path(contract.SHARED_HOME), home: Path = Path("/h
             run("chown", "-R", f"{account.pw_uid}:{account.pw_gid}", str(mine))
             mine.chmod(0o750)
     # _netdev and nofail, like /fsx: a Lustre that is slow to come back must not hold a reboot in emergency mode.
-    fstab_entry(f"{shared} {home} none bind,_netdev,nofail,x-systemd.requires-mounts-for={contract.SHARED_DIR} 0 0")
+    fstab_entry(f"{shared} {home} none bind,nosuid,nodev,_netdev,nofail,"
+                f"x-systemd.requires-mounts-for={contract.SHARED_DIR} 0 0")
     if not mounted(str(home)):
-        run("mount", "--bind", str(shared), str(home))
+        run("mount", "-o", "bind,nosuid,nodev", str(shared), str(home))
 
 
 # --- head ------------------------------------------------------------------------------------------------------------

@@ -87,6 +87,8 @@ class GpuPool(pulumi.ComponentResource):
                 "http_tokens": "required",  # IMDSv2 only
                 # enroot/pyxis containers share the host network namespace, so one hop is enough.
                 "http_put_response_hop_limit": 1,
+                # The node's lockdown guards IPv4 metadata; the IPv6 endpoint stays off.
+                "http_protocol_ipv6": "disabled",
             },
             block_device_mappings=[
                 {

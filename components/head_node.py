@@ -111,7 +111,8 @@ class HeadNode(pulumi.ComponentResource):
             # (EC2 refuses them beside an existing interface).
             primary_network_interface={"network_interface_id": interface.id},
             iam_instance_profile=head_profile.name,
-            metadata_options={"http_endpoint": "enabled", "http_tokens": "required", "http_put_response_hop_limit": 1},
+            metadata_options={"http_endpoint": "enabled", "http_tokens": "required", "http_put_response_hop_limit": 1,
+                              "http_protocol_ipv6": "disabled"},  # the lockdown guards IPv4 metadata
             root_block_device={"volume_size": HEAD_ROOT_GIB, "volume_type": "gp3", "encrypted": True},
             user_data=args.user_data,
             user_data_replace_on_change=True,
@@ -203,7 +204,8 @@ def head_statements(args: HeadNodeArgs, account: str, config_arn: str, munge_arn
         {"Sid": "ClusterParameters", "Effect": "Allow", "Action": PARAMETER_READ,
          "Resource": [config_arn, munge_arn]},
         # The first head creates the key (fetch_bundle.py, Overwrite=False); the parameter is this cluster's.
-        {"Sid": "CreateMungeKeyOnce", "Effect": "Allow", "Action": "ssm:PutParameter", "Resource": munge_arn},
+        {"Sid": "CreateMungeKeyOnce", "Effect": "Allow", "Action": "ssm:PutParameter", "Resource": munge_arn,
+         "Condition": {"StringEquals": {"ssm:Overwrite": "false"}}},
         # The Slurm files and node programs: this stack's bundle object only.
         {"Sid": "Bundle", "Effect": "Allow", "Action": "s3:GetObject", "Resource": bundle_arn},
         SSM_AGENT,

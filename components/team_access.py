@@ -17,11 +17,13 @@ from components import child
 from gpucluster.settings import LOGIN_USER
 
 IDLE_SESSION_MINUTES = 60
+MAX_SESSION_MINUTES = 720  # a forgotten shell ends after a working day
 
 
 def session_document(description: str, run_as: str | None) -> str:
     """A Session Manager shell document; `run_as`: the OS user the session starts as (None: ssm-user)."""
-    inputs: dict[str, object] = {"idleSessionTimeout": str(IDLE_SESSION_MINUTES), "runAsEnabled": run_as is not None,
+    inputs: dict[str, object] = {"idleSessionTimeout": str(IDLE_SESSION_MINUTES),
+                                 "maxSessionDuration": str(MAX_SESSION_MINUTES), "runAsEnabled": run_as is not None,
                                  "shellProfile": {"linux": "cd ~ && exec bash -l"}}
     if run_as:
         inputs["runAsDefaultUser"] = run_as
@@ -29,13 +31,20 @@ def session_document(description: str, run_as: str | None) -> str:
                        "inputs": inputs})
 
 
-def access_policy(instance_arn: str, document_arn: str, sessions_arn: str) -> str:
-    """StartSession on the head node with the given document only; end and resume one's own sessions."""
+def access_policy(instance_arn: str, document_arn: str, sessions_arn: str, run_as_tag_free: bool) -> str:
+    """StartSession on the head node with the given document only; end, resume and stream one's own sessions.
+    `run_as_tag_free`: only for callers without an `SSMSessionRunAs` tag, which would override the document's user
+    with any user of the node (slurm, which reaches instance metadata on the head; ssm-user, which has sudo)."""
+    condition: dict[str, dict[str, str]] = {"BoolIfExists": {"ssm:SessionDocumentAccessCheck": "true"}}
+    if run_as_tag_free:
+        condition["Null"] = {"aws:PrincipalTag/SSMSessionRunAs": "true"}
     return json.dumps({"Version": "2012-10-17", "Statement": [
         {"Sid": "HeadNodeWithThisDocumentOnly", "Effect": "Allow", "Action": "ssm:StartSession",
-         "Resource": [instance_arn, document_arn],
-         "Condition": {"BoolIfExists": {"ssm:SessionDocumentAccessCheck": "true"}}},
+         "Resource": [instance_arn, document_arn], "Condition": condition},
         {"Sid": "OwnSessionsOnly", "Effect": "Allow", "Action": ["ssm:TerminateSession", "ssm:ResumeSession"],
+         "Resource": sessions_arn},
+        # The caller's end of the session's data channel (the AWS CLI's session plugin).
+        {"Sid": "OwnSessionChannel", "Effect": "Allow", "Action": "ssmmessages:OpenDataChannel",
          "Resource": sessions_arn},
     ]})
 
@@ -77,11 +86,11 @@ class TeamAccess(pulumi.ComponentResource):
         user_policy = aws.iam.Policy(
             f"{name}-user-access", description=f"gpucluster {args.cluster_name}: shell on the head node as "
             f"{LOGIN_USER}", policy=pulumi.Output.all(instance_arn, document_arn(users), sessions_arn).apply(
-                lambda v: access_policy(*v)), opts=child(self))
+                lambda v: access_policy(*v, run_as_tag_free=True)), opts=child(self))
         admin_policy = aws.iam.Policy(
             f"{name}-admin-access", description=f"gpucluster {args.cluster_name}: admin shell (sudo) on the head "
             "node", policy=pulumi.Output.all(instance_arn, document_arn(admins), sessions_arn).apply(
-                lambda v: access_policy(*v)), opts=child(self))
+                lambda v: access_policy(*v, run_as_tag_free=False)), opts=child(self))
         self.user_document, self.admin_document = users.name, admins.name
         self.user_policy_arn, self.admin_policy_arn = user_policy.arn, admin_policy.arn
         self.register_outputs({"user_document": self.user_document, "admin_document": self.admin_document,

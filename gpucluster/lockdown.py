@@ -3,8 +3,10 @@
 - Instance metadata, which hands out the instance role's credentials, answers root and the daemon users that call
   AWS, nobody else: a job or a login shell gets no credentials (so neither the munge key parameter nor the head's
   launch and terminate rights). iptables' owner match on the OUTPUT chain, as ParallelCluster secures its head node.
-- The images' login user has no way to root: no sudo rule, no root-equivalent group (docker and lxd start root
-  containers; sudo and admin grant sudo).
+- The images' login user has no way to root: no sudo rule, no privileged group (docker and lxd start root
+  containers; sudo and admin grant sudo; adm reads the system logs). cloud-init's own user set-up, which runs after
+  bootcmd, gives it none either (userdata: `users`).
+- Session Manager's ssm-user (the admins') exists with its home off the shared file system.
 
 cloud-init runs the script as `bootcmd` (every boot, before the network is online, so before Session Manager's agent
 can start a session and before slurmd can start a job); the bootstrap runs it again once the node's packages are
@@ -22,7 +24,14 @@ IMDS_CHAIN = "GPUCLUSTER-IMDS"
 # slurm user (Slurm's SlurmUser) and launch and terminate instances; everything else that calls AWS runs as root
 # (the boot unit, the SSM and CloudWatch agents, the budget guardrail). No login user runs as either.
 IMDS_USERS = {"head": ("root", SLURM_USER), "compute": ("root",)}
-ROOT_EQUIVALENT_GROUPS = ("sudo", "admin", "wheel", "lxd", "docker")
+# The groups Ubuntu's default user gets that reach root (sudo, admin, wheel: sudo; lxd, docker: root containers) or
+# other users' secrets (adm: the system logs, auth.log among them).
+PRIVILEGED_GROUPS = ("sudo", "admin", "wheel", "lxd", "docker", "adm")
+# Session Manager's own user, the admins' (it has sudo). Made here before the SSM agent would make it, with its home
+# on the node's own disk: under /home (the shared file system, which S3 imports write into) anyone who may write the
+# bucket could plant its shell profile.
+SSM_USER = "ssm-user"
+SSM_USER_HOME = "/var/lib/ssm-user"
 
 
 def script(role: str) -> str:
@@ -44,14 +53,30 @@ def script(role: str) -> str:
         # IPv6 metadata answers only where a launch template enables it; a kernel without IPv6 tables is no failure.
         f"guard ip6tables {v6} 2>/dev/null || true",
         f"if id -u {LOGIN_USER} >/dev/null 2>&1; then",
-        f"  for group in {' '.join(ROOT_EQUIVALENT_GROUPS)}; do",
+        f"  for group in {' '.join(PRIVILEGED_GROUPS)}; do",
         f'    if id -nG {LOGIN_USER} | tr " " "\\n" | grep -qx "$group"; then gpasswd -d {LOGIN_USER} "$group" >/dev/null; fi',
         "  done",
         "  for rules in /etc/sudoers.d/*; do",
         f'    if [ -f "$rules" ] && grep -q "^{LOGIN_USER}[[:space:]]" "$rules"; then sed -i "/^{LOGIN_USER}[[:space:]]/d" "$rules"; fi',
         "  done",
         "fi",
-        # The one check that matters: the IPv4 rule is in force (iptables must be on the node's image).
+        # What the SSM agent would do for its user (useradd, a sudo rule), with the home off the shared file system.
+        f"if ! id -u {SSM_USER} >/dev/null 2>&1; then",
+        f"  useradd --create-home --home-dir {SSM_USER_HOME} --shell /bin/bash {SSM_USER}",
+        f'elif [ "$(getent passwd {SSM_USER} | cut -d: -f6)" != {SSM_USER_HOME} ]; then',
+        f"  usermod --home {SSM_USER_HOME} {SSM_USER}  # made under /home by the agent on the image's build instance",
+        "fi",
+        f'mkdir -p {SSM_USER_HOME} && chown "{SSM_USER}:" {SSM_USER_HOME} && chmod 0750 {SSM_USER_HOME}',
+        "if [ -d /etc/sudoers.d ]; then",
+        f'  echo "{SSM_USER} ALL=(ALL) NOPASSWD:ALL" > /etc/sudoers.d/ssm-agent-users',
+        "  chmod 0440 /etc/sudoers.d/ssm-agent-users",
+        "fi",
+        # The checks that matter: the IPv4 rule is in force (iptables must be on the node's image), and sudo (where
+        # installed) grants the login user nothing, whatever rule or group it came by.
         f"iptables -w -C OUTPUT -d {v4} -j {chain}",
+        f"if command -v sudo >/dev/null 2>&1 && sudo -n -l -U {LOGIN_USER} 2>/dev/null | grep -q 'may run'; then",
+        f'  echo "{LOGIN_USER} can still use sudo" >&2',
+        "  exit 1",
+        "fi",
         "",
     ])

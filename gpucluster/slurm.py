@@ -188,6 +188,8 @@ def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         # Cloud nodes change address on every launch; sinfo shows powered-down nodes to every user.
         "CommunicationParameters=NoAddrCache",
         "PrivateData=cloud",
+        # slurmctld runs MailProg as the slurm user with text from --mail-user: the head sends no mail.
+        "MailProg=/bin/true",
         # Compute nodes fetch slurm.conf, gres.conf, cgroup.conf and plugstack.conf from the controller
         # (slurmd --conf-server), so they never drift. A cloud node's address is the one it registers from (Slurm
         # 23.11 does this for every cloud node): the resume program need not ask EC2 for it. A node whose memory reads

@@ -91,6 +91,10 @@ def _cloud_config(stack: Stack, role: str, hostname: str | None, pool: Pool | No
         # bootcmd runs at every boot, early (cloud-init's init stage, before network-online.target): before Session
         # Manager's agent or slurmd can start anything a user asked for.
         "bootcmd": [["sh", "-c", lockdown.script(role)]],
+        # cloud-init sets users up after bootcmd: the login user as Ubuntu's default would be, but without sudo or
+        # groups (Ubuntu's default user has sudo, adm, lxd...), so its first boot does not give back what the lockdown
+        # took. Password login stays locked (Session Manager only).
+        "users": [{"name": settings.LOGIN_USER, "shell": "/bin/bash", "lock_passwd": True}],
         "write_files": [
             {"path": settings.NODE_ENV_FILE, "permissions": "0644",
              "content": "".join(f"{k}={v}\n" for k, v in node_env(stack, role, pool).items())},

@@ -304,8 +304,21 @@ def test_shared_home_makes_the_login_users_home_once_and_binds_it(tmp_path: Path
     bootstrap.shared_home(shared, home, users=(me.pw_name, "no-such-user"))
     assert (shared / me.pw_name).is_dir() and not (shared / "no-such-user").exists()
     assert ("chown", "-R", f"{me.pw_uid}:{me.pw_gid}", str(shared / me.pw_name)) in ran
-    assert ("mount", "--bind", str(shared), str(home)) in ran
-    assert fstab.read_text() == f"{shared} {home} none bind,_netdev,nofail,x-systemd.requires-mounts-for=/fsx 0 0\n"
+    # nosuid, nodev: S3 imports set owners and modes from object metadata; no setuid program or device from there.
+    assert ("mount", "-o", "bind,nosuid,nodev", str(shared), str(home)) in ran
+    assert fstab.read_text() == (f"{shared} {home} none bind,nosuid,nodev,_netdev,nofail,"
+                                 "x-systemd.requires-mounts-for=/fsx 0 0\n")
     (shared / me.pw_name / "work").write_text("kept")
     bootstrap.shared_home(shared, home, users=(me.pw_name,))  # the next node, or a reboot: nothing made again
     assert (shared / me.pw_name / "work").read_text() == "kept"
+
+
+def test_lustre_is_mounted_nosuid_nodev(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files come into /fsx from S3 with the objects' owner and mode metadata: whoever may write the bucket must not
+    be able to plant a setuid-root program or a device node."""
+    entries: list[str] = []
+    monkeypatch.setattr(bootstrap, "fstab_entry", entries.append)
+    monkeypatch.setattr(bootstrap, "mounted", lambda where: True)
+    bootstrap.mount_lustre("fs-1.fsx.us-east-1.amazonaws.com", "abcdefgh", str(tmp_path / "fsx"))
+    (entry,) = entries
+    assert entry.split()[2] == "lustre" and {"nosuid", "nodev"} <= set(entry.split()[3].split(","))

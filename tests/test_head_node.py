@@ -113,7 +113,8 @@ def test_head_role_is_scoped_to_this_cluster(shipped: Shipped) -> None:
     assert head["PassComputeRoleOnly"]["Resource"] == f"arn:aws:iam::123456789012:role/{compute_role.name}"
     munge = f"arn:aws:ssm:{region}:123456789012:parameter{userdata.munge_key_parameter(stack)}"
     assert head["CreateMungeKeyOnce"] == {"Sid": "CreateMungeKeyOnce", "Effect": "Allow", "Action": "ssm:PutParameter",
-                                          "Resource": munge}
+                                          "Resource": munge,  # created, never replaced
+                                          "Condition": {"StringEquals": {"ssm:Overwrite": "false"}}}
     # On every resource without a condition: Describe*, decoding an authorization message and the SSM agent's
     # channels (none of which has a resource type).
     for sid, statement in head.items():

@@ -43,6 +43,11 @@ SUPPRESSED = {
         "ssm:StartSession so that a caller cannot fall back to the default document (ssm-user, sudo)",
     ("UNKNOWN_CONDITION_FOR_ACTION", "admin-access", SESSION_DOCUMENT_CHECK):
         "as for user-access: the admin document, only with its own name",
+    ("RESOURCE_MISMATCH", "user-access", "ssmmessages:OpenDataChannel"):
+        "parliament's database has no resource type for it; AWS's current Session Manager end-user policies scope it "
+        "to the caller's own sessions (arn:aws:ssm:...:session/${aws:userid}-*), as here",
+    ("RESOURCE_MISMATCH", "admin-access", "ssmmessages:OpenDataChannel"):
+        "as for user-access",
     ("PERMISSIONS_MANAGEMENT_ACTIONS", "budget-action", "iam:attachrolepolicy"):
         "the Budgets action's role attaches exactly the launch-deny policy (iam:PolicyARN) to exactly the head role",
     ("PERMISSIONS_MANAGEMENT_ACTIONS", "budget-action", "iam:detachrolepolicy"):

@@ -36,18 +36,24 @@ DRIVER = textwrap.dedent('''
     import json, os, pwd, subprocess, sys
 
     work, script = sys.argv[1], sys.argv[2]
-    for d in ("up", "work"):
-        os.makedirs(f"{work}/{d}", exist_ok=True)
-    subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
-                    f"lowerdir=/etc,upperdir={work}/up,workdir={work}/work", "/etc"], check=True)
+    for top in ("/etc", "/var"):
+        for d in ("up", "work"):
+            os.makedirs(f"{work}{top}/{d}", exist_ok=True)
+        subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
+                        f"lowerdir={top},upperdir={work}{top}/up,workdir={work}{top}/work", top], check=True)
     # The image's login user as Ubuntu's cloud images make it: a sudo rule from cloud-init, in docker's group.
+    # And Session Manager's user as the agent left it on an image's build instance: its home under /home.
     with open("/etc/passwd", "a") as f:
-        f.write("LOGIN:x:1100:1100::/home/LOGIN:/bin/bash\\n")
+        f.write("LOGIN:x:1100:1100::/home/LOGIN:/bin/bash\\nssm-user:x:1103:1103::/home/ssm-user:/bin/sh\\n")
     with open("/etc/group", "a") as f:
-        f.write("LOGIN:x:1100:\\ndocker:x:1101:LOGIN\\nlxd:x:1102:someone,LOGIN\\n")
+        f.write("LOGIN:x:1100:\\ndocker:x:1101:LOGIN\\nlxd:x:1102:someone,LOGIN\\nssm-user:x:1103:\\n")
     os.makedirs("/etc/sudoers.d", exist_ok=True)
     with open("/etc/sudoers.d/90-cloud-init-users", "w") as f:
         f.write("# Created by cloud-init\\n\\n# User rules for LOGIN\\nLOGIN ALL=(ALL) NOPASSWD:ALL\\n")
+    if EXTRA_RULE:
+        with open("/etc/sudoers.d/zz-extra", "w") as f:
+            f.write(EXTRA_RULE + "\\n")
+        os.chmod("/etc/sudoers.d/zz-extra", 0o440)
     # Instance metadata where EC2 has it: off the node, through a link of its own (a veth pair into a namespace that
     # holds 169.254.169.254), so that the node talks to it from an address of its own, as on EC2.
     server = subprocess.Popen(["unshare", "--net", "sh", "-c", 'read go && exec /usr/bin/python3 -c "$0"', SERVER],
@@ -88,19 +94,25 @@ DRIVER = textwrap.dedent('''
     print(json.dumps({"rc": done.returncode, "stderr": done.stderr, "answers": answers,
                       "groups": subprocess.run(["id", "-nG", "LOGIN"], capture_output=True, text=True).stdout.split(),
                       "sudoers": open("/etc/sudoers.d/90-cloud-init-users").read(),
+                      "sudo": subprocess.run(["sudo", "-n", "-l", "-U", "LOGIN"], capture_output=True,
+                                             text=True).stdout,
+                      "ssm_user": pwd.getpwnam("ssm-user").pw_dir,
+                      "ssm_sudo": subprocess.run(["sudo", "-n", "-l", "-U", "ssm-user"], capture_output=True,
+                                                 text=True).stdout,
                       "rules": subprocess.run(["iptables", "-S", "GPUCLUSTER-IMDS"], capture_output=True,
                                               text=True).stdout}))
     server.kill()
 ''').replace("LOGIN", LOGIN_USER).replace("SLURM", SLURM_USER).replace("SERVER", repr(METADATA))
 
 
-def run_in_namespaces(tmp_path: Path, role: str, times: int = 1) -> dict:  # type: ignore[type-arg]
+def run_in_namespaces(tmp_path: Path, role: str, times: int = 1, extra_rule: str = "") -> dict:  # type: ignore[type-arg]
     missing = [tool for tool in ("iptables", "unshare", "setpriv", "ip") if not shutil.which(tool)]
     assert not missing, f"install {missing} (make test does)"
     script = tmp_path / "lockdown.sh"
     script.write_text(lockdown.script(role))
     driver = tmp_path / "driver.py"
-    driver.write_text(DRIVER if times == 1 else DRIVER.replace(
+    text = DRIVER.replace("EXTRA_RULE", repr(extra_rule))
+    driver.write_text(text if times == 1 else text.replace(
         'done = subprocess.run(["sh", "-c", open(script).read()], capture_output=True, text=True)',
         'done = subprocess.run(["sh", "-c", open(script).read()], capture_output=True, text=True)\n'
         'done = subprocess.run(["sh", "-c", open(script).read()], capture_output=True, text=True)'))
@@ -126,6 +138,9 @@ def test_only_root_and_the_daemons_get_instance_metadata(tmp_path: Path, role: s
 def test_the_login_user_loses_every_way_to_root(tmp_path: Path) -> None:
     result = run_in_namespaces(tmp_path, "compute")
     assert not {"docker", "lxd", "sudo"} & set(result["groups"]), result["groups"]
+    assert "is not allowed to run sudo" in result["sudo"], result["sudo"]  # sudo's own answer
+    # The admins' Session Manager user: sudo, and a home off the shared file system.
+    assert result["ssm_user"] == lockdown.SSM_USER_HOME and "(ALL) NOPASSWD: ALL" in result["ssm_sudo"]
     assert LOGIN_USER in result["groups"]  # its own group stays
     assert f"{LOGIN_USER} ALL=" not in result["sudoers"] and "# Created by cloud-init" in result["sudoers"]
 
@@ -141,3 +156,10 @@ def test_the_lockdown_runs_again_at_every_boot_without_piling_up_rules(tmp_path:
 def test_an_unknown_role_is_refused() -> None:
     with pytest.raises(ValueError, match="role must be one of"):
         lockdown.script("login")
+
+
+def test_a_sudo_rule_the_lockdown_cannot_remove_fails_the_boot(tmp_path: Path) -> None:
+    """A rule by group (or in /etc/sudoers itself) survives the clean-up: sudo's own answer catches it, and the
+    script fails, so the bootstrap fails the boot rather than serve a node its users could become root on."""
+    result = run_in_namespaces(tmp_path, "compute", extra_rule=f"%{LOGIN_USER} ALL=(ALL) NOPASSWD:ALL")
+    assert result["rc"] == 1 and f"{LOGIN_USER} can still use sudo" in result["stderr"], result
