@@ -10,5 +10,7 @@ first=$(hostname)
 port=$((29500 + SLURM_JOB_ID % 1000))
 gpus=${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE:-1}}
 gpus=${gpus##*:}  # --gpus-per-node may carry a type (h100:8)
-exec srun --kill-on-bad-exit=1 bash -c "exec torchrun --nnodes=$SLURM_NNODES --node-rank=\$SLURM_NODEID \
-  --nproc-per-node=$gpus --master-addr=$first --master-port=$port $script $*"
+# SIGUSR1 (the cluster's "checkpoint now", before a spot reclaim) would end torchrun, whose default it is: torchrun
+# ignores it, and the workers it starts set their own handler (ddp_train.py). srun passes it on to the tasks.
+exec srun --kill-on-bad-exit=1 bash -c "trap '' USR1; exec torchrun --nnodes=$SLURM_NNODES \
+  --node-rank=\$SLURM_NODEID --nproc-per-node=$gpus --master-addr=$first --master-port=$port $script $*"
