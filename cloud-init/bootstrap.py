@@ -241,9 +241,9 @@ def slurm_files() -> int:
     run("chown", "-R", "slurm:slurm", str(STATE / "slurmctld"), contract.NODE_REGISTRY_DIR)
     # The node programs run as slurm and the budget guardrail as root, both into this log: whoever wrote first must
     # not lock the other out.
-    node_log = Path(contract.NODE_LOG)
-    node_log.touch()
-    shutil.chown(node_log, "slurm", "slurm")
+    for log_file in (Path(contract.NODE_LOG), Path(contract.EVENTS_LOG)):
+        log_file.touch()
+        shutil.chown(log_file, "slurm", "slurm")
     drop_in("slurmdbd.service", ON_STATE_VOLUME + SLURM_RUNTIME)
     # A restart (a changed stack) must not kill resume and suspend programs under way: Slurm lets them outlive
     # slurmctld, systemd's default kills the whole control group.
@@ -266,6 +266,11 @@ def node_programs() -> None:
         # From the moment the bootstrap starts it (always-on nodes powered up at once), then every minute.
         "gpucluster reconciler every minute", "Timer", ["OnActiveSec=10s", "OnUnitActiveSec=60s"],
         wanted_by="timers.target"))
+    # As slurm, like the programs Slurm runs: it drains, signals and requeues, and reads the registry.
+    (SYSTEMD / f"{contract.INTERRUPTIONS_UNIT}.service").write_text(unit(
+        "gpucluster: act on EC2's spot interruption warnings", "Service",
+        ["User=slurm", f"ExecStart={bin_dir}/interruptions", "Restart=always", "RestartSec=10"],
+        after="slurmctld.service"))
 
 
 def budget_guardrail(systemd: Path = SYSTEMD, sbin: Path = Path("/usr/local/sbin")) -> None:
@@ -332,6 +337,8 @@ def head(s: ClusterSettings) -> None:
     start("slurmdbd")
     wait_for_port(dbd_port)
     start("slurmctld", f"{contract.RECONCILE_UNIT}.timer")
+    if s.interruption_queue_url:
+        start(f"{contract.INTERRUPTIONS_UNIT}.service")
     # slurmdbd pushes new accounts and users to slurmctld; one it cannot reach yet never learns them until it restarts.
     retry("slurmctld to answer", controller_up, attempts=8, delay=0.5)
     if s.budget is not None:
@@ -431,6 +438,8 @@ def update(s: ClusterSettings) -> bool:
     if s.budget is not None:
         budget_guardrail()
         run("systemctl", "restart", f"{contract.BUDGET_UNIT}.service")
+    if s.interruption_queue_url:
+        run("systemctl", "restart", f"{contract.INTERRUPTIONS_UNIT}.service")  # the new bundle's program
     node_names()
     run("systemctl", "restart", "gpucluster-hosts.service")  # the new bundle's publisher
     command_line()

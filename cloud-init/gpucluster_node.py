@@ -14,7 +14,10 @@ the name it is called by picks the command. Slurm passes a host list such as `p5
 - resume-fail: a launched node that never registered: terminate it and set it DOWN with the reason.
 - reconcile (timer): classify every node (its Slurm state and its instance) and every unowned instance into a status,
   then act per status: power up always-on nodes, set DOWN nodes whose instance vanished, return nodes DOWN for a passing
-  cause to service with backoff, terminate instances nothing owns once their launch grace is over.
+  cause to service with backoff, replace the instance of a node drained for it once idle, terminate instances nothing
+  owns once their launch grace is over.
+- interruptions (service): EC2's spot interruption warnings and rebalance recommendations from the stack's queue:
+  drain the node, signal its jobs to checkpoint and requeue them (see Interruptions).
 
 Needs only the standard library and boto3. Every action is logged to the log file and to stderr (the journal).
 """
@@ -49,6 +52,11 @@ REASON_PREFIX = "gpucluster:"
 CAPACITY_PREFIX = f"{REASON_PREFIX} capacity"
 # Reasons that a retry cannot cure: the node stays DOWN until someone fixes the stack.
 CONFIGURATION_PREFIX = f"{REASON_PREFIX} configuration"
+# Drained by the cluster for a new instance: the reconciler terminates the node's instance once it is idle (or gone)
+# and returns the node to service. Spot interruption warnings and rebalance recommendations use it.
+REPLACE_PREFIX = f"{REASON_PREFIX} replace"
+SPOT_WARNING = "EC2 Spot Instance Interruption Warning"
+REBALANCE = "EC2 Instance Rebalance Recommendation"
 SCONTROL_BATCH = 200  # nodes per scontrol update
 # A hung slurmctld must not hang the program: Slurm kills a ResumeProgram only after ResumeTimeout, with nodes half set.
 SCONTROL_TIMEOUT = 60
@@ -123,6 +131,29 @@ class Slurm:
         """One dict per node of `scontrol show nodes --oneliner` (keys such as NodeName, State, Reason)."""
         out = self._run("show", "nodes", "--oneliner")
         return node_records(out)
+
+    def drain(self, nodes: list[str], reason: str) -> None:
+        """No new job; running ones go on. The reconciler replaces the node once it is idle (REPLACE_PREFIX)."""
+        if nodes:
+            self._update(nodes, "state=drain", f"reason={reason[:200]}")
+
+    def jobs_on(self, node: str) -> list[str]:
+        """Ids of the jobs running on the node (`scontrol show node` lists none; `show jobs` does)."""
+        jobs = []
+        for record in node_records(self._run("show", "jobs", "--oneliner")):
+            if record.get("JobState") in ("RUNNING", "COMPLETING", "CONFIGURING") and \
+                    node in expand_hostlist(record.get("NodeList", "")):
+                jobs.append(record["JobId"])
+        return jobs
+
+    def signal_job(self, job: str, signal_name: str) -> None:
+        """To the batch step and every job step (`scancel --full`): the job's processes hear it, wherever they run."""
+        scancel = str(Path(self.scontrol).with_name("scancel")) if "/" in self.scontrol else "scancel"
+        subprocess.run([scancel, f"--signal={signal_name}", "--full", job], check=True, capture_output=True,
+                       text=True, timeout=SCONTROL_TIMEOUT)
+
+    def requeue(self, job: str) -> None:
+        self._run("requeue", job)
 
 
 def _text(data: str | bytes | None) -> str:
@@ -443,6 +474,8 @@ class Status(enum.Enum):
     NEEDS_FIX = "needs a fix"  # DOWN for a configuration error: stays DOWN, its reason says what to fix
     HELD = "held by an admin"  # DOWN or DRAIN set by a person (or drained by Slurm): left alone
     LEFTOVER = "leftover"  # Slurm has it off but its instance runs: terminate
+    DRAINING = "draining for a new instance"  # drained by the cluster (REPLACE_PREFIX), jobs still on it: wait
+    REPLACE = "replace"  # drained by the cluster, idle or its instance gone: new instance (back to service)
 
 
 @dataclass(frozen=True)
@@ -479,6 +512,10 @@ def classify(node: NodeView, now: float, retry_base: int) -> Status:
     flags = node.flags
     if "FUTURE" in flags:
         return Status.HEALTHY
+    if "DRAIN" in flags and "DOWN" not in flags and node.reason_user == SLURM_USER and \
+            node.reason.startswith(REPLACE_PREFIX):
+        busy = flags & {"ALLOCATED", "MIXED", "COMPLETING"}
+        return Status.DRAINING if busy and node.has_instance else Status.REPLACE
     if "DOWN" in flags or "DRAIN" in flags:
         if node.reason_user != SLURM_USER or "DOWN" not in flags:
             return Status.HELD  # an admin's hold; drained nodes finish their jobs first (health checks drain)
@@ -547,6 +584,7 @@ def reconcile(config: ClusterSettings, ec2, slurm: Slurm, now: float | None = No
     act("leftover", by_status[Status.LEFTOVER], lambda nodes: terminate(ec2, _forget(config, nodes, seen)))
     act("down", by_status[Status.LOST], lambda nodes: _set_lost(slurm, nodes))
     act("retried", by_status[Status.RETRY], lambda nodes: _return_to_service(config, ec2, slurm, nodes, seen))
+    act("replaced", by_status[Status.REPLACE], lambda nodes: _replace(config, ec2, slurm, nodes, seen))
     act("powered up", by_status[Status.POWER_UP], lambda nodes: _power_up(config, slurm, nodes))
     healthy_up = [v.name for v in views if statuses[v.name] is Status.HEALTHY and v.has_instance and v.failures]
     act("recovered", healthy_up, lambda nodes: _clear_failures(config, nodes))
@@ -580,6 +618,17 @@ def _return_to_service(config: ClusterSettings, ec2, slurm: Slurm, nodes: list[s
     slurm.power_down(nodes)
 
 
+def _replace(config: ClusterSettings, ec2, slurm: Slurm, nodes: list[str],  # type: ignore[no-untyped-def]
+             seen: dict[str, str]) -> None:
+    """A node drained for a new instance, now idle or without its instance: the old instance goes, the node powers
+    down (idle~) and its next job gets a fresh one. Not a failure: no backoff is counted."""
+    ids = _forget(config, nodes, seen)
+    log.info("node(s) %s: replacing their instance (terminating %s)", compress_hostlist(nodes), ",".join(ids) or "none")
+    terminate(ec2, ids)
+    slurm.power_down(nodes)
+    record_event(config, "replaced", nodes=nodes, instances=ids)
+
+
 def _power_up(config: ClusterSettings, slurm: Slurm, nodes: list[str]) -> bool:
     if budget_closed(config):
         log.warning("always-on node(s) %s are off: not powering up, the budget guardrail has closed the cluster",
@@ -601,6 +650,111 @@ def budget_closed(config: ClusterSettings) -> bool:
         return bool(json.loads(Path(config.budget_state_file).read_text()).get("closed"))
     except FileNotFoundError:
         return False
+
+
+def record_event(config: ClusterSettings, what: str, **details: Any) -> None:
+    """One line of the events log (`gpucluster events`): when, what, and its details."""
+    try:
+        Path(config.events_log).parent.mkdir(parents=True, exist_ok=True)
+        with open(config.events_log, "a") as f:
+            f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "event": what,
+                                **details}, sort_keys=True) + "\n")
+    except OSError:
+        log.exception("could not record %s in %s", what, config.events_log)
+
+
+RECEIVE_WAIT_SECONDS = 20  # SQS long polling: one call a 20 s when nothing happens
+
+
+@dataclass
+class Interruptions:
+    """The head's answer to EC2's warnings about this cluster's instances (EventBridge -> SQS). A spot interruption
+    warning (two minutes before EC2 reclaims the instance): drain the node, send its jobs SIGUSR1 so they checkpoint,
+    requeue them `checkpoint_grace_seconds` later; the reconciler replaces the node once it is idle or its instance
+    gone. A rebalance recommendation (the instance is at higher risk): drain only, when the stack says so. Events
+    for instances no node of this cluster has are not ours: the rule sees the whole account's."""
+
+    config: ClusterSettings
+    slurm: Slurm
+    sns: Any = None
+    clock: Callable[[], float] = time.time
+    requeue_at: dict[str, float] = field(default_factory=dict)  # job -> when to requeue it
+
+    def handle(self, event: dict[str, Any]) -> list[str]:
+        kind, detail = event.get("detail-type", ""), event.get("detail", {})
+        instance = detail.get("instance-id", "")
+        owners = read_registry(self.config).owner()
+        node = owners.get(instance)
+        if node is None or kind not in (SPOT_WARNING, REBALANCE):
+            return []
+        when = event.get("time", "")
+        if kind == REBALANCE:
+            if not self.config.drain_on_rebalance:
+                self._said("rebalance recommendation (not drained: drain_on_rebalance is off)", node, instance)
+                return []
+            self.slurm.drain([node], f"{REPLACE_PREFIX}: rebalance recommendation for {instance} at {when}")
+            self._said("rebalance recommendation: drained, its jobs run on", node, instance)
+            return [node]
+        self.slurm.drain([node], f"{REPLACE_PREFIX}: spot interruption warning for {instance} at {when}")
+        jobs = self.slurm.jobs_on(node)
+        for job in jobs:
+            try:
+                self.slurm.signal_job(job, "USR1")
+            except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:  # it still gets requeued
+                log.error("job %s on %s: SIGUSR1 not delivered: %s", job, node, _text(exc.stderr).strip() or exc)
+            self.requeue_at.setdefault(job, self.clock() + self.config.checkpoint_grace_seconds)
+        self._said(f"spot interruption warning: drained, job(s) {' '.join(jobs) or 'none'} signalled (SIGUSR1) and "
+                   f"to be requeued in {self.config.checkpoint_grace_seconds} s", node, instance, jobs=jobs)
+        return [node]
+
+    def requeue_due(self) -> list[str]:
+        now = self.clock()
+        due = sorted(job for job, at in self.requeue_at.items() if at <= now)
+        for job in due:
+            del self.requeue_at[job]
+            try:
+                self.slurm.requeue(job)
+                record_event(self.config, "requeued", job=job, why="spot interruption warning")
+                log.info("job %s requeued (spot interruption warning)", job)
+            except (subprocess.CalledProcessError, subprocess.TimeoutExpired):  # ended meanwhile: nothing to requeue
+                log.info("job %s: not requeued (it has ended)", job)
+        return due
+
+    def wait_seconds(self) -> int:
+        if not self.requeue_at:
+            return RECEIVE_WAIT_SECONDS
+        return max(0, min(RECEIVE_WAIT_SECONDS, int(min(self.requeue_at.values()) - self.clock()) + 1))
+
+    def _said(self, what: str, node: str, instance: str, **details: Any) -> None:
+        log.warning("node %s (%s): %s", node, instance, what)
+        record_event(self.config, what.split(":")[0], node=node, instance=instance, **details)
+        if self.sns is not None and self.config.alerts_topic_arn:
+            try:
+                self.sns.publish(TopicArn=self.config.alerts_topic_arn, Subject=f"gpucluster {self.config.cluster}: "
+                                 f"{what.split(':')[0]} on {node}"[:100], Message=f"node {node} ({instance}): {what}")
+            except Exception:  # the drain and the requeue matter; the message is a courtesy
+                log.exception("could not tell the topic about %s", node)
+
+
+def serve_interruptions(service: Interruptions, sqs, stop: Callable[[], bool] = lambda: False) -> None:  # type: ignore[no-untyped-def]
+    """Long-poll the queue, act on each event, requeue what is due; until `stop`. A message is deleted once handled;
+    one that fails is left for SQS to deliver again."""
+    url = service.config.interruption_queue_url
+    while not stop():
+        try:
+            messages = sqs.receive_message(QueueUrl=url, WaitTimeSeconds=service.wait_seconds(),
+                                           MaxNumberOfMessages=10).get("Messages", [])
+        except Exception:
+            log.exception("interruptions: receiving from %s failed; trying again", url)
+            time.sleep(5)
+            messages = []
+        for message in messages:
+            try:
+                service.handle(json.loads(message["Body"]))
+                sqs.delete_message(QueueUrl=url, ReceiptHandle=message["ReceiptHandle"])
+            except Exception:
+                log.exception("interruptions: message %s failed; SQS delivers it again", message.get("MessageId"))
+        service.requeue_due()
 
 
 def setup_logging(config: ClusterSettings) -> None:
@@ -626,7 +780,7 @@ COMMANDS = {"suspend": suspend, "resume-fail": resume_fail}
 def main(argv: list[str]) -> int:
     command = Path(argv[0]).name
     args = argv[1:]
-    if command not in (*COMMANDS, "resume", "reconcile") and args:
+    if command not in (*COMMANDS, "resume", "reconcile", "interruptions") and args:
         command, args = args[0], args[1:]
     config = ClusterSettings.load()
     setup_logging(config)
@@ -635,12 +789,18 @@ def main(argv: list[str]) -> int:
         ec2 = ec2_client(config)
         if command == "reconcile" and not args:
             reconcile(config, ec2, slurm)
+        elif command == "interruptions" and not args:
+            import boto3
+
+            service = Interruptions(config, slurm, sns=boto3.client("sns", region_name=config.region))
+            serve_interruptions(service, boto3.client("sqs", region_name=config.region))
         elif command == "resume" and len(args) == 1:
             resume(config, ec2, slurm, args[0], os.environ.get("SLURM_RESUME_FILE"))
         elif command in COMMANDS and len(args) == 1:
             COMMANDS[command](config, ec2, slurm, args[0])
         else:
-            print(f"usage: {{resume|suspend|resume-fail}} HOSTLIST | reconcile (called as {command})", file=sys.stderr)
+            print(f"usage: {{resume|suspend|resume-fail}} HOSTLIST | reconcile | interruptions (called as {command})",
+                  file=sys.stderr)
             return 2
     except Exception:
         # Slurm only sees the exit status; the log keeps the whole story.

@@ -11,6 +11,7 @@ from components.budget import Budget, BudgetArgs, LaunchDeny, LaunchDenyArgs
 from components.gpu_pool import GpuPool, GpuPoolArgs
 from components.head_node import GuardrailWiring, HeadNode, HeadNodeArgs
 from components.image import NodeImage, NodeImageArgs
+from components.interruptions import InterruptionEvents, InterruptionEventsArgs
 from components.monitoring import IdleGpuAlarms, IdleGpuAlarmsArgs
 from components.network import Network, NetworkArgs
 from components.node_access import NodeAccess, NodeAccessArgs
@@ -100,6 +101,9 @@ def create_cluster(stack: Stack) -> dict[str, object]:
         ),
         opts,
     )
+    # EC2 warns only of spot instances: a stack without spot pools has no use for the rule and its queue.
+    events = InterruptionEvents(stack.cluster_name, InterruptionEventsArgs(cluster_name=stack.cluster_name), opts) \
+        if any(pool.capacity == "spot" for pool in spec.pools) else None
     act = spec.budget.act_threshold_percent
     guardrail = None if act is None else GuardrailWiring(
         budget_name=budget.budget_name, budget_arn=budget.budget_arn, act_threshold_percent=act,
@@ -126,7 +130,12 @@ def create_cluster(stack: Stack) -> dict[str, object]:
             fsx_dns_name=storage.dns_name,
             fsx_mount_name=storage.mount_name,
             node_program_settings={"all_or_nothing": spec.slurm.all_or_nothing,
-                                   "capacity_retry_seconds": spec.slurm.capacity_retry_seconds},
+                                   "capacity_retry_seconds": spec.slurm.capacity_retry_seconds,
+                                   "checkpoint_grace_seconds": spec.slurm.checkpoint_grace_seconds,
+                                   "drain_on_rebalance": spec.slurm.drain_on_rebalance},
+            alerts_topic_arn=budget.topic_arn,
+            interruption_queue_url=events.queue_url if events else None,
+            interruption_queue_arn=events.queue_arn if events else None,
             ami_id=spec.head_node.ami_id or baked("head"),  # type: ignore[arg-type]
             guardrail=guardrail,
         ),
@@ -148,6 +157,7 @@ def create_cluster(stack: Stack) -> dict[str, object]:
         cluster_name=stack.cluster_name, region=stack.region, head_instance_id=head.instance_id,
         munge_key_parameter=userdata.munge_key_parameter(stack),
         cluster_resources=[network, storage, access, *pools.values(), *images.values(), head, budget,
+                           *([events] if events else []),
                            *([deny] if deny else [])],
         kept=kept), opts)
     estimate = cost.estimate(stack)

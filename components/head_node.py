@@ -50,6 +50,9 @@ class HeadNodeArgs:
     # The group's rules (Network.security_group_rules): the head's boot mounts /fsx and reaches S3 and SSM through them.
     security_group_rules: Sequence[pulumi.Resource] = ()
     guardrail: GuardrailWiring | None = None  # None: the budget only alerts
+    alerts_topic_arn: pulumi.Input[str] | None = None  # what the head's programs tell the team
+    interruption_queue_url: pulumi.Input[str] | None = None  # EC2's spot warnings (InterruptionEvents); None: no spot
+    interruption_queue_arn: pulumi.Input[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,10 @@ class HeadNode(pulumi.ComponentResource):
             security_group_id=args.security_group_id, pools=args.pools).apply(
                 lambda v: policy(head_statements(args, **v))),
             opts=child(self))
+        if args.interruption_queue_arn is not None:
+            aws.iam.RolePolicy(f"{name}-head-interruptions", role=head_role.id, policy=pulumi.Output.all(
+                queue_arn=args.interruption_queue_arn, topic_arn=args.alerts_topic_arn).apply(
+                lambda v: policy(interruption_statements(**v))), opts=child(self))
         guard = args.guardrail
         if guard is not None:
             aws.iam.RolePolicy(f"{name}-head-guardrail", role=head_role.id, policy=pulumi.Output.all(
@@ -135,7 +142,8 @@ class HeadNode(pulumi.ComponentResource):
         settings = pulumi.Output.all(
             bundle_bucket=access.bucket, head_address=interface.private_ip, state_volume_id=state.id,
             fsx_dns_name=args.fsx_dns_name, fsx_mount_name=args.fsx_mount_name, pools=args.pools,
-            budget=budget).apply(lambda v: settings_document(args, v))
+            budget=budget, alerts_topic_arn=args.alerts_topic_arn or "",
+            interruption_queue_url=args.interruption_queue_url or "").apply(lambda v: settings_document(args, v))
         # insecure_value: these settings are not secret (pulumi-aws would otherwise encrypt them in state and hide them).
         aws.ssm.Parameter(f"{name}-config", name=args.config_parameter, type="String", insecure_value=settings,
                           description=f"gpucluster {args.cluster_name}: what every node needs to know",
@@ -209,6 +217,16 @@ def head_statements(args: HeadNodeArgs, account: str, config_arn: str, munge_arn
         # The Slurm files and node programs: this stack's bundle object only.
         {"Sid": "Bundle", "Effect": "Allow", "Action": "s3:GetObject", "Resource": bundle_arn},
         SSM_AGENT,
+    ]
+
+
+def interruption_statements(queue_arn: str, topic_arn: str) -> list[dict[str, object]]:
+    """The interruptions service (as the slurm user): EC2's warnings from its own queue, and a word to the team."""
+    return [
+        {"Sid": "InterruptionQueue", "Effect": "Allow", "Action": ["sqs:ReceiveMessage", "sqs:DeleteMessage",
+                                                                  "sqs:GetQueueAttributes"], "Resource": queue_arn},
+        # Each drain and requeue is told to the stack's topic (the budget's subscribers): this topic only.
+        {"Sid": "TellTheTeam", "Effect": "Allow", "Action": "sns:Publish", "Resource": topic_arn},
     ]
 
 

@@ -159,6 +159,10 @@ def _placeholder_outputs(typ: str, name: str, inputs: dict[str, Any], region: st
         budget = inputs["budgetName"]
         out["id"] = f"{acct}:{out['actionId']}:{budget}"
         out["arn"] = f"arn:aws:budgets::{acct}:budget/{budget}/action/{out['actionId']}"
+    elif typ == "aws:cloudwatch/eventRule:EventRule":
+        out["id"], out["arn"] = physical, f"arn:aws:events:{region}:{acct}:rule/{physical}"
+    elif typ == "aws:cloudwatch/eventTarget:EventTarget":
+        out["id"] = f"{inputs['rule']}-{_hex(typ, name, 8)}"
     elif typ == "aws:cloudwatch/metricAlarm:MetricAlarm":
         out["id"], out["arn"] = physical, f"arn:aws:cloudwatch:{region}:{acct}:alarm:{physical}"
     elif typ == "aws:costexplorer/costAllocationTag:CostAllocationTag":

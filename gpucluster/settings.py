@@ -31,6 +31,9 @@ STATE_DIR = "/var/lib/gpucluster"  # the head node's state volume: slurmctld sta
 LOG_DIR = "/var/log/gpucluster"
 NODE_LOG = f"{LOG_DIR}/nodes.log"
 BOOT_LOG = f"{LOG_DIR}/boot.log"
+# What happened to nodes and jobs that a user would ask about (interruptions, drains, replacements, requeues): one JSON
+# object per line, read by `gpucluster events`.
+EVENTS_LOG = f"{LOG_DIR}/events.jsonl"
 BUDGET_STATE_FILE = f"{STATE_DIR}/budget.json"  # written by the budget guardrail, read by the reconciler
 # Which instance is which Slurm node: written by the resume program the moment CreateFleet answers, read by suspend and
 # the reconciler. On the state volume (a replaced head keeps it), in a directory the slurm user owns.
@@ -45,6 +48,7 @@ BOOT_UNIT = "gpucluster-boot.service"
 # The head's units that may launch or keep nodes, besides slurmctld: stopped first when the cluster is torn down.
 RECONCILE_UNIT = "gpucluster-reconcile"  # a service and its timer
 BUDGET_UNIT = "gpucluster-budget"  # the guardrail service (it reopens partitions when the spend falls back)
+INTERRUPTIONS_UNIT = "gpucluster-interruptions"  # acts on EC2's spot warnings (drains, signals, requeues)
 
 # --- the tags every resource of a cluster carries, and the node name the resume program gives an instance ----------
 CLUSTER_TAG = "gpucluster:cluster"
@@ -66,7 +70,7 @@ SLURMDBD_PORT = 6819
 
 # --- programs --------------------------------------------------------------------------------------------------------
 NODE_PROGRAM = "gpucluster_node.py"
-NODE_COMMANDS = ("resume", "suspend", "resume-fail", "reconcile")  # links to NODE_PROGRAM in BIN_DIR
+NODE_COMMANDS = ("resume", "suspend", "resume-fail", "reconcile", "interruptions")  # links to NODE_PROGRAM in BIN_DIR
 BUDGET_PROGRAM = "gpucluster_budget.py"
 BUDGET_COMMAND = "gpucluster-budget"
 ROLES = ("head", "compute")
@@ -145,6 +149,13 @@ class ClusterSettings:
     scontrol: str = "scontrol"
     budget_state_file: str = BUDGET_STATE_FILE
     budget: BudgetSettings | None = None
+    # EC2's interruption warnings and rebalance recommendations, through EventBridge into this queue ("": none).
+    interruption_queue_url: str = ""
+    drain_on_rebalance: bool = True  # a rebalance recommendation drains the node (its jobs run on)
+    # Between the checkpoint signal (SIGUSR1) and the requeue: the two-minute warning leaves a job this long to save.
+    checkpoint_grace_seconds: int = 60
+    alerts_topic_arn: str = ""  # the stack's topic: what the programs do that users should hear of
+    events_log: str = EVENTS_LOG
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ClusterSettings:

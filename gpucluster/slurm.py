@@ -21,7 +21,7 @@ MEMORY_FRACTION = 0.95
 class SlurmLayout:
     """Where things live on the head node (names and paths the nodes share come from the settings contract). The boot
     rehearsal changes only ports and the fields whose comments name them (simulated_hardware, cgroups,
-    power_save_min_interval, suspend_timeout, cloud_reg_addrs, dev_dir)."""
+    power_save_min_interval, suspend_timeout, cloud_reg_addrs, cred_expire, dev_dir)."""
 
     controller_host: str = settings.HEAD_HOSTNAME
     controller_port: int = settings.SLURMCTLD_PORT
@@ -53,6 +53,9 @@ class SlurmLayout:
     # Seconds a node takes to power down (the suspend program terminates its instance): no job lands on it meanwhile.
     # EC2 needs a minute or two; the tests' instances are gone at once.
     suspend_timeout: int = 120
+    # Seconds a requeued job waits before it may start again (the job credential's lifetime, AuthInfo cred_expire;
+    # Slurm's default 120). The tests shorten it; None leaves Slurm's default.
+    cred_expire: int | None = None
 
     @property
     def node_file(self) -> str:
@@ -148,7 +151,7 @@ def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         f"SlurmdPort={layout.node_port}",
         f"SlurmUser={layout.slurm_user}",
         "AuthType=auth/munge",
-        f"AuthInfo=socket={layout.munge_socket}",
+        f"AuthInfo=socket={layout.munge_socket}" + (f",cred_expire={layout.cred_expire}" if layout.cred_expire else ""),
         f"StateSaveLocation={layout.state_dir}",
         f"SlurmdSpoolDir={layout.spool_dir}" + ("/%n" if layout.node_port_base else ""),
         f"SlurmctldPidFile={layout.run_dir}/slurmctld.pid",

@@ -318,6 +318,12 @@ class Slurm(_Model):
     all_or_nothing: bool = True
     # Nodes set DOWN for lack of capacity become schedulable again after this many seconds.
     capacity_retry_seconds: int = Field(default=600, ge=60, le=86400)
+    # A spot interruption warning comes two minutes before EC2 reclaims the instance: its jobs get SIGUSR1 to
+    # checkpoint, and are requeued this many seconds later (their checkpoint must be written by then).
+    checkpoint_grace_seconds: int = Field(default=60, ge=10, le=110)
+    # A rebalance recommendation (the spot instance is at higher risk) drains its node: running jobs go on, no new
+    # job starts there, and the node gets a fresh instance once idle. false: recommendations are only logged.
+    drain_on_rebalance: bool = True
 
 
 class NodeImage(_Model):

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from gpucluster.settings import BUDGET_UNIT, CLUSTER_TAG, RECONCILE_UNIT, UPDATE_UNIT
+from gpucluster.settings import BUDGET_UNIT, CLUSTER_TAG, INTERRUPTIONS_UNIT, RECONCILE_UNIT, UPDATE_UNIT
 
 log = logging.getLogger("gpucluster.teardown")
 
@@ -64,7 +64,7 @@ def quiesce_script() -> str:
     no job and resumes no node, and the script fails unless they all are. Running jobs are not cancelled: their nodes
     are terminated next."""
     units = [f"{RECONCILE_UNIT}.timer", f"{RECONCILE_UNIT}.service", f"{UPDATE_UNIT}.timer", f"{UPDATE_UNIT}.service",
-             f"{BUDGET_UNIT}.service"]
+             f"{BUDGET_UNIT}.service", f"{INTERRUPTIONS_UNIT}.service"]
     return "\n".join([
         "set -eu",
         f"systemctl stop {' '.join(units)}",

@@ -470,7 +470,7 @@ class LocalCluster:
         self.layout = slurm.SlurmLayout(controller_port=ports, node_port=ports + 1, dbd_port=ports + 2,
                                         node_port_base=ports + 3, dev_dir=str(self.dev_dir), simulated_hardware=True,
                                         cgroups=False, power_save_min_interval=0,
-                                        suspend_timeout=5, cloud_reg_addrs=True)
+                                        suspend_timeout=5, cloud_reg_addrs=True, cred_expire=10)
         self._devices()
         self.fsx = self.root / "fsx"
         self.fsx.mkdir()
@@ -536,6 +536,8 @@ class LocalCluster:
         arn = sqs.get_queue_attributes(QueueUrl=queue, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
         sns.subscribe(TopicArn=self.topic, Protocol="sqs", Endpoint=arn)
         self.set_spend(0.0)
+        # EC2's spot warnings, as the stack's EventBridge rule would deliver them (tests send them themselves).
+        self.interruptions = sqs.create_queue(QueueName=f"{self.stack.cluster_name}-interruptions")["QueueUrl"]
         budget = self.stack.spec.budget
         self.settings = ClusterSettings(
             cluster=self.stack.cluster_name, team=self.stack.spec.team, region=self.stack.region, pools=pools,
@@ -546,6 +548,9 @@ class LocalCluster:
             # A node DOWN for a passing cause is retried after 5 s here instead of 10 min (the stack file's minimum
             # is a minute): tests shorten timers, not sleep.
             capacity_retry_seconds=5,
+            interruption_queue_url=self.interruptions, alerts_topic_arn=self.topic,
+            # A spot warning's jobs are requeued 5 s after their checkpoint signal here instead of a minute.
+            checkpoint_grace_seconds=5,
             # The guardrail checks the budget every 5 s here instead of hourly: tests shorten timers, not sleep.
             budget=BudgetSettings(budget_name=self.stack.budget_name, account_id=MOTO_ACCOUNT,
                                   act_threshold_percent=budget.act_threshold_percent or 100, queue_url=queue,

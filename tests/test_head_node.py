@@ -287,6 +287,7 @@ ROLE_ACTIONS = {
                                      "cloudwatch:PutMetricData"},
     "-budget-action": {"iam:AttachRolePolicy", "iam:DetachRolePolicy"},
 }
+INTERRUPTION_ACTIONS = {"sqs:ReceiveMessage", "sqs:DeleteMessage", "sqs:GetQueueAttributes", "sns:Publish"}
 GUARDRAIL_ACTIONS = {"sqs:ReceiveMessage", "sqs:DeleteMessage", "sqs:GetQueueAttributes", "sns:Publish",
                      "budgets:ViewBudget", "budgets:DescribeBudgetActionsForBudget", "budgets:ExecuteBudgetAction"}
 IMAGE_BUILD_MANAGED = {"arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore",
@@ -316,7 +317,9 @@ def test_each_role_holds_exactly_its_actions(shipped: Shipped) -> None:
     for name in roles:
         suffix = name.removeprefix(stack.cluster_name)
         if suffix in ROLE_ACTIONS:
-            expected = ROLE_ACTIONS[suffix] | (GUARDRAIL_ACTIONS if suffix == "-head" and guardrail else set())
+            spot = any(pool.capacity == "spot" for pool in stack.spec.pools)
+            expected = ROLE_ACTIONS[suffix] | (GUARDRAIL_ACTIONS if suffix == "-head" and guardrail else set()) | \
+                (INTERRUPTION_ACTIONS if suffix == "-head" and spot else set())
             assert inline[name] == expected, (name, inline[name] ^ expected)
             # No managed policy on a node role: AmazonSSMManagedInstanceCore would read every parameter of the
             # account (another stack's munge key).

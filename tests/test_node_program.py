@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -38,6 +39,14 @@ class FakeSlurm(node.Slurm):
 
     def updates(self) -> list[tuple[str, ...]]:
         return [c for c in self.calls if c[0] == "update"]
+
+    jobs: dict[str, list[str]] = {}  # node -> its running jobs
+
+    def jobs_on(self, node_name: str) -> list[str]:
+        return self.jobs.get(node_name, [])
+
+    def signal_job(self, job: str, signal_name: str) -> None:
+        self.calls.append(("signal", job, signal_name))
 
 
 @pytest.fixture
@@ -282,6 +291,14 @@ S = node.Status
     (view("DOWN+CLOUD", "bad GPU, RMA", user="root", ago=9999), S.HELD),  # an admin's
     (view("IDLE+DRAIN+CLOUD", "Kill task failed", ago=9999, has_instance=True), S.HELD),
     (view("IDLE+CLOUD+FUTURE"), S.HEALTHY),
+    # Drained by the cluster for a new instance (a spot warning, a rebalance recommendation): replaced once idle or
+    # once EC2 took the instance; left to finish its jobs otherwise. The same words from an admin are an admin's hold.
+    (view("ALLOCATED+DRAIN+CLOUD", "gpucluster: replace: rebalance recommendation", has_instance=True), S.DRAINING),
+    (view("MIXED+DRAIN+CLOUD", "gpucluster: replace: spot interruption warning", has_instance=True), S.DRAINING),
+    (view("IDLE+DRAIN+CLOUD", "gpucluster: replace: spot interruption warning", has_instance=True), S.REPLACE),
+    (view("ALLOCATED+DRAIN+CLOUD", "gpucluster: replace: spot interruption warning"), S.REPLACE),  # reclaimed
+    (view("IDLE+DRAIN+CLOUD", "gpucluster: replace: spot interruption warning", user="root", has_instance=True),
+     S.HELD),
 ])
 def test_classify(case: node.NodeView, expected: node.Status) -> None:
     assert node.classify(case, NOW, retry_base=600) is expected
@@ -469,3 +486,95 @@ def test_resume_fail_keeps_the_reason_of_nodes_it_never_launched(ec2) -> None:  
     assert node.resume_fail(config, ec2, slurm, "p5-od-[1-2]") == [launched["p5-od-1"]]
     (down,) = slurm.updates()
     assert down[1] == "nodename=p5-od-1" and not node.cluster_instances(config, ec2)
+
+
+def spot_event(kind: str, instance: str) -> dict:  # type: ignore[type-arg]
+    """As EventBridge delivers EC2's warnings (the rule's target is the queue: the event is the message body)."""
+    detail = {"instance-id": instance, "instance-action": "terminate"} if kind == node.SPOT_WARNING else \
+        {"instance-id": instance}
+    return {"version": "0", "id": "e1", "detail-type": kind, "source": "aws.ec2", "account": "123456789012",
+            "time": "2026-11-30T16:00:00Z", "region": "us-east-1",
+            "resources": [f"arn:aws:ec2:us-east-1:123456789012:instance/{instance}"], "detail": detail}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = NOW
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_spot_warning_drains_signals_and_requeues_after_the_grace(ec2, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    config = make_config(ec2, events_log=str(tmp_path / "events.jsonl"), checkpoint_grace_seconds=60)
+    slurm, clock = FakeSlurm(), Clock()
+    launched = node.resume(config, ec2, slurm, "p5-spot-[1-2]").launched
+    slurm.jobs = {"p5-spot-1": ["41", "42"]}
+    service = node.Interruptions(config, slurm, clock=clock)
+    assert service.handle(spot_event(node.SPOT_WARNING, launched["p5-spot-1"])) == ["p5-spot-1"]
+    assert ("update", "nodename=p5-spot-1", "state=drain",
+            f"reason=gpucluster: replace: spot interruption warning for {launched['p5-spot-1']} at "
+            "2026-11-30T16:00:00Z") in slurm.calls
+    assert [c for c in slurm.calls if c[0] == "signal"] == [("signal", "41", "USR1"), ("signal", "42", "USR1")]
+    assert service.requeue_due() == [] and service.wait_seconds() == 20  # checkpoints are being written
+    clock.now += 59
+    assert service.wait_seconds() == 2 and service.requeue_due() == []
+    clock.now += 1
+    assert service.requeue_due() == ["41", "42"]
+    assert [c for c in slurm.calls if c[0] == "requeue"] == [("requeue", "41"), ("requeue", "42")]
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events] == ["spot interruption warning", "requeued", "requeued"]
+    assert events[0]["node"] == "p5-spot-1" and events[0]["jobs"] == ["41", "42"]
+
+
+def test_rebalance_drains_without_signalling_unless_turned_off(ec2, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    config = make_config(ec2, events_log=str(tmp_path / "events.jsonl"))
+    slurm = FakeSlurm()
+    instance = node.resume(config, ec2, slurm, "p5-spot-1").launched["p5-spot-1"]
+    slurm.jobs = {"p5-spot-1": ["41"]}
+    assert node.Interruptions(config, slurm).handle(spot_event(node.REBALANCE, instance)) == ["p5-spot-1"]
+    assert [c[2] for c in slurm.calls if c[0] == "update" and c[2].startswith("state=")] == ["state=drain"]
+    assert not [c for c in slurm.calls if c[0] in ("signal", "requeue")]
+    off = dataclasses.replace(config, drain_on_rebalance=False)
+    quiet = FakeSlurm()
+    assert node.Interruptions(off, quiet).handle(spot_event(node.REBALANCE, instance)) == []
+    assert not [c for c in quiet.calls if c[0] == "update"]
+
+
+def test_warnings_for_other_clusters_instances_are_not_ours(ec2, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    config = make_config(ec2, events_log=str(tmp_path / "events.jsonl"))
+    slurm = FakeSlurm()
+    assert node.Interruptions(config, slurm).handle(spot_event(node.SPOT_WARNING, "i-0123456789abcdef0")) == []
+    assert not slurm.calls
+
+
+def test_the_service_reads_the_queue_and_deletes_what_it_handled(ec2, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import boto3
+
+    sqs = boto3.client("sqs", region_name="us-east-1")
+    url = sqs.create_queue(QueueName="interruptions")["QueueUrl"]
+    config = make_config(ec2, events_log=str(tmp_path / "events.jsonl"), interruption_queue_url=url)
+    slurm = FakeSlurm()
+    instance = node.resume(config, ec2, slurm, "p5-spot-1").launched["p5-spot-1"]
+    sqs.send_message(QueueUrl=url, MessageBody=json.dumps(spot_event(node.SPOT_WARNING, instance)))
+    sqs.send_message(QueueUrl=url, MessageBody="not an event")  # left for SQS to deliver again, then its DLQ
+    passes = iter(range(2))
+    node.serve_interruptions(node.Interruptions(config, slurm), sqs, stop=lambda: next(passes, None) is None)
+    assert any(c[:3] == ("update", "nodename=p5-spot-1", "state=drain") for c in slurm.calls)
+    left = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["ApproximateNumberOfMessages",
+                                                                  "ApproximateNumberOfMessagesNotVisible"])
+    assert sum(int(v) for v in left["Attributes"].values()) == 1  # the bad one only
+
+
+def test_reconcile_replaces_a_drained_node_once_idle(ec2, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    config = make_config(ec2, events_log=str(tmp_path / "events.jsonl"))
+    launched = node.resume(config, ec2, FakeSlurm(), "p5-spot-1,p5-od-1").launched
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+    reason = f"gpucluster: replace: spot interruption warning [slurm@{stamp}]"
+    slurm = FakeSlurm([{"NodeName": "p5-spot-1", "State": "IDLE+DRAIN+CLOUD", "Reason": reason},
+                       {"NodeName": "p5-od-1", "State": "ALLOCATED+DRAIN+CLOUD", "Reason": reason}])
+    done = node.reconcile(config, ec2, slurm)
+    assert done["replaced"] == ["p5-spot-1"] and "p5-od-1" not in str(done)  # the busy one finishes its jobs
+    assert set(live(config, ec2)) == {"p5-od-1"}
+    assert ("update", "nodename=p5-spot-1", "state=power_down_force") in slurm.calls
+    assert launched["p5-spot-1"] in (tmp_path / "events.jsonl").read_text()

@@ -242,9 +242,9 @@ def test_budget_reaches_the_head_node_and_the_launch_deny(shipped: tuple[Stack, 
     name = stack.cluster_name
     topic, queue = _arn(stack, "sns", f"{name}-alerts"), _arn(stack, "sqs", f"{name}-guardrail")
     # Budget messages reach an encrypted queue that only this topic may write to.
-    (q,) = of_type(declared, "sqs/queue:Queue")
+    (q,) = [q for q in of_type(declared, "sqs/queue:Queue") if q.name.endswith("-guardrail")]
     assert q.inputs["sqsManagedSseEnabled"] is True
-    (queue_policy,) = of_type(declared, "sqs/queuePolicy:QueuePolicy")
+    (queue_policy,) = [p for p in of_type(declared, "sqs/queuePolicy:QueuePolicy") if p.name.endswith("-guardrail")]
     (allow,) = json.loads(queue_policy.inputs["policy"])["Statement"]
     assert (allow["Principal"], allow["Action"], allow["Resource"]) == ({"Service": "sns.amazonaws.com"}, "sqs:SendMessage", queue)
     assert allow["Condition"] == {"ArnEquals": {"aws:SourceArn": topic}}

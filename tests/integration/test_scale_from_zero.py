@@ -92,7 +92,8 @@ def run_example(cluster: LocalCluster, sbatch_file: str, *args: str) -> str:
     env_path = f"{torchrun.parent}:{os.environ['PATH']}"
     job = subprocess.run(
         ["sbatch", "--parsable", "-p", "standby", "--gpus-per-node=1", "--output", str(cluster.root / "ex-%j.out"),
-         "--export", f"ALL,PATH={env_path}", str(ROOT / "examples" / sbatch_file), *args],
+         "--export", f"ALL,PATH={env_path},CHECKPOINT_DIR={cluster.root / 'checkpoints'}",  # not into the repository
+         str(ROOT / "examples" / sbatch_file), *args],
         cwd=ROOT, env=cluster.env, check=True, capture_output=True, text=True).stdout.strip()
     cluster.wait(f"{sbatch_file} job {job}", lambda: cluster.job_state(job) in {"COMPLETED", "FAILED", "CANCELLED"}, 240)
     output = (cluster.root / f"ex-{job}.out").read_text()
