@@ -5,6 +5,7 @@
     python -m gpucluster preflight STACK         the account's quotas, capacity and prices for the stack (0 ok, 1 fail)
     python -m gpucluster cost STACK              this month's spend by the stack's tag, forecast, GPU-hours
     python -m gpucluster leftovers STACK         what is still tagged with the stack (after a destroy), per month
+    gpucluster events [--last N]                 on the head node: recent interruptions, drains, requeues, replacements
 """
 
 from __future__ import annotations
@@ -193,6 +194,22 @@ def leftovers(args: argparse.Namespace) -> int:
     return 0
 
 
+def events(args: argparse.Namespace) -> int:
+    """The head node's events log, newest last: what happened to nodes and jobs, and when."""
+    from gpucluster.settings import EVENTS_LOG
+
+    path = Path(args.log or EVENTS_LOG)
+    if not path.exists():
+        print(f"no events yet ({path} does not exist; it is on the head node)", file=sys.stderr)
+        return 1
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][-args.last:]
+    for row in rows:
+        details = " ".join(f"{k}={','.join(v) if isinstance(v, list) else v}" for k, v in sorted(row.items())
+                           if k not in ("time", "event"))
+        print(f"{row['time']}  {row['event']}  {details}".rstrip())
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="python -m gpucluster", description=__doc__)
     sub = top.add_subparsers(dest="command", required=True)
@@ -213,6 +230,10 @@ def parser() -> argparse.ArgumentParser:
     left = sub.add_parser("leftovers", help="what is still tagged with a stack, and its monthly cost (AWS credentials)")
     left.add_argument("stack", help="a stack name under stacks/ or a path to a stack file")
     left.set_defaults(func=leftovers)
+    e = sub.add_parser("events", help="on the head node: recent spot warnings, drains, requeues and replacements")
+    e.add_argument("--last", type=int, default=50, help="how many (default 50)")
+    e.add_argument("--log", help=argparse.SUPPRESS)  # another events log (tests)
+    e.set_defaults(func=events)
     return top
 
 

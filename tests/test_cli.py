@@ -141,3 +141,16 @@ def test_plan_says_what_destroy_keeps_and_what_it_costs(tmp_path) -> None:  # ty
     team_b = run("plan", "team-b")
     assert "Kept after `pulumi destroy`:     nothing" in team_b.stdout
     assert "Files written under /fsx are not exported (the team's bucket is imported only)" in team_b.stdout
+
+
+def test_events_lists_what_happened_to_nodes_and_jobs(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    log = tmp_path / "events.jsonl"
+    log.write_text('{"event": "spot interruption warning", "instance": "i-0abc", "jobs": ["41", "42"], '
+                   '"node": "p5-spot-1", "time": "2026-11-30T16:00:00Z"}\n'
+                   '{"event": "requeued", "job": "41", "time": "2026-11-30T16:01:00Z", "why": "spot"}\n')
+    out = run("events", "--log", str(log), "--last", "1")
+    assert out.returncode == 0 and out.stdout == "2026-11-30T16:01:00Z  requeued  job=41 why=spot\n", out.stdout
+    out = run("events", "--log", str(log))
+    assert out.stdout.splitlines()[0] == ("2026-11-30T16:00:00Z  spot interruption warning  instance=i-0abc "
+                                          "jobs=41,42 node=p5-spot-1")
+    assert run("events", "--log", str(tmp_path / "none")).returncode == 1
