@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from gpucluster_node import REASON_PREFIX, Slurm, always_on_nodes, setup_logging
-from gpucluster.scontrol import parse_oneliner  # noqa: E402  (the bundle's lib/, on the path since gpucluster_node)
+from gpucluster.scontrol import job_records, parse_oneliner  # noqa: E402  (the bundle's lib/, on the path since gpucluster_node)
 from gpucluster.settings import BudgetSettings, ClusterSettings  # the bundle's lib/, on the path since gpucluster_node
 
 BUDGET_PREFIX = f"{REASON_PREFIX} budget"
@@ -101,8 +101,7 @@ class SlurmQueue(Slurm):
 
     def pending_jobs(self) -> dict[str, str]:
         """Pending job id -> its AdminComment ("" when none)."""
-        jobs = [parse_oneliner(line) for line in self._run("show", "jobs", "--oneliner").splitlines()
-                if line.startswith("JobId=")]
+        jobs = job_records(self._run("show", "jobs", "--oneliner"))
         return {job["JobId"]: job.get("AdminComment", "") for job in jobs if job.get("JobState") == "PENDING"}
 
     def set_admin_comment(self, job: str, text: str) -> None:

@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterable, Iterator
 # The bundle carries the library beside this program (lib/); the settings contract is in it (standard library only).
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
 from gpucluster.hostlist import compress_hostlist, expand_hostlist  # noqa: E402
-from gpucluster.scontrol import node_records, state_flags  # noqa: E402
+from gpucluster.scontrol import job_records, node_records, state_flags  # noqa: E402
 from gpucluster.settings import (  # noqa: E402
     CLUSTER_TAG, POOL_TAG, SETTINGS_FILE, SLURM_USER, ClusterSettings, PoolSettings,
 )
@@ -140,7 +140,7 @@ class Slurm:
     def jobs_on(self, node: str) -> list[str]:
         """Ids of the jobs running on the node (`scontrol show node` lists none; `show jobs` does)."""
         jobs = []
-        for record in node_records(self._run("show", "jobs", "--oneliner")):
+        for record in job_records(self._run("show", "jobs", "--oneliner")):
             if record.get("JobState") in ("RUNNING", "COMPLETING", "CONFIGURING") and \
                     node in expand_hostlist(record.get("NodeList", "")):
                 jobs.append(record["JobId"])

@@ -17,6 +17,11 @@ def node_records(text: str) -> list[dict[str, str]]:
     return [parse_oneliner(line) for line in text.splitlines() if line.startswith("NodeName=")]
 
 
+def job_records(text: str) -> list[dict[str, str]]:
+    """Every job of `scontrol show jobs --oneliner`."""
+    return [parse_oneliner(line) for line in text.splitlines() if line.startswith("JobId=")]
+
+
 def state_flags(record: dict[str, str]) -> set[str]:
     """A node's State as its flags: IDLE+CLOUD+POWERED_DOWN -> {IDLE, CLOUD, POWERED_DOWN}."""
     return set(record.get("State", "").split("+"))

@@ -578,3 +578,14 @@ def test_reconcile_replaces_a_drained_node_once_idle(ec2, tmp_path) -> None:  # 
     assert set(live(config, ec2)) == {"p5-od-1"}
     assert ("update", "nodename=p5-spot-1", "state=power_down_force") in slurm.calls
     assert launched["p5-spot-1"] in (tmp_path / "events.jsonl").read_text()
+
+
+def test_jobs_on_a_node_from_scontrol_show_jobs() -> None:
+    class Jobs(node.Slurm):
+        def _run(self, *args: str) -> str:
+            assert args == ("show", "jobs", "--oneliner")
+            return ("JobId=41 JobName=ddp UserId=ubuntu(1100) JobState=RUNNING Reason=None NodeList=spot-[1-2] "
+                    "BatchHost=spot-1\n"
+                    "JobId=42 JobName=x UserId=ubuntu(1100) JobState=PENDING Reason=Priority NodeList=(null)\n"
+                    "JobId=43 JobName=y UserId=ubuntu(1100) JobState=RUNNING Reason=None NodeList=standby-1\n")
+    assert Jobs().jobs_on("spot-2") == ["41"] and Jobs().jobs_on("standby-1") == ["43"]

@@ -3,6 +3,7 @@ boots a slurmd for each, the job runs; idle nodes are suspended and their instan
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 
 from conftest import ROOT
 from gpucluster import spend
-from gpucluster.settings import POOL_TAG
+from gpucluster.settings import EVENTS_LOG, POOL_TAG
 from local_cluster import LocalCluster
 
 
@@ -84,17 +85,22 @@ def test_spot_capacity_shortage_falls_back_to_on_demand(cluster: LocalCluster) -
     assert "Restarts=1" in cluster.run("scontrol", "show", "job", job)  # requeued once, not lost
 
 
-def run_example(cluster: LocalCluster, sbatch_file: str, *args: str) -> str:
+def submit_example(cluster: LocalCluster, sbatch_file: str, *args: str, partition: str = "standby") -> str:
     """An example job as a user submits it from the directory holding examples/, on the CPU: the GPU count and the
-    partition are overridden on the command line, as the examples say. Returns its output once it completed."""
+    partition are overridden on the command line, as the examples say. Returns its id."""
     torchrun = Path(sys.executable).with_name("torchrun")
     assert torchrun.exists(), "pip install torch==2.13.0 (make test does)"
     env_path = f"{torchrun.parent}:{os.environ['PATH']}"
-    job = subprocess.run(
-        ["sbatch", "--parsable", "-p", "standby", "--gpus-per-node=1", "--output", str(cluster.root / "ex-%j.out"),
+    return subprocess.run(
+        ["sbatch", "--parsable", "-p", partition, "--gpus-per-node=1", "--output", str(cluster.root / "ex-%j.out"),
          "--export", f"ALL,PATH={env_path},CHECKPOINT_DIR={cluster.root / 'checkpoints'}",  # not into the repository
          str(ROOT / "examples" / sbatch_file), *args],
         cwd=ROOT, env=cluster.env, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def run_example(cluster: LocalCluster, sbatch_file: str, *args: str) -> str:
+    """An example job (submit_example) run to its end. Returns its output once it completed."""
+    job = submit_example(cluster, sbatch_file, *args)
     cluster.wait(f"{sbatch_file} job {job}", lambda: cluster.job_state(job) in {"COMPLETED", "FAILED", "CANCELLED"}, 240)
     output = (cluster.root / f"ex-{job}.out").read_text()
     # The whole output when it failed: each rank's first error is near the top, the launcher's summary at the end.
@@ -110,14 +116,53 @@ def test_example_all_reduce_job_measures_bus_bandwidth(cluster: LocalCluster) ->
     assert all(float(bus) > 0 and float(bus) == pytest.approx(float(alg), rel=0.02) for _, alg, bus in rows)  # n=2
 
 
-def test_example_ddp_job_trains_across_two_nodes(cluster: LocalCluster) -> None:
-    """Both ranks must train and end with the same weights."""
-    output = run_example(cluster, "ddp.sbatch", "--steps", "120")
-    ranks = re.findall(r"rank (\d)/2 on (\S+) backend gloo loss ([\d.]+) -> ([\d.]+) weights (\w+)", output)
-    assert sorted(r[0] for r in ranks) == ["0", "1"], output[-3000:]
-    assert {r[1] for r in ranks} == {"standby-1", "standby-2"}  # one rank on each node
+def spot_warning(instance: str) -> str:
+    """EC2's two-minute warning as the stack's EventBridge rule puts it into the head's queue (the event is the body)."""
+    return json.dumps({"version": "0", "id": "7e5e1b2a-0000-0000-0000-000000000001",
+                       "detail-type": "EC2 Spot Instance Interruption Warning", "source": "aws.ec2",
+                       "account": "123456789012", "time": "2026-11-30T16:00:00Z", "region": "us-east-1",
+                       "resources": [f"arn:aws:ec2:us-east-1:123456789012:instance/{instance}"],
+                       "detail": {"instance-id": instance, "instance-action": "terminate"}})
+
+
+def test_example_ddp_job_survives_a_spot_warning_and_trains_across_two_nodes(cluster: LocalCluster) -> None:
+    """The DDP example on two spot nodes. EC2's warning for one of them reaches the head's queue: the interruptions
+    service drains the node, the job gets SIGUSR1 and checkpoints, is requeued (5 s later here), EC2 takes the
+    instance, the reconciler gives the node back, and the job runs again on a fresh node from the checkpoint's step,
+    not step 0. Both ranks train and end with the same weights."""
+    steps = 1500  # running when the warning comes (a couple of hundred steps later), done soon after the resume
+    checkpoints = cluster.root / "checkpoints"
+    job = submit_example(cluster, "ddp.sbatch", "--steps", str(steps), "--checkpoint-every", str(10 * steps),
+                         partition="spot")  # only the signal makes a checkpoint
+    output = cluster.root / f"ex-{job}.out"
+    cluster.wait(f"job {job} to train", lambda: output.exists() and "step 0 " in output.read_text(), 240)
+    node = cluster.run("scontrol", "show", "hostnames", cluster.run("squeue", "-h", "-j", job, "-o", "%N").strip())
+    node = node.split()[0]
+    instance = cluster.instances()[node]
+
+    cluster.aws("sqs").send_message(QueueUrl=cluster.interruptions, MessageBody=spot_warning(instance))
+    cluster.wait("the checkpoint the signal asks for", lambda: "(signalled)" in output.read_text(), 60)
+    reason = cluster.run("sinfo", "-h", "-R", "-n", node, "-o", "%E")
+    assert f"gpucluster: replace: spot interruption warning for {instance}" in reason, reason
+    cluster.wait(f"job {job} to be requeued", lambda: "Restarts=1" in cluster.run("scontrol", "show", "job", job), 60)
+    # EC2 reclaims the instance two minutes after its warning; the reconciler then gives the node a fresh start.
+    cluster.ec2().terminate_instances(InstanceIds=[instance])
+    cluster.wait(f"{node} to be replaced", lambda: "replace" in cluster.reconcile(), 60)
+    cluster.wait(f"job {job} to complete", lambda: cluster.job_state(job) in {"COMPLETED", "FAILED"}, 300)
+    text = output.read_text()
+    assert cluster.job_state(job) == "COMPLETED", text[-20000:]
+    first_run, resumed = text.split("resumed from ", 1)
+    # scancel --full reaches the training processes through srun and directly: one checkpoint or two; the newest.
+    signalled = [int(n) for n in re.findall(r"checkpoint at step (\d+) \(signalled\)", first_run)]
+    assert signalled and resumed.startswith(f"{checkpoints}/step-{max(signalled)} at step {max(signalled)}"), text[-3000:]
+    assert instance not in cluster.instances().values()
+    events = [json.loads(line)["event"] for line in cluster.head.path(EVENTS_LOG).read_text().splitlines()]
+    assert events[0] == "spot interruption warning" and "requeued" in events and "replaced" in events, events
+
+    ranks = re.findall(r"rank (\d)/2 on (\S+) backend gloo loss ([\d.]+) -> ([\d.]+) weights (\w{16})", resumed)
+    assert sorted(r[0] for r in ranks) == ["0", "1"], text[-3000:]
+    assert node not in {r[1] for r in ranks}  # the warned node took no part in the rest
     assert len({r[4] for r in ranks}) == 1  # replicas agree
-    assert all(float(last) < float(first) / 10 for _, _, first, last, _ in ranks)  # it learned
 
 
 def test_gpu_hour_quota_holds_jobs_that_would_exceed_it(cluster: LocalCluster) -> None:
