@@ -558,6 +558,9 @@ def compute(s: ClusterSettings, env: dict[str, str]) -> None:
         f'SLURMD_OPTIONS="--conf-server {contract.HEAD_HOSTNAME}:{s.slurmctld_port} -N {name}"\n')
     drop_in("slurmd.service", SLURMD_DROP_IN)
     Path(contract.SLURMD_SPOOL_DIR).mkdir(parents=True, exist_ok=True)
+    # Before the node takes work: its health, with a short DCGM diagnostic. A failing node drains itself (its first
+    # job is requeued by the Prolog's check) and the reconciler gives it a fresh instance.
+    run("/usr/bin/python3", contract.HEALTH_PROGRAM, "--boot", check=False)
     start("slurmd")
 
 

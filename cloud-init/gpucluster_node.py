@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
 from gpucluster.hostlist import compress_hostlist, expand_hostlist  # noqa: E402
 from gpucluster.scontrol import job_records, node_records, state_flags  # noqa: E402
 from gpucluster.settings import (  # noqa: E402
-    CLUSTER_TAG, POOL_TAG, SETTINGS_FILE, SLURM_USER, ClusterSettings, PoolSettings,
+    CLUSTER_TAG, POOL_TAG, REPLACE_REASON, SETTINGS_FILE, SLURM_USER, ClusterSettings, PoolSettings,
 )
 
 REASON_PREFIX = "gpucluster:"
@@ -54,7 +54,7 @@ CAPACITY_PREFIX = f"{REASON_PREFIX} capacity"
 CONFIGURATION_PREFIX = f"{REASON_PREFIX} configuration"
 # Drained by the cluster for a new instance: the reconciler terminates the node's instance once it is idle (or gone)
 # and returns the node to service. Spot interruption warnings and rebalance recommendations use it.
-REPLACE_PREFIX = f"{REASON_PREFIX} replace"
+REPLACE_PREFIX = REPLACE_REASON
 SPOT_WARNING = "EC2 Spot Instance Interruption Warning"
 REBALANCE = "EC2 Instance Rebalance Recommendation"
 SCONTROL_BATCH = 200  # nodes per scontrol update

@@ -137,4 +137,6 @@ class GpuPool(pulumi.ComponentResource):
             "min_nodes": pool.min_nodes,
             "max_nodes": pool.max_nodes,
             "efa_interfaces": pool.itype.efa_interfaces if pool.uses_efa else 0,
+            "accelerator": pool.itype.accelerator.kind if pool.itype.accelerator else "",
+            "accelerators": pool.itype.accelerator.count if pool.itype.accelerator else 0,
         }

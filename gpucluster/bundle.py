@@ -15,7 +15,7 @@ from gpucluster import monitoring, settings, slurm, sources
 from gpucluster.spec import Stack, stack_file
 
 PROGRAMS = ("bootstrap.py", "build_image.sh", "gpucluster_node.py", "gpucluster_budget.py", "gpucluster_neuron_metrics.py",
-            "task_prolog.sh", "gpucluster_hosts.py")
+            "task_prolog.sh", "gpucluster_hosts.py", "gpucluster_health.py")
 # Who submits jobs on the head node: the image's login user (Ubuntu). Add others with `sacctmgr add user`.
 CLUSTER_USERS = (settings.LOGIN_USER,)
 EXAMPLES = ("launch.sh", "ddp_train.py", "ddp.sbatch", "all_reduce.py", "all_reduce.sbatch", "ddp_container.sbatch")

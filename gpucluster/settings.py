@@ -45,6 +45,11 @@ NCCL_ENV_FILE = f"{ETC_DIR}/nccl.env"  # a compute node's NCCL/EFA settings (NAM
 TASK_PROLOG = f"{BUNDLE_DIR}/task_prolog.sh"  # Slurm's TaskProlog: puts NCCL_ENV_FILE into each task's environment
 IMAGE_MANIFEST = "/opt/gpucluster-image/manifest.json"  # written last by build_image.sh: the image is complete
 BOOT_UNIT = "gpucluster-boot.service"
+# The reason prefix of a node drained for a fresh instance (a spot warning, a failed health check): the reconciler
+# replaces its instance once the node is idle.
+REPLACE_REASON = "gpucluster: replace"
+# Slurm's HealthCheckProgram and its Prolog (the fast checks, then HOSTS_PROGRAM's part).
+HEALTH_PROGRAM = f"{BUNDLE_DIR}/gpucluster_health.py"
 # The head's units that may launch or keep nodes, besides slurmctld: stopped first when the cluster is torn down.
 RECONCILE_UNIT = "gpucluster-reconcile"  # a service and its timer
 BUDGET_UNIT = "gpucluster-budget"  # the guardrail service (it reopens partitions when the spend falls back)
@@ -63,7 +68,7 @@ LOGIN_USER = "ubuntu"  # the images' login user: in the team's Slurm account, it
 SHARED_DIR = "/fsx"  # the Lustre file system, on every node
 SHARED_HOME = f"{SHARED_DIR}/home"  # bind-mounted at /home on every node: code, venvs and job output follow the job
 NODE_HOSTS_FILE = f"{SHARED_DIR}/.gpucluster/hosts"  # registered nodes' names and addresses, kept by the head
-HOSTS_PROGRAM = f"{BUNDLE_DIR}/gpucluster_hosts.py"  # publishes them (head) and is Slurm's Prolog (compute nodes)
+HOSTS_PROGRAM = f"{BUNDLE_DIR}/gpucluster_hosts.py"  # publishes them (head); the Prolog's second part (compute)
 SLURMCTLD_PORT = 6817
 SLURMD_PORT = 6818
 SLURMDBD_PORT = 6819
@@ -106,6 +111,8 @@ class PoolSettings:
     min_nodes: int = 0  # <pool>-1 .. <pool>-<min_nodes> are always on: the reconciler keeps them launched
     max_nodes: int = 0
     efa_interfaces: int = 0
+    accelerator: str = ""  # nvidia | neuron | "": what the health check counts
+    accelerators: int = 0  # GPUs or Neuron devices per node
 
 
 @dataclass(frozen=True)

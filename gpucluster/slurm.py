@@ -166,9 +166,15 @@ def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         f"TaskProlog={settings.TASK_PROLOG}",
         # Before a job starts, on each of its nodes: the names of the job's nodes resolve (/etc/hosts). Alloc: at the
         # job's start on all its nodes, not at each node's first step.
-        f"Prolog={settings.HOSTS_PROGRAM}",
+        f"Prolog={settings.HEALTH_PROGRAM}",
         "PrologFlags=Alloc",
+        # The node's health (accelerators, ECC, XIDs, EFA, /fsx, disk) every 5 minutes on every node; a failing node
+        # drains itself. A job whose Prolog finds its node unhealthy is requeued, not held.
+        f"HealthCheckProgram={settings.HEALTH_PROGRAM}",
+        "HealthCheckInterval=300",
+        "HealthCheckNodeState=ANY,CYCLE",
         "SchedulerType=sched/backfill",
+        "SchedulerParameters=nohold_on_prolog_fail",
         "SelectType=select/cons_tres",
         "SelectTypeParameters=CR_Core_Memory",
         f"GresTypes={','.join(gres_types)}" if gres_types else None,

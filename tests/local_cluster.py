@@ -279,6 +279,8 @@ class RehearsalNode:
     volume: Path | None = None  # the head's state volume (a loop device behind its EBS by-id name)
     volume_id: str = ""
     own_clock: bool = False  # compute nodes: a boot time of their own
+    gpus: int = 0  # compute nodes: the GPUs its stand-in nvidia-smi reports
+    gpu_fault: str = ""  # shell for the stand-in instead of healthy GPUs (LocalCluster.gpu_faults)
     init: subprocess.Popen[bytes] | None = None
 
     def boot(self) -> None:
@@ -344,6 +346,14 @@ class RehearsalNode:
             host = Path("/etc") / name
             if not target.exists() and not any(line.split(":")[0] == LOGIN_USER for line in host.read_text().splitlines()):
                 target.write_text(host.read_text() + entry + "\n")
+        if self.gpus:
+            # No GPU on this machine: nvidia-smi as the health check asks it (index, uncorrected ECC errors), one
+            # healthy GPU per configured GPU, or the fault a test gave this node (fewer GPUs, ECC errors, a hang).
+            tool = self._dir("/usr/local", "up") / "bin" / "nvidia-smi"
+            tool.parent.mkdir(parents=True, exist_ok=True)
+            tool.write_text("#!/bin/sh\n" + (self.gpu_fault or
+                            f"for i in $(seq 0 {self.gpus - 1}); do echo \"$i, 0\"; done") + "\n")
+            tool.chmod(0o755)
         dist = self._dir("/usr/local", "up") / "lib" / "python3.11" / "dist-packages"
         dist.mkdir(parents=True, exist_ok=True)
         (dist / "rehearsal.pth").write_text(
@@ -427,6 +437,7 @@ class LocalCluster:
     calls: list[tuple[str, str]] = field(default_factory=list)  # (who, AWS action) through the fronts
     failing_markets: dict[str, str] = field(default_factory=dict)
     throttle: dict[str, int] = field(default_factory=dict)
+    gpu_faults: dict[str, str] = field(default_factory=dict)  # pool -> its next nodes' nvidia-smi (a broken GPU)
     env: dict[str, str] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
     _closers: list[Callable[[], None]] = field(default_factory=list)
@@ -570,9 +581,11 @@ class LocalCluster:
                                     "TagSpecifications": [{"ResourceType": "instance", "Tags": [
                                         {"Key": k, "Value": v} for k, v in {**self.stack.tags, POOL_TAG: pool.name}.items()]}]},
             )["LaunchTemplate"]["LaunchTemplateId"]
+            acc = pool.itype.accelerator
             pools[pool.name] = PoolSettings(name=pool.name, launch_template_id=template, subnet_id=self.subnet,
                                             instance_type=pool.instance_type, market=pool.capacity,
-                                            min_nodes=pool.min_nodes, max_nodes=pool.max_nodes)
+                                            min_nodes=pool.min_nodes, max_nodes=pool.max_nodes,
+                                            accelerator=acc.kind if acc else "", accelerators=acc.count if acc else 0)
         return pools
 
     def apply(self, stack: Stack) -> None:
@@ -680,8 +693,11 @@ class LocalCluster:
         pool = next(p for p in self.stack.spec.pools if p.name == pool_name)
         imds = InstanceMetadata(instance)
         self._closers.append(imds.close)
+        acc = pool.itype.accelerator
         node = RehearsalNode(instance, self.root / instance, self.userdata.pool_nodes(self.stack, pool),
-                             self.front(instance), imds, self.fsx, self.sdk, own_clock=True)
+                             self.front(instance), imds, self.fsx, self.sdk, own_clock=True,
+                             gpus=acc.count if acc and acc.kind == "nvidia" else 0,
+                             gpu_fault=self.gpu_faults.get(pool_name, ""))
         self.nodes[instance] = node
         node.boot()
         self.boots.append((self.registry().get(instance, instance), time.time()))

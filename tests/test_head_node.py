@@ -226,7 +226,7 @@ def test_bundle_object_holds_the_rendered_files(shipped: Shipped) -> None:
     with tarfile.open(fileobj=io.BytesIO(gzip.decompress(data))) as tar:
         names = set(tar.getnames())
     programs = {"bootstrap.py", "build_image.sh", "gpucluster_node.py", "gpucluster_budget.py",
-                "gpucluster_neuron_metrics.py", "task_prolog.sh", "gpucluster_hosts.py"}
+                "gpucluster_neuron_metrics.py", "task_prolog.sh", "gpucluster_hosts.py", "gpucluster_health.py"}
     metrics = {f"{'cloudwatch-agent' if p.itype.accelerator.kind == 'nvidia' else 'neuron-metrics'}/{p.name}.json"
                for p in stack.spec.pools}
     slurm_files = {f"slurm/{n}" for n in ("slurm.conf", "gres.conf", "slurmdbd.conf", "plugstack.conf", "cgroup.conf")}

@@ -1,7 +1,7 @@
 """The reconciler on the boot rehearsal's cluster (tests/local_cluster.py): always-on nodes powered up through Slurm and
-kept up, and a node whose instance vanished returned to service (a pass in the middle of a resume is in
-test_scale_from_zero.py). The rehearsal's timers do not fire: the tests start the reconciler's unit themselves, as its
-timer would."""
+kept up, a node whose instance vanished returned to service, and a node that fails its health check replaced (a
+pass in the middle of a resume is in test_scale_from_zero.py). The rehearsal's timers do not fire: the tests start
+the reconciler's unit themselves, as its timer would."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ def node_state(cluster: LocalCluster, node: str) -> str:
     return cluster.run("sinfo", "--noheader", "-n", node, "--format=%t").strip()
 
 
-def test_always_on_node_is_powered_up_and_comes_back_after_its_instance_vanishes(cluster: LocalCluster) -> None:
+def test_always_on_node_comes_back_after_its_instance_vanishes_and_an_unhealthy_node_is_replaced(
+        cluster: LocalCluster) -> None:
     assert node_state(cluster, "always-1") == "idle~"  # a CLOUD node, powered down until the reconciler runs
     assert "always-on node(s) always-1 are off: powering them up" in cluster.reconcile()
     cluster.wait("always-1 to come up", lambda: node_state(cluster, "always-1") == "idle", 120)
@@ -32,3 +33,19 @@ def test_always_on_node_is_powered_up_and_comes_back_after_its_instance_vanishes
     cluster.wait("always-1 to be powered up", lambda: "powering them up" in cluster.reconcile(), 60)
     cluster.wait("always-1 to come back", lambda: node_state(cluster, "always-1") == "idle", 120)
     assert cluster.instances()["always-1"] != first
+
+    # A node whose GPU is gone (its nvidia-smi stand-in lists none): its boot's health check drains it, the Prolog's
+    # check requeues the job that was waiting for it (it never runs there), and the reconciler gives the node a fresh
+    # instance; the job runs on a healthy one.
+    cluster.gpu_faults["standby"] = "true"  # prints no GPU
+    job = cluster.run("sbatch", "--parsable", "-p", "standby", "--open-mode=append", "-o",
+                      str(cluster.root / "health-%j.out"), "--wrap", "echo ran with $(nvidia-smi | wc -l) GPU").strip()
+    cluster.wait("a node to fail its health check", lambda: "health: 0 of 1 GPUs" in cluster.run(
+        "sinfo", "--noheader", "-R", "--format=%E"), 120)
+    sick = cluster.run("sinfo", "--noheader", "-R", "--format=%N %E").split()[0]
+    sick_instance = cluster.instances()[sick]
+    cluster.gpu_faults.clear()
+    cluster.wait(f"{sick} to be replaced", lambda: "replace" in cluster.reconcile(), 120)
+    cluster.wait(f"job {job} to complete", lambda: cluster.job_state(job) == "COMPLETED", 240)
+    assert (cluster.root / f"health-{job}.out").read_text().splitlines() == ["ran with 1 GPU"]
+    assert sick_instance not in cluster.instances().values()
