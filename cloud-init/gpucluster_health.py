@@ -34,6 +34,9 @@ MIN_FREE_BYTES = 5 << 30  # below this on / (or the instance store) a job's cont
 # NVIDIA XIDs that mean the GPU needs a reset or a replacement (NVIDIA's XID catalogue: double-bit ECC, fallen off
 # the bus, uncontained ECC, GSP errors), as printed by the driver in the kernel log.
 FATAL_XIDS = {48, 63, 64, 74, 79, 94, 95, 119, 120}
+# Where the images put the tools: slurmd runs its HealthCheckProgram and Prolog with a bare PATH (/bin, /usr/bin...).
+TOOL_DIRS = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin", "/opt/amazon/efa/bin",
+             "/opt/aws/neuron/bin")
 
 
 def tool(*args: str, seconds: float | None = None) -> tuple[str | None, str]:
@@ -91,8 +94,13 @@ def efa(pool: PoolSettings) -> list[str]:
     return [] if found == pool.efa_interfaces else [f"{found} of {pool.efa_interfaces} EFA devices"]
 
 
+def mounted(path: str, mountinfo: str = "/proc/self/mountinfo") -> bool:
+    """A mount point (a bind mount too, which os.path.ismount misses on the same file system)."""
+    return any(line.split()[4] == path for line in Path(mountinfo).read_text().splitlines())
+
+
 def storage(shared: str = SHARED_DIR, disks: tuple[str, ...] = ("/", "/opt/dlami/nvme")) -> list[str]:
-    problems = [] if os.path.ismount(shared) else [f"{shared} is not mounted"]
+    problems = [] if mounted(shared) else [f"{shared} is not mounted"]
     for disk in disks:
         if os.path.isdir(disk) and shutil.disk_usage(disk).free < MIN_FREE_BYTES:
             problems.append(f"{disk} has {shutil.disk_usage(disk).free >> 30} GiB free")
@@ -121,6 +129,8 @@ def drain(node: str, problems: list[str], scontrol: str = "scontrol") -> None:
 
 
 def main(argv: list[str]) -> int:
+    path = os.environ.get("PATH", "").split(":")
+    os.environ["PATH"] = ":".join(path + [d for d in TOOL_DIRS if d not in path])
     mode = "boot" if argv[1:] == ["--boot"] else "prolog" if os.environ.get("SLURM_JOB_ID") else "periodic"
     settings = ClusterSettings.load()
     pool = settings.pools[read_env_file()["GPUCLUSTER_POOL"]]

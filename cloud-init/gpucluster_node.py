@@ -512,7 +512,8 @@ def classify(node: NodeView, now: float, retry_base: int) -> Status:
     flags = node.flags
     if "FUTURE" in flags:
         return Status.HEALTHY
-    if "DRAIN" in flags and "DOWN" not in flags and node.reason_user == SLURM_USER and \
+    # The interruptions service drains as slurm, a node's own health check as root.
+    if "DRAIN" in flags and "DOWN" not in flags and node.reason_user in (SLURM_USER, "root") and \
             node.reason.startswith(REPLACE_PREFIX):
         busy = flags & {"ALLOCATED", "MIXED", "COMPLETING"}
         return Status.DRAINING if busy and node.has_instance else Status.REPLACE

@@ -297,7 +297,9 @@ S = node.Status
     (view("MIXED+DRAIN+CLOUD", "gpucluster: replace: spot interruption warning", has_instance=True), S.DRAINING),
     (view("IDLE+DRAIN+CLOUD", "gpucluster: replace: spot interruption warning", has_instance=True), S.REPLACE),
     (view("ALLOCATED+DRAIN+CLOUD", "gpucluster: replace: spot interruption warning"), S.REPLACE),  # reclaimed
-    (view("IDLE+DRAIN+CLOUD", "gpucluster: replace: spot interruption warning", user="root", has_instance=True),
+    (view("IDLE+DRAIN+CLOUD", "gpucluster: replace: health: 7 of 8 GPUs", user="root", has_instance=True),
+     S.REPLACE),  # the node's own health check drains as root
+    (view("IDLE+DRAIN+CLOUD", "gpucluster: replace: spot interruption warning", user="alice", has_instance=True),
      S.HELD),
 ])
 def test_classify(case: node.NodeView, expected: node.Status) -> None:
