@@ -134,6 +134,18 @@ class HeadNode(pulumi.ComponentResource):
                                  instance_id=instance.id, stop_instance_before_detaching=True,
                                  opts=child(self, delete_before_replace=True))
         self.instance_id = instance.id
+        # A failed host (EC2's system status check): EC2 recovers the instance onto new hardware with the same id,
+        # interface, address and EBS volumes, so slurmctld comes back by its boot unit with the queue and accounting
+        # of its state volume. Compute nodes and their jobs go on meanwhile (SlurmdTimeout: 3 minutes).
+        aws.cloudwatch.MetricAlarm(
+            f"{name}-head-recover",
+            alarm_description=f"gpucluster {args.cluster_name}: recover the head node when its host fails",
+            namespace="AWS/EC2", metric_name="StatusCheckFailed_System", dimensions={"InstanceId": instance.id},
+            statistic="Maximum", period=60, evaluation_periods=2, threshold=1,
+            comparison_operator="GreaterThanOrEqualToThreshold",
+            alarm_actions=[f"arn:aws:automate:{args.region}:ec2:recover",
+                           *([args.alerts_topic_arn] if args.alerts_topic_arn is not None else [])],
+            opts=child(self))
         self.private_ip = interface.private_ip
 
         budget = None if guard is None else {

@@ -326,3 +326,13 @@ def test_each_role_holds_exactly_its_actions(shipped: Shipped) -> None:
             assert not managed[name], (name, managed[name])
         else:  # an image build role: Image Builder's documented pair, nothing inline
             assert suffix.endswith("-build") and managed[name] == IMAGE_BUILD_MANAGED and not inline[name], name
+
+
+def test_a_failed_host_brings_the_head_back_by_ec2_recovery(shipped: Shipped) -> None:
+    stack, declared = shipped
+    (alarm,) = [a for a in of_type(declared, "cloudwatch/metricAlarm:MetricAlarm") if a.name.endswith("-head-recover")]
+    (head,) = of_type(declared, "ec2/instance:Instance")
+    assert (alarm.inputs["namespace"], alarm.inputs["metricName"]) == ("AWS/EC2", "StatusCheckFailed_System")
+    assert alarm.inputs["dimensions"] == {"InstanceId": planned_id(head, stack.region)}
+    assert alarm.inputs["alarmActions"][0] == f"arn:aws:automate:{stack.region}:ec2:recover"
+    assert alarm.inputs["alarmActions"][1].startswith("arn:aws:sns:")  # and the team hears of it

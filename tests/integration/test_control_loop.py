@@ -1,9 +1,11 @@
 """The reconciler on the boot rehearsal's cluster (tests/local_cluster.py): always-on nodes powered up through Slurm and
-kept up, a node whose instance vanished returned to service, and a node that fails its health check replaced (a
-pass in the middle of a resume is in test_scale_from_zero.py). The rehearsal's timers do not fire: the tests start
-the reconciler's unit themselves, as its timer would."""
+kept up, a node whose instance vanished returned to service, a node that fails its health check replaced, and a job
+that outlives a restart of the controller (a pass in the middle of a resume is in test_scale_from_zero.py). The
+rehearsal's timers do not fire: the tests start the reconciler's unit themselves, as its timer would."""
 
 from __future__ import annotations
+
+import subprocess
 
 from local_cluster import LocalCluster
 
@@ -51,3 +53,19 @@ def test_always_on_node_comes_back_after_its_instance_vanishes_and_an_unhealthy_
                  lambda: cluster.reconcile() is not None and sick_instance not in cluster.instances().values(), 120)
     cluster.wait(f"job {job} to complete", lambda: cluster.job_state(job) == "COMPLETED", 240)
     assert (cluster.root / f"health-{job}.out").read_text().splitlines() == ["ran with 1 GPU"]
+
+    # The controller restarted under a running job (a recovered or replaced head, a changed stack): the job finishes.
+    job = cluster.run("sbatch", "--parsable", "-p", "standby", "-o", str(cluster.root / "restart-%j.out"), "--wrap",
+                      "sleep 15; echo finished").strip()
+    cluster.wait(f"job {job} to run", lambda: cluster.job_state(job) == "RUNNING", 180)
+    cluster.head.enter("systemctl", "restart", "slurmctld")
+    cluster.wait(f"job {job} to finish after the restart", lambda: state_if_answering(cluster, job) == "COMPLETED", 120)
+    assert (cluster.root / f"restart-{job}.out").read_text() == "finished\n"
+
+
+def state_if_answering(cluster: LocalCluster, job: str) -> str:
+    """The job's state, or "" while slurmctld does not answer yet."""
+    try:
+        return cluster.job_state(job)
+    except (subprocess.CalledProcessError, IndexError):
+        return ""
