@@ -32,5 +32,6 @@ test: $(VENV)/.installed system-packages
 bench: $(VENV)/.installed system-packages
 	$(PY) benchmarks/plan_speed.py
 	$(PY) benchmarks/resume_scale.py
+	$(PY) benchmarks/interruption.py
 	$(PY) benchmarks/submit_to_running.py
 	$(PY) benchmarks/boot.py
