@@ -6,6 +6,7 @@ rehearsal's timers do not fire: the tests start the reconciler's unit themselves
 from __future__ import annotations
 
 import subprocess
+import time
 
 from local_cluster import LocalCluster
 
@@ -61,6 +62,21 @@ def test_always_on_node_comes_back_after_its_instance_vanishes_and_an_unhealthy_
     cluster.head.enter("systemctl", "restart", "slurmctld")
     cluster.wait(f"job {job} to finish after the restart", lambda: state_if_answering(cluster, job) == "COMPLETED", 120)
     assert (cluster.root / f"restart-{job}.out").read_text() == "finished\n"
+
+    # A GPU tool that hangs after boot (a wedged driver): the Prolog kills it after its limit, drains the node and
+    # fails, so the job is requeued instead of waiting forever on the node (ParallelCluster #6777).
+    node = cluster.run("sacct", "-n", "-X", "-j", job, "--format=NodeList%40").strip()
+    rehearsal = cluster.nodes[cluster.instances()[node]]
+    rehearsal.path("/usr/local/bin/nvidia-smi").write_text("#!/bin/sh\nexec sleep 600\n")
+    submitted = time.monotonic()
+    job = cluster.run("sbatch", "--parsable", "-p", "standby", "-w", node, "-o", "/dev/null", "--wrap", "true").strip()
+    cluster.wait(f"{node} to be drained by its Prolog", lambda: "nvidia-smi did not answer in 10 s" in cluster.run(
+        "sinfo", "--noheader", "-R", "-n", node, "--format=%E"), 60)
+    assert time.monotonic() - submitted < 10 + 15  # the tool's limit, then Slurm's own round trips
+    job_record = cluster.run("scontrol", "show", "job", job)
+    assert "JobState=PENDING" in job_record and "Restarts=1" in job_record, job_record  # requeued by the Prolog
+    assert "sleep 600" not in rehearsal.enter("ps", "-eo", "args").stdout  # the hung tool was killed with its session
+    cluster.run("scancel", job)
 
 
 def state_if_answering(cluster: LocalCluster, job: str) -> str:
