@@ -73,6 +73,25 @@ SLURMCTLD_PORT = 6817
 SLURMD_PORT = 6818
 SLURMDBD_PORT = 6819
 
+# --- monitoring: exporters on every node; Prometheus, Alertmanager and Grafana on the head ----------------------------
+NODE_EXPORTER_PORT = 9100  # every node, on its private address (never 0.0.0.0: nothing else needs to reach it)
+DCGM_EXPORTER_PORT = 9400  # NVIDIA nodes (dcgm-exporter's default port)
+NEURON_EXPORTER_PORT = 9500  # Trainium nodes: neuron-monitor's Prometheus output
+PROMETHEUS_PORT = 9090  # the head, on 127.0.0.1: Grafana and Alertmanager are its only clients
+ALERTMANAGER_PORT = 9093  # the head, on 127.0.0.1
+GRAFANA_PORT = 3000  # the head, on 127.0.0.1: reached through a Session Manager port forward only
+MONITORING_FILES = ("prometheus/prometheus.yml", "prometheus/rules.yml")  # in the bundle and in `render --out`
+DASHBOARDS_DIR = "grafana/dashboards"  # in the bundle and in `render --out`
+# file_sd target lists the head's node-name publisher keeps (gpucluster_hosts.py): one file per exporter kind.
+SCRAPE_TARGETS_DIR = f"{STATE_DIR}/scrape-targets"
+PROMETHEUS_DATA_DIR = f"{STATE_DIR}/prometheus"  # on the state volume: a replaced head keeps its history
+# node_exporter's textfile collector (Debian's and Ubuntu's default directory): the Slurm, budget, EFA and Lustre
+# figures our programs write as *.prom files.
+TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"
+# dcgm-exporter's HPC job mapping: one file per GPU index holding the ids of the jobs on it (the Prolog writes, the
+# Epilog removes); dcgm-exporter adds them to that GPU's series as the label `hpc_job`.
+GPU_JOB_MAP_DIR = "/run/gpucluster/gpu-jobs"
+
 # --- programs --------------------------------------------------------------------------------------------------------
 NODE_PROGRAM = "gpucluster_node.py"
 NODE_COMMANDS = ("resume", "suspend", "resume-fail", "reconcile", "interruptions")  # links to NODE_PROGRAM in BIN_DIR

@@ -1,0 +1,171 @@
+"""Prometheus on the head node: what it scrapes, how long it keeps it, and the rules that alert.
+
+Rendered from the stack alone, so `gpucluster render STACK --out DIR` writes byte for byte what the head gets in its
+bundle. Targets come from file_sd lists that the head's node-name publisher keeps (gpucluster_hosts.py): a node is
+scraped from the moment it registers with Slurm until it is powered down, with its Slurm name, pool, team and cluster as
+labels. Every metric a rule or a dashboard names is listed in `EXPORTED`, by the exporter we ship that produces it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import yaml
+
+from gpucluster import cost, monitoring, settings
+from gpucluster.spec import Stack
+
+SCRAPE_SECONDS = 30  # dcgm-exporter samples every 30 s by default: scraping faster would only repeat its figures
+RETENTION_DAYS = 62  # the cost board's "this month" and the month before it
+# The share of the head's state volume Prometheus may fill (slurmctld's state and MariaDB live there too).
+RETENTION_SHARE = 0.4
+PROMETHEUS_CONFIG = f"{settings.BUNDLE_DIR}/{settings.MONITORING_FILES[0]}"
+
+# The counters our dcgm-exporter collects (its -f file, in the bundle): name, Prometheus type, help.
+DCGM_COUNTERS = (
+    ("DCGM_FI_DEV_GPU_UTIL", "gauge", "GPU utilization (in %)."),
+    ("DCGM_FI_DEV_MEM_COPY_UTIL", "gauge", "Memory utilization (in %)."),
+    ("DCGM_FI_DEV_FB_USED", "gauge", "Framebuffer memory used (in MiB)."),
+    ("DCGM_FI_DEV_FB_FREE", "gauge", "Framebuffer memory free (in MiB)."),
+    ("DCGM_FI_DEV_POWER_USAGE", "gauge", "Power draw (in W)."),
+    ("DCGM_FI_DEV_GPU_TEMP", "gauge", "GPU temperature (in C)."),
+    ("DCGM_FI_DEV_SM_CLOCK", "gauge", "SM clock frequency (in MHz)."),
+    ("DCGM_FI_DEV_XID_ERRORS", "gauge", "Value of the last XID error encountered."),
+    ("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "gauge", "Ratio of cycles the tensor (HMMA) pipe is active."),
+)
+# Labels dcgm-exporter sets on every series, whatever scrapes it (Slurm here, Kubernetes elsewhere).
+DCGM_LABELS = ("gpu", "UUID", "device", "modelName", "Hostname")
+
+# Every metric a rule or a panel may name, by the exporter that produces it.
+EXPORTED: dict[str, frozenset[str]] = {
+    "dcgm-exporter": frozenset(name for name, _, _ in DCGM_COUNTERS),
+    "node_exporter": frozenset({
+        "node_cpu_seconds_total", "node_memory_MemAvailable_bytes", "node_memory_MemTotal_bytes",
+        "node_filesystem_avail_bytes", "node_filesystem_size_bytes", "node_network_receive_bytes_total",
+        "node_network_transmit_bytes_total", "node_load1", "up"}),
+    # gpucluster_metrics.py on the compute nodes (EFA's hardware counters, the Lustre client's byte counts) and on the
+    # head (Slurm's queue and nodes, the GPU-hour quota, the budget, the pools' prices).
+    "gpucluster_metrics": frozenset({
+        "gpucluster_efa_rx_bytes_total", "gpucluster_efa_tx_bytes_total", "gpucluster_lustre_read_bytes_total",
+        "gpucluster_lustre_write_bytes_total", "gpucluster_slurm_node_state", "gpucluster_slurm_jobs",
+        "gpucluster_gpu_hours_used", "gpucluster_gpu_hours_quota", "gpucluster_pool_gpu_hour_usd",
+        "gpucluster_budget_limit_usd", "gpucluster_budget_actual_usd", "gpucluster_budget_forecast_usd"}),
+    # neuron-monitor's Prometheus output (neuron-monitor-prometheus.py) on Trainium nodes.
+    "neuron-monitor": frozenset({"neuroncore_utilization_ratio", "neuron_runtime_memory_used_bytes"}),
+}
+
+
+@dataclass(frozen=True)
+class ScrapeJob:
+    name: str  # Prometheus's job label
+    targets_file: str  # the file_sd list, under SCRAPE_TARGETS_DIR
+    port: int
+
+
+SCRAPE_JOBS = (
+    ScrapeJob("node", "node.json", settings.NODE_EXPORTER_PORT),  # every node, the head too
+    ScrapeJob("dcgm", "dcgm.json", settings.DCGM_EXPORTER_PORT),  # nodes of NVIDIA pools
+    ScrapeJob("neuron", "neuron.json", settings.NEURON_EXPORTER_PORT),  # nodes of Trainium pools
+)
+
+
+def scrape_job_for(accelerator: str) -> ScrapeJob | None:
+    """The accelerator exporter's job for a pool's accelerator kind (settings.PoolSettings.accelerator)."""
+    return {"nvidia": SCRAPE_JOBS[1], "neuron": SCRAPE_JOBS[2]}.get(accelerator)
+
+
+def retention_bytes() -> int:
+    return int(cost.HEAD_STATE_GIB * RETENTION_SHARE) << 30
+
+
+def prometheus_args() -> str:
+    """/etc/default/prometheus on the head (the packaged unit runs `prometheus $ARGS`)."""
+    flags = [f"--config.file={PROMETHEUS_CONFIG}", f"--storage.tsdb.path={settings.PROMETHEUS_DATA_DIR}",
+             f"--storage.tsdb.retention.time={RETENTION_DAYS}d",
+             f"--storage.tsdb.retention.size={retention_bytes() >> 30}GB",
+             f"--web.listen-address=127.0.0.1:{settings.PROMETHEUS_PORT}"]
+    return f'ARGS="{" ".join(flags)}"\n'
+
+
+def config(stack: Stack) -> str:
+    """prometheus.yml."""
+    doc = {
+        "global": {"scrape_interval": f"{SCRAPE_SECONDS}s", "evaluation_interval": f"{SCRAPE_SECONDS}s",
+                   "external_labels": {"cluster": stack.cluster_name, "team": stack.spec.team}},
+        # Beside this file: Prometheus reads a relative path from the configuration file's directory.
+        "rule_files": [settings.MONITORING_FILES[1].rsplit("/", 1)[1]],
+        "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{settings.ALERTMANAGER_PORT}"]}]}]},
+        "scrape_configs": [{"job_name": "prometheus",
+                            "static_configs": [{"targets": [f"127.0.0.1:{settings.PROMETHEUS_PORT}"]}]}] + [
+            # A list file that is missing or empty is no target, not an error: a cluster at zero has none.
+            {"job_name": job.name,
+             "file_sd_configs": [{"files": [f"{settings.SCRAPE_TARGETS_DIR}/{job.targets_file}"],
+                                  "refresh_interval": "1m"}]}
+            for job in SCRAPE_JOBS],
+    }
+    return "# Rendered by gpucluster for stack {}: Prometheus on the head node.\n".format(stack.name) + \
+        yaml.safe_dump(doc, sort_keys=False, default_flow_style=False)
+
+
+def gpu_idle_expr(comparison: str = "<") -> str:
+    """The seed's alert, on what dcgm-exporter always sets (so the same expression serves Kubernetes). `< bool` gives
+    1 for an idle GPU and 0 for a busy one instead of filtering."""
+    return (f'avg_over_time(DCGM_FI_DEV_GPU_UTIL{{UUID!=""}}[{monitoring.IDLE_MINUTES}m]) '
+            f'{comparison} {monitoring.IDLE_PERCENT}')
+
+
+QUOTA_WARN_SHARE = 0.9
+
+RECORDING_RULES = (
+    # 1 for a GPU idle by the alert's measure, 0 for a busy one: its sum over a range is idle samples, hence hours.
+    ("gpucluster:gpu_idle", gpu_idle_expr("< bool")),
+    ("gpucluster:gpu_hours_used:ratio", "gpucluster_gpu_hours_used / gpucluster_gpu_hours_quota"),
+)
+
+
+def alert_rules() -> list[dict[str, object]]:
+    minutes = monitoring.IDLE_MINUTES
+    return [
+        {"alert": "GpuIdle", "expr": gpu_idle_expr(), "labels": {"severity": "warning"},
+         "annotations": {
+             "summary": f"GPU {{{{ $labels.gpu }}}} of {{{{ $labels.node }}}} ({{{{ $labels.pool }}}}) under "
+                        f"{monitoring.IDLE_PERCENT}% for {minutes} minutes",
+             "description": "Average utilisation {{ $value | printf \"%.0f\" }}% over " f"{minutes} minutes; "
+                            "Slurm job {{ $labels.hpc_job }}. An idle GPU still costs its hour."}},
+        {"alert": "GpuXidError", "expr": 'DCGM_FI_DEV_XID_ERRORS{UUID!=""} > 0', "labels": {"severity": "critical"},
+         "annotations": {"summary": "GPU {{ $labels.gpu }} of {{ $labels.node }} reported XID {{ $value }}",
+                         "description": "The health check drains a node whose XID needs a reset (see `sinfo -R`)."}},
+        {"alert": "GpuHourQuotaNearlySpent", "expr": f"gpucluster:gpu_hours_used:ratio >= {QUOTA_WARN_SHARE}",
+         "labels": {"severity": "warning"},
+         "annotations": {"summary": "{{ $value | humanizePercentage }} of the team's monthly GPU-hours are spent",
+                         "description": "Slurm holds new jobs of the team's account once the quota is spent."}},
+        {"alert": "NodeDown", "expr": 'gpucluster_slurm_node_state{state="down"} == 1', "for": "10m",
+         "labels": {"severity": "warning"},
+         "annotations": {"summary": "Slurm node {{ $labels.node }} ({{ $labels.pool }}) DOWN for 10 minutes",
+                         "description": "`sinfo -R -n {{ $labels.node }}` says why."}},
+        {"alert": "NodeExporterDown", "expr": 'up{job="node"} == 0', "for": "5m", "labels": {"severity": "warning"},
+         "annotations": {"summary": "{{ $labels.node }} registered with Slurm but its metrics do not answer"}},
+    ]
+
+
+def rules(stack: Stack) -> str:
+    """rules.yml: recording rules for the dashboards, then the alerts."""
+    doc = {"groups": [
+        {"name": "gpucluster-records", "rules": [{"record": name, "expr": expr} for name, expr in RECORDING_RULES]},
+        {"name": "gpucluster-alerts", "rules": alert_rules()},
+    ]}
+    return "# Rendered by gpucluster for stack {}: recording rules and alerts.\n".format(stack.name) + \
+        yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, width=1000)
+
+
+def dcgm_counters() -> str:
+    """dcgm-exporter's counters file (its -f): exactly the metrics the rules and dashboards use."""
+    return "# Rendered by gpucluster: the DCGM fields dcgm-exporter collects.\n" + "".join(
+        f"{name}, {kind}, {help_text}\n" for name, kind, help_text in DCGM_COUNTERS)
+
+
+def files(stack: Stack) -> dict[str, str]:
+    """Path (as in the bundle and `render --out`) -> content."""
+    config_path, rules_path = settings.MONITORING_FILES
+    return {config_path: config(stack), rules_path: rules(stack), "prometheus/prometheus.env": prometheus_args(),
+            "dcgm-exporter/counters.csv": dcgm_counters()}
