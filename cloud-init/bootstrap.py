@@ -27,7 +27,7 @@ from gpucluster import lockdown  # noqa: E402
 from gpucluster import settings as contract  # noqa: E402
 from gpucluster.hostlist import compress_hostlist, expand_hostlist  # noqa: E402
 from gpucluster.scontrol import node_records, state_flags  # noqa: E402
-from gpucluster.settings import ClusterSettings, read_env_file  # noqa: E402
+from gpucluster.settings import ClusterSettings, PoolSettings, read_env_file  # noqa: E402
 
 BUNDLE = Path(contract.BUNDLE_DIR)
 STATE = Path(contract.STATE_DIR)
@@ -353,6 +353,7 @@ def head(s: ClusterSettings) -> None:
     os.chmod("/fsx", 0o1777)  # like /tmp: every user may submit from and write into /fsx, only owners delete
     node_names()
     start("gpucluster-hosts.service")
+    head_monitoring(s)
     shutil.copytree(BUNDLE / "examples", "/fsx/examples", dirs_exist_ok=True)
 
 
@@ -530,6 +531,112 @@ def gpu_metrics(pool: str, region: str, systemd: Path = SYSTEMD) -> str | None:
     return "gpucluster-neuron-metrics.service"
 
 
+# --- monitoring --------------------------------------------------------------------------------------------------------
+
+METRICS_UNIT = "gpucluster-metrics.service"
+
+
+def node_exporter(s: ClusterSettings, node: str, address: str) -> None:
+    """node_exporter on this node's private address only, with the textfile collector our figures go through."""
+    Path(contract.TEXTFILE_DIR).mkdir(parents=True, exist_ok=True)
+    port = s.exporter_port(contract.SCRAPE_JOBS[0], node)
+    Path("/etc/default/prometheus-node-exporter").write_text(
+        f'ARGS="--web.listen-address={address}:{port} --collector.textfile.directory={contract.TEXTFILE_DIR}"\n')
+    start("prometheus-node-exporter")
+
+
+def metrics_writer(role: str, systemd: Path = SYSTEMD) -> None:
+    """gpucluster_metrics.py: Slurm, quota and prices on the head; EFA and Lustre bytes on compute nodes."""
+    (systemd / METRICS_UNIT).write_text(unit(
+        "gpucluster: Slurm, EFA and Lustre figures for node_exporter", "Service",
+        [f"ExecStart=/usr/bin/python3 {BUNDLE}/gpucluster_metrics.py {role}", "Restart=always", "RestartSec=10"],
+        ordered_after="slurmctld.service"))
+    start(METRICS_UNIT)
+
+
+def alertmanager_config(s: ClusterSettings) -> str:
+    """Every alert to the stack's topic (the budget's subscribers), grouped per alert and pool, repeated every 4 h
+    while it fires. SNS with the instance role's credentials (SigV4), JSON being YAML."""
+    receiver = {"name": "stack-topic", "sns_configs": [{
+        "topic_arn": s.alerts_topic_arn, "sigv4": {"region": s.region}, "send_resolved": True,
+        "subject": "[{{ .Status | toUpper }}] {{ .CommonLabels.alertname }} on " + s.cluster,
+        "message": "{{ range .Alerts }}{{ .Annotations.summary }}\n{{ end }}"}]} if s.alerts_topic_arn else {
+        "name": "stack-topic"}
+    return json.dumps({"route": {"receiver": "stack-topic", "group_by": ["alertname", "pool"], "group_wait": "30s",
+                                 "group_interval": "5m", "repeat_interval": "4h"},
+                       "receivers": [receiver]}, indent=1) + "\n"
+
+
+def grafana(systemd: Path = SYSTEMD, provisioning: Path = Path("/etc/grafana/provisioning")) -> str | None:
+    """Grafana on 127.0.0.1 (a Session Manager port forward reaches it), viewers without a login, our dashboards and
+    Prometheus provisioned. Returns its unit, None where the image has no Grafana (the rehearsal's: Debian has none)."""
+    if not Path("/usr/share/grafana").is_dir():
+        log.warning("no Grafana in this image: dashboards only through Prometheus")
+        return None
+    (provisioning / "datasources").mkdir(parents=True, exist_ok=True)
+    (provisioning / "dashboards").mkdir(parents=True, exist_ok=True)
+    (provisioning / "datasources" / "gpucluster.yaml").write_text(json.dumps({"apiVersion": 1, "datasources": [{
+        "name": "Prometheus", "type": "prometheus", "uid": contract.GRAFANA_DATASOURCE_UID, "access": "proxy",
+        "url": f"http://127.0.0.1:{contract.PROMETHEUS_PORT}", "isDefault": True, "editable": False}]}, indent=1))
+    (provisioning / "dashboards" / "gpucluster.yaml").write_text(json.dumps({"apiVersion": 1, "providers": [{
+        "name": "gpucluster", "type": "file", "disableDeletion": True, "allowUiUpdates": False,
+        "options": {"path": str(BUNDLE / contract.DASHBOARDS_DIR)}}]}, indent=1))
+    password = Path(contract.ETC_DIR) / "grafana-admin-password"  # the admins' (sudo cat); never in user data
+    if not password.exists():
+        password.write_text(hashlib.sha256(os.urandom(32)).hexdigest()[:32])
+    password.chmod(0o640)
+    shutil.chown(password, "root", "grafana")
+    drop_in("grafana-server.service", "[Service]\n" + "".join(f"Environment={k}={v}\n" for k, v in {
+        "GF_SERVER_HTTP_ADDR": "127.0.0.1", "GF_SERVER_HTTP_PORT": contract.GRAFANA_PORT,
+        "GF_AUTH_ANONYMOUS_ENABLED": "true", "GF_AUTH_ANONYMOUS_ORG_ROLE": "Viewer", "GF_USERS_ALLOW_SIGN_UP": "false",
+        "GF_ANALYTICS_REPORTING_ENABLED": "false", "GF_ANALYTICS_CHECK_FOR_UPDATES": "false",
+        "GF_SECURITY_ADMIN_PASSWORD__FILE": password}.items()), systemd)
+    return "grafana-server"
+
+
+def head_monitoring(s: ClusterSettings) -> None:
+    """Prometheus (history on the state volume), Alertmanager to the stack's topic, Grafana; node_exporter and the
+    Slurm figures of the head itself. Prometheus finds the nodes in the lists gpucluster-hosts keeps."""
+    node_exporter(s, contract.HEAD_HOSTNAME, s.head_address)
+    metrics_writer("head")
+    for directory in (contract.SCRAPE_TARGETS_DIR, contract.PROMETHEUS_DATA_DIR):
+        Path(directory).mkdir(parents=True, exist_ok=True)
+    shutil.chown(contract.PROMETHEUS_DATA_DIR, "prometheus", "prometheus")
+    shutil.copyfile(BUNDLE / "prometheus" / "prometheus.env", "/etc/default/prometheus")
+    drop_in("prometheus.service", ON_STATE_VOLUME)
+    Path("/etc/prometheus").mkdir(exist_ok=True)
+    Path("/etc/prometheus/alertmanager.yml").write_text(alertmanager_config(s))
+    # No cluster gossip (it listens on every address by default): one Alertmanager.
+    Path("/etc/default/prometheus-alertmanager").write_text(
+        f'ARGS="--config.file=/etc/prometheus/alertmanager.yml --cluster.listen-address= '
+        f'--web.listen-address=127.0.0.1:{contract.ALERTMANAGER_PORT}"\n')
+    start("prometheus", "prometheus-alertmanager", *filter(None, [grafana()]))
+
+
+def gpu_exporter(s: ClusterSettings, pool: PoolSettings, node: str, address: str, systemd: Path = SYSTEMD) -> str | None:
+    """dcgm-exporter (the image's container) on NVIDIA nodes, with the Prolog's GPU-to-job files; neuron-monitor's
+    Prometheus output on Trainium nodes. Returns the unit to start."""
+    job = next((j for j in contract.SCRAPE_JOBS if j.accelerator and j.accelerator == pool.accelerator), None)
+    if job is None:
+        return None
+    port = s.exporter_port(job, node)
+    if pool.accelerator == "nvidia":
+        Path(contract.GPU_JOB_MAP_DIR).mkdir(parents=True, exist_ok=True)
+        counters = BUNDLE / "dcgm-exporter" / "counters.csv"
+        command = (f"docker run --rm --name gpucluster-dcgm-exporter --gpus all --cap-add SYS_ADMIN --network host "
+                   f"-v {contract.GPU_JOB_MAP_DIR}:{contract.GPU_JOB_MAP_DIR}:ro -v {counters}:{counters}:ro "
+                   f"-e DCGM_EXPORTER_LISTEN={address}:{port} -e DCGM_EXPORTER_COLLECTORS={counters} "
+                   f"-e DCGM_HPC_JOB_MAPPING_DIR={contract.GPU_JOB_MAP_DIR} {contract.DCGM_EXPORTER_IMAGE}")
+        body = [f"ExecStart={command}", "ExecStop=docker stop gpucluster-dcgm-exporter"]
+    else:
+        neuron = "/opt/aws/neuron/bin"
+        body = [f'ExecStart=/bin/sh -c "{neuron}/neuron-monitor | {neuron}/neuron-monitor-prometheus.py --port {port}"']
+    (systemd / "gpucluster-gpu-exporter.service").write_text(unit(
+        f"gpucluster: {pool.accelerator} metrics for Prometheus", "Service", body + ["Restart=always", "RestartSec=10"],
+        ordered_after="docker.service"))
+    return "gpucluster-gpu-exporter.service"
+
+
 def set_hostname(name: str) -> None:
     """The Slurm node name, kept across reboots (user data sets preserve_hostname)."""
     Path("/etc/hostname").write_text(name + "\n")
@@ -553,6 +660,12 @@ def compute(s: ClusterSettings, env: dict[str, str]) -> None:
     metrics = gpu_metrics(pool.name, s.region)
     if metrics:
         start(metrics)
+    address = imds("meta-data/local-ipv4")
+    node_exporter(s, name, address)
+    metrics_writer("compute")
+    exporter = gpu_exporter(s, pool, name, address)
+    if exporter:
+        start(exporter)
     # Configless: slurm.conf, gres.conf, cgroup.conf and plugstack.conf come from the controller.
     Path("/etc/default/slurmd").write_text(
         f'SLURMD_OPTIONS="--conf-server {contract.HEAD_HOSTNAME}:{s.slurmctld_port} -N {name}"\n')

@@ -29,9 +29,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from gpucluster_metrics import family, sample, write
 from gpucluster_node import REASON_PREFIX, Slurm, always_on_nodes, setup_logging
 from gpucluster.scontrol import job_records, parse_oneliner  # noqa: E402  (the bundle's lib/, on the path since gpucluster_node)
-from gpucluster.settings import BudgetSettings, ClusterSettings  # the bundle's lib/, on the path since gpucluster_node
+from gpucluster.settings import TEXTFILE_DIR, BudgetSettings, ClusterSettings  # the bundle's lib/, on the path since gpucluster_node
 
 BUDGET_PREFIX = f"{REASON_PREFIX} budget"
 # How the resume program marks nodes it could not launch while the Budgets action's deny was on the head node's role.
@@ -72,6 +73,7 @@ class Spend:
     actual: float
     limit: float
     act_at: float
+    forecast: float | None = None  # AWS forecasts a month's spend once it has some history
 
     @property
     def over(self) -> bool:
@@ -80,6 +82,15 @@ class Spend:
     def describe(self, team: str) -> str:
         return (f"team {team} spent ${self.actual:,.2f} of its ${self.limit:,.2f} monthly budget "
                 f"(the guardrail acts at ${self.act_at:,.2f})")
+
+
+def publish_spend(spend: Spend, directory: Path) -> None:
+    """The budget for the cost board, through node_exporter's textfile collector."""
+    figures = [("limit", spend.limit, "The team's monthly budget"), ("actual", spend.actual, "Spend this month"),
+               ("forecast", spend.forecast, "AWS's forecast of this month's spend")]
+    write("".join(family(f"gpucluster_budget_{name}_usd", "gauge", f"{text} (AWS Budgets).",
+                         [sample(f"gpucluster_budget_{name}_usd", value)])
+                  for name, value, text in figures if value is not None), directory, "gpucluster-budget.prom")
 
 
 def month(now: float) -> str:
@@ -124,9 +135,11 @@ def _idle_and_up(state: str) -> bool:
 
 
 class Guardrail:
-    def __init__(self, config: ClusterSettings, guard: BudgetSettings, slurm: SlurmQueue, budgets, sns, team: str):  # type: ignore[no-untyped-def]
+    def __init__(self, config: ClusterSettings, guard: BudgetSettings, slurm: SlurmQueue, budgets, sns, team: str,  # type: ignore[no-untyped-def]
+                 metrics_dir: Path | None = None):
         self.config, self.guard, self.slurm, self.budgets, self.sns, self.team = config, guard, slurm, budgets, sns, team
         self.state_path = Path(config.budget_state_file)
+        self.metrics_dir = metrics_dir  # where the spend goes for Prometheus (None: nowhere)
 
     @contextmanager
     def _state(self) -> Iterator[State]:
@@ -141,8 +154,14 @@ class Guardrail:
     def spend(self) -> Spend:
         budget = self.budgets.describe_budget(AccountId=self.guard.account_id, BudgetName=self.guard.budget_name)["Budget"]
         limit = float(budget["BudgetLimit"]["Amount"])
-        actual = float(budget.get("CalculatedSpend", {}).get("ActualSpend", {}).get("Amount", 0))
-        return Spend(actual=actual, limit=limit, act_at=limit * self.guard.act_threshold_percent / 100)
+        calculated = budget.get("CalculatedSpend", {})
+        actual = float(calculated.get("ActualSpend", {}).get("Amount", 0))
+        forecast = calculated.get("ForecastedSpend", {}).get("Amount")
+        spend = Spend(actual=actual, limit=limit, act_at=limit * self.guard.act_threshold_percent / 100,
+                      forecast=float(forecast) if forecast is not None else None)
+        if self.metrics_dir:
+            publish_spend(spend, self.metrics_dir)
+        return spend
 
     def check(self, now: float | None = None) -> str:
         """Read the budget and act on it. Returns what it did: closed, reopened, held-open, closed-still or open."""
@@ -309,7 +328,8 @@ def main(argv: list[str]) -> int:
         print("this cluster has no budget guardrail (budget.act_threshold_percent is null)", file=sys.stderr)
         return 2
     budgets, sns, sqs = clients(config)
-    guardrail = Guardrail(config, config.budget, SlurmQueue(config.scontrol), budgets, sns, config.team)
+    guardrail = Guardrail(config, config.budget, SlurmQueue(config.scontrol), budgets, sns, config.team,
+                          Path(TEXTFILE_DIR))
     who = os.environ.get("SUDO_USER") or os.environ.get("USER") or "root"
     try:
         if command == "run":

@@ -1,7 +1,8 @@
 #!/usr/bin/python3
 """A compute node's health: the accelerators its pool has, no fatal GPU error, its EFA devices, /fsx, local disk.
 
-Run as root by slurmd: as Slurm's HealthCheckProgram (every HealthCheckInterval) and as its Prolog before every job
+Run as root by slurmd: as Slurm's HealthCheckProgram (every HealthCheckInterval), as its Epilog (which only takes the
+job's labels off its GPUs for dcgm-exporter) and as its Prolog before every job
 (Slurm gives a prolog SLURM_JOB_ID), where only the fast checks run, each tool has TOOL_SECONDS (a hung nvidia-smi can
 never hang a job's start: ParallelCluster #6777), and a healthy node goes on to the node names (HOSTS_PROGRAM). The bootstrap runs it with `--boot` before slurmd starts, adding a short
 DCGM diagnostic where DCGM is installed. A node that fails is drained with the reason `gpucluster: replace: health:
@@ -24,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
 from gpucluster.settings import (  # noqa: E402
-    HOSTS_PROGRAM, NODE_NAME_FILE, REPLACE_REASON, SHARED_DIR, SLURM_CLIENT_CONF, ClusterSettings, PoolSettings,
+    GPU_JOB_MAP_DIR, HOSTS_PROGRAM, NODE_NAME_FILE, REPLACE_REASON, SHARED_DIR, SLURM_CLIENT_CONF, ClusterSettings, PoolSettings,
     read_env_file,
 )
 
@@ -128,9 +129,30 @@ def drain(node: str, problems: list[str], scontrol: str = "scontrol") -> None:
                    capture_output=True)
 
 
+def label_gpus(job: str, gpus: str, epilog: bool, mapping: Path = Path(GPU_JOB_MAP_DIR)) -> None:
+    """dcgm-exporter's HPC job mapping: a file per GPU index (SLURM_JOB_GPUS, as Slurm gives the Prolog and Epilog)
+    naming the jobs on it, so that the GPU's series carry `hpc_job`. The Epilog takes the job off again."""
+    for index in filter(None, gpus.split(",")):
+        entry = mapping / index
+        jobs = [j for j in (entry.read_text().split() if entry.exists() else []) if j != job]
+        if not epilog:
+            jobs.append(job)
+        mapping.mkdir(parents=True, exist_ok=True)
+        if jobs:
+            temporary = mapping / f".{index}.tmp"
+            temporary.write_text("".join(f"{j}\n" for j in jobs))
+            temporary.chmod(0o644)
+            os.replace(temporary, entry)
+        else:
+            entry.unlink(missing_ok=True)
+
+
 def main(argv: list[str]) -> int:
     path = os.environ.get("PATH", "").split(":")
     os.environ["PATH"] = ":".join(path + [d for d in TOOL_DIRS if d not in path])
+    if os.environ.get("SLURM_SCRIPT_CONTEXT") == "epilog_slurmd":  # as Slurm's Epilog: no check after a job
+        label_gpus(os.environ.get("SLURM_JOB_ID", ""), os.environ.get("SLURM_JOB_GPUS", ""), epilog=True)
+        return 0
     mode = "boot" if argv[1:] == ["--boot"] else "prolog" if os.environ.get("SLURM_JOB_ID") else "periodic"
     settings = ClusterSettings.load()
     pool = settings.pools[read_env_file()["GPUCLUSTER_POOL"]]
@@ -143,6 +165,7 @@ def main(argv: list[str]) -> int:
         drain(node, problems)
         return 1 if mode == "prolog" else 0
     if mode == "prolog":
+        label_gpus(os.environ["SLURM_JOB_ID"], os.environ.get("SLURM_JOB_GPUS", ""), epilog=False)
         os.execv(HOSTS_PROGRAM, [HOSTS_PROGRAM])
     return 0
 

@@ -4,7 +4,8 @@
 Slurm knows each node's address once the node registers (Slurm 23.11 takes it from the registration). Two modes:
 - `gpucluster_hosts.py publish` (the head's gpucluster-hosts.service, every PUBLISH_SECONDS): the names and addresses
   of the registered nodes into a hosts file on the shared file system, written by rename, and into the head's own
-  /etc/hosts. A node powered down leaves both, so its name stops resolving.
+  /etc/hosts; and Prometheus' target lists (settings.SCRAPE_JOBS), each node labelled with its name, pool, team and
+  cluster. A node powered down leaves them all, so its name stops resolving and Prometheus stops scraping it.
 - no argument (Slurm's Prolog on the compute nodes, as root, with PrologFlags=Alloc: on every node of a job before the
   job starts): the shared file into this node's /etc/hosts, waiting until every node of the job is in it, so a job
   script's `$(hostname)` rendezvous or `scontrol show hostnames` idiom resolves from its first line.
@@ -14,6 +15,7 @@ it scales with the cluster, and a replaced head rebuilds the file from Slurm. St
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -25,7 +27,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
 from gpucluster.hostlist import compress_hostlist, expand_hostlist  # noqa: E402
 from gpucluster.scontrol import node_records, state_flags  # noqa: E402
-from gpucluster.settings import NODE_HOSTS_FILE  # noqa: E402
+from gpucluster.settings import (  # noqa: E402
+    HEAD_HOSTNAME, NODE_HOSTS_FILE, SCRAPE_JOBS, SCRAPE_TARGETS_DIR, ClusterSettings,
+)
 
 BEGIN, END = "# gpucluster nodes: begin (written by gpucluster_hosts.py)", "# gpucluster nodes: end"
 PUBLISH_SECONDS = 2.0
@@ -84,24 +88,48 @@ def scontrol_nodes() -> str:
                           timeout=SCONTROL_TIMEOUT).stdout
 
 
-def publish_once(shared: Path, hosts: Path, nodes: str) -> dict[str, str]:
+def scrape_targets(entries: dict[str, str], settings: ClusterSettings) -> dict[str, str]:
+    """file_sd list name -> its JSON: every registered node (and the head) for node_exporter, the nodes of NVIDIA or
+    Neuron pools for their accelerator's exporter."""
+    nodes = {HEAD_HOSTNAME: settings.head_address} if settings.head_address else {}
+    nodes |= entries
+    lists = {}
+    for job in SCRAPE_JOBS:
+        targets = []
+        for name, address in sorted(nodes.items()):
+            pool = settings.pool_of(name)
+            if job.accelerator and not (pool and settings.pools[pool].accelerator == job.accelerator):
+                continue
+            labels = {"node": name, "cluster": settings.cluster, "team": settings.team} | ({"pool": pool} if pool else {})
+            targets.append({"targets": [f"{address}:{settings.exporter_port(job, name)}"], "labels": labels})
+        lists[job.targets_file] = json.dumps(targets, indent=1, sort_keys=True) + "\n"
+    return lists
+
+
+def publish_once(shared: Path, hosts: Path, nodes: str, settings: ClusterSettings | None = None,
+                 targets: Path = Path(SCRAPE_TARGETS_DIR)) -> dict[str, str]:
     entries = registered(nodes)
     shared.parent.mkdir(parents=True, exist_ok=True)
     if not shared.exists() or shared.read_text() != render(entries):
         write_atomically(shared, render(entries))
     update_hosts(entries, hosts)
+    if settings is not None:
+        targets.mkdir(parents=True, exist_ok=True)
+        for name, text in scrape_targets(entries, settings).items():
+            if not (targets / name).exists() or (targets / name).read_text() != text:
+                write_atomically(targets / name, text)
     return entries
 
 
 def publish(shared: Path = Path(NODE_HOSTS_FILE), hosts: Path = Path("/etc/hosts")) -> None:
     known: dict[str, str] = {}
     while True:
-        try:
-            entries = publish_once(shared, hosts, scontrol_nodes())
+        try:  # the settings anew each round: a later `pulumi up` may add pools
+            entries = publish_once(shared, hosts, scontrol_nodes(), ClusterSettings.load())
             if entries != known:
                 log.info("%d node name(s) published: %s", len(entries), compress_hostlist(entries) or "none")
                 known = entries
-        except (OSError, subprocess.SubprocessError) as exc:  # slurmctld restarting, /fsx slow: the next round
+        except (OSError, subprocess.SubprocessError, ValueError) as exc:  # slurmctld restarting, /fsx slow: next round
             log.warning("publishing node names failed: %s", exc)
         time.sleep(PUBLISH_SECONDS)
 

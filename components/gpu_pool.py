@@ -139,4 +139,5 @@ class GpuPool(pulumi.ComponentResource):
             "efa_interfaces": pool.itype.efa_interfaces if pool.uses_efa else 0,
             "accelerator": pool.itype.accelerator.kind if pool.itype.accelerator else "",
             "accelerators": pool.itype.accelerator.count if pool.itype.accelerator else 0,
+            "node_hour_usd": pool.itype.on_demand_usd_per_hour or 0.0,
         }

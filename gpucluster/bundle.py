@@ -11,11 +11,11 @@ import gzip
 import hashlib
 import io
 import tarfile
-from gpucluster import monitoring, settings, slurm, sources
+from gpucluster import monitoring, prometheus, settings, slurm, sources
 from gpucluster.spec import Stack, stack_file
 
 PROGRAMS = ("bootstrap.py", "build_image.sh", "gpucluster_node.py", "gpucluster_budget.py", "gpucluster_neuron_metrics.py",
-            "task_prolog.sh", "gpucluster_hosts.py", "gpucluster_health.py")
+            "task_prolog.sh", "gpucluster_hosts.py", "gpucluster_health.py", "gpucluster_metrics.py")
 # Who submits jobs on the head node: the image's login user (Ubuntu). Add others with `sacctmgr add user`.
 CLUSTER_USERS = (settings.LOGIN_USER,)
 EXAMPLES = ("launch.sh", "ddp_train.py", "ddp.sbatch", "all_reduce.py", "all_reduce.sbatch", "ddp_container.sbatch")
@@ -38,6 +38,7 @@ def contents(stack: Stack, layout: slurm.SlurmLayout = slurm.SlurmLayout()) -> d
     files["accounting.sh"] = (slurm.accounting_script(stack, CLUSTER_USERS).encode(), 0o755)
     files |= {name: (text.encode(), 0o644)
               for name, text in (monitoring.node_config(stack, pool) for pool in monitoring.watched_pools(stack))}
+    files |= {name: (text.encode(), 0o644) for name, text in prometheus.files(stack).items()}
     return files
 
 

@@ -1,7 +1,7 @@
 """gpucluster's command line.
 
     python -m gpucluster plan [STACK] [--json]   what a stack creates and costs, offline (default stack: dev)
-    python -m gpucluster render STACK --out DIR  the user data EC2 gets and the Slurm files of the head node
+    python -m gpucluster render STACK --out DIR  the user data EC2 gets, the head's Slurm, Prometheus and Grafana files
     python -m gpucluster preflight STACK         the account's quotas, capacity and prices for the stack (0 ok, 1 fail)
     python -m gpucluster cost STACK              this month's spend by the stack's tag, forecast, GPU-hours
     python -m gpucluster leftovers STACK         what is still tagged with the stack (after a destroy), per month
@@ -124,14 +124,15 @@ def plan(args: argparse.Namespace) -> int:
 
 def render(args: argparse.Namespace) -> int:
     """The exact user data EC2 gets, and the Slurm files the head node writes."""
-    from gpucluster import slurm, userdata
+    from gpucluster import prometheus, slurm, userdata
 
     stack = _load(args.stack)
     out = Path(args.out)
-    (out / "slurm").mkdir(parents=True, exist_ok=True)
     files = dict(userdata.all_user_data(stack))
     files |= {f"slurm/{name}": text for name, text in slurm.all_files(stack).items()}
+    files |= prometheus.files(stack)  # byte for byte what the head's bundle carries
     for name, text in files.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_text(text)
     for name in sorted(files):
         size = len(files[name].encode())

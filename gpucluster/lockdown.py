@@ -22,8 +22,9 @@ IMDS_ADDRESSES = {"iptables": "169.254.169.254", "ip6tables": "fd00:ec2::254"}  
 IMDS_CHAIN = "GPUCLUSTER-IMDS"
 # Who may reach instance metadata, per node role. The head's resume, suspend and reconciler programs run as the
 # slurm user (Slurm's SlurmUser) and launch and terminate instances; everything else that calls AWS runs as root
-# (the boot unit, the SSM and CloudWatch agents, the budget guardrail). No login user runs as either.
-IMDS_USERS = {"head": ("root", SLURM_USER), "compute": ("root",)}
+# (the boot unit, the SSM and CloudWatch agents, the budget guardrail). On the head, Alertmanager (the packaged
+# `prometheus` user) sends alerts to the stack's topic with the role's credentials. No login user runs as any of them.
+IMDS_USERS = {"head": ("root", SLURM_USER, "prometheus"), "compute": ("root",)}
 # The groups Ubuntu's default user gets that reach root (sudo, admin, wheel: sudo; lxd, docker: root containers) or
 # other users' secrets (adm: the system logs, auth.log among them).
 PRIVILEGED_GROUPS = ("sudo", "admin", "wheel", "lxd", "docker", "adm")

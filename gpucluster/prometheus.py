@@ -8,8 +8,6 @@ labels. Every metric a rule or a dashboard names is listed in `EXPORTED`, by the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import yaml
 
 from gpucluster import cost, monitoring, settings
@@ -48,30 +46,11 @@ EXPORTED: dict[str, frozenset[str]] = {
     "gpucluster_metrics": frozenset({
         "gpucluster_efa_rx_bytes_total", "gpucluster_efa_tx_bytes_total", "gpucluster_lustre_read_bytes_total",
         "gpucluster_lustre_write_bytes_total", "gpucluster_slurm_node_state", "gpucluster_slurm_jobs",
-        "gpucluster_gpu_hours_used", "gpucluster_gpu_hours_quota", "gpucluster_pool_gpu_hour_usd",
+        "gpucluster_gpu_used_seconds", "gpucluster_gpu_quota_seconds", "gpucluster_pool_gpu_hour_usd",
         "gpucluster_budget_limit_usd", "gpucluster_budget_actual_usd", "gpucluster_budget_forecast_usd"}),
     # neuron-monitor's Prometheus output (neuron-monitor-prometheus.py) on Trainium nodes.
     "neuron-monitor": frozenset({"neuroncore_utilization_ratio", "neuron_runtime_memory_used_bytes"}),
 }
-
-
-@dataclass(frozen=True)
-class ScrapeJob:
-    name: str  # Prometheus's job label
-    targets_file: str  # the file_sd list, under SCRAPE_TARGETS_DIR
-    port: int
-
-
-SCRAPE_JOBS = (
-    ScrapeJob("node", "node.json", settings.NODE_EXPORTER_PORT),  # every node, the head too
-    ScrapeJob("dcgm", "dcgm.json", settings.DCGM_EXPORTER_PORT),  # nodes of NVIDIA pools
-    ScrapeJob("neuron", "neuron.json", settings.NEURON_EXPORTER_PORT),  # nodes of Trainium pools
-)
-
-
-def scrape_job_for(accelerator: str) -> ScrapeJob | None:
-    """The accelerator exporter's job for a pool's accelerator kind (settings.PoolSettings.accelerator)."""
-    return {"nvidia": SCRAPE_JOBS[1], "neuron": SCRAPE_JOBS[2]}.get(accelerator)
 
 
 def retention_bytes() -> int:
@@ -101,7 +80,7 @@ def config(stack: Stack) -> str:
             {"job_name": job.name,
              "file_sd_configs": [{"files": [f"{settings.SCRAPE_TARGETS_DIR}/{job.targets_file}"],
                                   "refresh_interval": "1m"}]}
-            for job in SCRAPE_JOBS],
+            for job in settings.SCRAPE_JOBS],
     }
     return "# Rendered by gpucluster for stack {}: Prometheus on the head node.\n".format(stack.name) + \
         yaml.safe_dump(doc, sort_keys=False, default_flow_style=False)
@@ -119,7 +98,7 @@ QUOTA_WARN_SHARE = 0.9
 RECORDING_RULES = (
     # 1 for a GPU idle by the alert's measure, 0 for a busy one: its sum over a range is idle samples, hence hours.
     ("gpucluster:gpu_idle", gpu_idle_expr("< bool")),
-    ("gpucluster:gpu_hours_used:ratio", "gpucluster_gpu_hours_used / gpucluster_gpu_hours_quota"),
+    ("gpucluster:gpu_quota_used:ratio", "gpucluster_gpu_used_seconds / gpucluster_gpu_quota_seconds"),
 )
 
 
@@ -135,7 +114,7 @@ def alert_rules() -> list[dict[str, object]]:
         {"alert": "GpuXidError", "expr": 'DCGM_FI_DEV_XID_ERRORS{UUID!=""} > 0', "labels": {"severity": "critical"},
          "annotations": {"summary": "GPU {{ $labels.gpu }} of {{ $labels.node }} reported XID {{ $value }}",
                          "description": "The health check drains a node whose XID needs a reset (see `sinfo -R`)."}},
-        {"alert": "GpuHourQuotaNearlySpent", "expr": f"gpucluster:gpu_hours_used:ratio >= {QUOTA_WARN_SHARE}",
+        {"alert": "GpuHourQuotaNearlySpent", "expr": f"gpucluster:gpu_quota_used:ratio >= {QUOTA_WARN_SHARE}",
          "labels": {"severity": "warning"},
          "annotations": {"summary": "{{ $value | humanizePercentage }} of the team's monthly GPU-hours are spent",
                          "description": "Slurm holds new jobs of the team's account once the quota is spent."}},

@@ -91,6 +91,10 @@ TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"
 # dcgm-exporter's HPC job mapping: one file per GPU index holding the ids of the jobs on it (the Prolog writes, the
 # Epilog removes); dcgm-exporter adds them to that GPU's series as the label `hpc_job`.
 GPU_JOB_MAP_DIR = "/run/gpucluster/gpu-jobs"
+# The dcgm-exporter container as build_image.sh tags it after pulling NVIDIA's image by digest: the boot needs no
+# registry.
+DCGM_EXPORTER_IMAGE = "gpucluster/dcgm-exporter:image"
+GRAFANA_DATASOURCE_UID = "prometheus"  # the head's provisioned Prometheus, as every dashboard panel names it
 
 # --- programs --------------------------------------------------------------------------------------------------------
 NODE_PROGRAM = "gpucluster_node.py"
@@ -98,6 +102,21 @@ NODE_COMMANDS = ("resume", "suspend", "resume-fail", "reconcile", "interruptions
 BUDGET_PROGRAM = "gpucluster_budget.py"
 BUDGET_COMMAND = "gpucluster-budget"
 ROLES = ("head", "compute")
+
+
+@dataclass(frozen=True)
+class ScrapeJob:
+    """One Prometheus scrape job over a file_sd list: which nodes are in it and on which port they answer."""
+
+    name: str  # Prometheus' job label
+    targets_file: str  # under SCRAPE_TARGETS_DIR
+    port: int
+    accelerator: str = ""  # "": every node (the head too); else the nodes of pools with this accelerator kind
+
+
+SCRAPE_JOBS = (ScrapeJob("node", "node.json", NODE_EXPORTER_PORT),
+               ScrapeJob("dcgm", "dcgm.json", DCGM_EXPORTER_PORT, accelerator="nvidia"),
+               ScrapeJob("neuron", "neuron.json", NEURON_EXPORTER_PORT, accelerator="neuron"))
 
 
 class SettingsError(ValueError):
@@ -132,6 +151,7 @@ class PoolSettings:
     efa_interfaces: int = 0
     accelerator: str = ""  # nvidia | neuron | "": what the health check counts
     accelerators: int = 0  # GPUs or Neuron devices per node
+    node_hour_usd: float = 0.0  # the plan's price of a node-hour (on-demand; a spot pool's upper bound): the cost board
 
 
 @dataclass(frozen=True)
@@ -182,6 +202,24 @@ class ClusterSettings:
     checkpoint_grace_seconds: int = 60
     alerts_topic_arn: str = ""  # the stack's topic: what the programs do that users should hear of
     events_log: str = EVENTS_LOG
+    # The boot rehearsal only (tests/local_cluster.py): its nodes share one address, so each node's exporters listen
+    # on ports of their own counted from this base (SlurmLayout.node_port_base is the same seam for slurmd).
+    # 0: every node uses the exporters' standard ports.
+    exporter_port_base: int = 0
+
+    def pool_of(self, node: str) -> str:
+        """The pool of a node named <pool>-<n> ("" for another name: the head)."""
+        return next((p for p in sorted(self.pools, key=len, reverse=True)
+                     if node.startswith(f"{p}-") and node[len(p) + 1:].isdigit()), "")
+
+    def exporter_port(self, job: ScrapeJob, node: str) -> int:
+        if not self.exporter_port_base:
+            return job.port
+        index = 0  # the head
+        if pool := self.pool_of(node):
+            names = list(self.pools)
+            index = 1 + sum(self.pools[p].max_nodes for p in names[:names.index(pool)]) + int(node.rsplit("-", 1)[1]) - 1
+        return self.exporter_port_base + index * len(SCRAPE_JOBS) + SCRAPE_JOBS.index(job)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ClusterSettings:

@@ -168,6 +168,8 @@ def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         # job's start on all its nodes, not at each node's first step.
         f"Prolog={settings.HEALTH_PROGRAM}",
         "PrologFlags=Alloc",
+        # After a job, on each of its nodes: its GPUs' job labels for dcgm-exporter are taken off.
+        f"Epilog={settings.HEALTH_PROGRAM}",
         # The node's health (accelerators, ECC, XIDs, EFA, /fsx, disk) every 5 minutes on every node; a failing node
         # drains itself. A job whose Prolog finds its node unhealthy is requeued, not held.
         f"HealthCheckProgram={settings.HEALTH_PROGRAM}",

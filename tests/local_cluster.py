@@ -19,7 +19,8 @@ What this machine forces, and stands in for it:
 - one host for all nodes: the Slurm ports differ per node (SlurmLayout.node_port_base), slurmd reports the configured
   CPUs and GPUs (`config_overrides`, /dev/null as each GPU device), no cgroup plugins (this machine's cgroups are not
   Slurm's to use), and compute nodes boot in a time namespace of their own (slurmctld ignores a node whose boot time
-  predates its resume request).
+  predates its resume request); each node's exporters listen on ports of their own (settings exporter_port_base);
+- no GPU, DCGM or container runtime: nvidia-smi and `docker` (running dcgm-exporter) are stand-ins on GPU nodes.
 """
 
 from __future__ import annotations
@@ -40,14 +41,14 @@ from pathlib import Path
 from typing import Callable
 
 from gpucluster import slurm
-from gpucluster.settings import CLUSTER_TAG, LOGIN_USER, NODE_REGISTRY, POOL_TAG
+from gpucluster.settings import CLUSTER_TAG, LOGIN_USER, NODE_REGISTRY, POOL_TAG, SCRAPE_JOBS
 from gpucluster.spec import Stack
 
 ROOT = Path(__file__).resolve().parent.parent
 REHEARSAL = Path(__file__).resolve().parent / "rehearsal"
 REQUIRED = ("/usr/bin/python3", "munged", "slurmctld", "slurmd", "slurmdbd", "sinfo", "scontrol", "sbatch", "mariadbd",
             "mariadb-install-db", "unshare", "nsenter", "losetup", "mkfs.ext4", "systemd-analyze", "systemd-tmpfiles",
-            "iptables")
+            "iptables", "prometheus", "prometheus-node-exporter", "prometheus-alertmanager")
 # What a user or a test runs on the head node: these commands enter its namespaces (a login on the head).
 HEAD_COMMANDS = ("sbatch", "squeue", "scontrol", "sinfo", "sacctmgr", "sshare", "sacct", "scancel", "srun", "sreport")
 BOOT_SECONDS = 2.0
@@ -239,6 +240,9 @@ class InstanceMetadata:
                 now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 6 * 3600))
                 answers = {
                     "meta-data/instance-id": instance_id,
+                    # All rehearsal nodes share this machine's network: each node's slurmd registers from 127.0.0.1,
+                    # the address Slurm (and so Prometheus) knows it by, so that is its exporters' address too.
+                    "meta-data/local-ipv4": "127.0.0.1",
                     "meta-data/iam/security-credentials/": "gpucluster-node",
                     "meta-data/iam/security-credentials/gpucluster-node": json.dumps({
                         "Code": "Success", "Type": "AWS-HMAC", "AccessKeyId": "testing", "SecretAccessKey": "testing",
@@ -354,6 +358,9 @@ class RehearsalNode:
             tool.write_text("#!/bin/sh\n" + (self.gpu_fault or
                             f"for i in $(seq 0 {self.gpus - 1}); do echo \"$i, 0\"; done") + "\n")
             tool.chmod(0o755)
+            # No container runtime or DCGM either: `docker run` of dcgm-exporter serves its metrics from a stand-in.
+            shutil.copy(REHEARSAL / "docker", tool.parent / "docker")
+            (tool.parent / "rehearsal-gpus").write_text(str(self.gpus))
         dist = self._dir("/usr/local", "up") / "lib" / "python3.11" / "dist-packages"
         dist.mkdir(parents=True, exist_ok=True)
         (dist / "rehearsal.pth").write_text(
@@ -476,7 +483,11 @@ class LocalCluster:
         urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/moto-api/reset", method="POST"))
         self.moto_url = f"http://127.0.0.1:{port}"
         nodes = sum(p.max_nodes for p in self.stack.spec.pools) + SPARE_NODE_PORTS
-        ports = free_port_block(nodes + 3)  # one block: ports picked one by one could land inside the nodes' range
+        # One block: ports picked one by one could land inside the nodes' range. The nodes' exporters (every node
+        # its own ports: they share one address here) after slurmd's.
+        exporter_ports = (1 + nodes) * len(SCRAPE_JOBS)
+        ports = free_port_block(nodes + 3 + exporter_ports)
+        self.exporter_port_base = ports + 3 + nodes
         self.dev_dir = self.root / "dev"
         self.layout = slurm.SlurmLayout(controller_port=ports, node_port=ports + 1, dbd_port=ports + 2,
                                         node_port_base=ports + 3, dev_dir=str(self.dev_dir), simulated_hardware=True,
@@ -560,6 +571,7 @@ class LocalCluster:
             # is a minute): tests shorten timers, not sleep.
             capacity_retry_seconds=5,
             interruption_queue_url=self.interruptions, alerts_topic_arn=self.topic,
+            exporter_port_base=self.exporter_port_base,
             # A spot warning's jobs are requeued 5 s after their checkpoint signal here instead of a minute.
             checkpoint_grace_seconds=5,
             # The guardrail checks the budget every 5 s here instead of hourly: tests shorten timers, not sleep.
@@ -585,7 +597,8 @@ class LocalCluster:
             pools[pool.name] = PoolSettings(name=pool.name, launch_template_id=template, subnet_id=self.subnet,
                                             instance_type=pool.instance_type, market=pool.capacity,
                                             min_nodes=pool.min_nodes, max_nodes=pool.max_nodes,
-                                            accelerator=acc.kind if acc else "", accelerators=acc.count if acc else 0)
+                                            accelerator=acc.kind if acc else "", accelerators=acc.count if acc else 0,
+                                            node_hour_usd=pool.itype.on_demand_usd_per_hour or 0.0)
         return pools
 
     def apply(self, stack: Stack) -> None:

@@ -230,3 +230,16 @@ def test_the_service_acts_on_a_message_and_keeps_it_when_the_check_fails(aws, tm
     assert slurm.partitions_["spot"] == "DOWN"
     left = sqs.get_queue_attributes(QueueUrl=queue, AttributeNames=["All"])["Attributes"]
     assert (left["ApproximateNumberOfMessages"], left["ApproximateNumberOfMessagesNotVisible"]) == ("0", "0")
+
+
+def test_every_check_puts_the_spend_where_prometheus_reads_it(aws, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The cost board's budget figures: node_exporter's textfile collector reads them from the metrics directory."""
+    g, _ = make(aws, tmp_path)
+    g.metrics_dir = tmp_path / "textfile"
+    set_spend(aws[0], 420.5, limit=1000)
+    g.check(NOV)
+    text = (tmp_path / "textfile" / "gpucluster-budget.prom").read_text()
+    assert "gpucluster_budget_limit_usd 1000\n" in text and "gpucluster_budget_actual_usd 420.5\n" in text
+    set_spend(aws[0], 610, limit=1000)
+    g.check(NOV)
+    assert "gpucluster_budget_actual_usd 610\n" in (tmp_path / "textfile" / "gpucluster-budget.prom").read_text()

@@ -86,7 +86,7 @@ DRIVER = textwrap.dedent('''
              "try:\\n    print(urllib.request.urlopen(request, timeout=5).read().decode())\\n"
              "except OSError as exc:\\n    print(type(exc).__name__, exc)\\n")
     answers = {}
-    for user in ("root", "SLURM", "LOGIN", "nobody"):
+    for user in ("root", "SLURM", "LOGIN", "nobody", "prometheus"):
         entry = pwd.getpwnam(user)
         answers[user] = subprocess.run(["setpriv", f"--reuid={entry.pw_uid}", f"--regid={entry.pw_gid}",
                                         "--clear-groups", "/usr/bin/python3", "-c", probe],
@@ -130,6 +130,8 @@ def test_only_root_and_the_daemons_get_instance_metadata(tmp_path: Path, role: s
     assert answers["root"] == "token"  # the boot unit, the SSM and CloudWatch agents, the budget guardrail
     # The head's resume, suspend and reconciler programs run as the slurm user; nothing on a compute node does.
     assert answers[SLURM_USER] == "token" if role == "head" else "Connection refused" in answers[SLURM_USER], answers
+    # Alertmanager (the packaged prometheus user) sends the head's alerts to SNS; compute nodes send none.
+    assert answers["prometheus"] == "token" if role == "head" else "Connection refused" in answers["prometheus"], answers
     for user in (LOGIN_USER, "nobody"):
         assert "Connection refused" in answers[user], answers  # refused at once, not left to time out
     assert "-A GPUCLUSTER-IMDS -m owner --uid-owner 0 -j ACCEPT" in result["rules"], result["rules"]
@@ -149,7 +151,7 @@ def test_the_lockdown_runs_again_at_every_boot_without_piling_up_rules(tmp_path:
     """bootcmd runs it at every boot and the bootstrap once more: the chain is rebuilt, not appended to."""
     result = run_in_namespaces(tmp_path, "head", times=2)
     assert result["rc"] == 0, result["stderr"]
-    assert result["rules"].count("-j ACCEPT") == 2 and result["rules"].count("-j REJECT") == 1, result["rules"]
+    assert result["rules"].count("-j ACCEPT") == len(lockdown.IMDS_USERS["head"]) and result["rules"].count("-j REJECT") == 1, result["rules"]
     assert result["answers"]["root"] == "token" and result["answers"][LOGIN_USER] != "token"
 
 

@@ -35,10 +35,11 @@ def test_render_writes_valid_small_user_data_and_slurm_files(path: Path, tmp_pat
     done = render(str(path), tmp_path)
     assert done.returncode == 0, done.stderr
     expected = {"head-node.user-data", *(f"{p.name}.user-data" for p in stack.spec.pools),
-                "slurm/slurm.conf", "slurm/gres.conf", "slurm/slurmdbd.conf", "slurm/plugstack.conf", "slurm/cgroup.conf"}
+                "slurm/slurm.conf", "slurm/gres.conf", "slurm/slurmdbd.conf", "slurm/plugstack.conf", "slurm/cgroup.conf",
+                *settings.MONITORING_FILES, "prometheus/prometheus.env", "dcgm-exporter/counters.csv"}
     written = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()}
     assert written == expected
-    for name in expected - {n for n in expected if n.startswith("slurm/")}:
+    for name in {n for n in expected if n.endswith(".user-data")}:
         data = (tmp_path / name).read_bytes()
         assert data.startswith(b"#cloud-config\n")
         # Most of it is fetch_bundle.py (about 6 KB, the same for every node); a quarter of EC2's limit stays free

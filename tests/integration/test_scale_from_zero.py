@@ -8,13 +8,15 @@ import os
 import re
 import subprocess
 import sys
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 from conftest import ROOT
 from gpucluster import spend
-from gpucluster.settings import EVENTS_LOG, POOL_TAG
+from gpucluster.settings import EVENTS_LOG, POOL_TAG, PROMETHEUS_PORT
 from local_cluster import LocalCluster
 
 
@@ -22,14 +24,28 @@ def submit(cluster: LocalCluster, *args: str) -> str:
     return cluster.run("sbatch", "--parsable", "-o", str(cluster.root / "job-%j.out"), *args).strip()
 
 
+def prometheus(path: str) -> dict:  # type: ignore[type-arg]
+    """The head's Prometheus (it listens on 127.0.0.1, which the rehearsal's nodes share with this machine)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{PROMETHEUS_PORT}/api/v1/{path}", timeout=10) as answer:
+        return json.load(answer)["data"]
+
+
+def scraped(job: str) -> dict[str, str]:
+    """node label -> health of the scrape job's active targets."""
+    return {t["labels"]["node"]: t["health"] for t in prometheus("targets?state=active")["activeTargets"]
+            if t["labels"]["job"] == job}
+
+
 def test_two_node_job_scales_from_zero_and_back(cluster: LocalCluster) -> None:
     assert not cluster.instances()
     # Each task's host name is its node's, and it resolves both nodes' names (the job's prolog), the first one as job
-    # scripts name it.
-    job = submit(cluster, "-p", "standby", "-N", "2", "--wrap",
+    # scripts name it. It holds its GPU until the test has seen it in Prometheus.
+    release = cluster.fsx / "release-monitoring"
+    job = submit(cluster, "-p", "standby", "-N", "2", "--gres=gpu:1", "--wrap",
                  'first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1); '
                  "srun bash -c \"echo ran on \\$SLURMD_NODENAME as \\$(hostname) resolving "
-                 "\\$(getent hosts $first standby-1 standby-2 | wc -l)\"")
+                 "\\$(getent hosts $first standby-1 standby-2 | wc -l); "
+                 f"until [ -e /fsx/{release.name} ]; do sleep 0.5; done\"")
 
     def standby() -> set[str]:
         return {i for i, pool in cluster.instances_by_id().items() if pool == "standby"}
@@ -40,6 +56,19 @@ def test_two_node_job_scales_from_zero_and_back(cluster: LocalCluster) -> None:
     passes = [cluster.reconcile() for _ in range(3)]
     assert not any("terminating" in p or "DOWN" in p for p in passes), passes
     assert ("head", "TerminateInstances") not in cluster.calls and standby() == before
+    # Prometheus on the head, started from the rendered prometheus.yml, finds the nodes as they register and scrapes
+    # their real node_exporters and dcgm-exporter's stand-in; each GPU's series carry its node, pool, team and job.
+    cluster.wait(f"job {job} to run", lambda: cluster.job_state(job) == "RUNNING", 180)
+    cluster.wait("Prometheus to scrape both nodes", lambda: all(
+        scraped(kind).get(node) == "up" for kind in ("node", "dcgm") for node in ("standby-1", "standby-2")), 120)
+    assert scraped("node")["head"] == "up"
+    series = prometheus("query?query=" + urllib.parse.quote('DCGM_FI_DEV_GPU_UTIL{pool="standby"}'))["result"]
+    labels = {s["metric"]["node"]: s["metric"] for s in series if s["metric"].get("hpc_job")}
+    assert set(labels) == {"standby-1", "standby-2"}, series
+    assert all(m["hpc_job"] == job and m["team"] == cluster.stack.spec.team and m["UUID"] for m in labels.values())
+    load = prometheus("query?query=" + urllib.parse.quote('node_load1{pool="standby"}'))["result"]
+    assert {s["metric"]["node"] for s in load} == {"standby-1", "standby-2"}, load  # node_exporter's own figures
+    release.touch()
     cluster.wait(f"job {job} to complete", lambda: cluster.job_state(job) == "COMPLETED", 180)
     output = (cluster.root / f"job-{job}.out").read_text()
     assert "ran on standby-1 as standby-1 resolving 3" in output, output
@@ -54,9 +83,11 @@ def test_two_node_job_scales_from_zero_and_back(cluster: LocalCluster) -> None:
     assert all(line.split()[1].startswith("127.0.0.") for line in addresses.splitlines()), addresses
     # After SuspendTime idle seconds the suspend program terminates both instances.
     cluster.wait("idle nodes to be suspended", lambda: not {"standby-1", "standby-2"} & set(cluster.instances()), 120)
-    # A node powered down is no longer a name anyone resolves.
+    # A node powered down is no longer a name anyone resolves, nor a target Prometheus scrapes.
     cluster.wait("standby-1's name to go", lambda: cluster.head.enter(
         "getent", "hosts", "standby-1", check=False).returncode == 2, 60)
+    cluster.wait("the suspended nodes to leave Prometheus' targets", lambda: not {"standby-1", "standby-2"} & (
+        set(scraped("node")) | set(scraped("dcgm"))), 90)
     ec2 = cluster.ec2()
     launched_by_slurm = ec2.describe_instances(Filters=[{"Name": f"tag:{POOL_TAG}", "Values": ["standby"]}])
     states = {i["State"]["Name"] for r in launched_by_slurm["Reservations"] for i in r["Instances"]}

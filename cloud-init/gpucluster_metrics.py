@@ -1,0 +1,175 @@
+#!/usr/bin/python3
+"""The figures no exporter has, for node_exporter's textfile collector (settings.TEXTFILE_DIR).
+
+`gpucluster_metrics.py head` (gpucluster-metrics.service on the head, as root): Slurm's nodes by state, jobs by
+partition and state, the team's GPU time this month against its quota (Slurm's own account of them: the account's
+GrpTRESRaw and GrpTRESMins for gres/gpu, reset monthly), each pool's price of a GPU-hour (for the cost board).
+`gpucluster_metrics.py compute` (on every compute node): EFA's hardware byte counters per device and the Lustre
+client's bytes read and written. Every INTERVAL_SECONDS, into one file by rename, so a scrape never sees half of it.
+A source that fails (slurmctld restarting, no Lustre yet) leaves its figures out for that round, with a log line.
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
+from gpucluster.scontrol import node_records, state_flags  # noqa: E402
+from gpucluster.settings import TEXTFILE_DIR, ClusterSettings  # noqa: E402
+
+INTERVAL_SECONDS = 30  # prometheus.SCRAPE_SECONDS
+COMMAND_SECONDS = 30
+OUTPUT = "gpucluster.prom"
+log = logging.getLogger("gpucluster-metrics")
+
+# A node's state as one word, first match wins: what a person looking at the cluster asks first.
+NODE_STATES = (("down", {"DOWN"}), ("fail", {"FAIL"}), ("drained", {"DRAIN", "IDLE"}), ("draining", {"DRAIN"}),
+               ("powering_up", {"POWERING_UP"}), ("powering_down", {"POWERING_DOWN"}),
+               ("powered_down", {"POWERED_DOWN"}), ("allocated", {"ALLOCATED"}), ("mixed", {"MIXED"}),
+               ("completing", {"COMPLETING"}), ("idle", {"IDLE"}))
+
+
+def label_value(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def sample(name: str, value: float, **labels: str) -> str:
+    inner = ",".join(f'{k}="{label_value(v)}"' for k, v in sorted(labels.items()))
+    return f"{name}{{{inner}}} {value:g}\n" if inner else f"{name} {value:g}\n"
+
+
+def family(name: str, kind: str, help_text: str, samples: list[str]) -> str:
+    return f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n" + "".join(samples) if samples else ""
+
+
+def node_state(flags: set[str]) -> str:
+    return next((word for word, needed in NODE_STATES if needed <= flags), "unknown")
+
+
+def slurm_nodes(scontrol_output: str, settings: ClusterSettings) -> str:
+    samples = [sample("gpucluster_slurm_node_state", 1, node=r["NodeName"], pool=settings.pool_of(r["NodeName"]),
+                      state=node_state(state_flags(r))) for r in node_records(scontrol_output)]
+    return family("gpucluster_slurm_node_state", "gauge", "1 for each Slurm node, labelled with its state.", samples)
+
+
+def slurm_jobs(squeue_output: str) -> str:
+    counts = Counter(tuple(line.split()) for line in squeue_output.splitlines() if len(line.split()) == 2)
+    samples = [sample("gpucluster_slurm_jobs", n, partition=p, state=s.lower()) for (p, s), n in sorted(counts.items())]
+    return family("gpucluster_slurm_jobs", "gauge", "Jobs by partition and state.", samples)
+
+
+def tres_minutes(tres: str, name: str = "gres/gpu") -> float | None:
+    """gres/gpu from a TRES list such as `cpu=120,gres/gpu=4800`; None when absent."""
+    found = re.search(rf"(?:^|,){re.escape(name)}=(\d+)", tres)
+    return float(found.group(1)) if found else None
+
+
+def gpu_hours(sshare_output: str, account: str) -> str:
+    """From `sshare -n -P -A ACCOUNT -o Account,User,GrpTRESRaw,GrpTRESMins`: the account's own row (no user)."""
+    for line in sshare_output.splitlines():
+        fields = [f.strip() for f in line.split("|")]
+        if len(fields) == 4 and fields[0] == account and not fields[1]:
+            used, quota = tres_minutes(fields[2]), tres_minutes(fields[3])
+            text = family("gpucluster_gpu_used_seconds", "gauge", "GPU time the team used this month (Slurm).",
+                          [sample("gpucluster_gpu_used_seconds", (used or 0) * 60)])
+            if quota is not None:
+                text += family("gpucluster_gpu_quota_seconds", "gauge", "The team's monthly GPU time quota.",
+                               [sample("gpucluster_gpu_quota_seconds", quota * 60)])
+            return text
+    return ""
+
+
+def pool_prices(settings: ClusterSettings) -> str:
+    samples = [sample("gpucluster_pool_gpu_hour_usd", p.node_hour_usd / p.accelerators, pool=name)
+               for name, p in sorted(settings.pools.items()) if p.accelerators and p.node_hour_usd]
+    return family("gpucluster_pool_gpu_hour_usd", "gauge", "The plan's price of one accelerator-hour in the pool.",
+                  samples)
+
+
+def efa_bytes(sys_root: Path = Path("/")) -> str:
+    """EFA devices' hw_counters (rx_bytes, tx_bytes) under /sys/class/infiniband."""
+    samples: dict[str, list[str]] = {"rx": [], "tx": []}
+    for counter in sorted((sys_root / "sys/class/infiniband").glob("*/ports/*/hw_counters/[rt]x_bytes")):
+        device, port = counter.parents[3].name, counter.parents[1].name
+        direction = counter.name[:2]
+        samples[direction].append(sample(f"gpucluster_efa_{direction}_bytes_total",
+                                         float(counter.read_text().strip()), device=device, port=port))
+    return "".join(family(f"gpucluster_efa_{d}_bytes_total", "counter", f"EFA bytes {'received' if d == 'rx' else 'sent'}.",
+                          samples[d]) for d in ("rx", "tx"))
+
+
+def lustre_bytes(lctl_output: str) -> str:
+    """From `lctl get_param llite.*.stats`: read_bytes and write_bytes lines end with their sum."""
+    totals: dict[str, dict[str, float]] = {"read": {}, "write": {}}
+    mount = ""
+    for line in lctl_output.splitlines():
+        if line.startswith("llite.") and line.rstrip().endswith("stats="):
+            mount = line.split(".")[1].rsplit("-", 1)[0]  # llite.<fsname>-<superblock>.stats=
+        fields = line.split()
+        if fields and fields[0] in ("read_bytes", "write_bytes") and fields[-1].isdigit():
+            kind = fields[0].split("_")[0]
+            totals[kind][mount] = totals[kind].get(mount, 0) + float(fields[-1])
+    return "".join(family(f"gpucluster_lustre_{kind}_bytes_total", "counter", f"Bytes the Lustre client {kind}.",
+                          [sample(f"gpucluster_lustre_{kind}_bytes_total", v, fs=m) for m, v in sorted(totals[kind].items())])
+                   for kind in ("read", "write"))
+
+
+def command(*args: str) -> str:
+    return subprocess.run(list(args), check=True, capture_output=True, text=True, timeout=COMMAND_SECONDS).stdout
+
+
+def head_figures(settings: ClusterSettings) -> str:
+    parts = [pool_prices(settings)]
+    sources = (
+        (slurm_nodes, ("scontrol", "show", "nodes", "--oneliner"), (settings,)),
+        (slurm_jobs, ("squeue", "--noheader", "--all", "--format=%P %T"), ()),
+        (gpu_hours, ("sshare", "-n", "-P", "-A", settings.team, "-o", "Account,User,GrpTRESRaw,GrpTRESMins"),
+         (settings.team,)),
+    )
+    for render, args, extra in sources:
+        try:
+            parts.append(render(command(*args), *extra))
+        except (OSError, subprocess.SubprocessError) as exc:
+            log.warning("%s failed: %s", args[0], exc)
+    return "".join(parts)
+
+
+def compute_figures() -> str:
+    parts = [efa_bytes()]
+    try:
+        parts.append(lustre_bytes(command("lctl", "get_param", "llite.*.stats")))
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("Lustre client statistics: %s", exc)
+    return "".join(parts)
+
+
+def write(text: str, directory: Path = Path(TEXTFILE_DIR), name: str = OUTPUT) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    temporary = directory / f".{name}.tmp"  # the collector reads *.prom only
+    temporary.write_text(text)
+    os.chmod(temporary, 0o644)
+    os.replace(temporary, directory / name)
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(levelname)s %(message)s", stream=sys.stderr)
+    if argv[1:] not in (["head"], ["compute"]):
+        print("usage: gpucluster_metrics.py head|compute", file=sys.stderr)
+        return 2
+    settings = ClusterSettings.load() if argv[1] == "head" else None
+    while True:
+        write(head_figures(settings) if settings else compute_figures())
+        time.sleep(INTERVAL_SECONDS)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

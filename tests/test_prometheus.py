@@ -1,0 +1,258 @@
+"""Prometheus on the head node, checked by Prometheus' own tools (Debian's prometheus and prometheus-alertmanager
+packages): the rendered configuration and rules, the alerts proven with `promtool test rules`, Alertmanager's route to
+the stack's topic, the scrape-target lists the node-name publisher keeps, and the figures our metrics program writes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT, STACK_FILES
+from gpucluster import monitoring, prometheus, settings
+from gpucluster.settings import ClusterSettings, PoolSettings
+from gpucluster.spec import load_stack
+
+
+def program(name: str):  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location(name, ROOT / "cloud-init" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+hosts, metrics, bootstrap = program("gpucluster_hosts"), program("gpucluster_metrics"), program("bootstrap")
+
+
+def tool(name: str) -> str:
+    found = shutil.which(name)
+    assert found, f"{name} is missing: install Debian's prometheus and prometheus-alertmanager (make test does)"
+    return found
+
+
+def promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([tool("promtool"), *args], capture_output=True, text=True, cwd=cwd, timeout=60)
+
+
+def write_rendered(stack_path: Path, out: Path) -> None:
+    for name, text in prometheus.files(load_stack(stack_path)).items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
+
+
+@pytest.mark.parametrize("path", STACK_FILES, ids=lambda p: p.name)
+def test_promtool_accepts_the_rendered_configuration_and_rules(path: Path, tmp_path: Path) -> None:
+    write_rendered(path, tmp_path)
+    config, rules = (tmp_path / name for name in settings.MONITORING_FILES)
+    checked = promtool("check", "config", str(config))
+    assert checked.returncode == 0 and "SUCCESS: 1 rule files found" in checked.stdout, checked.stdout + checked.stderr
+    checked = promtool("check", "rules", str(rules))
+    assert checked.returncode == 0 and f"SUCCESS: {len(prometheus.RECORDING_RULES) + len(prometheus.alert_rules())} " \
+        "rules found" in checked.stdout, checked.stdout + checked.stderr
+    doc = yaml.safe_load(config.read_text())
+    assert doc["global"]["external_labels"]["team"] == load_stack(path).spec.team
+    assert {job["job_name"] for job in doc["scrape_configs"]} == {"prometheus", "node", "dcgm", "neuron"}
+
+
+def test_promtool_refuses_a_broken_rule(tmp_path: Path) -> None:
+    """The check above can fail."""
+    (tmp_path / "rules.yml").write_text("groups:\n- name: x\n  rules:\n  - alert: Broken\n    expr: avg_over_time(up[5m]\n")
+    assert promtool("check", "rules", str(tmp_path / "rules.yml")).returncode != 0
+
+
+def gpu_series(values: str, gpu: str = "0") -> dict[str, str]:
+    return {"series": f'DCGM_FI_DEV_GPU_UTIL{{gpu="{gpu}",UUID="GPU-{gpu}",modelName="NVIDIA H100 80GB HBM3",'
+                      f'Hostname="p5-od-1",node="p5-od-1",pool="p5-od",job="dcgm"}}', "values": values}
+
+
+def gpu_idle_alert(gpu: str = "0") -> dict[str, object]:
+    return {"exp_labels": {"severity": "warning", "gpu": gpu, "UUID": f"GPU-{gpu}", "modelName": "NVIDIA H100 80GB HBM3",
+                           "Hostname": "p5-od-1", "node": "p5-od-1", "pool": "p5-od", "job": "dcgm"},
+            "exp_annotations": {
+                "summary": f"GPU {gpu} of p5-od-1 (p5-od) under {monitoring.IDLE_PERCENT}% for "
+                           f"{monitoring.IDLE_MINUTES} minutes",
+                "description": f"Average utilisation 10% over {monitoring.IDLE_MINUTES} minutes; Slurm job . An idle "
+                               "GPU still costs its hour."}}
+
+
+def test_the_alerts_fire_when_they_should_and_only_then(tmp_path: Path) -> None:
+    """`promtool test rules` on the rendered rules: a GPU at 10% for 15 minutes fires GpuIdle, one at 80% never does,
+    a dip shorter than the window does not; an XID fires at once, the quota at 90%, a node DOWN after 10 minutes."""
+    write_rendered(STACK_FILES[0], tmp_path)
+    every = f"{prometheus.SCRAPE_SECONDS}s"
+    samples = 15 * 60 // prometheus.SCRAPE_SECONDS
+    tests = {"rule_files": [str(tmp_path / settings.MONITORING_FILES[1])], "evaluation_interval": every, "tests": [
+        {"interval": every,
+         "input_series": [gpu_series(f"10x{samples}", "0"), gpu_series(f"80x{samples}", "1"),
+                          # 80%, two minutes at 0%, 80% again: the 5-minute average never falls under 30%.
+                          gpu_series(f"80x10 0x4 80x{samples - 14}", "2")],
+         "alert_rule_test": [
+             {"eval_time": "15m", "alertname": "GpuIdle", "exp_alerts": [gpu_idle_alert("0")]},
+             *({"eval_time": f"{m}m", "alertname": "GpuIdle", "exp_alerts": [gpu_idle_alert("0")]} for m in (7, 9, 12)),
+         ]},
+        {"interval": every,
+         "input_series": [gpu_series(f"80x{samples}", "1"), gpu_series(f"80x10 0x4 80x{samples - 14}", "2")],
+         "alert_rule_test": [{"eval_time": f"{m}m", "alertname": "GpuIdle", "exp_alerts": []} for m in range(1, 16)]},
+        {"interval": every,
+         "input_series": [
+             {"series": 'DCGM_FI_DEV_XID_ERRORS{gpu="3",UUID="GPU-3",node="p5-od-1"}', "values": "0 0 79 79"},
+             {"series": "gpucluster_gpu_used_seconds", "values": "800 900 950"},
+             {"series": "gpucluster_gpu_quota_seconds", "values": "1000 1000 1000"},
+             {"series": 'gpucluster_slurm_node_state{node="p5-od-2",pool="p5-od",state="down"}', "values": "1x30"}],
+         "alert_rule_test": [
+             {"eval_time": "30s", "alertname": "GpuXidError", "exp_alerts": []},
+             {"eval_time": "1m", "alertname": "GpuXidError", "exp_alerts": [{
+                 "exp_labels": {"severity": "critical", "gpu": "3", "UUID": "GPU-3", "node": "p5-od-1"},
+                 "exp_annotations": {"summary": "GPU 3 of p5-od-1 reported XID 79", "description":
+                                     "The health check drains a node whose XID needs a reset (see `sinfo -R`)."}}]},
+             {"eval_time": "0m", "alertname": "GpuHourQuotaNearlySpent", "exp_alerts": []},
+             {"eval_time": "30s", "alertname": "GpuHourQuotaNearlySpent", "exp_alerts": [{
+                 "exp_labels": {"severity": "warning"},
+                 "exp_annotations": {"summary": "90% of the team's monthly GPU-hours are spent", "description":
+                                     "Slurm holds new jobs of the team's account once the quota is spent."}}]},
+             {"eval_time": "9m", "alertname": "NodeDown", "exp_alerts": []},
+             {"eval_time": "11m", "alertname": "NodeDown", "exp_alerts": [{
+                 "exp_labels": {"severity": "warning", "node": "p5-od-2", "pool": "p5-od", "state": "down"},
+                 "exp_annotations": {"summary": "Slurm node p5-od-2 (p5-od) DOWN for 10 minutes",
+                                     "description": "`sinfo -R -n p5-od-2` says why."}}]}]},
+    ]}
+    (tmp_path / "tests.yml").write_text(yaml.safe_dump(tests, sort_keys=False))
+    done = promtool("test", "rules", str(tmp_path / "tests.yml"))
+    assert done.returncode == 0 and "SUCCESS" in done.stdout, done.stdout + done.stderr
+
+
+def test_a_wrong_expectation_fails_the_rule_test(tmp_path: Path) -> None:
+    """The proof above can fail: an 80% GPU expected to fire GpuIdle is refused."""
+    write_rendered(STACK_FILES[0], tmp_path)
+    tests = {"rule_files": [str(tmp_path / settings.MONITORING_FILES[1])], "tests": [
+        {"interval": "30s", "input_series": [gpu_series("80x40", "1")],
+         "alert_rule_test": [{"eval_time": "15m", "alertname": "GpuIdle", "exp_alerts": [gpu_idle_alert("1")]}]}]}
+    (tmp_path / "tests.yml").write_text(yaml.safe_dump(tests))
+    assert promtool("test", "rules", str(tmp_path / "tests.yml")).returncode != 0
+
+
+def test_every_rule_names_only_metrics_an_exporter_we_ship_produces() -> None:
+    produced = set().union(*prometheus.EXPORTED.values())
+    for rule in prometheus.alert_rules() + [{"expr": e} for _, e in prometheus.RECORDING_RULES]:
+        names = {token for token in _identifiers(str(rule["expr"]))}
+        assert names <= produced | {name for name, _ in prometheus.RECORDING_RULES}, (rule, names - produced)
+
+
+def _identifiers(expr: str) -> set[str]:
+    without_labels = re.sub(r"\{[^}]*\}", "", expr)
+    words = set(re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", without_labels))
+    return words - {"avg_over_time", "bool", "m", "UUID"}
+
+
+def test_dcgm_counters_are_what_the_rules_and_exporter_list_agree_on() -> None:
+    lines = [line for line in prometheus.dcgm_counters().splitlines() if not line.startswith("#")]
+    assert [line.split(", ")[0] for line in lines] == sorted(prometheus.EXPORTED["dcgm-exporter"], key=[
+        name for name, _, _ in prometheus.DCGM_COUNTERS].index)
+    assert all(line.split(", ")[1] in ("gauge", "counter") for line in lines)
+
+
+def test_prometheus_keeps_at_most_its_share_of_the_state_volume() -> None:
+    args = prometheus.prometheus_args()
+    assert "--storage.tsdb.retention.size=40GB" in args and f"--storage.tsdb.path={settings.PROMETHEUS_DATA_DIR}" in args
+    assert "--web.listen-address=127.0.0.1:" in args  # never on the node's network address
+
+
+def cluster_settings(**extra: object) -> ClusterSettings:
+    pools = {"p5-od": PoolSettings("p5-od", "lt-1", "subnet-1", "p5.48xlarge", "on-demand", max_nodes=4,
+                                   accelerator="nvidia", accelerators=8, node_hour_usd=98.32),
+             "trn": PoolSettings("trn", "lt-2", "subnet-1", "trn1.32xlarge", "spot", max_nodes=2, accelerator="neuron",
+                                 accelerators=16, node_hour_usd=21.5),
+             "cpu": PoolSettings("cpu", "lt-3", "subnet-1", "c7i.4xlarge", "on-demand", max_nodes=2)}
+    return ClusterSettings(cluster="gpucluster-team-a", region="us-east-1", pools=pools, team="vision",
+                           head_address="10.0.0.5", **extra)  # type: ignore[arg-type]
+
+
+def test_the_target_lists_follow_the_registered_nodes_with_their_labels() -> None:
+    lists = {name: json.loads(text) for name, text in hosts.scrape_targets(
+        {"p5-od-1": "10.0.0.11", "trn-2": "10.0.0.12", "cpu-1": "10.0.0.13"}, cluster_settings()).items()}
+    labels = {"cluster": "gpucluster-team-a", "team": "vision"}
+    assert lists["node.json"] == [
+        {"targets": ["10.0.0.13:9100"], "labels": {"node": "cpu-1", "pool": "cpu", **labels}},
+        {"targets": ["10.0.0.5:9100"], "labels": {"node": "head", **labels}},
+        {"targets": ["10.0.0.11:9100"], "labels": {"node": "p5-od-1", "pool": "p5-od", **labels}},
+        {"targets": ["10.0.0.12:9100"], "labels": {"node": "trn-2", "pool": "trn", **labels}}]
+    assert lists["dcgm.json"] == [{"targets": ["10.0.0.11:9400"], "labels": {"node": "p5-od-1", "pool": "p5-od", **labels}}]
+    assert lists["neuron.json"] == [{"targets": ["10.0.0.12:9500"], "labels": {"node": "trn-2", "pool": "trn", **labels}}]
+
+
+def test_a_node_that_leaves_slurm_leaves_the_target_lists(tmp_path: Path) -> None:
+    up = "NodeName=p5-od-1 NodeAddr=10.0.0.11 State=ALLOCATED+CLOUD"
+    gone = "NodeName=p5-od-1 NodeAddr=p5-od-1 State=IDLE+CLOUD+POWERED_DOWN"
+    (tmp_path / "etc-hosts").write_text("127.0.0.1 localhost\n")
+    for scontrol, expected in ((up, ["10.0.0.11:9400"]), (gone, [])):
+        hosts.publish_once(tmp_path / "hosts", tmp_path / "etc-hosts", scontrol, cluster_settings(), tmp_path / "targets")
+        assert [t for entry in json.loads((tmp_path / "targets" / "dcgm.json").read_text()) for t in entry["targets"]] \
+            == expected
+
+
+def test_rehearsal_ports_are_distinct_per_node_and_exporter() -> None:
+    """The boot rehearsal's seam (all its nodes share one address): every node's every exporter its own port."""
+    s = cluster_settings(exporter_port_base=20000)
+    nodes = ["head"] + [f"{p}-{n}" for p, pool in s.pools.items() for n in range(1, pool.max_nodes + 1)]
+    ports = [s.exporter_port(job, node) for node in nodes for job in settings.SCRAPE_JOBS]
+    assert len(set(ports)) == len(ports) and min(ports) == 20000
+    assert cluster_settings().exporter_port(settings.SCRAPE_JOBS[1], "p5-od-3") == settings.DCGM_EXPORTER_PORT
+
+
+def test_the_head_figures_parse_and_say_what_slurm_says() -> None:
+    s = cluster_settings()
+    nodes = "\n".join(["NodeName=p5-od-1 State=ALLOCATED+CLOUD", "NodeName=p5-od-2 State=IDLE+DRAIN+CLOUD",
+                       "NodeName=p5-od-3 State=IDLE+CLOUD+POWERED_DOWN", "NodeName=trn-1 State=DOWN+CLOUD",
+                       "NodeName=trn-2 State=MIXED+DRAIN+CLOUD"])
+    text = (metrics.pool_prices(s) + metrics.slurm_nodes(nodes, s) + metrics.slurm_jobs("p5-od RUNNING\np5-od PENDING\n"
+            "p5-od PENDING\ntrn RUNNING\n") + metrics.gpu_hours(
+        "vision||cpu=5000,mem=1000,gres/gpu=2700|gres/gpu=6000\nvision|ubuntu|cpu=5000,gres/gpu=2700|\n", "vision"))
+    assert 'gpucluster_slurm_node_state{node="p5-od-2",pool="p5-od",state="drained"} 1' in text
+    assert 'gpucluster_slurm_node_state{node="trn-2",pool="trn",state="draining"} 1' in text
+    assert 'gpucluster_slurm_node_state{node="p5-od-3",pool="p5-od",state="powered_down"} 1' in text
+    assert 'gpucluster_slurm_node_state{node="trn-1",pool="trn",state="down"} 1' in text
+    assert 'gpucluster_slurm_jobs{partition="p5-od",state="pending"} 2' in text
+    assert "gpucluster_gpu_used_seconds 162000\n" in text and "gpucluster_gpu_quota_seconds 360000\n" in text  # 45 h, 100 h
+    assert 'gpucluster_pool_gpu_hour_usd{pool="p5-od"} 12.29\n' in text and 'pool="cpu"' not in text
+    checked = subprocess.run([tool("promtool"), "check", "metrics"], input=text, capture_output=True, text=True,
+                             timeout=30)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_the_compute_figures_read_efa_and_lustre_counters(tmp_path: Path) -> None:
+    """A root prefix for /sys (this machine has no EFA device) and lctl's output as Lustre 2.15 prints it."""
+    for device, rx, tx in (("rdmap16s27", "1000", "2000"), ("rdmap32s27", "30", "40")):
+        counters = tmp_path / "sys/class/infiniband" / device / "ports/1/hw_counters"
+        counters.mkdir(parents=True)
+        (counters / "rx_bytes").write_text(rx + "\n")
+        (counters / "tx_bytes").write_text(tx + "\n")
+        (counters / "rdma_read_bytes").write_text("7\n")
+    lctl = ("llite.fsx-ffff9b0c5b5a1000.stats=\nsnapshot_time             1700000000.1 secs.nsecs\n"
+            "read_bytes                8 samples [bytes] 4096 1048576 4198400\n"
+            "write_bytes               2 samples [bytes] 65536 65536 131072\nopen                      5 samples [usecs]\n")
+    text = metrics.efa_bytes(tmp_path) + metrics.lustre_bytes(lctl)
+    assert 'gpucluster_efa_rx_bytes_total{device="rdmap16s27",port="1"} 1000' in text
+    assert 'gpucluster_efa_tx_bytes_total{device="rdmap32s27",port="1"} 40' in text
+    assert 'gpucluster_lustre_read_bytes_total{fs="fsx"} 4.1984e+06' in text
+    assert 'gpucluster_lustre_write_bytes_total{fs="fsx"} 131072' in text
+    checked = subprocess.run([tool("promtool"), "check", "metrics"], input=text, capture_output=True, text=True,
+                             timeout=30)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_alertmanager_sends_to_the_stack_topic(tmp_path: Path) -> None:
+    s = cluster_settings(alerts_topic_arn="arn:aws:sns:us-east-1:123456789012:gpucluster-team-a-alerts")
+    config = tmp_path / "alertmanager.yml"
+    config.write_text(bootstrap.alertmanager_config(s))
+    checked = subprocess.run([tool("amtool"), "check-config", str(config)], capture_output=True, text=True, timeout=30)
+    assert checked.returncode == 0 and "SUCCESS" in checked.stdout, checked.stdout + checked.stderr
+    receiver = json.loads(config.read_text())["receivers"][0]["sns_configs"][0]
+    assert receiver["topic_arn"] == s.alerts_topic_arn and receiver["sigv4"] == {"region": "us-east-1"}
+    config.write_text(bootstrap.alertmanager_config(s).replace('"sns_configs"', '"sns_config"'))
+    assert subprocess.run([tool("amtool"), "check-config", str(config)], capture_output=True).returncode != 0
