@@ -266,12 +266,13 @@ def cost(stack: Stack) -> dashboard.Dashboard:
                                f"sum({IDLE_SAMPLES}) / sum(count_over_time(gpucluster:gpu_idle[$__range]))",
                                "Of the GPU-hours the nodes were up over the board's range.", span=12))
             .with_panel(idle_table(idle_description))
-            .with_panel(series("Idle GPUs by pool", "short", query("sum by (pool) (gpucluster:gpu_idle)", "{{pool}}"))
+            .with_panel(series("Idle GPUs per pool", "short", query("sum by (pool) (gpucluster:gpu_idle)", "{{pool}}"))
                         .stacking(common_builders.StackingConfig().mode(common.StackingMode.NORMAL))))
 
 
 def idle_table(description: str) -> table.Panel:
-    panel = with_queries(table.Panel().title("Idle GPUs by pool").description(description).span(12).height(8),
+    panel = with_queries(table.Panel().title("Idle GPU-hours and their cost by pool").description(description)
+                         .span(12).height(8),
                          query(IDLE_HOURS_BY_POOL, instant=True, as_table=True),
                          query(IDLE_COST_BY_POOL, instant=True, as_table=True))
     return (panel.with_transformation(DataTransformerConfig(id_val="merge", options={}))
