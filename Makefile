@@ -7,9 +7,10 @@ STACK ?= dev
 
 # What the tests run for real: Slurm's daemons with munge and MariaDB, cloud-init's schema checker, shellcheck for
 # build_image.sh, PyYAML for /usr/bin/python3 (the boot rehearsal's cloud-init stand-in; cloud-init brings it too),
-# iptables, iproute2 and sudo for the nodes' lockdown (tests/test_lockdown.py).
+# iptables, iproute2 and sudo for the nodes' lockdown (tests/test_lockdown.py), promtool (Debian's prometheus package)
+# for the dashboards' queries (tests/test_dashboards.py).
 SYSTEM_PACKAGES := slurmctld slurmd slurm-client slurmdbd munge mariadb-server mariadb-client cloud-init \
-  shellcheck python3-yaml systemd util-linux mount e2fsprogs iptables iproute2 sudo
+  shellcheck python3-yaml systemd util-linux mount e2fsprogs iptables iproute2 sudo prometheus
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: plan test bench system-packages
