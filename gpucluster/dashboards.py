@@ -67,8 +67,8 @@ def query(expr: str, legend: str = "", *, instant: bool = False, as_table: bool 
 
 def with_queries(panel: P, *queries: prom.Dataquery) -> P:
     """The panel on our datasource with its queries as A, B, ... (a table names each query's values by refId)."""
-    for ref, q in zip("ABCDEFGH", queries, strict=False):
-        panel = panel.with_target(q.ref_id(ref))
+    for i, q in enumerate(queries):
+        panel = panel.with_target(q.ref_id(chr(ord("A") + i)))
     return panel.datasource(DATASOURCE)
 
 
