@@ -11,7 +11,7 @@ import gzip
 import hashlib
 import io
 import tarfile
-from gpucluster import monitoring, prometheus, settings, slurm, sources
+from gpucluster import dashboards, monitoring, prometheus, settings, slurm, sources
 from gpucluster.spec import Stack, stack_file
 
 PROGRAMS = ("bootstrap.py", "build_image.sh", "gpucluster_node.py", "gpucluster_budget.py", "gpucluster_neuron_metrics.py",
@@ -38,7 +38,7 @@ def contents(stack: Stack, layout: slurm.SlurmLayout = slurm.SlurmLayout()) -> d
     files["accounting.sh"] = (slurm.accounting_script(stack, CLUSTER_USERS).encode(), 0o755)
     files |= {name: (text.encode(), 0o644)
               for name, text in (monitoring.node_config(stack, pool) for pool in monitoring.watched_pools(stack))}
-    files |= {name: (text.encode(), 0o644) for name, text in prometheus.files(stack).items()}
+    files |= {name: (text.encode(), 0o644) for name, text in (prometheus.files(stack) | dashboards.files(stack)).items()}
     return files
 
 

@@ -124,13 +124,13 @@ def plan(args: argparse.Namespace) -> int:
 
 def render(args: argparse.Namespace) -> int:
     """The exact user data EC2 gets, and the Slurm files the head node writes."""
-    from gpucluster import prometheus, slurm, userdata
+    from gpucluster import dashboards, prometheus, slurm, userdata
 
     stack = _load(args.stack)
     out = Path(args.out)
     files = dict(userdata.all_user_data(stack))
     files |= {f"slurm/{name}": text for name, text in slurm.all_files(stack).items()}
-    files |= prometheus.files(stack)  # byte for byte what the head's bundle carries
+    files |= prometheus.files(stack) | dashboards.files(stack)  # byte for byte what the head's bundle carries
     for name, text in files.items():
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_text(text)

@@ -26,7 +26,7 @@ from gpucluster.spec import Stack
 
 # The head provisions its Prometheus datasource under this uid (at 127.0.0.1:PROMETHEUS_PORT): the boards name it by
 # uid, so they never depend on the datasource's display name.
-DATASOURCE_UID = "prometheus"
+DATASOURCE_UID = settings.GRAFANA_DATASOURCE_UID
 DATASOURCE = DataSourceRef(type_val="prometheus", uid=DATASOURCE_UID)
 OVERVIEW_UID = "gpucluster-overview"
 JOBS_UID = "gpucluster-jobs"
@@ -249,16 +249,16 @@ def cost(stack: Stack) -> dashboard.Dashboard:
                                query("max(gpucluster_budget_forecast_usd)", "forecast"),
                                query(limit, "budget"), span=24))
             .with_row(dashboard.Row("GPU-hours"))
-            .with_panel(single("GPU-hours used", GPU_HOURS, "max(gpucluster_gpu_hours_used)",
+            .with_panel(single("GPU-hours used", GPU_HOURS, "max(gpucluster_gpu_used_seconds) / 3600",
                                "Slurm's account of the team's GPU-hours this month."))
-            .with_panel(single("GPU-hour quota", GPU_HOURS, "max(gpucluster_gpu_hours_quota)",
+            .with_panel(single("GPU-hour quota", GPU_HOURS, "max(gpucluster_gpu_quota_seconds) / 3600",
                                "Slurm holds the team's new jobs once it is spent."))
-            .with_panel(dial("Quota used", "percentunit", "max(gpucluster:gpu_hours_used:ratio)",
+            .with_panel(dial("Quota used", "percentunit", "max(gpucluster:gpu_quota_used:ratio)",
                              "The GpuHourQuotaNearlySpent alert fires at the orange mark.", 1,
                              steps("green", (prometheus.QUOTA_WARN_SHARE, "orange"), (1, "red"))))
             .with_panel(series("GPU-hours used against the quota", GPU_HOURS,
-                               query("max(gpucluster_gpu_hours_used)", "used"),
-                               query("max(gpucluster_gpu_hours_quota)", "quota"), span=6))
+                               query("max(gpucluster_gpu_used_seconds) / 3600", "used"),
+                               query("max(gpucluster_gpu_quota_seconds) / 3600", "quota"), span=6))
             .with_row(dashboard.Row("Idle GPUs"))
             .with_panel(single("Idle GPU-hours", GPU_HOURS, f"sum({IDLE_HOURS_BY_POOL})", idle_description))
             .with_panel(single("Cost of idle GPUs", USD, f"sum({IDLE_COST_BY_POOL})", idle_description))

@@ -77,7 +77,9 @@ def config(stack: Stack) -> str:
         "scrape_configs": [{"job_name": "prometheus",
                             "static_configs": [{"targets": [f"127.0.0.1:{settings.PROMETHEUS_PORT}"]}]}] + [
             # A list file that is missing or empty is no target, not an error: a cluster at zero has none.
-            {"job_name": job.name,
+            # honor_labels: the head's textfile figures carry their own node and pool (Slurm's nodes, the pools'
+            # prices), which the head's target labels must not rename to exported_node and exported_pool.
+            {"job_name": job.name, "honor_labels": True,
              "file_sd_configs": [{"files": [f"{settings.SCRAPE_TARGETS_DIR}/{job.targets_file}"],
                                   "refresh_interval": "1m"}]}
             for job in settings.SCRAPE_JOBS],
@@ -86,18 +88,19 @@ def config(stack: Stack) -> str:
         yaml.safe_dump(doc, sort_keys=False, default_flow_style=False)
 
 
-def gpu_idle_expr(comparison: str = "<") -> str:
-    """The seed's alert, on what dcgm-exporter always sets (so the same expression serves Kubernetes). `< bool` gives
-    1 for an idle GPU and 0 for a busy one instead of filtering."""
-    return (f'avg_over_time(DCGM_FI_DEV_GPU_UTIL{{UUID!=""}}[{monitoring.IDLE_MINUTES}m]) '
-            f'{comparison} {monitoring.IDLE_PERCENT}')
+def gpu_idle_expr() -> str:
+    """The seed's alert, on what dcgm-exporter always sets (so the same expression serves Kubernetes)."""
+    return f'avg_over_time(DCGM_FI_DEV_GPU_UTIL{{UUID!=""}}[{monitoring.IDLE_MINUTES}m]) < {monitoring.IDLE_PERCENT}'
 
 
 QUOTA_WARN_SHARE = 0.9
 
 RECORDING_RULES = (
     # 1 for a GPU idle by the alert's measure, 0 for a busy one: its sum over a range is idle samples, hence hours.
-    ("gpucluster:gpu_idle", gpu_idle_expr("< bool")),
+    # Without hpc_job: when a job starts on a GPU its series gains the label, and the old series would still answer
+    # for its last 5 minutes, counting them idle once more.
+    ("gpucluster:gpu_idle", f'max without (hpc_job) (avg_over_time(DCGM_FI_DEV_GPU_UTIL{{UUID!=""}}'
+                            f'[{monitoring.IDLE_MINUTES}m])) < bool {monitoring.IDLE_PERCENT}'),
     ("gpucluster:gpu_quota_used:ratio", "gpucluster_gpu_used_seconds / gpucluster_gpu_quota_seconds"),
 )
 

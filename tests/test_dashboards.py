@@ -278,3 +278,10 @@ def test_jobs_board_groups_gpus_by_slurm_job() -> None:
         for target in panel["targets"]:
             assert 'hpc_job=~"$job"' in target["expr"], panel["title"]
             assert re.search(r"by \(hpc_job\b", target["expr"]), panel["title"]
+
+
+def test_every_rule_names_only_metrics_an_exporter_we_ship_produces() -> None:
+    """Prometheus' own rules (rules.yml) by the same strict reading as the panels."""
+    for rule in prometheus.alert_rules() + [{"expr": expr} for _, expr in prometheus.RECORDING_RULES]:
+        names = metric_names(str(rule["expr"]))
+        assert names and names <= KNOWN_METRICS, (rule, names - KNOWN_METRICS)

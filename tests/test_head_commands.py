@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import STACK_FILES
-from gpucluster import bundle, prometheus, slurm, userdata
+from gpucluster import bundle, dashboards, prometheus, slurm, userdata
 from gpucluster.spec import load_stack
 
 SYSTEM_PYTHON = "/usr/bin/python3"  # what runs the node programs: no pydantic, no venv
@@ -67,11 +67,11 @@ def test_render_from_the_bundle_gives_the_repositorys_files(path: Path, tmp_path
     out = tmp_path / "out"
     written = {str(p.relative_to(out)): p.read_text() for p in out.rglob("*") if p.is_file()}
     expected = userdata.all_user_data(stack) | {f"slurm/{name}": text for name, text in slurm.all_files(stack).items()}
-    expected |= prometheus.files(stack)
+    expected |= prometheus.files(stack) | dashboards.files(stack)
     assert written.keys() == expected.keys()
     for name, text in expected.items():
         assert written[name] == text, f"{name} rendered on the head node differs from the repository's"
-    for name in prometheus.files(stack):  # what Prometheus reads on the head is what `render` writes
+    for name in prometheus.files(stack) | dashboards.files(stack):  # what the head reads is what `render` writes
         assert (root / name).read_text() == written[name], name
 
 

@@ -9,7 +9,7 @@ import json
 import tarfile
 
 from conftest import ROOT, of_type
-from gpucluster import bundle, prometheus, userdata
+from gpucluster import bundle, dashboards, prometheus, userdata
 from gpucluster.plan import Declared, planned_id, planned_outputs
 from gpucluster.spec import Stack
 
@@ -228,7 +228,8 @@ def test_bundle_object_holds_the_rendered_files(shipped: Shipped) -> None:
     programs = {"bootstrap.py", "build_image.sh", "gpucluster_node.py", "gpucluster_budget.py",
                 "gpucluster_neuron_metrics.py", "task_prolog.sh", "gpucluster_hosts.py", "gpucluster_health.py",
                 "gpucluster_metrics.py"}
-    metrics = set(prometheus.files(stack))  # Prometheus' configuration, rules and flags; dcgm-exporter's counters
+    # Prometheus' configuration, rules and flags; dcgm-exporter's counters; Grafana's dashboards.
+    metrics = set(prometheus.files(stack)) | set(dashboards.files(stack))
     metrics |= {f"{'cloudwatch-agent' if p.itype.accelerator.kind == 'nvidia' else 'neuron-metrics'}/{p.name}.json"
                for p in stack.spec.pools}
     slurm_files = {f"slurm/{n}" for n in ("slurm.conf", "gres.conf", "slurmdbd.conf", "plugstack.conf", "cgroup.conf")}

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, STACK_FILES
-from gpucluster import settings, slurm, sources, userdata
+from gpucluster import dashboards, settings, slurm, sources, userdata
 from gpucluster.spec import load_stack
 
 GOLDEN = ROOT / "tests" / "golden"
@@ -36,7 +36,8 @@ def test_render_writes_valid_small_user_data_and_slurm_files(path: Path, tmp_pat
     assert done.returncode == 0, done.stderr
     expected = {"head-node.user-data", *(f"{p.name}.user-data" for p in stack.spec.pools),
                 "slurm/slurm.conf", "slurm/gres.conf", "slurm/slurmdbd.conf", "slurm/plugstack.conf", "slurm/cgroup.conf",
-                *settings.MONITORING_FILES, "prometheus/prometheus.env", "dcgm-exporter/counters.csv"}
+                *settings.MONITORING_FILES, "prometheus/prometheus.env", "dcgm-exporter/counters.csv",
+                *dashboards.files(stack)}
     written = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()}
     assert written == expected
     for name in {n for n in expected if n.endswith(".user-data")}:
