@@ -210,6 +210,9 @@ def state_volume(volume_id: str, where: Path = STATE, dev: Path = Path("/dev/dis
     fstab_entry(f"{device} {where} ext4 defaults,nofail 0 2")
     if not mounted(str(where)):
         run("mount", str(where))
+    # A volume that `pulumi up` enlarged (EBS grows it in place) gets a file system as large: Prometheus' retention
+    # is sized for the volume. Online, and nothing to do when the sizes match.
+    run("resize2fs", str(device))
 
 
 def database_dir(data: Path = STATE / "mysql", conf: Path = Path("/etc/mysql/mariadb.conf.d/60-gpucluster.cnf")) -> None:
@@ -541,7 +544,8 @@ def node_exporter(s: ClusterSettings, node: str, address: str) -> None:
     Path(contract.TEXTFILE_DIR).mkdir(parents=True, exist_ok=True)
     port = s.exporter_port(contract.SCRAPE_JOBS[0], node)
     Path("/etc/default/prometheus-node-exporter").write_text(
-        f'ARGS="--web.listen-address={address}:{port} --collector.textfile.directory={contract.TEXTFILE_DIR}"\n')
+        f'ARGS="--web.listen-address={address}:{port} --collector.textfile.directory={contract.TEXTFILE_DIR} '
+        f'{" ".join(contract.NODE_EXPORTER_FLAGS)}"\n')
     start("prometheus-node-exporter")
 
 

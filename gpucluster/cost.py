@@ -32,7 +32,7 @@ LUSTRE_USD_PER_GIB_MONTH = {
 SSM_ENDPOINTS = ("ssm", "ssmmessages", "ec2messages")
 # The head node's disks, as components/head_node.py creates them (gp3, encrypted).
 HEAD_ROOT_GIB = 100
-HEAD_STATE_GIB = 100  # slurmctld state and MariaDB
+HEAD_STATE_GIB = 200  # slurmctld state, MariaDB and Prometheus (half of it: benchmarks/prometheus_scale.py)
 # The root volume of each baked node image (components/image.py), within what its nodes launch with: Ubuntu's 8 GiB
 # plus the head's packages; for compute the DLAMI's volume plus torch, and no more than a pool's smallest root.
 IMAGE_ROOT_GIB = {"head": 20, "compute": MIN_POOL_ROOT_GIB}

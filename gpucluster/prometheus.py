@@ -16,7 +16,7 @@ from gpucluster.spec import Stack
 SCRAPE_SECONDS = 30  # dcgm-exporter samples every 30 s by default: scraping faster would only repeat its figures
 RETENTION_DAYS = 62  # the cost board's "this month" and the month before it
 # The share of the head's state volume Prometheus may fill (slurmctld's state and MariaDB live there too).
-RETENTION_SHARE = 0.4
+RETENTION_SHARE = 0.5
 PROMETHEUS_CONFIG = f"{settings.BUNDLE_DIR}/{settings.MONITORING_FILES[0]}"
 
 # The counters our dcgm-exporter collects (its -f file, in the bundle): name, Prometheus type, help.

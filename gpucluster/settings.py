@@ -88,6 +88,9 @@ PROMETHEUS_DATA_DIR = f"{STATE_DIR}/prometheus"  # on the state volume: a replac
 # node_exporter's textfile collector (Debian's and Ubuntu's default directory): the Slurm, budget, EFA and Lustre
 # figures our programs write as *.prom files.
 TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"
+# A p5 has 192 vCPUs and 33 network interfaces: guest CPU time and each interface's sysfs class data would be a third
+# of its series (benchmarks/prometheus_scale.py) and no board or rule reads them.
+NODE_EXPORTER_FLAGS = ("--no-collector.netclass", "--no-collector.cpu.guest")
 # dcgm-exporter's HPC job mapping: one file per GPU index holding the ids of the jobs on it (the Prolog writes, the
 # Epilog removes); dcgm-exporter adds them to that GPU's series as the label `hpc_job`.
 GPU_JOB_MAP_DIR = "/run/gpucluster/gpu-jobs"

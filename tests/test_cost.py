@@ -15,14 +15,14 @@ def test_dev_stack_by_hand() -> None:
     assert (pool.usd_per_node_hour, pool.min_nodes, pool.max_nodes) == (0.8048, 0, 2)
     assert pool.priced_as == "on-demand (spot upper bound)"
     assert est.lustre_monthly == pytest.approx(0.140 * 1200)  # SCRATCH_2, 1200 GiB
-    assert est.head_node_monthly == pytest.approx(0.1008 * 730 + 0.08 * 200)  # m7i.large + root and state gp3
+    assert est.head_node_monthly == pytest.approx(0.1008 * 730 + 0.08 * 300)  # m7i.large + root (100) and state (200) gp3
     assert est.network_monthly == pytest.approx((0.045 + 3 * 0.01) * 730)  # NAT + three SSM endpoints
     # Two baked images (head, compute-nvidia): an hour of m7i.xlarge each per build, and their snapshots at the
     # standard rate for 20 GiB (head) and 120 GiB (compute) roots.
     assert [(i.key, i.root_gib) for i in est.images] == [("head", 20), ("compute-nvidia", 120)]
     assert est.image_build_usd == pytest.approx(2 * 0.2016 * 1.0)
     assert est.image_snapshots_monthly == pytest.approx(0.05 * 20 + 0.05 * 120)  # $7.00
-    fixed = (0.140 * 1200 + 0.1008 * 730 + 0.08 * 200 + (0.045 + 0.03) * 730 + 7.0) / 730
+    fixed = (0.140 * 1200 + 0.1008 * 730 + 0.08 * 300 + (0.045 + 0.03) * 730 + 7.0) / 730
     assert est.hourly_min == pytest.approx(fixed)
     assert est.hourly_max == pytest.approx(fixed + 2 * 0.8048)
     assert est.monthly_at_max == pytest.approx((fixed + 2 * 0.8048) * 730)

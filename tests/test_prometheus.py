@@ -145,7 +145,7 @@ def test_dcgm_counters_are_what_the_rules_and_exporter_list_agree_on() -> None:
 
 def test_prometheus_keeps_at_most_its_share_of_the_state_volume() -> None:
     args = prometheus.prometheus_args()
-    assert "--storage.tsdb.retention.size=40GB" in args and f"--storage.tsdb.path={settings.PROMETHEUS_DATA_DIR}" in args
+    assert "--storage.tsdb.retention.size=100GB" in args and f"--storage.tsdb.path={settings.PROMETHEUS_DATA_DIR}" in args
     assert "--web.listen-address=127.0.0.1:" in args  # never on the node's network address
 
 
