@@ -415,7 +415,8 @@ def test_one_image_per_role_and_accelerator_kind_needed(shipped: tuple[Stack, tu
     assert set(images) == _expected_keys(stack)
     assert set(images) == {i.key for i in cost.estimate(stack).images}
     for image in images.values():
-        for suffix in ("component:Component", "imageRecipe:ImageRecipe", "image:Image", "iam/role:Role",
+        assert 1 <= len(_children(declared, image, "component:Component")) <= 2  # the script's parts
+        for suffix in ("imageRecipe:ImageRecipe", "image:Image", "iam/role:Role",
                        "infrastructureConfiguration:InfrastructureConfiguration", "iam/instanceProfile:InstanceProfile",
                        "distributionConfiguration:DistributionConfiguration"):
             assert len(_children(declared, image, suffix)) == 1, (image.name, suffix)
@@ -437,9 +438,11 @@ def test_recipe_parent_image_and_encrypted_root(shipped: tuple[Stack, tuple[Decl
         assert root["deviceName"] == "/dev/sda1"
         assert root["ebs"]["encrypted"] == "true" and root["ebs"]["volumeType"] == "gp3"
         assert root["ebs"]["volumeSize"] <= (100 if key == "head" else min(p.root_volume_gib for p in stack.spec.pools))
-        (component,) = _children(declared, image, "component:Component")
+        # The script's parts, in the order they write it; the first keeps the image's name.
+        components = _children(declared, image, "component:Component")
+        assert components[0].name == image.name
         assert recipe.inputs["components"] == [{"componentArn": f"arn:aws:imagebuilder:{stack.region}:123456789012:"
-                                                               f"component/{component.name}/1.0.0/1"}]
+                                                               f"component/{c.name}/1.0.0/1"} for c in components]
 
 
 def test_build_instance_private_imdsv2_and_least_privilege(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
@@ -469,24 +472,40 @@ def test_build_instance_private_imdsv2_and_least_privilege(shipped: tuple[Stack,
         assert ami["amiTags"]["gpucluster:cluster"] == stack.cluster_name
 
 
-def test_component_document_carries_exactly_the_build_script(shipped: tuple[Stack, tuple[Declared, ...]],
-                                                              tmp_path: Path) -> None:
-    from components.image import SCRIPT_ON_IMAGE
+def test_component_documents_carry_exactly_the_build_script(shipped: tuple[Stack, tuple[Declared, ...]],
+                                                             tmp_path: Path) -> None:
+    """Each under Image Builder's inline limit; their write steps, run here in the recipe's order with the path moved
+    into tmp_path, reproduce the script byte for byte; the last one runs it."""
+    from components.image import COMPONENT_DATA_LIMIT, SCRIPT_ON_IMAGE
 
     stack, declared = shipped
     for image in (d for d in declared if d.type == "gpucluster:image:NodeImage"):
         role = image.name.removeprefix(f"{stack.cluster_name}-").split("-")[0]
-        (component,) = _children(declared, image, "component:Component")
-        assert component.inputs["platform"] == "Linux" and len(component.inputs["data"]) <= 16000
-        document = yaml.safe_load(component.inputs["data"])
-        write, run = (step["inputs"]["commands"] for step in document["phases"][0]["steps"])
-        assert run == [f"bash {SCRIPT_ON_IMAGE} {role}"]
-        # The write step, run here with the path moved into tmp_path, reproduces the script byte for byte.
-        target = tmp_path / role / "build_image.sh"
-        mkdir, cat, body = write[0].split("\n", 2)  # the path only in the first two lines, not in the script
-        command = f"{mkdir}\n{cat}".replace(str(Path(SCRIPT_ON_IMAGE).parent), str(target.parent)) + f"\n{body}"
-        subprocess.run(["bash", "-c", command], check=True)
+        target = tmp_path / image.name / "build_image.sh"
+        components = _children(declared, image, "component:Component")
+        for i, component in enumerate(components):
+            assert component.inputs["platform"] == "Linux" and len(component.inputs["data"]) <= COMPONENT_DATA_LIMIT
+            steps = yaml.safe_load(component.inputs["data"])["phases"][0]["steps"]
+            (write,) = steps[0]["inputs"]["commands"]
+            # The path only in the lines before the script: install -d and cat > in the first part, cat >> after.
+            *head, body = write.split("\n", 2 if i == 0 else 1)
+            assert head[-1].startswith(f"cat {'>' if i == 0 else '>>'} {SCRIPT_ON_IMAGE} <<")
+            head = [line.replace(str(Path(SCRIPT_ON_IMAGE).parent), str(target.parent)) for line in head]
+            subprocess.run(["bash", "-c", "\n".join([*head, body])], check=True)
+            runs = [step["inputs"]["commands"] for step in steps[1:]]
+            assert runs == ([[f"bash {SCRIPT_ON_IMAGE} {role}"]] if i == len(components) - 1 else [])
         assert target.read_bytes() == SCRIPT.read_bytes()
+
+
+def test_a_script_over_the_inline_limit_is_split_between_lines() -> None:
+    from components.image import COMPONENT_DATA_LIMIT, component_documents
+
+    script = "".join(f"echo line {i} {'x' * 70}\n" for i in range(600))  # about 50,000 characters
+    documents = component_documents("head", script)
+    assert len(documents) >= 4 and all(len(d) <= COMPONENT_DATA_LIMIT for d in documents)
+    parts = [yaml.safe_load(d)["phases"][0]["steps"][0]["inputs"]["commands"][0] for d in documents]
+    assert "".join(part.split("\n", 2 if i == 0 else 1)[-1].removesuffix("GPUCLUSTER_BUILD_SCRIPT\n")
+                   for i, part in enumerate(parts)) == script
 
 
 def test_templates_and_head_boot_the_baked_images(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
@@ -539,14 +558,14 @@ def test_build_false_declares_no_image_builder_resources() -> None:
     assert head.inputs["ami"] == f"<AMI from {catalog.UBUNTU_AMI_PARAMETER} at up>"
 
 
-def test_component_document_refuses_what_aws_or_awstoe_would_mangle() -> None:
-    from components.image import component_document
+def test_component_documents_refuse_what_aws_or_awstoe_would_mangle() -> None:
+    from components.image import component_documents
 
     script = SCRIPT.read_text()
     for bad in (script.rstrip("\n"), script + "echo {{ build.x }}\n", script + "GPUCLUSTER_BUILD_SCRIPT\n",
-                script + "#" * 4000 + "\n"):
+                script + "#" * 16000 + "\n"):  # the last: a line no document can hold
         with pytest.raises(ValueError):
-            component_document("compute", bad)
+            component_documents("compute", bad)
 
 
 def test_each_build_logs_to_a_group_the_stack_owns() -> None:
