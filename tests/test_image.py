@@ -17,7 +17,7 @@ import yaml
 
 from conftest import FIXTURES, ROOT, of_type, planned
 from gpucluster import catalog, cost, settings
-from gpucluster.plan import Declared, planned_id, run_program
+from gpucluster.plan import Declared, planned_id, planned_outputs, run_program
 from gpucluster.spec import Stack, load_stack, stack_config, validate
 
 SCRIPT = ROOT / "cloud-init" / "build_image.sh"
@@ -439,10 +439,11 @@ def test_recipe_parent_image_and_encrypted_root(shipped: tuple[Stack, tuple[Decl
         assert root["ebs"]["encrypted"] == "true" and root["ebs"]["volumeType"] == "gp3"
         assert root["ebs"]["volumeSize"] <= (100 if key == "head" else min(p.root_volume_gib for p in stack.spec.pools))
         # The script's parts, in the order they write it; the first keeps the image's name.
-        components = _children(declared, image, "component:Component")
-        assert components[0].name == image.name
+        names = [c.name for c in _children(declared, image, "component:Component")]
+        in_order = [image.name, *(f"{image.name}-{i}" for i in range(2, len(names) + 1))]
+        assert sorted(names) == sorted(in_order)
         assert recipe.inputs["components"] == [{"componentArn": f"arn:aws:imagebuilder:{stack.region}:123456789012:"
-                                                               f"component/{c.name}/1.0.0/1"} for c in components]
+                                                               f"component/{name}/1.0.0/1"} for name in in_order]
 
 
 def test_build_instance_private_imdsv2_and_least_privilege(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
@@ -482,7 +483,9 @@ def test_component_documents_carry_exactly_the_build_script(shipped: tuple[Stack
     for image in (d for d in declared if d.type == "gpucluster:image:NodeImage"):
         role = image.name.removeprefix(f"{stack.cluster_name}-").split("-")[0]
         target = tmp_path / image.name / "build_image.sh"
-        components = _children(declared, image, "component:Component")
+        (recipe,) = _children(declared, image, "imageRecipe:ImageRecipe")
+        by_arn = {planned_outputs(c, stack.region)["arn"]: c for c in _children(declared, image, "component:Component")}
+        components = [by_arn[c["componentArn"]] for c in recipe.inputs["components"]]  # the recipe's order
         for i, component in enumerate(components):
             assert component.inputs["platform"] == "Linux" and len(component.inputs["data"]) <= COMPONENT_DATA_LIMIT
             steps = yaml.safe_load(component.inputs["data"])["phases"][0]["steps"]
