@@ -22,6 +22,18 @@ PYXIS_TAG=v0.20.1                                     # the pyxis line paired wi
 PYXIS_COMMIT=d3ff5b87de45e0cb23dfe626c5edba1238e980e0  # what the tag named when pinned
 CWAGENT_VERSION=1.300072.0b1766
 CWAGENT_KEY_FINGERPRINT=937616F3450B7D806CBD9725D58167303B789C72  # AWS's CloudWatch agent signing key
+# Monitoring: Ubuntu's Prometheus packages (noble-updates, as packages.ubuntu.com listed them when pinned); Grafana OSS
+# from Grafana's signed repository, its key checked against the fingerprint Grafana publishes (since its 2023 rotation).
+PROMETHEUS_VERSION=2.45.3+ds-2ubuntu0.3
+ALERTMANAGER_VERSION=0.26.0+ds-1ubuntu0.3
+NODE_EXPORTER_VERSION=1.7.0-1ubuntu0.3
+GRAFANA_VERSION=11.6.14
+GRAFANA_KEY_FINGERPRINT=B53AE77BADB630A683046005963FA27710458545
+GRAFANA_SDK_VERSION=1769699379!11.6.0  # grafana-foundation-sdk (`gpucluster render`'s dashboards): no dependencies
+# NVIDIA images: dcgm-exporter, pulled into the image so that a boot needs no registry; by its linux/amd64 digest, as a
+# tag can move. Its DCGM (4.5) is its own, embedded: not the parent image's dcgmi and nv-hostengine.
+DCGM_EXPORTER_IMAGE=nvcr.io/nvidia/k8s/dcgm-exporter:4.5.2-4.8.1-ubuntu22.04
+DCGM_EXPORTER_DIGEST=sha256:a7ad6547d4546eaf4dd5d6b4c0b4db4101e63ef7dc3cdff7f42b767d2c60b706
 TORCH_VERSION=2.13.0     # the examples' version (requirements-dev.txt)
 PYDANTIC_VERSION=2.14.4  # for the head's `gpucluster` command (requirements.txt: pydantic 2)
 # Every other distribution pip installs; torch pins its own CUDA wheels and triton exactly.
@@ -33,10 +45,13 @@ PIP_CONSTRAINTS=(filelock==4.3.1 fsspec==2026.9.0 jinja2==3.1.6 markupsafe==3.0.
 # images carry it, named here so that no parent image can lack it. Unversioned, from the noble archive, like the tools.
 HEAD_PACKAGES=("munge=$MUNGE_VERSION" "slurmctld=$SLURM_VERSION" "slurmdbd=$SLURM_VERSION"
   "slurm-client=$SLURM_VERSION" "mariadb-server=$MARIADB_VERSION" "python3-boto3=$BOTO3_VERSION"
-  "python3-venv=$PYTHON3_VENV_VERSION" "python3-yaml=$PYYAML_VERSION" iptables)
+  "python3-venv=$PYTHON3_VENV_VERSION" "python3-yaml=$PYYAML_VERSION" iptables "prometheus=$PROMETHEUS_VERSION"
+  "prometheus-alertmanager=$ALERTMANAGER_VERSION" "prometheus-node-exporter=$NODE_EXPORTER_VERSION"
+  "grafana=$GRAFANA_VERSION")
 # libslurm-dev: pyxis compiles against this Slurm; python3-venv: the torch venv.
 COMPUTE_PACKAGES=("munge=$MUNGE_VERSION" "slurmd=$SLURM_VERSION" "slurm-client=$SLURM_VERSION"
-  "libslurm-dev=$SLURM_VERSION" "python3-boto3=$BOTO3_VERSION" "python3-venv=$PYTHON3_VENV_VERSION" iptables)
+  "libslurm-dev=$SLURM_VERSION" "python3-boto3=$BOTO3_VERSION" "python3-venv=$PYTHON3_VENV_VERSION" iptables
+  "prometheus-node-exporter=$NODE_EXPORTER_VERSION")
 # enroot from source (its doc/installation.md): git, gcc, make, setcap (libcap2-bin) and patch (for musl) build it;
 # the doc's libtool, automake and libmd-dev served a libbsd that 3.5.0 vendors and builds without them. At run time
 # it needs what its .deb depended on. Unversioned, from the noble archive: the tools only build a source pinned by
@@ -44,8 +59,9 @@ COMPUTE_PACKAGES=("munge=$MUNGE_VERSION" "slurmd=$SLURM_VERSION" "slurm-client=$
 ENROOT_BUILD_PACKAGES=(git gcc make libcap2-bin patch)
 ENROOT_RUNTIME_PACKAGES=(curl gawk jq parallel squashfs-tools zstd bsdmainutils)
 # The boot configures and starts these (bootstrap.py); the image leaves them off.
-HEAD_SERVICES=(munge slurmctld slurmdbd mariadb)
-COMPUTE_SERVICES=(munge slurmd)
+HEAD_SERVICES=(munge slurmctld slurmdbd mariadb prometheus prometheus-alertmanager prometheus-node-exporter
+  grafana-server)
+COMPUTE_SERVICES=(munge slurmd prometheus-node-exporter)
 
 # --- where things come from and go ---------------------------------------------------------------------------------
 ENROOT_REPO=https://github.com/NVIDIA/enroot.git
@@ -56,6 +72,8 @@ CWAGENT_CTL=/opt/aws/amazon-cloudwatch-agent/bin/amazon-cloudwatch-agent-ctl
 # against this key, which AWS publishes unversioned.
 LUSTRE_KEY_URL=https://fsx-lustre-client-repo-public-keys.s3.amazonaws.com/fsx-ubuntu-public-key.asc
 LUSTRE_REPO=https://fsx-lustre-client-repo.s3.amazonaws.com/ubuntu
+GRAFANA_REPO=https://apt.grafana.com
+NEURON_BIN=/opt/aws/neuron/bin  # the Neuron Deep Learning AMI's tools
 PYPI=https://pypi.org/simple
 MANIFEST=/opt/gpucluster-image/manifest.json  # IMAGE_MANIFEST in gpucluster/settings.py
 VENV=/opt/gpucluster-image/venv
@@ -100,12 +118,29 @@ packages() {  # packages PACKAGE=VERSION...
   gpg --batch --yes --dearmor -o "$ROOT/usr/share/keyrings/fsx-ubuntu-public-key.gpg" "$WORK/fsx-ubuntu-public-key.asc"
   echo "deb [signed-by=/usr/share/keyrings/fsx-ubuntu-public-key.gpg] $LUSTRE_REPO noble main" \
     >"$ROOT/etc/apt/sources.list.d/fsxlustreclientrepo.list"
-  retry apt_get update --error-on=any  # the one index refresh of this run: Ubuntu's and the Lustre repository
+  [[ $ROLE == compute ]] || grafana_repository
+  retry apt_get update --error-on=any  # the one index refresh of this run: Ubuntu's, Lustre's and (head) Grafana's
   apt_install "$@"
   # Built for the running kernel, so not versioned apart from it. Not the lustre-client-modules-aws meta package the
   # FSx guide adds for kernel upgrades: it may pull a newer kernel into the image, one the parent AMI's NVIDIA and EFA
   # modules were not built for. A baked image keeps its kernel; a new parent AMI is a new bake.
   apt_install "lustre-client-modules-$(uname -r)"
+}
+
+grafana_repository() {
+  local key=$WORK/grafana.asc fingerprints
+  retry fetch "$GRAFANA_REPO/gpg.key" "$key"
+  # Every primary key in the file: apt would trust any of them for this repository.
+  fingerprints=$(gpg --batch --homedir "$WORK" --with-colons --show-keys "$key" |
+    awk -F: '$1 == "pub" {p = 1} $1 == "sub" {p = 0} $1 == "fpr" && p {print $10; p = 0}')
+  [[ $fingerprints == "$GRAFANA_KEY_FINGERPRINT" ]] ||
+    die "Grafana's apt key is ${fingerprints:-none}, not the pinned one"
+  gpg --batch --yes --dearmor -o "$ROOT/usr/share/keyrings/grafana.gpg" "$key"
+  echo "deb [signed-by=/usr/share/keyrings/grafana.gpg] $GRAFANA_REPO stable main" \
+    >"$ROOT/etc/apt/sources.list.d/grafana.list"
+  # A later apt upgrade keeps this Grafana: the repository carries every newer major.
+  printf 'Package: grafana\nPin: version %s\nPin-Priority: 1001\n' "$GRAFANA_VERSION" \
+    >"$ROOT/etc/apt/preferences.d/gpucluster-grafana"
 }
 
 clone_pyxis() { rm -rf "$1" && git clone -q --depth 1 --branch "$PYXIS_TAG" "$PYXIS_REPO" "$1"; }
@@ -155,14 +190,25 @@ cloudwatch_agent() {  # the idle-GPU alarms read its metrics; the Deep Learning 
   apt_install "$deb"
 }
 
-dcgm() {  # on the NVIDIA Deep Learning AMIs: check, never install
+dcgm() {  # on the NVIDIA Deep Learning AMIs: check, never install (docker and nvidia-ctk run dcgm-exporter)
   if ! command -v nvidia-smi >/dev/null; then
     echo "none (no NVIDIA driver)"
-  elif command -v dcgmi >/dev/null; then
-    echo "from the parent image"
-  else
+  elif ! command -v dcgmi >/dev/null; then
     die "an NVIDIA image without DCGM (dcgmi): the Deep Learning AMI should carry it"
+  elif ! command -v docker >/dev/null || ! command -v nvidia-ctk >/dev/null; then
+    die "an NVIDIA image without docker or the NVIDIA container toolkit: the Deep Learning AMI should carry them"
+  else
+    echo "from the parent image"
   fi
+}
+
+neuron() {  # on the Neuron Deep Learning AMIs: neuron-monitor and its Prometheus output, checked
+  local tool
+  [[ -d $ROOT$NEURON_BIN ]] || { echo "none (no Neuron tools)"; return; }
+  for tool in neuron-monitor neuron-monitor-prometheus.py; do
+    [[ -x $ROOT$NEURON_BIN/$tool ]] || die "a Neuron image without $NEURON_BIN/$tool"
+  done
+  echo "from the parent image"
 }
 
 python_venv() {  # python_venv REQUIREMENT...: the one venv of the image, every distribution pinned
@@ -175,11 +221,15 @@ python_venv() {  # python_venv REQUIREMENT...: the one venv of the image, every 
 write_manifest() {  # the last step: its presence means the image is complete
   local versions=("\"slurm\": \"$SLURM_VERSION\"" "\"munge\": \"$MUNGE_VERSION\"" "\"boto3\": \"$BOTO3_VERSION\"")
   if [[ $ROLE == head ]]; then
-    versions+=("\"mariadb\": \"$MARIADB_VERSION\"" "\"pyyaml\": \"$PYYAML_VERSION\"" "\"pydantic\": \"$PYDANTIC_VERSION\"")
+    versions+=("\"mariadb\": \"$MARIADB_VERSION\"" "\"pyyaml\": \"$PYYAML_VERSION\"" "\"pydantic\": \"$PYDANTIC_VERSION\""
+      "\"prometheus\": \"$PROMETHEUS_VERSION\"" "\"alertmanager\": \"$ALERTMANAGER_VERSION\""
+      "\"grafana\": \"$GRAFANA_VERSION\"" "\"grafana_foundation_sdk\": \"$GRAFANA_SDK_VERSION\"")
   else
     versions+=("\"enroot\": \"$ENROOT_VERSION $ENROOT_COMMIT\"" "\"pyxis\": \"$PYXIS_TAG $PYXIS_COMMIT\""
-      "\"cloudwatch_agent\": \"$CWAGENT_VERSION\"" "\"torch\": \"$TORCH_VERSION\"" "\"dcgm\": \"$DCGM\"")
+      "\"cloudwatch_agent\": \"$CWAGENT_VERSION\"" "\"torch\": \"$TORCH_VERSION\"" "\"dcgm\": \"$DCGM\""
+      "\"dcgm_exporter\": \"$DCGM_EXPORTER\"" "\"neuron_monitor\": \"$NEURON\"")
   fi
+  versions+=("\"node_exporter\": \"$NODE_EXPORTER_VERSION\"")
   local IFS=,
   printf '{"role": "%s", "built_at": "%s", "kernel": "%s", "versions": {%s}}\n' \
     "$ROLE" "$(date -u +%FT%TZ)" "$(uname -r)" "${versions[*]}" >"$ROOT$MANIFEST.tmp"
@@ -195,12 +245,18 @@ main() {
   log "building the $ROLE image"
   if [[ $ROLE == head ]]; then
     packages "${HEAD_PACKAGES[@]}"
-    python_venv "pydantic==$PYDANTIC_VERSION"
+    python_venv "pydantic==$PYDANTIC_VERSION" "grafana-foundation-sdk==$GRAFANA_SDK_VERSION"
     systemctl disable --now "${HEAD_SERVICES[@]}"
   else
     DCGM=$(dcgm)
+    NEURON=$(neuron)
+    DCGM_EXPORTER=none
     packages "${COMPUTE_PACKAGES[@]}"
     containers
+    if [[ $DCGM != none* ]]; then
+      DCGM_EXPORTER=$DCGM_EXPORTER_IMAGE@$DCGM_EXPORTER_DIGEST
+      retry docker pull -q "$DCGM_EXPORTER"
+    fi
     cloudwatch_agent
     python_venv "torch==$TORCH_VERSION"
     ln -sf "$VENV/bin/torchrun" "$ROOT/usr/local/bin/torchrun"

@@ -177,6 +177,8 @@ def create_cluster(stack: Stack) -> dict[str, object]:
                                         " --document-name ", team.user_document),
         "connect_admin": pulumi.Output.concat("aws ssm start-session --region ", stack.region, " --target ",
                                               head.instance_id, " --document-name ", team.admin_document),
+        # Grafana through a Session Manager port forward (either policy): `python -m gpucluster dashboard STACK`.
+        "connect_dashboard": team.dashboard_document,
         "user_access_policy_arn": team.user_policy_arn,
         "admin_access_policy_arn": team.admin_policy_arn,
         "budget_name": budget.budget_name,

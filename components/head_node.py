@@ -19,7 +19,7 @@ from components import child
 from components.node_access import EC2_ASSUME, PARAMETER_READ, SSM_AGENT, NodeAccess, policy
 from gpucluster.catalog import UBUNTU_AMI_PARAMETER
 from gpucluster.cost import HEAD_ROOT_GIB, HEAD_STATE_GIB
-from gpucluster.settings import CLUSTER_TAG, ClusterSettings
+from gpucluster.settings import CLUSTER_TAG, ClusterSettings, head_instance_name
 
 STATE_DEVICE = "/dev/sdf"
 
@@ -123,7 +123,7 @@ class HeadNode(pulumi.ComponentResource):
             root_block_device={"volume_size": HEAD_ROOT_GIB, "volume_type": "gp3", "encrypted": True},
             user_data=args.user_data,
             user_data_replace_on_change=True,
-            tags={"Name": f"{args.cluster_name}-head"},
+            tags={"Name": head_instance_name(args.cluster_name)},
             # Delete before replace: two slurmctld must never run at once, and the interface and the state volume
             # attach to one instance at a time. A newer image must not replace a running head node.
             opts=child(self, delete_before_replace=True, ignore_changes=["ami"],

@@ -26,7 +26,7 @@ BUILD_SCRIPT = Path(__file__).resolve().parent.parent / "cloud-init" / "build_im
 # On the build instance the script sits beside the manifest it writes: the image keeps what built it.
 SCRIPT_ON_IMAGE = f"{Path(settings.IMAGE_MANIFEST).parent}/build_image.sh"
 HEREDOC_END = "GPUCLUSTER_BUILD_SCRIPT"
-COMPONENT_DATA_LIMIT = 16000  # characters of inline YAML that CreateComponent accepts
+COMPONENT_DATA_LIMIT = 16000  # characters of inline YAML that CreateComponent accepts (its `data`)
 IMAGE_BUILDER_POLICY = "arn:aws:iam::aws:policy/EC2InstanceProfileForImageBuilder"
 # A build is an hour or so, and Image Builder snapshots a 100+ GiB DLAMI volume after it.
 BUILD_TIMEOUT = "180m"
@@ -59,25 +59,46 @@ _LiteralDumper.add_representer(
     str, lambda dumper, value: dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|" if "\n" in value else None))
 
 
-def component_document(role: str, script: str) -> str:
-    """The AWSTOE document: write the build script as it is (a quoted heredoc expands nothing), then run it."""
+def component_document(role: str, part: str, index: int, count: int) -> str:
+    """The AWSTOE document of one part of the build script: write it as it is (a quoted heredoc expands nothing), after
+    the parts before it; the last part then runs the script."""
+    target = f"{'>' if index == 0 else '>>'} {SCRIPT_ON_IMAGE} <<'{HEREDOC_END}'\n{part}{HEREDOC_END}\n"
+    write = f"install -d {Path(SCRIPT_ON_IMAGE).parent}\ncat {target}" if index == 0 else f"cat {target}"
+    steps = [{"name": "WriteBuildScript", "action": "ExecuteBash", "inputs": {"commands": [write]}}]
+    if index == count - 1:
+        steps.append({"name": "Build", "action": "ExecuteBash",
+                      "inputs": {"commands": [f"bash {SCRIPT_ON_IMAGE} {role}"]}})
+    which = f" (part {index + 1} of {count})" if count > 1 else ""
+    return yaml.dump({
+        "name": f"gpucluster-node-{role}" + (f"-{index + 1}" if count > 1 else ""),
+        "description": f"gpucluster {role} node: cloud-init/build_image.sh {role}{which}",
+        "schemaVersion": 1.0,
+        "phases": [{"name": "build", "steps": steps}],
+    }, Dumper=_LiteralDumper, sort_keys=False, width=1000)
+
+
+def component_documents(role: str, script: str) -> list[str]:
+    """The build script in as few AWSTOE documents as Image Builder's inline limit allows, split between lines; the
+    recipe runs them in this order. Plain text, not compressed: the script reads in the console as in the repository,
+    and the documents (hence the recipe, hence the image) change only when the script does."""
     if not script.endswith("\n") or f"\n{HEREDOC_END}\n" in script or "{{" in script:
         raise ValueError("build_image.sh must end with a newline, never contain the heredoc end line, and never "
                          "contain '{{' (AWSTOE's variable syntax)")
-    write = f"install -d {Path(SCRIPT_ON_IMAGE).parent}\ncat > {SCRIPT_ON_IMAGE} <<'{HEREDOC_END}'\n{script}{HEREDOC_END}\n"
-    document = yaml.dump({
-        "name": f"gpucluster-node-{role}",
-        "description": f"gpucluster {role} node: cloud-init/build_image.sh {role}",
-        "schemaVersion": 1.0,
-        "phases": [{"name": "build", "steps": [
-            {"name": "WriteBuildScript", "action": "ExecuteBash", "inputs": {"commands": [write]}},
-            {"name": "Build", "action": "ExecuteBash", "inputs": {"commands": [f"bash {SCRIPT_ON_IMAGE} {role}"]}},
-        ]}],
-    }, Dumper=_LiteralDumper, sort_keys=False, width=1000)
-    if len(document) > COMPONENT_DATA_LIMIT:
-        raise ValueError(f"the component document is {len(document)} characters; Image Builder takes "
-                         f"{COMPONENT_DATA_LIMIT} inline: shorten build_image.sh")
-    return document
+    lines = script.splitlines(keepends=True)
+    if len(component_document(role, max(lines, key=len), 0, 1)) > COMPONENT_DATA_LIMIT:
+        raise ValueError(f"a line of build_image.sh does not fit in the {COMPONENT_DATA_LIMIT} characters of inline "
+                         "YAML that CreateComponent takes")
+    for count in range(1, len(lines) + 1):
+        # Each line to the part its first character falls in when the script is cut in `count` equal lengths.
+        parts = [""] * count
+        offset = 0
+        for line in lines:
+            parts[offset * count // len(script)] += line
+            offset += len(line)
+        documents = [component_document(role, part, i, count) for i, part in enumerate(parts)]
+        if all(part and len(document) <= COMPONENT_DATA_LIMIT for part, document in zip(parts, documents)):
+            return documents
+    raise ValueError(f"build_image.sh does not cut into documents of {COMPONENT_DATA_LIMIT} characters")
 
 
 BUILD_LOG_DAYS = 30
@@ -96,12 +117,16 @@ class NodeImage(pulumi.ComponentResource):
         ]
         profile = aws.iam.InstanceProfile(f"{name}-build", role=role.name, opts=child(self))
 
-        component = aws.imagebuilder.Component(
-            name, platform="Linux", version="1.0.0",
-            description=f"{args.cluster_name}: build_image.sh {build.role}",
-            data=component_document(build.role, BUILD_SCRIPT.read_text()), opts=child(self))
+        # The first part keeps the component's name from when one document held the whole script.
+        components = [
+            aws.imagebuilder.Component(
+                name if i == 0 else f"{name}-{i + 1}", platform="Linux", version="1.0.0",
+                description=f"{args.cluster_name}: build_image.sh {build.role}", data=document, opts=child(self))
+            for i, document in enumerate(component_documents(build.role, BUILD_SCRIPT.read_text()))
+        ]
         recipe = aws.imagebuilder.ImageRecipe(
-            name, version="1.0.0", parent_image=parent_image(build), components=[{"component_arn": component.arn}],
+            name, version="1.0.0", parent_image=parent_image(build),
+            components=[{"component_arn": component.arn} for component in components],
             description=f"{args.cluster_name} {build.key} node image",
             block_device_mappings=[{"device_name": ROOT_DEVICE, "ebs": {
                 "volume_size": cost.IMAGE_ROOT_GIB[build.role], "volume_type": "gp3", "encrypted": "true",

@@ -5,6 +5,7 @@
     python -m gpucluster preflight STACK         the account's quotas, capacity and prices for the stack (0 ok, 1 fail)
     python -m gpucluster cost STACK              this month's spend by the stack's tag, forecast, GPU-hours
     python -m gpucluster leftovers STACK         what is still tagged with the stack (after a destroy), per month
+    python -m gpucluster dashboard STACK [--run] [--local-port N]   Grafana through a Session Manager port forward
     gpucluster events [--last N]                 on the head node: recent interruptions, drains, requeues, replacements
 """
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from gpucluster import catalog, cost, sources
 from gpucluster.plan import Declared, run_program
+from gpucluster.settings import GRAFANA_PORT
 from gpucluster.spec import Stack, SpecError, load_stack, resolve_stack_file
 
 EXIT_BAD_INPUT = 2
@@ -195,6 +197,60 @@ def leftovers(args: argparse.Namespace) -> int:
     return 0
 
 
+def dashboard(args: argparse.Namespace) -> int:
+    """The command that forwards a local port to Grafana on the stack's running head node, and the URL to open; with
+    --run, that command replaces this process (os.execvp), so the user's terminal holds the forward until Ctrl-C. The
+    forward itself is the AWS CLI's and its Session Manager plugin's: the document fixes the head's end to Grafana."""
+    import os
+    import shlex
+
+    import boto3
+    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+    from gpucluster.settings import CLUSTER_TAG, head_instance_name, session_document_name
+
+    stack = _load(args.stack)
+    ec2 = boto3.Session(region_name=stack.region).client("ec2")
+    try:
+        reservations = ec2.describe_instances(Filters=[
+            {"Name": f"tag:{CLUSTER_TAG}", "Values": [stack.cluster_name]},
+            {"Name": "tag:Name", "Values": [head_instance_name(stack.cluster_name)]},
+            {"Name": "instance-state-name", "Values": ["running"]}])["Reservations"]
+    except NoCredentialsError:
+        print("dashboard: no AWS credentials: sign in (aws configure, aws sso login or AWS_PROFILE) with the stack's "
+              "user or admin access policy attached", file=sys.stderr)
+        return 1
+    except (BotoCoreError, ClientError) as exc:
+        print(f"dashboard: AWS answered: {exc}", file=sys.stderr)
+        return 1
+    heads = sorted(i["InstanceId"] for r in reservations for i in r["Instances"])
+    if len(heads) != 1:  # the head is replaced delete-before-replace: two running ones are for a human to look at
+        print(f"dashboard: {len(heads) or 'no'} running head node(s) of {stack.cluster_name} in {stack.region}"
+              f"{': ' + ', '.join(heads) if heads else ' (is the stack up? `pulumi up` starts it)'}", file=sys.stderr)
+        return 1
+    command = ["aws", "ssm", "start-session", "--region", stack.region, "--target", heads[0], "--document-name",
+               session_document_name(stack.cluster_name, "dashboard"), "--parameters",
+               f"localPortNumber={args.local_port}"]
+    print(shlex.join(command))
+    print(f"Grafana: http://localhost:{args.local_port}/ (while the command runs)")
+    if args.run:
+        sys.stdout.flush()  # execvp drops this process's buffers
+        try:
+            os.execvp(command[0], command)
+        except FileNotFoundError:
+            print("dashboard: the AWS CLI (aws) is not on PATH; it needs AWS's Session Manager plugin too",
+                  file=sys.stderr)
+            return 1
+    return 0
+
+
+def _tcp_port(text: str) -> int:
+    port = int(text)
+    if not 1 <= port <= 65535:  # the dashboard document's allowedPattern
+        raise argparse.ArgumentTypeError(f"{text} is not a TCP port (1-65535)")
+    return port
+
+
 def events(args: argparse.Namespace) -> int:
     """The head node's events log, newest last: what happened to nodes and jobs, and when."""
     from gpucluster.settings import EVENTS_LOG
@@ -231,6 +287,13 @@ def parser() -> argparse.ArgumentParser:
     left = sub.add_parser("leftovers", help="what is still tagged with a stack, and its monthly cost (AWS credentials)")
     left.add_argument("stack", help="a stack name under stacks/ or a path to a stack file")
     left.set_defaults(func=leftovers)
+    d = sub.add_parser("dashboard", help="Grafana on the head node through a Session Manager port forward "
+                                         "(AWS credentials, the AWS CLI and its Session Manager plugin)")
+    d.add_argument("stack", help="a stack name under stacks/ or a path to a stack file")
+    d.add_argument("--run", action="store_true", help="run the forward here (until Ctrl-C) instead of printing it")
+    d.add_argument("--local-port", type=_tcp_port, default=GRAFANA_PORT,
+                   help=f"the port on this machine to open Grafana at (default {GRAFANA_PORT})")
+    d.set_defaults(func=dashboard)
     e = sub.add_parser("events", help="on the head node: recent spot warnings, drains, requeues and replacements")
     e.add_argument("--last", type=int, default=50, help="how many (default 50)")
     e.add_argument("--log", help=argparse.SUPPRESS)  # another events log (tests)

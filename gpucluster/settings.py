@@ -253,3 +253,14 @@ class ClusterSettings:
 def read_env_file(path: str | Path = NODE_ENV_FILE) -> dict[str, str]:
     """node.env: KEY=VALUE lines that user data writes (no secret in it)."""
     return dict(line.strip().split("=", 1) for line in Path(path).read_text().splitlines() if "=" in line)
+
+
+def head_instance_name(cluster: str) -> str:
+    """The head instance's Name tag (components/head_node.py): `gpucluster dashboard` finds the head by it."""
+    return f"{cluster}-head"
+
+
+def session_document_name(cluster: str, kind: str) -> str:
+    """A Session Manager document of the cluster (components/team_access.py); kind: user | admin | dashboard.
+    `gpucluster dashboard` names the dashboard's in the command it prints."""
+    return f"{cluster}-{kind}-session"

@@ -17,13 +17,14 @@ import yaml
 
 from conftest import FIXTURES, ROOT, of_type, planned
 from gpucluster import catalog, cost, settings
-from gpucluster.plan import Declared, planned_id, run_program
+from gpucluster.plan import Declared, planned_id, planned_outputs, run_program
 from gpucluster.spec import Stack, load_stack, stack_config, validate
 
 SCRIPT = ROOT / "cloud-init" / "build_image.sh"
 KERNEL = "6.8.0-1021-aws"
+GPU_TOOLS = ("nvidia-smi", "dcgmi", "docker", "nvidia-ctk")  # the NVIDIA Deep Learning AMI's
 STANDIN_NAMES = ("apt-get", "curl", "git", "make", "gpg", "systemctl", "uname", "python3", "aa-enabled",
-                 "apparmor_parser", "nvidia-smi", "dcgmi")
+                 "apparmor_parser", *GPU_TOOLS)
 ENROOT_CPPFLAGS = "-DALLOW_SPECULATION -DINHERIT_FDS"  # the standard flavour, as NVIDIA builds its enroot .deb
 
 # One program behind every stand-in command; it records each call (with what it saw) as a JSON line.
@@ -67,6 +68,11 @@ elif name == "gpg" and "--dearmor" in args:
     Path(arg_after("-o")).write_bytes(Path(args[-1]).read_bytes())
 elif name == "gpg" and "--fingerprint" in args:
     print(f"pub:-:4096:1:D58167303B789C72:::::::\nfpr:::::::::{{env['STANDIN_GPG_FINGERPRINT']}}:")
+elif name == "gpg" and "--show-keys" in args:  # STANDIN_KEYS: the URL a key came from -> its primary keys
+    url = Path(args[-1]).read_text().split()[-1]
+    for i, fpr in enumerate(json.loads(env["STANDIN_KEYS"])[url]):
+        print(f"pub:-:4096:1:{{fpr[-16:]}}:::::::\nfpr:::::::::{{fpr}}:\nsub:-:4096:1:{{i:016X}}:::::::\n"
+              f"fpr:::::::::{{i:040X}}:")
 elif name == "git" and "clone" in args:  # the remote: STANDIN_GIT_TAGS, "REPO TAG" -> the commit the tag names
     tag = f"{{args[-2]}} {{arg_after('--branch')}}"
     if tag not in json.loads(env["STANDIN_GIT_TAGS"]):
@@ -137,9 +143,10 @@ def build(tmp_path: Path):  # type: ignore[no-untyped-def]
     a shared machine), GPUCLUSTER_IMAGE_ROOT (the script writes system paths, as root) and GPUCLUSTER_RETRY_BASE_MS
     (real back-off waits add up to minutes). `tags` changes what a remote's tag names (upstream_tags)."""
 
-    def run(role: str, *, fail: list[tuple[str, int]] = (), gpu_tools: tuple[str, ...] = ("nvidia-smi", "dcgmi"),
+    def run(role: str, *, fail: list[tuple[str, int]] = (), gpu_tools: tuple[str, ...] = GPU_TOOLS,
             edits: dict[str, str] | None = None, agent_present: bool = False, tags: dict[str, str] | None = None,
-            apparmor: bool = True) -> Run:
+            apparmor: bool = True, neuron_tools: tuple[str, ...] | None = None,
+            keys: dict[str, list[str]] | None = None) -> Run:
         bin_dir, root, state = tmp_path / "bin", tmp_path / "root", tmp_path / "state"
         for d in (bin_dir, root, state):
             shutil.rmtree(d, ignore_errors=True)
@@ -148,8 +155,13 @@ def build(tmp_path: Path):  # type: ignore[no-untyped-def]
         standin.write_text(STANDIN.format(python=sys.executable, manifest=settings.IMAGE_MANIFEST))
         standin.chmod(0o755)
         for name in STANDIN_NAMES:
-            if name in gpu_tools or name not in ("nvidia-smi", "dcgmi"):
+            if name in gpu_tools or name not in GPU_TOOLS:
                 (bin_dir / name).symlink_to(standin)
+        if neuron_tools is not None:  # a Neuron image: its tools directory, with these in it
+            tools = root / pins()["NEURON_BIN"].lstrip("/")
+            tools.mkdir(parents=True)
+            for tool in neuron_tools:
+                (tools / tool).touch(mode=0o755)
         if agent_present:
             ctl = root / "opt/aws/amazon-cloudwatch-agent/bin/amazon-cloudwatch-agent-ctl"
             ctl.parent.mkdir(parents=True)
@@ -165,6 +177,7 @@ def build(tmp_path: Path):  # type: ignore[no-untyped-def]
                "GPUCLUSTER_RETRY_BASE_MS": "10", "STANDIN_LOG": str(tmp_path / "calls.jsonl"),
                "STANDIN_STATE": str(state), "STANDIN_FAIL": json.dumps(list(fail)), "STANDIN_KERNEL": KERNEL,
                "STANDIN_GPG_FINGERPRINT": p["CWAGENT_KEY_FINGERPRINT"],
+               "STANDIN_KEYS": json.dumps(keys or {f"{p['GRAFANA_REPO']}/gpg.key": [p["GRAFANA_KEY_FINGERPRINT"]]}),
                "STANDIN_GIT_TAGS": json.dumps({**upstream_tags(), **(tags or {})}),
                "STANDIN_APPARMOR": "yes" if apparmor else "no"}
         (tmp_path / "calls.jsonl").write_text("")
@@ -210,23 +223,56 @@ def test_head_build_installs_pinned_packages_once_and_writes_the_manifest_last(b
                            f"slurmctld={p['SLURM_VERSION']}", f"slurmdbd={p['SLURM_VERSION']}",
                            f"slurm-client={p['SLURM_VERSION']}", f"mariadb-server={p['MARIADB_VERSION']}",
                            f"python3-boto3={p['BOTO3_VERSION']}", f"python3-venv={p['PYTHON3_VENV_VERSION']}",
-                           f"python3-yaml={p['PYYAML_VERSION']}", "iptables"]  # the lockdown's
+                           f"python3-yaml={p['PYYAML_VERSION']}", "iptables",  # the lockdown's
+                           f"prometheus={p['PROMETHEUS_VERSION']}",
+                           f"prometheus-alertmanager={p['ALERTMANAGER_VERSION']}",
+                           f"prometheus-node-exporter={p['NODE_EXPORTER_VERSION']}", f"grafana={p['GRAFANA_VERSION']}"]
     assert installs[1] == ["--no-install-recommends", f"lustre-client-modules-{KERNEL}"]  # no kernel-following meta
     assert len(installs) == 2
     prefs = (run.root / "etc/apt/preferences.d/gpucluster-slurm").read_text()
     assert prefs == f"Package: src:slurm-wlm\nPin: version {p['SLURM_VERSION']}\nPin-Priority: 1001\n"
     lustre = (run.root / "etc/apt/sources.list.d/fsxlustreclientrepo.list").read_text()
     assert lustre == (f"deb [signed-by=/usr/share/keyrings/fsx-ubuntu-public-key.gpg] {p['LUSTRE_REPO']} noble main\n")
-    assert [c[-1] for c in run.commands("curl")] == [p["LUSTRE_KEY_URL"]]
+    # Grafana's repository, signed by the pinned key, known to apt before its one index refresh; Grafana kept pinned.
+    grafana_key = f"{p['GRAFANA_REPO']}/gpg.key"
+    assert [c[-1] for c in run.commands("curl")] == [p["LUSTRE_KEY_URL"], grafana_key]
+    assert p["GRAFANA_REPO"] == "https://apt.grafana.com" and re.fullmatch(r"11\.6\.\d+", p["GRAFANA_VERSION"])
+    grafana = (run.root / "etc/apt/sources.list.d/grafana.list").read_text()
+    assert grafana == f"deb [signed-by=/usr/share/keyrings/grafana.gpg] {p['GRAFANA_REPO']} stable main\n"
+    assert (run.root / "usr/share/keyrings/grafana.gpg").read_text() == f"stand-in download of {grafana_key}\n"
+    prefs = (run.root / "etc/apt/preferences.d/gpucluster-grafana").read_text()
+    assert prefs == f"Package: grafana\nPin: version {p['GRAFANA_VERSION']}\nPin-Priority: 1001\n"
+    order = [c["cmd"] for c in run.calls if c["cmd"][0] in ("gpg", "apt-get")]
+    checked, updated = (next(i for i, c in enumerate(order) if word in c) for word in ("--show-keys", "update"))
+    assert checked < updated
     (pip,) = [c for c in run.calls if c["cmd"][0] == "pip"]
-    assert pip["cmd"][-1] == f"pydantic=={p['PYDANTIC_VERSION']}" and "--only-binary=:all:" in pip["cmd"]
+    # The SDK's epoch (its PyPI versions start at 1769699379!) reaches pip whole; it depends on nothing to constrain.
+    assert pip["cmd"][-2:] == [f"pydantic=={p['PYDANTIC_VERSION']}", "grafana-foundation-sdk==1769699379!11.6.0"]
+    assert "--only-binary=:all:" in pip["cmd"]
     assert all(re.fullmatch(r"[a-z0-9-]+==[0-9][\w.]*", c) for c in pip["constraints"]), pip["constraints"]
-    assert run.commands("systemctl") == [["disable", "--now", "munge", "slurmctld", "slurmdbd", "mariadb"]]
+    assert run.commands("systemctl") == [["disable", "--now", "munge", "slurmctld", "slurmdbd", "mariadb", "prometheus",
+                                          "prometheus-alertmanager", "prometheus-node-exporter", "grafana-server"]]
     assert not any(c["manifest_existed"] for c in run.calls)
     manifest = json.loads(run.manifest.read_text())
     assert manifest["role"] == "head" and manifest["kernel"] == KERNEL and manifest["built_at"].endswith("Z")
     assert manifest["versions"]["slurm"] == p["SLURM_VERSION"]
     assert manifest["versions"]["pydantic"] == p["PYDANTIC_VERSION"]
+    for name, pin in (("prometheus", "PROMETHEUS_VERSION"), ("alertmanager", "ALERTMANAGER_VERSION"),
+                      ("node_exporter", "NODE_EXPORTER_VERSION"), ("grafana", "GRAFANA_VERSION"),
+                      ("grafana_foundation_sdk", "GRAFANA_SDK_VERSION")):
+        assert manifest["versions"][name] == p[pin], name
+
+
+@pytest.mark.parametrize("fingerprints", [["0" * 40], [], ["B53AE77BADB630A683046005963FA27710458545", "1" * 40]],
+                         ids=["another key", "no key", "a second key beside it"])
+def test_grafana_repository_with_any_key_but_the_pinned_one_is_not_added(build, fingerprints) -> None:  # type: ignore[no-untyped-def]
+    p = pins()
+    assert p["GRAFANA_KEY_FINGERPRINT"] == "B53AE77BADB630A683046005963FA27710458545"  # Grafana's, since 2023
+    run = build("head", keys={f"{p['GRAFANA_REPO']}/gpg.key": fingerprints})
+    assert run.returncode != 0 and "Grafana's apt key is" in run.stderr
+    assert not (run.root / "etc/apt/sources.list.d/grafana.list").exists()
+    assert not (run.root / "usr/share/keyrings/grafana.gpg").exists()
+    assert not run.commands("apt-get") and not run.manifest.exists()
 
 
 def test_a_step_that_fails_twice_is_retried_with_doubling_waits(build) -> None:  # type: ignore[no-untyped-def]
@@ -266,7 +312,7 @@ def test_compute_build_fetches_only_pinned_and_verified_artifacts(build) -> None
     assert installs[0] == ["--no-install-recommends", f"munge={p['MUNGE_VERSION']}", f"slurmd={p['SLURM_VERSION']}",
                            f"slurm-client={p['SLURM_VERSION']}", f"libslurm-dev={p['SLURM_VERSION']}",
                            f"python3-boto3={p['BOTO3_VERSION']}", f"python3-venv={p['PYTHON3_VENV_VERSION']}",
-                           "iptables"]
+                           "iptables", f"prometheus-node-exporter={p['NODE_EXPORTER_VERSION']}"]
     assert installs[1][1:] == [f"lustre-client-modules-{KERNEL}"]
     assert sum("update" in c for c in run.commands("apt-get")) == 1
     assert installs[2][1:] == ["git", "gcc", "make", "libcap2-bin", "patch",  # enroot's build and run time
@@ -282,9 +328,17 @@ def test_compute_build_fetches_only_pinned_and_verified_artifacts(build) -> None
     (pip,) = [c for c in run.calls if c["cmd"][0] == "pip"]
     assert pip["cmd"][-1] == f"torch=={p['TORCH_VERSION']}"
     assert os.readlink(run.root / "usr/local/bin/torchrun") == f"{p['VENV']}/bin/torchrun"
-    assert run.commands("systemctl") == [["disable", "--now", "munge", "slurmd"]]
+    assert run.commands("systemctl") == [["disable", "--now", "munge", "slurmd", "prometheus-node-exporter"]]
     assert not any(c["manifest_existed"] for c in run.calls)
+    # dcgm-exporter's image by its digest (a tag can move), pulled at the build: the boot needs no registry.
+    dcgm_exporter = f"{p['DCGM_EXPORTER_IMAGE']}@{p['DCGM_EXPORTER_DIGEST']}"
+    assert re.fullmatch(r"nvcr\.io/nvidia/k8s/dcgm-exporter:[34]\.\d+\.\d+-\d+\.\d+\.\d+-ubuntu\d\d\.04@sha256:[0-9a-f]{64}",
+                        dcgm_exporter)
+    assert run.commands("docker") == [["pull", "-q", dcgm_exporter]]
     manifest = json.loads(run.manifest.read_text())
+    assert manifest["versions"]["dcgm_exporter"] == dcgm_exporter
+    assert manifest["versions"]["node_exporter"] == p["NODE_EXPORTER_VERSION"]
+    assert manifest["versions"]["neuron_monitor"] == "none (no Neuron tools)"
     assert manifest["role"] == "compute"
     assert manifest["versions"]["slurm"] == p["SLURM_VERSION"] and manifest["versions"]["dcgm"] == "from the parent image"
     assert manifest["versions"]["enroot"] == f"{p['ENROOT_VERSION']} {p['ENROOT_COMMIT']}"
@@ -381,11 +435,38 @@ def test_cloudwatch_agent_already_in_the_image_is_kept(build) -> None:  # type: 
 
 
 def test_nvidia_image_without_dcgm_fails_and_neuron_image_needs_none(build) -> None:  # type: ignore[no-untyped-def]
-    run = build("compute", gpu_tools=("nvidia-smi",))
+    run = build("compute", gpu_tools=("nvidia-smi", "docker", "nvidia-ctk"))
     assert run.returncode != 0 and "without DCGM" in run.stderr and run.calls == [] and not run.manifest.exists()
-    run = build("compute", gpu_tools=())
+    run = build("compute", gpu_tools=(), neuron_tools=("neuron-monitor", "neuron-monitor-prometheus.py"))
     assert run.returncode == 0, run.stderr
-    assert json.loads(run.manifest.read_text())["versions"]["dcgm"] == "none (no NVIDIA driver)"
+    versions = json.loads(run.manifest.read_text())["versions"]
+    assert versions["dcgm"] == "none (no NVIDIA driver)" and versions["dcgm_exporter"] == "none"
+    assert versions["neuron_monitor"] == "from the parent image"
+    assert not run.commands("docker")
+
+
+@pytest.mark.parametrize("missing", ["docker", "nvidia-ctk"])
+def test_nvidia_image_without_its_container_runtime_fails_first(build, missing: str) -> None:  # type: ignore[no-untyped-def]
+    """dcgm-exporter runs in a container: docker and NVIDIA's container toolkit are the DLAMI's, never installed."""
+    run = build("compute", gpu_tools=tuple(t for t in GPU_TOOLS if t != missing))
+    assert run.returncode != 0 and "without docker or the NVIDIA container toolkit" in run.stderr
+    assert run.calls == [] and not run.manifest.exists()
+
+
+@pytest.mark.parametrize("missing", ["neuron-monitor", "neuron-monitor-prometheus.py"])
+def test_neuron_image_without_neuron_monitor_fails_first(build, missing: str) -> None:  # type: ignore[no-untyped-def]
+    tools = tuple(t for t in ("neuron-monitor", "neuron-monitor-prometheus.py") if t != missing)
+    run = build("compute", gpu_tools=(), neuron_tools=tools)
+    assert run.returncode != 0 and f"a Neuron image without {pins()['NEURON_BIN']}/{missing}" in run.stderr
+    assert run.calls == [] and not run.manifest.exists()
+
+
+def test_dcgm_exporter_pull_is_retried_and_its_failure_stops_the_build(build) -> None:  # type: ignore[no-untyped-def]
+    run = build("compute", fail=[("docker pull", 2)])
+    assert run.returncode == 0, run.stderr
+    assert len(run.commands("docker")) == 3
+    run = build("compute", fail=[("docker pull", 99)])
+    assert run.returncode != 0 and not run.manifest.exists() and not run.commands("systemctl")
 
 
 # --- the NodeImage component under the mock runtime ---------------------------------------------------------------
@@ -415,7 +496,8 @@ def test_one_image_per_role_and_accelerator_kind_needed(shipped: tuple[Stack, tu
     assert set(images) == _expected_keys(stack)
     assert set(images) == {i.key for i in cost.estimate(stack).images}
     for image in images.values():
-        for suffix in ("component:Component", "imageRecipe:ImageRecipe", "image:Image", "iam/role:Role",
+        assert 1 <= len(_children(declared, image, "component:Component")) <= 2  # the script's parts
+        for suffix in ("imageRecipe:ImageRecipe", "image:Image", "iam/role:Role",
                        "infrastructureConfiguration:InfrastructureConfiguration", "iam/instanceProfile:InstanceProfile",
                        "distributionConfiguration:DistributionConfiguration"):
             assert len(_children(declared, image, suffix)) == 1, (image.name, suffix)
@@ -437,9 +519,12 @@ def test_recipe_parent_image_and_encrypted_root(shipped: tuple[Stack, tuple[Decl
         assert root["deviceName"] == "/dev/sda1"
         assert root["ebs"]["encrypted"] == "true" and root["ebs"]["volumeType"] == "gp3"
         assert root["ebs"]["volumeSize"] <= (100 if key == "head" else min(p.root_volume_gib for p in stack.spec.pools))
-        (component,) = _children(declared, image, "component:Component")
+        # The script's parts, in the order they write it; the first keeps the image's name.
+        names = [c.name for c in _children(declared, image, "component:Component")]
+        in_order = [image.name, *(f"{image.name}-{i}" for i in range(2, len(names) + 1))]
+        assert sorted(names) == sorted(in_order)
         assert recipe.inputs["components"] == [{"componentArn": f"arn:aws:imagebuilder:{stack.region}:123456789012:"
-                                                               f"component/{component.name}/1.0.0/1"}]
+                                                               f"component/{name}/1.0.0/1"} for name in in_order]
 
 
 def test_build_instance_private_imdsv2_and_least_privilege(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
@@ -469,24 +554,42 @@ def test_build_instance_private_imdsv2_and_least_privilege(shipped: tuple[Stack,
         assert ami["amiTags"]["gpucluster:cluster"] == stack.cluster_name
 
 
-def test_component_document_carries_exactly_the_build_script(shipped: tuple[Stack, tuple[Declared, ...]],
-                                                              tmp_path: Path) -> None:
-    from components.image import SCRIPT_ON_IMAGE
+def test_component_documents_carry_exactly_the_build_script(shipped: tuple[Stack, tuple[Declared, ...]],
+                                                             tmp_path: Path) -> None:
+    """Each under Image Builder's inline limit; their write steps, run here in the recipe's order with the path moved
+    into tmp_path, reproduce the script byte for byte; the last one runs it."""
+    from components.image import COMPONENT_DATA_LIMIT, SCRIPT_ON_IMAGE
 
     stack, declared = shipped
     for image in (d for d in declared if d.type == "gpucluster:image:NodeImage"):
         role = image.name.removeprefix(f"{stack.cluster_name}-").split("-")[0]
-        (component,) = _children(declared, image, "component:Component")
-        assert component.inputs["platform"] == "Linux" and len(component.inputs["data"]) <= 16000
-        document = yaml.safe_load(component.inputs["data"])
-        write, run = (step["inputs"]["commands"] for step in document["phases"][0]["steps"])
-        assert run == [f"bash {SCRIPT_ON_IMAGE} {role}"]
-        # The write step, run here with the path moved into tmp_path, reproduces the script byte for byte.
-        target = tmp_path / role / "build_image.sh"
-        mkdir, cat, body = write[0].split("\n", 2)  # the path only in the first two lines, not in the script
-        command = f"{mkdir}\n{cat}".replace(str(Path(SCRIPT_ON_IMAGE).parent), str(target.parent)) + f"\n{body}"
-        subprocess.run(["bash", "-c", command], check=True)
+        target = tmp_path / image.name / "build_image.sh"
+        (recipe,) = _children(declared, image, "imageRecipe:ImageRecipe")
+        by_arn = {planned_outputs(c, stack.region)["arn"]: c for c in _children(declared, image, "component:Component")}
+        components = [by_arn[c["componentArn"]] for c in recipe.inputs["components"]]  # the recipe's order
+        for i, component in enumerate(components):
+            assert component.inputs["platform"] == "Linux" and len(component.inputs["data"]) <= COMPONENT_DATA_LIMIT
+            steps = yaml.safe_load(component.inputs["data"])["phases"][0]["steps"]
+            (write,) = steps[0]["inputs"]["commands"]
+            # The path only in the lines before the script: install -d and cat > in the first part, cat >> after.
+            *head, body = write.split("\n", 2 if i == 0 else 1)
+            assert head[-1].startswith(f"cat {'>' if i == 0 else '>>'} {SCRIPT_ON_IMAGE} <<")
+            head = [line.replace(str(Path(SCRIPT_ON_IMAGE).parent), str(target.parent)) for line in head]
+            subprocess.run(["bash", "-c", "\n".join([*head, body])], check=True)
+            runs = [step["inputs"]["commands"] for step in steps[1:]]
+            assert runs == ([[f"bash {SCRIPT_ON_IMAGE} {role}"]] if i == len(components) - 1 else [])
         assert target.read_bytes() == SCRIPT.read_bytes()
+
+
+def test_a_script_over_the_inline_limit_is_split_between_lines() -> None:
+    from components.image import COMPONENT_DATA_LIMIT, component_documents
+
+    script = "".join(f"echo line {i} {'x' * 70}\n" for i in range(600))  # about 50,000 characters
+    documents = component_documents("head", script)
+    assert len(documents) >= 4 and all(len(d) <= COMPONENT_DATA_LIMIT for d in documents)
+    parts = [yaml.safe_load(d)["phases"][0]["steps"][0]["inputs"]["commands"][0] for d in documents]
+    assert "".join(part.split("\n", 2 if i == 0 else 1)[-1].removesuffix("GPUCLUSTER_BUILD_SCRIPT\n")
+                   for i, part in enumerate(parts)) == script
 
 
 def test_templates_and_head_boot_the_baked_images(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
@@ -539,14 +642,14 @@ def test_build_false_declares_no_image_builder_resources() -> None:
     assert head.inputs["ami"] == f"<AMI from {catalog.UBUNTU_AMI_PARAMETER} at up>"
 
 
-def test_component_document_refuses_what_aws_or_awstoe_would_mangle() -> None:
-    from components.image import component_document
+def test_component_documents_refuse_what_aws_or_awstoe_would_mangle() -> None:
+    from components.image import component_documents
 
     script = SCRIPT.read_text()
     for bad in (script.rstrip("\n"), script + "echo {{ build.x }}\n", script + "GPUCLUSTER_BUILD_SCRIPT\n",
-                script + "#" * 4000 + "\n"):
+                script + "#" * 16000 + "\n"):  # the last: a line no document can hold
         with pytest.raises(ValueError):
-            component_document("compute", bad)
+            component_documents("compute", bad)
 
 
 def test_each_build_logs_to_a_group_the_stack_owns() -> None:

@@ -1,14 +1,15 @@
 """Who gets in (components/team_access.py), under the mock runtime: a Session Manager document per kind of shell on
-the head node, and per document one policy that allows StartSession on this stack's head node only, with that
-document only."""
+the head node and one that forwards a local port to Grafana on the head's loopback; per shell document one policy that
+allows StartSession on this stack's head node only, with that document or the dashboard's only."""
 
 from __future__ import annotations
 
 import json
+import re
 
 from conftest import ROOT, of_type, planned
 from gpucluster.plan import planned_id
-from gpucluster.settings import LOGIN_USER
+from gpucluster.settings import GRAFANA_PORT, LOGIN_USER, session_document_name
 
 ACCOUNT = "123456789012"
 
@@ -18,7 +19,8 @@ def test_sessions_on_the_head_node_as_the_login_user_or_as_admin() -> None:
     region, cluster = stack.region, stack.cluster_name
     (head,) = of_type(declared, "ec2/instance:Instance")
     documents = {d.inputs["name"]: json.loads(d.inputs["content"]) for d in of_type(declared, "ssm/document:Document")}
-    assert set(documents) == {f"{cluster}-user-session", f"{cluster}-admin-session"}
+    assert set(documents) == {session_document_name(cluster, k) for k in ("user", "admin", "dashboard")}
+    assert session_document_name(cluster, "user") == f"{cluster}-user-session"
     user, admin = documents[f"{cluster}-user-session"], documents[f"{cluster}-admin-session"]
     assert user["sessionType"] == admin["sessionType"] == "Standard_Stream"
     # Users: the login user, whom the lockdown leaves without sudo. Admins: Session Manager's ssm-user (sudo).
@@ -35,7 +37,8 @@ def test_sessions_on_the_head_node_as_the_login_user_or_as_admin() -> None:
     for kind, policy in policies.items():
         start, own, channel = policy["Statement"]
         document = f"arn:aws:ssm:{region}:{ACCOUNT}:document/{cluster}-{kind.split('-')[0]}-session"
-        assert start["Action"] == "ssm:StartSession" and start["Resource"] == [instance, document], start
+        dashboard = f"arn:aws:ssm:{region}:{ACCOUNT}:document/{cluster}-dashboard-session"
+        assert start["Action"] == "ssm:StartSession" and start["Resource"] == [instance, document, dashboard], start
         # Without the check, a caller could name AWS's default document and start as ssm-user, who has sudo.
         assert start["Condition"]["BoolIfExists"] == {"ssm:SessionDocumentAccessCheck": "true"}
         # A caller's SSMSessionRunAs tag would override the login user with any user of the node (slurm, ssm-user):
@@ -48,3 +51,22 @@ def test_sessions_on_the_head_node_as_the_login_user_or_as_admin() -> None:
     # Nothing else in the stack grants StartSession.
     grants = [d.name for d in declared for key in ("policy",) if key in d.inputs and "ssm:StartSession" in d.inputs[key]]
     assert sorted(grants) == sorted(f"{cluster}-{k}" for k in policies)
+
+
+def test_dashboard_document_forwards_to_grafana_on_the_heads_loopback_only() -> None:
+    """The caller chooses the local port and nothing else: no remote port parameter, no host (the agent then connects
+    to localhost), so the document cannot reach another port of the head or anything the head reaches."""
+    stack, declared = planned(ROOT / "stacks" / "Pulumi.team-b.yaml")
+    (document,) = [d for d in of_type(declared, "ssm/document:Document")
+                   if d.inputs["name"] == session_document_name(stack.cluster_name, "dashboard")]
+    assert document.inputs["documentType"] == "Session" and document.inputs["documentFormat"] == "JSON"
+    content = json.loads(document.inputs["content"])
+    assert content["schemaVersion"] == "1.0" and content["sessionType"] == "Port"
+    assert content["properties"] == {"type": "LocalPortForwarding", "portNumber": str(GRAFANA_PORT),
+                                     "localPortNumber": "{{ localPortNumber }}"}
+    (name, local), = content["parameters"].items()
+    assert name == "localPortNumber" and local["type"] == "String" and local["default"] == str(GRAFANA_PORT)
+    pattern = re.compile(local["allowedPattern"])
+    assert all(pattern.fullmatch(port) for port in ("1", "80", "3000", "9999", "10000", "59999", "65535"))
+    # 0 would let the plugin pick a port other than the one `gpucluster dashboard` printed.
+    assert not any(pattern.fullmatch(port) for port in ("0", "65536", "99999", "030", "3000 ", "3000;22", ""))
