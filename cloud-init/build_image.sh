@@ -34,6 +34,7 @@ GRAFANA_SDK_VERSION=1769699379!11.6.0  # grafana-foundation-sdk (`gpucluster ren
 # tag can move. Its DCGM (4.5) is its own, embedded: not the parent image's dcgmi and nv-hostengine.
 DCGM_EXPORTER_IMAGE=nvcr.io/nvidia/k8s/dcgm-exporter:4.5.2-4.8.1-ubuntu22.04
 DCGM_EXPORTER_DIGEST=sha256:a7ad6547d4546eaf4dd5d6b4c0b4db4101e63ef7dc3cdff7f42b767d2c60b706
+DCGM_EXPORTER_LOCAL=gpucluster/dcgm-exporter:image  # DCGM_EXPORTER_IMAGE in gpucluster/settings.py
 TORCH_VERSION=2.13.0     # the examples' version (requirements-dev.txt)
 PYDANTIC_VERSION=2.14.4  # for the head's `gpucluster` command (requirements.txt: pydantic 2)
 # Every other distribution pip installs; torch pins its own CUDA wheels and triton exactly.
@@ -256,6 +257,7 @@ main() {
     if [[ $DCGM != none* ]]; then
       DCGM_EXPORTER=$DCGM_EXPORTER_IMAGE@$DCGM_EXPORTER_DIGEST
       retry docker pull -q "$DCGM_EXPORTER"
+      docker tag "$DCGM_EXPORTER" "$DCGM_EXPORTER_LOCAL"  # the name the boot's unit runs
     fi
     cloudwatch_agent
     python_venv "torch==$TORCH_VERSION"

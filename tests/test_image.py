@@ -334,7 +334,8 @@ def test_compute_build_fetches_only_pinned_and_verified_artifacts(build) -> None
     dcgm_exporter = f"{p['DCGM_EXPORTER_IMAGE']}@{p['DCGM_EXPORTER_DIGEST']}"
     assert re.fullmatch(r"nvcr\.io/nvidia/k8s/dcgm-exporter:[34]\.\d+\.\d+-\d+\.\d+\.\d+-ubuntu\d\d\.04@sha256:[0-9a-f]{64}",
                         dcgm_exporter)
-    assert run.commands("docker") == [["pull", "-q", dcgm_exporter]]
+    # Pulled by digest, then tagged with the name the boot's unit runs (settings.DCGM_EXPORTER_IMAGE).
+    assert run.commands("docker") == [["pull", "-q", dcgm_exporter], ["tag", dcgm_exporter, "gpucluster/dcgm-exporter:image"]]
     manifest = json.loads(run.manifest.read_text())
     assert manifest["versions"]["dcgm_exporter"] == dcgm_exporter
     assert manifest["versions"]["node_exporter"] == p["NODE_EXPORTER_VERSION"]
@@ -464,7 +465,7 @@ def test_neuron_image_without_neuron_monitor_fails_first(build, missing: str) ->
 def test_dcgm_exporter_pull_is_retried_and_its_failure_stops_the_build(build) -> None:  # type: ignore[no-untyped-def]
     run = build("compute", fail=[("docker pull", 2)])
     assert run.returncode == 0, run.stderr
-    assert len(run.commands("docker")) == 3
+    assert [c[0] for c in run.commands("docker")] == ["pull", "pull", "pull", "tag"]
     run = build("compute", fail=[("docker pull", 99)])
     assert run.returncode != 0 and not run.manifest.exists() and not run.commands("systemctl")
 
@@ -661,3 +662,12 @@ def test_each_build_logs_to_a_group_the_stack_owns() -> None:
         assert group.inputs["name"] == f"/aws/imagebuilder/{image.name}" and group.inputs["retentionInDays"] == 30
         assert image.inputs["loggingConfiguration"] == {"logGroupName": group.inputs["name"]}
         assert not group.retain_on_delete
+
+
+def test_the_image_tags_dcgm_exporter_by_the_name_the_boot_runs() -> None:
+    """build_image.sh pulls NVIDIA's image by digest and tags it; bootstrap's unit runs settings.DCGM_EXPORTER_IMAGE."""
+    from gpucluster import settings
+
+    script = (ROOT / "cloud-init" / "build_image.sh").read_text()
+    assert re.search(rf"^DCGM_EXPORTER_LOCAL={re.escape(settings.DCGM_EXPORTER_IMAGE)}\s", script, re.M)
+    assert 'docker tag "$DCGM_EXPORTER" "$DCGM_EXPORTER_LOCAL"' in script
