@@ -22,14 +22,15 @@ from gpucluster import bundle, cost, userdata
 from gpucluster.spec import Stack
 
 
-def create_cluster(stack: Stack) -> dict[str, object]:
-    """Declare every resource of the stack and return the stack outputs."""
-    spec = stack.spec
-    # The one provider of the stack: every taggable resource gets the cluster, team and stack tags from it.
+def provider_options(stack: Stack) -> pulumi.ResourceOptions:
+    """The one provider of the stack: every taggable resource gets the cluster, team and stack tags from it."""
     provider = aws.Provider("aws", region=stack.region, default_tags={"tags": stack.tags})
-    opts = pulumi.ResourceOptions(provider=provider)
+    return pulumi.ResourceOptions(provider=provider)
 
-    network = Network(
+
+def create_network(stack: Stack, opts: pulumi.ResourceOptions) -> Network:
+    spec = stack.spec
+    return Network(
         stack.cluster_name,
         NetworkArgs(
             region=stack.region,
@@ -40,12 +41,41 @@ def create_cluster(stack: Stack) -> dict[str, object]:
         ),
         opts,
     )
-    storage = Storage(
+
+
+def create_storage(stack: Stack, network: Network, opts: pulumi.ResourceOptions) -> Storage:
+    return Storage(
         stack.cluster_name,
-        StorageArgs(lustre=spec.storage.lustre, region=stack.region, subnet_id=network.subnet_id, security_group_id=network.security_group_id,
-                    security_group_rules=network.security_group_rules),
+        StorageArgs(lustre=stack.spec.storage.lustre, region=stack.region, subnet_id=network.subnet_id,
+                    security_group_id=network.security_group_id, security_group_rules=network.security_group_rules),
         opts,
     )
+
+
+def create_budget(stack: Stack, opts: pulumi.ResourceOptions) -> Budget:
+    spec = stack.spec
+    return Budget(
+        stack.cluster_name,
+        BudgetArgs(
+            budget_name=stack.budget_name,
+            spec=spec.budget,
+            stack=stack.name,
+            activate_cost_tag=spec.budget.activate_cost_allocation_tag,
+        ),
+        opts,
+    )
+
+
+def create_cluster(stack: Stack) -> dict[str, object]:
+    """Declare every resource of the stack and return the stack outputs."""
+    spec = stack.spec
+    if spec.scheduler == "kubernetes":
+        from components.eks_stack import create_kubernetes_cluster  # it builds on this module's helpers
+
+        return create_kubernetes_cluster(stack)
+    opts = provider_options(stack)
+    network = create_network(stack, opts)
+    storage = create_storage(stack, network, opts)
     # The build instances need the private subnet's route out (NAT) and its SSM endpoints: the whole network first.
     images = {
         build.key: NodeImage(
@@ -91,16 +121,7 @@ def create_cluster(stack: Stack) -> dict[str, object]:
         )
         for pool in spec.pools
     }
-    budget = Budget(
-        stack.cluster_name,
-        BudgetArgs(
-            budget_name=stack.budget_name,
-            spec=spec.budget,
-            stack=stack.name,
-            activate_cost_tag=spec.budget.activate_cost_allocation_tag,
-        ),
-        opts,
-    )
+    budget = create_budget(stack, opts)
     # EC2 warns only of spot instances: a stack without spot pools has no use for the rule and its queue.
     events = InterruptionEvents(stack.cluster_name, InterruptionEventsArgs(cluster_name=stack.cluster_name), opts) \
         if any(pool.capacity == "spot" for pool in spec.pools) else None

@@ -17,6 +17,11 @@ DEFAULT_VERSION = "1.35"
 # The cluster's hourly fee under standard support (EKS pricing page, us-east-1); extended support is $0.60.
 CONTROL_PLANE_USD_PER_HOUR = 0.10
 
+# Kubernetes' own pods (CoreDNS, the autoscaler, Kueue, Prometheus, the guardrail) need nodes that are not tainted
+# accelerator nodes and that stay while the pools are at zero: a small on-demand system node group.
+SYSTEM_INSTANCE_TYPE = "m7i.xlarge"
+SYSTEM_NODES = 2
+
 # Managed node groups' AMI types for EKS's accelerated Amazon Linux 2023 images, by accelerator kind. EKS picks the
 # image of the cluster's version and writes the node's bootstrap (nodeadm) itself.
 AMI_TYPES = {"nvidia": "AL2023_x86_64_NVIDIA", "neuron": "AL2023_x86_64_NEURON"}

@@ -336,3 +336,73 @@ def example_job(stack: Stack, pool: Pool, nodes: int = 2, image: str = "pytorch/
                                     {"name": "shm", "emptyDir": {"medium": "Memory"}}]}}}}
     return [config_map, service, job]
 
+
+
+# --- The budget guardrail ---------------------------------------------------------------------------------------
+
+GUARDRAIL_IMAGE = "python:3.12-slim"
+GUARDRAIL_BOTO3 = "boto3==1.44.8"  # the version the project itself pins against (requirements: boto3)
+
+
+def guardrail_manifests(stack: Stack, queue_url: Any, act_threshold_percent: int) -> list[Manifest]:
+    """The in-cluster controller that holds and reopens the team's ClusterQueue: may patch that one queue only."""
+    ns = eks.KUEUE.namespace
+    script = (Path(__file__).resolve().parent / "queue_guardrail.py").read_text()
+    labels = {"app": GUARDRAIL}
+    env = {"QUEUE_URL": queue_url, "BUDGET_NAME": stack.budget_name, "CLUSTER_QUEUE": cluster_queue_name(stack),
+           "ACT_THRESHOLD_PERCENT": str(act_threshold_percent), "AWS_REGION": stack.region}
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": GUARDRAIL, "namespace": ns}},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": GUARDRAIL},
+         "rules": [{"apiGroups": ["kueue.x-k8s.io"], "resources": ["clusterqueues"],
+                    "resourceNames": [cluster_queue_name(stack)], "verbs": ["get", "patch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": GUARDRAIL},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": GUARDRAIL},
+         "subjects": [{"kind": "ServiceAccount", "name": GUARDRAIL, "namespace": ns}]},
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": GUARDRAIL, "namespace": ns},
+         "data": {"queue_guardrail.py": script}},
+        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": GUARDRAIL, "namespace": ns,
+                                                                     "labels": labels},
+         "spec": {"replicas": 1, "selector": {"matchLabels": labels}, "strategy": {"type": "Recreate"},
+                  "template": {"metadata": {"labels": labels}, "spec": {
+                      "serviceAccountName": GUARDRAIL,
+                      "securityContext": {"runAsNonRoot": True, "runAsUser": 65534,
+                                          "seccompProfile": {"type": "RuntimeDefault"}},
+                      "containers": [{
+                          "name": "guardrail", "image": GUARDRAIL_IMAGE,
+                          "command": ["sh", "-c", f"pip install --quiet --target /tmp/lib {GUARDRAIL_BOTO3} && "
+                                                  "PYTHONPATH=/tmp/lib exec python /opt/guardrail/queue_guardrail.py"],
+                          "env": [{"name": k, "value": v} for k, v in env.items()],
+                          "resources": {"requests": {"cpu": "50m", "memory": "128Mi"},
+                                        "limits": {"memory": "256Mi"}},
+                          "securityContext": {"allowPrivilegeEscalation": False,
+                                              "capabilities": {"drop": ["ALL"]}},
+                          "volumeMounts": [{"name": "script", "mountPath": "/opt/guardrail"},
+                                           {"name": "tmp", "mountPath": "/tmp"}]}],
+                      "volumes": [{"name": "script", "configMap": {"name": GUARDRAIL}},
+                                  {"name": "tmp", "emptyDir": {}}]}}}},
+    ]
+
+
+# --- For `kubectl apply` ----------------------------------------------------------------------------------------
+
+def example_pool(stack: Stack) -> Pool:
+    """The pool the first job runs on: the first NVIDIA pool with EFA, else the first NVIDIA pool, else the first."""
+    nvidia = [p for p in stack.spec.pools if p.itype.accelerator and p.itype.accelerator.kind == "nvidia"]
+    return next((p for p in nvidia if p.uses_efa), nvidia[0] if nvidia else stack.spec.pools[0])
+
+
+def render_files(stack: Stack) -> dict[str, list[Manifest]]:
+    """Every object the program declares in the cluster (values AWS computes as placeholders), and the first job."""
+    fsx = Fsx("<file system id at up>", "<file system DNS name at up>", "<mount name at up>",
+              stack.spec.storage.lustre.storage_capacity_gib or 1200)
+    if stack.spec.storage.lustre.file_system_id:
+        lustre = stack.spec.storage.lustre
+        fsx = Fsx(lustre.file_system_id, lustre.dns_name, lustre.mount_name, 1200)
+    files = {"team.yaml": team_manifests(stack, fsx), "queues.yaml": queue_manifests(stack),
+             "idle-gpu-rule.yaml": [idle_gpu_rule(stack)],
+             "example-ddp-job.yaml": example_job(stack, example_pool(stack))}
+    act = stack.spec.budget.act_threshold_percent
+    if act is not None:
+        files["guardrail.yaml"] = guardrail_manifests(stack, "<budget queue URL at up>", act)
+    return files
