@@ -56,16 +56,20 @@ class Chart:
     namespace: str
 
 
-# Third-party software, pinned. A new pin is a reviewed change like any other.
-CLUSTER_AUTOSCALER = Chart("cluster-autoscaler", "https://kubernetes.github.io/autoscaler", "9.52.1", "kube-system")
-NVIDIA_DEVICE_PLUGIN = Chart("nvidia-device-plugin", "https://nvidia.github.io/k8s-device-plugin", "0.18.0",
+# Third-party software, pinned. A new pin is a reviewed change like any other. Versions as each project's chart
+# source declares them (Chart.yaml), read 2026-11-30: kubernetes/autoscaler cluster-autoscaler/charts (9.59.0, app
+# 1.35.0), NVIDIA/k8s-device-plugin deployments/helm (0.20.0), aws/eks-charts stable/aws-efa-k8s-device-plugin
+# (v0.5.30), kubernetes-sigs/kueue tag v0.19.2, prometheus-community/helm-charts (88.5.3, operator 0.93.1),
+# NVIDIA/dcgm-exporter deployment (4.8.2).
+CLUSTER_AUTOSCALER = Chart("cluster-autoscaler", "https://kubernetes.github.io/autoscaler", "9.59.0", "kube-system")
+NVIDIA_DEVICE_PLUGIN = Chart("nvidia-device-plugin", "https://nvidia.github.io/k8s-device-plugin", "0.20.0",
                              "kube-system")
-EFA_DEVICE_PLUGIN = Chart("aws-efa-k8s-device-plugin", "https://aws.github.io/eks-charts", "v0.5.14", "kube-system")
+EFA_DEVICE_PLUGIN = Chart("aws-efa-k8s-device-plugin", "https://aws.github.io/eks-charts", "v0.5.30", "kube-system")
 # Kueue publishes its chart as an OCI artifact only.
 KUEUE = Chart("oci://registry.k8s.io/kueue/charts/kueue", "", "0.19.2", "kueue-system")
-KUBE_PROMETHEUS_STACK = Chart("kube-prometheus-stack", "https://prometheus-community.github.io/helm-charts", "79.9.0",
+KUBE_PROMETHEUS_STACK = Chart("kube-prometheus-stack", "https://prometheus-community.github.io/helm-charts", "88.5.3",
                               "monitoring")
-DCGM_EXPORTER = Chart("dcgm-exporter", "https://nvidia.github.io/dcgm-exporter/helm-charts", "4.6.0", "monitoring")
+DCGM_EXPORTER = Chart("dcgm-exporter", "https://nvidia.github.io/dcgm-exporter/helm-charts", "4.8.2", "monitoring")
 
 # The Kubernetes resource names of the extended resources the device plugins advertise.
 GPU_RESOURCE = "nvidia.com/gpu"

@@ -11,6 +11,7 @@ import json
 import os
 import ssl
 import urllib.request
+from typing import Any
 
 SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 KUEUE_PATH = "/apis/kueue.x-k8s.io/v1beta2/clusterqueues/"
@@ -38,6 +39,15 @@ def set_stop_policy(cluster_queue: str, policy: str) -> None:
         pass
 
 
+def decide(budgets: Any, account: str, budget_name: str, act_threshold_percent: int) -> dict[str, Any]:
+    """Read the budget and say what the ClusterQueue's stopPolicy should be."""
+    budget = budgets.describe_budget(AccountId=account, BudgetName=budget_name)["Budget"]
+    actual = float(budget["CalculatedSpend"]["ActualSpend"]["Amount"])
+    limit = float(budget["BudgetLimit"]["Amount"])
+    return {"actual_usd": actual, "limit_usd": limit,
+            "stop_policy": stop_policy(actual, limit, act_threshold_percent)}
+
+
 def main() -> None:
     import boto3
 
@@ -50,12 +60,9 @@ def main() -> None:
         messages = sqs.receive_message(QueueUrl=queue_url, WaitTimeSeconds=20, MaxNumberOfMessages=10).get("Messages", [])
         waited += 20
         if messages or waited >= RECHECK_SECONDS:
-            budget = budgets.describe_budget(AccountId=account, BudgetName=budget_name)["Budget"]
-            actual = float(budget["CalculatedSpend"]["ActualSpend"]["Amount"])
-            limit = float(budget["BudgetLimit"]["Amount"])
-            policy = stop_policy(actual, limit, act)
-            set_stop_policy(cluster_queue, policy)
-            print(json.dumps({"actual_usd": actual, "limit_usd": limit, "stop_policy": policy}), flush=True)
+            decision = decide(budgets, account, budget_name, act)
+            set_stop_policy(cluster_queue, decision["stop_policy"])
+            print(json.dumps(decision), flush=True)
             waited = 0
         for message in messages:
             sqs.delete_message(QueueUrl=queue_url, ReceiptHandle=message["ReceiptHandle"])

@@ -538,6 +538,9 @@ PATTERN_HELP = {
     "ami_id": "an AMI id such as ami-0123456789abcdef0",
     "file_system_id": "an FSx file system id such as fs-0123456789abcdef0",
     "data_repository": "an S3 URL such as s3://bucket/prefix",
+    "admin_role_arns": "an IAM role ARN such as arn:aws:iam::123456789012:role/platform-admins",
+    "control_plane_subnet_id": "a subnet id such as subnet-0123456789abcdef0",
+    "control_plane_availability_zone": "an availability zone such as us-east-1b",
 }
 
 
@@ -548,7 +551,7 @@ RENAMED = {
 
 
 def _message(err: ErrorDetails) -> str:
-    field = err["loc"][-1] if err["loc"] else ""
+    field = next((part for part in reversed(err["loc"]) if isinstance(part, str)), "")  # a list item: its list
     if err["type"] == "string_pattern_mismatch" and field in PATTERN_HELP:
         return f"{err['input']!r} is not allowed: use {PATTERN_HELP[field]}"
     if err["type"] == "extra_forbidden":
