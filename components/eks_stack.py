@@ -61,20 +61,13 @@ def create_kubernetes_cluster(stack: Stack) -> dict[str, object]:
         control_plane_cidr=control_plane_cidr(spec.network.vpc_cidr) if spec.network.vpc_cidr else None,
         security_group_id=network.security_group_id), opts)
     node_ready = [cluster.node_access, *cluster.node_policies]
-    system = aws.eks.NodeGroup(
-        f"{stack.cluster_name}-system", cluster_name=cluster.name, node_group_name=f"{stack.cluster_name}-system",
-        node_role_arn=cluster.node_role_arn, subnet_ids=[network.subnet_id], ami_type="AL2023_x86_64_STANDARD",
-        instance_types=[eks.SYSTEM_INSTANCE_TYPE], capacity_type="ON_DEMAND",
-        scaling_config={"min_size": eks.SYSTEM_NODES, "max_size": eks.SYSTEM_NODES, "desired_size": eks.SYSTEM_NODES},
-        labels={"gpucluster/role": "system"}, opts=pulumi.ResourceOptions.merge(
-            opts, pulumi.ResourceOptions(parent=cluster, depends_on=node_ready)))
     pools = {pool.name: NodePool(f"{stack.cluster_name}-{pool.name}", NodePoolArgs(
         stack=stack, pool=pool, cluster_name=cluster.name, node_role_arn=cluster.node_role_arn,
         subnet_id=network.subnet_id, security_group_id=network.security_group_id, depends_on=node_ready), opts)
         for pool in spec.pools}
     # Everything in the cluster goes through the API with the identity running Pulumi, once a node runs the add-ons.
     provider = k8s.Provider("eks", kubeconfig=cluster.kubeconfig, enable_server_side_apply=True,
-                            opts=pulumi.ResourceOptions(depends_on=[system, *cluster.addons]))
+                            opts=pulumi.ResourceOptions(depends_on=[cluster.system_nodes, *cluster.addons]))
     in_cluster = pulumi.ResourceOptions(providers={"aws": opts.provider, "kubernetes": provider})
     software = ClusterSoftware(stack.cluster_name, ClusterSoftwareArgs(
         stack=stack, cluster_name=cluster.name,

@@ -99,13 +99,20 @@ class EksCluster(pulumi.ComponentResource):
                          for p in NODE_POLICIES]
         self.node_access = aws.eks.AccessEntry(f"{name}-nodes", cluster_name=cluster.name,
                                                principal_arn=node_role.arn, type="EC2_LINUX", opts=child(self))
+        self.node_policies = node_policies
+        self.system_nodes = aws.eks.NodeGroup(
+            f"{name}-system", cluster_name=cluster.name, node_group_name=f"{stack.cluster_name}-system",
+            node_role_arn=node_role.arn, subnet_ids=[args.subnet_id], ami_type="AL2023_x86_64_STANDARD",
+            instance_types=[eks.SYSTEM_INSTANCE_TYPE], capacity_type="ON_DEMAND",
+            scaling_config={"min_size": eks.SYSTEM_NODES, "max_size": eks.SYSTEM_NODES,
+                            "desired_size": eks.SYSTEM_NODES},
+            labels={"gpucluster/role": "system"}, opts=child(self, depends_on=[self.node_access, *node_policies]))
         self._admins(name, cluster, settings_.admin_role_arns)
         self.team_role_arn = self._team(name, stack, cluster)
         self.addons = [aws.eks.Addon(f"{name}-{addon}", cluster_name=cluster.name, addon_name=addon,
                                      resolve_conflicts_on_create="OVERWRITE", resolve_conflicts_on_update="PRESERVE",
                                      opts=child(self)) for addon in eks.ADDONS]
         self.name, self.arn, self.node_role_arn = cluster.name, cluster.arn, node_role.arn
-        self.node_policies = node_policies
         self.kubeconfig = pulumi.Output.all(cluster.name, cluster.endpoint, cluster.certificate_authority).apply(
             lambda a: kubeconfig(a[0], a[1], a[2]["data"], stack.region))
         self.register_outputs({"name": self.name, "arn": self.arn, "node_role_arn": self.node_role_arn,

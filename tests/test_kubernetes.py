@@ -70,6 +70,18 @@ def test_the_slurm_stacks_build_no_kubernetes() -> None:
     assert not [d for d in declared if d.type.startswith(("kubernetes:", "aws:eks/", "gpucluster:kubernetes:"))]
 
 
+def test_every_aws_resource_is_tagged_and_in_a_component(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
+    stack, declared = k8s
+    (provider,) = [d for d in declared if d.type == "pulumi:providers:aws"]
+    assert json.loads(provider.inputs["defaultTags"]) == {"tags": stack.tags}
+    for d in declared:
+        if d.type.startswith("aws:"):
+            assert d.provider.startswith(provider.urn + "::"), d.name
+            assert d.parent_type and d.parent_type.startswith("gpucluster:"), d.name
+        if d.type.startswith("kubernetes:"):
+            assert d.provider.startswith("urn:") and "pulumi:providers:kubernetes" in d.provider, d.name
+
+
 # --- 1. The cluster -------------------------------------------------------------------------------------------
 
 def test_cluster_private_encrypted_pinned(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
