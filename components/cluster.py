@@ -29,18 +29,10 @@ def provider_options(stack: Stack) -> pulumi.ResourceOptions:
 
 
 def create_network(stack: Stack, opts: pulumi.ResourceOptions) -> Network:
-    spec = stack.spec
-    return Network(
-        stack.cluster_name,
-        NetworkArgs(
-            region=stack.region,
-            availability_zone=spec.availability_zone,
-            vpc_cidr=spec.network.vpc_cidr,
-            vpc_id=spec.network.vpc_id,
-            subnet_id=spec.network.subnet_id,
-        ),
-        opts,
-    )
+    network = stack.spec.network
+    return Network(stack.cluster_name, NetworkArgs(region=stack.region, availability_zone=stack.spec.availability_zone,
+                                                   vpc_cidr=network.vpc_cidr, vpc_id=network.vpc_id,
+                                                   subnet_id=network.subnet_id), opts)
 
 
 def create_storage(stack: Stack, network: Network, opts: pulumi.ResourceOptions) -> Storage:
@@ -53,17 +45,22 @@ def create_storage(stack: Stack, network: Network, opts: pulumi.ResourceOptions)
 
 
 def create_budget(stack: Stack, opts: pulumi.ResourceOptions) -> Budget:
-    spec = stack.spec
-    return Budget(
-        stack.cluster_name,
-        BudgetArgs(
-            budget_name=stack.budget_name,
-            spec=spec.budget,
-            stack=stack.name,
-            activate_cost_tag=spec.budget.activate_cost_allocation_tag,
-        ),
-        opts,
-    )
+    budget = stack.spec.budget
+    return Budget(stack.cluster_name, BudgetArgs(budget_name=stack.budget_name, spec=budget, stack=stack.name,
+                                                 activate_cost_tag=budget.activate_cost_allocation_tag), opts)
+
+
+def network_and_storage_outputs(network: Network, storage: Storage) -> dict[str, object]:
+    """The stack outputs both schedulers share: where the cluster lives and its file system."""
+    return {
+        "vpc_id": network.vpc_id,
+        "subnet_id": network.subnet_id,
+        "security_group_id": network.security_group_id,
+        "fsx_file_system_id": storage.file_system_id,
+        "fsx_dns_name": storage.dns_name,
+        "fsx_mount_name": storage.mount_name,
+        "data_repository": storage.data_repository,
+    }
 
 
 def create_cluster(stack: Stack) -> dict[str, object]:
@@ -183,13 +180,7 @@ def create_cluster(stack: Stack) -> dict[str, object]:
         kept=kept), opts)
     estimate = cost.estimate(stack)
     return {
-        "vpc_id": network.vpc_id,
-        "subnet_id": network.subnet_id,
-        "security_group_id": network.security_group_id,
-        "fsx_file_system_id": storage.file_system_id,
-        "fsx_dns_name": storage.dns_name,
-        "fsx_mount_name": storage.mount_name,
-        "data_repository": storage.data_repository,
+        **network_and_storage_outputs(network, storage),
         "pools": {name: pool.launch_spec for name, pool in pools.items()},
         "head_node_instance_id": head.instance_id,
         "head_node_private_ip": head.private_ip,

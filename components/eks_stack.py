@@ -12,7 +12,8 @@ import pulumi_kubernetes as k8s
 
 from components import child
 from components.budget import LaunchDeny, LaunchDenyArgs
-from components.cluster import create_budget, create_network, create_storage, provider_options
+from components.cluster import (create_budget, create_network, create_storage, network_and_storage_outputs,
+                                provider_options)
 from components.kubernetes import (ClusterSoftware, ClusterSoftwareArgs, EksCluster, EksClusterArgs, NodePool,
                                    NodePoolArgs, TeamSpace, TeamSpaceArgs, declare)
 from components.network import control_plane_cidr
@@ -84,13 +85,7 @@ def create_kubernetes_cluster(stack: Stack) -> dict[str, object]:
             role_arn=software.autoscaler_role_arn, topic_arn=budget.topic_arn, denied_actions=SCALE_UP_ACTIONS), opts)
     estimate = cost.estimate(stack)
     return {
-        "vpc_id": network.vpc_id,
-        "subnet_id": network.subnet_id,
-        "security_group_id": network.security_group_id,
-        "fsx_file_system_id": storage.file_system_id,
-        "fsx_dns_name": storage.dns_name,
-        "fsx_mount_name": storage.mount_name,
-        "data_repository": storage.data_repository,
+        **network_and_storage_outputs(network, storage),
         "cluster_name": cluster.name,
         "kubeconfig_command": pulumi.Output.concat("aws eks update-kubeconfig --region ", stack.region, " --name ",
                                                   cluster.name),
