@@ -20,6 +20,7 @@ Manifest = dict[str, Any]
 POOL_LABEL = "gpucluster/pool"
 CAPACITY_LABEL = "gpucluster/capacity"
 ACCELERATOR_LABEL = "gpucluster/accelerator"
+EFA_LABEL = "gpucluster/efa"  # on EFA pools only: where the EFA device plugin runs
 SPOT_TAINT = "gpucluster/spot"
 # Namespaces whose jobs Kueue manages even without a queue name (and so never admits them: no LocalQueue matches).
 TEAM_NAMESPACE_LABEL = "gpucluster/team-namespace"
@@ -61,7 +62,8 @@ def accelerator_resource(pool: Pool) -> str:
 def pool_labels(pool: Pool) -> dict[str, str]:
     """Labels every node of the pool carries (node group labels; the ResourceFlavor selects on them)."""
     assert pool.itype.accelerator, pool.name
-    return {POOL_LABEL: pool.name, CAPACITY_LABEL: pool.capacity, ACCELERATOR_LABEL: pool.itype.accelerator.kind}
+    labels = {POOL_LABEL: pool.name, CAPACITY_LABEL: pool.capacity, ACCELERATOR_LABEL: pool.itype.accelerator.kind}
+    return labels | ({EFA_LABEL: "true"} if pool.uses_efa else {})
 
 
 def pool_taints(pool: Pool) -> list[dict[str, str]]:
@@ -252,7 +254,7 @@ def nvidia_device_plugin_values() -> dict[str, Any]:
 
 
 def efa_device_plugin_values() -> dict[str, Any]:
-    return {"nodeSelector": {"vpc.amazonaws.com/efa.present": "true"}, "tolerations": [{"operator": "Exists"}]}
+    return {"nodeSelector": {EFA_LABEL: "true"}, "tolerations": [{"operator": "Exists"}]}
 
 
 def kueue_values(stack: Stack) -> dict[str, Any]:

@@ -447,6 +447,10 @@ def _pool_set_problems(pools: list[Any]) -> list[tuple[tuple[str | int, ...], st
     return problems
 
 
+# Namespaces Kubernetes, EKS and the Kubernetes flavour's charts use (gpucluster/eks.py): no team may be named so.
+RESERVED_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease", "kueue-system", "monitoring")
+
+
 def _scheduler_problems(spec: dict[str, Any]) -> list[tuple[tuple[str | int, ...], str]]:
     """The sections each scheduler takes, on the mapping as given (also run when a field error stops pydantic)."""
     scheduler = spec.get("scheduler", "slurm")
@@ -457,6 +461,9 @@ def _scheduler_problems(spec: dict[str, Any]) -> list[tuple[tuple[str | int, ...
                          ("image", "EKS nodes boot EKS's accelerated AMIs: nothing is baked")):
             if key in spec:
                 problems.append(((key,), f"not allowed with scheduler: kubernetes ({why})"))
+        if spec.get("team") in RESERVED_NAMESPACES:
+            problems.append((("team",), f"{spec['team']!r} is a namespace the cluster's own software uses (the team "
+                             f"gets a namespace of its name): choose another; taken: {', '.join(RESERVED_NAMESPACES)}"))
         pools = spec.get("pools")
         for i, pool in enumerate(pools if isinstance(pools, list) else []):
             if isinstance(pool, dict) and pool.get("ami_id") is not None:

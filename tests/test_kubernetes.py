@@ -177,7 +177,8 @@ def test_node_group_per_pool(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
         assert group["scalingConfig"] == {"minSize": pool.min_nodes, "maxSize": pool.max_nodes,
                                           "desiredSize": pool.min_nodes}
         assert group["labels"] == {"gpucluster/pool": pool.name, "gpucluster/capacity": pool.capacity,
-                                   "gpucluster/accelerator": pool.itype.accelerator.kind}
+                                   "gpucluster/accelerator": pool.itype.accelerator.kind,
+                                   **({"gpucluster/efa": "true"} if pool.uses_efa else {})}
         taints = {(t["key"], t["effect"]) for t in group["taints"]}
         assert ("nvidia.com/gpu", "NO_SCHEDULE") in taints
         assert (("gpucluster/spot", "NO_SCHEDULE") in taints) == (pool.capacity == "spot")
@@ -297,7 +298,7 @@ def test_releases_are_pinned(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
 def test_efa_plugin_only_on_efa_nodes(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
     _, declared = k8s
     values = _releases(declared)["efa-device-plugin"]["values"]
-    assert values["nodeSelector"] == {"vpc.amazonaws.com/efa.present": "true"}
+    assert values["nodeSelector"] == {"gpucluster/efa": "true"}
     nvidia = _releases(declared)["nvidia-device-plugin"]["values"]
     terms = nvidia["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert terms == [{"matchExpressions": [{"key": "gpucluster/accelerator", "operator": "In", "values": ["nvidia"]}]}]
@@ -581,3 +582,11 @@ def test_plan_json_for_a_kubernetes_stack(capsys: pytest.CaptureFixture[str]) ->
     assert main(["plan", str(TEAM_K8S)]) == 0
     assert "EKS and system nodes per month" in capsys.readouterr().out
 
+
+
+def test_no_team_can_take_a_namespace_the_charts_use() -> None:
+    from gpucluster.spec import RESERVED_NAMESPACES
+
+    charts = (eks.CLUSTER_AUTOSCALER, eks.NVIDIA_DEVICE_PLUGIN, eks.EFA_DEVICE_PLUGIN, eks.KUEUE,
+              eks.KUBE_PROMETHEUS_STACK, eks.DCGM_EXPORTER)
+    assert {c.namespace for c in charts} <= set(RESERVED_NAMESPACES)
