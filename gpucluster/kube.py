@@ -300,8 +300,12 @@ def prometheus_values() -> dict[str, Any]:
 
 # --- The first job ---------------------------------------------------------------------------------------------
 
-def example_job(stack: Stack, pool: Pool, nodes: int = 2, image: str = "pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime",
-                ) -> list[Manifest]:
+# Any image with torch and CUDA runs the example. NCCL over EFA needs the aws-ofi-nccl plugin and libfabric in the
+# image (AWS's Deep Learning Containers carry them, this one does not): without them NCCL falls back to TCP sockets.
+EXAMPLE_IMAGE = "pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime"
+
+
+def example_job(stack: Stack, pool: Pool, nodes: int = 2, image: str = EXAMPLE_IMAGE) -> list[Manifest]:
     """examples/ddp_train.py across `nodes` nodes of `pool` with torchrun: an indexed Job (one pod per node) behind a
     headless Service for the rendezvous, queued through the team's LocalQueue, checkpointing to the FSx claim."""
     ns, name = namespace_name(stack), "ddp-example"
@@ -372,7 +376,7 @@ def guardrail_manifests(stack: Stack, queue_url: Any, act_threshold_percent: int
                                           "seccompProfile": {"type": "RuntimeDefault"}},
                       "containers": [{
                           "name": "guardrail", "image": GUARDRAIL_IMAGE,
-                          "command": ["sh", "-c", f"pip install --quiet --target /tmp/lib {GUARDRAIL_BOTO3} && "
+                          "command": ["sh", "-c", f"pip install --quiet --no-cache-dir --target /tmp/lib {GUARDRAIL_BOTO3} && "
                                                   "PYTHONPATH=/tmp/lib exec python /opt/guardrail/queue_guardrail.py"],
                           "env": [{"name": k, "value": v} for k, v in env.items()],
                           "resources": {"requests": {"cpu": "50m", "memory": "128Mi"},

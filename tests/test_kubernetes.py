@@ -118,6 +118,15 @@ def test_control_plane_has_two_zones_nodes_one(k8s: tuple[Stack, tuple[Declared,
         assert group.inputs["subnetIds"] == private  # the stack's one AZ
 
 
+def test_existing_network_names_the_control_planes_subnet() -> None:
+    network = {"vpc_id": "vpc-0a1b2c3d4e5f60718", "subnet_id": "subnet-0a1b2c3d4e5f60718"}
+    stack, declared = variant(TEAM_K8S, network=network,
+                              kubernetes={"control_plane_subnet_id": "subnet-0f0e0d0c0b0a09080"})
+    (cluster,) = of_type(declared, "eks/cluster:Cluster")
+    assert cluster.inputs["vpcConfig"]["subnetIds"] == ["subnet-0a1b2c3d4e5f60718", "subnet-0f0e0d0c0b0a09080"]
+    assert not of_type(declared, "ec2/subnet:Subnet")
+
+
 def test_public_endpoint_only_for_the_cidrs_given() -> None:
     stack, declared = variant(TEAM_K8S, kubernetes={"version": "1.35", "public_access_cidrs": ["203.0.113.0/24"]})
     (cluster,) = of_type(declared, "eks/cluster:Cluster")
@@ -356,7 +365,7 @@ def test_kueue_flavours_mirror_the_pools() -> None:
     assert spot["nvidia.com/gpu"] == 32 and spot["vpc.amazonaws.com/efa"] == 128
     g6e = {r["name"]: r["nominalQuota"] for r in group["flavors"][2]["resources"]}
     assert g6e["vpc.amazonaws.com/efa"] == 2 and g6e["nvidia.com/gpu"] == 8
-    assert cq.inputs["spec"]["stopPolicy"] == "None"
+    assert cq.inputs["spec"]["stopPolicy"] == "None" and cq.ignore_changes == ("spec.stopPolicy",)
     assert cq.inputs["spec"]["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "language"}}
     (lq,) = of_type(declared, "kueue.x-k8s.io/v1beta2:LocalQueue")
     assert lq.inputs["spec"] == {"clusterQueue": cq.inputs["metadata"]["name"]}
@@ -425,6 +434,14 @@ def test_guardrail_holds_at_the_threshold(actual: float, expected: str) -> None:
         decision = queue_guardrail.decide(budgets, "123456789012", "b", 100)
     assert decision == {"actual_usd": actual, "limit_usd": 100.0, "stop_policy": expected}
     assert json.loads(queue_guardrail.patch_body(expected)) == {"spec": {"stopPolicy": expected}}
+
+
+def test_a_budget_that_only_alerts_has_no_hold_and_no_deny() -> None:
+    doc = yaml.safe_load(TEAM_K8S.read_text())["config"]["gpucluster:cluster"]["budget"]
+    _, declared = variant(TEAM_K8S, budget={**doc, "act_threshold_percent": None})
+    for kind in ("budgets/budgetAction:BudgetAction", "apps/v1:Deployment", "sqs/queue:Queue",
+                 "rbac.authorization.k8s.io/v1:ClusterRole"):
+        assert not of_type(declared, kind), kind
 
 
 # --- 7. Monitoring ----------------------------------------------------------------------------------------------
