@@ -14,8 +14,8 @@ from components import child
 from components.budget import LaunchDeny, LaunchDenyArgs
 from components.cluster import (create_budget, create_network, create_storage, network_and_storage_outputs,
                                 provider_options)
-from components.kubernetes import (ClusterSoftware, ClusterSoftwareArgs, EksCluster, EksClusterArgs, NodePool,
-                                   NodePoolArgs, TeamSpace, TeamSpaceArgs, declare)
+from components.kubernetes import (ASSUME_AND_TAG, ClusterSoftware, ClusterSoftwareArgs, EksCluster, EksClusterArgs,
+                                   NodePool, NodePoolArgs, TeamSpace, TeamSpaceArgs, declare, trust)
 from components.network import control_plane_cidr
 from components.node_access import policy
 from gpucluster import cost, eks, kube
@@ -33,9 +33,8 @@ class QueueGuardrail(pulumi.ComponentResource):
                  queue_arn: pulumi.Input[str], budget_arn: pulumi.Input[str], act_threshold_percent: int,
                  after: list[pulumi.Resource], opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpucluster:kubernetes:QueueGuardrail", name, None, opts)
-        role = aws.iam.Role(f"{name}-guardrail-pod", assume_role_policy=policy([{
-            "Effect": "Allow", "Principal": {"Service": "pods.eks.amazonaws.com"},
-            "Action": ["sts:AssumeRole", "sts:TagSession"]}]), opts=child(self))
+        role = aws.iam.Role(f"{name}-guardrail-pod", assume_role_policy=trust("pods.eks.amazonaws.com", ASSUME_AND_TAG),
+                            opts=child(self))
         aws.iam.RolePolicy(f"{name}-guardrail-pod", role=role.id, policy=pulumi.Output.all(
             queue_arn, budget_arn).apply(lambda a: policy([
                 {"Sid": "BudgetQueue", "Effect": "Allow", "Action": ["sqs:ReceiveMessage", "sqs:DeleteMessage"],
@@ -71,7 +70,7 @@ def create_kubernetes_cluster(stack: Stack) -> dict[str, object]:
                             opts=pulumi.ResourceOptions(depends_on=[cluster.system_nodes, *cluster.addons]))
     in_cluster = pulumi.ResourceOptions(providers={"aws": opts.provider, "kubernetes": provider})
     software = ClusterSoftware(stack.cluster_name, ClusterSoftwareArgs(
-        stack=stack, cluster_name=cluster.name,
+        stack=stack, cluster_name=cluster.name, cluster_arn=cluster.arn,
         node_group_names={name: pool.node_group_name for name, pool in pools.items()}), in_cluster)
     fsx = kube.Fsx(storage.file_system_id, storage.dns_name, storage.mount_name, fsx_capacity_gib(stack))
     TeamSpace(stack.cluster_name, TeamSpaceArgs(stack=stack, fsx=fsx, kueue=software.kueue,

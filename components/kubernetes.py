@@ -23,7 +23,11 @@ from gpucluster.spec import Pool, Stack
 
 MANAGED_POLICY = "arn:aws:iam::aws:policy/"
 ACCESS_POLICY = "arn:aws:eks::aws:cluster-access-policy/"
-NODE_POLICIES = ("AmazonEKSWorkerNodePolicy", "AmazonEKS_CNI_Policy", "AmazonEC2ContainerRegistryPullOnly")
+# The node role joins the cluster and pulls images; the VPC CNI's IP management is its own Pod Identity role, so that
+# no pod on the node can use it.
+NODE_POLICIES = ("AmazonEKSWorkerNodePolicy", "AmazonEC2ContainerRegistryPullOnly")
+CNI_POLICY = "AmazonEKS_CNI_Policy"
+ASSUME_AND_TAG = ("sts:AssumeRole", "sts:TagSession")
 AUTOSCALER_SERVICE_ACCOUNT = "cluster-autoscaler"
 CAPACITY_TYPES = {"on-demand": "ON_DEMAND", "spot": "SPOT", "capacity-block": "CAPACITY_BLOCK"}
 TAINT_EFFECTS = {"NoSchedule": "NO_SCHEDULE"}
@@ -65,8 +69,7 @@ class EksCluster(pulumi.ComponentResource):
                 opts=child(self)).id
         key = aws.kms.Key(f"{name}-secrets", description=f"{name}: Kubernetes secrets envelope encryption",
                           enable_key_rotation=True, deletion_window_in_days=7, opts=child(self))
-        role = aws.iam.Role(f"{name}-eks", assume_role_policy=trust("eks.amazonaws.com", ["sts:AssumeRole",
-                                                                                       "sts:TagSession"]),
+        role = aws.iam.Role(f"{name}-eks", assume_role_policy=trust("eks.amazonaws.com", ASSUME_AND_TAG),
                             opts=child(self))
         attached = [aws.iam.RolePolicyAttachment(f"{name}-eks-cluster", role=role.name,
                                                  policy_arn=MANAGED_POLICY + "AmazonEKSClusterPolicy",
@@ -109,14 +112,28 @@ class EksCluster(pulumi.ComponentResource):
             labels={"gpucluster/role": "system"}, opts=child(self, depends_on=[self.node_access, *node_policies]))
         self._admins(name, cluster, settings_.admin_role_arns)
         self.team_role_arn = self._team(name, stack, cluster)
-        self.addons = [aws.eks.Addon(f"{name}-{addon}", cluster_name=cluster.name, addon_name=addon,
-                                     resolve_conflicts_on_create="OVERWRITE", resolve_conflicts_on_update="PRESERVE",
-                                     opts=child(self)) for addon in eks.ADDONS]
+        self.addons = self._addons(name, cluster)
         self.name, self.arn, self.node_role_arn = cluster.name, cluster.arn, node_role.arn
         self.kubeconfig = pulumi.Output.all(cluster.name, cluster.endpoint, cluster.certificate_authority).apply(
             lambda a: kubeconfig(a[0], a[1], a[2]["data"], stack.region))
         self.register_outputs({"name": self.name, "arn": self.arn, "node_role_arn": self.node_role_arn,
                                "team_role_arn": self.team_role_arn})
+
+    def _addons(self, name: str, cluster: aws.eks.Cluster) -> list[aws.eks.Addon]:
+        """The managed add-ons; the VPC CNI with its own Pod Identity role, once the Pod Identity agent is there."""
+        cni = aws.iam.Role(f"{name}-vpc-cni", assume_role_policy=trust("pods.eks.amazonaws.com", ASSUME_AND_TAG),
+                           opts=child(self))
+        aws.iam.RolePolicyAttachment(f"{name}-vpc-cni", role=cni.name, policy_arn=MANAGED_POLICY + CNI_POLICY,
+                                     opts=child(self))
+        addons: dict[str, aws.eks.Addon] = {}
+        for addon in sorted(eks.ADDONS, key=lambda a: a != "eks-pod-identity-agent"):
+            vpc_cni = addon == "vpc-cni"
+            addons[addon] = aws.eks.Addon(
+                f"{name}-{addon}", cluster_name=cluster.name, addon_name=addon,
+                resolve_conflicts_on_create="OVERWRITE", resolve_conflicts_on_update="PRESERVE",
+                pod_identity_associations=[{"role_arn": cni.arn, "service_account": "aws-node"}] if vpc_cni else None,
+                opts=child(self, depends_on=[addons["eks-pod-identity-agent"]] if vpc_cni else None))
+        return [addons[a] for a in eks.ADDONS]
 
     def _admins(self, name: str, cluster: aws.eks.Cluster, role_arns: Sequence[str]) -> None:
         for i, arn in enumerate(role_arns):
@@ -261,6 +278,7 @@ def release(name: str, chart: eks.Chart, values: dict[str, Any], opts: pulumi.Re
 class ClusterSoftwareArgs:
     stack: Stack
     cluster_name: pulumi.Input[str]
+    cluster_arn: pulumi.Input[str]
     node_group_names: dict[str, str]  # pool -> node group name
 
 
@@ -276,11 +294,10 @@ class ClusterSoftware(pulumi.ComponentResource):
     def __init__(self, name: str, args: ClusterSoftwareArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpucluster:kubernetes:ClusterSoftware", name, None, opts)
         stack = args.stack
-        role = aws.iam.Role(f"{name}-autoscaler", assume_role_policy=trust("pods.eks.amazonaws.com",
-                                                                           ["sts:AssumeRole", "sts:TagSession"]),
+        role = aws.iam.Role(f"{name}-autoscaler", assume_role_policy=trust("pods.eks.amazonaws.com", ASSUME_AND_TAG),
                             opts=child(self))
-        aws.iam.RolePolicy(f"{name}-autoscaler", role=role.id, policy=autoscaler_policy(stack.cluster_name),
-                           opts=child(self))
+        aws.iam.RolePolicy(f"{name}-autoscaler", role=role.id,
+                           policy=pulumi.Output.from_input(args.cluster_arn).apply(autoscaler_policy), opts=child(self))
         aws.eks.PodIdentityAssociation(f"{name}-autoscaler", cluster_name=args.cluster_name,
                                        namespace=eks.CLUSTER_AUTOSCALER.namespace,
                                        service_account=AUTOSCALER_SERVICE_ACCOUNT, role_arn=role.arn,
@@ -302,18 +319,23 @@ class ClusterSoftware(pulumi.ComponentResource):
         self.register_outputs({"autoscaler_role_arn": self.autoscaler_role_arn})
 
 
-def autoscaler_policy(cluster_name: str) -> str:
-    """Read every group; resize and terminate only the groups EKS tagged as this cluster's."""
+def autoscaler_policy(cluster_arn: str) -> str:
+    """Read every group (the Describe calls take no resource); read this cluster's node groups; resize and terminate
+    only the Auto Scaling groups of this cluster's node groups (eks-<cluster>-<pool>-<uuid>) that EKS tagged as its."""
+    arn = cluster_arn.split(":")
+    region, account, cluster = arn[3], arn[4], arn[5].split("/", 1)[1]
     return policy([
         {"Sid": "Discover", "Effect": "Allow", "Resource": "*", "Action": [
             "autoscaling:DescribeAutoScalingGroups", "autoscaling:DescribeAutoScalingInstances",
             "autoscaling:DescribeLaunchConfigurations", "autoscaling:DescribeScalingActivities",
             "autoscaling:DescribeTags", "ec2:DescribeImages", "ec2:DescribeInstanceTypes",
-            "ec2:DescribeLaunchTemplateVersions", "ec2:GetInstanceTypesFromInstanceRequirements",
-            "eks:DescribeNodegroup"]},
-        {"Sid": "ResizeOwnGroups", "Effect": "Allow", "Resource": "*",
+            "ec2:DescribeLaunchTemplateVersions", "ec2:GetInstanceTypesFromInstanceRequirements"]},
+        {"Sid": "NodeGroups", "Effect": "Allow", "Action": "eks:DescribeNodegroup",
+         "Resource": f"arn:aws:eks:{region}:{account}:nodegroup/{cluster}/*"},
+        {"Sid": "ResizeOwnGroups", "Effect": "Allow",
+         "Resource": f"arn:aws:autoscaling:{region}:{account}:autoScalingGroup:*:autoScalingGroupName/eks-{cluster}-*",
          "Action": ["autoscaling:SetDesiredCapacity", "autoscaling:TerminateInstanceInAutoScalingGroup"],
-         "Condition": {"StringEquals": {f"aws:ResourceTag/k8s.io/cluster-autoscaler/{cluster_name}": "owned"}}},
+         "Condition": {"StringEquals": {f"aws:ResourceTag/k8s.io/cluster-autoscaler/{cluster}": "owned"}}},
     ])
 
 

@@ -141,6 +141,19 @@ def test_addons(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
                             "eks-node-monitoring-agent"])
 
 
+def test_nodes_cannot_manage_ips_the_vpc_cni_can(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
+    stack, declared = k8s
+    attached = {(a.inputs["role"], a.inputs["policyArn"].rsplit("/", 1)[1])
+                for a in of_type(declared, "iam/rolePolicyAttachment:RolePolicyAttachment")}
+    node, cni = f"{stack.cluster_name}-node", f"{stack.cluster_name}-vpc-cni"
+    assert {p for r, p in attached if r == node} == {"AmazonEKSWorkerNodePolicy", "AmazonEC2ContainerRegistryPullOnly"}
+    assert {p for r, p in attached if r == cni} == {"AmazonEKS_CNI_Policy"}
+    addons = {a.inputs["addonName"]: a for a in of_type(declared, "eks/addon:Addon")}
+    assert addons["vpc-cni"].inputs["podIdentityAssociations"] == [
+        {"roleArn": f"arn:aws:iam::123456789012:role/{cni}", "serviceAccount": "aws-node"}]
+    assert addons["eks-pod-identity-agent"].urn in addons["vpc-cni"].dependencies
+
+
 def test_access_entries() -> None:
     admin = "arn:aws:iam::123456789012:role/platform-admins"
     stack, declared = variant(TEAM_K8S, kubernetes={"version": "1.35", "admin_role_arns": [admin]})
@@ -282,9 +295,15 @@ def test_autoscaler_priority_expander_spot_first(k8s: tuple[Stack, tuple[Declare
                 if a.inputs["serviceAccount"] == "cluster-autoscaler"]
     assert assoc.inputs["namespace"] == "kube-system"
     roles = {p.name: json.loads(p.inputs["policy"]) for p in of_type(declared, "iam/rolePolicy:RolePolicy")}
-    resize = next(s for s in roles[f"{stack.cluster_name}-autoscaler"]["Statement"] if s["Sid"] == "ResizeOwnGroups")
+    grants = {s["Sid"]: s for s in roles[f"{stack.cluster_name}-autoscaler"]["Statement"]}
+    resize = grants["ResizeOwnGroups"]
     assert resize["Condition"] == {"StringEquals": {
         f"aws:ResourceTag/k8s.io/cluster-autoscaler/{stack.cluster_name}": "owned"}}
+    assert resize["Resource"] == (f"arn:aws:autoscaling:{stack.region}:123456789012:autoScalingGroup:*:"
+                                  f"autoScalingGroupName/eks-{stack.cluster_name}-*")
+    for pool in stack.spec.pools:  # every pool's group matches it: EKS names it eks-<node group>-<uuid>
+        assert f"eks-{stack.cluster_name}-{pool.name}-<uuid at up>".startswith(resize["Resource"].rsplit("/")[-1][:-1])
+    assert grants["NodeGroups"]["Resource"] == f"arn:aws:eks:{stack.region}:123456789012:nodegroup/{stack.cluster_name}/*"
 
 
 # --- 4. Devices and storage; Helm pins ---------------------------------------------------------------------------
