@@ -120,6 +120,8 @@ class LaunchDenyArgs:
     role_name: pulumi.Input[str]  # the role that launches nodes (the head node's)
     role_arn: pulumi.Input[str]
     topic_arn: pulumi.Input[str]
+    # What the role may no longer do: launch instances (the Slurm head), or resize groups (Kubernetes' autoscaler).
+    denied_actions: tuple[str, ...] = tuple(LAUNCH_ACTIONS)
 
 
 class LaunchDeny(pulumi.ComponentResource):
@@ -130,7 +132,7 @@ class LaunchDeny(pulumi.ComponentResource):
         super().__init__("gpucluster:budget:LaunchDeny", name, None, opts)
         account = aws.get_caller_identity_output(opts=pulumi.InvokeOutputOptions(parent=self)).account_id
         deny = aws.iam.Policy(f"{name}-launch-deny", description="gpucluster budget action: no instance launches",
-                              policy=policy([{"Sid": "BudgetSpent", "Effect": "Deny", "Action": LAUNCH_ACTIONS,
+                              policy=policy([{"Sid": "BudgetSpent", "Effect": "Deny", "Action": list(args.denied_actions),
                                               "Resource": "*"}]), opts=child(self))
         executor = aws.iam.Role(f"{name}-budget-action", assume_role_policy=account.apply(lambda acct: policy([{
             "Effect": "Allow", "Principal": {"Service": "budgets.amazonaws.com"}, "Action": "sts:AssumeRole",

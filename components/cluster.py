@@ -22,30 +22,57 @@ from gpucluster import bundle, cost, userdata
 from gpucluster.spec import Stack
 
 
+def provider_options(stack: Stack) -> pulumi.ResourceOptions:
+    """The one provider of the stack: every taggable resource gets the cluster, team and stack tags from it."""
+    provider = aws.Provider("aws", region=stack.region, default_tags={"tags": stack.tags})
+    return pulumi.ResourceOptions(provider=provider)
+
+
+def create_network(stack: Stack, opts: pulumi.ResourceOptions) -> Network:
+    network = stack.spec.network
+    return Network(stack.cluster_name, NetworkArgs(region=stack.region, availability_zone=stack.spec.availability_zone,
+                                                   vpc_cidr=network.vpc_cidr, vpc_id=network.vpc_id,
+                                                   subnet_id=network.subnet_id), opts)
+
+
+def create_storage(stack: Stack, network: Network, opts: pulumi.ResourceOptions) -> Storage:
+    return Storage(
+        stack.cluster_name,
+        StorageArgs(lustre=stack.spec.storage.lustre, region=stack.region, subnet_id=network.subnet_id,
+                    security_group_id=network.security_group_id, security_group_rules=network.security_group_rules),
+        opts,
+    )
+
+
+def create_budget(stack: Stack, opts: pulumi.ResourceOptions) -> Budget:
+    budget = stack.spec.budget
+    return Budget(stack.cluster_name, BudgetArgs(budget_name=stack.budget_name, spec=budget, stack=stack.name,
+                                                 activate_cost_tag=budget.activate_cost_allocation_tag), opts)
+
+
+def network_and_storage_outputs(network: Network, storage: Storage) -> dict[str, object]:
+    """The stack outputs both schedulers share: where the cluster lives and its file system."""
+    return {
+        "vpc_id": network.vpc_id,
+        "subnet_id": network.subnet_id,
+        "security_group_id": network.security_group_id,
+        "fsx_file_system_id": storage.file_system_id,
+        "fsx_dns_name": storage.dns_name,
+        "fsx_mount_name": storage.mount_name,
+        "data_repository": storage.data_repository,
+    }
+
+
 def create_cluster(stack: Stack) -> dict[str, object]:
     """Declare every resource of the stack and return the stack outputs."""
     spec = stack.spec
-    # The one provider of the stack: every taggable resource gets the cluster, team and stack tags from it.
-    provider = aws.Provider("aws", region=stack.region, default_tags={"tags": stack.tags})
-    opts = pulumi.ResourceOptions(provider=provider)
+    if spec.scheduler == "kubernetes":
+        from components.eks_stack import create_kubernetes_cluster  # it builds on this module's helpers
 
-    network = Network(
-        stack.cluster_name,
-        NetworkArgs(
-            region=stack.region,
-            availability_zone=spec.availability_zone,
-            vpc_cidr=spec.network.vpc_cidr,
-            vpc_id=spec.network.vpc_id,
-            subnet_id=spec.network.subnet_id,
-        ),
-        opts,
-    )
-    storage = Storage(
-        stack.cluster_name,
-        StorageArgs(lustre=spec.storage.lustre, region=stack.region, subnet_id=network.subnet_id, security_group_id=network.security_group_id,
-                    security_group_rules=network.security_group_rules),
-        opts,
-    )
+        return create_kubernetes_cluster(stack)
+    opts = provider_options(stack)
+    network = create_network(stack, opts)
+    storage = create_storage(stack, network, opts)
     # The build instances need the private subnet's route out (NAT) and its SSM endpoints: the whole network first.
     images = {
         build.key: NodeImage(
@@ -91,16 +118,7 @@ def create_cluster(stack: Stack) -> dict[str, object]:
         )
         for pool in spec.pools
     }
-    budget = Budget(
-        stack.cluster_name,
-        BudgetArgs(
-            budget_name=stack.budget_name,
-            spec=spec.budget,
-            stack=stack.name,
-            activate_cost_tag=spec.budget.activate_cost_allocation_tag,
-        ),
-        opts,
-    )
+    budget = create_budget(stack, opts)
     # EC2 warns only of spot instances: a stack without spot pools has no use for the rule and its queue.
     events = InterruptionEvents(stack.cluster_name, InterruptionEventsArgs(cluster_name=stack.cluster_name), opts) \
         if any(pool.capacity == "spot" for pool in spec.pools) else None
@@ -162,13 +180,7 @@ def create_cluster(stack: Stack) -> dict[str, object]:
         kept=kept), opts)
     estimate = cost.estimate(stack)
     return {
-        "vpc_id": network.vpc_id,
-        "subnet_id": network.subnet_id,
-        "security_group_id": network.security_group_id,
-        "fsx_file_system_id": storage.file_system_id,
-        "fsx_dns_name": storage.dns_name,
-        "fsx_mount_name": storage.mount_name,
-        "data_repository": storage.data_repository,
+        **network_and_storage_outputs(network, storage),
         "pools": {name: pool.launch_spec for name, pool in pools.items()},
         "head_node_instance_id": head.instance_id,
         "head_node_private_ip": head.private_ip,

@@ -32,7 +32,10 @@ class GpuPoolArgs:
     image_id: pulumi.Input[str] | None = None
 
 
-def network_interfaces(pool: Pool, subnet_id: pulumi.Input[str], security_group_id: pulumi.Input[str]) -> list[dict]:
+def network_interfaces(pool: Pool, subnet_id: pulumi.Input[str] | None,
+                       security_group_id: pulumi.Input[str]) -> list[dict]:
+    """The pool's interfaces: one per network card with EFA. `subnet_id` None leaves the subnet to the launcher (EKS
+    managed node groups reject a template whose interfaces name one)."""
     return [
         {
             "network_card_index": nic.network_card_index,
@@ -41,10 +44,70 @@ def network_interfaces(pool: Pool, subnet_id: pulumi.Input[str], security_group_
             "subnet_id": subnet_id,
             "security_groups": [security_group_id],
             "delete_on_termination": "true",
-            "associate_public_ip_address": "false" if nic.interface_type != "efa-only" else None,
+            "associate_public_ip_address": "false" if nic.interface_type != "efa-only" and subnet_id else None,
         }
         for nic in catalog.interface_layout(pool.itype, pool.uses_efa)
     ]
+
+
+def placement_group(name: str, pool: Pool, opts: pulumi.ResourceOptions) -> pulumi.Output[str] | None:
+    """A cluster placement group for an EFA pool (nodes close together on the network); None without EFA."""
+    if not pool.uses_efa:
+        return None
+    return aws.ec2.PlacementGroup(f"{name}-pg", strategy="cluster", opts=opts).name
+
+
+def launch_template(name: str, pool: Pool, *, description: str, subnet_id: pulumi.Input[str] | None,
+                    security_group_id: pulumi.Input[str], group_name: pulumi.Input[str] | None,
+                    node_tags: dict[str, str], root_device: str, opts: pulumi.ResourceOptions,
+                    image_id: pulumi.Input[str] | None = None, instance_profile_arn: pulumi.Input[str] | None = None,
+                    user_data: pulumi.Input[str] | None = None) -> aws.ec2.LaunchTemplate:
+    """A pool's launch template, the same for both schedulers: EFA layout, placement group, IMDSv2 with one hop,
+    encrypted gp3 root, capacity-block targeting and tags on what EC2 launches."""
+    return aws.ec2.LaunchTemplate(
+        f"{name}-lt",
+        description=description,
+        image_id=image_id,
+        instance_type=pool.instance_type,
+        network_interfaces=network_interfaces(pool, subnet_id, security_group_id),
+        placement={"group_name": group_name} if group_name else None,
+        metadata_options={
+            "http_endpoint": "enabled",
+            "http_tokens": "required",  # IMDSv2 only
+            # One hop: enroot/pyxis containers share the host network namespace; Kubernetes pods, in their own, get
+            # AWS credentials from EKS Pod Identity only and must not borrow the node's role.
+            "http_put_response_hop_limit": 1,
+            # The node's lockdown guards IPv4 metadata; the IPv6 endpoint stays off.
+            "http_protocol_ipv6": "disabled",
+        },
+        block_device_mappings=[
+            {
+                "device_name": root_device,
+                "ebs": {
+                    "volume_size": pool.root_volume_gib,
+                    "volume_type": "gp3",
+                    "encrypted": "true",
+                    "delete_on_termination": "true",
+                },
+            }
+        ],
+        # Capacity blocks are reservations: the node must target its block, and EC2 launches into a block only
+        # with the capacity-block market type on the template. Spot/on-demand is chosen by the launcher
+        # (CreateFleet's market, a node group's capacity type).
+        capacity_reservation_specification=(
+            {"capacity_reservation_target": {"capacity_reservation_id": pool.capacity_reservation_id}}
+            if pool.capacity == "capacity-block"
+            else None
+        ),
+        instance_market_options={"market_type": "capacity-block"} if pool.capacity == "capacity-block" else None,
+        iam_instance_profile={"arn": instance_profile_arn} if instance_profile_arn else None,
+        user_data=user_data,
+        tag_specifications=[
+            {"resource_type": kind, "tags": node_tags} for kind in ("instance", "volume", "network-interface")
+        ],
+        update_default_version=True,
+        opts=opts,
+    )
 
 
 class GpuPool(pulumi.ComponentResource):
@@ -69,55 +132,13 @@ class GpuPool(pulumi.ComponentResource):
                 name=catalog.AMI_PARAMETERS[accelerator.kind], opts=pulumi.InvokeOutputOptions(parent=self)
             ).value
 
-        self.placement_group = None
-        if pool.uses_efa:
-            group = aws.ec2.PlacementGroup(f"{name}-pg", strategy="cluster", opts=child(self))
-            self.placement_group = group.name
-
-        node_tags = {**args.instance_tags, settings.POOL_TAG: pool.name}
-        template = aws.ec2.LaunchTemplate(
-            f"{name}-lt",
-            description=f"{args.cluster_name} pool {pool.name}: {pool.instance_type}",
-            image_id=self.image_id,
-            instance_type=pool.instance_type,
-            network_interfaces=network_interfaces(pool, args.subnet_id, args.security_group_id),
-            placement={"group_name": self.placement_group} if self.placement_group else None,
-            metadata_options={
-                "http_endpoint": "enabled",
-                "http_tokens": "required",  # IMDSv2 only
-                # enroot/pyxis containers share the host network namespace, so one hop is enough.
-                "http_put_response_hop_limit": 1,
-                # The node's lockdown guards IPv4 metadata; the IPv6 endpoint stays off.
-                "http_protocol_ipv6": "disabled",
-            },
-            block_device_mappings=[
-                {
-                    "device_name": ROOT_DEVICE,
-                    "ebs": {
-                        "volume_size": pool.root_volume_gib,
-                        "volume_type": "gp3",
-                        "encrypted": "true",
-                        "delete_on_termination": "true",
-                    },
-                }
-            ],
-            # Capacity blocks are reservations: the node must target its block, and EC2 launches into a block only
-            # with the capacity-block market type on the template. Spot/on-demand is chosen per CreateFleet request
-            # (the market export below).
-            capacity_reservation_specification=(
-                {"capacity_reservation_target": {"capacity_reservation_id": pool.capacity_reservation_id}}
-                if pool.capacity == "capacity-block"
-                else None
-            ),
-            instance_market_options={"market_type": "capacity-block"} if pool.capacity == "capacity-block" else None,
-            iam_instance_profile={"arn": args.instance_profile_arn} if args.instance_profile_arn else None,
-            user_data=args.user_data,
-            tag_specifications=[
-                {"resource_type": kind, "tags": node_tags} for kind in ("instance", "volume", "network-interface")
-            ],
-            update_default_version=True,
-            opts=child(self),
-        )
+        self.placement_group = placement_group(name, pool, child(self))
+        template = launch_template(
+            name, pool, description=f"{args.cluster_name} pool {pool.name}: {pool.instance_type}",
+            subnet_id=args.subnet_id, security_group_id=args.security_group_id, group_name=self.placement_group,
+            node_tags={**args.instance_tags, settings.POOL_TAG: pool.name}, root_device=ROOT_DEVICE,
+            opts=child(self), image_id=self.image_id, instance_profile_arn=args.instance_profile_arn,
+            user_data=args.user_data)
         self.launch_template_id = template.id
         self.launch_template_version = template.latest_version
         self.launch_spec = self._launch_spec(args)

@@ -32,6 +32,12 @@ def split_cidr(vpc_cidr: str) -> tuple[str, str]:
     return str(private), str(public)
 
 
+def control_plane_cidr(vpc_cidr: str) -> str:
+    """The EKS control plane's small subnet in a second AZ: the /24-sized slice after the public subnet's."""
+    rest = list(ipaddress.IPv4Network(vpc_cidr).subnets(prefixlen_diff=1))[1]
+    return str(list(rest.subnets(new_prefix=max(rest.prefixlen, 24)))[1])
+
+
 class Network(pulumi.ComponentResource):
     vpc_id: pulumi.Output[str]
     subnet_id: pulumi.Output[str]

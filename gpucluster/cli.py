@@ -17,7 +17,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from gpucluster import catalog, cost, sources
+from gpucluster import catalog, cost, eks, sources
 from gpucluster.plan import Declared, run_program
 from gpucluster.settings import GRAFANA_PORT
 from gpucluster.spec import Stack, SpecError, load_stack, resolve_stack_file
@@ -42,7 +42,10 @@ def cost_table(stack: Stack, estimate: cost.CostEstimate) -> list[str]:
     lines += [
         "",
         f"FSx for Lustre per month:        {cost.money(estimate.lustre_monthly)}",
-        f"Head node per month:             {cost.money(estimate.head_node_monthly)} ({stack.spec.head_node.instance_type}, EBS)",
+        (f"EKS and system nodes per month:  {cost.money(estimate.kubernetes_monthly)} (control plane "
+         f"{cost.money(eks.CONTROL_PLANE_USD_PER_HOUR)}/h, {eks.SYSTEM_NODES} x {eks.SYSTEM_INSTANCE_TYPE})"
+         if stack.spec.scheduler == "kubernetes" else
+         f"Head node per month:             {cost.money(estimate.head_node_monthly)} ({stack.spec.head_node.instance_type}, EBS)"),
         *([f"Node images:                     {cost.money(estimate.image_build_usd)} per build ({len(estimate.images)} x "
            f"{catalog.IMAGE_BUILD_HOURS:g} h of {catalog.IMAGE_BUILD_INSTANCE_TYPE}), "
            f"{cost.money(estimate.image_snapshots_monthly)} per month of snapshots"] if estimate.images else []),
@@ -130,6 +133,8 @@ def render(args: argparse.Namespace) -> int:
 
     stack = _load(args.stack)
     out = Path(args.out)
+    if stack.spec.scheduler == "kubernetes":
+        return _render_kubernetes(stack, out)
     files = dict(userdata.all_user_data(stack))
     files |= {f"slurm/{name}": text for name, text in slurm.all_files(stack).items()}
     files |= prometheus.files(stack) | dashboards.files(stack)  # byte for byte what the head's bundle carries
@@ -140,6 +145,20 @@ def render(args: argparse.Namespace) -> int:
         size = len(files[name].encode())
         limit = f"  ({size} of {userdata.EC2_USER_DATA_LIMIT} bytes)" if name.endswith(".user-data") else ""
         print(f"{out / name}{limit}")
+    return 0
+
+
+def _render_kubernetes(stack: Stack, out: Path) -> int:
+    """The Kubernetes objects of the stack and its first job, as YAML for `kubectl apply -f`."""
+    import yaml
+
+    from gpucluster import kube
+
+    (out / "kubernetes").mkdir(parents=True, exist_ok=True)
+    for name, manifests in kube.render_files(stack).items():
+        path = out / "kubernetes" / name
+        path.write_text(yaml.safe_dump_all(manifests, sort_keys=False))
+        print(path)
     return 0
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gpucluster import catalog
+from gpucluster import catalog, eks
 from gpucluster.spec import MIN_POOL_ROOT_GIB, ImageBuild, Stack
 
 COST_TAG = "gpucluster:stack"  # the cost-allocation tag that budgets and spend reports filter on
@@ -81,6 +81,8 @@ class CostEstimate:
     budget_monthly: float
     unpriced: list[str] = field(default_factory=list)  # pools whose type has no price: totals are lower bounds
     images: list[ImageCost] = field(default_factory=list)
+    # Kubernetes stacks: the EKS control plane's hourly fee and the system node group, per month (0 for Slurm).
+    kubernetes_monthly: float = 0.0
 
     @property
     def image_build_usd(self) -> float:
@@ -95,7 +97,8 @@ class CostEstimate:
 
     @property
     def fixed_hourly(self) -> float:
-        monthly = self.head_node_monthly + self.network_monthly + self.lustre_monthly + self.image_snapshots_monthly
+        monthly = (self.head_node_monthly + self.network_monthly + self.lustre_monthly + self.image_snapshots_monthly
+                   + self.kubernetes_monthly)
         return monthly / HOURS_PER_MONTH
 
     @property
@@ -133,6 +136,7 @@ class CostEstimate:
             "unpriced_pools": self.unpriced,
             "image_build_usd": round(self.image_build_usd, 2),
             "image_snapshots_monthly_usd": round(self.image_snapshots_monthly, 2),
+            "kubernetes_monthly_usd": round(self.kubernetes_monthly, 2),
         }
 
 
@@ -157,6 +161,10 @@ def estimate(stack: Stack, hourly_overrides: dict[str, float] | None = None) -> 
     head = (head_type.on_demand_usd_per_hour or 0.0) * HOURS_PER_MONTH + GP3_USD_PER_GIB_MONTH * (
         HEAD_ROOT_GIB + HEAD_STATE_GIB
     )
+    kubernetes = 0.0
+    if spec.scheduler == "kubernetes":
+        head = 0.0  # no head node: EKS runs the control plane
+        kubernetes = kubernetes_monthly()
     network = 0.0
     if spec.network.creates_vpc:
         network = (NAT_GATEWAY_USD_PER_HOUR + INTERFACE_ENDPOINT_USD_PER_HOUR * len(SSM_ENDPOINTS)) * HOURS_PER_MONTH
@@ -175,7 +183,14 @@ def estimate(stack: Stack, hourly_overrides: dict[str, float] | None = None) -> 
         budget_monthly=spec.budget.monthly_usd,
         unpriced=[p.name for p in pools if p.usd_per_node_hour is None],
         images=[_image_cost(build) for build in spec.image_builds],
+        kubernetes_monthly=kubernetes,
     )
+
+
+def kubernetes_monthly() -> float:
+    """EKS's hourly fee (standard support) and the system node group's on-demand nodes, per month."""
+    system = catalog.lookup(eks.SYSTEM_INSTANCE_TYPE).on_demand_usd_per_hour or 0.0
+    return (eks.CONTROL_PLANE_USD_PER_HOUR + eks.SYSTEM_NODES * system) * HOURS_PER_MONTH
 
 
 def _image_cost(build: ImageBuild) -> ImageCost:

@@ -167,6 +167,20 @@ def _placeholder_outputs(typ: str, name: str, inputs: dict[str, Any], region: st
         out["id"], out["arn"] = physical, f"arn:aws:cloudwatch:{region}:{acct}:alarm:{physical}"
     elif typ == "aws:costexplorer/costAllocationTag:CostAllocationTag":
         out["id"] = inputs["tagKey"]
+    elif typ == "aws:eks/cluster:Cluster":
+        out["id"], out["arn"] = physical, f"arn:aws:eks:{region}:{acct}:cluster/{physical}"
+        out["endpoint"] = f"https://{_hex(typ, name, 32).upper()}.gr7.{region}.eks.amazonaws.com"
+        out["certificateAuthority"] = {"data": "<cluster CA at up>"}
+    elif typ == "aws:eks/nodeGroup:NodeGroup":
+        group = inputs["nodeGroupName"]
+        out["id"] = f"{inputs['clusterName']}:{group}"
+        out["arn"] = f"arn:aws:eks:{region}:{acct}:nodegroup/{inputs['clusterName']}/{group}/<uuid at up>"
+        # EKS names the group's Auto Scaling group eks-<node group>-<uuid>.
+        out["resources"] = [{"autoscalingGroups": [{"name": f"eks-{group}-<uuid at up>"}]}]
+    elif typ == "aws:kms/key:Key":
+        h = _hex(typ, name, 32)
+        out["keyId"] = out["id"] = f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+        out["arn"] = f"arn:aws:kms:{region}:{acct}:key/{out['id']}"
     else:
         out["id"] = f"{name}-id"  # not an AWS resource (the provider), or one the plan has no format for yet
 

@@ -14,7 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
-from gpucluster import catalog
+from gpucluster import catalog, eks
 from gpucluster.spec import Pool, Stack
 
 Status = Literal["pass", "warn", "fail"]
@@ -156,7 +156,49 @@ def check_spot_score(ec2: Any, pool: Pool, region: str, az_id: str) -> Check:
                  f"{hint}", "expect interruptions and fallbacks; give the pool a fallback or fewer max_nodes")
 
 
-def check_ami(ssm: Any, ec2: Any, pool: Pool) -> Check:
+def ami_parameter(stack: Stack, pool: Pool) -> str:
+    """The public parameter naming the image a pool boots: EKS's accelerated AL2023 AMI of the cluster's version on
+    Kubernetes, the newest Deep Learning AMI on Slurm."""
+    accelerator = pool.itype.accelerator
+    assert accelerator
+    if stack.spec.scheduler == "kubernetes":
+        return eks.ami_parameter(stack.spec.eks.version, accelerator.kind)
+    return catalog.AMI_PARAMETERS[accelerator.kind]
+
+
+def check_eks_version(client: Any, version: str) -> Check:
+    """The stack's Kubernetes version is offered here, in standard support (extended support bills 6x)."""
+    offered = client.describe_cluster_versions(clusterVersions=[version], includeAll=True)["clusterVersions"]
+    if not offered:
+        return Check(None, "k8s version", "fail", f"EKS does not offer Kubernetes {version} in this region",
+                     f"set kubernetes.version to one of: {', '.join(eks.VERSIONS)}")
+    info = offered[0]
+    status = info.get("versionStatus") or info.get("status", "")
+    end = info.get("endOfStandardSupportDate")
+    until = f" until {end:%Y-%m-%d}" if isinstance(end, dt.datetime) else ""
+    if status.upper().replace("-", "_") == "STANDARD_SUPPORT":
+        return Check(None, "k8s version", "pass", f"Kubernetes {version} in standard support{until}")
+    return Check(None, "k8s version", "fail", f"Kubernetes {version} is in {status.lower().replace('_', ' ')} on EKS",
+                 "set kubernetes.version to a version in standard support")
+
+
+def check_addons(client: Any, version: str) -> list[Check]:
+    """Each managed add-on has a default version for the cluster's Kubernetes version."""
+    checks = []
+    for name in eks.ADDONS:
+        addons = client.describe_addon_versions(kubernetesVersion=version, addonName=name)["addons"]
+        defaults = [v["addonVersion"] for a in addons for v in a["addonVersions"]
+                    if any(c.get("clusterVersion") == version and c.get("defaultVersion")
+                           for c in v.get("compatibilities", []))]
+        if defaults:
+            checks.append(Check(None, "add-on", "pass", f"{name} {defaults[0]} (default for {version})"))
+        else:
+            checks.append(Check(None, "add-on", "fail", f"{name} has no version for Kubernetes {version} here",
+                                "choose another kubernetes.version"))
+    return checks
+
+
+def check_ami(ssm: Any, ec2: Any, pool: Pool, parameter: str) -> Check:
     if pool.ami_id:
         from botocore.exceptions import ClientError
 
@@ -170,9 +212,7 @@ def check_ami(ssm: Any, ec2: Any, pool: Pool) -> Check:
             return Check(pool.name, "ami", "pass", f"{pool.ami_id} exists")
         return Check(pool.name, "ami", "fail", f"{pool.ami_id} not found in this region",
                      "fix ami_id, or remove it to use the newest Deep Learning AMI")
-    accelerator = pool.itype.accelerator
-    assert accelerator
-    name = catalog.AMI_PARAMETERS[accelerator.kind]
+    name = parameter
     try:
         value = ssm.get_parameter(Name=name)["Parameter"]["Value"]
     except ssm.exceptions.ParameterNotFound:
@@ -244,8 +284,12 @@ def run(stack: Stack, session: Any) -> Report:
                               lambda: _record(spot_price(ec2, pool, az), found))
             if found and found[0] is not None:
                 prices[pool.name] = found[0]
-        checks += guarded(pool.name, "ami", "ssm:GetParameter / ec2:DescribeImages", lambda: check_ami(ssm, ec2, pool))
+        checks += guarded(pool.name, "ami", "ssm:GetParameter / ec2:DescribeImages", lambda: check_ami(ssm, ec2, pool, ami_parameter(stack, pool)))
     checks += check_quotas(quotas, stack, region)
+    if stack.spec.scheduler == "kubernetes":
+        client, version = session.client("eks", region_name=region), stack.spec.eks.version
+        checks += guarded(None, "k8s version", "eks:DescribeClusterVersions", lambda: check_eks_version(client, version))
+        checks += guarded(None, "add-on", "eks:DescribeAddonVersions", lambda: check_addons(client, version))
     order = {p.name: i for i, p in enumerate(stack.spec.pools)}
     checks.sort(key=lambda c: order.get(c.pool or "", -1))
     return Report(checks, prices)

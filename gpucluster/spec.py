@@ -17,7 +17,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
 
-from gpucluster import catalog, settings
+from gpucluster import catalog, eks, settings
 
 CONFIG_KEY = "gpucluster:cluster"
 REGION_KEY = "aws:region"
@@ -332,6 +332,48 @@ class NodeImage(_Model):
     build: bool = True
 
 
+ROLE_ARN_RE = r"^arn:aws:iam::[0-9]{12}:role/[A-Za-z0-9+=,.@_/-]{1,512}$"
+
+
+class Kubernetes(_Model):
+    """The EKS cluster of a `scheduler: kubernetes` stack (components/kubernetes.py)."""
+
+    # A version EKS offers in standard support (gpucluster/eks.py); `preflight` asks EKS whether it still does.
+    version: str = eks.DEFAULT_VERSION
+    # The API server is private (reachable from the VPC only). CIDRs listed here may also reach its public endpoint,
+    # e.g. the network `pulumi up` runs from; never 0.0.0.0/0.
+    public_access_cidrs: list[str] = []
+    # IAM roles granted cluster admin (AmazonEKSClusterAdminPolicy) besides the identity that runs `pulumi up`.
+    admin_role_arns: list[Annotated[str, Field(pattern=ROLE_ARN_RE)]] = []
+    # The control plane needs subnets in two AZs; the second is a small subnet in this AZ (default: another letter of
+    # the stack's region). With an existing network, name a subnet of the VPC in another AZ instead.
+    control_plane_availability_zone: str | None = Field(default=None, pattern=r"^[a-z]{2}(-[a-z]+)+-\d[a-z]$")
+    control_plane_subnet_id: str | None = Field(default=None, pattern=r"^subnet-[0-9a-f]{8,17}$")
+
+    @field_validator("version")
+    @classmethod
+    def _version(cls, value: str) -> str:
+        if value not in eks.VERSIONS:
+            raise ValueError(f"unsupported Kubernetes version {value!r}; allowed: {', '.join(eks.VERSIONS)}")
+        return value
+
+    @field_validator("public_access_cidrs")
+    @classmethod
+    def _cidrs(cls, value: list[str]) -> list[str]:
+        problems = []
+        for i, cidr in enumerate(value):
+            try:
+                net = ipaddress.IPv4Network(cidr)
+            except ValueError:
+                problems.append(((i,), f"not an IPv4 network: {cidr!r}"))
+                continue
+            if net.prefixlen < 8:
+                problems.append(((i,), f"{cidr} opens the API endpoint to too much of the internet: /8 or narrower"))
+        if problems:
+            raise _rule_errors("public_access_cidrs", problems, value)
+        return value
+
+
 @dataclass(frozen=True)
 class ImageBuild:
     """One node image that `up` bakes: the head node's, or the compute nodes' of one accelerator kind."""
@@ -347,6 +389,9 @@ class ImageBuild:
 class ClusterSpec(_Model):
     team: str = Field(pattern=NAME_RE, max_length=32)
     availability_zone: str = Field(pattern=r"^[a-z]{2}(-[a-z]+)+-\d[a-z]$")
+    # slurm: a Slurm head node launching nodes on demand; kubernetes: an EKS cluster (the `kubernetes:` section).
+    scheduler: Literal["slurm", "kubernetes"] = "slurm"
+    kubernetes: Kubernetes | None = None
     network: Network
     head_node: HeadNode = HeadNode()
     pools: list[Pool] = Field(min_length=1, max_length=64)
@@ -359,14 +404,20 @@ class ClusterSpec(_Model):
     def image_builds(self) -> list[ImageBuild]:
         """The images to bake: the head node's unless it names an AMI, and one per accelerator kind of the pools that
         name none (an `ami_id` may be an image another stack of the account baked). None with `image.build: false`."""
-        if not self.image.build:
+        if not self.image.build or self.scheduler == "kubernetes":  # EKS nodes boot EKS's own accelerated AMIs
             return []
         kinds = sorted({acc.kind for p in self.pools if not p.ami_id and (acc := p.itype.accelerator)})
         return ([] if self.head_node.ami_id else [ImageBuild("head")]) + [ImageBuild("compute", k) for k in kinds]
 
+    @property
+    def eks(self) -> Kubernetes:
+        """The Kubernetes section, defaults filled in (a kubernetes stack may leave it out)."""
+        return self.kubernetes or Kubernetes()
+
     @model_validator(mode="after")
     def _unique_pools(self) -> ClusterSpec:
         problems = _pool_set_problems([p.model_dump() for p in self.pools])
+        problems += _scheduler_problems({**self.model_dump(exclude_unset=True), "scheduler": self.scheduler})
         if problems:
             raise _rule_errors("cluster", problems, None)
         return self
@@ -393,6 +444,50 @@ def _pool_set_problems(pools: list[Any]) -> list[tuple[tuple[str | int, ...], st
         if target is None or target.get("capacity", "on-demand") == "spot":
             names = [p.get("name") for p in pools if p.get("capacity", "on-demand") != "spot"]
             problems.append((("pools", i, "fallback"), f"must name an on-demand or capacity-block pool: {names}"))
+    return problems
+
+
+# Namespaces Kubernetes, EKS and the Kubernetes flavour's charts use (gpucluster/eks.py): no team may be named so.
+RESERVED_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease", "kueue-system", "monitoring")
+
+
+def _scheduler_problems(spec: dict[str, Any]) -> list[tuple[tuple[str | int, ...], str]]:
+    """The sections each scheduler takes, on the mapping as given (also run when a field error stops pydantic)."""
+    scheduler = spec.get("scheduler", "slurm")
+    problems: list[tuple[tuple[str | int, ...], str]] = []
+    if scheduler == "kubernetes":
+        for key, why in (("head_node", "EKS runs the control plane: there is no head node"),
+                         ("slurm", "the Slurm settings have no meaning on Kubernetes"),
+                         ("image", "EKS nodes boot EKS's accelerated AMIs: nothing is baked")):
+            if key in spec:
+                problems.append(((key,), f"not allowed with scheduler: kubernetes ({why})"))
+        if spec.get("team") in RESERVED_NAMESPACES:
+            problems.append((("team",), f"{spec['team']!r} is a namespace the cluster's own software uses (the team "
+                             f"gets a namespace of its name): choose another; taken: {', '.join(RESERVED_NAMESPACES)}"))
+        pools = spec.get("pools")
+        for i, pool in enumerate(pools if isinstance(pools, list) else []):
+            if isinstance(pool, dict) and pool.get("ami_id") is not None:
+                problems.append((("pools", i, "ami_id"), "not allowed with scheduler: kubernetes (node groups boot "
+                                                         "the EKS-optimized accelerated AMI of the cluster's version)"))
+        section = spec.get("kubernetes")
+        section = section if isinstance(section, dict) else {}
+        network = spec.get("network")
+        existing = isinstance(network, dict) and network.get("vpc_id") is not None
+        if existing and not section.get("control_plane_subnet_id"):
+            problems.append((("kubernetes", "control_plane_subnet_id"), "required with an existing network: a subnet "
+                             "of the VPC in another AZ (the EKS control plane needs two)"))
+        if not existing and section.get("control_plane_subnet_id"):
+            problems.append((("kubernetes", "control_plane_subnet_id"), "only allowed with an existing network "
+                             "(vpc_id, subnet_id); a new VPC gets its own"))
+        if existing and section.get("control_plane_availability_zone"):
+            problems.append((("kubernetes", "control_plane_availability_zone"), "only allowed with a new VPC "
+                             "(vpc_cidr); an existing network names control_plane_subnet_id"))
+        if section.get("control_plane_availability_zone") is not None \
+                and section.get("control_plane_availability_zone") == spec.get("availability_zone"):
+            problems.append((("kubernetes", "control_plane_availability_zone"), "must differ from availability_zone "
+                             "(EKS needs subnets in two AZs)"))
+    elif scheduler == "slurm" and "kubernetes" in spec:
+        problems.append((("kubernetes",), "only allowed with scheduler: kubernetes"))
     return problems
 
 
@@ -450,6 +545,9 @@ PATTERN_HELP = {
     "ami_id": "an AMI id such as ami-0123456789abcdef0",
     "file_system_id": "an FSx file system id such as fs-0123456789abcdef0",
     "data_repository": "an S3 URL such as s3://bucket/prefix",
+    "admin_role_arns": "an IAM role ARN such as arn:aws:iam::123456789012:role/platform-admins",
+    "control_plane_subnet_id": "a subnet id such as subnet-0123456789abcdef0",
+    "control_plane_availability_zone": "an availability zone such as us-east-1b",
 }
 
 
@@ -460,7 +558,7 @@ RENAMED = {
 
 
 def _message(err: ErrorDetails) -> str:
-    field = err["loc"][-1] if err["loc"] else ""
+    field = next((part for part in reversed(err["loc"]) if isinstance(part, str)), "")  # a list item: its list
     if err["type"] == "string_pattern_mismatch" and field in PATTERN_HELP:
         return f"{err['input']!r} is not allowed: use {PATTERN_HELP[field]}"
     if err["type"] == "extra_forbidden":
@@ -517,6 +615,8 @@ def validate(stack: str, config: dict[str, Any], source: str = "") -> Stack:
                 found += [(p, m) for p, m in dict.fromkeys((_path(loc), msg) for loc, msg in
                                                            rules + _pool_set_problems(raw["pools"]))
                           if (p, m) not in found]
+            found += [(p, m) for p, m in ((_path(loc), msg) for loc, msg in _scheduler_problems(raw))
+                      if (p, m) not in found]
             problems += found
         az = raw.get("availability_zone")
         if isinstance(region, str) and not _region_problems(region) and isinstance(az, str) \

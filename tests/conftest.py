@@ -12,7 +12,10 @@ sys.path.insert(0, str(ROOT))
 from gpucluster.plan import Declared, run_program  # noqa: E402
 from gpucluster.spec import Stack, load_stack  # noqa: E402
 
-STACK_FILES = sorted((ROOT / "stacks").glob("Pulumi.*.yaml"))
+ALL_STACK_FILES = sorted((ROOT / "stacks").glob("Pulumi.*.yaml"))
+# The Slurm flavour's stacks (what the Slurm tests take as "every shipped stack"), and the Kubernetes flavour's.
+STACK_FILES = [p for p in ALL_STACK_FILES if load_stack(p).spec.scheduler == "slurm"]
+K8S_STACK_FILES = [p for p in ALL_STACK_FILES if load_stack(p).spec.scheduler == "kubernetes"]
 FIXTURES = ROOT / "tests" / "stacks"
 
 

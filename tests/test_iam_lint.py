@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import warnings
 
-from conftest import STACK_FILES, planned
+from conftest import ALL_STACK_FILES as STACK_FILES, planned
 from gpucluster.plan import Declared, planned_outputs
 
 with warnings.catch_warnings():

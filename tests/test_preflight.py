@@ -160,11 +160,12 @@ def test_type_not_offered_in_the_zone_fails_with_the_zones_that_offer_it() -> No
 
 
 def test_unresolvable_ami_parameter_fails() -> None:
-    pool = load_stack(ROOT / "stacks" / "Pulumi.dev.yaml").spec.pools[0]
+    stack = load_stack(ROOT / "stacks" / "Pulumi.dev.yaml")
+    pool = stack.spec.pools[0]
     ssm = client("ssm")
     with Stubber(ssm) as stub:
         stub.add_client_error("get_parameter", service_error_code="ParameterNotFound")
-        check = preflight.check_ami(ssm, client("ec2"), pool)
+        check = preflight.check_ami(ssm, client("ec2"), pool, preflight.ami_parameter(stack, pool))
     assert check.status == "fail" and "does not resolve in this region" in check.detail
 
 

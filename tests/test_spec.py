@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, STACK_FILES
+from conftest import ALL_STACK_FILES, ROOT
 from gpucluster.spec import SpecError, load_stack, validate
 
 BAD = sorted((ROOT / "tests" / "bad_stacks").glob("Pulumi.*.yaml"))
@@ -39,7 +39,7 @@ def test_all_problems_at_once() -> None:
             "gpucluster:cluster.storage.lustre.storage_capacity_gib", "gpucluster:cluster.budget.monthly_usd"} == paths
 
 
-@pytest.mark.parametrize("path", STACK_FILES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", ALL_STACK_FILES, ids=lambda p: p.name)
 def test_shipped_stacks_are_valid(path: Path) -> None:
     stack = load_stack(path)
     assert stack.name == path.name.split(".")[1]

@@ -1,0 +1,364 @@
+"""The Kubernetes flavour: an EKS cluster (EksCluster), one managed node group per pool (NodePool), and what runs in
+the cluster (ClusterSoftware: autoscaler, device plugins, Kueue, monitoring; TeamSpace: the team's namespace, quota,
+queues and file system). Every object is a plain pulumi-aws or pulumi_kubernetes resource, so that the offline plan
+and the tests see each one; third-party software is a pinned helm.v3.Release.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pulumi
+import pulumi_aws as aws
+import pulumi_kubernetes as k8s
+
+from components import child
+from components.gpu_pool import launch_template, placement_group
+from components.node_access import policy
+from gpucluster import eks, kube, settings
+from gpucluster.spec import Pool, Stack
+
+MANAGED_POLICY = "arn:aws:iam::aws:policy/"
+ACCESS_POLICY = "arn:aws:eks::aws:cluster-access-policy/"
+# The node role joins the cluster and pulls images; the VPC CNI's IP management is its own Pod Identity role, so that
+# no pod on the node can use it.
+NODE_POLICIES = ("AmazonEKSWorkerNodePolicy", "AmazonEC2ContainerRegistryPullOnly")
+CNI_POLICY = "AmazonEKS_CNI_Policy"
+ASSUME_AND_TAG = ("sts:AssumeRole", "sts:TagSession")
+AUTOSCALER_SERVICE_ACCOUNT = "cluster-autoscaler"
+CAPACITY_TYPES = {"on-demand": "ON_DEMAND", "spot": "SPOT", "capacity-block": "CAPACITY_BLOCK"}
+TAINT_EFFECTS = {"NoSchedule": "NO_SCHEDULE"}
+
+
+def trust(service: str, actions: Sequence[str] = ("sts:AssumeRole",)) -> str:
+    return policy([{"Effect": "Allow", "Principal": {"Service": service}, "Action": list(actions)}])
+
+
+@dataclass(frozen=True)
+class EksClusterArgs:
+    stack: Stack
+    vpc_id: pulumi.Input[str]
+    subnet_id: pulumi.Input[str]  # the stack's one AZ: nodes, FSx
+    control_plane_subnet_id: pulumi.Input[str] | None  # an existing subnet in another AZ; None: create a small one
+    control_plane_cidr: str | None  # the small subnet's range in a new VPC
+    security_group_id: pulumi.Input[str]
+
+
+class EksCluster(pulumi.ComponentResource):
+    """The control plane: private endpoint, secrets under a KMS key, API-mode access entries, managed add-ons."""
+
+    name: pulumi.Output[str]
+    arn: pulumi.Output[str]
+    node_role_arn: pulumi.Output[str]
+    kubeconfig: pulumi.Output[str]
+
+    def __init__(self, name: str, args: EksClusterArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("gpucluster:kubernetes:EksCluster", name, None, opts)
+        stack, settings_ = args.stack, args.stack.spec.eks
+        second_subnet = args.control_plane_subnet_id
+        if second_subnet is None:
+            assert args.control_plane_cidr, "a new VPC needs the control plane's range"
+            zone = settings_.control_plane_availability_zone or other_zone(stack.spec.availability_zone)
+            # Holds only the control plane's interfaces, which talk to the nodes inside the VPC: no route out needed.
+            second_subnet = aws.ec2.Subnet(
+                f"{name}-control-plane", vpc_id=args.vpc_id, cidr_block=args.control_plane_cidr,
+                availability_zone=zone, map_public_ip_on_launch=False, tags={"Name": f"{name}-control-plane"},
+                opts=child(self)).id
+        key = aws.kms.Key(f"{name}-secrets", description=f"{name}: Kubernetes secrets envelope encryption",
+                          enable_key_rotation=True, deletion_window_in_days=7, opts=child(self))
+        role = aws.iam.Role(f"{name}-eks", assume_role_policy=trust("eks.amazonaws.com", ASSUME_AND_TAG),
+                            opts=child(self))
+        attached = [aws.iam.RolePolicyAttachment(f"{name}-eks-cluster", role=role.name,
+                                                 policy_arn=MANAGED_POLICY + "AmazonEKSClusterPolicy",
+                                                 opts=child(self))]
+        public = bool(settings_.public_access_cidrs)
+        cluster = aws.eks.Cluster(
+            f"{name}-eks",
+            name=stack.cluster_name,
+            version=settings_.version,
+            role_arn=role.arn,
+            vpc_config={"subnet_ids": [args.subnet_id, second_subnet],
+                        # The nodes' group, which lets members talk freely to each other: control plane <-> kubelets.
+                        "security_group_ids": [args.security_group_id],
+                        "endpoint_private_access": True,
+                        "endpoint_public_access": public,
+                        "public_access_cidrs": settings_.public_access_cidrs if public else None},
+            access_config={"authentication_mode": "API",
+                           # The identity running `pulumi up` declares the Kubernetes objects below through the API.
+                           "bootstrap_cluster_creator_admin_permissions": True},
+            encryption_config={"resources": ["secrets"], "provider": {"key_arn": key.arn}},
+            upgrade_policy={"support_type": "STANDARD"},
+            enabled_cluster_log_types=["api", "audit", "authenticator"],
+            # Add-ons below are EKS-managed; nothing self-managed underneath them.
+            bootstrap_self_managed_addons=False,
+            opts=child(self, depends_on=attached),
+        )
+        node_role = aws.iam.Role(f"{name}-node", assume_role_policy=trust("ec2.amazonaws.com"), opts=child(self))
+        node_policies = [aws.iam.RolePolicyAttachment(f"{name}-node-{p}", role=node_role.name,
+                                                      policy_arn=MANAGED_POLICY + p, opts=child(self))
+                         for p in NODE_POLICIES]
+        self.node_access = aws.eks.AccessEntry(f"{name}-nodes", cluster_name=cluster.name,
+                                               principal_arn=node_role.arn, type="EC2_LINUX", opts=child(self))
+        self.node_policies = node_policies
+        self.system_nodes = aws.eks.NodeGroup(
+            f"{name}-system", cluster_name=cluster.name, node_group_name=f"{stack.cluster_name}-system",
+            node_role_arn=node_role.arn, subnet_ids=[args.subnet_id], ami_type="AL2023_x86_64_STANDARD",
+            instance_types=[eks.SYSTEM_INSTANCE_TYPE], capacity_type="ON_DEMAND",
+            scaling_config={"min_size": eks.SYSTEM_NODES, "max_size": eks.SYSTEM_NODES,
+                            "desired_size": eks.SYSTEM_NODES},
+            labels={"gpucluster/role": "system"}, opts=child(self, depends_on=[self.node_access, *node_policies]))
+        self._admins(name, cluster, settings_.admin_role_arns)
+        self.team_role_arn = self._team(name, stack, cluster)
+        self.addons = self._addons(name, cluster)
+        self.name, self.arn, self.node_role_arn = cluster.name, cluster.arn, node_role.arn
+        self.kubeconfig = pulumi.Output.all(cluster.name, cluster.endpoint, cluster.certificate_authority).apply(
+            lambda a: kubeconfig(a[0], a[1], a[2]["data"], stack.region))
+        self.register_outputs({"name": self.name, "arn": self.arn, "node_role_arn": self.node_role_arn,
+                               "team_role_arn": self.team_role_arn})
+
+    def _addons(self, name: str, cluster: aws.eks.Cluster) -> list[aws.eks.Addon]:
+        """The managed add-ons; the VPC CNI with its own Pod Identity role, once the Pod Identity agent is there."""
+        cni = aws.iam.Role(f"{name}-vpc-cni", assume_role_policy=trust("pods.eks.amazonaws.com", ASSUME_AND_TAG),
+                           opts=child(self))
+        aws.iam.RolePolicyAttachment(f"{name}-vpc-cni", role=cni.name, policy_arn=MANAGED_POLICY + CNI_POLICY,
+                                     opts=child(self))
+        addons: dict[str, aws.eks.Addon] = {}
+        for addon in sorted(eks.ADDONS, key=lambda a: a != "eks-pod-identity-agent"):
+            vpc_cni = addon == "vpc-cni"
+            addons[addon] = aws.eks.Addon(
+                f"{name}-{addon}", cluster_name=cluster.name, addon_name=addon,
+                resolve_conflicts_on_create="OVERWRITE", resolve_conflicts_on_update="PRESERVE",
+                pod_identity_associations=[{"role_arn": cni.arn, "service_account": "aws-node"}] if vpc_cni else None,
+                opts=child(self, depends_on=[addons["eks-pod-identity-agent"]] if vpc_cni else None))
+        return [addons[a] for a in eks.ADDONS]
+
+    def _admins(self, name: str, cluster: aws.eks.Cluster, role_arns: Sequence[str]) -> None:
+        for i, arn in enumerate(role_arns):
+            entry = aws.eks.AccessEntry(f"{name}-admin-{i}", cluster_name=cluster.name, principal_arn=arn,
+                                        type="STANDARD", opts=child(self))
+            aws.eks.AccessPolicyAssociation(f"{name}-admin-{i}", cluster_name=cluster.name, principal_arn=arn,
+                                            policy_arn=ACCESS_POLICY + "AmazonEKSClusterAdminPolicy",
+                                            access_scope={"type": "cluster"}, opts=child(self, depends_on=[entry]))
+
+    def _team(self, name: str, stack: Stack, cluster: aws.eks.Cluster) -> pulumi.Output[str]:
+        """The team's role: edit rights in its namespace only, and DescribeCluster for `aws eks update-kubeconfig`.
+        Who may assume it is the account's IAM to say (as for the Slurm flavour's access policies)."""
+        account = aws.get_caller_identity_output(opts=pulumi.InvokeOutputOptions(parent=self)).account_id
+        role = aws.iam.Role(f"{name}-team", assume_role_policy=account.apply(lambda acct: policy([{
+            "Effect": "Allow", "Principal": {"AWS": f"arn:aws:iam::{acct}:root"}, "Action": "sts:AssumeRole"}])),
+            opts=child(self))
+        aws.iam.RolePolicy(f"{name}-team", role=role.id, policy=cluster.arn.apply(lambda arn: policy([{
+            "Sid": "Kubeconfig", "Effect": "Allow", "Action": "eks:DescribeCluster", "Resource": arn}])),
+            opts=child(self))
+        entry = aws.eks.AccessEntry(f"{name}-team", cluster_name=cluster.name, principal_arn=role.arn,
+                                    type="STANDARD", opts=child(self))
+        aws.eks.AccessPolicyAssociation(f"{name}-team", cluster_name=cluster.name, principal_arn=role.arn,
+                                        policy_arn=ACCESS_POLICY + "AmazonEKSEditPolicy",
+                                        access_scope={"type": "namespace", "namespaces": [kube.namespace_name(stack)]},
+                                        opts=child(self, depends_on=[entry]))
+        return role.arn
+
+
+def other_zone(zone: str) -> str:
+    """Another AZ of the same region for the control plane's second subnet: letter b, or a when the stack is in b."""
+    return zone[:-1] + ("a" if zone[-1] != "a" else "b")
+
+
+def kubeconfig(cluster_name: str, endpoint: str, ca_data: str, region: str) -> str:
+    """A kubeconfig that authenticates with `aws eks get-token` as the identity running Pulumi."""
+    return json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": cluster_name,
+        "clusters": [{"name": cluster_name, "cluster": {"server": endpoint, "certificate-authority-data": ca_data}}],
+        "contexts": [{"name": cluster_name, "context": {"cluster": cluster_name, "user": cluster_name}}],
+        "users": [{"name": cluster_name, "user": {"exec": {
+            "apiVersion": "client.authentication.k8s.io/v1beta1", "command": "aws",
+            "args": ["eks", "get-token", "--cluster-name", cluster_name, "--region", region]}}}],
+    })
+
+
+def autoscaler_node_template_tags(pool: Pool) -> dict[str, str]:
+    """What the Cluster Autoscaler reads off an Auto Scaling group at zero nodes to know what a new node would look
+    like (kubernetes/autoscaler#4998): without the taints and the GPU/EFA counts it never scales a pool up from zero."""
+    prefix = "k8s.io/cluster-autoscaler/node-template"
+    tags = {f"{prefix}/label/{k}": v for k, v in kube.pool_labels(pool).items()}
+    tags |= {f"{prefix}/taint/{t['key']}": f"{t['value']}:{t['effect']}" for t in kube.pool_taints(pool)}
+    tags |= {f"{prefix}/resources/{r}": str(n) for r, n in kube.pool_resources(pool).items()}
+    return tags
+
+
+@dataclass(frozen=True)
+class NodePoolArgs:
+    stack: Stack
+    pool: Pool
+    cluster_name: pulumi.Input[str]
+    node_role_arn: pulumi.Input[str]
+    subnet_id: pulumi.Input[str]
+    security_group_id: pulumi.Input[str]
+    depends_on: Sequence[pulumi.Resource] = ()  # the node role's policies and access entry
+
+
+class NodePool(pulumi.ComponentResource):
+    """One pool as a managed node group from min_nodes (0 by default) on EKS's accelerated AL2023 AMI, launched from
+    the pool's template (EFA layout, placement group), with the autoscaler's node-template tags on its group."""
+
+    node_group_name: str
+
+    def __init__(self, name: str, args: NodePoolArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("gpucluster:kubernetes:NodePool", name, None, opts)
+        stack, pool = args.stack, args.pool
+        assert pool.itype.accelerator, pool.name
+        group = placement_group(name, pool, child(self))
+        template = launch_template(
+            name, pool, description=f"{stack.cluster_name} node group {pool.name}: {pool.instance_type}",
+            subnet_id=None, security_group_id=args.security_group_id, group_name=group,
+            node_tags={**stack.tags, settings.POOL_TAG: pool.name}, root_device=eks.ROOT_DEVICE, opts=child(self))
+        self.node_group_name = name
+        node_group = aws.eks.NodeGroup(
+            f"{name}-ng",
+            cluster_name=args.cluster_name,
+            node_group_name=self.node_group_name,
+            node_role_arn=args.node_role_arn,
+            subnet_ids=[args.subnet_id],
+            ami_type=eks.AMI_TYPES[pool.itype.accelerator.kind],
+            capacity_type=CAPACITY_TYPES[pool.capacity],
+            launch_template={"id": template.id, "version": template.latest_version.apply(str)},
+            scaling_config={"min_size": pool.min_nodes, "max_size": pool.max_nodes, "desired_size": pool.min_nodes},
+            labels=kube.pool_labels(pool),
+            taints=[{"key": t["key"], "value": t["value"], "effect": TAINT_EFFECTS[t["effect"]]}
+                    for t in kube.pool_taints(pool)],
+            update_config={"max_unavailable": 1},
+            # The autoscaler owns the desired size once the group exists.
+            opts=child(self, depends_on=list(args.depends_on), ignore_changes=["scalingConfig.desiredSize"]),
+        )
+        asg_name = node_group.resources.apply(lambda r: r[0].autoscaling_groups[0].name)
+        for i, (key, value) in enumerate(sorted(autoscaler_node_template_tags(pool).items())):
+            aws.autoscaling.Tag(f"{name}-ca-{i}", autoscaling_group_name=asg_name,
+                                tag={"key": key, "value": value, "propagate_at_launch": False}, opts=child(self))
+        self.register_outputs({"node_group_name": self.node_group_name})
+
+
+def declare(manifest: kube.Manifest, opts: pulumi.ResourceOptions) -> pulumi.CustomResource:
+    """A manifest as its pulumi_kubernetes resource: the typed class for the core kinds, CustomResource otherwise."""
+    name = "-".join(filter(None, [manifest["metadata"].get("namespace"), manifest["kind"].lower(),
+                                  manifest["metadata"]["name"]]))
+    body = {k: v for k, v in manifest.items() if k not in ("apiVersion", "kind", "metadata")}
+    typed = TYPED.get((manifest["apiVersion"], manifest["kind"]))
+    if typed is not None:
+        return typed(name, metadata=manifest["metadata"], opts=opts, **{SNAKE.get(k, k): v for k, v in body.items()})
+    return k8s.apiextensions.CustomResource(name, api_version=manifest["apiVersion"], kind=manifest["kind"],
+                                            metadata=manifest["metadata"], opts=opts, **body)
+
+
+SNAKE = {"roleRef": "role_ref"}  # the one camelCase top-level field among the typed kinds
+TYPED: dict[tuple[str, str], Any] = {
+    ("v1", "Namespace"): k8s.core.v1.Namespace,
+    ("v1", "ResourceQuota"): k8s.core.v1.ResourceQuota,
+    ("v1", "LimitRange"): k8s.core.v1.LimitRange,
+    ("v1", "PersistentVolume"): k8s.core.v1.PersistentVolume,
+    ("v1", "PersistentVolumeClaim"): k8s.core.v1.PersistentVolumeClaim,
+    ("v1", "ConfigMap"): k8s.core.v1.ConfigMap,
+    ("v1", "ServiceAccount"): k8s.core.v1.ServiceAccount,
+    ("rbac.authorization.k8s.io/v1", "ClusterRole"): k8s.rbac.v1.ClusterRole,
+    ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"): k8s.rbac.v1.ClusterRoleBinding,
+    ("apps/v1", "Deployment"): k8s.apps.v1.Deployment,
+}
+
+
+def release(name: str, chart: eks.Chart, values: dict[str, Any], opts: pulumi.ResourceOptions) -> k8s.helm.v3.Release:
+    return k8s.helm.v3.Release(name, name=name, chart=chart.name, version=chart.version,
+                               repository_opts={"repo": chart.repository} if chart.repository else None,
+                               namespace=chart.namespace, create_namespace=True, atomic=True, values=values,
+                               opts=opts)
+
+
+@dataclass(frozen=True)
+class ClusterSoftwareArgs:
+    stack: Stack
+    cluster_name: pulumi.Input[str]
+    cluster_arn: pulumi.Input[str]
+    node_group_names: dict[str, str]  # pool -> node group name
+
+
+class ClusterSoftware(pulumi.ComponentResource):
+    """Pinned Helm releases: the Cluster Autoscaler (with its Pod Identity role), the NVIDIA and EFA device plugins,
+    Kueue, and the Prometheus stack with dcgm-exporter."""
+
+    autoscaler_role_arn: pulumi.Output[str]
+    autoscaler_role_name: pulumi.Output[str]
+    kueue: k8s.helm.v3.Release
+    prometheus: k8s.helm.v3.Release
+
+    def __init__(self, name: str, args: ClusterSoftwareArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("gpucluster:kubernetes:ClusterSoftware", name, None, opts)
+        stack = args.stack
+        role = aws.iam.Role(f"{name}-autoscaler", assume_role_policy=trust("pods.eks.amazonaws.com", ASSUME_AND_TAG),
+                            opts=child(self))
+        aws.iam.RolePolicy(f"{name}-autoscaler", role=role.id,
+                           policy=pulumi.Output.from_input(args.cluster_arn).apply(autoscaler_policy), opts=child(self))
+        aws.eks.PodIdentityAssociation(f"{name}-autoscaler", cluster_name=args.cluster_name,
+                                       namespace=eks.CLUSTER_AUTOSCALER.namespace,
+                                       service_account=AUTOSCALER_SERVICE_ACCOUNT, role_arn=role.arn,
+                                       opts=child(self))
+        release("cluster-autoscaler", eks.CLUSTER_AUTOSCALER,
+                kube.autoscaler_values(stack, args.node_group_names, AUTOSCALER_SERVICE_ACCOUNT), child(self))
+        nvidia = [p for p in stack.spec.pools if p.itype.accelerator and p.itype.accelerator.kind == "nvidia"]
+        if nvidia:
+            release("nvidia-device-plugin", eks.NVIDIA_DEVICE_PLUGIN, kube.nvidia_device_plugin_values(),
+                    child(self))
+        if any(p.uses_efa for p in stack.spec.pools):
+            release("efa-device-plugin", eks.EFA_DEVICE_PLUGIN, kube.efa_device_plugin_values(), child(self))
+        self.kueue = release("kueue", eks.KUEUE, kube.kueue_values(stack), child(self))
+        self.prometheus = release("monitoring", eks.KUBE_PROMETHEUS_STACK, kube.prometheus_values(), child(self))
+        if nvidia:
+            release("dcgm-exporter", eks.DCGM_EXPORTER, kube.dcgm_exporter_values(),
+                    child(self, depends_on=[self.prometheus]))
+        self.autoscaler_role_arn, self.autoscaler_role_name = role.arn, role.name
+        self.register_outputs({"autoscaler_role_arn": self.autoscaler_role_arn})
+
+
+def autoscaler_policy(cluster_arn: str) -> str:
+    """Read every group (the Describe calls take no resource); read this cluster's node groups; resize and terminate
+    only the Auto Scaling groups of this cluster's node groups (eks-<cluster>-<pool>-<uuid>) that EKS tagged as its."""
+    arn = cluster_arn.split(":")
+    region, account, cluster = arn[3], arn[4], arn[5].split("/", 1)[1]
+    return policy([
+        {"Sid": "Discover", "Effect": "Allow", "Resource": "*", "Action": [
+            "autoscaling:DescribeAutoScalingGroups", "autoscaling:DescribeAutoScalingInstances",
+            "autoscaling:DescribeLaunchConfigurations", "autoscaling:DescribeScalingActivities",
+            "autoscaling:DescribeTags", "ec2:DescribeImages", "ec2:DescribeInstanceTypes",
+            "ec2:DescribeLaunchTemplateVersions", "ec2:GetInstanceTypesFromInstanceRequirements"]},
+        {"Sid": "NodeGroups", "Effect": "Allow", "Action": "eks:DescribeNodegroup",
+         "Resource": f"arn:aws:eks:{region}:{account}:nodegroup/{cluster}/*"},
+        {"Sid": "ResizeOwnGroups", "Effect": "Allow",
+         "Resource": f"arn:aws:autoscaling:{region}:{account}:autoScalingGroup:*:autoScalingGroupName/eks-{cluster}-*",
+         "Action": ["autoscaling:SetDesiredCapacity", "autoscaling:TerminateInstanceInAutoScalingGroup"],
+         "Condition": {"StringEquals": {f"aws:ResourceTag/k8s.io/cluster-autoscaler/{cluster}": "owned"}}},
+    ])
+
+
+@dataclass(frozen=True)
+class TeamSpaceArgs:
+    stack: Stack
+    fsx: kube.Fsx
+    kueue: pulumi.Resource  # the release that installs Kueue's CRDs
+    prometheus: pulumi.Resource  # the release that installs the PrometheusRule CRD
+
+
+class TeamSpace(pulumi.ComponentResource):
+    """The team's namespace with its quota and defaults, its claim on the file system, its Kueue queues, and the
+    idle-GPU alert."""
+
+    def __init__(self, name: str, args: TeamSpaceArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("gpucluster:kubernetes:TeamSpace", name, None, opts)
+        stack = args.stack
+        core = [declare(m, child(self)) for m in kube.team_manifests(stack, args.fsx)]
+        for manifest in kube.queue_manifests(stack):
+            # The guardrail owns the ClusterQueue's stopPolicy once it exists: an `up` must not reopen a held queue.
+            held = ["spec.stopPolicy"] if manifest["kind"] == "ClusterQueue" else None
+            declare(manifest, child(self, depends_on=[args.kueue, core[0]], ignore_changes=held))
+        if any(p.itype.accelerator and p.itype.accelerator.kind == "nvidia" for p in stack.spec.pools):
+            declare(kube.idle_gpu_rule(stack), child(self, depends_on=[args.prometheus]))
+        self.register_outputs({})

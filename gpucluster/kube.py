@@ -1,0 +1,414 @@
+"""The Kubernetes objects of a `scheduler: kubernetes` stack, as plain manifests.
+
+components/kubernetes.py declares exactly these through pulumi_kubernetes, `gpucluster render` writes them for
+`kubectl apply`, and the tests validate them against Kubernetes' and Kueue's schemas. Values only AWS knows at `up`
+(the file system's id and DNS name, the queue's URL) come in as arguments: Pulumi outputs in the program, placeholders
+in `render`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpucluster import eks, monitoring
+from gpucluster.spec import Pool, Stack
+
+Manifest = dict[str, Any]
+
+POOL_LABEL = "gpucluster/pool"
+CAPACITY_LABEL = "gpucluster/capacity"
+ACCELERATOR_LABEL = "gpucluster/accelerator"
+EFA_LABEL = "gpucluster/efa"  # on EFA pools only: where the EFA device plugin runs
+SPOT_TAINT = "gpucluster/spot"
+# Namespaces whose jobs Kueue manages even without a queue name (and so never admits them: no LocalQueue matches).
+TEAM_NAMESPACE_LABEL = "gpucluster/team-namespace"
+QUEUE_NAME_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_API = "kueue.x-k8s.io/v1beta2"  # the storage version of the pinned Kueue (v1beta1 is deprecated there)
+FSX_CLAIM = "fsx"
+LOCAL_QUEUE = "default"
+GUARDRAIL = "gpucluster-guardrail"
+# What each container gets when it asks for nothing, so that the quota's CPU and memory count every pod.
+DEFAULT_CPU, DEFAULT_MEMORY = "500m", "1Gi"
+# Pods of the team at once: every node's worth of one pod per accelerator, plus room for small helper pods.
+PODS_PER_NODE = 16
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@dataclass(frozen=True)
+class Fsx:
+    """The file system as the static PersistentVolume names it."""
+
+    file_system_id: Any
+    dns_name: Any
+    mount_name: Any
+    capacity_gib: int
+
+
+def namespace_name(stack: Stack) -> str:
+    return stack.spec.team
+
+
+def cluster_queue_name(stack: Stack) -> str:
+    return stack.spec.team
+
+
+def accelerator_resource(pool: Pool) -> str:
+    assert pool.itype.accelerator, pool.name
+    return eks.GPU_RESOURCE if pool.itype.accelerator.kind == "nvidia" else eks.NEURON_RESOURCE
+
+
+def pool_labels(pool: Pool) -> dict[str, str]:
+    """Labels every node of the pool carries (node group labels; the ResourceFlavor selects on them)."""
+    assert pool.itype.accelerator, pool.name
+    labels = {POOL_LABEL: pool.name, CAPACITY_LABEL: pool.capacity, ACCELERATOR_LABEL: pool.itype.accelerator.kind}
+    return labels | ({EFA_LABEL: "true"} if pool.uses_efa else {})
+
+
+def pool_taints(pool: Pool) -> list[dict[str, str]]:
+    """Only pods that ask for accelerators (and, on spot pools, accept interruption) land on the pool's nodes."""
+    taints = [{"key": accelerator_resource(pool), "value": "true", "effect": "NoSchedule"}]
+    if pool.capacity == "spot":
+        taints.append({"key": SPOT_TAINT, "value": "true", "effect": "NoSchedule"})
+    return taints
+
+
+def pool_resources(pool: Pool) -> dict[str, int]:
+    """Extended resources one node of the pool advertises (its device plugins' counts)."""
+    assert pool.itype.accelerator, pool.name
+    out = {accelerator_resource(pool): pool.itype.accelerator.count}
+    if pool.uses_efa:
+        out[eks.EFA_RESOURCE] = pool.itype.efa_interfaces
+    return out
+
+
+def flavor_order(stack: Stack) -> list[Pool]:
+    """The team's flavours in the order Kueue tries them: each spot pool right before the pool it falls back to."""
+    pools = list(stack.spec.pools)
+    ordered: list[Pool] = []
+    for pool in pools:
+        if pool in ordered:
+            continue
+        if pool.capacity != "spot" and any(p.fallback == pool.name for p in pools):
+            continue  # placed after its spot pool
+        ordered.append(pool)
+        ordered += [p for p in pools if pool.capacity == "spot" and p.name == pool.fallback and p not in ordered]
+    ordered += [p for p in pools if p not in ordered]
+    return ordered
+
+
+def _memory_gi(mib: int) -> str:
+    return f"{mib // 1024}Gi"
+
+
+def _covered(stack: Stack) -> list[str]:
+    extended = sorted({r for p in stack.spec.pools for r in pool_resources(p)})
+    return ["cpu", "memory", *extended]
+
+
+def _pool_quota(pool: Pool, covered: list[str]) -> dict[str, Any]:
+    """What the pool holds at its largest, per resource Kueue covers (0 for resources it has none of)."""
+    n = pool.max_nodes
+    have = {"cpu": pool.itype.vcpus * n, "memory": _memory_gi(pool.itype.memory_mib * n)}
+    have |= {r: c * n for r, c in pool_resources(pool).items()}
+    return {"name": pool.name, "resources": [{"name": r, "nominalQuota": have.get(r, 0)} for r in covered]}
+
+
+def namespace(stack: Stack) -> Manifest:
+    return {"apiVersion": "v1", "kind": "Namespace",
+            "metadata": {"name": namespace_name(stack), "labels": {TEAM_NAMESPACE_LABEL: "true"}}}
+
+
+def quota_totals(stack: Stack) -> dict[str, Any]:
+    """The team's ceiling at once: every pool at max size (what the node groups could ever hold)."""
+    totals: dict[str, int] = {}
+    cpu = memory_mib = pods = 0
+    for pool in stack.spec.pools:
+        for resource, count in pool_resources(pool).items():
+            totals[resource] = totals.get(resource, 0) + count * pool.max_nodes
+        cpu += pool.itype.vcpus * pool.max_nodes
+        memory_mib += pool.itype.memory_mib * pool.max_nodes
+        pods += PODS_PER_NODE * pool.max_nodes
+    return {"cpu": cpu, "memory": _memory_gi(memory_mib), "pods": pods, **totals}
+
+
+def resource_quota(stack: Stack) -> Manifest:
+    totals = quota_totals(stack)
+    hard = {"requests.cpu": str(totals.pop("cpu")), "requests.memory": totals.pop("memory"),
+            "pods": str(totals.pop("pods"))}
+    # Extended resources take the requests. prefix only (they cannot be overcommitted).
+    hard |= {f"requests.{resource}": str(count) for resource, count in sorted(totals.items())}
+    return {"apiVersion": "v1", "kind": "ResourceQuota",
+            "metadata": {"name": "team-quota", "namespace": namespace_name(stack)}, "spec": {"hard": hard}}
+
+
+def limit_range(stack: Stack) -> Manifest:
+    return {"apiVersion": "v1", "kind": "LimitRange",
+            "metadata": {"name": "defaults", "namespace": namespace_name(stack)},
+            "spec": {"limits": [{"type": "Container",
+                                 "defaultRequest": {"cpu": DEFAULT_CPU, "memory": DEFAULT_MEMORY},
+                                 "default": {"memory": DEFAULT_MEMORY}}]}}
+
+
+def fsx_volume(stack: Stack, fsx: Fsx) -> list[Manifest]:
+    """The stack's file system as a static PersistentVolume bound to one claim in the team's namespace."""
+    name = f"{stack.cluster_name}-fsx"
+    size = f"{fsx.capacity_gib}Gi"
+    pv = {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": name},
+          "spec": {"capacity": {"storage": size}, "volumeMode": "Filesystem", "accessModes": ["ReadWriteMany"],
+                   "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
+                   "claimRef": {"namespace": namespace_name(stack), "name": FSX_CLAIM},
+                   "mountOptions": ["flock"],
+                   "csi": {"driver": "fsx.csi.aws.com", "volumeHandle": fsx.file_system_id,
+                           "volumeAttributes": {"dnsname": fsx.dns_name, "mountname": fsx.mount_name}}}}
+    pvc = {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+           "metadata": {"name": FSX_CLAIM, "namespace": namespace_name(stack)},
+           "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": name,
+                    "resources": {"requests": {"storage": size}}}}
+    return [pv, pvc]
+
+
+def resource_flavors(stack: Stack) -> list[Manifest]:
+    return [{"apiVersion": KUEUE_API, "kind": "ResourceFlavor", "metadata": {"name": pool.name},
+             "spec": {"nodeLabels": {POOL_LABEL: pool.name}, "nodeTaints": pool_taints(pool)}}
+            for pool in stack.spec.pools]
+
+
+def cluster_queue(stack: Stack, stop_policy: str = "None") -> Manifest:
+    covered = _covered(stack)
+    return {"apiVersion": KUEUE_API, "kind": "ClusterQueue", "metadata": {"name": cluster_queue_name(stack)},
+            "spec": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace_name(stack)}},
+                     "queueingStrategy": "BestEffortFIFO",
+                     "stopPolicy": stop_policy,
+                     "resourceGroups": [{"coveredResources": covered,
+                                         "flavors": [_pool_quota(p, covered) for p in flavor_order(stack)]}]}}
+
+
+def local_queue(stack: Stack) -> Manifest:
+    return {"apiVersion": KUEUE_API, "kind": "LocalQueue",
+            "metadata": {"name": LOCAL_QUEUE, "namespace": namespace_name(stack)},
+            "spec": {"clusterQueue": cluster_queue_name(stack)}}
+
+
+def idle_gpu_expr() -> str:
+    """The Slurm flavour's idle-GPU rule in PromQL over dcgm-exporter's metric: a GPU idle below IDLE_PERCENT
+    utilisation on average over IDLE_MINUTES."""
+    return f"avg_over_time(DCGM_FI_DEV_GPU_UTIL[{monitoring.IDLE_MINUTES}m]) < {monitoring.IDLE_PERCENT}"
+
+
+def idle_gpu_rule(stack: Stack) -> Manifest:
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
+            "metadata": {"name": "gpucluster-idle-gpu", "namespace": eks.KUBE_PROMETHEUS_STACK.namespace,
+                         "labels": {"release": "monitoring"}},
+            "spec": {"groups": [{"name": "gpucluster", "rules": [{
+                "alert": "GpuIdle", "expr": idle_gpu_expr(), "for": "1m",
+                "labels": {"severity": "warning", "cluster": stack.cluster_name},
+                "annotations": {"summary": (f"GPU {{{{ $labels.gpu }}}} on {{{{ $labels.Hostname }}}} under "
+                                            f"{monitoring.IDLE_PERCENT}% for {monitoring.IDLE_MINUTES} minutes: "
+                                            "money burning")}}]}]}}
+
+
+def team_manifests(stack: Stack, fsx: Fsx) -> list[Manifest]:
+    """The team's namespace, its quota and defaults, its claim on the file system. Core Kubernetes only."""
+    return [namespace(stack), resource_quota(stack), limit_range(stack), *fsx_volume(stack, fsx)]
+
+
+def queue_manifests(stack: Stack) -> list[Manifest]:
+    """Kueue's objects (need Kueue's CRDs)."""
+    return [*resource_flavors(stack), cluster_queue(stack), local_queue(stack)]
+
+
+def tolerations(pool: Pool) -> list[dict[str, str]]:
+    return [{"key": t["key"], "operator": "Equal", "value": t["value"], "effect": t["effect"]} for t in pool_taints(pool)]
+
+
+# --- Helm values -----------------------------------------------------------------------------------------------
+
+def asg_name_regex(node_group_name: str) -> str:
+    """EKS names a managed node group's Auto Scaling group eks-<node group name>-<uuid>."""
+    return f"^eks-{node_group_name}-.*"
+
+
+def autoscaler_values(stack: Stack, node_group_names: dict[str, str], service_account: str) -> dict[str, Any]:
+    """The Cluster Autoscaler: discovers the node groups by EKS's own ASG tags, and with the priority expander tries
+    each spot pool before its on-demand fallback (higher number first)."""
+    order = flavor_order(stack)
+    priorities = {str(10 * (len(order) - i)): [asg_name_regex(node_group_names[p.name])] for i, p in enumerate(order)}
+    return {
+        "cloudProvider": "aws",
+        "awsRegion": stack.region,
+        "autoDiscovery": {"clusterName": stack.cluster_name},
+        "rbac": {"serviceAccount": {"create": True, "name": service_account}},
+        "expanderPriorities": priorities,
+        "extraArgs": {"expander": "priority", "balance-similar-node-groups": False,
+                      "skip-nodes-with-local-storage": False, "scale-down-unneeded-time": "10m"},
+    }
+
+
+def nvidia_device_plugin_values() -> dict[str, Any]:
+    # Our nodes carry our accelerator label; no Node Feature Discovery needed to find them.
+    return {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": ACCELERATOR_LABEL, "operator": "In", "values": ["nvidia"]}]}]}}},
+        "tolerations": [{"operator": "Exists"}]}
+
+
+def efa_device_plugin_values() -> dict[str, Any]:
+    return {"nodeSelector": {EFA_LABEL: "true"}, "tolerations": [{"operator": "Exists"}]}
+
+
+def kueue_values(stack: Stack) -> dict[str, Any]:
+    """Jobs in the team's namespace without a queue name are managed too, so they are never admitted."""
+    config = "\n".join([
+        "apiVersion: config.kueue.x-k8s.io/v1beta2",
+        "kind: Configuration",
+        "health:",
+        "  healthProbeBindAddress: :8081",
+        "metrics:",
+        "  bindAddress: :8443",
+        "webhook:",
+        "  port: 9443",
+        "leaderElection:",
+        "  leaderElect: true",
+        "  resourceName: c1f6bfd2.kueue.x-k8s.io",
+        "manageJobsWithoutQueueName: true",
+        "managedJobsNamespaceSelector:",
+        "  matchLabels:",
+        f"    {TEAM_NAMESPACE_LABEL}: \"true\"",
+        "integrations:",
+        "  frameworks:",
+        "  - batch/job",
+        "  - jobset.x-k8s.io/jobset",
+        "  - trainer.kubeflow.org/trainjob",
+        "",
+    ])
+    return {"managerConfig": {"controllerManagerConfigYaml": config}}
+
+
+def dcgm_exporter_values() -> dict[str, Any]:
+    return {"serviceMonitor": {"enabled": True, "interval": "15s", "additionalLabels": {"release": "monitoring"}},
+            "nodeSelector": {ACCELERATOR_LABEL: "nvidia"}, "tolerations": [{"operator": "Exists"}]}
+
+
+def prometheus_values() -> dict[str, Any]:
+    # Rules and monitors of every release are picked up, not only this chart's own.
+    return {"prometheus": {"prometheusSpec": {"ruleSelectorNilUsesHelmValues": False,
+                                              "serviceMonitorSelectorNilUsesHelmValues": False,
+                                              "retention": "15d"}},
+            "grafana": {"enabled": False}}
+
+
+# --- The first job ---------------------------------------------------------------------------------------------
+
+# Any image with torch and CUDA runs the example. NCCL over EFA needs the aws-ofi-nccl plugin and libfabric in the
+# image (AWS's Deep Learning Containers carry them, this one does not): without them NCCL falls back to TCP sockets.
+EXAMPLE_IMAGE = "pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime"
+
+
+def example_job(stack: Stack, pool: Pool, nodes: int = 2, image: str = EXAMPLE_IMAGE) -> list[Manifest]:
+    """examples/ddp_train.py across `nodes` nodes of `pool` with torchrun: an indexed Job (one pod per node) behind a
+    headless Service for the rendezvous, queued through the team's LocalQueue, checkpointing to the FSx claim."""
+    ns, name = namespace_name(stack), "ddp-example"
+    per_node = pool_resources(pool)
+    script = (EXAMPLES / "ddp_train.py").read_text()
+    config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "namespace": ns},
+                  "data": {"ddp_train.py": script}}
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": ns},
+               "spec": {"clusterIP": "None", "selector": {"job-name": name}, "ports": [{"name": "c10d",
+                                                                                         "port": 29500}]}}
+    procs = pool.itype.accelerator.count  # type: ignore[union-attr]
+    command = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={procs}", "--node-rank=$(JOB_COMPLETION_INDEX)",
+               f"--master-addr={name}-0.{name}", "--master-port=29500",
+               "/opt/example/ddp_train.py", "--checkpoint-dir", f"/fsx/checkpoints/{name}"]
+    requests = {r: str(c) for r, c in per_node.items()}
+    job = {"apiVersion": "batch/v1", "kind": "Job",
+           "metadata": {"name": name, "namespace": ns, "labels": {QUEUE_NAME_LABEL: LOCAL_QUEUE}},
+           "spec": {"completionMode": "Indexed", "completions": nodes, "parallelism": nodes, "backoffLimit": 0,
+                    "suspend": True,  # Kueue unsuspends it once admitted
+                    "template": {"spec": {
+                        "subdomain": name, "restartPolicy": "Never",
+                        "nodeSelector": {POOL_LABEL: pool.name},
+                        "tolerations": tolerations(pool),
+                        "containers": [{"name": "trainer", "image": image, "command": ["bash", "-c", " ".join(command)],
+                                        "env": [{"name": "NCCL_DEBUG", "value": "WARN"},
+                                                {"name": "FI_PROVIDER", "value": "efa"}] if pool.uses_efa else
+                                               [{"name": "NCCL_DEBUG", "value": "WARN"}],
+                                        "resources": {"requests": requests, "limits": requests},
+                                        "volumeMounts": [{"name": "fsx", "mountPath": "/fsx"},
+                                                         {"name": "example", "mountPath": "/opt/example"},
+                                                         {"name": "shm", "mountPath": "/dev/shm"}]}],
+                        "volumes": [{"name": "fsx", "persistentVolumeClaim": {"claimName": FSX_CLAIM}},
+                                    {"name": "example", "configMap": {"name": name}},
+                                    {"name": "shm", "emptyDir": {"medium": "Memory"}}]}}}}
+    return [config_map, service, job]
+
+
+
+# --- The budget guardrail ---------------------------------------------------------------------------------------
+
+GUARDRAIL_IMAGE = "python:3.12-slim"
+GUARDRAIL_BOTO3 = "boto3==1.44.8"  # the version the project itself pins against (requirements: boto3)
+
+
+def guardrail_manifests(stack: Stack, queue_url: Any, act_threshold_percent: int) -> list[Manifest]:
+    """The in-cluster controller that holds and reopens the team's ClusterQueue: may patch that one queue only."""
+    ns = eks.KUEUE.namespace
+    script = (Path(__file__).resolve().parent / "queue_guardrail.py").read_text()
+    labels = {"app": GUARDRAIL}
+    env = {"QUEUE_URL": queue_url, "BUDGET_NAME": stack.budget_name, "CLUSTER_QUEUE": cluster_queue_name(stack),
+           "ACT_THRESHOLD_PERCENT": str(act_threshold_percent), "AWS_REGION": stack.region}
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": GUARDRAIL, "namespace": ns}},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": GUARDRAIL},
+         "rules": [{"apiGroups": ["kueue.x-k8s.io"], "resources": ["clusterqueues"],
+                    "resourceNames": [cluster_queue_name(stack)], "verbs": ["get", "patch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": GUARDRAIL},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": GUARDRAIL},
+         "subjects": [{"kind": "ServiceAccount", "name": GUARDRAIL, "namespace": ns}]},
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": GUARDRAIL, "namespace": ns},
+         "data": {"queue_guardrail.py": script}},
+        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": GUARDRAIL, "namespace": ns,
+                                                                     "labels": labels},
+         "spec": {"replicas": 1, "selector": {"matchLabels": labels}, "strategy": {"type": "Recreate"},
+                  "template": {"metadata": {"labels": labels}, "spec": {
+                      "serviceAccountName": GUARDRAIL,
+                      "securityContext": {"runAsNonRoot": True, "runAsUser": 65534,
+                                          "seccompProfile": {"type": "RuntimeDefault"}},
+                      "containers": [{
+                          "name": "guardrail", "image": GUARDRAIL_IMAGE,
+                          "command": ["sh", "-c", f"pip install --quiet --no-cache-dir --target /tmp/lib {GUARDRAIL_BOTO3} && "
+                                                  "PYTHONPATH=/tmp/lib exec python /opt/guardrail/queue_guardrail.py"],
+                          "env": [{"name": k, "value": v} for k, v in env.items()],
+                          "resources": {"requests": {"cpu": "50m", "memory": "128Mi"},
+                                        "limits": {"memory": "256Mi"}},
+                          "securityContext": {"allowPrivilegeEscalation": False,
+                                              "capabilities": {"drop": ["ALL"]}},
+                          "volumeMounts": [{"name": "script", "mountPath": "/opt/guardrail"},
+                                           {"name": "tmp", "mountPath": "/tmp"}]}],
+                      "volumes": [{"name": "script", "configMap": {"name": GUARDRAIL}},
+                                  {"name": "tmp", "emptyDir": {}}]}}}},
+    ]
+
+
+# --- For `kubectl apply` ----------------------------------------------------------------------------------------
+
+def example_pool(stack: Stack) -> Pool:
+    """The pool the first job runs on: the first NVIDIA pool with EFA, else the first NVIDIA pool, else the first."""
+    nvidia = [p for p in stack.spec.pools if p.itype.accelerator and p.itype.accelerator.kind == "nvidia"]
+    return next((p for p in nvidia if p.uses_efa), nvidia[0] if nvidia else stack.spec.pools[0])
+
+
+def render_files(stack: Stack) -> dict[str, list[Manifest]]:
+    """Every object the program declares in the cluster (values AWS computes as placeholders), and the first job."""
+    fsx = Fsx("<file system id at up>", "<file system DNS name at up>", "<mount name at up>",
+              stack.spec.storage.lustre.storage_capacity_gib or 1200)
+    if stack.spec.storage.lustre.file_system_id:
+        lustre = stack.spec.storage.lustre
+        fsx = Fsx(lustre.file_system_id, lustre.dns_name, lustre.mount_name, 1200)
+    files = {"team.yaml": team_manifests(stack, fsx), "queues.yaml": queue_manifests(stack),
+             "idle-gpu-rule.yaml": [idle_gpu_rule(stack)],
+             "example-ddp-job.yaml": example_job(stack, example_pool(stack))}
+    act = stack.spec.budget.act_threshold_percent
+    if act is not None:
+        files["guardrail.yaml"] = guardrail_manifests(stack, "<budget queue URL at up>", act)
+    return files

@@ -1,0 +1,628 @@
+"""The Kubernetes flavour under Pulumi's mock runtime: the EKS cluster, node groups, autoscaler tags, cluster software,
+the team's namespace and queues, the budget guardrail, the first job, and every Kubernetes object against its schema.
+
+Core Kubernetes objects go through kubernetes-validate in strict mode (unknown fields are errors) for the stack's
+version. Custom resources (Kueue's, the Prometheus operator's) go through the openAPIV3Schema of the CRDs that the
+pinned charts install, vendored in tests/schemas/ (CI has no network at test time), made strict the same way.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from conftest import K8S_STACK_FILES, ROOT, of_type, planned
+
+from components.kubernetes import autoscaler_node_template_tags
+from gpucluster import catalog, cost, eks, kube, monitoring, queue_guardrail
+from gpucluster.plan import Declared, run_program
+from gpucluster.spec import Stack, load_stack, validate
+
+SCHEMAS = ROOT / "tests" / "schemas"
+TEAM_K8S = ROOT / "stacks" / "Pulumi.team-k8s.yaml"
+
+
+@pytest.fixture(params=K8S_STACK_FILES, ids=lambda p: p.name)
+def k8s(request: pytest.FixtureRequest) -> tuple[Stack, tuple[Declared, ...]]:
+    return planned(request.param)
+
+
+def variant(path: Path, **changes: Any) -> tuple[Stack, tuple[Declared, ...]]:
+    """A shipped stack with cluster keys changed, validated and planned."""
+    doc = yaml.safe_load(path.read_text())["config"]
+    doc["gpucluster:cluster"].update(copy.deepcopy(changes))
+    stack = validate("k8s-variant", doc)
+    return stack, tuple(run_program(stack))
+
+
+def by_name(declared: tuple[Declared, ...], suffix: str) -> dict[str, dict]:
+    return {d.name: d.inputs for d in of_type(declared, suffix)}
+
+
+def k8s_objects(declared: tuple[Declared, ...]) -> list[dict]:
+    """Every Kubernetes object the program declares, as the API server would get it (Helm releases aside)."""
+    return [d.inputs for d in declared if d.type.startswith("kubernetes:") and not d.type.endswith(":Release")]
+
+
+def test_k8s_stacks_exist() -> None:
+    assert TEAM_K8S in K8S_STACK_FILES
+
+
+# --- Scheduler switch ------------------------------------------------------------------------------------------
+
+def test_no_slurm_parts_on_a_kubernetes_stack(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
+    _, declared = k8s
+    types = {d.type for d in declared}
+    for kind in ("aws:ec2/instance:Instance", "gpucluster:head:HeadNode", "aws:imagebuilder/image:Image",
+                 "gpucluster:image:NodeImage", "gpucluster:access:NodeAccess"):
+        assert kind not in types, kind
+    assert not any(t.startswith("aws:imagebuilder") for t in types)
+
+
+def test_the_slurm_stacks_build_no_kubernetes() -> None:
+    _, declared = planned(ROOT / "stacks" / "Pulumi.team-a.yaml")
+    assert not [d for d in declared if d.type.startswith(("kubernetes:", "aws:eks/", "gpucluster:kubernetes:"))]
+
+
+def test_every_aws_resource_is_tagged_and_in_a_component(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
+    stack, declared = k8s
+    (provider,) = [d for d in declared if d.type == "pulumi:providers:aws"]
+    assert json.loads(provider.inputs["defaultTags"]) == {"tags": stack.tags}
+    for d in declared:
+        if d.type.startswith("aws:"):
+            assert d.provider.startswith(provider.urn + "::"), d.name
+            assert d.parent_type and d.parent_type.startswith("gpucluster:"), d.name
+        if d.type.startswith("kubernetes:"):
+            assert d.provider.startswith("urn:") and "pulumi:providers:kubernetes" in d.provider, d.name
+
+
+# --- 1. The cluster -------------------------------------------------------------------------------------------
+
+def test_cluster_private_encrypted_pinned(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
+    stack, declared = k8s
+    (cluster,) = of_type(declared, "eks/cluster:Cluster")
+    spec = cluster.inputs
+    assert spec["version"] == stack.spec.eks.version and spec["upgradePolicy"] == {"supportType": "STANDARD"}
+    vpc = spec["vpcConfig"]
+    assert vpc["endpointPrivateAccess"] is True and vpc["endpointPublicAccess"] is False
+    assert "publicAccessCidrs" not in vpc
+    assert spec["accessConfig"]["authenticationMode"] == "API"
+    (key,) = of_type(declared, "kms/key:Key")
+    assert key.inputs["enableKeyRotation"] is True
+    assert spec["encryptionConfig"] == {"resources": ["secrets"],
+                                        "provider": {"keyArn": f"arn:aws:kms:{stack.region}:123456789012:key/"
+                                                               + _planned_id(key, stack)}}
+
+
+def _planned_id(d: Declared, stack: Stack) -> str:
+    from gpucluster.plan import planned_id
+    return planned_id(d, stack.region)
+
+
+def test_control_plane_has_two_zones_nodes_one(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
+    stack, declared = k8s
+    (cluster,) = of_type(declared, "eks/cluster:Cluster")
+    subnets = {_planned_id(s, stack): s.inputs for s in of_type(declared, "ec2/subnet:Subnet")}
+    zones = {subnets[s]["availabilityZone"] for s in cluster.inputs["vpcConfig"]["subnetIds"]}
+    assert len(zones) == 2 and stack.spec.availability_zone in zones
+    (control_plane,) = [s for s in subnets.values() if s["tags"]["Name"].endswith("-control-plane")]
+    assert control_plane["mapPublicIpOnLaunch"] is False
+    private = [i for i, s in subnets.items() if s["tags"]["Name"].endswith("-private")]
+    for group in of_type(declared, "eks/nodeGroup:NodeGroup"):
+        assert group.inputs["subnetIds"] == private  # the stack's one AZ
+
+
+def test_existing_network_names_the_control_planes_subnet() -> None:
+    network = {"vpc_id": "vpc-0a1b2c3d4e5f60718", "subnet_id": "subnet-0a1b2c3d4e5f60718"}
+    stack, declared = variant(TEAM_K8S, network=network,
+                              kubernetes={"control_plane_subnet_id": "subnet-0f0e0d0c0b0a09080"})
+    (cluster,) = of_type(declared, "eks/cluster:Cluster")
+    assert cluster.inputs["vpcConfig"]["subnetIds"] == ["subnet-0a1b2c3d4e5f60718", "subnet-0f0e0d0c0b0a09080"]
+    assert not of_type(declared, "ec2/subnet:Subnet")
+
+
+def test_public_endpoint_only_for_the_cidrs_given() -> None:
+    stack, declared = variant(TEAM_K8S, kubernetes={"version": "1.35", "public_access_cidrs": ["203.0.113.0/24"]})
+    (cluster,) = of_type(declared, "eks/cluster:Cluster")
+    vpc = cluster.inputs["vpcConfig"]
+    assert vpc["endpointPublicAccess"] is True and vpc["publicAccessCidrs"] == ["203.0.113.0/24"]
+
+
+def test_addons(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
+    _, declared = k8s
+    names = sorted(a.inputs["addonName"] for a in of_type(declared, "eks/addon:Addon"))
+    assert names == sorted(["vpc-cni", "coredns", "kube-proxy", "eks-pod-identity-agent", "aws-fsx-csi-driver",
+                            "eks-node-monitoring-agent"])
+
+
+def test_nodes_cannot_manage_ips_the_vpc_cni_can(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
+    stack, declared = k8s
+    attached = {(a.inputs["role"], a.inputs["policyArn"].rsplit("/", 1)[1])
+                for a in of_type(declared, "iam/rolePolicyAttachment:RolePolicyAttachment")}
+    node, cni = f"{stack.cluster_name}-node", f"{stack.cluster_name}-vpc-cni"
+    assert {p for r, p in attached if r == node} == {"AmazonEKSWorkerNodePolicy", "AmazonEC2ContainerRegistryPullOnly"}
+    assert {p for r, p in attached if r == cni} == {"AmazonEKS_CNI_Policy"}
+    addons = {a.inputs["addonName"]: a for a in of_type(declared, "eks/addon:Addon")}
+    assert addons["vpc-cni"].inputs["podIdentityAssociations"] == [
+        {"roleArn": f"arn:aws:iam::123456789012:role/{cni}", "serviceAccount": "aws-node"}]
+    assert addons["eks-pod-identity-agent"].urn in addons["vpc-cni"].dependencies
+
+
+def test_access_entries() -> None:
+    admin = "arn:aws:iam::123456789012:role/platform-admins"
+    stack, declared = variant(TEAM_K8S, kubernetes={"version": "1.35", "admin_role_arns": [admin]})
+    entries = {e.inputs["principalArn"]: e.inputs for e in of_type(declared, "eks/accessEntry:AccessEntry")}
+    name = stack.cluster_name
+    assert entries[f"arn:aws:iam::123456789012:role/{name}-node"]["type"] == "EC2_LINUX"
+    assert entries[admin]["type"] == "STANDARD"
+    assocs = {a.inputs["principalArn"]: a.inputs for a in of_type(declared,
+                                                                   "eks/accessPolicyAssociation:AccessPolicyAssociation")}
+    assert assocs[admin]["policyArn"].endswith("/AmazonEKSClusterAdminPolicy")
+    assert assocs[admin]["accessScope"] == {"type": "cluster"}
+    team = assocs[f"arn:aws:iam::123456789012:role/{name}-team"]
+    assert team["policyArn"].endswith("/AmazonEKSEditPolicy")
+    assert team["accessScope"] == {"type": "namespace", "namespaces": [stack.spec.team]}
+    (team_policy,) = [p for p in of_type(declared, "iam/rolePolicy:RolePolicy") if p.name == f"{name}-team"]
+    (statement,) = json.loads(team_policy.inputs["policy"])["Statement"]
+    assert statement["Action"] == "eks:DescribeCluster"
+    assert statement["Resource"] == f"arn:aws:eks:{stack.region}:123456789012:cluster/{name}"
+
+
+# --- 2. GPU pools -----------------------------------------------------------------------------------------------
+
+def _templates(declared: tuple[Declared, ...]) -> dict[str, dict]:
+    return {lt.inputs["tagSpecifications"][0]["tags"]["gpucluster:pool"]: lt.inputs
+            for lt in of_type(declared, "ec2/launchTemplate:LaunchTemplate")}
+
+
+def _groups(stack: Stack, declared: tuple[Declared, ...]) -> dict[str, dict]:
+    return {g.inputs["nodeGroupName"].removeprefix(f"{stack.cluster_name}-"): g.inputs
+            for g in of_type(declared, "eks/nodeGroup:NodeGroup")}
+
+
+def test_node_group_per_pool(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
+    stack, declared = k8s
+    groups, templates = _groups(stack, declared), _templates(declared)
+    assert set(groups) == {p.name for p in stack.spec.pools} | {"system"}
+    placement = {g.name: g.inputs for g in of_type(declared, "ec2/placementGroup:PlacementGroup")}
+    for pool in stack.spec.pools:
+        group, lt = groups[pool.name], templates[pool.name]
+        assert group["amiType"] == ("AL2023_x86_64_NVIDIA" if pool.itype.accelerator.kind == "nvidia"
+                                    else "AL2023_x86_64_NEURON")
+        assert group["capacityType"] == {"on-demand": "ON_DEMAND", "spot": "SPOT"}[pool.capacity]
+        assert group["scalingConfig"] == {"minSize": pool.min_nodes, "maxSize": pool.max_nodes,
+                                          "desiredSize": pool.min_nodes}
+        assert group["labels"] == {"gpucluster/pool": pool.name, "gpucluster/capacity": pool.capacity,
+                                   "gpucluster/accelerator": pool.itype.accelerator.kind,
+                                   **({"gpucluster/efa": "true"} if pool.uses_efa else {})}
+        taints = {(t["key"], t["effect"]) for t in group["taints"]}
+        assert ("nvidia.com/gpu", "NO_SCHEDULE") in taints
+        assert (("gpucluster/spot", "NO_SCHEDULE") in taints) == (pool.capacity == "spot")
+        assert group["launchTemplate"]["id"] == _planned_id(
+            next(t for t in of_type(declared, "ec2/launchTemplate:LaunchTemplate")
+                 if t.inputs["tagSpecifications"][0]["tags"]["gpucluster:pool"] == pool.name), stack)
+        assert "instanceTypes" not in group and lt["instanceType"] == pool.instance_type
+        nics = lt["networkInterfaces"]
+        assert len(nics) == (pool.itype.efa_interfaces if pool.uses_efa else 1)
+        # EKS refuses a template whose interfaces name a subnet; the node group's subnet applies.
+        assert not any("subnetId" in n for n in nics)
+        assert not any("associatePublicIpAddress" in n for n in nics)
+        # EKS writes the node's bootstrap for its own AMI: the template names no image, profile or user data.
+        assert not {"imageId", "iamInstanceProfile", "userData"} & set(lt)
+        assert lt["metadataOptions"]["httpTokens"] == "required"
+        assert lt["metadataOptions"]["httpPutResponseHopLimit"] == 1
+        assert lt["blockDeviceMappings"][0]["deviceName"] == "/dev/xvda"
+        assert lt["blockDeviceMappings"][0]["ebs"]["encrypted"] == "true"
+        if pool.uses_efa:
+            assert lt["placement"]["groupName"] in placement
+    assert "p5-spot" in groups and "p5-od" in groups
+
+
+def test_capacity_block_pool() -> None:
+    pools = [{"name": "p5-cb", "instance_type": "p5.48xlarge", "capacity": "capacity-block", "min_nodes": 2,
+              "max_nodes": 2, "capacity_reservation_id": "cr-0a1b2c3d4e5f60718"}]
+    stack, declared = variant(TEAM_K8S, pools=pools)
+    assert _groups(stack, declared)["p5-cb"]["capacityType"] == "CAPACITY_BLOCK"
+    lt = _templates(declared)["p5-cb"]
+    assert lt["instanceMarketOptions"] == {"marketType": "capacity-block"}
+    assert lt["capacityReservationSpecification"]["capacityReservationTarget"]["capacityReservationId"] == \
+        "cr-0a1b2c3d4e5f60718"
+
+
+def test_trainium_pool_boots_neuron_ami_and_is_tainted_for_neuron() -> None:
+    pools = [{"name": "trn1", "instance_type": "trn1.32xlarge", "max_nodes": 2}]
+    stack, declared = variant(TEAM_K8S, pools=pools)
+    group = _groups(stack, declared)["trn1"]
+    assert group["amiType"] == "AL2023_x86_64_NEURON"
+    assert {t["key"] for t in group["taints"]} == {"aws.amazon.com/neuron"}
+    # No NVIDIA pool: no NVIDIA device plugin, dcgm-exporter or idle-GPU rule.
+    charts = {r.name for r in of_type(declared, "helm.sh/v3:Release")}
+    assert not {"nvidia-device-plugin", "dcgm-exporter"} & charts and "efa-device-plugin" in charts
+    assert not of_type(declared, "monitoring.coreos.com/v1:PrometheusRule")
+
+
+# --- 3. Scaling from zero ---------------------------------------------------------------------------------------
+
+def test_autoscaler_node_template_tags_on_each_group(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
+    stack, declared = k8s
+    tags: dict[str, dict[str, str]] = {}
+    for tag in of_type(declared, "autoscaling/tag:Tag"):
+        tags.setdefault(tag.inputs["autoscalingGroupName"], {})[tag.inputs["tag"]["key"]] = tag.inputs["tag"]["value"]
+        assert tag.inputs["tag"]["propagateAtLaunch"] is False
+    prefix = "k8s.io/cluster-autoscaler/node-template"
+    for pool in stack.spec.pools:
+        got = tags[f"eks-{stack.cluster_name}-{pool.name}-<uuid at up>"]  # the group EKS made for the node group
+        assert got[f"{prefix}/label/gpucluster/pool"] == pool.name
+        assert got[f"{prefix}/taint/nvidia.com/gpu"] == "true:NoSchedule"
+        assert got[f"{prefix}/resources/nvidia.com/gpu"] == str(pool.itype.accelerator.count)
+        if pool.uses_efa:
+            assert got[f"{prefix}/resources/vpc.amazonaws.com/efa"] == str(pool.itype.efa_interfaces)
+        assert (f"{prefix}/taint/gpucluster/spot" in got) == (pool.capacity == "spot")
+        assert got == autoscaler_node_template_tags(pool)
+
+
+def test_p5_template_tags_say_8_gpus_and_32_efa() -> None:
+    stack = load_stack(TEAM_K8S)
+    pool = next(p for p in stack.spec.pools if p.name == "p5-spot")
+    tags = autoscaler_node_template_tags(pool)
+    assert tags["k8s.io/cluster-autoscaler/node-template/resources/nvidia.com/gpu"] == "8"
+    assert tags["k8s.io/cluster-autoscaler/node-template/resources/vpc.amazonaws.com/efa"] == "32"
+    assert tags["k8s.io/cluster-autoscaler/node-template/taint/gpucluster/spot"] == "true:NoSchedule"
+
+
+def _releases(declared: tuple[Declared, ...]) -> dict[str, dict]:
+    return {r.inputs["name"]: r.inputs for r in of_type(declared, "helm.sh/v3:Release")}
+
+
+def test_autoscaler_priority_expander_spot_first(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
+    stack, declared = k8s
+    ca = _releases(declared)["cluster-autoscaler"]
+    assert ca["values"]["extraArgs"]["expander"] == "priority"
+    assert ca["values"]["autoDiscovery"]["clusterName"] == stack.cluster_name
+    rank = {regex: int(p) for p, regexes in ca["values"]["expanderPriorities"].items() for regex in regexes}
+    for pool in stack.spec.pools:
+        if pool.fallback:
+            spot = rank[f"^eks-{stack.cluster_name}-{pool.name}-.*"]
+            assert spot > rank[f"^eks-{stack.cluster_name}-{pool.fallback}-.*"]
+    # Its Pod Identity role resizes only this cluster's groups.
+    (assoc,) = [a for a in of_type(declared, "eks/podIdentityAssociation:PodIdentityAssociation")
+                if a.inputs["serviceAccount"] == "cluster-autoscaler"]
+    assert assoc.inputs["namespace"] == "kube-system"
+    roles = {p.name: json.loads(p.inputs["policy"]) for p in of_type(declared, "iam/rolePolicy:RolePolicy")}
+    grants = {s["Sid"]: s for s in roles[f"{stack.cluster_name}-autoscaler"]["Statement"]}
+    resize = grants["ResizeOwnGroups"]
+    assert resize["Condition"] == {"StringEquals": {
+        f"aws:ResourceTag/k8s.io/cluster-autoscaler/{stack.cluster_name}": "owned"}}
+    assert resize["Resource"] == (f"arn:aws:autoscaling:{stack.region}:123456789012:autoScalingGroup:*:"
+                                  f"autoScalingGroupName/eks-{stack.cluster_name}-*")
+    for pool in stack.spec.pools:  # every pool's group matches it: EKS names it eks-<node group>-<uuid>
+        assert f"eks-{stack.cluster_name}-{pool.name}-<uuid at up>".startswith(resize["Resource"].rsplit("/")[-1][:-1])
+    assert grants["NodeGroups"]["Resource"] == f"arn:aws:eks:{stack.region}:123456789012:nodegroup/{stack.cluster_name}/*"
+
+
+# --- 4. Devices and storage; Helm pins ---------------------------------------------------------------------------
+
+def test_releases_are_pinned(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
+    _, declared = k8s
+    releases = _releases(declared)
+    pins = {"cluster-autoscaler": eks.CLUSTER_AUTOSCALER, "nvidia-device-plugin": eks.NVIDIA_DEVICE_PLUGIN,
+            "efa-device-plugin": eks.EFA_DEVICE_PLUGIN, "kueue": eks.KUEUE, "monitoring": eks.KUBE_PROMETHEUS_STACK,
+            "dcgm-exporter": eks.DCGM_EXPORTER}
+    assert set(releases) == set(pins)
+    for name, chart in pins.items():
+        release = releases[name]
+        assert (release["chart"], release["version"], release["namespace"]) == (chart.name, chart.version,
+                                                                                chart.namespace)
+        assert release.get("repositoryOpts", {}).get("repo", "") == chart.repository
+        assert release["version"][0].isdigit() or release["version"].startswith("v")
+
+
+def test_efa_plugin_only_on_efa_nodes(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
+    _, declared = k8s
+    values = _releases(declared)["efa-device-plugin"]["values"]
+    assert values["nodeSelector"] == {"gpucluster/efa": "true"}
+    nvidia = _releases(declared)["nvidia-device-plugin"]["values"]
+    terms = nvidia["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms == [{"matchExpressions": [{"key": "gpucluster/accelerator", "operator": "In", "values": ["nvidia"]}]}]
+
+
+def test_no_efa_no_efa_plugin() -> None:
+    pools = [{"name": "g6e", "instance_type": "g6e.xlarge", "max_nodes": 2}]  # no EFA on the type
+    _, declared = variant(TEAM_K8S, pools=pools)
+    assert "efa-device-plugin" not in _releases(declared)
+    (quota,) = of_type(declared, "core/v1:ResourceQuota")
+    assert "requests.vpc.amazonaws.com/efa" not in quota.inputs["spec"]["hard"]
+
+
+def test_fsx_as_static_volume_and_claim(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
+    stack, declared = k8s
+    (fs,) = of_type(declared, "fsx/lustreFileSystem:LustreFileSystem")
+    (pv,) = of_type(declared, "core/v1:PersistentVolume")
+    (pvc,) = of_type(declared, "core/v1:PersistentVolumeClaim")
+    csi = pv.inputs["spec"]["csi"]
+    assert csi["driver"] == "fsx.csi.aws.com" and csi["volumeHandle"] == _planned_id(fs, stack)
+    assert csi["volumeAttributes"]["dnsname"] == f"{_planned_id(fs, stack)}.fsx.{stack.region}.amazonaws.com"
+    assert pv.inputs["spec"]["claimRef"] == {"namespace": stack.spec.team, "name": "fsx"}
+    assert pvc.inputs["metadata"]["namespace"] == stack.spec.team
+    assert pvc.inputs["spec"]["volumeName"] == pv.inputs["metadata"]["name"]
+    assert pv.inputs["spec"]["persistentVolumeReclaimPolicy"] == "Retain"  # deleting the claim keeps the data
+
+
+# --- 5. Per-team isolation --------------------------------------------------------------------------------------
+
+def test_quota_counts_every_pool_at_max() -> None:
+    stack, declared = planned(TEAM_K8S)
+    (quota,) = of_type(declared, "core/v1:ResourceQuota")
+    hard = quota.inputs["spec"]["hard"]
+    # p5-od 2 + p5-spot 4 nodes of 8 GPUs and 32 EFA; g6e.12xlarge 2 nodes of 4 GPUs and 1 EFA.
+    assert hard["requests.nvidia.com/gpu"] == str(6 * 8 + 2 * 4)
+    assert hard["requests.vpc.amazonaws.com/efa"] == str(6 * 32 + 2 * 1)
+    assert hard["requests.cpu"] == str(6 * 192 + 2 * 48)
+    assert hard["pods"] == str(8 * kube.PODS_PER_NODE)
+    assert quota.inputs["metadata"]["namespace"] == stack.spec.team
+    (limits,) = of_type(declared, "core/v1:LimitRange")
+    assert limits.inputs["spec"]["limits"][0]["defaultRequest"] == {"cpu": "500m", "memory": "1Gi"}
+
+
+def test_kueue_flavours_mirror_the_pools() -> None:
+    stack, declared = planned(TEAM_K8S)
+    flavours = {f.inputs["metadata"]["name"]: f.inputs["spec"] for f in
+                of_type(declared, "kueue.x-k8s.io/v1beta2:ResourceFlavor")}
+    assert set(flavours) == {p.name for p in stack.spec.pools}
+    assert flavours["p5-spot"]["nodeLabels"] == {"gpucluster/pool": "p5-spot"}
+    (cq,) = of_type(declared, "kueue.x-k8s.io/v1beta2:ClusterQueue")
+    (group,) = cq.inputs["spec"]["resourceGroups"]
+    assert [f["name"] for f in group["flavors"]] == ["p5-spot", "p5-od", "g6e"]  # spot, its fallback, the rest
+    assert group["coveredResources"] == ["cpu", "memory", "nvidia.com/gpu", "vpc.amazonaws.com/efa"]
+    spot = {r["name"]: r["nominalQuota"] for r in group["flavors"][0]["resources"]}
+    assert spot["nvidia.com/gpu"] == 32 and spot["vpc.amazonaws.com/efa"] == 128
+    g6e = {r["name"]: r["nominalQuota"] for r in group["flavors"][2]["resources"]}
+    assert g6e["vpc.amazonaws.com/efa"] == 2 and g6e["nvidia.com/gpu"] == 8
+    assert cq.inputs["spec"]["stopPolicy"] == "None" and cq.ignore_changes == ("spec.stopPolicy",)
+    assert cq.inputs["spec"]["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "language"}}
+    (lq,) = of_type(declared, "kueue.x-k8s.io/v1beta2:LocalQueue")
+    assert lq.inputs["spec"] == {"clusterQueue": cq.inputs["metadata"]["name"]}
+    assert lq.inputs["metadata"]["namespace"] == "language"
+
+
+def test_jobs_without_a_queue_name_are_not_admitted() -> None:
+    stack, declared = planned(TEAM_K8S)
+    config = yaml.safe_load(_releases(declared)["kueue"]["values"]["managerConfig"]["controllerManagerConfigYaml"])
+    assert config["manageJobsWithoutQueueName"] is True
+    (ns,) = of_type(declared, "core/v1:Namespace")
+    assert config["managedJobsNamespaceSelector"] == {"matchLabels": {"gpucluster/team-namespace": "true"}}
+    assert ns.inputs["metadata"]["labels"]["gpucluster/team-namespace"] == "true"
+    assert "batch/job" in config["integrations"]["frameworks"]
+
+
+def test_queues_wait_for_kueue() -> None:
+    _, declared = planned(TEAM_K8S)
+    kueue = next(r.urn for r in of_type(declared, "helm.sh/v3:Release") if r.inputs["name"] == "kueue")
+    for d in declared:
+        if d.type.startswith("kubernetes:kueue.x-k8s.io/"):
+            assert kueue in d.dependencies, d.name
+
+
+# --- 6. Budget that acts ----------------------------------------------------------------------------------------
+
+def test_budget_denies_the_autoscalers_scale_up(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
+    stack, declared = k8s
+    (action,) = of_type(declared, "budgets/budgetAction:BudgetAction")
+    name = stack.cluster_name
+    assert action.inputs["definition"]["iamActionDefinition"]["roles"] == [f"{name}-autoscaler"]
+    (deny,) = [p for p in of_type(declared, "iam/policy:Policy") if p.name == f"{name}-launch-deny"]
+    (statement,) = json.loads(deny.inputs["policy"])["Statement"]
+    assert statement["Effect"] == "Deny" and "autoscaling:SetDesiredCapacity" in statement["Action"]
+
+
+def test_guardrail_reads_the_budget_queue_and_may_patch_one_queue(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
+    stack, declared = k8s
+    name = stack.cluster_name
+    grants = {s["Sid"]: s for s in json.loads({p.name: p for p in of_type(declared, "iam/rolePolicy:RolePolicy")}[
+        f"{name}-guardrail-pod"].inputs["policy"])["Statement"]}
+    assert grants["BudgetQueue"]["Resource"] == f"arn:aws:sqs:{stack.region}:123456789012:{name}-guardrail"
+    assert grants["ReadBudget"]["Resource"] == f"arn:aws:budgets::123456789012:budget/{stack.budget_name}"
+    (role,) = of_type(declared, "rbac.authorization.k8s.io/v1:ClusterRole")
+    assert role.inputs["rules"] == [{"apiGroups": ["kueue.x-k8s.io"], "resources": ["clusterqueues"],
+                                     "resourceNames": [stack.spec.team], "verbs": ["get", "patch"]}]
+    (deployment,) = of_type(declared, "apps/v1:Deployment")
+    env = {e["name"]: e["value"] for e in deployment.inputs["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["QUEUE_URL"] == f"https://sqs.{stack.region}.amazonaws.com/123456789012/{name}-guardrail"
+    assert env["CLUSTER_QUEUE"] == stack.spec.team and env["BUDGET_NAME"] == stack.budget_name
+    (script,) = [c for c in of_type(declared, "core/v1:ConfigMap") if c.inputs["metadata"]["name"] == kube.GUARDRAIL]
+    assert script.inputs["data"]["queue_guardrail.py"] == Path(queue_guardrail.__file__).read_text()
+
+
+@pytest.mark.parametrize(("actual", "expected"), [(99.99, "None"), (100.0, "Hold"), (250.0, "Hold"), (0.0, "None")])
+def test_guardrail_holds_at_the_threshold(actual: float, expected: str) -> None:
+    from botocore.stub import Stubber
+    import boto3
+
+    budgets = boto3.client("budgets", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
+    with Stubber(budgets) as stub:
+        stub.add_response("describe_budget", {"Budget": {
+            "BudgetName": "b", "BudgetLimit": {"Amount": "100.0", "Unit": "USD"}, "TimeUnit": "MONTHLY",
+            "BudgetType": "COST", "CalculatedSpend": {"ActualSpend": {"Amount": str(actual), "Unit": "USD"}}}},
+            {"AccountId": "123456789012", "BudgetName": "b"})
+        decision = queue_guardrail.decide(budgets, "123456789012", "b", 100)
+    assert decision == {"actual_usd": actual, "limit_usd": 100.0, "stop_policy": expected}
+    assert json.loads(queue_guardrail.patch_body(expected)) == {"spec": {"stopPolicy": expected}}
+
+
+def test_a_budget_that_only_alerts_has_no_hold_and_no_deny() -> None:
+    doc = yaml.safe_load(TEAM_K8S.read_text())["config"]["gpucluster:cluster"]["budget"]
+    _, declared = variant(TEAM_K8S, budget={**doc, "act_threshold_percent": None})
+    for kind in ("budgets/budgetAction:BudgetAction", "apps/v1:Deployment", "sqs/queue:Queue",
+                 "rbac.authorization.k8s.io/v1:ClusterRole"):
+        assert not of_type(declared, kind), kind
+
+
+# --- 7. Monitoring ----------------------------------------------------------------------------------------------
+
+def test_idle_gpu_rule_matches_the_slurm_alarm(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
+    _, declared = k8s
+    (rule,) = of_type(declared, "monitoring.coreos.com/v1:PrometheusRule")
+    (alert,) = rule.inputs["spec"]["groups"][0]["rules"]
+    assert alert["alert"] == "GpuIdle"
+    assert alert["expr"] == (f"avg_over_time(DCGM_FI_DEV_GPU_UTIL[{monitoring.IDLE_MINUTES}m]) < "
+                             f"{monitoring.IDLE_PERCENT}")
+    dcgm = _releases(declared)["dcgm-exporter"]["values"]
+    assert dcgm["serviceMonitor"]["enabled"] is True
+
+
+# --- 8. The first job -------------------------------------------------------------------------------------------
+
+def test_example_job() -> None:
+    stack = load_stack(TEAM_K8S)
+    pool = kube.example_pool(stack)
+    assert pool.uses_efa and pool.itype.accelerator.kind == "nvidia"
+    config_map, service, job = kube.example_job(stack, pool)
+    assert config_map["data"]["ddp_train.py"] == (ROOT / "examples" / "ddp_train.py").read_text()
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "default"
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == 2
+    pod = spec["template"]["spec"]
+    assert pod["subdomain"] == service["metadata"]["name"] and service["spec"]["clusterIP"] == "None"
+    taints = {(t["key"], t["value"], t["effect"]) for t in kube.pool_taints(pool)}
+    assert {(t["key"], t["value"], t["effect"]) for t in pod["tolerations"]} == taints
+    (container,) = pod["containers"]
+    assert container["resources"]["requests"] == {"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "32"}
+    assert {"name": "fsx", "persistentVolumeClaim": {"claimName": "fsx"}} in pod["volumes"]
+    command = container["command"][-1]
+    assert "torchrun --nnodes=2 --nproc-per-node=8" in command and "--checkpoint-dir /fsx/checkpoints/" in command
+
+
+# --- Schemas ----------------------------------------------------------------------------------------------------
+
+def _strict(schema: dict) -> dict:
+    """An openAPIV3Schema as the API server's strict field validation reads it: unknown fields are errors."""
+    schema = copy.deepcopy(schema)
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            # Go's regexp takes a flag group anywhere; Python's only at the start (same meaning here: whole pattern).
+            if isinstance(node.get("pattern"), str) and node["pattern"].startswith("^(?i)"):
+                node["pattern"] = "(?i)^" + node["pattern"][len("^(?i)"):]
+            if "properties" in node and "additionalProperties" not in node \
+                    and not node.get("x-kubernetes-preserve-unknown-fields"):
+                node["additionalProperties"] = False
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+    walk(schema)
+    return schema
+
+
+def _crd_schemas() -> dict[tuple[str, str], dict]:
+    out = {}
+    for path, api in (("kueue-v0.19.2-v1beta2.json", kube.KUEUE_API),
+                      ("prometheusrule-kube-prometheus-stack-88.5.3.json", "monitoring.coreos.com/v1")):
+        for kind, schema in json.loads((SCHEMAS / path).read_text())["schemas"].items():
+            out[(api, kind)] = _strict(schema)
+    return out
+
+
+CRDS = _crd_schemas()
+
+
+def check(obj: dict, version: str) -> None:
+    """Raise if the object is not valid for the Kubernetes version (or its custom resource's schema)."""
+    schema = CRDS.get((obj["apiVersion"], obj["kind"]))
+    if schema is not None:
+        jsonschema.validate(obj, schema)
+    else:
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_every_declared_object_is_valid(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
+    stack, declared = k8s
+    objects = k8s_objects(declared)
+    kinds = {o["kind"] for o in objects}
+    assert {"Namespace", "ResourceQuota", "LimitRange", "PersistentVolume", "PersistentVolumeClaim", "ResourceFlavor",
+            "ClusterQueue", "LocalQueue", "PrometheusRule", "Deployment", "ClusterRole"} <= kinds
+    for obj in objects:
+        check(obj, stack.spec.eks.version)
+
+
+def test_rendered_files_are_what_the_program_declares_and_valid(tmp_path: Path) -> None:
+    from gpucluster.cli import main
+
+    assert main(["render", str(TEAM_K8S), "--out", str(tmp_path)]) == 0
+    stack, declared = planned(TEAM_K8S)
+    rendered = [d for f in sorted((tmp_path / "kubernetes").glob("*.yaml")) for d in yaml.safe_load_all(f.read_text())]
+    for obj in rendered:
+        check(obj, stack.spec.eks.version)
+    key = lambda o: (o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"])  # noqa: E731
+    declared_keys = {key(o) for o in k8s_objects(declared)}
+    example = {key(o) for o in kube.example_job(stack, kube.example_pool(stack))}
+    assert {key(o) for o in rendered} == declared_keys | example
+
+
+def test_kubernetes_validate_covers_the_pinned_versions() -> None:
+    """kubernetes-validate 1.37 bundles schemas up to 1.37: every version the spec allows is checked as itself."""
+    from kubernetes_validate import utils
+
+    assert all(utils.major_minor(v) <= utils.latest_version() for v in eks.VERSIONS)
+
+
+@pytest.mark.parametrize("break_it", [
+    lambda o: o["spec"].update(stopPolicy="Pause"),
+    lambda o: o["spec"].update(cohort_name="x"),
+    lambda o: o["spec"]["resourceGroups"][0].update(coveredResources=[]),
+])
+def test_schema_check_catches_a_bad_cluster_queue(break_it: Any) -> None:
+    obj = kube.cluster_queue(load_stack(TEAM_K8S))
+    check(obj, "1.35")
+    break_it(obj)
+    with pytest.raises(jsonschema.ValidationError):
+        check(obj, "1.35")
+
+
+def test_schema_check_catches_a_bad_core_object() -> None:
+    quota = kube.resource_quota(load_stack(TEAM_K8S))
+    check(quota, "1.35")
+    quota["spec"]["hardd"] = quota["spec"].pop("hard")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        check(quota, "1.35")
+
+
+# --- Plan and cost ----------------------------------------------------------------------------------------------
+
+def test_cost_counts_the_control_plane_not_a_head_node() -> None:
+    stack = load_stack(TEAM_K8S)
+    estimate = cost.estimate(stack)
+    assert estimate.head_node_monthly == 0
+    system = catalog.lookup(eks.SYSTEM_INSTANCE_TYPE).on_demand_usd_per_hour
+    assert estimate.kubernetes_monthly == pytest.approx((0.10 + 2 * system) * cost.HOURS_PER_MONTH)
+    assert not estimate.images  # EKS's own AMIs: nothing baked
+    assert estimate.fixed_hourly == pytest.approx(
+        (estimate.kubernetes_monthly + estimate.network_monthly + estimate.lustre_monthly) / cost.HOURS_PER_MONTH)
+    assert estimate.hourly_min == pytest.approx(estimate.fixed_hourly)  # every pool from zero
+
+
+def test_plan_json_for_a_kubernetes_stack(capsys: pytest.CaptureFixture[str]) -> None:
+    from gpucluster.cli import main
+
+    assert main(["plan", str(TEAM_K8S), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["cost"]["kubernetes_monthly_usd"] > 73  # the control plane alone is $0.10 x 730 h
+    assert any(r["type"] == "aws:eks/cluster:Cluster" for r in doc["resources"])
+    assert main(["plan", str(TEAM_K8S)]) == 0
+    assert "EKS and system nodes per month" in capsys.readouterr().out
+
+
+
+def test_no_team_can_take_a_namespace_the_charts_use() -> None:
+    from gpucluster.spec import RESERVED_NAMESPACES
+
+    charts = (eks.CLUSTER_AUTOSCALER, eks.NVIDIA_DEVICE_PLUGIN, eks.EFA_DEVICE_PLUGIN, eks.KUEUE,
+              eks.KUBE_PROMETHEUS_STACK, eks.DCGM_EXPORTER)
+    assert {c.namespace for c in charts} <= set(RESERVED_NAMESPACES)
