@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpucluster import eks, monitoring
+from gpucluster import eks, monitoring, prometheus
 from gpucluster.spec import Pool, Stack
 
 Manifest = dict[str, Any]
@@ -191,18 +191,13 @@ def local_queue(stack: Stack) -> Manifest:
             "spec": {"clusterQueue": cluster_queue_name(stack)}}
 
 
-def idle_gpu_expr() -> str:
-    """The Slurm flavour's idle-GPU rule in PromQL over dcgm-exporter's metric: a GPU idle below IDLE_PERCENT
-    utilisation on average over IDLE_MINUTES."""
-    return f"avg_over_time(DCGM_FI_DEV_GPU_UTIL[{monitoring.IDLE_MINUTES}m]) < {monitoring.IDLE_PERCENT}"
-
-
 def idle_gpu_rule(stack: Stack) -> Manifest:
     return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
             "metadata": {"name": "gpucluster-idle-gpu", "namespace": eks.KUBE_PROMETHEUS_STACK.namespace,
                          "labels": {"release": "monitoring"}},
             "spec": {"groups": [{"name": "gpucluster", "rules": [{
-                "alert": "GpuIdle", "expr": idle_gpu_expr(), "for": "1m",
+                # The Slurm flavour's expression: on labels dcgm-exporter sets wherever it runs.
+                "alert": "GpuIdle", "expr": prometheus.gpu_idle_expr(),
                 "labels": {"severity": "warning", "cluster": stack.cluster_name},
                 "annotations": {"summary": (f"GPU {{{{ $labels.gpu }}}} on {{{{ $labels.Hostname }}}} under "
                                             f"{monitoring.IDLE_PERCENT}% for {monitoring.IDLE_MINUTES} minutes: "

@@ -20,7 +20,7 @@ import yaml
 from conftest import K8S_STACK_FILES, ROOT, of_type, planned
 
 from components.kubernetes import autoscaler_node_template_tags
-from gpucluster import catalog, cost, eks, kube, monitoring, queue_guardrail
+from gpucluster import catalog, cost, eks, kube, prometheus, queue_guardrail
 from gpucluster.plan import Declared, run_program
 from gpucluster.spec import Stack, load_stack, validate
 
@@ -470,8 +470,7 @@ def test_idle_gpu_rule_matches_the_slurm_alarm(k8s: tuple[Stack, tuple[Declared,
     (rule,) = of_type(declared, "monitoring.coreos.com/v1:PrometheusRule")
     (alert,) = rule.inputs["spec"]["groups"][0]["rules"]
     assert alert["alert"] == "GpuIdle"
-    assert alert["expr"] == (f"avg_over_time(DCGM_FI_DEV_GPU_UTIL[{monitoring.IDLE_MINUTES}m]) < "
-                             f"{monitoring.IDLE_PERCENT}")
+    assert alert["expr"] == prometheus.gpu_idle_expr()  # the Slurm flavour's rules.yml has the same GpuIdle
     dcgm = _releases(declared)["dcgm-exporter"]["values"]
     assert dcgm["serviceMonitor"]["enabled"] is True
 
