@@ -571,10 +571,13 @@ def alertmanager_config(s: ClusterSettings) -> str:
                        "receivers": [receiver]}, indent=1) + "\n"
 
 
-def grafana(systemd: Path = SYSTEMD, provisioning: Path = Path("/etc/grafana/provisioning")) -> str | None:
+def grafana(systemd: Path = SYSTEMD, provisioning: Path = Path("/etc/grafana/provisioning"),
+            home: Path = Path("/usr/share/grafana"), password: Path = Path(contract.ETC_DIR) / "grafana-admin-password",
+            ) -> str | None:
     """Grafana on 127.0.0.1 (a Session Manager port forward reaches it), viewers without a login, our dashboards and
-    Prometheus provisioned. Returns its unit, None where the image has no Grafana (the rehearsal's: Debian has none)."""
-    if not Path("/usr/share/grafana").is_dir():
+    Prometheus provisioned. Returns its unit, None where the image has no Grafana (the rehearsal's: Debian has none).
+    The admins' password (sudo cat) is made here, never in user data."""
+    if not home.is_dir():
         log.warning("no Grafana in this image: dashboards only through Prometheus")
         return None
     (provisioning / "datasources").mkdir(parents=True, exist_ok=True)
@@ -585,10 +588,9 @@ def grafana(systemd: Path = SYSTEMD, provisioning: Path = Path("/etc/grafana/pro
     (provisioning / "dashboards" / "gpucluster.yaml").write_text(json.dumps({"apiVersion": 1, "providers": [{
         "name": "gpucluster", "type": "file", "disableDeletion": True, "allowUiUpdates": False,
         "options": {"path": str(BUNDLE / contract.DASHBOARDS_DIR)}}]}, indent=1))
-    password = Path(contract.ETC_DIR) / "grafana-admin-password"  # the admins' (sudo cat); never in user data
-    if not password.exists():
-        password.write_text(hashlib.sha256(os.urandom(32)).hexdigest()[:32])
-    password.chmod(0o640)
+    if not password.exists():  # made 0640 from the start: never a moment readable by all
+        with os.fdopen(os.open(password, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640), "w") as out:
+            out.write(hashlib.sha256(os.urandom(32)).hexdigest()[:32])
     shutil.chown(password, "root", "grafana")
     drop_in("grafana-server.service", "[Service]\n" + "".join(f"Environment={k}={v}\n" for k, v in {
         "GF_SERVER_HTTP_ADDR": "127.0.0.1", "GF_SERVER_HTTP_PORT": contract.GRAFANA_PORT,

@@ -322,3 +322,30 @@ def test_lustre_is_mounted_nosuid_nodev(tmp_path: Path, monkeypatch: pytest.Monk
     bootstrap.mount_lustre("fs-1.fsx.us-east-1.amazonaws.com", "abcdefgh", str(tmp_path / "fsx"))
     (entry,) = entries
     assert entry.split()[2] == "lustre" and {"nosuid", "nodev"} <= set(entry.split()[3].split(","))
+
+
+def test_grafana_listens_on_localhost_with_prometheus_and_our_boards(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The provisioning Grafana reads: the datasource every board names, the boards from the bundle, 127.0.0.1 only.
+    Grafana is not in Debian, so the rehearsal's head runs none; its files are checked here."""
+    import json
+
+    from gpucluster import dashboards
+
+    home, provisioning, systemd = tmp_path / "grafana-home", tmp_path / "provisioning", tmp_path / "systemd"
+    assert bootstrap.grafana(systemd, provisioning, home, tmp_path / "password") is None  # an image without Grafana
+    home.mkdir()
+    owners = []
+    monkeypatch.setattr(bootstrap.shutil, "chown", lambda path, user, group: owners.append((path, user, group)))
+    assert bootstrap.grafana(systemd, provisioning, home, tmp_path / "password") == "grafana-server"
+    (source,) = json.loads((provisioning / "datasources" / "gpucluster.yaml").read_text())["datasources"]
+    assert source["uid"] == dashboards.DATASOURCE_UID and source["url"] == f"http://127.0.0.1:{contract.PROMETHEUS_PORT}"
+    (provider,) = json.loads((provisioning / "dashboards" / "gpucluster.yaml").read_text())["providers"]
+    assert provider["options"]["path"] == f"{contract.BUNDLE_DIR}/{contract.DASHBOARDS_DIR}"
+    unit = (systemd / "grafana-server.service.d" / "gpucluster.conf").read_text()
+    assert "Environment=GF_SERVER_HTTP_ADDR=127.0.0.1\n" in unit and "GF_AUTH_ANONYMOUS_ORG_ROLE=Viewer" in unit
+    password = tmp_path / "password"
+    assert stat.S_IMODE(password.stat().st_mode) == 0o640 and len(password.read_text()) == 32
+    assert owners == [(password, "root", "grafana")] and f"GF_SECURITY_ADMIN_PASSWORD__FILE={password}" in unit
+    first = password.read_text()
+    bootstrap.grafana(systemd, provisioning, home, password)
+    assert password.read_text() == first  # kept across boots
