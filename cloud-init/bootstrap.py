@@ -201,7 +201,7 @@ def shared_home(shared: Path = Path(contract.SHARED_HOME), home: Path = Path("/h
 
 def state_volume(volume_id: str, where: Path = STATE, dev: Path = Path("/dev/disk/by-id")) -> None:
     """Format the state volume on first use only, and mount it: the queue and accounting survive a new head node."""
-    device = dev / f"nvme-Amazon_Elastic_Block_Store_{volume_id.replace('-', '')}"
+    device = dev / f"nvme-Amazon_Elastic_Block_Store_{volume_id.replace('-', '')}"  # as grow_state_volume names it
     retry(f"state volume {volume_id} to attach", lambda: device.resolve(strict=True), attempts=12)
     if run("blkid", str(device), check=False).returncode != 0:
         run("mkfs.ext4", "-q", "-L", "gpucluster-state", str(device))
@@ -210,9 +210,13 @@ def state_volume(volume_id: str, where: Path = STATE, dev: Path = Path("/dev/dis
     fstab_entry(f"{device} {where} ext4 defaults,nofail 0 2")
     if not mounted(str(where)):
         run("mount", str(where))
-    # A volume that `pulumi up` enlarged (EBS grows it in place) gets a file system as large: Prometheus' retention
-    # is sized for the volume. Online, and nothing to do when the sizes match.
-    run("resize2fs", str(device))
+    grow_state_volume(volume_id, dev)
+
+
+def grow_state_volume(volume_id: str, dev: Path = Path("/dev/disk/by-id")) -> None:
+    """A volume that `pulumi up` enlarged (EBS grows it in place) gets a file system as large: Prometheus' retention
+    is sized for the volume. Online, and nothing to do when the sizes match."""
+    run("resize2fs", str(dev / f"nvme-Amazon_Elastic_Block_Store_{volume_id.replace('-', '')}"))
 
 
 def database_dir(data: Path = STATE / "mysql", conf: Path = Path("/etc/mysql/mariadb.conf.d/60-gpucluster.cnf")) -> None:
@@ -446,6 +450,8 @@ def update(s: ClusterSettings) -> bool:
         run("systemctl", "restart", f"{contract.INTERRUPTIONS_UNIT}.service")  # the new bundle's program
     node_names()
     run("systemctl", "restart", "gpucluster-hosts.service")  # the new bundle's publisher
+    grow_state_volume(s.state_volume_id)  # `up` may have enlarged it; Prometheus' retention counts on its size
+    head_monitoring(s)  # the new bundle's Prometheus files and metrics program, the topic as it is now
     command_line()
     shutil.copytree(BUNDLE / "examples", "/fsx/examples", dirs_exist_ok=True)
     return True
@@ -539,8 +545,19 @@ def gpu_metrics(pool: str, region: str, systemd: Path = SYSTEMD) -> str | None:
 METRICS_UNIT = "gpucluster-metrics.service"
 
 
+def in_image(tool: str) -> bool:
+    """Monitoring never keeps a node from work: an image baked before it (a pool's pinned ami_id, a head kept on
+    its AMI) boots without it, with a warning. `pulumi up --replace` of the image's resource bakes a new one."""
+    if shutil.which(tool):
+        return True
+    log.warning("%s is not in this node image (baked before gpucluster's monitoring): no metrics from it", tool)
+    return False
+
+
 def node_exporter(s: ClusterSettings, node: str, address: str) -> None:
     """node_exporter on this node's private address only, with the textfile collector our figures go through."""
+    if not in_image("prometheus-node-exporter"):
+        return
     Path(contract.TEXTFILE_DIR).mkdir(parents=True, exist_ok=True)
     port = s.exporter_port(contract.SCRAPE_JOBS[0], node)
     Path("/etc/default/prometheus-node-exporter").write_text(
@@ -605,9 +622,12 @@ def head_monitoring(s: ClusterSettings) -> None:
     Slurm figures of the head itself. Prometheus finds the nodes in the lists gpucluster-hosts keeps."""
     node_exporter(s, contract.HEAD_HOSTNAME, s.head_address)
     metrics_writer("head")
+    if not in_image("prometheus"):
+        return
     for directory in (contract.SCRAPE_TARGETS_DIR, contract.PROMETHEUS_DATA_DIR):
         Path(directory).mkdir(parents=True, exist_ok=True)
-    shutil.chown(contract.PROMETHEUS_DATA_DIR, "prometheus", "prometheus")
+    # The whole history: a new head image may give the prometheus user another uid.
+    run("chown", "-R", "prometheus:prometheus", contract.PROMETHEUS_DATA_DIR)
     shutil.copyfile(BUNDLE / "prometheus" / "prometheus.env", "/etc/default/prometheus")
     drop_in("prometheus.service", ON_STATE_VOLUME)
     Path("/etc/prometheus").mkdir(exist_ok=True)
@@ -626,20 +646,26 @@ def gpu_exporter(s: ClusterSettings, pool: PoolSettings, node: str, address: str
     if job is None:
         return None
     port = s.exporter_port(job, node)
+    if not in_image("docker" if pool.accelerator == "nvidia" else "/opt/aws/neuron/bin/neuron-monitor-prometheus.py"):
+        return None
     if pool.accelerator == "nvidia":
         Path(contract.GPU_JOB_MAP_DIR).mkdir(parents=True, exist_ok=True)
         counters = BUNDLE / "dcgm-exporter" / "counters.csv"
         command = (f"docker run --rm --name gpucluster-dcgm-exporter --gpus all --cap-add SYS_ADMIN --network host "
                    f"-v {contract.GPU_JOB_MAP_DIR}:{contract.GPU_JOB_MAP_DIR}:ro -v {counters}:{counters}:ro "
                    f"-e DCGM_EXPORTER_LISTEN={address}:{port} -e DCGM_EXPORTER_COLLECTORS={counters} "
-                   f"-e DCGM_HPC_JOB_MAPPING_DIR={contract.GPU_JOB_MAP_DIR} {contract.DCGM_EXPORTER_IMAGE}")
-        body = [f"ExecStart={command}", "ExecStop=docker stop gpucluster-dcgm-exporter"]
+                   f"-e DCGM_HPC_JOB_MAPPING_DIR={contract.GPU_JOB_MAP_DIR} "
+                   # The AMI's DCGM host engine (nvidia-dcgm.service), which the health check's dcgmi uses too:
+                   # a second engine in the container could be refused the profiling fields.
+                   f"-e DCGM_REMOTE_HOSTENGINE_INFO=localhost:5555 {contract.DCGM_EXPORTER_IMAGE}")
+        body = ["ExecStartPre=-docker rm -f gpucluster-dcgm-exporter",  # one a crash left behind holds the name
+                f"ExecStart={command}", "ExecStop=docker stop gpucluster-dcgm-exporter"]
     else:
         neuron = "/opt/aws/neuron/bin"
         body = [f'ExecStart=/bin/sh -c "{neuron}/neuron-monitor | {neuron}/neuron-monitor-prometheus.py --port {port}"']
     (systemd / "gpucluster-gpu-exporter.service").write_text(unit(
         f"gpucluster: {pool.accelerator} metrics for Prometheus", "Service", body + ["Restart=always", "RestartSec=10"],
-        ordered_after="docker.service"))
+        ordered_after="docker.service nvidia-dcgm.service"))
     return "gpucluster-gpu-exporter.service"
 
 

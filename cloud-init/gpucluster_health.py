@@ -25,16 +25,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
 from gpucluster.settings import (  # noqa: E402
-    GPU_JOB_MAP_DIR, HOSTS_PROGRAM, NODE_NAME_FILE, REPLACE_REASON, SHARED_DIR, SLURM_CLIENT_CONF, ClusterSettings, PoolSettings,
+    FATAL_XIDS, GPU_JOB_MAP_DIR, HOSTS_PROGRAM, NODE_NAME_FILE, REPLACE_REASON, SHARED_DIR, SLURM_CLIENT_CONF, ClusterSettings, PoolSettings,
     read_env_file,
 )
 
 TOOL_SECONDS = 10  # one tool call; the Prolog makes at most three
 DCGM_SECONDS = 300  # `dcgmi diag -r 1` takes about a minute
 MIN_FREE_BYTES = 5 << 30  # below this on / (or the instance store) a job's container images and logs fail
-# NVIDIA XIDs that mean the GPU needs a reset or a replacement (NVIDIA's XID catalogue: double-bit ECC, fallen off
-# the bus, uncontained ECC, GSP errors), as printed by the driver in the kernel log.
-FATAL_XIDS = {48, 63, 64, 74, 79, 94, 95, 119, 120}
 # Where the images put the tools: slurmd runs its HealthCheckProgram and Prolog with a bare PATH (/bin, /usr/bin...).
 TOOL_DIRS = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin", "/opt/amazon/efa/bin",
              "/opt/aws/neuron/bin")
@@ -81,7 +78,7 @@ def accelerators(pool: PoolSettings) -> list[str]:
 
 def fatal_xids() -> list[str]:
     out, _ = tool("dmesg", "--level=err,warn")
-    xids = sorted({int(x) for x in re.findall(r"NVRM: Xid \([^)]*\): (\d+),", out or "")} & FATAL_XIDS)
+    xids = sorted({int(x) for x in re.findall(r"NVRM: Xid \([^)]*\): (\d+),", out or "")} & set(FATAL_XIDS))
     return [f"fatal GPU XID(s) {', '.join(map(str, xids))} in the kernel log"] if xids else []
 
 
@@ -131,20 +128,19 @@ def drain(node: str, problems: list[str], scontrol: str = "scontrol") -> None:
 
 def label_gpus(job: str, gpus: str, epilog: bool, mapping: Path = Path(GPU_JOB_MAP_DIR)) -> None:
     """dcgm-exporter's HPC job mapping: a file per GPU index (SLURM_JOB_GPUS, as Slurm gives the Prolog and Epilog)
-    naming the jobs on it, so that the GPU's series carry `hpc_job`. The Epilog takes the job off again."""
+    naming the job on it, so that the GPU's series carry `hpc_job`. A GPU is one job's (gres): the Prolog replaces
+    what an Epilog that never ran left behind, the Epilog takes its own job off."""
     for index in filter(None, gpus.split(",")):
         entry = mapping / index
-        jobs = [j for j in (entry.read_text().split() if entry.exists() else []) if j != job]
-        if not epilog:
-            jobs.append(job)
+        if epilog:
+            if entry.exists() and entry.read_text().split() == [job]:
+                entry.unlink()
+            continue
         mapping.mkdir(parents=True, exist_ok=True)
-        if jobs:
-            temporary = mapping / f".{index}.tmp"
-            temporary.write_text("".join(f"{j}\n" for j in jobs))
-            temporary.chmod(0o644)
-            os.replace(temporary, entry)
-        else:
-            entry.unlink(missing_ok=True)
+        temporary = mapping / f".{index}.tmp"
+        temporary.write_text(f"{job}\n")
+        temporary.chmod(0o644)
+        os.replace(temporary, entry)
 
 
 def main(argv: list[str]) -> int:

@@ -44,7 +44,9 @@ def label_value(value: str) -> str:
 
 def sample(name: str, value: float, **labels: str) -> str:
     inner = ",".join(f'{k}="{label_value(v)}"' for k, v in sorted(labels.items()))
-    return f"{name}{{{inner}}} {value:g}\n" if inner else f"{name} {value:g}\n"
+    # Every digit (shortest exact form): a byte counter in the terabytes must still rate() smoothly.
+    text = str(int(value)) if float(value).is_integer() else repr(float(value))
+    return f"{name}{{{inner}}} {text}\n" if inner else f"{name} {text}\n"
 
 
 def family(name: str, kind: str, help_text: str, samples: list[str]) -> str:
@@ -165,9 +167,8 @@ def main(argv: list[str]) -> int:
     if argv[1:] not in (["head"], ["compute"]):
         print("usage: gpucluster_metrics.py head|compute", file=sys.stderr)
         return 2
-    settings = ClusterSettings.load() if argv[1] == "head" else None
-    while True:
-        write(head_figures(settings) if settings else compute_figures())
+    while True:  # the head's settings anew each round: a later `pulumi up` may add pools
+        write(head_figures(ClusterSettings.load()) if argv[1] == "head" else compute_figures())
         time.sleep(INTERVAL_SECONDS)
 
 

@@ -66,6 +66,9 @@ def access_policy(instance_arn: str, document_arns: list[str], sessions_arn: str
         # The caller's end of the session's data channel (the AWS CLI's session plugin).
         {"Sid": "OwnSessionChannel", "Effect": "Allow", "Action": "ssmmessages:OpenDataChannel",
          "Resource": sessions_arn},
+        # `gpucluster dashboard` finds the running head by its tags. DescribeInstances has no resource-level
+        # permissions: it names instances, not their data.
+        {"Sid": "FindTheHeadNode", "Effect": "Allow", "Action": "ec2:DescribeInstances", "Resource": "*"},
     ]})
 
 

@@ -16,7 +16,7 @@ from the bundle with the system python3.
 
 from __future__ import annotations
 
-from gpucluster.settings import LOGIN_USER, ROLES, SLURM_USER
+from gpucluster.settings import ALERTMANAGER_PORT, LOGIN_USER, ROLES, SLURM_USER
 
 IMDS_ADDRESSES = {"iptables": "169.254.169.254", "ip6tables": "fd00:ec2::254"}  # IPv4, and IPv6 where enabled
 IMDS_CHAIN = "GPUCLUSTER-IMDS"
@@ -25,6 +25,10 @@ IMDS_CHAIN = "GPUCLUSTER-IMDS"
 # (the boot unit, the SSM and CloudWatch agents, the budget guardrail). On the head, Alertmanager (the packaged
 # `prometheus` user) sends alerts to the stack's topic with the role's credentials. No login user runs as any of them.
 IMDS_USERS = {"head": ("root", SLURM_USER, "prometheus"), "compute": ("root",)}
+# Alertmanager's API on the head (127.0.0.1, no authentication): whoever posts there publishes to the stack's topic
+# with the head's role, and may silence alerts. Prometheus sends the alerts; root administers.
+ALERTS_CHAIN = "GPUCLUSTER-ALERTS"
+ALERTS_USERS = ("root", "prometheus")
 # The groups Ubuntu's default user gets that reach root (sudo, admin, wheel: sudo; lxd, docker: root containers) or
 # other users' secrets (adm: the system logs, auth.log among them).
 PRIVILEGED_GROUPS = ("sudo", "admin", "wheel", "lxd", "docker", "adm")
@@ -33,6 +37,16 @@ PRIVILEGED_GROUPS = ("sudo", "admin", "wheel", "lxd", "docker", "adm")
 # bucket could plant its shell profile.
 SSM_USER = "ssm-user"
 SSM_USER_HOME = "/var/lib/ssm-user"
+
+
+def alerts_guard() -> list[str]:
+    chain, match = ALERTS_CHAIN, f"-o lo -p tcp --dport {ALERTMANAGER_PORT}"
+    return [f"iptables -w -N {chain} 2>/dev/null || iptables -w -F {chain}",
+            f"iptables -w -C OUTPUT {match} -j {chain} 2>/dev/null || iptables -w -I OUTPUT 1 {match} -j {chain}",
+            f"for user in {' '.join(ALERTS_USERS)}; do",
+            f'  if id -u "$user" >/dev/null 2>&1; then iptables -w -A {chain} -m owner --uid-owner "$user" -j ACCEPT; fi',
+            "done",
+            f"iptables -w -A {chain} -p tcp -j REJECT --reject-with tcp-reset"]  # refused at once, not timed out
 
 
 def script(role: str) -> str:
@@ -51,6 +65,7 @@ def script(role: str) -> str:
         f'  "$1" -w -A {chain} -j REJECT',
         "}",
         f"guard iptables {v4}",
+        *(alerts_guard() if role == "head" else []),
         # IPv6 metadata answers only where a launch template enables it; a kernel without IPv6 tables is no failure.
         f"guard ip6tables {v6} 2>/dev/null || true",
         f"if id -u {LOGIN_USER} >/dev/null 2>&1; then",

@@ -29,6 +29,8 @@ DCGM_COUNTERS = (
     ("DCGM_FI_DEV_GPU_TEMP", "gauge", "GPU temperature (in C)."),
     ("DCGM_FI_DEV_SM_CLOCK", "gauge", "SM clock frequency (in MHz)."),
     ("DCGM_FI_DEV_XID_ERRORS", "gauge", "Value of the last XID error encountered."),
+    # The last XID above never resets; this counts each XID (label xid) over dcgm-exporter's window (5 minutes).
+    ("DCGM_EXP_XID_ERRORS_COUNT", "gauge", "Count of XID Errors within user-specified time window."),
     ("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "gauge", "Ratio of cycles the tensor (HMMA) pipe is active."),
 )
 # Labels dcgm-exporter sets on every series, whatever scrapes it (Slurm here, Kubernetes elsewhere).
@@ -94,6 +96,7 @@ def gpu_idle_expr() -> str:
 
 
 QUOTA_WARN_SHARE = 0.9
+IDLE_FOR = f"{monitoring.IDLE_MINUTES}m"
 
 RECORDING_RULES = (
     # 1 for a GPU idle by the alert's measure, 0 for a busy one: its sum over a range is idle samples, hence hours.
@@ -108,14 +111,16 @@ RECORDING_RULES = (
 def alert_rules() -> list[dict[str, object]]:
     minutes = monitoring.IDLE_MINUTES
     return [
-        {"alert": "GpuIdle", "expr": gpu_idle_expr(), "labels": {"severity": "warning"},
+        # For the window again: a fresh series (a node just up, a job loading its data) is not yet idleness.
+        {"alert": "GpuIdle", "expr": gpu_idle_expr(), "for": IDLE_FOR, "labels": {"severity": "warning"},
          "annotations": {
              "summary": f"GPU {{{{ $labels.gpu }}}} of {{{{ $labels.node }}}} ({{{{ $labels.pool }}}}) under "
                         f"{monitoring.IDLE_PERCENT}% for {minutes} minutes",
              "description": "Average utilisation {{ $value | printf \"%.0f\" }}% over " f"{minutes} minutes; "
                             "Slurm job {{ $labels.hpc_job }}. An idle GPU still costs its hour."}},
-        {"alert": "GpuXidError", "expr": 'DCGM_FI_DEV_XID_ERRORS{UUID!=""} > 0', "labels": {"severity": "critical"},
-         "annotations": {"summary": "GPU {{ $labels.gpu }} of {{ $labels.node }} reported XID {{ $value }}",
+        {"alert": "GpuXidError", "expr": f'DCGM_EXP_XID_ERRORS_COUNT{{UUID!="",xid=~"{"|".join(map(str, settings.FATAL_XIDS))}"}} > 0',
+         "labels": {"severity": "critical"},
+         "annotations": {"summary": "GPU {{ $labels.gpu }} of {{ $labels.node }} reported XID {{ $labels.xid }}",
                          "description": "The health check drains a node whose XID needs a reset (see `sinfo -R`)."}},
         {"alert": "GpuHourQuotaNearlySpent", "expr": f"gpucluster:gpu_quota_used:ratio >= {QUOTA_WARN_SHARE}",
          "labels": {"severity": "warning"},

@@ -97,7 +97,10 @@ GPU_JOB_MAP_DIR = "/run/gpucluster/gpu-jobs"
 # The dcgm-exporter container as build_image.sh tags it after pulling NVIDIA's image by digest: the boot needs no
 # registry.
 DCGM_EXPORTER_IMAGE = "gpucluster/dcgm-exporter:image"
-GRAFANA_DATASOURCE_UID = "prometheus"  # the head's provisioned Prometheus, as every dashboard panel names it
+GRAFANA_DATASOURCE_UID = "prometheus"
+# NVIDIA XIDs that mean the GPU needs a reset or a replacement (NVIDIA's XID catalogue: double-bit ECC, fallen off
+# the bus, uncontained ECC, GSP errors): the health check drains on them, the GpuXidError alert fires on them.
+FATAL_XIDS = (48, 63, 64, 74, 79, 94, 95, 119, 120)  # the head's provisioned Prometheus, as every dashboard panel names it
 
 # --- programs --------------------------------------------------------------------------------------------------------
 NODE_PROGRAM = "gpucluster_node.py"

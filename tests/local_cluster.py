@@ -423,16 +423,18 @@ class RehearsalNode:
 
 
 def remove_lockdown_rules() -> None:
-    """The nodes' lockdown (their bootcmd) put its metadata rules in this machine's network namespace, which every
-    rehearsal node shares: take them out again."""
-    from gpucluster.lockdown import IMDS_ADDRESSES, IMDS_CHAIN
+    """The nodes' lockdown (their bootcmd) put its metadata and Alertmanager rules in this machine's network namespace,
+    which every rehearsal node shares: take them out again."""
+    from gpucluster.lockdown import ALERTS_CHAIN, IMDS_ADDRESSES, IMDS_CHAIN
+    from gpucluster.settings import ALERTMANAGER_PORT
 
-    for tool, address in IMDS_ADDRESSES.items():
-        while subprocess.run([tool, "-w", "-D", "OUTPUT", "-d", address, "-j", IMDS_CHAIN],
-                             capture_output=True).returncode == 0:
+    rules = [(tool, ["-d", address], IMDS_CHAIN) for tool, address in IMDS_ADDRESSES.items()]
+    rules.append(("iptables", ["-o", "lo", "-p", "tcp", "--dport", str(ALERTMANAGER_PORT)], ALERTS_CHAIN))
+    for tool, match, chain in rules:
+        while subprocess.run([tool, "-w", "-D", "OUTPUT", *match, "-j", chain], capture_output=True).returncode == 0:
             pass
-        subprocess.run([tool, "-w", "-F", IMDS_CHAIN], capture_output=True)
-        subprocess.run([tool, "-w", "-X", IMDS_CHAIN], capture_output=True)
+        subprocess.run([tool, "-w", "-F", chain], capture_output=True)
+        subprocess.run([tool, "-w", "-X", chain], capture_output=True)
 
 
 @dataclass

@@ -96,11 +96,11 @@ def test_storage_needs_fsx_mounted(tmp_path: Path) -> None:
 
 
 def test_the_prolog_labels_a_jobs_gpus_for_dcgm_exporter_and_the_epilog_unlabels_them(tmp_path: Path) -> None:
-    """dcgm-exporter's HPC job mapping: a file per GPU index naming the jobs on it (GPUs shared by jobs too)."""
+    """dcgm-exporter's HPC job mapping: a file per GPU index naming the job on it."""
     health.label_gpus("41", "0,1", epilog=False, mapping=tmp_path)
-    health.label_gpus("42", "1,3", epilog=False, mapping=tmp_path)
-    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == {"0": "41\n", "1": "41\n42\n", "3": "42\n"}
-    health.label_gpus("41", "0,1", epilog=True, mapping=tmp_path)
+    health.label_gpus("42", "1,3", epilog=False, mapping=tmp_path)  # GPU 1's earlier job left no Epilog behind
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == {"0": "41\n", "1": "42\n", "3": "42\n"}
+    health.label_gpus("41", "0,1", epilog=True, mapping=tmp_path)  # takes only its own job off
     assert {p.name: p.read_text() for p in tmp_path.iterdir()} == {"1": "42\n", "3": "42\n"}
     health.label_gpus("43", "", epilog=False, mapping=tmp_path)  # a job without GPUs labels nothing
     assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "3"]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from gpucluster import lockdown
-from gpucluster.settings import LOGIN_USER, SLURM_USER
+from gpucluster.settings import ALERTMANAGER_PORT, LOGIN_USER, SLURM_USER
 
 METADATA = textwrap.dedent('''
     from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -85,13 +85,18 @@ DRIVER = textwrap.dedent('''
              "headers={'X-aws-ec2-metadata-token-ttl-seconds': '60'})\\n"
              "try:\\n    print(urllib.request.urlopen(request, timeout=5).read().decode())\\n"
              "except OSError as exc:\\n    print(type(exc).__name__, exc)\\n")
-    answers = {}
+    import socket
+    alertmanager = socket.create_server(("127.0.0.1", ALERTMANAGER_PORT))  # a stand-in: the port is what counts
+    connect = ("import socket\\ntry:\\n    socket.create_connection(('127.0.0.1', ALERTMANAGER_PORT), timeout=5).close()"
+               "\\n    print('connected')\\nexcept OSError as exc:\\n    print(type(exc).__name__, exc)\\n")
+    answers, alerts = {}, {}
     for user in ("root", "SLURM", "LOGIN", "nobody", "prometheus"):
         entry = pwd.getpwnam(user)
-        answers[user] = subprocess.run(["setpriv", f"--reuid={entry.pw_uid}", f"--regid={entry.pw_gid}",
-                                        "--clear-groups", "/usr/bin/python3", "-c", probe],
-                                       capture_output=True, text=True).stdout.strip()
-    print(json.dumps({"rc": done.returncode, "stderr": done.stderr, "answers": answers,
+        as_user = ["setpriv", f"--reuid={entry.pw_uid}", f"--regid={entry.pw_gid}", "--clear-groups", "/usr/bin/python3"]
+        answers[user] = subprocess.run(as_user + ["-c", probe], capture_output=True, text=True).stdout.strip()
+        alerts[user] = subprocess.run(as_user + ["-c", connect], capture_output=True, text=True).stdout.strip()
+    alertmanager.close()
+    print(json.dumps({"rc": done.returncode, "stderr": done.stderr, "answers": answers, "alerts": alerts,
                       "groups": subprocess.run(["id", "-nG", "LOGIN"], capture_output=True, text=True).stdout.split(),
                       "sudoers": open("/etc/sudoers.d/90-cloud-init-users").read(),
                       "sudo": subprocess.run(["sudo", "-n", "-l", "-U", "LOGIN"], capture_output=True,
@@ -102,7 +107,8 @@ DRIVER = textwrap.dedent('''
                       "rules": subprocess.run(["iptables", "-S", "GPUCLUSTER-IMDS"], capture_output=True,
                                               text=True).stdout}))
     server.kill()
-''').replace("LOGIN", LOGIN_USER).replace("SLURM", SLURM_USER).replace("SERVER", repr(METADATA))
+''').replace("LOGIN", LOGIN_USER).replace("SLURM", SLURM_USER).replace("SERVER", repr(METADATA)).replace(
+    "ALERTMANAGER_PORT", str(ALERTMANAGER_PORT))
 
 
 def run_in_namespaces(tmp_path: Path, role: str, times: int = 1, extra_rule: str = "") -> dict:  # type: ignore[type-arg]
@@ -135,6 +141,14 @@ def test_only_root_and_the_daemons_get_instance_metadata(tmp_path: Path, role: s
     for user in (LOGIN_USER, "nobody"):
         assert "Connection refused" in answers[user], answers  # refused at once, not left to time out
     assert "-A GPUCLUSTER-IMDS -m owner --uid-owner 0 -j ACCEPT" in result["rules"], result["rules"]
+    # Alertmanager's unauthenticated API on the head: Prometheus and root only (on compute nodes nothing listens).
+    alerts = result["alerts"]
+    if role == "head":
+        assert alerts["prometheus"] == alerts["root"] == "connected", alerts
+        assert all(alerts[u].startswith(("ConnectionRefusedError", "ConnectionResetError"))
+                   for u in (LOGIN_USER, SLURM_USER, "nobody")), alerts
+    else:
+        assert all(answer == "connected" for answer in alerts.values()), alerts
 
 
 def test_the_login_user_loses_every_way_to_root(tmp_path: Path) -> None:

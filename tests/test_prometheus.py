@@ -4,10 +4,10 @@ the stack's topic, the scrape-target lists the node-name publisher keeps, and th
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,14 +19,11 @@ from gpucluster.settings import ClusterSettings, PoolSettings
 from gpucluster.spec import load_stack
 
 
-def program(name: str):  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location(name, ROOT / "cloud-init" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
-
-
-hosts, metrics, bootstrap = program("gpucluster_hosts"), program("gpucluster_metrics"), program("bootstrap")
+sys.path.insert(0, str(ROOT / "cloud-init"))  # the node programs import each other, as in the bundle
+import bootstrap  # noqa: E402
+import gpucluster_budget as budget  # noqa: E402
+import gpucluster_hosts as hosts  # noqa: E402
+import gpucluster_metrics as metrics  # noqa: E402
 
 
 def tool(name: str) -> str:
@@ -81,33 +78,37 @@ def gpu_idle_alert(gpu: str = "0") -> dict[str, object]:
 
 
 def test_the_alerts_fire_when_they_should_and_only_then(tmp_path: Path) -> None:
-    """`promtool test rules` on the rendered rules: a GPU at 10% for 15 minutes fires GpuIdle, one at 80% never does,
-    a dip shorter than the window does not; an XID fires at once, the quota at 90%, a node DOWN after 10 minutes."""
+    """`promtool test rules` on the rendered rules: a GPU at 10% for 15 minutes fires GpuIdle (once its window has held
+    for as long again: not on a fresh series), one at 80% never does, a dip shorter than the window does not; a fatal
+    XID fires at once and an application's XID never, the quota at 90%, a node DOWN after 10 minutes."""
     write_rendered(STACK_FILES[0], tmp_path)
     every = f"{prometheus.SCRAPE_SECONDS}s"
     samples = 15 * 60 // prometheus.SCRAPE_SECONDS
     tests = {"rule_files": [str(tmp_path / settings.MONITORING_FILES[1])], "evaluation_interval": every, "tests": [
         {"interval": every,
          "input_series": [gpu_series(f"10x{samples}", "0"), gpu_series(f"80x{samples}", "1"),
-                          # 80%, two minutes at 0%, 80% again: the 5-minute average never falls under 30%.
-                          gpu_series(f"80x10 0x4 80x{samples - 14}", "2")],
+                          # 80%, four and a half minutes at 0%, 80% again: shorter than the window.
+                          gpu_series(f"80x10 0x9 80x{samples - 19}", "2")],
          "alert_rule_test": [
              {"eval_time": "15m", "alertname": "GpuIdle", "exp_alerts": [gpu_idle_alert("0")]},
-             *({"eval_time": f"{m}m", "alertname": "GpuIdle", "exp_alerts": [gpu_idle_alert("0")]} for m in (7, 9, 12)),
+             *({"eval_time": f"{m}m", "alertname": "GpuIdle", "exp_alerts": [gpu_idle_alert("0")]} for m in (6, 9, 12)),
+             *({"eval_time": f"{m}m", "alertname": "GpuIdle", "exp_alerts": []} for m in (1, 3, 4)),  # fresh series
          ]},
         {"interval": every,
-         "input_series": [gpu_series(f"80x{samples}", "1"), gpu_series(f"80x10 0x4 80x{samples - 14}", "2")],
+         "input_series": [gpu_series(f"80x{samples}", "1"), gpu_series(f"80x10 0x9 80x{samples - 19}", "2")],
          "alert_rule_test": [{"eval_time": f"{m}m", "alertname": "GpuIdle", "exp_alerts": []} for m in range(1, 16)]},
         {"interval": every,
          "input_series": [
-             {"series": 'DCGM_FI_DEV_XID_ERRORS{gpu="3",UUID="GPU-3",node="p5-od-1"}', "values": "0 0 79 79"},
+             {"series": 'DCGM_EXP_XID_ERRORS_COUNT{gpu="3",UUID="GPU-3",node="p5-od-1",xid="79"}', "values": "0 0 1 1"},
+             # XID 13: an application's illegal memory access, the job's problem, not the GPU's.
+             {"series": 'DCGM_EXP_XID_ERRORS_COUNT{gpu="2",UUID="GPU-2",node="p5-od-1",xid="13"}', "values": "1 1 1 1"},
              {"series": "gpucluster_gpu_used_seconds", "values": "800 900 950"},
              {"series": "gpucluster_gpu_quota_seconds", "values": "1000 1000 1000"},
              {"series": 'gpucluster_slurm_node_state{node="p5-od-2",pool="p5-od",state="down"}', "values": "1x30"}],
          "alert_rule_test": [
              {"eval_time": "30s", "alertname": "GpuXidError", "exp_alerts": []},
              {"eval_time": "1m", "alertname": "GpuXidError", "exp_alerts": [{
-                 "exp_labels": {"severity": "critical", "gpu": "3", "UUID": "GPU-3", "node": "p5-od-1"},
+                 "exp_labels": {"severity": "critical", "gpu": "3", "UUID": "GPU-3", "node": "p5-od-1", "xid": "79"},
                  "exp_annotations": {"summary": "GPU 3 of p5-od-1 reported XID 79", "description":
                                      "The health check drains a node whose XID needs a reset (see `sinfo -R`)."}}]},
              {"eval_time": "0m", "alertname": "GpuHourQuotaNearlySpent", "exp_alerts": []},
@@ -213,7 +214,7 @@ def test_the_head_figures_parse_and_say_what_slurm_says() -> None:
 
 def test_the_compute_figures_read_efa_and_lustre_counters(tmp_path: Path) -> None:
     """A root prefix for /sys (this machine has no EFA device) and lctl's output as Lustre 2.15 prints it."""
-    for device, rx, tx in (("rdmap16s27", "1000", "2000"), ("rdmap32s27", "30", "40")):
+    for device, rx, tx in (("rdmap16s27", "1234567890123", "2000"), ("rdmap32s27", "30", "40")):
         counters = tmp_path / "sys/class/infiniband" / device / "ports/1/hw_counters"
         counters.mkdir(parents=True)
         (counters / "rx_bytes").write_text(rx + "\n")
@@ -223,9 +224,9 @@ def test_the_compute_figures_read_efa_and_lustre_counters(tmp_path: Path) -> Non
             "read_bytes                8 samples [bytes] 4096 1048576 4198400\n"
             "write_bytes               2 samples [bytes] 65536 65536 131072\nopen                      5 samples [usecs]\n")
     text = metrics.efa_bytes(tmp_path) + metrics.lustre_bytes(lctl)
-    assert 'gpucluster_efa_rx_bytes_total{device="rdmap16s27",port="1"} 1000' in text
+    assert 'gpucluster_efa_rx_bytes_total{device="rdmap16s27",port="1"} 1234567890123\n' in text  # every digit
     assert 'gpucluster_efa_tx_bytes_total{device="rdmap32s27",port="1"} 40' in text
-    assert 'gpucluster_lustre_read_bytes_total{fs="fsx"} 4.1984e+06' in text
+    assert 'gpucluster_lustre_read_bytes_total{fs="fsx"} 4198400\n' in text
     assert 'gpucluster_lustre_write_bytes_total{fs="fsx"} 131072' in text
     checked = subprocess.run([tool("promtool"), "check", "metrics"], input=text, capture_output=True, text=True,
                              timeout=30)
@@ -242,3 +243,51 @@ def test_alertmanager_sends_to_the_stack_topic(tmp_path: Path) -> None:
     assert receiver["topic_arn"] == s.alerts_topic_arn and receiver["sigv4"] == {"region": "us-east-1"}
     config.write_text(bootstrap.alertmanager_config(s).replace('"sns_configs"', '"sns_config"'))
     assert subprocess.run([tool("amtool"), "check-config", str(config)], capture_output=True).returncode != 0
+
+
+def exposed_names(text: str) -> set[str]:
+    return {line.split("{")[0].split()[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def test_the_node_exporter_metrics_we_name_are_what_a_real_node_exporter_serves(tmp_path: Path) -> None:
+    """Debian's node_exporter with our flags, scraped: every node_exporter metric a rule or board names is there
+    (`up` is Prometheus' own), and the collectors we turned off are off."""
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exporter = subprocess.Popen([tool("prometheus-node-exporter"), f"--web.listen-address=127.0.0.1:{port}",
+                                 f"--collector.textfile.directory={tmp_path}", *settings.NODE_EXPORTER_FLAGS],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(100):
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+                break
+            except OSError:
+                time.sleep(0.1)
+        else:
+            raise AssertionError("node_exporter did not answer")
+    finally:
+        exporter.kill()
+    served = exposed_names(text)
+    assert prometheus.EXPORTED["node_exporter"] - {"up"} <= served, prometheus.EXPORTED["node_exporter"] - served
+    assert "node_cpu_guest_seconds_total" not in served and "node_network_mtu_bytes" not in served
+
+
+def test_the_gpucluster_metrics_we_name_are_what_our_programs_write(tmp_path: Path) -> None:
+    budget.publish_spend(budget.Spend(actual=1.0, limit=2.0, act_at=2.0, forecast=3.0), tmp_path)
+    s = cluster_settings()
+    counters = tmp_path / "sys/class/infiniband/rdmap0/ports/1/hw_counters"
+    counters.mkdir(parents=True)
+    for name in ("rx_bytes", "tx_bytes"):
+        (counters / name).write_text("1\n")
+    written = "".join([
+        (tmp_path / "gpucluster-budget.prom").read_text(), metrics.pool_prices(s),
+        metrics.slurm_nodes("NodeName=p5-od-1 State=IDLE+CLOUD", s), metrics.slurm_jobs("p5-od RUNNING\n"),
+        metrics.gpu_hours("vision||gres/gpu=1|gres/gpu=2\n", "vision"), metrics.efa_bytes(tmp_path),
+        metrics.lustre_bytes("llite.fsx-1.stats=\nread_bytes 1 samples [bytes] 1 1 1\nwrite_bytes 1 samples [bytes] 1 1 1\n")])
+    assert exposed_names(written) == prometheus.EXPORTED["gpucluster_metrics"]

@@ -35,7 +35,7 @@ def test_sessions_on_the_head_node_as_the_login_user_or_as_admin() -> None:
     assert set(policies) == {"user-access", "admin-access"}
     instance = f"arn:aws:ec2:{region}:{ACCOUNT}:instance/{planned_id(head, region)}"
     for kind, policy in policies.items():
-        start, own, channel = policy["Statement"]
+        start, own, channel, find = policy["Statement"]
         document = f"arn:aws:ssm:{region}:{ACCOUNT}:document/{cluster}-{kind.split('-')[0]}-session"
         dashboard = f"arn:aws:ssm:{region}:{ACCOUNT}:document/{cluster}-dashboard-session"
         assert start["Action"] == "ssm:StartSession" and start["Resource"] == [instance, document, dashboard], start
@@ -48,6 +48,7 @@ def test_sessions_on_the_head_node_as_the_login_user_or_as_admin() -> None:
         sessions = f"arn:aws:ssm:{region}:{ACCOUNT}:session/${{aws:userid}}-*"
         assert own["Action"] == ["ssm:TerminateSession", "ssm:ResumeSession"] and own["Resource"] == sessions
         assert channel["Action"] == "ssmmessages:OpenDataChannel" and channel["Resource"] == sessions
+        assert find["Action"] == "ec2:DescribeInstances"  # what `gpucluster dashboard` calls (tests/test_dashboard.py)
     # Nothing else in the stack grants StartSession.
     grants = [d.name for d in declared for key in ("policy",) if key in d.inputs and "ssm:StartSession" in d.inputs[key]]
     assert sorted(grants) == sorted(f"{cluster}-{k}" for k in policies)
