@@ -62,9 +62,14 @@ def test_two_node_job_scales_from_zero_and_back(cluster: LocalCluster) -> None:
     cluster.wait("Prometheus to scrape both nodes", lambda: all(
         scraped(kind).get(node) == "up" for kind in ("node", "dcgm") for node in ("standby-1", "standby-2")), 120)
     assert scraped("node")["head"] == "up"
-    series = prometheus("query?query=" + urllib.parse.quote('DCGM_FI_DEV_GPU_UTIL{pool="standby"}'))["result"]
-    labels = {s["metric"]["node"]: s["metric"] for s in series if s["metric"].get("hpc_job")}
-    assert set(labels) == {"standby-1", "standby-2"}, series
+
+    def job_labelled() -> dict[str, dict[str, str]]:
+        """node -> the labels of its GPU's series that name a job (the scrape after the Prolog wrote its file)."""
+        series = prometheus("query?query=" + urllib.parse.quote('DCGM_FI_DEV_GPU_UTIL{pool="standby",hpc_job!=""}'))
+        return {s["metric"]["node"]: s["metric"] for s in series["result"]}
+
+    cluster.wait("both nodes' GPUs to carry the job", lambda: set(job_labelled()) == {"standby-1", "standby-2"}, 90)
+    labels = job_labelled()
     assert all(m["hpc_job"] == job and m["team"] == cluster.stack.spec.team and m["UUID"] for m in labels.values())
     load = prometheus("query?query=" + urllib.parse.quote('node_load1{pool="standby"}'))["result"]
     assert {s["metric"]["node"] for s in load} == {"standby-1", "standby-2"}, load  # node_exporter's own figures
