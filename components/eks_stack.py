@@ -63,7 +63,8 @@ def create_kubernetes_cluster(stack: Stack) -> dict[str, object]:
     node_ready = [cluster.node_access, *cluster.node_policies]
     pools = {pool.name: NodePool(f"{stack.cluster_name}-{pool.name}", NodePoolArgs(
         stack=stack, pool=pool, cluster_name=cluster.name, node_role_arn=cluster.node_role_arn,
-        subnet_id=network.subnet_id, security_group_id=network.security_group_id, depends_on=node_ready), opts)
+        subnet_id=network.subnet_id, security_group_ids=cluster.node_security_group_ids,
+        version=cluster.version, depends_on=node_ready), opts)
         for pool in spec.pools}
     # Everything in the cluster goes through the API with the identity running Pulumi, once a node runs the add-ons.
     provider = k8s.Provider("eks", kubeconfig=cluster.kubeconfig, enable_server_side_apply=True,

@@ -54,6 +54,8 @@ class EksCluster(pulumi.ComponentResource):
     arn: pulumi.Output[str]
     node_role_arn: pulumi.Output[str]
     kubeconfig: pulumi.Output[str]
+    version: pulumi.Output[str]
+    node_security_group_ids: list[pulumi.Output[str]]
 
     def __init__(self, name: str, args: EksClusterArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpucluster:kubernetes:EksCluster", name, None, opts)
@@ -103,10 +105,23 @@ class EksCluster(pulumi.ComponentResource):
         self.node_access = aws.eks.AccessEntry(f"{name}-nodes", cluster_name=cluster.name,
                                                principal_arn=node_role.arn, type="EC2_LINUX", opts=child(self))
         self.node_policies = node_policies
+        # EKS adds its cluster security group to a node group's nodes only when their launch template names none:
+        # every node group's template names both it (the control plane's and managed add-ons' group) and the stack's
+        # (members talk freely), so that pods on system and accelerator nodes reach each other.
+        self.node_security_group_ids = [args.security_group_id, cluster.vpc_config.cluster_security_group_id]
+        system_template = aws.ec2.LaunchTemplate(
+            f"{name}-system-lt", description=f"{stack.cluster_name} system node group",
+            vpc_security_group_ids=self.node_security_group_ids,
+            # IMDSv2 with one hop: pods get AWS credentials from Pod Identity only, never the node's role.
+            metadata_options={"http_endpoint": "enabled", "http_tokens": "required",
+                              "http_put_response_hop_limit": 1, "http_protocol_ipv6": "disabled"},
+            update_default_version=True, opts=child(self))
         self.system_nodes = aws.eks.NodeGroup(
             f"{name}-system", cluster_name=cluster.name, node_group_name=f"{stack.cluster_name}-system",
+            version=cluster.version,
             node_role_arn=node_role.arn, subnet_ids=[args.subnet_id], ami_type="AL2023_x86_64_STANDARD",
             instance_types=[eks.SYSTEM_INSTANCE_TYPE], capacity_type="ON_DEMAND",
+            launch_template={"id": system_template.id, "version": system_template.latest_version.apply(str)},
             scaling_config={"min_size": eks.SYSTEM_NODES, "max_size": eks.SYSTEM_NODES,
                             "desired_size": eks.SYSTEM_NODES},
             labels={"gpucluster/role": "system"}, opts=child(self, depends_on=[self.node_access, *node_policies]))
@@ -114,6 +129,7 @@ class EksCluster(pulumi.ComponentResource):
         self.team_role_arn = self._team(name, stack, cluster)
         self.addons = self._addons(name, cluster)
         self.name, self.arn, self.node_role_arn = cluster.name, cluster.arn, node_role.arn
+        self.version = cluster.version
         self.kubeconfig = pulumi.Output.all(cluster.name, cluster.endpoint, cluster.certificate_authority).apply(
             lambda a: kubeconfig(a[0], a[1], a[2]["data"], stack.region))
         self.register_outputs({"name": self.name, "arn": self.arn, "node_role_arn": self.node_role_arn,
@@ -196,7 +212,8 @@ class NodePoolArgs:
     cluster_name: pulumi.Input[str]
     node_role_arn: pulumi.Input[str]
     subnet_id: pulumi.Input[str]
-    security_group_id: pulumi.Input[str]
+    security_group_ids: Sequence[pulumi.Input[str]]  # the stack's and the cluster's (EksCluster.node_security_group_ids)
+    version: pulumi.Input[str]  # the cluster's: the node group's AMI follows it
     depends_on: Sequence[pulumi.Resource] = ()  # the node role's policies and access entry
 
 
@@ -213,13 +230,14 @@ class NodePool(pulumi.ComponentResource):
         group = placement_group(name, pool, child(self))
         template = launch_template(
             name, pool, description=f"{stack.cluster_name} node group {pool.name}: {pool.instance_type}",
-            subnet_id=None, security_group_id=args.security_group_id, group_name=group,
+            subnet_id=None, security_group_ids=args.security_group_ids, group_name=group,
             node_tags={**stack.tags, settings.POOL_TAG: pool.name}, root_device=eks.ROOT_DEVICE, opts=child(self))
         self.node_group_name = name
         node_group = aws.eks.NodeGroup(
             f"{name}-ng",
             cluster_name=args.cluster_name,
             node_group_name=self.node_group_name,
+            version=args.version,
             node_role_arn=args.node_role_arn,
             subnet_ids=[args.subnet_id],
             ami_type=eks.AMI_TYPES[pool.itype.accelerator.kind],

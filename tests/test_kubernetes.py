@@ -21,7 +21,7 @@ from conftest import K8S_STACK_FILES, ROOT, of_type, planned
 
 from components.kubernetes import autoscaler_node_template_tags
 from gpucluster import catalog, cost, eks, kube, prometheus, queue_guardrail
-from gpucluster.plan import Declared, run_program
+from gpucluster.plan import Declared, planned_outputs, run_program
 from gpucluster.spec import Stack, load_stack, validate
 
 SCHEMAS = ROOT / "tests" / "schemas"
@@ -178,7 +178,7 @@ def test_access_entries() -> None:
 
 def _templates(declared: tuple[Declared, ...]) -> dict[str, dict]:
     return {lt.inputs["tagSpecifications"][0]["tags"]["gpucluster:pool"]: lt.inputs
-            for lt in of_type(declared, "ec2/launchTemplate:LaunchTemplate")}
+            for lt in of_type(declared, "ec2/launchTemplate:LaunchTemplate") if "tagSpecifications" in lt.inputs}
 
 
 def _groups(stack: Stack, declared: tuple[Declared, ...]) -> dict[str, dict]:
@@ -206,7 +206,9 @@ def test_node_group_per_pool(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
         assert (("gpucluster/spot", "NO_SCHEDULE") in taints) == (pool.capacity == "spot")
         assert group["launchTemplate"]["id"] == _planned_id(
             next(t for t in of_type(declared, "ec2/launchTemplate:LaunchTemplate")
-                 if t.inputs["tagSpecifications"][0]["tags"]["gpucluster:pool"] == pool.name), stack)
+                 if "tagSpecifications" in t.inputs
+                 and t.inputs["tagSpecifications"][0]["tags"]["gpucluster:pool"] == pool.name), stack)
+        assert group["version"] == stack.spec.eks.version
         assert "instanceTypes" not in group and lt["instanceType"] == pool.instance_type
         nics = lt["networkInterfaces"]
         assert len(nics) == (pool.itype.efa_interfaces if pool.uses_efa else 1)
@@ -222,6 +224,36 @@ def test_node_group_per_pool(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
         if pool.uses_efa:
             assert lt["placement"]["groupName"] in placement
     assert "p5-spot" in groups and "p5-od" in groups
+
+
+def node_security_groups(stack: Stack, declared: tuple[Declared, ...]) -> dict[str, set[str]]:
+    """The security groups each node group's nodes get, as EKS assigns them: its launch template's (every interface's),
+    or the cluster security group when the group has no template or the template names none."""
+    (cluster,) = of_type(declared, "eks/cluster:Cluster")
+    cluster_sg = planned_outputs(cluster, stack.region)["vpcConfig"]["clusterSecurityGroupId"]
+    templates = {_planned_id(t, stack): t.inputs for t in of_type(declared, "ec2/launchTemplate:LaunchTemplate")}
+    out = {}
+    for group in of_type(declared, "eks/nodeGroup:NodeGroup"):
+        lt = templates.get(group.inputs.get("launchTemplate", {}).get("id"), {})
+        per_interface = [set(n.get("securityGroups", [])) for n in lt.get("networkInterfaces", [])]
+        named = set(lt.get("vpcSecurityGroupIds", [])) | (set.intersection(*per_interface) if per_interface else set())
+        out[group.inputs["nodeGroupName"]] = named or {cluster_sg}
+    return out
+
+
+def test_every_node_group_shares_a_security_group_with_the_control_plane(
+        k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
+    stack, declared = k8s
+    (cluster,) = of_type(declared, "eks/cluster:Cluster")
+    cluster_sg = planned_outputs(cluster, stack.region)["vpcConfig"]["clusterSecurityGroupId"]
+    groups = node_security_groups(stack, declared)
+    assert len(groups) == len(stack.spec.pools) + 1
+    # Pods on system nodes (CoreDNS, Kueue's webhook) and accelerator nodes reach each other, and the add-ons too.
+    assert cluster_sg in set.intersection(*groups.values())
+    (stack_sg,) = cluster.inputs["vpcConfig"]["securityGroupIds"]
+    assert stack_sg in set.intersection(*groups.values())
+    for lt in _templates(declared).values():  # EFA interfaces too: NCCL's traffic crosses every card
+        assert all(set(n["securityGroups"]) == {stack_sg, cluster_sg} for n in lt["networkInterfaces"])
 
 
 def test_capacity_block_pool() -> None:
