@@ -345,13 +345,15 @@ GUARDRAIL_IMAGE = "python:3.12-slim"
 GUARDRAIL_BOTO3 = "boto3==1.44.8"  # the version the project itself pins against (requirements: boto3)
 
 
-def guardrail_manifests(stack: Stack, queue_url: Any, act_threshold_percent: int) -> list[Manifest]:
+def guardrail_manifests(stack: Stack, queue_url: Any, act_threshold_percent: int,
+                        launch_deny_action_id: Any) -> list[Manifest]:
     """The in-cluster controller that holds and reopens the team's ClusterQueue: may patch that one queue only."""
     ns = eks.KUEUE.namespace
     script = (Path(__file__).resolve().parent / "queue_guardrail.py").read_text()
     labels = {"app": GUARDRAIL}
     env = {"QUEUE_URL": queue_url, "BUDGET_NAME": stack.budget_name, "CLUSTER_QUEUE": cluster_queue_name(stack),
-           "ACT_THRESHOLD_PERCENT": str(act_threshold_percent), "AWS_REGION": stack.region}
+           "ACT_THRESHOLD_PERCENT": str(act_threshold_percent), "AWS_REGION": stack.region,
+           "LAUNCH_DENY_ACTION_ID": launch_deny_action_id}
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": GUARDRAIL, "namespace": ns}},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": GUARDRAIL},
@@ -405,5 +407,6 @@ def render_files(stack: Stack) -> dict[str, list[Manifest]]:
              "example-ddp-job.yaml": example_job(stack, example_pool(stack))}
     act = stack.spec.budget.act_threshold_percent
     if act is not None:
-        files["guardrail.yaml"] = guardrail_manifests(stack, "<budget queue URL at up>", act)
+        files["guardrail.yaml"] = guardrail_manifests(stack, "<budget queue URL at up>", act,
+                                                      "<budget action id at up>")
     return files

@@ -460,6 +460,11 @@ def test_guardrail_reads_the_budget_queue_and_may_patch_one_queue(k8s: tuple[Sta
         f"{name}-guardrail-pod"].inputs["policy"])["Statement"]}
     assert grants["BudgetQueue"]["Resource"] == f"arn:aws:sqs:{stack.region}:123456789012:{name}-guardrail"
     assert grants["ReadBudget"]["Resource"] == f"arn:aws:budgets::123456789012:budget/{stack.budget_name}"
+    (action,) = of_type(declared, "budgets/budgetAction:BudgetAction")
+    action_arn = planned_outputs(action, stack.region)["arn"]
+    assert action_arn.startswith(f"arn:aws:budgets::123456789012:budget/{stack.budget_name}/action/")
+    assert grants["ReverseLaunchDeny"] == {"Sid": "ReverseLaunchDeny", "Effect": "Allow", "Resource": action_arn,
+                                           "Action": ["budgets:DescribeBudgetAction", "budgets:ExecuteBudgetAction"]}
     (role,) = of_type(declared, "rbac.authorization.k8s.io/v1:ClusterRole")
     assert role.inputs["rules"] == [{"apiGroups": ["kueue.x-k8s.io"], "resources": ["clusterqueues"],
                                      "resourceNames": [stack.spec.team], "verbs": ["get", "patch"]}]
@@ -467,6 +472,7 @@ def test_guardrail_reads_the_budget_queue_and_may_patch_one_queue(k8s: tuple[Sta
     env = {e["name"]: e["value"] for e in deployment.inputs["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["QUEUE_URL"] == f"https://sqs.{stack.region}.amazonaws.com/123456789012/{name}-guardrail"
     assert env["CLUSTER_QUEUE"] == stack.spec.team and env["BUDGET_NAME"] == stack.budget_name
+    assert env["LAUNCH_DENY_ACTION_ID"] == planned_outputs(action, stack.region)["actionId"]
     (script,) = [c for c in of_type(declared, "core/v1:ConfigMap") if c.inputs["metadata"]["name"] == kube.GUARDRAIL]
     assert script.inputs["data"]["queue_guardrail.py"] == Path(queue_guardrail.__file__).read_text()
 
@@ -485,6 +491,45 @@ def test_guardrail_holds_at_the_threshold(actual: float, expected: str) -> None:
         decision = queue_guardrail.decide(budgets, "123456789012", "b", 100)
     assert decision == {"actual_usd": actual, "limit_usd": 100.0, "stop_policy": expected}
     assert json.loads(queue_guardrail.patch_body(expected)) == {"spec": {"stopPolicy": expected}}
+
+
+ACTION_ID = "0a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9"
+
+
+def _budget_action(status: str) -> dict:
+    return {"AccountId": "123456789012", "BudgetName": "b", "Action": {
+        "ActionId": ACTION_ID, "BudgetName": "b", "NotificationType": "ACTUAL", "ActionType": "APPLY_IAM_POLICY",
+        "ActionThreshold": {"ActionThresholdValue": 100.0, "ActionThresholdType": "PERCENTAGE"},
+        "Definition": {"IamActionDefinition": {"PolicyArn": "arn:aws:iam::123456789012:policy/deny", "Roles": ["r"]}},
+        "ExecutionRoleArn": "arn:aws:iam::123456789012:role/x", "ApprovalModel": "AUTOMATIC", "Status": status,
+        "Subscribers": [{"SubscriptionType": "SNS", "Address": "arn:aws:sns:us-east-1:123456789012:t"}]}}
+
+
+@pytest.mark.parametrize(("actual", "status", "reversed_"), [
+    (50.0, "EXECUTION_SUCCESS", True),  # spend fell back (a new month): the queue reopens and the deny is lifted
+    (50.0, "STANDBY", False),  # never fired: nothing to reverse
+    (150.0, "EXECUTION_SUCCESS", None),  # still over: held, the deny stays
+])
+def test_guardrail_reverses_the_launch_deny_when_it_reopens(actual: float, status: str, reversed_: bool | None) -> None:
+    from botocore.stub import Stubber
+    import boto3
+
+    budgets = boto3.client("budgets", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
+    ids = {"AccountId": "123456789012", "BudgetName": "b"}
+    with Stubber(budgets) as stub:
+        stub.add_response("describe_budget", {"Budget": {
+            "BudgetName": "b", "BudgetLimit": {"Amount": "100.0", "Unit": "USD"}, "TimeUnit": "MONTHLY",
+            "BudgetType": "COST", "CalculatedSpend": {"ActualSpend": {"Amount": str(actual), "Unit": "USD"}}}}, ids)
+        if reversed_ is not None:
+            stub.add_response("describe_budget_action", _budget_action(status), {**ids, "ActionId": ACTION_ID})
+        if reversed_:
+            stub.add_response("execute_budget_action", {**ids, "ActionId": ACTION_ID,
+                                                        "ExecutionType": "REVERSE_BUDGET_ACTION"},
+                              {**ids, "ActionId": ACTION_ID, "ExecutionType": "REVERSE_BUDGET_ACTION"})
+        decision = queue_guardrail.step(budgets, "123456789012", "b", 100, ACTION_ID)
+        stub.assert_no_pending_responses()
+    assert decision["stop_policy"] == ("Hold" if reversed_ is None else "None")
+    assert decision.get("launch_deny_reversed") == reversed_
 
 
 def test_a_budget_that_only_alerts_has_no_hold_and_no_deny() -> None:
