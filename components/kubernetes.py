@@ -301,7 +301,7 @@ class ClusterSoftwareArgs:
 
 
 class ClusterSoftware(pulumi.ComponentResource):
-    """Pinned Helm releases: the Cluster Autoscaler (with its Pod Identity role), the NVIDIA and EFA device plugins,
+    """Pinned Helm releases: the Cluster Autoscaler (with its Pod Identity role), the NVIDIA, Neuron and EFA device plugins,
     Kueue, and the Prometheus stack with dcgm-exporter."""
 
     autoscaler_role_arn: pulumi.Output[str]
@@ -325,6 +325,9 @@ class ClusterSoftware(pulumi.ComponentResource):
         nvidia = [p for p in stack.spec.pools if p.itype.accelerator and p.itype.accelerator.kind == "nvidia"]
         if nvidia:
             release("nvidia-device-plugin", eks.NVIDIA_DEVICE_PLUGIN, kube.nvidia_device_plugin_values(),
+                    child(self))
+        if any(p.itype.accelerator and p.itype.accelerator.kind == "neuron" for p in stack.spec.pools):
+            release("neuron-device-plugin", eks.NEURON_DEVICE_PLUGIN, kube.neuron_device_plugin_values(),
                     child(self))
         if any(p.uses_efa for p in stack.spec.pools):
             release("efa-device-plugin", eks.EFA_DEVICE_PLUGIN, kube.efa_device_plugin_values(), child(self))

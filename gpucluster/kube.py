@@ -248,6 +248,15 @@ def nvidia_device_plugin_values() -> dict[str, Any]:
         "tolerations": [{"operator": "Exists"}]}
 
 
+def neuron_device_plugin_values() -> dict[str, Any]:
+    """AWS's Neuron chart with its device plugin only, on Neuron nodes only (our label), tolerating their taints. The
+    problem detector, the scheduler extension and the DRA driver, on by default or not, are turned off explicitly."""
+    return {"devicePlugin": {"enabled": True, "nodeSelector": {ACCELERATOR_LABEL: "neuron"},
+                             "tolerations": [{"operator": "Exists"}]},
+            "npd": {"enabled": False}, "scheduler": {"enabled": False}, "draDriver": {"enabled": False},
+            "ultraserverOperator": {"enabled": False}}
+
+
 def efa_device_plugin_values() -> dict[str, Any]:
     return {"nodeSelector": {EFA_LABEL: "true"}, "tolerations": [{"operator": "Exists"}]}
 

@@ -274,8 +274,18 @@ def test_trainium_pool_boots_neuron_ami_and_is_tainted_for_neuron() -> None:
     assert group["amiType"] == "AL2023_x86_64_NEURON"
     assert {t["key"] for t in group["taints"]} == {"aws.amazon.com/neuron"}
     # No NVIDIA pool: no NVIDIA device plugin, dcgm-exporter or idle-GPU rule.
-    charts = {r.name for r in of_type(declared, "helm.sh/v3:Release")}
-    assert not {"nvidia-device-plugin", "dcgm-exporter"} & charts and "efa-device-plugin" in charts
+    releases = _releases(declared)
+    assert not {"nvidia-device-plugin", "dcgm-exporter"} & set(releases) and "efa-device-plugin" in releases
+    # Neuron's device plugin, pinned, on the Neuron nodes (their label), through their taint; nothing else of its chart.
+    neuron = releases["neuron-device-plugin"]
+    assert (neuron["chart"], neuron["version"], neuron["namespace"]) == (
+        "oci://public.ecr.aws/neuron/neuron-helm-chart", "1.10.0", "kube-system")
+    plugin = neuron["values"]["devicePlugin"]
+    assert plugin["enabled"] is True and plugin["nodeSelector"] == {"gpucluster/accelerator": "neuron"}
+    assert group["labels"]["gpucluster/accelerator"] == "neuron"
+    assert {"operator": "Exists"} in plugin["tolerations"]
+    assert all(neuron["values"][part] == {"enabled": False}
+               for part in ("npd", "scheduler", "draDriver", "ultraserverOperator"))
     assert not of_type(declared, "monitoring.coreos.com/v1:PrometheusRule")
 
 
@@ -699,6 +709,6 @@ def test_plan_json_for_a_kubernetes_stack(capsys: pytest.CaptureFixture[str]) ->
 def test_no_team_can_take_a_namespace_the_charts_use() -> None:
     from gpucluster.spec import RESERVED_NAMESPACES
 
-    charts = (eks.CLUSTER_AUTOSCALER, eks.NVIDIA_DEVICE_PLUGIN, eks.EFA_DEVICE_PLUGIN, eks.KUEUE,
+    charts = (eks.CLUSTER_AUTOSCALER, eks.NVIDIA_DEVICE_PLUGIN, eks.NEURON_DEVICE_PLUGIN, eks.EFA_DEVICE_PLUGIN, eks.KUEUE,
               eks.KUBE_PROMETHEUS_STACK, eks.DCGM_EXPORTER)
     assert {c.namespace for c in charts} <= set(RESERVED_NAMESPACES)
