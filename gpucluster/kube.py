@@ -29,8 +29,12 @@ KUEUE_API = "kueue.x-k8s.io/v1beta2"  # the storage version of the pinned Kueue 
 FSX_CLAIM = "fsx"
 LOCAL_QUEUE = "default"
 GUARDRAIL = "gpucluster-guardrail"
-# What each container gets when it asks for nothing, so that the quota's CPU and memory count every pod.
+# What each container requests when it asks for nothing, so that the quota's CPU and memory count every pod. No
+# default limit: it would cap a GPU pod that sets only accelerator limits at this much memory and OOM-kill it.
 DEFAULT_CPU, DEFAULT_MEMORY = "500m", "1Gi"
+# The share of a node's vCPUs and memory one pod per node may take: the rest is the kubelet's reservation, the
+# eviction threshold and the daemon sets (CNI, device plugins, exporters, the FSx CSI node).
+NODE_SHARE_CPU, NODE_SHARE_MEMORY = 0.9, 0.85
 # Pods of the team at once: every node's worth of one pod per accelerator, plus room for small helper pods.
 PODS_PER_NODE = 16
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -147,8 +151,7 @@ def limit_range(stack: Stack) -> Manifest:
     return {"apiVersion": "v1", "kind": "LimitRange",
             "metadata": {"name": "defaults", "namespace": namespace_name(stack)},
             "spec": {"limits": [{"type": "Container",
-                                 "defaultRequest": {"cpu": DEFAULT_CPU, "memory": DEFAULT_MEMORY},
-                                 "default": {"memory": DEFAULT_MEMORY}}]}}
+                                 "defaultRequest": {"cpu": DEFAULT_CPU, "memory": DEFAULT_MEMORY}}]}}
 
 
 def fsx_volume(stack: Stack, fsx: Fsx) -> list[Manifest]:
@@ -309,11 +312,24 @@ def prometheus_values() -> dict[str, Any]:
 EXAMPLE_IMAGE = "pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime"
 
 
+def node_sized_resources(pool: Pool) -> dict[str, str]:
+    """What one pod that takes a whole node of the pool asks for: all its accelerators and EFA interfaces, and most of
+    its CPU and memory (requests = limits: Guaranteed, so the kubelet evicts it last)."""
+    memory_gi = int(pool.itype.memory_mib * NODE_SHARE_MEMORY) // 1024
+    out = {"cpu": str(int(pool.itype.vcpus * NODE_SHARE_CPU)), "memory": f"{memory_gi}Gi"}
+    return out | {r: str(c) for r, c in pool_resources(pool).items()}
+
+
+def shm_size(pool: Pool) -> str:
+    """/dev/shm for NCCL and the data loaders: a quarter of the pod's memory (a memory-backed emptyDir counts against
+    the container's memory limit, so it is bounded by it in any case)."""
+    return f"{int(pool.itype.memory_mib * NODE_SHARE_MEMORY) // 1024 // 4}Gi"
+
+
 def example_job(stack: Stack, pool: Pool, nodes: int = 2, image: str = EXAMPLE_IMAGE) -> list[Manifest]:
     """examples/ddp_train.py across `nodes` nodes of `pool` with torchrun: an indexed Job (one pod per node) behind a
     headless Service for the rendezvous, queued through the team's LocalQueue, checkpointing to the FSx claim."""
     ns, name = namespace_name(stack), "ddp-example"
-    per_node = pool_resources(pool)
     script = (EXAMPLES / "ddp_train.py").read_text()
     config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "namespace": ns},
                   "data": {"ddp_train.py": script}}
@@ -324,7 +340,7 @@ def example_job(stack: Stack, pool: Pool, nodes: int = 2, image: str = EXAMPLE_I
     command = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={procs}", "--node-rank=$(JOB_COMPLETION_INDEX)",
                f"--master-addr={name}-0.{name}", "--master-port=29500",
                "/opt/example/ddp_train.py", "--checkpoint-dir", f"/fsx/checkpoints/{name}"]
-    requests = {r: str(c) for r, c in per_node.items()}
+    requests = node_sized_resources(pool)
     job = {"apiVersion": "batch/v1", "kind": "Job",
            "metadata": {"name": name, "namespace": ns, "labels": {QUEUE_NAME_LABEL: LOCAL_QUEUE}},
            "spec": {"completionMode": "Indexed", "completions": nodes, "parallelism": nodes, "backoffLimit": 0,
@@ -343,7 +359,7 @@ def example_job(stack: Stack, pool: Pool, nodes: int = 2, image: str = EXAMPLE_I
                                                          {"name": "shm", "mountPath": "/dev/shm"}]}],
                         "volumes": [{"name": "fsx", "persistentVolumeClaim": {"claimName": FSX_CLAIM}},
                                     {"name": "example", "configMap": {"name": name}},
-                                    {"name": "shm", "emptyDir": {"medium": "Memory"}}]}}}}
+                                    {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(pool)}}]}}}}
     return [config_map, service, job]
 
 

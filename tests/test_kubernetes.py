@@ -578,10 +578,53 @@ def test_example_job() -> None:
     taints = {(t["key"], t["value"], t["effect"]) for t in kube.pool_taints(pool)}
     assert {(t["key"], t["value"], t["effect"]) for t in pod["tolerations"]} == taints
     (container,) = pod["containers"]
-    assert container["resources"]["requests"] == {"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "32"}
+    # A p5.48xlarge: 192 vCPUs, 2 TiB; all its GPUs and EFA interfaces, most of its CPU and memory.
+    assert container["resources"]["requests"] == {"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "32",
+                                                  "cpu": "172", "memory": "1740Gi"}
+    assert container["resources"]["limits"] == container["resources"]["requests"]
+    (shm,) = [v for v in pod["volumes"] if v["name"] == "shm"]
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "435Gi"}
     assert {"name": "fsx", "persistentVolumeClaim": {"claimName": "fsx"}} in pod["volumes"]
     command = container["command"][-1]
     assert "torchrun --nnodes=2 --nproc-per-node=8" in command and "--checkpoint-dir /fsx/checkpoints/" in command
+
+
+def admitted(container: dict, limit_range: dict) -> dict[str, dict[str, str]]:
+    """The container's resources once admitted: API defaulting copies its own limits to missing requests, then the
+    LimitRanger fills what is still missing from `defaultRequest` and `default`."""
+    (rule,) = limit_range["spec"]["limits"]
+    own = container["resources"]
+    limits = {**rule.get("default", {}), **own.get("limits", {})}
+    requests = {**rule.get("defaultRequest", {}), **own.get("limits", {}), **own.get("requests", {})}
+    return {"requests": requests, "limits": limits}
+
+
+def _gi(quantity: str) -> int:
+    assert quantity.endswith("Gi"), quantity
+    return int(quantity[:-2])
+
+
+@pytest.mark.parametrize("pool_name", ["p5-spot", "p5-od", "g6e"])
+def test_the_example_job_keeps_its_memory_under_the_limit_range(pool_name: str) -> None:
+    stack = load_stack(TEAM_K8S)
+    pool = next(p for p in stack.spec.pools if p.name == pool_name)
+    *_, job = kube.example_job(stack, pool)
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    effective = admitted(container, kube.limit_range(stack))
+    node_gi = pool.itype.memory_mib // 1024
+    # Most of the node, not the LimitRange's 1Gi default: torch, NCCL and the data loaders fit; /dev/shm within it.
+    assert node_gi * 0.8 <= _gi(effective["limits"]["memory"]) < node_gi
+    (shm,) = [v for v in job["spec"]["template"]["spec"]["volumes"] if v["name"] == "shm"]
+    assert 0 < _gi(shm["emptyDir"]["sizeLimit"]) <= _gi(effective["limits"]["memory"]) // 2
+    assert int(effective["requests"]["cpu"]) < pool.itype.vcpus
+
+
+def test_the_limit_range_does_not_cap_a_pod_that_sets_only_gpu_limits() -> None:
+    """A team's own GPU job that sets only `nvidia.com/gpu` gets default requests (counted by the quota), no 1Gi cap."""
+    stack = load_stack(TEAM_K8S)
+    effective = admitted({"resources": {"limits": {"nvidia.com/gpu": "8"}}}, kube.limit_range(stack))
+    assert "memory" not in effective["limits"] and "cpu" not in effective["limits"]
+    assert effective["requests"] == {"cpu": "500m", "memory": "1Gi", "nvidia.com/gpu": "8"}
 
 
 # --- Schemas ----------------------------------------------------------------------------------------------------
