@@ -195,11 +195,11 @@ def kubeconfig(cluster_name: str, endpoint: str, ca_data: str, region: str) -> s
     })
 
 
-def autoscaler_node_template_tags(pool: Pool) -> dict[str, str]:
+def autoscaler_node_template_tags(stack: Stack, pool: Pool) -> dict[str, str]:
     """What the Cluster Autoscaler reads off an Auto Scaling group at zero nodes to know what a new node would look
     like (kubernetes/autoscaler#4998): without the taints and the GPU/EFA counts it never scales a pool up from zero."""
     prefix = "k8s.io/cluster-autoscaler/node-template"
-    tags = {f"{prefix}/label/{k}": v for k, v in kube.pool_labels(pool).items()}
+    tags = {f"{prefix}/label/{k}": v for k, v in kube.pool_labels(stack, pool).items()}
     tags |= {f"{prefix}/taint/{t['key']}": f"{t['value']}:{t['effect']}" for t in kube.pool_taints(pool)}
     tags |= {f"{prefix}/resources/{r}": str(n) for r, n in kube.pool_resources(pool).items()}
     return tags
@@ -244,7 +244,7 @@ class NodePool(pulumi.ComponentResource):
             capacity_type=CAPACITY_TYPES[pool.capacity],
             launch_template={"id": template.id, "version": template.latest_version.apply(str)},
             scaling_config={"min_size": pool.min_nodes, "max_size": pool.max_nodes, "desired_size": pool.min_nodes},
-            labels=kube.pool_labels(pool),
+            labels=kube.pool_labels(stack, pool),
             taints=[{"key": t["key"], "value": t["value"], "effect": TAINT_EFFECTS[t["effect"]]}
                     for t in kube.pool_taints(pool)],
             update_config={"max_unavailable": 1},
@@ -252,7 +252,7 @@ class NodePool(pulumi.ComponentResource):
             opts=child(self, depends_on=list(args.depends_on), ignore_changes=["scalingConfig.desiredSize"]),
         )
         asg_name = node_group.resources.apply(lambda r: r[0].autoscaling_groups[0].name)
-        for i, (key, value) in enumerate(sorted(autoscaler_node_template_tags(pool).items())):
+        for i, (key, value) in enumerate(sorted(autoscaler_node_template_tags(stack, pool).items())):
             aws.autoscaling.Tag(f"{name}-ca-{i}", autoscaling_group_name=asg_name,
                                 tag={"key": key, "value": value, "propagate_at_launch": False}, opts=child(self))
         self.register_outputs({"node_group_name": self.node_group_name})

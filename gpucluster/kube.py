@@ -21,6 +21,9 @@ POOL_LABEL = "gpucluster/pool"
 CAPACITY_LABEL = "gpucluster/capacity"
 ACCELERATOR_LABEL = "gpucluster/accelerator"
 EFA_LABEL = "gpucluster/efa"  # on EFA pools only: where the EFA device plugin runs
+# A spot pool and its fallback share one value (the spot pool's name), every other pool its own: a Kueue flavour
+# selects on it, so a job admitted to it may run on either and the autoscaler's priority expander does the fallback.
+FAMILY_LABEL = "gpucluster/family"
 SPOT_TAINT = "gpucluster/spot"
 # Namespaces whose jobs Kueue manages even without a queue name (and so never admits them: no LocalQueue matches).
 TEAM_NAMESPACE_LABEL = "gpucluster/team-namespace"
@@ -63,10 +66,25 @@ def accelerator_resource(pool: Pool) -> str:
     return eks.GPU_RESOURCE if pool.itype.accelerator.kind == "nvidia" else eks.NEURON_RESOURCE
 
 
-def pool_labels(pool: Pool) -> dict[str, str]:
-    """Labels every node of the pool carries (node group labels; the ResourceFlavor selects on them)."""
+def family_name(stack: Stack, pool: Pool) -> str:
+    """The pool's family: the spot pool's name for a spot pool and its fallback, else the pool's own."""
+    spot = next((p for p in stack.spec.pools if p.fallback == pool.name), None)
+    return spot.name if spot is not None else pool.name
+
+
+def families(stack: Stack) -> dict[str, list[Pool]]:
+    """The pools by family, in the order Kueue tries the flavours; within a family, spot first."""
+    out: dict[str, list[Pool]] = {}
+    for pool in flavor_order(stack):
+        out.setdefault(family_name(stack, pool), []).append(pool)
+    return out
+
+
+def pool_labels(stack: Stack, pool: Pool) -> dict[str, str]:
+    """Labels every node of the pool carries (node group labels; the ResourceFlavor selects on the family's)."""
     assert pool.itype.accelerator, pool.name
-    labels = {POOL_LABEL: pool.name, CAPACITY_LABEL: pool.capacity, ACCELERATOR_LABEL: pool.itype.accelerator.kind}
+    labels = {POOL_LABEL: pool.name, CAPACITY_LABEL: pool.capacity, ACCELERATOR_LABEL: pool.itype.accelerator.kind,
+              FAMILY_LABEL: family_name(stack, pool)}
     return labels | ({EFA_LABEL: "true"} if pool.uses_efa else {})
 
 
@@ -111,12 +129,17 @@ def _covered(stack: Stack) -> list[str]:
     return ["cpu", "memory", *extended]
 
 
-def _pool_quota(pool: Pool, covered: list[str]) -> dict[str, Any]:
-    """What the pool holds at its largest, per resource Kueue covers (0 for resources it has none of)."""
-    n = pool.max_nodes
-    have = {"cpu": pool.itype.vcpus * n, "memory": _memory_gi(pool.itype.memory_mib * n)}
-    have |= {r: c * n for r, c in pool_resources(pool).items()}
-    return {"name": pool.name, "resources": [{"name": r, "nominalQuota": have.get(r, 0)} for r in covered]}
+def _family_quota(name: str, pools: list[Pool], covered: list[str]) -> dict[str, Any]:
+    """What the family's pools hold at their largest, per resource Kueue covers (0 for resources it has none of)."""
+    have: dict[str, int] = {}
+    memory_mib = 0
+    for pool in pools:
+        n = pool.max_nodes
+        for resource, count in ({"cpu": pool.itype.vcpus} | pool_resources(pool)).items():
+            have[resource] = have.get(resource, 0) + count * n
+        memory_mib += pool.itype.memory_mib * n
+    quota: dict[str, Any] = {**have, "memory": _memory_gi(memory_mib)}
+    return {"name": name, "resources": [{"name": r, "nominalQuota": quota.get(r, 0)} for r in covered]}
 
 
 def namespace(stack: Stack) -> Manifest:
@@ -172,10 +195,18 @@ def fsx_volume(stack: Stack, fsx: Fsx) -> list[Manifest]:
     return [pv, pvc]
 
 
+def family_tolerations(pools: list[Pool]) -> list[dict[str, str]]:
+    """Tolerations for every taint of the family's nodes: the accelerator's, and the spot opt-in where a spot pool is
+    in it (a job admitted to a spot family accepts interruption: that is the family's point)."""
+    taints = {(t["key"], t["value"], t["effect"]) for pool in pools for t in pool_taints(pool)}
+    return [{"key": k, "operator": "Equal", "value": v, "effect": e} for k, v, e in sorted(taints)]
+
+
 def resource_flavors(stack: Stack) -> list[Manifest]:
-    return [{"apiVersion": KUEUE_API, "kind": "ResourceFlavor", "metadata": {"name": pool.name},
-             "spec": {"nodeLabels": {POOL_LABEL: pool.name}, "nodeTaints": pool_taints(pool)}}
-            for pool in stack.spec.pools]
+    """One flavour per family; Kueue adds its tolerations to the pods it admits, so jobs need not know the taints."""
+    return [{"apiVersion": KUEUE_API, "kind": "ResourceFlavor", "metadata": {"name": name},
+             "spec": {"nodeLabels": {FAMILY_LABEL: name}, "tolerations": family_tolerations(pools)}}
+            for name, pools in families(stack).items()]
 
 
 def cluster_queue(stack: Stack, stop_policy: str = "None") -> Manifest:
@@ -185,7 +216,8 @@ def cluster_queue(stack: Stack, stop_policy: str = "None") -> Manifest:
                      "queueingStrategy": "BestEffortFIFO",
                      "stopPolicy": stop_policy,
                      "resourceGroups": [{"coveredResources": covered,
-                                         "flavors": [_pool_quota(p, covered) for p in flavor_order(stack)]}]}}
+                                         "flavors": [_family_quota(name, pools, covered)
+                                                     for name, pools in families(stack).items()]}]}}
 
 
 def local_queue(stack: Stack) -> Manifest:
@@ -217,11 +249,10 @@ def queue_manifests(stack: Stack) -> list[Manifest]:
     return [*resource_flavors(stack), cluster_queue(stack), local_queue(stack)]
 
 
-def tolerations(pool: Pool) -> list[dict[str, str]]:
-    return [{"key": t["key"], "operator": "Equal", "value": t["value"], "effect": t["effect"]} for t in pool_taints(pool)]
-
-
 # --- Helm values -----------------------------------------------------------------------------------------------
+
+MAX_NODE_PROVISION_TIME = "5m"
+
 
 def asg_name_regex(node_group_name: str) -> str:
     """EKS names a managed node group's Auto Scaling group eks-<node group name>-<uuid>."""
@@ -239,7 +270,10 @@ def autoscaler_values(stack: Stack, node_group_names: dict[str, str], service_ac
         "autoDiscovery": {"clusterName": stack.cluster_name},
         "rbac": {"serviceAccount": {"create": True, "name": service_account}},
         "expanderPriorities": priorities,
-        "extraArgs": {"expander": "priority", "balance-similar-node-groups": False,
+        # A spot group that cannot get capacity is given up on after this long and the next priority is tried
+        # (the default, 15 minutes, leaves a queued job waiting that much per attempt).
+        "extraArgs": {"expander": "priority", "max-node-provision-time": MAX_NODE_PROVISION_TIME,
+                      "balance-similar-node-groups": False,
                       "skip-nodes-with-local-storage": False, "scale-down-unneeded-time": "10m"},
     }
 
@@ -347,8 +381,9 @@ def example_job(stack: Stack, pool: Pool, nodes: int = 2, image: str = EXAMPLE_I
                     "suspend": True,  # Kueue unsuspends it once admitted
                     "template": {"spec": {
                         "subdomain": name, "restartPolicy": "Never",
-                        "nodeSelector": {POOL_LABEL: pool.name},
-                        "tolerations": tolerations(pool),
+                        # The pool's family: a spot pool's job falls back to its on-demand pool's nodes.
+                        "nodeSelector": {FAMILY_LABEL: family_name(stack, pool)},
+                        "tolerations": family_tolerations(families(stack)[family_name(stack, pool)]),
                         "containers": [{"name": "trainer", "image": image, "command": ["bash", "-c", " ".join(command)],
                                         "env": [{"name": "NCCL_DEBUG", "value": "WARN"},
                                                 {"name": "FI_PROVIDER", "value": "efa"}] if pool.uses_efa else

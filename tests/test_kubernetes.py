@@ -200,6 +200,7 @@ def test_node_group_per_pool(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
                                           "desiredSize": pool.min_nodes}
         assert group["labels"] == {"gpucluster/pool": pool.name, "gpucluster/capacity": pool.capacity,
                                    "gpucluster/accelerator": pool.itype.accelerator.kind,
+                                   "gpucluster/family": "p5-spot" if pool.name.startswith("p5") else pool.name,
                                    **({"gpucluster/efa": "true"} if pool.uses_efa else {})}
         taints = {(t["key"], t["effect"]) for t in group["taints"]}
         assert ("nvidia.com/gpu", "NO_SCHEDULE") in taints
@@ -306,13 +307,14 @@ def test_autoscaler_node_template_tags_on_each_group(k8s: tuple[Stack, tuple[Dec
         if pool.uses_efa:
             assert got[f"{prefix}/resources/vpc.amazonaws.com/efa"] == str(pool.itype.efa_interfaces)
         assert (f"{prefix}/taint/gpucluster/spot" in got) == (pool.capacity == "spot")
-        assert got == autoscaler_node_template_tags(pool)
+        assert got[f"{prefix}/label/gpucluster/family"] == kube.family_name(stack, pool)
+        assert got == autoscaler_node_template_tags(stack, pool)
 
 
 def test_p5_template_tags_say_8_gpus_and_32_efa() -> None:
     stack = load_stack(TEAM_K8S)
     pool = next(p for p in stack.spec.pools if p.name == "p5-spot")
-    tags = autoscaler_node_template_tags(pool)
+    tags = autoscaler_node_template_tags(stack, pool)
     assert tags["k8s.io/cluster-autoscaler/node-template/resources/nvidia.com/gpu"] == "8"
     assert tags["k8s.io/cluster-autoscaler/node-template/resources/vpc.amazonaws.com/efa"] == "32"
     assert tags["k8s.io/cluster-autoscaler/node-template/taint/gpucluster/spot"] == "true:NoSchedule"
@@ -412,21 +414,41 @@ def test_quota_counts_every_pool_at_max() -> None:
     assert limits.inputs["spec"]["limits"][0]["defaultRequest"] == {"cpu": "500m", "memory": "1Gi"}
 
 
-def test_kueue_flavours_mirror_the_pools() -> None:
+def test_kueue_flavours_are_pool_families_so_spot_falls_back() -> None:
+    """One flavour for a spot pool and its fallback, selecting on a label both node groups carry: Kueue admits a job to
+    it and the pods may land on either; the autoscaler tries the spot group first and gives up on it within minutes."""
     stack, declared = planned(TEAM_K8S)
     flavours = {f.inputs["metadata"]["name"]: f.inputs["spec"] for f in
                 of_type(declared, "kueue.x-k8s.io/v1beta2:ResourceFlavor")}
-    assert set(flavours) == {p.name for p in stack.spec.pools}
-    assert flavours["p5-spot"]["nodeLabels"] == {"gpucluster/pool": "p5-spot"}
+    assert set(flavours) == {"p5-spot", "g6e"}
+    assert flavours["p5-spot"]["nodeLabels"] == {"gpucluster/family": "p5-spot"}
+    groups = _groups(stack, declared)
+    assert groups["p5-spot"]["labels"]["gpucluster/family"] == groups["p5-od"]["labels"]["gpucluster/family"] == "p5-spot"
+    assert groups["g6e"]["labels"]["gpucluster/family"] == "g6e"
+    # Kueue puts the flavour's tolerations on the pods it admits: the accelerator's taint, and spot's opt-in.
+    assert flavours["p5-spot"]["tolerations"] == [
+        {"key": "gpucluster/spot", "operator": "Equal", "value": "true", "effect": "NoSchedule"},
+        {"key": "nvidia.com/gpu", "operator": "Equal", "value": "true", "effect": "NoSchedule"}]
+    assert flavours["g6e"]["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Equal", "value": "true", "effect": "NoSchedule"}]
+    assert not any("nodeTaints" in f for f in flavours.values())
+    # Every taint of every node group is tolerated by its family's flavour.
+    for name, group in groups.items():
+        if name == "system":
+            continue
+        tolerated = {(t["key"], t["value"], t["effect"]) for t in flavours[group["labels"]["gpucluster/family"]]["tolerations"]}
+        assert {(t["key"], t["value"], t["effect"].replace("NO_SCHEDULE", "NoSchedule")) for t in group["taints"]} <= tolerated
     (cq,) = of_type(declared, "kueue.x-k8s.io/v1beta2:ClusterQueue")
     (group,) = cq.inputs["spec"]["resourceGroups"]
-    assert [f["name"] for f in group["flavors"]] == ["p5-spot", "p5-od", "g6e"]  # spot, its fallback, the rest
+    assert [f["name"] for f in group["flavors"]] == ["p5-spot", "g6e"]
     assert group["coveredResources"] == ["cpu", "memory", "nvidia.com/gpu", "vpc.amazonaws.com/efa"]
-    spot = {r["name"]: r["nominalQuota"] for r in group["flavors"][0]["resources"]}
-    assert spot["nvidia.com/gpu"] == 32 and spot["vpc.amazonaws.com/efa"] == 128
-    g6e = {r["name"]: r["nominalQuota"] for r in group["flavors"][2]["resources"]}
+    p5 = {r["name"]: r["nominalQuota"] for r in group["flavors"][0]["resources"]}
+    # Spot at max (4) and its fallback at max (2) can both be up.
+    assert p5 == {"cpu": 6 * 192, "memory": f"{6 * 2048}Gi", "nvidia.com/gpu": 48, "vpc.amazonaws.com/efa": 192}
+    g6e = {r["name"]: r["nominalQuota"] for r in group["flavors"][1]["resources"]}
     assert g6e["vpc.amazonaws.com/efa"] == 2 and g6e["nvidia.com/gpu"] == 8
-    assert cq.inputs["spec"]["stopPolicy"] == "None" and cq.ignore_changes == ("spec.stopPolicy",)
+    extra = _releases(declared)["cluster-autoscaler"]["values"]["extraArgs"]
+    assert extra["expander"] == "priority" and extra["max-node-provision-time"] == "5m"
     assert cq.inputs["spec"]["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "language"}}
     (lq,) = of_type(declared, "kueue.x-k8s.io/v1beta2:LocalQueue")
     assert lq.inputs["spec"] == {"clusterQueue": cq.inputs["metadata"]["name"]}
@@ -575,8 +597,9 @@ def test_example_job() -> None:
     assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == 2
     pod = spec["template"]["spec"]
     assert pod["subdomain"] == service["metadata"]["name"] and service["spec"]["clusterIP"] == "None"
-    taints = {(t["key"], t["value"], t["effect"]) for t in kube.pool_taints(pool)}
-    assert {(t["key"], t["value"], t["effect"]) for t in pod["tolerations"]} == taints
+    # The pool's family: spot first, its on-demand fallback when spot has no capacity.
+    assert pod["nodeSelector"] == {"gpucluster/family": "p5-spot"}
+    assert pod["tolerations"] == kube.resource_flavors(stack)[0]["spec"]["tolerations"]
     (container,) = pod["containers"]
     # A p5.48xlarge: 192 vCPUs, 2 TiB; all its GPUs and EFA interfaces, most of its CPU and memory.
     assert container["resources"]["requests"] == {"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "32",
