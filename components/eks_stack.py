@@ -76,7 +76,8 @@ def create_kubernetes_cluster(stack: Stack) -> dict[str, object]:
     in_cluster = pulumi.ResourceOptions(providers={"aws": opts.provider, "kubernetes": provider})
     software = ClusterSoftware(stack.cluster_name, ClusterSoftwareArgs(
         stack=stack, cluster_name=cluster.name, cluster_arn=cluster.arn,
-        node_group_names={name: pool.node_group_name for name, pool in pools.items()}), in_cluster)
+        node_group_names={name: pool.node_group_name for name, pool in pools.items()},
+        alerts_topic_arn=budget.topic_arn), in_cluster)
     fsx = kube.Fsx(storage.file_system_id, storage.dns_name, storage.mount_name, fsx_capacity_gib(stack))
     TeamSpace(stack.cluster_name, TeamSpaceArgs(stack=stack, fsx=fsx, kueue=software.kueue,
                                                 prometheus=software.prometheus), in_cluster)

@@ -298,6 +298,7 @@ class ClusterSoftwareArgs:
     cluster_name: pulumi.Input[str]
     cluster_arn: pulumi.Input[str]
     node_group_names: dict[str, str]  # pool -> node group name
+    alerts_topic_arn: pulumi.Input[str]  # the budget's topic: Alertmanager publishes the alerts there
 
 
 class ClusterSoftware(pulumi.ComponentResource):
@@ -332,7 +333,19 @@ class ClusterSoftware(pulumi.ComponentResource):
         if any(p.uses_efa for p in stack.spec.pools):
             release("efa-device-plugin", eks.EFA_DEVICE_PLUGIN, kube.efa_device_plugin_values(), child(self))
         self.kueue = release("kueue", eks.KUEUE, kube.kueue_values(stack), child(self))
-        self.prometheus = release("monitoring", eks.KUBE_PROMETHEUS_STACK, kube.prometheus_values(), child(self))
+        alertmanager = aws.iam.Role(f"{name}-alertmanager",
+                                    assume_role_policy=trust("pods.eks.amazonaws.com", ASSUME_AND_TAG), opts=child(self))
+        # Alertmanager's SNS receiver (SigV4) publishes the alerts to the stack's topic: that topic only.
+        aws.iam.RolePolicy(f"{name}-alertmanager", role=alertmanager.id,
+                           policy=pulumi.Output.from_input(args.alerts_topic_arn).apply(lambda arn: policy([{
+                               "Sid": "PublishAlerts", "Effect": "Allow", "Action": "sns:Publish", "Resource": arn}])),
+                           opts=child(self))
+        aws.eks.PodIdentityAssociation(f"{name}-alertmanager", cluster_name=args.cluster_name,
+                                       namespace=eks.KUBE_PROMETHEUS_STACK.namespace,
+                                       service_account=kube.ALERTMANAGER_SERVICE_ACCOUNT, role_arn=alertmanager.arn,
+                                       opts=child(self))
+        self.prometheus = release("monitoring", eks.KUBE_PROMETHEUS_STACK,
+                                  kube.prometheus_values(stack, args.alerts_topic_arn), child(self))
         if nvidia:
             release("dcgm-exporter", eks.DCGM_EXPORTER, kube.dcgm_exporter_values(),
                     child(self, depends_on=[self.prometheus]))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpucluster import eks, monitoring, prometheus
+from gpucluster import eks, monitoring, prometheus, settings
 from gpucluster.spec import Pool, Stack
 
 Manifest = dict[str, Any]
@@ -331,11 +331,25 @@ def dcgm_exporter_values() -> dict[str, Any]:
             "nodeSelector": {ACCELERATOR_LABEL: "nvidia"}, "tolerations": [{"operator": "Exists"}]}
 
 
-def prometheus_values() -> dict[str, Any]:
+ALERTMANAGER_SERVICE_ACCOUNT = "alertmanager"  # named, for its Pod Identity association
+
+
+def alertmanager_config(stack: Stack, topic_arn: Any) -> dict[str, Any]:
+    """The Slurm flavour's routing (settings.alertmanager_routing: GpuIdle and the rest to the stack's topic), plus the
+    chart's always-firing Watchdog kept off the topic."""
+    config = settings.alertmanager_routing(topic_arn, stack.region, stack.cluster_name)
+    config["route"]["routes"] = [{"receiver": "null", "matchers": ['alertname = "Watchdog"']}]
+    config["receivers"].append({"name": "null"})
+    return config
+
+
+def prometheus_values(stack: Stack, topic_arn: Any) -> dict[str, Any]:
     # Rules and monitors of every release are picked up, not only this chart's own.
     return {"prometheus": {"prometheusSpec": {"ruleSelectorNilUsesHelmValues": False,
                                               "serviceMonitorSelectorNilUsesHelmValues": False,
                                               "retention": "15d"}},
+            "alertmanager": {"config": alertmanager_config(stack, topic_arn),
+                             "serviceAccount": {"create": True, "name": ALERTMANAGER_SERVICE_ACCOUNT}},
             "grafana": {"enabled": False}}
 
 

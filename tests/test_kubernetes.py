@@ -584,6 +584,42 @@ def test_idle_gpu_rule_matches_the_slurm_alarm(k8s: tuple[Stack, tuple[Declared,
     assert dcgm["serviceMonitor"]["enabled"] is True
 
 
+def test_gpu_idle_alert_reaches_the_stack_topic(k8s: tuple[Stack, tuple[Declared, ...]], tmp_path: Path) -> None:
+    """Alertmanager routes to the budget's topic with SigV4 (not the chart's `null`), as the Slurm flavour's does, and
+    its service account's Pod Identity role may publish to that topic only."""
+    import shutil
+    import subprocess
+
+    stack, declared = k8s
+    (topic,) = of_type(declared, "sns/topic:Topic")
+    topic_arn = planned_outputs(topic, stack.region)["arn"]
+    values = _releases(declared)["monitoring"]["values"]["alertmanager"]
+    config = values["config"]
+    assert config["route"]["receiver"] == "stack-topic"
+    receivers = {r["name"]: r for r in config["receivers"]}
+    (sns,) = receivers["stack-topic"]["sns_configs"]
+    assert sns["topic_arn"] == topic_arn and sns["sigv4"] == {"region": stack.region}
+    assert config["route"]["routes"] == [{"receiver": "null", "matchers": ['alertname = "Watchdog"']}]
+    # The same routing as the Slurm head's Alertmanager (cloud-init/bootstrap.py writes it from the same function).
+    from gpucluster.settings import alertmanager_routing
+    assert receivers["stack-topic"] == alertmanager_routing(topic_arn, stack.region, stack.cluster_name)["receivers"][0]
+    amtool = shutil.which("amtool")
+    assert amtool, "amtool is missing: install Debian's prometheus-alertmanager (make test does)"
+    (tmp_path / "alertmanager.yml").write_text(json.dumps(config))
+    checked = subprocess.run([amtool, "check-config", str(tmp_path / "alertmanager.yml")], capture_output=True,
+                             text=True, timeout=30)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert values["serviceAccount"] == {"create": True, "name": "alertmanager"}
+    (assoc,) = [a for a in of_type(declared, "eks/podIdentityAssociation:PodIdentityAssociation")
+                if a.inputs["serviceAccount"] == "alertmanager"]
+    assert assoc.inputs["namespace"] == "monitoring"
+    assert assoc.inputs["roleArn"] == f"arn:aws:iam::123456789012:role/{stack.cluster_name}-alertmanager"
+    (grant,) = [json.loads(p.inputs["policy"]) for p in of_type(declared, "iam/rolePolicy:RolePolicy")
+                if p.name == f"{stack.cluster_name}-alertmanager"]
+    assert grant["Statement"] == [{"Sid": "PublishAlerts", "Effect": "Allow", "Action": "sns:Publish",
+                                   "Resource": topic_arn}]
+
+
 # --- 8. The first job -------------------------------------------------------------------------------------------
 
 def test_example_job() -> None:
