@@ -169,8 +169,9 @@ class EksCluster(pulumi.ComponentResource):
         aws.iam.RolePolicy(f"{name}-team", role=role.id, policy=cluster.arn.apply(lambda arn: policy([{
             "Sid": "Kubeconfig", "Effect": "Allow", "Action": "eks:DescribeCluster", "Resource": arn}])),
             opts=child(self))
+        # Its sessions are in the team's group too: RBAC in the namespace binds Kueue's user role to it (kube.py).
         entry = aws.eks.AccessEntry(f"{name}-team", cluster_name=cluster.name, principal_arn=role.arn,
-                                    type="STANDARD", opts=child(self))
+                                    type="STANDARD", kubernetes_groups=[kube.team_group(stack)], opts=child(self))
         aws.eks.AccessPolicyAssociation(f"{name}-team", cluster_name=cluster.name, principal_arn=role.arn,
                                         policy_arn=ACCESS_POLICY + "AmazonEKSEditPolicy",
                                         access_scope={"type": "namespace", "namespaces": [kube.namespace_name(stack)]},
@@ -281,6 +282,7 @@ TYPED: dict[tuple[str, str], Any] = {
     ("v1", "ServiceAccount"): k8s.core.v1.ServiceAccount,
     ("rbac.authorization.k8s.io/v1", "ClusterRole"): k8s.rbac.v1.ClusterRole,
     ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"): k8s.rbac.v1.ClusterRoleBinding,
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): k8s.rbac.v1.RoleBinding,
     ("apps/v1", "Deployment"): k8s.apps.v1.Deployment,
 }
 

@@ -244,9 +244,27 @@ def team_manifests(stack: Stack, fsx: Fsx) -> list[Manifest]:
     return [namespace(stack), resource_quota(stack), limit_range(stack), *fsx_volume(stack, fsx)]
 
 
+def team_group(stack: Stack) -> str:
+    """The Kubernetes group the team role's access entry puts its sessions in (RBAC subjects name it)."""
+    return f"gpucluster:{stack.spec.team}"
+
+
+# Kueue's aggregated ClusterRole for people who submit jobs (the pinned chart's `<fullname>-batch-user-role`, its
+# fullname being the release's, "kueue"): read LocalQueues and Workloads. EKS's edit policy knows no Kueue objects.
+KUEUE_BATCH_USER_ROLE = "kueue-batch-user-role"
+
+
+def team_kueue_access(stack: Stack) -> Manifest:
+    """The team may see its queue and its jobs' Workloads (`kubectl get workloads`), in its namespace only."""
+    return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+            "metadata": {"name": "kueue-batch-user", "namespace": namespace_name(stack)},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": KUEUE_BATCH_USER_ROLE},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": team_group(stack)}]}
+
+
 def queue_manifests(stack: Stack) -> list[Manifest]:
-    """Kueue's objects (need Kueue's CRDs)."""
-    return [*resource_flavors(stack), cluster_queue(stack), local_queue(stack)]
+    """Kueue's objects (need Kueue's CRDs) and the team's access to them (needs Kueue's ClusterRole)."""
+    return [*resource_flavors(stack), cluster_queue(stack), local_queue(stack), team_kueue_access(stack)]
 
 
 # --- Helm values -----------------------------------------------------------------------------------------------

@@ -168,6 +168,17 @@ def test_access_entries() -> None:
     team = assocs[f"arn:aws:iam::123456789012:role/{name}-team"]
     assert team["policyArn"].endswith("/AmazonEKSEditPolicy")
     assert team["accessScope"] == {"type": "namespace", "namespaces": [stack.spec.team]}
+    # EKS's edit policy covers no Kueue objects: the team's group is bound to Kueue's user role in its namespace.
+    team_entry = entries[f"arn:aws:iam::123456789012:role/{name}-team"]
+    assert team_entry["kubernetesGroups"] == [f"gpucluster:{stack.spec.team}"]
+    (binding,) = of_type(declared, "rbac.authorization.k8s.io/v1:RoleBinding")
+    assert binding.inputs["metadata"]["namespace"] == stack.spec.team
+    assert binding.inputs["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                         "name": "kueue-batch-user-role"}
+    assert binding.inputs["subjects"] == [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group",
+                                           "name": f"gpucluster:{stack.spec.team}"}]
+    kueue = next(r.urn for r in of_type(declared, "helm.sh/v3:Release") if r.inputs["name"] == "kueue")
+    assert kueue in binding.dependencies  # the release makes the ClusterRole
     (team_policy,) = [p for p in of_type(declared, "iam/rolePolicy:RolePolicy") if p.name == f"{name}-team"]
     (statement,) = json.loads(team_policy.inputs["policy"])["Statement"]
     assert statement["Action"] == "eks:DescribeCluster"
