@@ -143,8 +143,11 @@ def _family_quota(name: str, pools: list[Pool], covered: list[str]) -> dict[str,
 
 
 def namespace(stack: Stack) -> Manifest:
+    # Pod Security's baseline: no privileged or host-network pods, no hostPath, so that no team pod reaches the node's
+    # devices or role around the device plugins, the quota and Pod Identity.
     return {"apiVersion": "v1", "kind": "Namespace",
-            "metadata": {"name": namespace_name(stack), "labels": {TEAM_NAMESPACE_LABEL: "true"}}}
+            "metadata": {"name": namespace_name(stack), "labels": {TEAM_NAMESPACE_LABEL: "true",
+                                                                   "pod-security.kubernetes.io/enforce": "baseline"}}}
 
 
 def quota_totals(stack: Stack) -> dict[str, Any]:
@@ -339,6 +342,11 @@ def kueue_values(stack: Stack) -> dict[str, Any]:
         "  - batch/job",
         "  - jobset.x-k8s.io/jobset",
         "  - trainer.kubeflow.org/trainjob",
+        # Bare pods, Deployments and StatefulSets too, so that no GPU pod in the team's namespace bypasses the
+        # queue (and with it the quota and the budget's hold). Only there: the namespace selector above.
+        "  - pod",
+        "  - deployment",
+        "  - statefulset",
         "",
     ])
     return {"managerConfig": {"controllerManagerConfigYaml": config}}

@@ -473,7 +473,9 @@ def test_jobs_without_a_queue_name_are_not_admitted() -> None:
     (ns,) = of_type(declared, "core/v1:Namespace")
     assert config["managedJobsNamespaceSelector"] == {"matchLabels": {"gpucluster/team-namespace": "true"}}
     assert ns.inputs["metadata"]["labels"]["gpucluster/team-namespace"] == "true"
-    assert "batch/job" in config["integrations"]["frameworks"]
+    # Bare pods, Deployments and StatefulSets are queued too: none takes a GPU around the quota or the hold.
+    assert {"batch/job", "pod", "deployment", "statefulset"} <= set(config["integrations"]["frameworks"])
+    assert ns.inputs["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "baseline"
 
 
 def test_queues_wait_for_kueue() -> None:
