@@ -392,9 +392,7 @@ class TeamSpace(pulumi.ComponentResource):
         stack = args.stack
         core = [declare(m, child(self)) for m in kube.team_manifests(stack, args.fsx)]
         for manifest in kube.queue_manifests(stack):
-            # The guardrail owns the ClusterQueue's stopPolicy once it exists: an `up` must not reopen a held queue.
-            held = ["spec.stopPolicy"] if manifest["kind"] == "ClusterQueue" else None
-            declare(manifest, child(self, depends_on=[args.kueue, core[0]], ignore_changes=held))
+            declare(manifest, child(self, depends_on=[args.kueue, core[0]]))
         if any(p.itype.accelerator and p.itype.accelerator.kind == "nvidia" for p in stack.spec.pools):
             declare(kube.idle_gpu_rule(stack), child(self, depends_on=[args.prometheus]))
         self.register_outputs({})

@@ -212,12 +212,13 @@ def resource_flavors(stack: Stack) -> list[Manifest]:
             for name, pools in families(stack).items()]
 
 
-def cluster_queue(stack: Stack, stop_policy: str = "None") -> Manifest:
+def cluster_queue(stack: Stack) -> Manifest:
+    """No stopPolicy: the guardrail owns that field (Kueue defaults it to None), and with server-side apply an `up`
+    that does not name it never takes it back, so it cannot reopen a held queue."""
     covered = _covered(stack)
     return {"apiVersion": KUEUE_API, "kind": "ClusterQueue", "metadata": {"name": cluster_queue_name(stack)},
             "spec": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace_name(stack)}},
                      "queueingStrategy": "BestEffortFIFO",
-                     "stopPolicy": stop_policy,
                      "resourceGroups": [{"coveredResources": covered,
                                          "flavors": [_family_quota(name, pools, covered)
                                                      for name, pools in families(stack).items()]}]}}

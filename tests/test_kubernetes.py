@@ -478,6 +478,18 @@ def test_jobs_without_a_queue_name_are_not_admitted() -> None:
     assert ns.inputs["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "baseline"
 
 
+def test_the_guardrail_owns_the_stop_policy() -> None:
+    """The program never names the ClusterQueue's stopPolicy, and applies server-side: an `up` leaves a held queue held
+    (no ignore_changes needed, none relied on)."""
+    _, declared = planned(TEAM_K8S)
+    (cq,) = of_type(declared, "kueue.x-k8s.io/v1beta2:ClusterQueue")
+    assert "stopPolicy" not in cq.inputs["spec"] and not cq.ignore_changes
+    (provider,) = [d for d in declared if d.type == "pulumi:providers:kubernetes"]
+    assert provider.inputs["enableServerSideApply"] in (True, "true")
+    # What the guardrail patches is the field the program leaves alone.
+    assert json.loads(queue_guardrail.patch_body("Hold")) == {"spec": {"stopPolicy": "Hold"}}
+
+
 def test_queues_wait_for_kueue() -> None:
     _, declared = planned(TEAM_K8S)
     kueue = next(r.urn for r in of_type(declared, "helm.sh/v3:Release") if r.inputs["name"] == "kueue")
