@@ -105,6 +105,7 @@ class EksCluster(pulumi.ComponentResource):
         self.node_access = aws.eks.AccessEntry(f"{name}-nodes", cluster_name=cluster.name,
                                                principal_arn=node_role.arn, type="EC2_LINUX", opts=child(self))
         self.node_policies = node_policies
+        node_addons = self._addons(name, cluster, eks.NODE_ADDONS, {})
         # EKS adds its cluster security group to a node group's nodes only when their launch template names none:
         # every node group's template names both it (the control plane's and managed add-ons' group) and the stack's
         # (members talk freely), so that pods on system and accelerator nodes reach each other.
@@ -124,10 +125,13 @@ class EksCluster(pulumi.ComponentResource):
             launch_template={"id": system_template.id, "version": system_template.latest_version.apply(str)},
             scaling_config={"min_size": eks.SYSTEM_NODES, "max_size": eks.SYSTEM_NODES,
                             "desired_size": eks.SYSTEM_NODES},
-            labels={"gpucluster/role": "system"}, opts=child(self, depends_on=[self.node_access, *node_policies]))
+            labels={"gpucluster/role": "system"},
+            opts=child(self, depends_on=[self.node_access, *node_policies, *node_addons.values()]))
         self._admins(name, cluster, settings_.admin_role_arns)
         self.team_role_arn = self._team(name, stack, cluster)
-        self.addons = self._addons(name, cluster)
+        pod_addons = self._addons(name, cluster, [a for a in eks.ADDONS if a not in eks.NODE_ADDONS], node_addons,
+                                  after=[self.system_nodes])
+        self.addons = [{**node_addons, **pod_addons}[a] for a in eks.ADDONS]
         self.name, self.arn, self.node_role_arn = cluster.name, cluster.arn, node_role.arn
         self.version = cluster.version
         self.kubeconfig = pulumi.Output.all(cluster.name, cluster.endpoint, cluster.certificate_authority).apply(
@@ -135,21 +139,25 @@ class EksCluster(pulumi.ComponentResource):
         self.register_outputs({"name": self.name, "arn": self.arn, "node_role_arn": self.node_role_arn,
                                "team_role_arn": self.team_role_arn})
 
-    def _addons(self, name: str, cluster: aws.eks.Cluster) -> list[aws.eks.Addon]:
-        """The managed add-ons; the VPC CNI with its own Pod Identity role, once the Pod Identity agent is there."""
-        cni = aws.iam.Role(f"{name}-vpc-cni", assume_role_policy=trust("pods.eks.amazonaws.com", ASSUME_AND_TAG),
-                           opts=child(self))
-        aws.iam.RolePolicyAttachment(f"{name}-vpc-cni", role=cni.name, policy_arn=MANAGED_POLICY + CNI_POLICY,
-                                     opts=child(self))
-        addons: dict[str, aws.eks.Addon] = {}
-        for addon in sorted(eks.ADDONS, key=lambda a: a != "eks-pod-identity-agent"):
+    def _addons(self, name: str, cluster: aws.eks.Cluster, names: Sequence[str], made: dict[str, aws.eks.Addon],
+                after: Sequence[pulumi.Resource] = ()) -> dict[str, aws.eks.Addon]:
+        """Managed add-ons; the VPC CNI with its own Pod Identity role, once the Pod Identity agent is there."""
+        addons = dict(made)
+        for addon in sorted(names, key=lambda a: a != "eks-pod-identity-agent"):
             vpc_cni = addon == "vpc-cni"
+            association = None
+            if vpc_cni:
+                cni = aws.iam.Role(f"{name}-vpc-cni",
+                                   assume_role_policy=trust("pods.eks.amazonaws.com", ASSUME_AND_TAG), opts=child(self))
+                aws.iam.RolePolicyAttachment(f"{name}-vpc-cni", role=cni.name,
+                                             policy_arn=MANAGED_POLICY + CNI_POLICY, opts=child(self))
+                association = [{"role_arn": cni.arn, "service_account": "aws-node"}]
             addons[addon] = aws.eks.Addon(
                 f"{name}-{addon}", cluster_name=cluster.name, addon_name=addon,
                 resolve_conflicts_on_create="OVERWRITE", resolve_conflicts_on_update="PRESERVE",
-                pod_identity_associations=[{"role_arn": cni.arn, "service_account": "aws-node"}] if vpc_cni else None,
-                opts=child(self, depends_on=[addons["eks-pod-identity-agent"]] if vpc_cni else None))
-        return [addons[a] for a in eks.ADDONS]
+                pod_identity_associations=association,
+                opts=child(self, depends_on=[*after, *([addons["eks-pod-identity-agent"]] if vpc_cni else [])]))
+        return {a: addons[a] for a in names}
 
     def _admins(self, name: str, cluster: aws.eks.Cluster, role_arns: Sequence[str]) -> None:
         for i, arn in enumerate(role_arns):

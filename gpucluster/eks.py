@@ -44,6 +44,9 @@ ADDONS = (
     "aws-fsx-csi-driver",
     "eks-node-monitoring-agent",
 )
+# Node daemons: a node is Ready only with the CNI (and kube-proxy), and Pod Identity works only with its agent, so
+# these come before the first node group. The others run pods (CoreDNS, the CSI controller) and so after it.
+NODE_ADDONS = ("vpc-cni", "kube-proxy", "eks-pod-identity-agent")
 
 
 @dataclass(frozen=True)

@@ -154,6 +154,20 @@ def test_nodes_cannot_manage_ips_the_vpc_cni_can(k8s: tuple[Stack, tuple[Declare
     assert addons["eks-pod-identity-agent"].urn in addons["vpc-cni"].dependencies
 
 
+def test_system_nodes_after_the_node_daemons_coredns_after_the_nodes(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
+    """Nodes are Ready only with the CNI, and Pod Identity needs its agent: both before the system nodes. CoreDNS and
+    the other add-ons that run pods wait for nodes to run them on (else EKS reports them degraded and `up` fails)."""
+    stack, declared = k8s
+    addons = {a.inputs["addonName"]: a for a in of_type(declared, "eks/addon:Addon")}
+    (system,) = [g for g in of_type(declared, "eks/nodeGroup:NodeGroup")
+                 if g.inputs["nodeGroupName"] == f"{stack.cluster_name}-system"]
+    for name in ("vpc-cni", "kube-proxy", "eks-pod-identity-agent"):
+        assert addons[name].urn in system.dependencies, name
+        assert system.urn not in addons[name].dependencies, name
+    for name in ("coredns", "aws-fsx-csi-driver", "eks-node-monitoring-agent"):
+        assert system.urn in addons[name].dependencies, name
+
+
 def test_access_entries() -> None:
     admin = "arn:aws:iam::123456789012:role/platform-admins"
     stack, declared = variant(TEAM_K8S, kubernetes={"version": "1.35", "admin_role_arns": [admin]})
