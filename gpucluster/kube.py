@@ -496,6 +496,18 @@ def example_pool(stack: Stack) -> Pool:
     return next((p for p in nvidia if p.uses_efa), nvidia[0] if nvidia else stack.spec.pools[0])
 
 
+EXAMPLE_JOB_FILE = "example-ddp-job.yaml"
+
+
+def render_header(name: str) -> str:
+    """Each rendered file's first lines: only the first job is for `kubectl apply`; the rest is what `pulumi up`
+    declares, for review, with placeholders where AWS computes a value."""
+    if name == EXAMPLE_JOB_FILE:
+        return "# The first job: kubectl apply -f this file once `pulumi up` has built the cluster.\n"
+    return ("# Reference, not for kubectl apply: `pulumi up` declares these objects (and owns them); values only AWS\n"
+            "# knows are placeholders (<... at up>).\n")
+
+
 def render_files(stack: Stack) -> dict[str, list[Manifest]]:
     """Every object the program declares in the cluster (values AWS computes as placeholders), and the first job."""
     fsx = Fsx("<file system id at up>", "<file system DNS name at up>", "<mount name at up>",
@@ -505,7 +517,7 @@ def render_files(stack: Stack) -> dict[str, list[Manifest]]:
         fsx = Fsx(lustre.file_system_id, lustre.dns_name, lustre.mount_name, 1200)
     files = {"team.yaml": team_manifests(stack, fsx), "queues.yaml": queue_manifests(stack),
              "idle-gpu-rule.yaml": [idle_gpu_rule(stack)],
-             "example-ddp-job.yaml": example_job(stack, example_pool(stack))}
+             EXAMPLE_JOB_FILE: example_job(stack, example_pool(stack))}
     act = stack.spec.budget.act_threshold_percent
     if act is not None:
         files["guardrail.yaml"] = guardrail_manifests(stack, "<budget queue URL at up>", act,

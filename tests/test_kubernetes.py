@@ -370,8 +370,14 @@ def test_autoscaler_priority_expander_spot_first(k8s: tuple[Stack, tuple[Declare
         f"aws:ResourceTag/k8s.io/cluster-autoscaler/{stack.cluster_name}": "owned"}}
     assert resize["Resource"] == (f"arn:aws:autoscaling:{stack.region}:123456789012:autoScalingGroup:*:"
                                   f"autoScalingGroupName/eks-{stack.cluster_name}-*")
-    for pool in stack.spec.pools:  # every pool's group matches it: EKS names it eks-<node group>-<uuid>
-        assert f"eks-{stack.cluster_name}-{pool.name}-<uuid at up>".startswith(resize["Resource"].rsplit("/")[-1][:-1])
+    # Every pool's group, as the node group names it (EKS: eks-<node group>-<uuid>), matches the resource pattern;
+    # another cluster's does not.
+    from fnmatch import fnmatchcase
+    tagged = {t.inputs["autoscalingGroupName"] for t in of_type(declared, "autoscaling/tag:Tag")}
+    assert len(tagged) == len(stack.spec.pools)
+    arn = f"arn:aws:autoscaling:{stack.region}:123456789012:autoScalingGroup:0a1b2c3d-uuid:autoScalingGroupName/"
+    assert all(fnmatchcase(arn + group, resize["Resource"]) for group in tagged)
+    assert not fnmatchcase(arn + "eks-gpucluster-other-p5-od-uuid", resize["Resource"])
     assert grants["NodeGroups"]["Resource"] == f"arn:aws:eks:{stack.region}:123456789012:nodegroup/{stack.cluster_name}/*"
 
 
@@ -787,6 +793,11 @@ def test_rendered_files_are_what_the_program_declares_and_valid(tmp_path: Path) 
     rendered = [d for f in sorted((tmp_path / "kubernetes").glob("*.yaml")) for d in yaml.safe_load_all(f.read_text())]
     for obj in rendered:
         check(obj, stack.spec.eks.version)
+    # Only the first job is for kubectl; the rest, with placeholders, says it is reference only.
+    for f in (tmp_path / "kubernetes").glob("*.yaml"):
+        first = f.read_text().splitlines()[0]
+        assert first.startswith("# Reference, not for kubectl apply") == (f.name != "example-ddp-job.yaml"), f.name
+    assert "<file system id at up>" in (tmp_path / "kubernetes" / "team.yaml").read_text()
     key = lambda o: (o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"])  # noqa: E731
     declared_keys = {key(o) for o in k8s_objects(declared)}
     example = {key(o) for o in kube.example_job(stack, kube.example_pool(stack))}
