@@ -126,6 +126,8 @@ class EksCluster(pulumi.ComponentResource):
             scaling_config={"min_size": eks.SYSTEM_NODES, "max_size": eks.SYSTEM_NODES,
                             "desired_size": eks.SYSTEM_NODES},
             labels={"gpucluster/role": "system"},
+            taints=[{"key": kube.SYSTEM_TAINT["key"], "value": kube.SYSTEM_TAINT["value"],
+                     "effect": TAINT_EFFECTS[kube.SYSTEM_TAINT["effect"]]}],
             opts=child(self, depends_on=[self.node_access, *node_policies, *node_addons.values()]))
         self._admins(name, cluster, settings_.admin_role_arns)
         self.team_role_arn = self._team(name, stack, cluster)
@@ -156,6 +158,8 @@ class EksCluster(pulumi.ComponentResource):
                 f"{name}-{addon}", cluster_name=cluster.name, addon_name=addon,
                 resolve_conflicts_on_create="OVERWRITE", resolve_conflicts_on_update="PRESERVE",
                 pod_identity_associations=association,
+                # CoreDNS runs on the tainted system nodes (EKS's default tolerations say so too; explicit here).
+                configuration_values=json.dumps({"tolerations": kube.SYSTEM_TOLERATIONS}) if addon == "coredns" else None,
                 opts=child(self, depends_on=[*after, *([addons["eks-pod-identity-agent"]] if vpc_cni else [])]))
         return {a: addons[a] for a in names}
 

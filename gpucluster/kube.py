@@ -25,6 +25,9 @@ EFA_LABEL = "gpucluster/efa"  # on EFA pools only: where the EFA device plugin r
 # selects on it, so a job admitted to it may run on either and the autoscaler's priority expander does the fallback.
 FAMILY_LABEL = "gpucluster/family"
 SPOT_TAINT = "gpucluster/spot"
+# The system nodes' taint: only the cluster's own software (which tolerates it) runs there, never a team's pods.
+SYSTEM_TAINT = {"key": "CriticalAddonsOnly", "value": "true", "effect": "NoSchedule"}
+SYSTEM_TOLERATIONS = [{"key": "CriticalAddonsOnly", "operator": "Exists"}]
 # Namespaces whose jobs Kueue manages even without a queue name (and so never admits them: no LocalQueue matches).
 TEAM_NAMESPACE_LABEL = "gpucluster/team-namespace"
 QUEUE_NAME_LABEL = "kueue.x-k8s.io/queue-name"
@@ -292,6 +295,7 @@ def autoscaler_values(stack: Stack, node_group_names: dict[str, str], service_ac
         "autoDiscovery": {"clusterName": stack.cluster_name},
         "rbac": {"serviceAccount": {"create": True, "name": service_account}},
         "expanderPriorities": priorities,
+        "tolerations": SYSTEM_TOLERATIONS,
         # A spot group that cannot get capacity is given up on after this long and the next priority is tried
         # (the default, 15 minutes, leaves a queued job waiting that much per attempt).
         "extraArgs": {"expander": "priority", "max-node-provision-time": MAX_NODE_PROVISION_TIME,
@@ -350,7 +354,8 @@ def kueue_values(stack: Stack) -> dict[str, Any]:
         "  - statefulset",
         "",
     ])
-    return {"managerConfig": {"controllerManagerConfigYaml": config}}
+    return {"managerConfig": {"controllerManagerConfigYaml": config},
+            "controllerManager": {"tolerations": SYSTEM_TOLERATIONS}}
 
 
 def dcgm_exporter_values() -> dict[str, Any]:
@@ -372,11 +377,16 @@ def alertmanager_config(stack: Stack, topic_arn: Any) -> dict[str, Any]:
 
 def prometheus_values(stack: Stack, topic_arn: Any) -> dict[str, Any]:
     # Rules and monitors of every release are picked up, not only this chart's own.
+    # Everything but the node exporter (a DaemonSet that tolerates every NoSchedule taint) on the system nodes.
     return {"prometheus": {"prometheusSpec": {"ruleSelectorNilUsesHelmValues": False,
                                               "serviceMonitorSelectorNilUsesHelmValues": False,
-                                              "retention": "15d"}},
+                                              "retention": "15d", "tolerations": SYSTEM_TOLERATIONS}},
             "alertmanager": {"config": alertmanager_config(stack, topic_arn),
-                             "serviceAccount": {"create": True, "name": ALERTMANAGER_SERVICE_ACCOUNT}},
+                             "serviceAccount": {"create": True, "name": ALERTMANAGER_SERVICE_ACCOUNT},
+                             "alertmanagerSpec": {"tolerations": SYSTEM_TOLERATIONS}},
+            "prometheusOperator": {"tolerations": SYSTEM_TOLERATIONS,
+                                   "admissionWebhooks": {"patch": {"tolerations": SYSTEM_TOLERATIONS}}},
+            "kube-state-metrics": {"tolerations": SYSTEM_TOLERATIONS},
             "grafana": {"enabled": False}}
 
 
@@ -470,6 +480,7 @@ def guardrail_manifests(stack: Stack, queue_url: Any, act_threshold_percent: int
          "spec": {"replicas": 1, "selector": {"matchLabels": labels}, "strategy": {"type": "Recreate"},
                   "template": {"metadata": {"labels": labels}, "spec": {
                       "serviceAccountName": GUARDRAIL,
+                      "tolerations": SYSTEM_TOLERATIONS,
                       "securityContext": {"runAsNonRoot": True, "runAsUser": 65534,
                                           "seccompProfile": {"type": "RuntimeDefault"}},
                       "containers": [{

@@ -168,6 +168,38 @@ def test_system_nodes_after_the_node_daemons_coredns_after_the_nodes(k8s: tuple[
         assert system.urn in addons[name].dependencies, name
 
 
+def _tolerates_system(tolerations: list[dict]) -> bool:
+    return any(t.get("key") == "CriticalAddonsOnly" and t.get("operator") == "Exists" for t in tolerations)
+
+
+def test_system_nodes_run_only_the_clusters_own_software(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
+    """System nodes: IMDSv2 with one hop, and a CriticalAddonsOnly taint that the cluster's software tolerates (the
+    charts at the values keys their pinned versions read, the guardrail, CoreDNS) and the team's pods do not."""
+    stack, declared = k8s
+    (system,) = [g.inputs for g in of_type(declared, "eks/nodeGroup:NodeGroup")
+                 if g.inputs["nodeGroupName"] == f"{stack.cluster_name}-system"]
+    assert system["taints"] == [{"key": "CriticalAddonsOnly", "value": "true", "effect": "NO_SCHEDULE"}]
+    templates = {_planned_id(t, stack): t.inputs for t in of_type(declared, "ec2/launchTemplate:LaunchTemplate")}
+    metadata = templates[system["launchTemplate"]["id"]]["metadataOptions"]
+    assert metadata["httpTokens"] == "required" and metadata["httpPutResponseHopLimit"] == 1
+    releases = _releases(declared)
+    monitoring = releases["monitoring"]["values"]
+    for tolerations in (releases["cluster-autoscaler"]["values"]["tolerations"],
+                        releases["kueue"]["values"]["controllerManager"]["tolerations"],
+                        monitoring["prometheus"]["prometheusSpec"]["tolerations"],
+                        monitoring["alertmanager"]["alertmanagerSpec"]["tolerations"],
+                        monitoring["prometheusOperator"]["tolerations"],
+                        monitoring["prometheusOperator"]["admissionWebhooks"]["patch"]["tolerations"],
+                        monitoring["kube-state-metrics"]["tolerations"]):
+        assert _tolerates_system(tolerations)
+    (guardrail,) = of_type(declared, "apps/v1:Deployment")
+    assert _tolerates_system(guardrail.inputs["spec"]["template"]["spec"]["tolerations"])
+    addons = {a.inputs["addonName"]: a.inputs for a in of_type(declared, "eks/addon:Addon")}
+    assert _tolerates_system(json.loads(addons["coredns"]["configurationValues"])["tolerations"])
+    *_, job = kube.example_job(stack, kube.example_pool(stack))
+    assert not _tolerates_system(job["spec"]["template"]["spec"]["tolerations"])
+
+
 def test_access_entries() -> None:
     admin = "arn:aws:iam::123456789012:role/platform-admins"
     stack, declared = variant(TEAM_K8S, kubernetes={"version": "1.35", "admin_role_arns": [admin]})
