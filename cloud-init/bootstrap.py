@@ -576,16 +576,9 @@ def metrics_writer(role: str, systemd: Path = SYSTEMD) -> None:
 
 
 def alertmanager_config(s: ClusterSettings) -> str:
-    """Every alert to the stack's topic (the budget's subscribers), grouped per alert and pool, repeated every 4 h
-    while it fires. SNS with the instance role's credentials (SigV4), JSON being YAML."""
-    receiver = {"name": "stack-topic", "sns_configs": [{
-        "topic_arn": s.alerts_topic_arn, "sigv4": {"region": s.region}, "send_resolved": True,
-        "subject": "[{{ .Status | toUpper }}] {{ .CommonLabels.alertname }} on " + s.cluster,
-        "message": "{{ range .Alerts }}{{ .Annotations.summary }}\n{{ end }}"}]} if s.alerts_topic_arn else {
-        "name": "stack-topic"}
-    return json.dumps({"route": {"receiver": "stack-topic", "group_by": ["alertname", "pool"], "group_wait": "30s",
-                                 "group_interval": "5m", "repeat_interval": "4h"},
-                       "receivers": [receiver]}, indent=1) + "\n"
+    """Every alert to the stack's topic (contract.alertmanager_routing, the EKS flavour's too), with the instance
+    role's credentials. JSON being YAML."""
+    return json.dumps(contract.alertmanager_routing(s.alerts_topic_arn, s.region, s.cluster), indent=1) + "\n"
 
 
 def grafana(systemd: Path = SYSTEMD, provisioning: Path = Path("/etc/grafana/provisioning"),

@@ -157,5 +157,6 @@ class LaunchDeny(pulumi.ComponentResource):
             opts=child(self),
         )
         self.action_id = action.action_id
+        self.action_arn = action.arn
         self.policy_arn = deny.arn
         self.register_outputs({"action_id": self.action_id, "policy_arn": self.policy_arn})

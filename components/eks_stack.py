@@ -31,19 +31,23 @@ class QueueGuardrail(pulumi.ComponentResource):
 
     def __init__(self, name: str, stack: Stack, cluster_name: pulumi.Input[str], queue_url: pulumi.Input[str],
                  queue_arn: pulumi.Input[str], budget_arn: pulumi.Input[str], act_threshold_percent: int,
-                 after: list[pulumi.Resource], opts: pulumi.ResourceOptions | None = None):
+                 launch_deny: LaunchDeny, after: list[pulumi.Resource], opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpucluster:kubernetes:QueueGuardrail", name, None, opts)
         role = aws.iam.Role(f"{name}-guardrail-pod", assume_role_policy=trust("pods.eks.amazonaws.com", ASSUME_AND_TAG),
                             opts=child(self))
         aws.iam.RolePolicy(f"{name}-guardrail-pod", role=role.id, policy=pulumi.Output.all(
-            queue_arn, budget_arn).apply(lambda a: policy([
+            queue_arn, budget_arn, launch_deny.action_arn).apply(lambda a: policy([
                 {"Sid": "BudgetQueue", "Effect": "Allow", "Action": ["sqs:ReceiveMessage", "sqs:DeleteMessage"],
                  "Resource": a[0]},
-                {"Sid": "ReadBudget", "Effect": "Allow", "Action": "budgets:ViewBudget", "Resource": a[1]}])),
+                {"Sid": "ReadBudget", "Effect": "Allow", "Action": "budgets:ViewBudget", "Resource": a[1]},
+                # On reopening, lift the autoscaler's scale-up deny: whether it ran, and reversing it; that action only
+                # (DescribeBudgetAction takes the action's ARN, where DescribeBudgetActionsForBudget needs the budget's).
+                {"Sid": "ReverseLaunchDeny", "Effect": "Allow",
+                 "Action": ["budgets:DescribeBudgetAction", "budgets:ExecuteBudgetAction"], "Resource": a[2]}])),
             opts=child(self))
         aws.eks.PodIdentityAssociation(f"{name}-guardrail", cluster_name=cluster_name, namespace=eks.KUEUE.namespace,
                                        service_account=kube.GUARDRAIL, role_arn=role.arn, opts=child(self))
-        for manifest in kube.guardrail_manifests(stack, queue_url, act_threshold_percent):
+        for manifest in kube.guardrail_manifests(stack, queue_url, act_threshold_percent, launch_deny.action_id):
             declare(manifest, child(self, depends_on=after))
         self.register_outputs({})
 
@@ -63,7 +67,8 @@ def create_kubernetes_cluster(stack: Stack) -> dict[str, object]:
     node_ready = [cluster.node_access, *cluster.node_policies]
     pools = {pool.name: NodePool(f"{stack.cluster_name}-{pool.name}", NodePoolArgs(
         stack=stack, pool=pool, cluster_name=cluster.name, node_role_arn=cluster.node_role_arn,
-        subnet_id=network.subnet_id, security_group_id=network.security_group_id, depends_on=node_ready), opts)
+        subnet_id=network.subnet_id, security_group_ids=cluster.node_security_group_ids,
+        version=cluster.version, depends_on=node_ready), opts)
         for pool in spec.pools}
     # Everything in the cluster goes through the API with the identity running Pulumi, once a node runs the add-ons.
     provider = k8s.Provider("eks", kubeconfig=cluster.kubeconfig, enable_server_side_apply=True,
@@ -71,17 +76,18 @@ def create_kubernetes_cluster(stack: Stack) -> dict[str, object]:
     in_cluster = pulumi.ResourceOptions(providers={"aws": opts.provider, "kubernetes": provider})
     software = ClusterSoftware(stack.cluster_name, ClusterSoftwareArgs(
         stack=stack, cluster_name=cluster.name, cluster_arn=cluster.arn,
-        node_group_names={name: pool.node_group_name for name, pool in pools.items()}), in_cluster)
+        node_group_names={name: pool.node_group_name for name, pool in pools.items()},
+        alerts_topic_arn=budget.topic_arn), in_cluster)
     fsx = kube.Fsx(storage.file_system_id, storage.dns_name, storage.mount_name, fsx_capacity_gib(stack))
     TeamSpace(stack.cluster_name, TeamSpaceArgs(stack=stack, fsx=fsx, kueue=software.kueue,
                                                 prometheus=software.prometheus), in_cluster)
     act = spec.budget.act_threshold_percent
     if act is not None:
-        QueueGuardrail(stack.cluster_name, stack, cluster.name, budget.queue_url, budget.queue_arn,  # type: ignore[arg-type]
-                       budget.budget_arn, act, [software.kueue], in_cluster)
-        LaunchDeny(stack.cluster_name, LaunchDenyArgs(
+        deny = LaunchDeny(stack.cluster_name, LaunchDenyArgs(
             budget_name=budget.budget_name, act_threshold_percent=act, role_name=software.autoscaler_role_name,
             role_arn=software.autoscaler_role_arn, topic_arn=budget.topic_arn, denied_actions=SCALE_UP_ACTIONS), opts)
+        QueueGuardrail(stack.cluster_name, stack, cluster.name, budget.queue_url, budget.queue_arn,  # type: ignore[arg-type]
+                       budget.budget_arn, act, deny, [software.kueue], in_cluster)
     estimate = cost.estimate(stack)
     return {
         **network_and_storage_outputs(network, storage),

@@ -6,6 +6,7 @@ from this template, so the pool exports what that call needs: template id, subne
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pulumi
@@ -33,7 +34,7 @@ class GpuPoolArgs:
 
 
 def network_interfaces(pool: Pool, subnet_id: pulumi.Input[str] | None,
-                       security_group_id: pulumi.Input[str]) -> list[dict]:
+                       security_group_ids: Sequence[pulumi.Input[str]]) -> list[dict]:
     """The pool's interfaces: one per network card with EFA. `subnet_id` None leaves the subnet to the launcher (EKS
     managed node groups reject a template whose interfaces name one)."""
     return [
@@ -42,7 +43,7 @@ def network_interfaces(pool: Pool, subnet_id: pulumi.Input[str] | None,
             "device_index": nic.device_index,
             "interface_type": nic.interface_type,
             "subnet_id": subnet_id,
-            "security_groups": [security_group_id],
+            "security_groups": list(security_group_ids),
             "delete_on_termination": "true",
             "associate_public_ip_address": "false" if nic.interface_type != "efa-only" and subnet_id else None,
         }
@@ -58,7 +59,7 @@ def placement_group(name: str, pool: Pool, opts: pulumi.ResourceOptions) -> pulu
 
 
 def launch_template(name: str, pool: Pool, *, description: str, subnet_id: pulumi.Input[str] | None,
-                    security_group_id: pulumi.Input[str], group_name: pulumi.Input[str] | None,
+                    security_group_ids: Sequence[pulumi.Input[str]], group_name: pulumi.Input[str] | None,
                     node_tags: dict[str, str], root_device: str, opts: pulumi.ResourceOptions,
                     image_id: pulumi.Input[str] | None = None, instance_profile_arn: pulumi.Input[str] | None = None,
                     user_data: pulumi.Input[str] | None = None) -> aws.ec2.LaunchTemplate:
@@ -69,7 +70,7 @@ def launch_template(name: str, pool: Pool, *, description: str, subnet_id: pulum
         description=description,
         image_id=image_id,
         instance_type=pool.instance_type,
-        network_interfaces=network_interfaces(pool, subnet_id, security_group_id),
+        network_interfaces=network_interfaces(pool, subnet_id, security_group_ids),
         placement={"group_name": group_name} if group_name else None,
         metadata_options={
             "http_endpoint": "enabled",
@@ -135,7 +136,7 @@ class GpuPool(pulumi.ComponentResource):
         self.placement_group = placement_group(name, pool, child(self))
         template = launch_template(
             name, pool, description=f"{args.cluster_name} pool {pool.name}: {pool.instance_type}",
-            subnet_id=args.subnet_id, security_group_id=args.security_group_id, group_name=self.placement_group,
+            subnet_id=args.subnet_id, security_group_ids=[args.security_group_id], group_name=self.placement_group,
             node_tags={**args.instance_tags, settings.POOL_TAG: pool.name}, root_device=ROOT_DEVICE,
             opts=child(self), image_id=self.image_id, instance_profile_arn=args.instance_profile_arn,
             user_data=args.user_data)

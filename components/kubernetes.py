@@ -54,6 +54,8 @@ class EksCluster(pulumi.ComponentResource):
     arn: pulumi.Output[str]
     node_role_arn: pulumi.Output[str]
     kubeconfig: pulumi.Output[str]
+    version: pulumi.Output[str]
+    node_security_group_ids: list[pulumi.Output[str]]
 
     def __init__(self, name: str, args: EksClusterArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpucluster:kubernetes:EksCluster", name, None, opts)
@@ -103,37 +105,63 @@ class EksCluster(pulumi.ComponentResource):
         self.node_access = aws.eks.AccessEntry(f"{name}-nodes", cluster_name=cluster.name,
                                                principal_arn=node_role.arn, type="EC2_LINUX", opts=child(self))
         self.node_policies = node_policies
+        node_addons = self._addons(name, cluster, eks.NODE_ADDONS, {})
+        # EKS adds its cluster security group to a node group's nodes only when their launch template names none:
+        # every node group's template names both it (the control plane's and managed add-ons' group) and the stack's
+        # (members talk freely), so that pods on system and accelerator nodes reach each other.
+        self.node_security_group_ids = [args.security_group_id, cluster.vpc_config.cluster_security_group_id]
+        system_template = aws.ec2.LaunchTemplate(
+            f"{name}-system-lt", description=f"{stack.cluster_name} system node group",
+            vpc_security_group_ids=self.node_security_group_ids,
+            # IMDSv2 with one hop: pods get AWS credentials from Pod Identity only, never the node's role.
+            metadata_options={"http_endpoint": "enabled", "http_tokens": "required",
+                              "http_put_response_hop_limit": 1, "http_protocol_ipv6": "disabled"},
+            update_default_version=True, opts=child(self))
         self.system_nodes = aws.eks.NodeGroup(
             f"{name}-system", cluster_name=cluster.name, node_group_name=f"{stack.cluster_name}-system",
+            version=cluster.version,
             node_role_arn=node_role.arn, subnet_ids=[args.subnet_id], ami_type="AL2023_x86_64_STANDARD",
             instance_types=[eks.SYSTEM_INSTANCE_TYPE], capacity_type="ON_DEMAND",
+            launch_template={"id": system_template.id, "version": system_template.latest_version.apply(str)},
             scaling_config={"min_size": eks.SYSTEM_NODES, "max_size": eks.SYSTEM_NODES,
                             "desired_size": eks.SYSTEM_NODES},
-            labels={"gpucluster/role": "system"}, opts=child(self, depends_on=[self.node_access, *node_policies]))
+            labels={"gpucluster/role": "system"},
+            taints=[{"key": kube.SYSTEM_TAINT["key"], "value": kube.SYSTEM_TAINT["value"],
+                     "effect": TAINT_EFFECTS[kube.SYSTEM_TAINT["effect"]]}],
+            opts=child(self, depends_on=[self.node_access, *node_policies, *node_addons.values()]))
         self._admins(name, cluster, settings_.admin_role_arns)
         self.team_role_arn = self._team(name, stack, cluster)
-        self.addons = self._addons(name, cluster)
+        pod_addons = self._addons(name, cluster, [a for a in eks.ADDONS if a not in eks.NODE_ADDONS], node_addons,
+                                  after=[self.system_nodes])
+        self.addons = [{**node_addons, **pod_addons}[a] for a in eks.ADDONS]
         self.name, self.arn, self.node_role_arn = cluster.name, cluster.arn, node_role.arn
+        self.version = cluster.version
         self.kubeconfig = pulumi.Output.all(cluster.name, cluster.endpoint, cluster.certificate_authority).apply(
             lambda a: kubeconfig(a[0], a[1], a[2]["data"], stack.region))
         self.register_outputs({"name": self.name, "arn": self.arn, "node_role_arn": self.node_role_arn,
                                "team_role_arn": self.team_role_arn})
 
-    def _addons(self, name: str, cluster: aws.eks.Cluster) -> list[aws.eks.Addon]:
-        """The managed add-ons; the VPC CNI with its own Pod Identity role, once the Pod Identity agent is there."""
-        cni = aws.iam.Role(f"{name}-vpc-cni", assume_role_policy=trust("pods.eks.amazonaws.com", ASSUME_AND_TAG),
-                           opts=child(self))
-        aws.iam.RolePolicyAttachment(f"{name}-vpc-cni", role=cni.name, policy_arn=MANAGED_POLICY + CNI_POLICY,
-                                     opts=child(self))
-        addons: dict[str, aws.eks.Addon] = {}
-        for addon in sorted(eks.ADDONS, key=lambda a: a != "eks-pod-identity-agent"):
+    def _addons(self, name: str, cluster: aws.eks.Cluster, names: Sequence[str], made: dict[str, aws.eks.Addon],
+                after: Sequence[pulumi.Resource] = ()) -> dict[str, aws.eks.Addon]:
+        """Managed add-ons; the VPC CNI with its own Pod Identity role, once the Pod Identity agent is there."""
+        addons = dict(made)
+        for addon in sorted(names, key=lambda a: a != "eks-pod-identity-agent"):
             vpc_cni = addon == "vpc-cni"
+            association = None
+            if vpc_cni:
+                cni = aws.iam.Role(f"{name}-vpc-cni",
+                                   assume_role_policy=trust("pods.eks.amazonaws.com", ASSUME_AND_TAG), opts=child(self))
+                aws.iam.RolePolicyAttachment(f"{name}-vpc-cni", role=cni.name,
+                                             policy_arn=MANAGED_POLICY + CNI_POLICY, opts=child(self))
+                association = [{"role_arn": cni.arn, "service_account": "aws-node"}]
             addons[addon] = aws.eks.Addon(
                 f"{name}-{addon}", cluster_name=cluster.name, addon_name=addon,
                 resolve_conflicts_on_create="OVERWRITE", resolve_conflicts_on_update="PRESERVE",
-                pod_identity_associations=[{"role_arn": cni.arn, "service_account": "aws-node"}] if vpc_cni else None,
-                opts=child(self, depends_on=[addons["eks-pod-identity-agent"]] if vpc_cni else None))
-        return [addons[a] for a in eks.ADDONS]
+                pod_identity_associations=association,
+                # CoreDNS runs on the tainted system nodes (EKS's default tolerations say so too; explicit here).
+                configuration_values=json.dumps({"tolerations": kube.SYSTEM_TOLERATIONS}) if addon == "coredns" else None,
+                opts=child(self, depends_on=[*after, *([addons["eks-pod-identity-agent"]] if vpc_cni else [])]))
+        return {a: addons[a] for a in names}
 
     def _admins(self, name: str, cluster: aws.eks.Cluster, role_arns: Sequence[str]) -> None:
         for i, arn in enumerate(role_arns):
@@ -153,8 +181,9 @@ class EksCluster(pulumi.ComponentResource):
         aws.iam.RolePolicy(f"{name}-team", role=role.id, policy=cluster.arn.apply(lambda arn: policy([{
             "Sid": "Kubeconfig", "Effect": "Allow", "Action": "eks:DescribeCluster", "Resource": arn}])),
             opts=child(self))
+        # Its sessions are in the team's group too: RBAC in the namespace binds Kueue's user role to it (kube.py).
         entry = aws.eks.AccessEntry(f"{name}-team", cluster_name=cluster.name, principal_arn=role.arn,
-                                    type="STANDARD", opts=child(self))
+                                    type="STANDARD", kubernetes_groups=[kube.team_group(stack)], opts=child(self))
         aws.eks.AccessPolicyAssociation(f"{name}-team", cluster_name=cluster.name, principal_arn=role.arn,
                                         policy_arn=ACCESS_POLICY + "AmazonEKSEditPolicy",
                                         access_scope={"type": "namespace", "namespaces": [kube.namespace_name(stack)]},
@@ -179,11 +208,11 @@ def kubeconfig(cluster_name: str, endpoint: str, ca_data: str, region: str) -> s
     })
 
 
-def autoscaler_node_template_tags(pool: Pool) -> dict[str, str]:
+def autoscaler_node_template_tags(stack: Stack, pool: Pool) -> dict[str, str]:
     """What the Cluster Autoscaler reads off an Auto Scaling group at zero nodes to know what a new node would look
     like (kubernetes/autoscaler#4998): without the taints and the GPU/EFA counts it never scales a pool up from zero."""
     prefix = "k8s.io/cluster-autoscaler/node-template"
-    tags = {f"{prefix}/label/{k}": v for k, v in kube.pool_labels(pool).items()}
+    tags = {f"{prefix}/label/{k}": v for k, v in kube.pool_labels(stack, pool).items()}
     tags |= {f"{prefix}/taint/{t['key']}": f"{t['value']}:{t['effect']}" for t in kube.pool_taints(pool)}
     tags |= {f"{prefix}/resources/{r}": str(n) for r, n in kube.pool_resources(pool).items()}
     return tags
@@ -196,7 +225,8 @@ class NodePoolArgs:
     cluster_name: pulumi.Input[str]
     node_role_arn: pulumi.Input[str]
     subnet_id: pulumi.Input[str]
-    security_group_id: pulumi.Input[str]
+    security_group_ids: Sequence[pulumi.Input[str]]  # the stack's and the cluster's (EksCluster.node_security_group_ids)
+    version: pulumi.Input[str]  # the cluster's: the node group's AMI follows it
     depends_on: Sequence[pulumi.Resource] = ()  # the node role's policies and access entry
 
 
@@ -213,20 +243,21 @@ class NodePool(pulumi.ComponentResource):
         group = placement_group(name, pool, child(self))
         template = launch_template(
             name, pool, description=f"{stack.cluster_name} node group {pool.name}: {pool.instance_type}",
-            subnet_id=None, security_group_id=args.security_group_id, group_name=group,
+            subnet_id=None, security_group_ids=args.security_group_ids, group_name=group,
             node_tags={**stack.tags, settings.POOL_TAG: pool.name}, root_device=eks.ROOT_DEVICE, opts=child(self))
         self.node_group_name = name
         node_group = aws.eks.NodeGroup(
             f"{name}-ng",
             cluster_name=args.cluster_name,
             node_group_name=self.node_group_name,
+            version=args.version,
             node_role_arn=args.node_role_arn,
             subnet_ids=[args.subnet_id],
             ami_type=eks.AMI_TYPES[pool.itype.accelerator.kind],
             capacity_type=CAPACITY_TYPES[pool.capacity],
             launch_template={"id": template.id, "version": template.latest_version.apply(str)},
             scaling_config={"min_size": pool.min_nodes, "max_size": pool.max_nodes, "desired_size": pool.min_nodes},
-            labels=kube.pool_labels(pool),
+            labels=kube.pool_labels(stack, pool),
             taints=[{"key": t["key"], "value": t["value"], "effect": TAINT_EFFECTS[t["effect"]]}
                     for t in kube.pool_taints(pool)],
             update_config={"max_unavailable": 1},
@@ -234,7 +265,7 @@ class NodePool(pulumi.ComponentResource):
             opts=child(self, depends_on=list(args.depends_on), ignore_changes=["scalingConfig.desiredSize"]),
         )
         asg_name = node_group.resources.apply(lambda r: r[0].autoscaling_groups[0].name)
-        for i, (key, value) in enumerate(sorted(autoscaler_node_template_tags(pool).items())):
+        for i, (key, value) in enumerate(sorted(autoscaler_node_template_tags(stack, pool).items())):
             aws.autoscaling.Tag(f"{name}-ca-{i}", autoscaling_group_name=asg_name,
                                 tag={"key": key, "value": value, "propagate_at_launch": False}, opts=child(self))
         self.register_outputs({"node_group_name": self.node_group_name})
@@ -263,6 +294,7 @@ TYPED: dict[tuple[str, str], Any] = {
     ("v1", "ServiceAccount"): k8s.core.v1.ServiceAccount,
     ("rbac.authorization.k8s.io/v1", "ClusterRole"): k8s.rbac.v1.ClusterRole,
     ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"): k8s.rbac.v1.ClusterRoleBinding,
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): k8s.rbac.v1.RoleBinding,
     ("apps/v1", "Deployment"): k8s.apps.v1.Deployment,
 }
 
@@ -280,10 +312,11 @@ class ClusterSoftwareArgs:
     cluster_name: pulumi.Input[str]
     cluster_arn: pulumi.Input[str]
     node_group_names: dict[str, str]  # pool -> node group name
+    alerts_topic_arn: pulumi.Input[str]  # the budget's topic: Alertmanager publishes the alerts there
 
 
 class ClusterSoftware(pulumi.ComponentResource):
-    """Pinned Helm releases: the Cluster Autoscaler (with its Pod Identity role), the NVIDIA and EFA device plugins,
+    """Pinned Helm releases: the Cluster Autoscaler (with its Pod Identity role), the NVIDIA, Neuron and EFA device plugins,
     Kueue, and the Prometheus stack with dcgm-exporter."""
 
     autoscaler_role_arn: pulumi.Output[str]
@@ -308,10 +341,25 @@ class ClusterSoftware(pulumi.ComponentResource):
         if nvidia:
             release("nvidia-device-plugin", eks.NVIDIA_DEVICE_PLUGIN, kube.nvidia_device_plugin_values(),
                     child(self))
+        if any(p.itype.accelerator and p.itype.accelerator.kind == "neuron" for p in stack.spec.pools):
+            release("neuron-device-plugin", eks.NEURON_DEVICE_PLUGIN, kube.neuron_device_plugin_values(),
+                    child(self))
         if any(p.uses_efa for p in stack.spec.pools):
             release("efa-device-plugin", eks.EFA_DEVICE_PLUGIN, kube.efa_device_plugin_values(), child(self))
         self.kueue = release("kueue", eks.KUEUE, kube.kueue_values(stack), child(self))
-        self.prometheus = release("monitoring", eks.KUBE_PROMETHEUS_STACK, kube.prometheus_values(), child(self))
+        alertmanager = aws.iam.Role(f"{name}-alertmanager",
+                                    assume_role_policy=trust("pods.eks.amazonaws.com", ASSUME_AND_TAG), opts=child(self))
+        # Alertmanager's SNS receiver (SigV4) publishes the alerts to the stack's topic: that topic only.
+        aws.iam.RolePolicy(f"{name}-alertmanager", role=alertmanager.id,
+                           policy=pulumi.Output.from_input(args.alerts_topic_arn).apply(lambda arn: policy([{
+                               "Sid": "PublishAlerts", "Effect": "Allow", "Action": "sns:Publish", "Resource": arn}])),
+                           opts=child(self))
+        aws.eks.PodIdentityAssociation(f"{name}-alertmanager", cluster_name=args.cluster_name,
+                                       namespace=eks.KUBE_PROMETHEUS_STACK.namespace,
+                                       service_account=kube.ALERTMANAGER_SERVICE_ACCOUNT, role_arn=alertmanager.arn,
+                                       opts=child(self))
+        self.prometheus = release("monitoring", eks.KUBE_PROMETHEUS_STACK,
+                                  kube.prometheus_values(stack, args.alerts_topic_arn), child(self))
         if nvidia:
             release("dcgm-exporter", eks.DCGM_EXPORTER, kube.dcgm_exporter_values(),
                     child(self, depends_on=[self.prometheus]))
@@ -356,9 +404,7 @@ class TeamSpace(pulumi.ComponentResource):
         stack = args.stack
         core = [declare(m, child(self)) for m in kube.team_manifests(stack, args.fsx)]
         for manifest in kube.queue_manifests(stack):
-            # The guardrail owns the ClusterQueue's stopPolicy once it exists: an `up` must not reopen a held queue.
-            held = ["spec.stopPolicy"] if manifest["kind"] == "ClusterQueue" else None
-            declare(manifest, child(self, depends_on=[args.kueue, core[0]], ignore_changes=held))
+            declare(manifest, child(self, depends_on=[args.kueue, core[0]]))
         if any(p.itype.accelerator and p.itype.accelerator.kind == "nvidia" for p in stack.spec.pools):
             declare(kube.idle_gpu_rule(stack), child(self, depends_on=[args.prometheus]))
         self.register_outputs({})

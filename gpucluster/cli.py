@@ -149,7 +149,7 @@ def render(args: argparse.Namespace) -> int:
 
 
 def _render_kubernetes(stack: Stack, out: Path) -> int:
-    """The Kubernetes objects of the stack and its first job, as YAML for `kubectl apply -f`."""
+    """The Kubernetes objects of the stack (for reference) and its first job (for `kubectl apply -f`), as YAML."""
     import yaml
 
     from gpucluster import kube
@@ -157,7 +157,7 @@ def _render_kubernetes(stack: Stack, out: Path) -> int:
     (out / "kubernetes").mkdir(parents=True, exist_ok=True)
     for name, manifests in kube.render_files(stack).items():
         path = out / "kubernetes" / name
-        path.write_text(yaml.safe_dump_all(manifests, sort_keys=False))
+        path.write_text(kube.render_header(name) + yaml.safe_dump_all(manifests, sort_keys=False))
         print(path)
     return 0
 

@@ -44,6 +44,9 @@ ADDONS = (
     "aws-fsx-csi-driver",
     "eks-node-monitoring-agent",
 )
+# Node daemons: a node is Ready only with the CNI (and kube-proxy), and Pod Identity works only with its agent, so
+# these come before the first node group. The others run pods (CoreDNS, the CSI controller) and so after it.
+NODE_ADDONS = ("vpc-cni", "kube-proxy", "eks-pod-identity-agent")
 
 
 @dataclass(frozen=True)
@@ -60,11 +63,15 @@ class Chart:
 # source declares them (Chart.yaml), read 2026-11-30: kubernetes/autoscaler cluster-autoscaler/charts (9.59.0, app
 # 1.35.0), NVIDIA/k8s-device-plugin deployments/helm (0.20.0), aws/eks-charts stable/aws-efa-k8s-device-plugin
 # (v0.5.30), kubernetes-sigs/kueue tag v0.19.2, prometheus-community/helm-charts (88.5.3, operator 0.93.1),
-# NVIDIA/dcgm-exporter deployment (4.8.2).
+# NVIDIA/dcgm-exporter deployment (4.8.2); AWS's Neuron chart (aws-neuron/neuron-helm-charts, 1.10.0 as
+# `helm pull oci://public.ecr.aws/neuron/neuron-helm-chart` lists it; values keys devicePlugin/npd/scheduler/draDriver/
+# ultraserverOperator as its values.yaml names them).
 CLUSTER_AUTOSCALER = Chart("cluster-autoscaler", "https://kubernetes.github.io/autoscaler", "9.59.0", "kube-system")
 NVIDIA_DEVICE_PLUGIN = Chart("nvidia-device-plugin", "https://nvidia.github.io/k8s-device-plugin", "0.20.0",
                              "kube-system")
 EFA_DEVICE_PLUGIN = Chart("aws-efa-k8s-device-plugin", "https://aws.github.io/eks-charts", "v0.5.30", "kube-system")
+# The Neuron device plugin (advertises aws.amazon.com/neuron); the chart's other parts are switched off in its values.
+NEURON_DEVICE_PLUGIN = Chart("oci://public.ecr.aws/neuron/neuron-helm-chart", "", "1.10.0", "kube-system")
 # Kueue publishes its chart as an OCI artifact only.
 KUEUE = Chart("oci://registry.k8s.io/kueue/charts/kueue", "", "0.19.2", "kueue-system")
 KUBE_PROMETHEUS_STACK = Chart("kube-prometheus-stack", "https://prometheus-community.github.io/helm-charts", "88.5.3",

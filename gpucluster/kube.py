@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpucluster import eks, monitoring, prometheus
+from gpucluster import eks, monitoring, prometheus, settings
 from gpucluster.spec import Pool, Stack
 
 Manifest = dict[str, Any]
@@ -21,7 +21,13 @@ POOL_LABEL = "gpucluster/pool"
 CAPACITY_LABEL = "gpucluster/capacity"
 ACCELERATOR_LABEL = "gpucluster/accelerator"
 EFA_LABEL = "gpucluster/efa"  # on EFA pools only: where the EFA device plugin runs
+# A spot pool and its fallback share one value (the spot pool's name), every other pool its own: a Kueue flavour
+# selects on it, so a job admitted to it may run on either and the autoscaler's priority expander does the fallback.
+FAMILY_LABEL = "gpucluster/family"
 SPOT_TAINT = "gpucluster/spot"
+# The system nodes' taint: only the cluster's own software (which tolerates it) runs there, never a team's pods.
+SYSTEM_TAINT = {"key": "CriticalAddonsOnly", "value": "true", "effect": "NoSchedule"}
+SYSTEM_TOLERATIONS = [{"key": "CriticalAddonsOnly", "operator": "Exists"}]
 # Namespaces whose jobs Kueue manages even without a queue name (and so never admits them: no LocalQueue matches).
 TEAM_NAMESPACE_LABEL = "gpucluster/team-namespace"
 QUEUE_NAME_LABEL = "kueue.x-k8s.io/queue-name"
@@ -29,8 +35,12 @@ KUEUE_API = "kueue.x-k8s.io/v1beta2"  # the storage version of the pinned Kueue 
 FSX_CLAIM = "fsx"
 LOCAL_QUEUE = "default"
 GUARDRAIL = "gpucluster-guardrail"
-# What each container gets when it asks for nothing, so that the quota's CPU and memory count every pod.
+# What each container requests when it asks for nothing, so that the quota's CPU and memory count every pod. No
+# default limit: it would cap a GPU pod that sets only accelerator limits at this much memory and OOM-kill it.
 DEFAULT_CPU, DEFAULT_MEMORY = "500m", "1Gi"
+# The share of a node's vCPUs and memory one pod per node may take: the rest is the kubelet's reservation, the
+# eviction threshold and the daemon sets (CNI, device plugins, exporters, the FSx CSI node).
+NODE_SHARE_CPU, NODE_SHARE_MEMORY = 0.9, 0.85
 # Pods of the team at once: every node's worth of one pod per accelerator, plus room for small helper pods.
 PODS_PER_NODE = 16
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -59,10 +69,25 @@ def accelerator_resource(pool: Pool) -> str:
     return eks.GPU_RESOURCE if pool.itype.accelerator.kind == "nvidia" else eks.NEURON_RESOURCE
 
 
-def pool_labels(pool: Pool) -> dict[str, str]:
-    """Labels every node of the pool carries (node group labels; the ResourceFlavor selects on them)."""
+def family_name(stack: Stack, pool: Pool) -> str:
+    """The pool's family: the spot pool's name for a spot pool and its fallback, else the pool's own."""
+    spot = next((p for p in stack.spec.pools if p.fallback == pool.name), None)
+    return spot.name if spot is not None else pool.name
+
+
+def families(stack: Stack) -> dict[str, list[Pool]]:
+    """The pools by family, in the order Kueue tries the flavours; within a family, spot first."""
+    out: dict[str, list[Pool]] = {}
+    for pool in flavor_order(stack):
+        out.setdefault(family_name(stack, pool), []).append(pool)
+    return out
+
+
+def pool_labels(stack: Stack, pool: Pool) -> dict[str, str]:
+    """Labels every node of the pool carries (node group labels; the ResourceFlavor selects on the family's)."""
     assert pool.itype.accelerator, pool.name
-    labels = {POOL_LABEL: pool.name, CAPACITY_LABEL: pool.capacity, ACCELERATOR_LABEL: pool.itype.accelerator.kind}
+    labels = {POOL_LABEL: pool.name, CAPACITY_LABEL: pool.capacity, ACCELERATOR_LABEL: pool.itype.accelerator.kind,
+              FAMILY_LABEL: family_name(stack, pool)}
     return labels | ({EFA_LABEL: "true"} if pool.uses_efa else {})
 
 
@@ -107,17 +132,25 @@ def _covered(stack: Stack) -> list[str]:
     return ["cpu", "memory", *extended]
 
 
-def _pool_quota(pool: Pool, covered: list[str]) -> dict[str, Any]:
-    """What the pool holds at its largest, per resource Kueue covers (0 for resources it has none of)."""
-    n = pool.max_nodes
-    have = {"cpu": pool.itype.vcpus * n, "memory": _memory_gi(pool.itype.memory_mib * n)}
-    have |= {r: c * n for r, c in pool_resources(pool).items()}
-    return {"name": pool.name, "resources": [{"name": r, "nominalQuota": have.get(r, 0)} for r in covered]}
+def _family_quota(name: str, pools: list[Pool], covered: list[str]) -> dict[str, Any]:
+    """What the family's pools hold at their largest, per resource Kueue covers (0 for resources it has none of)."""
+    have: dict[str, int] = {}
+    memory_mib = 0
+    for pool in pools:
+        n = pool.max_nodes
+        for resource, count in ({"cpu": pool.itype.vcpus} | pool_resources(pool)).items():
+            have[resource] = have.get(resource, 0) + count * n
+        memory_mib += pool.itype.memory_mib * n
+    quota: dict[str, Any] = {**have, "memory": _memory_gi(memory_mib)}
+    return {"name": name, "resources": [{"name": r, "nominalQuota": quota.get(r, 0)} for r in covered]}
 
 
 def namespace(stack: Stack) -> Manifest:
+    # Pod Security's baseline: no privileged or host-network pods, no hostPath, so that no team pod reaches the node's
+    # devices or role around the device plugins, the quota and Pod Identity.
     return {"apiVersion": "v1", "kind": "Namespace",
-            "metadata": {"name": namespace_name(stack), "labels": {TEAM_NAMESPACE_LABEL: "true"}}}
+            "metadata": {"name": namespace_name(stack), "labels": {TEAM_NAMESPACE_LABEL: "true",
+                                                                   "pod-security.kubernetes.io/enforce": "baseline"}}}
 
 
 def quota_totals(stack: Stack) -> dict[str, Any]:
@@ -147,8 +180,7 @@ def limit_range(stack: Stack) -> Manifest:
     return {"apiVersion": "v1", "kind": "LimitRange",
             "metadata": {"name": "defaults", "namespace": namespace_name(stack)},
             "spec": {"limits": [{"type": "Container",
-                                 "defaultRequest": {"cpu": DEFAULT_CPU, "memory": DEFAULT_MEMORY},
-                                 "default": {"memory": DEFAULT_MEMORY}}]}}
+                                 "defaultRequest": {"cpu": DEFAULT_CPU, "memory": DEFAULT_MEMORY}}]}}
 
 
 def fsx_volume(stack: Stack, fsx: Fsx) -> list[Manifest]:
@@ -169,20 +201,30 @@ def fsx_volume(stack: Stack, fsx: Fsx) -> list[Manifest]:
     return [pv, pvc]
 
 
+def family_tolerations(pools: list[Pool]) -> list[dict[str, str]]:
+    """Tolerations for every taint of the family's nodes: the accelerator's, and the spot opt-in where a spot pool is
+    in it (a job admitted to a spot family accepts interruption: that is the family's point)."""
+    taints = {(t["key"], t["value"], t["effect"]) for pool in pools for t in pool_taints(pool)}
+    return [{"key": k, "operator": "Equal", "value": v, "effect": e} for k, v, e in sorted(taints)]
+
+
 def resource_flavors(stack: Stack) -> list[Manifest]:
-    return [{"apiVersion": KUEUE_API, "kind": "ResourceFlavor", "metadata": {"name": pool.name},
-             "spec": {"nodeLabels": {POOL_LABEL: pool.name}, "nodeTaints": pool_taints(pool)}}
-            for pool in stack.spec.pools]
+    """One flavour per family; Kueue adds its tolerations to the pods it admits, so jobs need not know the taints."""
+    return [{"apiVersion": KUEUE_API, "kind": "ResourceFlavor", "metadata": {"name": name},
+             "spec": {"nodeLabels": {FAMILY_LABEL: name}, "tolerations": family_tolerations(pools)}}
+            for name, pools in families(stack).items()]
 
 
-def cluster_queue(stack: Stack, stop_policy: str = "None") -> Manifest:
+def cluster_queue(stack: Stack) -> Manifest:
+    """No stopPolicy: the guardrail owns that field (Kueue defaults it to None), and with server-side apply an `up`
+    that does not name it never takes it back, so it cannot reopen a held queue."""
     covered = _covered(stack)
     return {"apiVersion": KUEUE_API, "kind": "ClusterQueue", "metadata": {"name": cluster_queue_name(stack)},
             "spec": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace_name(stack)}},
                      "queueingStrategy": "BestEffortFIFO",
-                     "stopPolicy": stop_policy,
                      "resourceGroups": [{"coveredResources": covered,
-                                         "flavors": [_pool_quota(p, covered) for p in flavor_order(stack)]}]}}
+                                         "flavors": [_family_quota(name, pools, covered)
+                                                     for name, pools in families(stack).items()]}]}}
 
 
 def local_queue(stack: Stack) -> Manifest:
@@ -209,16 +251,33 @@ def team_manifests(stack: Stack, fsx: Fsx) -> list[Manifest]:
     return [namespace(stack), resource_quota(stack), limit_range(stack), *fsx_volume(stack, fsx)]
 
 
+def team_group(stack: Stack) -> str:
+    """The Kubernetes group the team role's access entry puts its sessions in (RBAC subjects name it)."""
+    return f"gpucluster:{stack.spec.team}"
+
+
+# Kueue's aggregated ClusterRole for people who submit jobs (the pinned chart's `<fullname>-batch-user-role`, its
+# fullname being the release's, "kueue"): read LocalQueues and Workloads. EKS's edit policy knows no Kueue objects.
+KUEUE_BATCH_USER_ROLE = "kueue-batch-user-role"
+
+
+def team_kueue_access(stack: Stack) -> Manifest:
+    """The team may see its queue and its jobs' Workloads (`kubectl get workloads`), in its namespace only."""
+    return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+            "metadata": {"name": "kueue-batch-user", "namespace": namespace_name(stack)},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": KUEUE_BATCH_USER_ROLE},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": team_group(stack)}]}
+
+
 def queue_manifests(stack: Stack) -> list[Manifest]:
-    """Kueue's objects (need Kueue's CRDs)."""
-    return [*resource_flavors(stack), cluster_queue(stack), local_queue(stack)]
-
-
-def tolerations(pool: Pool) -> list[dict[str, str]]:
-    return [{"key": t["key"], "operator": "Equal", "value": t["value"], "effect": t["effect"]} for t in pool_taints(pool)]
+    """Kueue's objects (need Kueue's CRDs) and the team's access to them (needs Kueue's ClusterRole)."""
+    return [*resource_flavors(stack), cluster_queue(stack), local_queue(stack), team_kueue_access(stack)]
 
 
 # --- Helm values -----------------------------------------------------------------------------------------------
+
+MAX_NODE_PROVISION_TIME = "5m"
+
 
 def asg_name_regex(node_group_name: str) -> str:
     """EKS names a managed node group's Auto Scaling group eks-<node group name>-<uuid>."""
@@ -236,7 +295,11 @@ def autoscaler_values(stack: Stack, node_group_names: dict[str, str], service_ac
         "autoDiscovery": {"clusterName": stack.cluster_name},
         "rbac": {"serviceAccount": {"create": True, "name": service_account}},
         "expanderPriorities": priorities,
-        "extraArgs": {"expander": "priority", "balance-similar-node-groups": False,
+        "tolerations": SYSTEM_TOLERATIONS,
+        # A spot group that cannot get capacity is given up on after this long and the next priority is tried
+        # (the default, 15 minutes, leaves a queued job waiting that much per attempt).
+        "extraArgs": {"expander": "priority", "max-node-provision-time": MAX_NODE_PROVISION_TIME,
+                      "balance-similar-node-groups": False,
                       "skip-nodes-with-local-storage": False, "scale-down-unneeded-time": "10m"},
     }
 
@@ -246,6 +309,15 @@ def nvidia_device_plugin_values() -> dict[str, Any]:
     return {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
         {"matchExpressions": [{"key": ACCELERATOR_LABEL, "operator": "In", "values": ["nvidia"]}]}]}}},
         "tolerations": [{"operator": "Exists"}]}
+
+
+def neuron_device_plugin_values() -> dict[str, Any]:
+    """AWS's Neuron chart with its device plugin only, on Neuron nodes only (our label), tolerating their taints. The
+    problem detector, the scheduler extension and the DRA driver, on by default or not, are turned off explicitly."""
+    return {"devicePlugin": {"enabled": True, "nodeSelector": {ACCELERATOR_LABEL: "neuron"},
+                             "tolerations": [{"operator": "Exists"}]},
+            "npd": {"enabled": False}, "scheduler": {"enabled": False}, "draDriver": {"enabled": False},
+            "ultraserverOperator": {"enabled": False}}
 
 
 def efa_device_plugin_values() -> dict[str, Any]:
@@ -275,9 +347,15 @@ def kueue_values(stack: Stack) -> dict[str, Any]:
         "  - batch/job",
         "  - jobset.x-k8s.io/jobset",
         "  - trainer.kubeflow.org/trainjob",
+        # Bare pods, Deployments and StatefulSets too, so that no GPU pod in the team's namespace bypasses the
+        # queue (and with it the quota and the budget's hold). Only there: the namespace selector above.
+        "  - pod",
+        "  - deployment",
+        "  - statefulset",
         "",
     ])
-    return {"managerConfig": {"controllerManagerConfigYaml": config}}
+    return {"managerConfig": {"controllerManagerConfigYaml": config},
+            "controllerManager": {"tolerations": SYSTEM_TOLERATIONS}}
 
 
 def dcgm_exporter_values() -> dict[str, Any]:
@@ -285,11 +363,30 @@ def dcgm_exporter_values() -> dict[str, Any]:
             "nodeSelector": {ACCELERATOR_LABEL: "nvidia"}, "tolerations": [{"operator": "Exists"}]}
 
 
-def prometheus_values() -> dict[str, Any]:
+ALERTMANAGER_SERVICE_ACCOUNT = "alertmanager"  # named, for its Pod Identity association
+
+
+def alertmanager_config(stack: Stack, topic_arn: Any) -> dict[str, Any]:
+    """The Slurm flavour's routing (settings.alertmanager_routing: GpuIdle and the rest to the stack's topic), plus the
+    chart's always-firing Watchdog kept off the topic."""
+    config = settings.alertmanager_routing(topic_arn, stack.region, stack.cluster_name)
+    config["route"]["routes"] = [{"receiver": "null", "matchers": ['alertname = "Watchdog"']}]
+    config["receivers"].append({"name": "null"})
+    return config
+
+
+def prometheus_values(stack: Stack, topic_arn: Any) -> dict[str, Any]:
     # Rules and monitors of every release are picked up, not only this chart's own.
+    # Everything but the node exporter (a DaemonSet that tolerates every NoSchedule taint) on the system nodes.
     return {"prometheus": {"prometheusSpec": {"ruleSelectorNilUsesHelmValues": False,
                                               "serviceMonitorSelectorNilUsesHelmValues": False,
-                                              "retention": "15d"}},
+                                              "retention": "15d", "tolerations": SYSTEM_TOLERATIONS}},
+            "alertmanager": {"config": alertmanager_config(stack, topic_arn),
+                             "serviceAccount": {"create": True, "name": ALERTMANAGER_SERVICE_ACCOUNT},
+                             "alertmanagerSpec": {"tolerations": SYSTEM_TOLERATIONS}},
+            "prometheusOperator": {"tolerations": SYSTEM_TOLERATIONS,
+                                   "admissionWebhooks": {"patch": {"tolerations": SYSTEM_TOLERATIONS}}},
+            "kube-state-metrics": {"tolerations": SYSTEM_TOLERATIONS},
             "grafana": {"enabled": False}}
 
 
@@ -300,11 +397,24 @@ def prometheus_values() -> dict[str, Any]:
 EXAMPLE_IMAGE = "pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime"
 
 
+def node_sized_resources(pool: Pool) -> dict[str, str]:
+    """What one pod that takes a whole node of the pool asks for: all its accelerators and EFA interfaces, and most of
+    its CPU and memory (requests = limits: Guaranteed, so the kubelet evicts it last)."""
+    memory_gi = int(pool.itype.memory_mib * NODE_SHARE_MEMORY) // 1024
+    out = {"cpu": str(int(pool.itype.vcpus * NODE_SHARE_CPU)), "memory": f"{memory_gi}Gi"}
+    return out | {r: str(c) for r, c in pool_resources(pool).items()}
+
+
+def shm_size(pool: Pool) -> str:
+    """/dev/shm for NCCL and the data loaders: a quarter of the pod's memory (a memory-backed emptyDir counts against
+    the container's memory limit, so it is bounded by it in any case)."""
+    return f"{int(pool.itype.memory_mib * NODE_SHARE_MEMORY) // 1024 // 4}Gi"
+
+
 def example_job(stack: Stack, pool: Pool, nodes: int = 2, image: str = EXAMPLE_IMAGE) -> list[Manifest]:
     """examples/ddp_train.py across `nodes` nodes of `pool` with torchrun: an indexed Job (one pod per node) behind a
     headless Service for the rendezvous, queued through the team's LocalQueue, checkpointing to the FSx claim."""
     ns, name = namespace_name(stack), "ddp-example"
-    per_node = pool_resources(pool)
     script = (EXAMPLES / "ddp_train.py").read_text()
     config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "namespace": ns},
                   "data": {"ddp_train.py": script}}
@@ -315,15 +425,16 @@ def example_job(stack: Stack, pool: Pool, nodes: int = 2, image: str = EXAMPLE_I
     command = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={procs}", "--node-rank=$(JOB_COMPLETION_INDEX)",
                f"--master-addr={name}-0.{name}", "--master-port=29500",
                "/opt/example/ddp_train.py", "--checkpoint-dir", f"/fsx/checkpoints/{name}"]
-    requests = {r: str(c) for r, c in per_node.items()}
+    requests = node_sized_resources(pool)
     job = {"apiVersion": "batch/v1", "kind": "Job",
            "metadata": {"name": name, "namespace": ns, "labels": {QUEUE_NAME_LABEL: LOCAL_QUEUE}},
            "spec": {"completionMode": "Indexed", "completions": nodes, "parallelism": nodes, "backoffLimit": 0,
                     "suspend": True,  # Kueue unsuspends it once admitted
                     "template": {"spec": {
                         "subdomain": name, "restartPolicy": "Never",
-                        "nodeSelector": {POOL_LABEL: pool.name},
-                        "tolerations": tolerations(pool),
+                        # The pool's family: a spot pool's job falls back to its on-demand pool's nodes.
+                        "nodeSelector": {FAMILY_LABEL: family_name(stack, pool)},
+                        "tolerations": family_tolerations(families(stack)[family_name(stack, pool)]),
                         "containers": [{"name": "trainer", "image": image, "command": ["bash", "-c", " ".join(command)],
                                         "env": [{"name": "NCCL_DEBUG", "value": "WARN"},
                                                 {"name": "FI_PROVIDER", "value": "efa"}] if pool.uses_efa else
@@ -334,7 +445,7 @@ def example_job(stack: Stack, pool: Pool, nodes: int = 2, image: str = EXAMPLE_I
                                                          {"name": "shm", "mountPath": "/dev/shm"}]}],
                         "volumes": [{"name": "fsx", "persistentVolumeClaim": {"claimName": FSX_CLAIM}},
                                     {"name": "example", "configMap": {"name": name}},
-                                    {"name": "shm", "emptyDir": {"medium": "Memory"}}]}}}}
+                                    {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(pool)}}]}}}}
     return [config_map, service, job]
 
 
@@ -345,13 +456,15 @@ GUARDRAIL_IMAGE = "python:3.12-slim"
 GUARDRAIL_BOTO3 = "boto3==1.44.8"  # the version the project itself pins against (requirements: boto3)
 
 
-def guardrail_manifests(stack: Stack, queue_url: Any, act_threshold_percent: int) -> list[Manifest]:
+def guardrail_manifests(stack: Stack, queue_url: Any, act_threshold_percent: int,
+                        launch_deny_action_id: Any) -> list[Manifest]:
     """The in-cluster controller that holds and reopens the team's ClusterQueue: may patch that one queue only."""
     ns = eks.KUEUE.namespace
     script = (Path(__file__).resolve().parent / "queue_guardrail.py").read_text()
     labels = {"app": GUARDRAIL}
     env = {"QUEUE_URL": queue_url, "BUDGET_NAME": stack.budget_name, "CLUSTER_QUEUE": cluster_queue_name(stack),
-           "ACT_THRESHOLD_PERCENT": str(act_threshold_percent), "AWS_REGION": stack.region}
+           "ACT_THRESHOLD_PERCENT": str(act_threshold_percent), "AWS_REGION": stack.region,
+           "LAUNCH_DENY_ACTION_ID": launch_deny_action_id}
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": GUARDRAIL, "namespace": ns}},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": GUARDRAIL},
@@ -367,6 +480,7 @@ def guardrail_manifests(stack: Stack, queue_url: Any, act_threshold_percent: int
          "spec": {"replicas": 1, "selector": {"matchLabels": labels}, "strategy": {"type": "Recreate"},
                   "template": {"metadata": {"labels": labels}, "spec": {
                       "serviceAccountName": GUARDRAIL,
+                      "tolerations": SYSTEM_TOLERATIONS,
                       "securityContext": {"runAsNonRoot": True, "runAsUser": 65534,
                                           "seccompProfile": {"type": "RuntimeDefault"}},
                       "containers": [{
@@ -393,6 +507,18 @@ def example_pool(stack: Stack) -> Pool:
     return next((p for p in nvidia if p.uses_efa), nvidia[0] if nvidia else stack.spec.pools[0])
 
 
+EXAMPLE_JOB_FILE = "example-ddp-job.yaml"
+
+
+def render_header(name: str) -> str:
+    """Each rendered file's first lines: only the first job is for `kubectl apply`; the rest is what `pulumi up`
+    declares, for review, with placeholders where AWS computes a value."""
+    if name == EXAMPLE_JOB_FILE:
+        return "# The first job: kubectl apply -f this file once `pulumi up` has built the cluster.\n"
+    return ("# Reference, not for kubectl apply: `pulumi up` declares these objects (and owns them); values only AWS\n"
+            "# knows are placeholders (<... at up>).\n")
+
+
 def render_files(stack: Stack) -> dict[str, list[Manifest]]:
     """Every object the program declares in the cluster (values AWS computes as placeholders), and the first job."""
     fsx = Fsx("<file system id at up>", "<file system DNS name at up>", "<mount name at up>",
@@ -402,8 +528,9 @@ def render_files(stack: Stack) -> dict[str, list[Manifest]]:
         fsx = Fsx(lustre.file_system_id, lustre.dns_name, lustre.mount_name, 1200)
     files = {"team.yaml": team_manifests(stack, fsx), "queues.yaml": queue_manifests(stack),
              "idle-gpu-rule.yaml": [idle_gpu_rule(stack)],
-             "example-ddp-job.yaml": example_job(stack, example_pool(stack))}
+             EXAMPLE_JOB_FILE: example_job(stack, example_pool(stack))}
     act = stack.spec.budget.act_threshold_percent
     if act is not None:
-        files["guardrail.yaml"] = guardrail_manifests(stack, "<budget queue URL at up>", act)
+        files["guardrail.yaml"] = guardrail_manifests(stack, "<budget queue URL at up>", act,
+                                                      "<budget action id at up>")
     return files

@@ -171,6 +171,8 @@ def _placeholder_outputs(typ: str, name: str, inputs: dict[str, Any], region: st
         out["id"], out["arn"] = physical, f"arn:aws:eks:{region}:{acct}:cluster/{physical}"
         out["endpoint"] = f"https://{_hex(typ, name, 32).upper()}.gr7.{region}.eks.amazonaws.com"
         out["certificateAuthority"] = {"data": "<cluster CA at up>"}
+        # The security group EKS makes for the cluster (control plane, managed add-ons, template-less node groups).
+        out["vpcConfig"] = {**inputs.get("vpcConfig", {}), "clusterSecurityGroupId": f"sg-{_hex(typ, name + '-cluster', 17)}"}
     elif typ == "aws:eks/nodeGroup:NodeGroup":
         group = inputs["nodeGroupName"]
         out["id"] = f"{inputs['clusterName']}:{group}"

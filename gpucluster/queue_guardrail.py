@@ -2,7 +2,9 @@
 
 Every message on the budget's queue (AWS Budgets notifications, through SNS) wakes it, and so does a timer: it reads
 the budget's actual spend and, at the act threshold, holds the team's Kueue ClusterQueue (`stopPolicy: Hold`: running
-jobs finish, new ones wait); below it, reopens the queue (`stopPolicy: None`). Standard library and boto3 only.
+jobs finish, new ones wait); below it, reopens the queue (`stopPolicy: None`) and reverses the Budgets action that
+denied the autoscaler's scale-up, if it ran (as the Slurm head's guardrail does, cloud-init/gpucluster_budget.py:
+that file is not in this container, so the few lines live here). Standard library and boto3 only.
 """
 
 from __future__ import annotations
@@ -48,11 +50,31 @@ def decide(budgets: Any, account: str, budget_name: str, act_threshold_percent: 
             "stop_policy": stop_policy(actual, limit, act_threshold_percent)}
 
 
+def lift_launch_deny(budgets: Any, account: str, budget_name: str, action_id: str) -> bool:
+    """Reverse the launch-deny action if AWS Budgets executed it; True if it did. Only this one action: the role may
+    describe and execute nothing else."""
+    action = budgets.describe_budget_action(AccountId=account, BudgetName=budget_name, ActionId=action_id)["Action"]
+    if action["Status"] != "EXECUTION_SUCCESS":
+        return False
+    budgets.execute_budget_action(AccountId=account, BudgetName=budget_name, ActionId=action_id,
+                                  ExecutionType="REVERSE_BUDGET_ACTION")
+    return True
+
+
+def step(budgets: Any, account: str, budget_name: str, act_threshold_percent: int, action_id: str) -> dict[str, Any]:
+    """One check: the queue's stopPolicy to set, and below the threshold the deny lifted."""
+    decision = decide(budgets, account, budget_name, act_threshold_percent)
+    if decision["stop_policy"] == "None":
+        decision["launch_deny_reversed"] = lift_launch_deny(budgets, account, budget_name, action_id)
+    return decision
+
+
 def main() -> None:
     import boto3
 
     queue_url, budget_name = os.environ["QUEUE_URL"], os.environ["BUDGET_NAME"]
     cluster_queue, act = os.environ["CLUSTER_QUEUE"], int(os.environ["ACT_THRESHOLD_PERCENT"])
+    action_id = os.environ["LAUNCH_DENY_ACTION_ID"]
     sqs, budgets = boto3.client("sqs"), boto3.client("budgets")
     account = boto3.client("sts").get_caller_identity()["Account"]
     waited = RECHECK_SECONDS
@@ -60,7 +82,7 @@ def main() -> None:
         messages = sqs.receive_message(QueueUrl=queue_url, WaitTimeSeconds=20, MaxNumberOfMessages=10).get("Messages", [])
         waited += 20
         if messages or waited >= RECHECK_SECONDS:
-            decision = decide(budgets, account, budget_name, act)
+            decision = step(budgets, account, budget_name, act, action_id)
             set_stop_policy(cluster_queue, decision["stop_policy"])
             print(json.dumps(decision), flush=True)
             waited = 0

@@ -267,3 +267,18 @@ def session_document_name(cluster: str, kind: str) -> str:
     """A Session Manager document of the cluster (components/team_access.py); kind: user | admin | dashboard.
     `gpucluster dashboard` names the dashboard's in the command it prints."""
     return f"{cluster}-{kind}-session"
+
+
+def alertmanager_routing(topic_arn: Any, region: str, cluster: str) -> dict[str, Any]:
+    """Alertmanager's route and receiver for both flavours: every alert to the stack's topic (the budget's
+    subscribers), grouped per alert and pool, repeated every 4 h while it fires, through SNS with the credentials the
+    process has (SigV4: the head's instance role, or on EKS a Pod Identity role). No topic: a receiver that drops."""
+    receiver: dict[str, Any] = {"name": "stack-topic"}
+    if topic_arn:
+        receiver["sns_configs"] = [{
+            "topic_arn": topic_arn, "sigv4": {"region": region}, "send_resolved": True,
+            "subject": "[{{ .Status | toUpper }}] {{ .CommonLabels.alertname }} on " + cluster,
+            "message": "{{ range .Alerts }}{{ .Annotations.summary }}\n{{ end }}"}]
+    return {"route": {"receiver": "stack-topic", "group_by": ["alertname", "pool"], "group_wait": "30s",
+                      "group_interval": "5m", "repeat_interval": "4h"},
+            "receivers": [receiver]}

@@ -469,6 +469,10 @@ def _scheduler_problems(spec: dict[str, Any]) -> list[tuple[tuple[str | int, ...
             if isinstance(pool, dict) and pool.get("ami_id") is not None:
                 problems.append((("pools", i, "ami_id"), "not allowed with scheduler: kubernetes (node groups boot "
                                                          "the EKS-optimized accelerated AMI of the cluster's version)"))
+            if isinstance(pool, dict) and pool.get("fallback") is not None and any(
+                    isinstance(q, dict) and q.get("fallback") == pool["fallback"] for q in pools[:i]):
+                problems.append((("pools", i, "fallback"), f"{pool['fallback']!r} is another spot pool's fallback: on "
+                                 "kubernetes a spot pool and its fallback share one node label and Kueue flavour"))
         section = spec.get("kubernetes")
         section = section if isinstance(section, dict) else {}
         network = spec.get("network")

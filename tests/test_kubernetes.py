@@ -21,7 +21,7 @@ from conftest import K8S_STACK_FILES, ROOT, of_type, planned
 
 from components.kubernetes import autoscaler_node_template_tags
 from gpucluster import catalog, cost, eks, kube, prometheus, queue_guardrail
-from gpucluster.plan import Declared, run_program
+from gpucluster.plan import Declared, planned_outputs, run_program
 from gpucluster.spec import Stack, load_stack, validate
 
 SCHEMAS = ROOT / "tests" / "schemas"
@@ -154,6 +154,52 @@ def test_nodes_cannot_manage_ips_the_vpc_cni_can(k8s: tuple[Stack, tuple[Declare
     assert addons["eks-pod-identity-agent"].urn in addons["vpc-cni"].dependencies
 
 
+def test_system_nodes_after_the_node_daemons_coredns_after_the_nodes(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
+    """Nodes are Ready only with the CNI, and Pod Identity needs its agent: both before the system nodes. CoreDNS and
+    the other add-ons that run pods wait for nodes to run them on (else EKS reports them degraded and `up` fails)."""
+    stack, declared = k8s
+    addons = {a.inputs["addonName"]: a for a in of_type(declared, "eks/addon:Addon")}
+    (system,) = [g for g in of_type(declared, "eks/nodeGroup:NodeGroup")
+                 if g.inputs["nodeGroupName"] == f"{stack.cluster_name}-system"]
+    for name in ("vpc-cni", "kube-proxy", "eks-pod-identity-agent"):
+        assert addons[name].urn in system.dependencies, name
+        assert system.urn not in addons[name].dependencies, name
+    for name in ("coredns", "aws-fsx-csi-driver", "eks-node-monitoring-agent"):
+        assert system.urn in addons[name].dependencies, name
+
+
+def _tolerates_system(tolerations: list[dict]) -> bool:
+    return any(t.get("key") == "CriticalAddonsOnly" and t.get("operator") == "Exists" for t in tolerations)
+
+
+def test_system_nodes_run_only_the_clusters_own_software(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
+    """System nodes: IMDSv2 with one hop, and a CriticalAddonsOnly taint that the cluster's software tolerates (the
+    charts at the values keys their pinned versions read, the guardrail, CoreDNS) and the team's pods do not."""
+    stack, declared = k8s
+    (system,) = [g.inputs for g in of_type(declared, "eks/nodeGroup:NodeGroup")
+                 if g.inputs["nodeGroupName"] == f"{stack.cluster_name}-system"]
+    assert system["taints"] == [{"key": "CriticalAddonsOnly", "value": "true", "effect": "NO_SCHEDULE"}]
+    templates = {_planned_id(t, stack): t.inputs for t in of_type(declared, "ec2/launchTemplate:LaunchTemplate")}
+    metadata = templates[system["launchTemplate"]["id"]]["metadataOptions"]
+    assert metadata["httpTokens"] == "required" and metadata["httpPutResponseHopLimit"] == 1
+    releases = _releases(declared)
+    monitoring = releases["monitoring"]["values"]
+    for tolerations in (releases["cluster-autoscaler"]["values"]["tolerations"],
+                        releases["kueue"]["values"]["controllerManager"]["tolerations"],
+                        monitoring["prometheus"]["prometheusSpec"]["tolerations"],
+                        monitoring["alertmanager"]["alertmanagerSpec"]["tolerations"],
+                        monitoring["prometheusOperator"]["tolerations"],
+                        monitoring["prometheusOperator"]["admissionWebhooks"]["patch"]["tolerations"],
+                        monitoring["kube-state-metrics"]["tolerations"]):
+        assert _tolerates_system(tolerations)
+    (guardrail,) = of_type(declared, "apps/v1:Deployment")
+    assert _tolerates_system(guardrail.inputs["spec"]["template"]["spec"]["tolerations"])
+    addons = {a.inputs["addonName"]: a.inputs for a in of_type(declared, "eks/addon:Addon")}
+    assert _tolerates_system(json.loads(addons["coredns"]["configurationValues"])["tolerations"])
+    *_, job = kube.example_job(stack, kube.example_pool(stack))
+    assert not _tolerates_system(job["spec"]["template"]["spec"]["tolerations"])
+
+
 def test_access_entries() -> None:
     admin = "arn:aws:iam::123456789012:role/platform-admins"
     stack, declared = variant(TEAM_K8S, kubernetes={"version": "1.35", "admin_role_arns": [admin]})
@@ -168,6 +214,17 @@ def test_access_entries() -> None:
     team = assocs[f"arn:aws:iam::123456789012:role/{name}-team"]
     assert team["policyArn"].endswith("/AmazonEKSEditPolicy")
     assert team["accessScope"] == {"type": "namespace", "namespaces": [stack.spec.team]}
+    # EKS's edit policy covers no Kueue objects: the team's group is bound to Kueue's user role in its namespace.
+    team_entry = entries[f"arn:aws:iam::123456789012:role/{name}-team"]
+    assert team_entry["kubernetesGroups"] == [f"gpucluster:{stack.spec.team}"]
+    (binding,) = of_type(declared, "rbac.authorization.k8s.io/v1:RoleBinding")
+    assert binding.inputs["metadata"]["namespace"] == stack.spec.team
+    assert binding.inputs["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                         "name": "kueue-batch-user-role"}
+    assert binding.inputs["subjects"] == [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group",
+                                           "name": f"gpucluster:{stack.spec.team}"}]
+    kueue = next(r.urn for r in of_type(declared, "helm.sh/v3:Release") if r.inputs["name"] == "kueue")
+    assert kueue in binding.dependencies  # the release makes the ClusterRole
     (team_policy,) = [p for p in of_type(declared, "iam/rolePolicy:RolePolicy") if p.name == f"{name}-team"]
     (statement,) = json.loads(team_policy.inputs["policy"])["Statement"]
     assert statement["Action"] == "eks:DescribeCluster"
@@ -178,7 +235,7 @@ def test_access_entries() -> None:
 
 def _templates(declared: tuple[Declared, ...]) -> dict[str, dict]:
     return {lt.inputs["tagSpecifications"][0]["tags"]["gpucluster:pool"]: lt.inputs
-            for lt in of_type(declared, "ec2/launchTemplate:LaunchTemplate")}
+            for lt in of_type(declared, "ec2/launchTemplate:LaunchTemplate") if "tagSpecifications" in lt.inputs}
 
 
 def _groups(stack: Stack, declared: tuple[Declared, ...]) -> dict[str, dict]:
@@ -200,13 +257,16 @@ def test_node_group_per_pool(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
                                           "desiredSize": pool.min_nodes}
         assert group["labels"] == {"gpucluster/pool": pool.name, "gpucluster/capacity": pool.capacity,
                                    "gpucluster/accelerator": pool.itype.accelerator.kind,
+                                   "gpucluster/family": "p5-spot" if pool.name.startswith("p5") else pool.name,
                                    **({"gpucluster/efa": "true"} if pool.uses_efa else {})}
         taints = {(t["key"], t["effect"]) for t in group["taints"]}
         assert ("nvidia.com/gpu", "NO_SCHEDULE") in taints
         assert (("gpucluster/spot", "NO_SCHEDULE") in taints) == (pool.capacity == "spot")
         assert group["launchTemplate"]["id"] == _planned_id(
             next(t for t in of_type(declared, "ec2/launchTemplate:LaunchTemplate")
-                 if t.inputs["tagSpecifications"][0]["tags"]["gpucluster:pool"] == pool.name), stack)
+                 if "tagSpecifications" in t.inputs
+                 and t.inputs["tagSpecifications"][0]["tags"]["gpucluster:pool"] == pool.name), stack)
+        assert group["version"] == stack.spec.eks.version
         assert "instanceTypes" not in group and lt["instanceType"] == pool.instance_type
         nics = lt["networkInterfaces"]
         assert len(nics) == (pool.itype.efa_interfaces if pool.uses_efa else 1)
@@ -222,6 +282,36 @@ def test_node_group_per_pool(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
         if pool.uses_efa:
             assert lt["placement"]["groupName"] in placement
     assert "p5-spot" in groups and "p5-od" in groups
+
+
+def node_security_groups(stack: Stack, declared: tuple[Declared, ...]) -> dict[str, set[str]]:
+    """The security groups each node group's nodes get, as EKS assigns them: its launch template's (every interface's),
+    or the cluster security group when the group has no template or the template names none."""
+    (cluster,) = of_type(declared, "eks/cluster:Cluster")
+    cluster_sg = planned_outputs(cluster, stack.region)["vpcConfig"]["clusterSecurityGroupId"]
+    templates = {_planned_id(t, stack): t.inputs for t in of_type(declared, "ec2/launchTemplate:LaunchTemplate")}
+    out = {}
+    for group in of_type(declared, "eks/nodeGroup:NodeGroup"):
+        lt = templates.get(group.inputs.get("launchTemplate", {}).get("id"), {})
+        per_interface = [set(n.get("securityGroups", [])) for n in lt.get("networkInterfaces", [])]
+        named = set(lt.get("vpcSecurityGroupIds", [])) | (set.intersection(*per_interface) if per_interface else set())
+        out[group.inputs["nodeGroupName"]] = named or {cluster_sg}
+    return out
+
+
+def test_every_node_group_shares_a_security_group_with_the_control_plane(
+        k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
+    stack, declared = k8s
+    (cluster,) = of_type(declared, "eks/cluster:Cluster")
+    cluster_sg = planned_outputs(cluster, stack.region)["vpcConfig"]["clusterSecurityGroupId"]
+    groups = node_security_groups(stack, declared)
+    assert len(groups) == len(stack.spec.pools) + 1
+    # Pods on system nodes (CoreDNS, Kueue's webhook) and accelerator nodes reach each other, and the add-ons too.
+    assert cluster_sg in set.intersection(*groups.values())
+    (stack_sg,) = cluster.inputs["vpcConfig"]["securityGroupIds"]
+    assert stack_sg in set.intersection(*groups.values())
+    for lt in _templates(declared).values():  # EFA interfaces too: NCCL's traffic crosses every card
+        assert all(set(n["securityGroups"]) == {stack_sg, cluster_sg} for n in lt["networkInterfaces"])
 
 
 def test_capacity_block_pool() -> None:
@@ -242,8 +332,18 @@ def test_trainium_pool_boots_neuron_ami_and_is_tainted_for_neuron() -> None:
     assert group["amiType"] == "AL2023_x86_64_NEURON"
     assert {t["key"] for t in group["taints"]} == {"aws.amazon.com/neuron"}
     # No NVIDIA pool: no NVIDIA device plugin, dcgm-exporter or idle-GPU rule.
-    charts = {r.name for r in of_type(declared, "helm.sh/v3:Release")}
-    assert not {"nvidia-device-plugin", "dcgm-exporter"} & charts and "efa-device-plugin" in charts
+    releases = _releases(declared)
+    assert not {"nvidia-device-plugin", "dcgm-exporter"} & set(releases) and "efa-device-plugin" in releases
+    # Neuron's device plugin, pinned, on the Neuron nodes (their label), through their taint; nothing else of its chart.
+    neuron = releases["neuron-device-plugin"]
+    assert (neuron["chart"], neuron["version"], neuron["namespace"]) == (
+        "oci://public.ecr.aws/neuron/neuron-helm-chart", "1.10.0", "kube-system")
+    plugin = neuron["values"]["devicePlugin"]
+    assert plugin["enabled"] is True and plugin["nodeSelector"] == {"gpucluster/accelerator": "neuron"}
+    assert group["labels"]["gpucluster/accelerator"] == "neuron"
+    assert {"operator": "Exists"} in plugin["tolerations"]
+    assert all(neuron["values"][part] == {"enabled": False}
+               for part in ("npd", "scheduler", "draDriver", "ultraserverOperator"))
     assert not of_type(declared, "monitoring.coreos.com/v1:PrometheusRule")
 
 
@@ -264,13 +364,14 @@ def test_autoscaler_node_template_tags_on_each_group(k8s: tuple[Stack, tuple[Dec
         if pool.uses_efa:
             assert got[f"{prefix}/resources/vpc.amazonaws.com/efa"] == str(pool.itype.efa_interfaces)
         assert (f"{prefix}/taint/gpucluster/spot" in got) == (pool.capacity == "spot")
-        assert got == autoscaler_node_template_tags(pool)
+        assert got[f"{prefix}/label/gpucluster/family"] == kube.family_name(stack, pool)
+        assert got == autoscaler_node_template_tags(stack, pool)
 
 
 def test_p5_template_tags_say_8_gpus_and_32_efa() -> None:
     stack = load_stack(TEAM_K8S)
     pool = next(p for p in stack.spec.pools if p.name == "p5-spot")
-    tags = autoscaler_node_template_tags(pool)
+    tags = autoscaler_node_template_tags(stack, pool)
     assert tags["k8s.io/cluster-autoscaler/node-template/resources/nvidia.com/gpu"] == "8"
     assert tags["k8s.io/cluster-autoscaler/node-template/resources/vpc.amazonaws.com/efa"] == "32"
     assert tags["k8s.io/cluster-autoscaler/node-template/taint/gpucluster/spot"] == "true:NoSchedule"
@@ -301,8 +402,14 @@ def test_autoscaler_priority_expander_spot_first(k8s: tuple[Stack, tuple[Declare
         f"aws:ResourceTag/k8s.io/cluster-autoscaler/{stack.cluster_name}": "owned"}}
     assert resize["Resource"] == (f"arn:aws:autoscaling:{stack.region}:123456789012:autoScalingGroup:*:"
                                   f"autoScalingGroupName/eks-{stack.cluster_name}-*")
-    for pool in stack.spec.pools:  # every pool's group matches it: EKS names it eks-<node group>-<uuid>
-        assert f"eks-{stack.cluster_name}-{pool.name}-<uuid at up>".startswith(resize["Resource"].rsplit("/")[-1][:-1])
+    # Every pool's group, as the node group names it (EKS: eks-<node group>-<uuid>), matches the resource pattern;
+    # another cluster's does not.
+    from fnmatch import fnmatchcase
+    tagged = {t.inputs["autoscalingGroupName"] for t in of_type(declared, "autoscaling/tag:Tag")}
+    assert len(tagged) == len(stack.spec.pools)
+    arn = f"arn:aws:autoscaling:{stack.region}:123456789012:autoScalingGroup:0a1b2c3d-uuid:autoScalingGroupName/"
+    assert all(fnmatchcase(arn + group, resize["Resource"]) for group in tagged)
+    assert not fnmatchcase(arn + "eks-gpucluster-other-p5-od-uuid", resize["Resource"])
     assert grants["NodeGroups"]["Resource"] == f"arn:aws:eks:{stack.region}:123456789012:nodegroup/{stack.cluster_name}/*"
 
 
@@ -370,21 +477,41 @@ def test_quota_counts_every_pool_at_max() -> None:
     assert limits.inputs["spec"]["limits"][0]["defaultRequest"] == {"cpu": "500m", "memory": "1Gi"}
 
 
-def test_kueue_flavours_mirror_the_pools() -> None:
+def test_kueue_flavours_are_pool_families_so_spot_falls_back() -> None:
+    """One flavour for a spot pool and its fallback, selecting on a label both node groups carry: Kueue admits a job to
+    it and the pods may land on either; the autoscaler tries the spot group first and gives up on it within minutes."""
     stack, declared = planned(TEAM_K8S)
     flavours = {f.inputs["metadata"]["name"]: f.inputs["spec"] for f in
                 of_type(declared, "kueue.x-k8s.io/v1beta2:ResourceFlavor")}
-    assert set(flavours) == {p.name for p in stack.spec.pools}
-    assert flavours["p5-spot"]["nodeLabels"] == {"gpucluster/pool": "p5-spot"}
+    assert set(flavours) == {"p5-spot", "g6e"}
+    assert flavours["p5-spot"]["nodeLabels"] == {"gpucluster/family": "p5-spot"}
+    groups = _groups(stack, declared)
+    assert groups["p5-spot"]["labels"]["gpucluster/family"] == groups["p5-od"]["labels"]["gpucluster/family"] == "p5-spot"
+    assert groups["g6e"]["labels"]["gpucluster/family"] == "g6e"
+    # Kueue puts the flavour's tolerations on the pods it admits: the accelerator's taint, and spot's opt-in.
+    assert flavours["p5-spot"]["tolerations"] == [
+        {"key": "gpucluster/spot", "operator": "Equal", "value": "true", "effect": "NoSchedule"},
+        {"key": "nvidia.com/gpu", "operator": "Equal", "value": "true", "effect": "NoSchedule"}]
+    assert flavours["g6e"]["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Equal", "value": "true", "effect": "NoSchedule"}]
+    assert not any("nodeTaints" in f for f in flavours.values())
+    # Every taint of every node group is tolerated by its family's flavour.
+    for name, group in groups.items():
+        if name == "system":
+            continue
+        tolerated = {(t["key"], t["value"], t["effect"]) for t in flavours[group["labels"]["gpucluster/family"]]["tolerations"]}
+        assert {(t["key"], t["value"], t["effect"].replace("NO_SCHEDULE", "NoSchedule")) for t in group["taints"]} <= tolerated
     (cq,) = of_type(declared, "kueue.x-k8s.io/v1beta2:ClusterQueue")
     (group,) = cq.inputs["spec"]["resourceGroups"]
-    assert [f["name"] for f in group["flavors"]] == ["p5-spot", "p5-od", "g6e"]  # spot, its fallback, the rest
+    assert [f["name"] for f in group["flavors"]] == ["p5-spot", "g6e"]
     assert group["coveredResources"] == ["cpu", "memory", "nvidia.com/gpu", "vpc.amazonaws.com/efa"]
-    spot = {r["name"]: r["nominalQuota"] for r in group["flavors"][0]["resources"]}
-    assert spot["nvidia.com/gpu"] == 32 and spot["vpc.amazonaws.com/efa"] == 128
-    g6e = {r["name"]: r["nominalQuota"] for r in group["flavors"][2]["resources"]}
+    p5 = {r["name"]: r["nominalQuota"] for r in group["flavors"][0]["resources"]}
+    # Spot at max (4) and its fallback at max (2) can both be up.
+    assert p5 == {"cpu": 6 * 192, "memory": f"{6 * 2048}Gi", "nvidia.com/gpu": 48, "vpc.amazonaws.com/efa": 192}
+    g6e = {r["name"]: r["nominalQuota"] for r in group["flavors"][1]["resources"]}
     assert g6e["vpc.amazonaws.com/efa"] == 2 and g6e["nvidia.com/gpu"] == 8
-    assert cq.inputs["spec"]["stopPolicy"] == "None" and cq.ignore_changes == ("spec.stopPolicy",)
+    extra = _releases(declared)["cluster-autoscaler"]["values"]["extraArgs"]
+    assert extra["expander"] == "priority" and extra["max-node-provision-time"] == "5m"
     assert cq.inputs["spec"]["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "language"}}
     (lq,) = of_type(declared, "kueue.x-k8s.io/v1beta2:LocalQueue")
     assert lq.inputs["spec"] == {"clusterQueue": cq.inputs["metadata"]["name"]}
@@ -398,7 +525,21 @@ def test_jobs_without_a_queue_name_are_not_admitted() -> None:
     (ns,) = of_type(declared, "core/v1:Namespace")
     assert config["managedJobsNamespaceSelector"] == {"matchLabels": {"gpucluster/team-namespace": "true"}}
     assert ns.inputs["metadata"]["labels"]["gpucluster/team-namespace"] == "true"
-    assert "batch/job" in config["integrations"]["frameworks"]
+    # Bare pods, Deployments and StatefulSets are queued too: none takes a GPU around the quota or the hold.
+    assert {"batch/job", "pod", "deployment", "statefulset"} <= set(config["integrations"]["frameworks"])
+    assert ns.inputs["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "baseline"
+
+
+def test_the_guardrail_owns_the_stop_policy() -> None:
+    """The program never names the ClusterQueue's stopPolicy, and applies server-side: an `up` leaves a held queue held
+    (no ignore_changes needed, none relied on)."""
+    _, declared = planned(TEAM_K8S)
+    (cq,) = of_type(declared, "kueue.x-k8s.io/v1beta2:ClusterQueue")
+    assert "stopPolicy" not in cq.inputs["spec"] and not cq.ignore_changes
+    (provider,) = [d for d in declared if d.type == "pulumi:providers:kubernetes"]
+    assert provider.inputs["enableServerSideApply"] in (True, "true")
+    # What the guardrail patches is the field the program leaves alone.
+    assert json.loads(queue_guardrail.patch_body("Hold")) == {"spec": {"stopPolicy": "Hold"}}
 
 
 def test_queues_wait_for_kueue() -> None:
@@ -428,6 +569,11 @@ def test_guardrail_reads_the_budget_queue_and_may_patch_one_queue(k8s: tuple[Sta
         f"{name}-guardrail-pod"].inputs["policy"])["Statement"]}
     assert grants["BudgetQueue"]["Resource"] == f"arn:aws:sqs:{stack.region}:123456789012:{name}-guardrail"
     assert grants["ReadBudget"]["Resource"] == f"arn:aws:budgets::123456789012:budget/{stack.budget_name}"
+    (action,) = of_type(declared, "budgets/budgetAction:BudgetAction")
+    action_arn = planned_outputs(action, stack.region)["arn"]
+    assert action_arn.startswith(f"arn:aws:budgets::123456789012:budget/{stack.budget_name}/action/")
+    assert grants["ReverseLaunchDeny"] == {"Sid": "ReverseLaunchDeny", "Effect": "Allow", "Resource": action_arn,
+                                           "Action": ["budgets:DescribeBudgetAction", "budgets:ExecuteBudgetAction"]}
     (role,) = of_type(declared, "rbac.authorization.k8s.io/v1:ClusterRole")
     assert role.inputs["rules"] == [{"apiGroups": ["kueue.x-k8s.io"], "resources": ["clusterqueues"],
                                      "resourceNames": [stack.spec.team], "verbs": ["get", "patch"]}]
@@ -435,6 +581,7 @@ def test_guardrail_reads_the_budget_queue_and_may_patch_one_queue(k8s: tuple[Sta
     env = {e["name"]: e["value"] for e in deployment.inputs["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["QUEUE_URL"] == f"https://sqs.{stack.region}.amazonaws.com/123456789012/{name}-guardrail"
     assert env["CLUSTER_QUEUE"] == stack.spec.team and env["BUDGET_NAME"] == stack.budget_name
+    assert env["LAUNCH_DENY_ACTION_ID"] == planned_outputs(action, stack.region)["actionId"]
     (script,) = [c for c in of_type(declared, "core/v1:ConfigMap") if c.inputs["metadata"]["name"] == kube.GUARDRAIL]
     assert script.inputs["data"]["queue_guardrail.py"] == Path(queue_guardrail.__file__).read_text()
 
@@ -453,6 +600,45 @@ def test_guardrail_holds_at_the_threshold(actual: float, expected: str) -> None:
         decision = queue_guardrail.decide(budgets, "123456789012", "b", 100)
     assert decision == {"actual_usd": actual, "limit_usd": 100.0, "stop_policy": expected}
     assert json.loads(queue_guardrail.patch_body(expected)) == {"spec": {"stopPolicy": expected}}
+
+
+ACTION_ID = "0a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9"
+
+
+def _budget_action(status: str) -> dict:
+    return {"AccountId": "123456789012", "BudgetName": "b", "Action": {
+        "ActionId": ACTION_ID, "BudgetName": "b", "NotificationType": "ACTUAL", "ActionType": "APPLY_IAM_POLICY",
+        "ActionThreshold": {"ActionThresholdValue": 100.0, "ActionThresholdType": "PERCENTAGE"},
+        "Definition": {"IamActionDefinition": {"PolicyArn": "arn:aws:iam::123456789012:policy/deny", "Roles": ["r"]}},
+        "ExecutionRoleArn": "arn:aws:iam::123456789012:role/x", "ApprovalModel": "AUTOMATIC", "Status": status,
+        "Subscribers": [{"SubscriptionType": "SNS", "Address": "arn:aws:sns:us-east-1:123456789012:t"}]}}
+
+
+@pytest.mark.parametrize(("actual", "status", "reversed_"), [
+    (50.0, "EXECUTION_SUCCESS", True),  # spend fell back (a new month): the queue reopens and the deny is lifted
+    (50.0, "STANDBY", False),  # never fired: nothing to reverse
+    (150.0, "EXECUTION_SUCCESS", None),  # still over: held, the deny stays
+])
+def test_guardrail_reverses_the_launch_deny_when_it_reopens(actual: float, status: str, reversed_: bool | None) -> None:
+    from botocore.stub import Stubber
+    import boto3
+
+    budgets = boto3.client("budgets", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
+    ids = {"AccountId": "123456789012", "BudgetName": "b"}
+    with Stubber(budgets) as stub:
+        stub.add_response("describe_budget", {"Budget": {
+            "BudgetName": "b", "BudgetLimit": {"Amount": "100.0", "Unit": "USD"}, "TimeUnit": "MONTHLY",
+            "BudgetType": "COST", "CalculatedSpend": {"ActualSpend": {"Amount": str(actual), "Unit": "USD"}}}}, ids)
+        if reversed_ is not None:
+            stub.add_response("describe_budget_action", _budget_action(status), {**ids, "ActionId": ACTION_ID})
+        if reversed_:
+            stub.add_response("execute_budget_action", {**ids, "ActionId": ACTION_ID,
+                                                        "ExecutionType": "REVERSE_BUDGET_ACTION"},
+                              {**ids, "ActionId": ACTION_ID, "ExecutionType": "REVERSE_BUDGET_ACTION"})
+        decision = queue_guardrail.step(budgets, "123456789012", "b", 100, ACTION_ID)
+        stub.assert_no_pending_responses()
+    assert decision["stop_policy"] == ("Hold" if reversed_ is None else "None")
+    assert decision.get("launch_deny_reversed") == reversed_
 
 
 def test_a_budget_that_only_alerts_has_no_hold_and_no_deny() -> None:
@@ -475,6 +661,42 @@ def test_idle_gpu_rule_matches_the_slurm_alarm(k8s: tuple[Stack, tuple[Declared,
     assert dcgm["serviceMonitor"]["enabled"] is True
 
 
+def test_gpu_idle_alert_reaches_the_stack_topic(k8s: tuple[Stack, tuple[Declared, ...]], tmp_path: Path) -> None:
+    """Alertmanager routes to the budget's topic with SigV4 (not the chart's `null`), as the Slurm flavour's does, and
+    its service account's Pod Identity role may publish to that topic only."""
+    import shutil
+    import subprocess
+
+    stack, declared = k8s
+    (topic,) = of_type(declared, "sns/topic:Topic")
+    topic_arn = planned_outputs(topic, stack.region)["arn"]
+    values = _releases(declared)["monitoring"]["values"]["alertmanager"]
+    config = values["config"]
+    assert config["route"]["receiver"] == "stack-topic"
+    receivers = {r["name"]: r for r in config["receivers"]}
+    (sns,) = receivers["stack-topic"]["sns_configs"]
+    assert sns["topic_arn"] == topic_arn and sns["sigv4"] == {"region": stack.region}
+    assert config["route"]["routes"] == [{"receiver": "null", "matchers": ['alertname = "Watchdog"']}]
+    # The same routing as the Slurm head's Alertmanager (cloud-init/bootstrap.py writes it from the same function).
+    from gpucluster.settings import alertmanager_routing
+    assert receivers["stack-topic"] == alertmanager_routing(topic_arn, stack.region, stack.cluster_name)["receivers"][0]
+    amtool = shutil.which("amtool")
+    assert amtool, "amtool is missing: install Debian's prometheus-alertmanager (make test does)"
+    (tmp_path / "alertmanager.yml").write_text(json.dumps(config))
+    checked = subprocess.run([amtool, "check-config", str(tmp_path / "alertmanager.yml")], capture_output=True,
+                             text=True, timeout=30)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert values["serviceAccount"] == {"create": True, "name": "alertmanager"}
+    (assoc,) = [a for a in of_type(declared, "eks/podIdentityAssociation:PodIdentityAssociation")
+                if a.inputs["serviceAccount"] == "alertmanager"]
+    assert assoc.inputs["namespace"] == "monitoring"
+    assert assoc.inputs["roleArn"] == f"arn:aws:iam::123456789012:role/{stack.cluster_name}-alertmanager"
+    (grant,) = [json.loads(p.inputs["policy"]) for p in of_type(declared, "iam/rolePolicy:RolePolicy")
+                if p.name == f"{stack.cluster_name}-alertmanager"]
+    assert grant["Statement"] == [{"Sid": "PublishAlerts", "Effect": "Allow", "Action": "sns:Publish",
+                                   "Resource": topic_arn}]
+
+
 # --- 8. The first job -------------------------------------------------------------------------------------------
 
 def test_example_job() -> None:
@@ -488,13 +710,57 @@ def test_example_job() -> None:
     assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == 2
     pod = spec["template"]["spec"]
     assert pod["subdomain"] == service["metadata"]["name"] and service["spec"]["clusterIP"] == "None"
-    taints = {(t["key"], t["value"], t["effect"]) for t in kube.pool_taints(pool)}
-    assert {(t["key"], t["value"], t["effect"]) for t in pod["tolerations"]} == taints
+    # The pool's family: spot first, its on-demand fallback when spot has no capacity.
+    assert pod["nodeSelector"] == {"gpucluster/family": "p5-spot"}
+    assert pod["tolerations"] == kube.resource_flavors(stack)[0]["spec"]["tolerations"]
     (container,) = pod["containers"]
-    assert container["resources"]["requests"] == {"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "32"}
+    # A p5.48xlarge: 192 vCPUs, 2 TiB; all its GPUs and EFA interfaces, most of its CPU and memory.
+    assert container["resources"]["requests"] == {"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "32",
+                                                  "cpu": "172", "memory": "1740Gi"}
+    assert container["resources"]["limits"] == container["resources"]["requests"]
+    (shm,) = [v for v in pod["volumes"] if v["name"] == "shm"]
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "435Gi"}
     assert {"name": "fsx", "persistentVolumeClaim": {"claimName": "fsx"}} in pod["volumes"]
     command = container["command"][-1]
     assert "torchrun --nnodes=2 --nproc-per-node=8" in command and "--checkpoint-dir /fsx/checkpoints/" in command
+
+
+def admitted(container: dict, limit_range: dict) -> dict[str, dict[str, str]]:
+    """The container's resources once admitted: API defaulting copies its own limits to missing requests, then the
+    LimitRanger fills what is still missing from `defaultRequest` and `default`."""
+    (rule,) = limit_range["spec"]["limits"]
+    own = container["resources"]
+    limits = {**rule.get("default", {}), **own.get("limits", {})}
+    requests = {**rule.get("defaultRequest", {}), **own.get("limits", {}), **own.get("requests", {})}
+    return {"requests": requests, "limits": limits}
+
+
+def _gi(quantity: str) -> int:
+    assert quantity.endswith("Gi"), quantity
+    return int(quantity[:-2])
+
+
+@pytest.mark.parametrize("pool_name", ["p5-spot", "p5-od", "g6e"])
+def test_the_example_job_keeps_its_memory_under_the_limit_range(pool_name: str) -> None:
+    stack = load_stack(TEAM_K8S)
+    pool = next(p for p in stack.spec.pools if p.name == pool_name)
+    *_, job = kube.example_job(stack, pool)
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    effective = admitted(container, kube.limit_range(stack))
+    node_gi = pool.itype.memory_mib // 1024
+    # Most of the node, not the LimitRange's 1Gi default: torch, NCCL and the data loaders fit; /dev/shm within it.
+    assert node_gi * 0.8 <= _gi(effective["limits"]["memory"]) < node_gi
+    (shm,) = [v for v in job["spec"]["template"]["spec"]["volumes"] if v["name"] == "shm"]
+    assert 0 < _gi(shm["emptyDir"]["sizeLimit"]) <= _gi(effective["limits"]["memory"]) // 2
+    assert int(effective["requests"]["cpu"]) < pool.itype.vcpus
+
+
+def test_the_limit_range_does_not_cap_a_pod_that_sets_only_gpu_limits() -> None:
+    """A team's own GPU job that sets only `nvidia.com/gpu` gets default requests (counted by the quota), no 1Gi cap."""
+    stack = load_stack(TEAM_K8S)
+    effective = admitted({"resources": {"limits": {"nvidia.com/gpu": "8"}}}, kube.limit_range(stack))
+    assert "memory" not in effective["limits"] and "cpu" not in effective["limits"]
+    assert effective["requests"] == {"cpu": "500m", "memory": "1Gi", "nvidia.com/gpu": "8"}
 
 
 # --- Schemas ----------------------------------------------------------------------------------------------------
@@ -559,6 +825,11 @@ def test_rendered_files_are_what_the_program_declares_and_valid(tmp_path: Path) 
     rendered = [d for f in sorted((tmp_path / "kubernetes").glob("*.yaml")) for d in yaml.safe_load_all(f.read_text())]
     for obj in rendered:
         check(obj, stack.spec.eks.version)
+    # Only the first job is for kubectl; the rest, with placeholders, says it is reference only.
+    for f in (tmp_path / "kubernetes").glob("*.yaml"):
+        first = f.read_text().splitlines()[0]
+        assert first.startswith("# Reference, not for kubectl apply") == (f.name != "example-ddp-job.yaml"), f.name
+    assert "<file system id at up>" in (tmp_path / "kubernetes" / "team.yaml").read_text()
     key = lambda o: (o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"])  # noqa: E731
     declared_keys = {key(o) for o in k8s_objects(declared)}
     example = {key(o) for o in kube.example_job(stack, kube.example_pool(stack))}
@@ -622,6 +893,6 @@ def test_plan_json_for_a_kubernetes_stack(capsys: pytest.CaptureFixture[str]) ->
 def test_no_team_can_take_a_namespace_the_charts_use() -> None:
     from gpucluster.spec import RESERVED_NAMESPACES
 
-    charts = (eks.CLUSTER_AUTOSCALER, eks.NVIDIA_DEVICE_PLUGIN, eks.EFA_DEVICE_PLUGIN, eks.KUEUE,
+    charts = (eks.CLUSTER_AUTOSCALER, eks.NVIDIA_DEVICE_PLUGIN, eks.NEURON_DEVICE_PLUGIN, eks.EFA_DEVICE_PLUGIN, eks.KUEUE,
               eks.KUBE_PROMETHEUS_STACK, eks.DCGM_EXPORTER)
     assert {c.namespace for c in charts} <= set(RESERVED_NAMESPACES)
