@@ -238,8 +238,8 @@ def idle_gpu_rule(stack: Stack) -> Manifest:
             "metadata": {"name": "gpucluster-idle-gpu", "namespace": eks.KUBE_PROMETHEUS_STACK.namespace,
                          "labels": {"release": "monitoring"}},
             "spec": {"groups": [{"name": "gpucluster", "rules": [{
-                # The Slurm flavour's expression: on labels dcgm-exporter sets wherever it runs.
-                "alert": "GpuIdle", "expr": prometheus.gpu_idle_expr(),
+                # The Slurm flavour's expression and hold: on labels dcgm-exporter sets wherever it runs.
+                "alert": "GpuIdle", "expr": prometheus.gpu_idle_expr(), "for": prometheus.IDLE_FOR,
                 "labels": {"severity": "warning", "cluster": stack.cluster_name},
                 "annotations": {"summary": (f"GPU {{{{ $labels.gpu }}}} on {{{{ $labels.Hostname }}}} under "
                                             f"{monitoring.IDLE_PERCENT}% for {monitoring.IDLE_MINUTES} minutes: "

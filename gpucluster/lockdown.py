@@ -39,35 +39,28 @@ SSM_USER = "ssm-user"
 SSM_USER_HOME = "/var/lib/ssm-user"
 
 
-def alerts_guard() -> list[str]:
-    chain, match = ALERTS_CHAIN, f"-o lo -p tcp --dport {ALERTMANAGER_PORT}"
-    return [f"iptables -w -N {chain} 2>/dev/null || iptables -w -F {chain}",
-            f"iptables -w -C OUTPUT {match} -j {chain} 2>/dev/null || iptables -w -I OUTPUT 1 {match} -j {chain}",
-            f"for user in {' '.join(ALERTS_USERS)}; do",
-            f'  if id -u "$user" >/dev/null 2>&1; then iptables -w -A {chain} -m owner --uid-owner "$user" -j ACCEPT; fi',
-            "done",
-            f"iptables -w -A {chain} -p tcp -j REJECT --reject-with tcp-reset"]  # refused at once, not timed out
-
-
 def script(role: str) -> str:
     """The POSIX shell script for a node of `role` (head or compute)."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     chain, v4, v6 = IMDS_CHAIN, IMDS_ADDRESSES["iptables"], IMDS_ADDRESSES["ip6tables"]
+    users = " ".join(IMDS_USERS[role])
     return "\n".join([
         "set -eu",
-        "guard() {  # $1: iptables or ip6tables, $2: the metadata address",
-        f'  "$1" -w -N {chain} 2>/dev/null || "$1" -w -F {chain}',
-        f'  "$1" -w -C OUTPUT -d "$2" -j {chain} 2>/dev/null || "$1" -w -I OUTPUT 1 -d "$2" -j {chain}',
-        f"  for user in {' '.join(IMDS_USERS[role])}; do",
-        f'    if id -u "$user" >/dev/null 2>&1; then "$1" -w -A {chain} -m owner --uid-owner "$user" -j ACCEPT; fi',
+        # guard TOOL CHAIN PACKETS USERS: the packets go to the chain, which lets the users' through and rejects the rest.
+        "guard() {",
+        '  "$1" -w -N "$2" 2>/dev/null || "$1" -w -F "$2"',
+        '  "$1" -w -C OUTPUT $3 -j "$2" 2>/dev/null || "$1" -w -I OUTPUT 1 $3 -j "$2"',
+        "  for user in $4; do",
+        '    if id -u "$user" >/dev/null 2>&1; then "$1" -w -A "$2" -m owner --uid-owner "$user" -j ACCEPT; fi',
         "  done",
-        f'  "$1" -w -A {chain} -j REJECT',
+        '  "$1" -w -A "$2" -j REJECT',
         "}",
-        f"guard iptables {v4}",
-        *(alerts_guard() if role == "head" else []),
+        f'guard iptables {chain} "-d {v4}" "{users}"',
+        *([f'guard iptables {ALERTS_CHAIN} "-o lo -p tcp --dport {ALERTMANAGER_PORT}" "{" ".join(ALERTS_USERS)}"']
+          if role == "head" else []),
         # IPv6 metadata answers only where a launch template enables it; a kernel without IPv6 tables is no failure.
-        f"guard ip6tables {v6} 2>/dev/null || true",
+        f'guard ip6tables {chain} "-d {v6}" "{users}" 2>/dev/null || true',
         f"if id -u {LOGIN_USER} >/dev/null 2>&1; then",
         f"  for group in {' '.join(PRIVILEGED_GROUPS)}; do",
         f'    if id -nG {LOGIN_USER} | tr " " "\\n" | grep -qx "$group"; then gpasswd -d {LOGIN_USER} "$group" >/dev/null; fi',
@@ -80,7 +73,8 @@ def script(role: str) -> str:
         f"if ! id -u {SSM_USER} >/dev/null 2>&1; then",
         f"  useradd --create-home --home-dir {SSM_USER_HOME} --shell /bin/bash {SSM_USER}",
         f'elif [ "$(getent passwd {SSM_USER} | cut -d: -f6)" != {SSM_USER_HOME} ]; then',
-        f"  usermod --home {SSM_USER_HOME} {SSM_USER}  # made under /home by the agent on the image's build instance",
+        # Made under /home by the agent on the image's build instance.
+        f"  usermod --home {SSM_USER_HOME} {SSM_USER}",
         "fi",
         f'mkdir -p {SSM_USER_HOME} && chown "{SSM_USER}:" {SSM_USER_HOME} && chmod 0750 {SSM_USER_HOME}',
         "if [ -d /etc/sudoers.d ]; then",
