@@ -559,7 +559,7 @@ def node_exporter(s: ClusterSettings, node: str, address: str) -> None:
     if not in_image("prometheus-node-exporter"):
         return
     Path(contract.TEXTFILE_DIR).mkdir(parents=True, exist_ok=True)
-    port = s.exporter_port(contract.SCRAPE_JOBS[0], node)
+    port = s.exporter_port(contract.NODE_JOB, node)
     Path("/etc/default/prometheus-node-exporter").write_text(
         f'ARGS="--web.listen-address={address}:{port} --collector.textfile.directory={contract.TEXTFILE_DIR} '
         f'{" ".join(contract.NODE_EXPORTER_FLAGS)}"\n')

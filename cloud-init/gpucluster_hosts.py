@@ -106,18 +106,17 @@ def scrape_targets(entries: dict[str, str], settings: ClusterSettings) -> dict[s
     return lists
 
 
-def publish_once(shared: Path, hosts: Path, nodes: str, settings: ClusterSettings | None = None,
+def publish_once(shared: Path, hosts: Path, nodes: str, settings: ClusterSettings,
                  targets: Path = Path(SCRAPE_TARGETS_DIR)) -> dict[str, str]:
     entries = registered(nodes)
     shared.parent.mkdir(parents=True, exist_ok=True)
     if not shared.exists() or shared.read_text() != render(entries):
         write_atomically(shared, render(entries))
     update_hosts(entries, hosts)
-    if settings is not None:
-        targets.mkdir(parents=True, exist_ok=True)
-        for name, text in scrape_targets(entries, settings).items():
-            if not (targets / name).exists() or (targets / name).read_text() != text:
-                write_atomically(targets / name, text)
+    targets.mkdir(parents=True, exist_ok=True)
+    for name, text in scrape_targets(entries, settings).items():
+        if not (targets / name).exists() or (targets / name).read_text() != text:
+            write_atomically(targets / name, text)
     return entries
 
 

@@ -120,8 +120,8 @@ class ScrapeJob:
     accelerator: str = ""  # "": every node (the head too); else the nodes of pools with this accelerator kind
 
 
-SCRAPE_JOBS = (ScrapeJob("node", "node.json", NODE_EXPORTER_PORT),
-               ScrapeJob("dcgm", "dcgm.json", DCGM_EXPORTER_PORT, accelerator="nvidia"),
+NODE_JOB = ScrapeJob("node", "node.json", NODE_EXPORTER_PORT)
+SCRAPE_JOBS = (NODE_JOB, ScrapeJob("dcgm", "dcgm.json", DCGM_EXPORTER_PORT, accelerator="nvidia"),
                ScrapeJob("neuron", "neuron.json", NEURON_EXPORTER_PORT, accelerator="neuron"))
 
 

@@ -5,6 +5,7 @@ the stack's topic, the scrape-target lists the node-name publisher keeps, and th
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -291,3 +292,12 @@ def test_the_gpucluster_metrics_we_name_are_what_our_programs_write(tmp_path: Pa
         metrics.gpu_hours("vision||gres/gpu=1|gres/gpu=2\n", "vision"), metrics.efa_bytes(tmp_path),
         metrics.lustre_bytes("llite.fsx-1.stats=\nread_bytes 1 samples [bytes] 1 1 1\nwrite_bytes 1 samples [bytes] 1 1 1\n")])
     assert exposed_names(written) == prometheus.EXPORTED["gpucluster_metrics"]
+
+
+def test_gpu_idle_selects_only_on_what_dcgm_exporter_always_sets() -> None:
+    """The issue's interface: GpuIdle by metric name and dcgm-exporter's own labels, never ours (node, pool: they
+    are Slurm's scrape labels, absent on Kubernetes)."""
+    expr = prometheus.gpu_idle_expr()
+    assert expr.startswith("avg_over_time(DCGM_FI_DEV_GPU_UTIL{")
+    matchers = re.findall(r'([A-Za-z_]+)\s*(?:=|!=|=~|!~)\s*"', expr.split("{", 1)[1].split("}", 1)[0])
+    assert matchers and set(matchers) <= set(prometheus.DCGM_LABELS), matchers

@@ -48,7 +48,7 @@ def test_sessions_on_the_head_node_as_the_login_user_or_as_admin() -> None:
         sessions = f"arn:aws:ssm:{region}:{ACCOUNT}:session/${{aws:userid}}-*"
         assert own["Action"] == ["ssm:TerminateSession", "ssm:ResumeSession"] and own["Resource"] == sessions
         assert channel["Action"] == "ssmmessages:OpenDataChannel" and channel["Resource"] == sessions
-        assert find["Action"] == "ec2:DescribeInstances"  # what `gpucluster dashboard` calls (tests/test_dashboard.py)
+        assert find["Action"] == "ec2:DescribeInstances"  # what `gpucluster dashboard` calls (tests/test_dashboard_command.py)
     # Nothing else in the stack grants StartSession.
     grants = [d.name for d in declared for key in ("policy",) if key in d.inputs and "ssm:StartSession" in d.inputs[key]]
     assert sorted(grants) == sorted(f"{cluster}-{k}" for k in policies)
