@@ -3,7 +3,8 @@
 import pulumi
 
 from components.cluster import create_cluster
-from gpucluster.spec import stack_from_pulumi_config
+from gpucluster.project import EXAMPLES_DIR
+from gpucluster.spec.model import stack_from_pulumi_config
 
-for key, value in create_cluster(stack_from_pulumi_config()).items():
+for key, value in create_cluster(stack_from_pulumi_config(), EXAMPLES_DIR).items():
     pulumi.export(key, value)

@@ -23,8 +23,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-from gpucluster import settings  # noqa: E402
-from gpucluster.spec import load_stack  # noqa: E402
+from gpucluster.contract import settings  # noqa: E402
+from gpucluster.spec.model import load_stack  # noqa: E402
 from local_cluster import LocalCluster, RehearsalNode  # noqa: E402
 
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")

@@ -24,9 +24,9 @@ import boto3
 from moto.server import ThreadedMotoServer
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "cloud-init")]
+sys.path[:0] = [str(ROOT), str(ROOT / "gpucluster" / "node")]
 import gpucluster_node as node  # noqa: E402
-from gpucluster.settings import ClusterSettings, PoolSettings  # noqa: E402
+from gpucluster.contract.settings import ClusterSettings, PoolSettings  # noqa: E402
 
 TARGET_WARNING_SECONDS = 5.0  # warning received -> node drained, jobs signalled (the requeue follows the grace)
 TARGET_PROLOG_SECONDS = 2.0  # added to every job's start
@@ -82,9 +82,9 @@ def prolog_seconds() -> list[float]:
     smi.write_text("#!/bin/sh\n" + "".join(f'echo "{i}, 0"\n' for i in range(8)))
     smi.chmod(0o755)
     # What the Prolog runs before the node names (whose wait depends on the other nodes' registration, not on us).
-    program = ("import sys; sys.path.insert(0, %r); import gpucluster_health as h; from gpucluster.settings import "
+    program = ("import sys; sys.path.insert(0, %r); import gpucluster_health as h; from gpucluster.contract.settings import "
                "PoolSettings; h.check(PoolSettings('p5', 'lt', 's', 'p5.48xlarge', 'spot', accelerator='nvidia', "
-               "accelerators=8), 'prolog')") % str(ROOT / "cloud-init")
+               "accelerators=8), 'prolog')") % str(ROOT / "gpucluster" / "node")
     env = {**os.environ, "PATH": f"{work / 'bin'}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
     times = []
     for _ in range(10):

@@ -28,9 +28,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "cloud-init")]
-from gpucluster import prometheus  # noqa: E402
-from gpucluster.settings import NODE_EXPORTER_FLAGS  # noqa: E402
+sys.path[:0] = [str(ROOT), str(ROOT / "gpucluster" / "node")]
+from gpucluster.render import prometheus  # noqa: E402
+from gpucluster.contract.settings import NODE_EXPORTER_FLAGS  # noqa: E402
 
 NODES = 100
 GPUS_PER_NODE = 8

@@ -24,7 +24,7 @@ import boto3
 from botocore.exceptions import EndpointConnectionError
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "cloud-init")]  # the library (the settings contract) and the node program
+sys.path[:0] = [str(ROOT), str(ROOT / "gpucluster" / "node")]  # the library (the settings contract) and the node program
 import gpucluster_node as node  # noqa: E402
 
 

@@ -11,8 +11,8 @@ import pulumi_aws as aws
 
 from components import child
 from components.node_access import policy
-from gpucluster.cost import COST_TAG
-from gpucluster.spec import Budget as BudgetSpec
+from gpucluster.spec.cost import COST_TAG
+from gpucluster.spec.model import Budget as BudgetSpec
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+from pathlib import Path
 
 import pulumi
 import pulumi_aws as aws
@@ -18,8 +19,9 @@ from components.node_access import NodeAccess, NodeAccessArgs
 from components.storage import Storage, StorageArgs
 from components.team_access import TeamAccess, TeamAccessArgs
 from components.teardown import Teardown, TeardownArgs
-from gpucluster import bundle, cost, userdata
-from gpucluster.spec import Stack
+from gpucluster.render import bundle, userdata
+from gpucluster.spec import cost
+from gpucluster.spec.model import Stack
 
 
 def provider_options(stack: Stack) -> pulumi.ResourceOptions:
@@ -63,8 +65,9 @@ def network_and_storage_outputs(network: Network, storage: Storage) -> dict[str,
     }
 
 
-def create_cluster(stack: Stack) -> dict[str, object]:
-    """Declare every resource of the stack and return the stack outputs."""
+def create_cluster(stack: Stack, examples_dir: Path) -> dict[str, object]:
+    """Declare every resource of the stack and return the stack outputs. `examples_dir`: the first-job files the head
+    copies to the shared file system."""
     spec = stack.spec
     if spec.scheduler == "kubernetes":
         from components.eks_stack import create_kubernetes_cluster  # it builds on this module's helpers
@@ -88,7 +91,7 @@ def create_cluster(stack: Stack) -> dict[str, object]:
         """The id of the image baked under `key`; None where none is (image.build false, or an ami_id given)."""
         return images[key].image_id if key in images else None
 
-    bundle_bytes = bundle.build(stack)
+    bundle_bytes = bundle.build(stack, examples_dir)
     bundle_key = bundle.key(bundle_bytes)
     access = NodeAccess(
         stack.cluster_name,

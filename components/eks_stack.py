@@ -18,8 +18,9 @@ from components.kubernetes import (ASSUME_AND_TAG, ClusterSoftware, ClusterSoftw
                                    NodePool, NodePoolArgs, TeamSpace, TeamSpaceArgs, declare, trust)
 from components.network import control_plane_cidr
 from components.node_access import policy
-from gpucluster import cost, eks, kube
-from gpucluster.spec import Stack
+from gpucluster.spec import cost, eks
+from gpucluster.render import kube
+from gpucluster.spec.model import Stack
 
 # What the autoscaler's role may no longer do once the budget is spent: grow a node group.
 SCALE_UP_ACTIONS = ("autoscaling:SetDesiredCapacity", "autoscaling:UpdateAutoScalingGroup")
@@ -27,7 +28,7 @@ SCALE_UP_ACTIONS = ("autoscaling:SetDesiredCapacity", "autoscaling:UpdateAutoSca
 
 class QueueGuardrail(pulumi.ComponentResource):
     """The budget's queue, read in the cluster by a small controller that holds the team's ClusterQueue at the act
-    threshold and reopens it below (gpucluster/queue_guardrail.py), with its Pod Identity role."""
+    threshold and reopens it below (gpucluster/node/queue_guardrail.py), with its Pod Identity role."""
 
     def __init__(self, name: str, stack: Stack, cluster_name: pulumi.Input[str], queue_url: pulumi.Input[str],
                  queue_arn: pulumi.Input[str], budget_arn: pulumi.Input[str], act_threshold_percent: int,

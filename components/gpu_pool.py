@@ -13,8 +13,9 @@ import pulumi
 import pulumi_aws as aws
 
 from components import child
-from gpucluster import catalog, settings
-from gpucluster.spec import Pool
+from gpucluster.spec import catalog
+from gpucluster.contract import settings
+from gpucluster.spec.model import Pool
 
 ROOT_DEVICE = "/dev/sda1"  # Ubuntu-based DLAMIs
 

@@ -17,9 +17,9 @@ import pulumi_aws as aws
 
 from components import child
 from components.node_access import EC2_ASSUME, PARAMETER_READ, SSM_AGENT, NodeAccess, policy
-from gpucluster.catalog import UBUNTU_AMI_PARAMETER
-from gpucluster.cost import HEAD_ROOT_GIB, HEAD_STATE_GIB
-from gpucluster.settings import CLUSTER_TAG, ClusterSettings, head_instance_name
+from gpucluster.spec.catalog import UBUNTU_AMI_PARAMETER
+from gpucluster.spec.cost import HEAD_ROOT_GIB, HEAD_STATE_GIB
+from gpucluster.contract.settings import CLUSTER_TAG, ClusterSettings, head_instance_name
 
 STATE_DEVICE = "/dev/sdf"
 
@@ -33,7 +33,7 @@ class HeadNodeArgs:
     instance_type: str
     subnet_id: pulumi.Input[str]
     security_group_id: pulumi.Input[str]
-    user_data: str  # rendered cloud-config (gpucluster.userdata.head_node)
+    user_data: str  # rendered cloud-config (gpucluster.render.userdata.head_node)
     access: NodeAccess
     bundle_key: str
     config_parameter: str
@@ -182,7 +182,7 @@ def head_statements(args: HeadNodeArgs, account: str, config_arn: str, munge_arn
     and only instances tagged with this cluster (ParallelCluster's explicit-resource form: every resource a
     CreateFleet/RunInstances call touches is named); terminate only this cluster's instances, pass only the
     compute role, create and read only this cluster's parameters. Only root and the slurm user on the head get these
-    credentials (gpucluster.lockdown): a login user gets none, so cannot launch outside Slurm, terminate nodes or
+    credentials (gpucluster.contract.lockdown): a login user gets none, so cannot launch outside Slurm, terminate nodes or
     reverse the budget's action."""
     region = args.region
     ec2 = f"arn:aws:ec2:{region}:{account}"
@@ -255,7 +255,7 @@ def guardrail_statements(queue_arn: str, topic_arn: str, budget_arn: str) -> lis
         {"Sid": "ReadBudget", "Effect": "Allow", "Action": ["budgets:ViewBudget", "budgets:DescribeBudgetActionsForBudget"],
          "Resource": budget_arn},
         # `gpucluster-budget reopen` (by an admin: sudo) lifts the deny policy the backstop attached: this budget's
-        # actions only. A login user cannot: the head's credentials are root's and slurm's (gpucluster.lockdown).
+        # actions only. A login user cannot: the head's credentials are root's and slurm's (gpucluster.contract.lockdown).
         {"Sid": "ReverseBudgetActions", "Effect": "Allow", "Action": "budgets:ExecuteBudgetAction",
          "Resource": f"{budget_arn}/action/*"},
     ]

@@ -1,4 +1,4 @@
-"""A node image, baked once by EC2 Image Builder at `pulumi up`: cloud-init/build_image.sh run on the parent AMI.
+"""A node image, baked once by EC2 Image Builder at `pulumi up`: gpucluster/node/build_image.sh run on the parent AMI.
 
 The parent is the newest Deep Learning AMI of the accelerator kind (compute) or Ubuntu 24.04 (head): the recipe names
 the public SSM parameter (`ssm:` prefix) and Image Builder reads it when a build starts, so a new DLAMI or Ubuntu
@@ -19,10 +19,12 @@ import yaml
 from components import child
 from components.gpu_pool import ROOT_DEVICE
 from components.node_access import EC2_ASSUME, SSM_CORE
-from gpucluster import catalog, cost, settings
-from gpucluster.spec import ImageBuild
+from gpucluster.spec import catalog, cost
+from gpucluster import node
+from gpucluster.contract import settings
+from gpucluster.spec.model import ImageBuild
 
-BUILD_SCRIPT = Path(__file__).resolve().parent.parent / "cloud-init" / "build_image.sh"
+BUILD_SCRIPT = "build_image.sh"  # a node program (gpucluster.node)
 # On the build instance the script sits beside the manifest it writes: the image keeps what built it.
 SCRIPT_ON_IMAGE = f"{Path(settings.IMAGE_MANIFEST).parent}/build_image.sh"
 HEREDOC_END = "GPUCLUSTER_BUILD_SCRIPT"
@@ -71,7 +73,7 @@ def component_document(role: str, part: str, index: int, count: int) -> str:
     which = f" (part {index + 1} of {count})" if count > 1 else ""
     return yaml.dump({
         "name": f"gpucluster-node-{role}" + (f"-{index + 1}" if count > 1 else ""),
-        "description": f"gpucluster {role} node: cloud-init/build_image.sh {role}{which}",
+        "description": f"gpucluster {role} node: gpucluster/node/build_image.sh {role}{which}",
         "schemaVersion": 1.0,
         "phases": [{"name": "build", "steps": steps}],
     }, Dumper=_LiteralDumper, sort_keys=False, width=1000)
@@ -122,7 +124,7 @@ class NodeImage(pulumi.ComponentResource):
             aws.imagebuilder.Component(
                 name if i == 0 else f"{name}-{i + 1}", platform="Linux", version="1.0.0",
                 description=f"{args.cluster_name}: build_image.sh {build.role}", data=document, opts=child(self))
-            for i, document in enumerate(component_documents(build.role, BUILD_SCRIPT.read_text()))
+            for i, document in enumerate(component_documents(build.role, node.source(BUILD_SCRIPT).decode()))
         ]
         recipe = aws.imagebuilder.ImageRecipe(
             name, version="1.0.0", parent_image=parent_image(build),

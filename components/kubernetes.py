@@ -18,8 +18,10 @@ import pulumi_kubernetes as k8s
 from components import child
 from components.gpu_pool import launch_template, placement_group
 from components.node_access import policy
-from gpucluster import eks, kube, settings
-from gpucluster.spec import Pool, Stack
+from gpucluster.spec import eks
+from gpucluster.render import kube
+from gpucluster.contract import settings
+from gpucluster.spec.model import Pool, Stack
 
 MANAGED_POLICY = "arn:aws:iam::aws:policy/"
 ACCESS_POLICY = "arn:aws:eks::aws:cluster-access-policy/"

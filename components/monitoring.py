@@ -8,8 +8,8 @@ import pulumi
 import pulumi_aws as aws
 
 from components import child
-from gpucluster import monitoring
-from gpucluster.spec import Stack
+from gpucluster.render import monitoring
+from gpucluster.spec.model import Stack
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import pulumi
 import pulumi_aws as aws
 
 from components import child
-from gpucluster.cost import SSM_ENDPOINTS
+from gpucluster.spec.cost import SSM_ENDPOINTS
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import pulumi
 import pulumi_aws as aws
 
 from components import child, private_bucket
-from gpucluster import monitoring
+from gpucluster.render import monitoring
 
 EC2_ASSUME = json.dumps({"Version": "2012-10-17", "Statement": [
     {"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"}, "Action": "sts:AssumeRole"}]})
@@ -37,7 +37,7 @@ def policy(statements: list[dict[str, object]]) -> str:
 @dataclass(frozen=True)
 class NodeAccessArgs:
     region: str
-    bundle: bytes  # gpucluster.bundle.build
+    bundle: bytes  # gpucluster.render.bundle.build
     bundle_key: str
     config_parameter: str
     munge_key_parameter: str
@@ -79,7 +79,7 @@ class NodeAccess(pulumi.ComponentResource):
 
 def compute_statements(config_arn: str, munge_arn: str, bundle_arn: str) -> list[dict[str, object]]:
     """Read the cluster's settings, the munge key and the bundle, publish GPU metrics, let the SSM agent work:
-    nothing else. Only root on the node gets these credentials (gpucluster.lockdown): a job gets none."""
+    nothing else. Only root on the node gets these credentials (gpucluster.contract.lockdown): a job gets none."""
     return [
         # The boot reads both in one call. The munge key lets a node join Slurm: root on any node of the cluster
         # holds it anyway (munged needs it on every node), and no user reaches the credentials that read it.

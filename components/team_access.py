@@ -16,7 +16,7 @@ import pulumi
 import pulumi_aws as aws
 
 from components import child
-from gpucluster.settings import GRAFANA_PORT, LOGIN_USER, session_document_name
+from gpucluster.contract.settings import GRAFANA_PORT, LOGIN_USER, session_document_name
 
 IDLE_SESSION_MINUTES = 60
 MAX_SESSION_MINUTES = 720  # a forgotten shell ends after a working day

@@ -1,7 +1,7 @@
 """The steps `pulumi destroy` runs before it deletes the cluster's declared resources: the fleet Slurm launched goes
 first, and the file system is flushed to S3 before it goes.
 
-Each step is a dynamic resource whose *delete* does the work (gpucluster.teardown). Why a dynamic resource: Pulumi
+Each step is a dynamic resource whose *delete* does the work (gpucluster.aws.teardown). Why a dynamic resource: Pulumi
 deletes a resource before everything it depends on, so a step that depends on the network, the placement groups, the
 launch templates and the head node runs before any of them is deleted; and a dynamic provider is serialised into the
 stack's state, so `pulumi destroy` runs it without the program. (A resource hook would need `pulumi destroy
@@ -44,7 +44,7 @@ def _clients(region: str, *services: str) -> list[Any]:
 
 def _log_to_stderr() -> None:
     """The provider's process has no Pulumi logger: progress goes to stderr, where Pulumi keeps a plugin's output."""
-    logger = logging.getLogger("gpucluster.teardown")
+    logger = logging.getLogger("gpucluster.aws.teardown")
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("gpucluster teardown: %(message)s"))
@@ -74,7 +74,7 @@ def _inputs(props: dict[str, Any]) -> dict[str, Any]:
 
 class FleetTeardownProvider(_Step):
     def delete(self, _id: str, props: dict[str, Any]) -> None:
-        from gpucluster import teardown
+        from gpucluster.aws import teardown
 
         _log_to_stderr()
         ec2, ssm = _clients(props["region"], "ec2", "ssm")
@@ -84,18 +84,18 @@ class FleetTeardownProvider(_Step):
                                quiet_seconds=float(props["quiet_seconds"]))
         teardown.tear_down_fleet(fleet, ec2, ssm, teardown.SsmChannel(ssm, fleet.head_instance_id))
         for line in props.get("kept", []):
-            logging.getLogger("gpucluster.teardown").info("kept: %s", line)
+            logging.getLogger("gpucluster.aws.teardown").info("kept: %s", line)
 
 
 class LustreExportProvider(_Step):
     def delete(self, _id: str, props: dict[str, Any]) -> None:
         import os
 
-        from gpucluster import teardown
+        from gpucluster.aws import teardown
 
         _log_to_stderr()
         if os.environ.get(SKIP_FLUSH) == "1":  # a file system that can no longer export must not block destroy
-            logging.getLogger("gpucluster.teardown").warning(
+            logging.getLogger("gpucluster.aws.teardown").warning(
                 "%s=1: %s is deleted without exporting what S3 does not have yet", SKIP_FLUSH, props["file_system_id"])
             return
         (fsx,) = _clients(props["region"], "fsx")
@@ -126,7 +126,7 @@ class TeardownArgs:
     # Everything the fleet uses and destroy must not delete while it runs: the network, security group, placement
     # groups, launch templates, head node, file system (its flush), budget. The step depends on them all.
     cluster_resources: Sequence[pulumi.Resource]
-    kept: Sequence[str] = ()  # what destroy keeps, with its monthly cost (gpucluster.cost.kept_on_destroy)
+    kept: Sequence[str] = ()  # what destroy keeps, with its monthly cost (gpucluster.spec.cost.kept_on_destroy)
 
 
 class Teardown(pulumi.ComponentResource):

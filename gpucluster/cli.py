@@ -17,16 +17,18 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from gpucluster import catalog, cost, eks, sources
+from gpucluster.spec import catalog, cost, eks
+
+from gpucluster import project
 from gpucluster.plan import Declared, run_program
-from gpucluster.settings import GRAFANA_PORT
-from gpucluster.spec import Stack, SpecError, load_stack, resolve_stack_file
+from gpucluster.contract.settings import GRAFANA_PORT
+from gpucluster.spec.model import Stack, SpecError, load_stack, resolve_stack_file
 
 EXIT_BAD_INPUT = 2
 
 
 def _load(stack_arg: str) -> Stack:
-    return load_stack(resolve_stack_file(stack_arg, sources.STACKS_DIR))
+    return load_stack(resolve_stack_file(stack_arg, project.STACKS_DIR))
 
 
 def cost_table(stack: Stack, estimate: cost.CostEstimate) -> list[str]:
@@ -98,8 +100,8 @@ def resource_tree(declared: list[Declared]) -> list[str]:
 
 def plan(args: argparse.Namespace) -> int:
     stack = _load(args.stack)
-    if not sources.PROGRAM.exists():  # the head node's bundle carries the library, not the Pulumi program
-        print(f"plan runs the Pulumi program ({sources.PROGRAM.name} and components/), which is not here: run it from "
+    if not project.PROGRAM.exists():  # the head node's bundle carries the library, not the Pulumi program
+        print(f"plan runs the Pulumi program ({project.PROGRAM.name} and components/), which is not here: run it from "
               "a checkout of the repository. Here: render, preflight, cost.", file=sys.stderr)
         return EXIT_BAD_INPUT
     declared = run_program(stack)
@@ -129,7 +131,7 @@ def plan(args: argparse.Namespace) -> int:
 
 def render(args: argparse.Namespace) -> int:
     """The exact user data EC2 gets, and the Slurm files the head node writes."""
-    from gpucluster import dashboards, prometheus, slurm, userdata
+    from gpucluster.render import dashboards, prometheus, slurm, userdata
 
     stack = _load(args.stack)
     out = Path(args.out)
@@ -152,10 +154,10 @@ def _render_kubernetes(stack: Stack, out: Path) -> int:
     """The Kubernetes objects of the stack (for reference) and its first job (for `kubectl apply -f`), as YAML."""
     import yaml
 
-    from gpucluster import kube
+    from gpucluster.render import kube
 
     (out / "kubernetes").mkdir(parents=True, exist_ok=True)
-    for name, manifests in kube.render_files(stack).items():
+    for name, manifests in kube.render_files(stack, project.EXAMPLES_DIR).items():
         path = out / "kubernetes" / name
         path.write_text(kube.render_header(name) + yaml.safe_dump_all(manifests, sort_keys=False))
         print(path)
@@ -166,7 +168,7 @@ def preflight(args: argparse.Namespace) -> int:
     """Checks against the caller's account; exit 0 when nothing fails, 1 when a check fails."""
     import boto3
 
-    from gpucluster import preflight as checks
+    from gpucluster.aws import preflight as checks
 
     stack = _load(args.stack)
     report = checks.run(stack, boto3.Session())
@@ -183,7 +185,7 @@ def spend(args: argparse.Namespace) -> int:
     import boto3
     from botocore.exceptions import BotoCoreError, ClientError
 
-    from gpucluster import spend as money
+    from gpucluster.aws import spend as money
 
     stack = _load(args.stack)
     session = boto3.Session()
@@ -202,7 +204,7 @@ def leftovers(args: argparse.Namespace) -> int:
     import boto3
     from botocore.exceptions import BotoCoreError, ClientError
 
-    from gpucluster import leftovers as left
+    from gpucluster.aws import leftovers as left
 
     stack = _load(args.stack)
     session = boto3.Session(region_name=stack.region)
@@ -226,7 +228,7 @@ def dashboard(args: argparse.Namespace) -> int:
     import boto3
     from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
-    from gpucluster.settings import CLUSTER_TAG, head_instance_name, session_document_name
+    from gpucluster.contract.settings import CLUSTER_TAG, head_instance_name, session_document_name
 
     stack = _load(args.stack)
     ec2 = boto3.Session(region_name=stack.region).client("ec2")
@@ -272,7 +274,7 @@ def _tcp_port(text: str) -> int:
 
 def events(args: argparse.Namespace) -> int:
     """The head node's events log, newest last: what happened to nodes and jobs, and when."""
-    from gpucluster.settings import EVENTS_LOG
+    from gpucluster.contract.settings import EVENTS_LOG
 
     path = Path(args.log or EVENTS_LOG)
     if not path.exists():

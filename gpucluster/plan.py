@@ -13,8 +13,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from gpucluster import sources
-from gpucluster.spec import CONFIG_KEY, REGION_KEY, Stack, stack_config
+from gpucluster import project
+from gpucluster.spec.model import CONFIG_KEY, REGION_KEY, Stack, stack_config
 
 MOCK_ACCOUNT = "123456789012"
 # An interface's private IP as AWS gives it, from the documentation range (RFC 5737): never a real address.
@@ -276,15 +276,15 @@ def run_program(stack: Stack, config: dict[str, str] | None = None) -> list[Decl
     from pulumi.runtime.stack import run_pulumi_func
     from pulumi.runtime.sync_await import _sync_await
 
-    if str(sources.ROOT) not in sys.path:
-        sys.path.insert(0, str(sources.ROOT))
+    if str(project.ROOT) not in sys.path:
+        sys.path.insert(0, str(project.ROOT))
     monitor = _recording_monitor(_mocks(stack.region))
     settings.set_root_resource(None)  # a fresh stack on every run, also when one process plans several stacks
     pulumi.runtime.set_all_config(config or pulumi_config(stack))
     pulumi.runtime.set_mocks(monitor.mocks, project="gpucluster", stack=stack.name, preview=False, monitor=monitor)
 
     def program() -> None:
-        runpy.run_path(str(sources.PROGRAM), run_name="__main__")
+        runpy.run_path(str(project.PROGRAM), run_name="__main__")
 
     _sync_await(run_pulumi_func(program))
     return monitor.declared

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from gpucluster.plan import Declared, run_program  # noqa: E402
-from gpucluster.spec import Stack, load_stack  # noqa: E402
+from gpucluster.spec.model import Stack, load_stack  # noqa: E402
 
 ALL_STACK_FILES = sorted((ROOT / "stacks").glob("Pulumi.*.yaml"))
 # The Slurm flavour's stacks (what the Slurm tests take as "every shipped stack"), and the Kubernetes flavour's.

@@ -40,9 +40,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable
 
-from gpucluster import slurm
-from gpucluster.settings import CLUSTER_TAG, LOGIN_USER, NODE_REGISTRY, POOL_TAG, SCRAPE_JOBS
-from gpucluster.spec import Stack
+from gpucluster.render import slurm
+from gpucluster.contract.settings import CLUSTER_TAG, LOGIN_USER, NODE_REGISTRY, POOL_TAG, SCRAPE_JOBS
+from gpucluster.spec.model import Stack
+from gpucluster.project import EXAMPLES_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
 REHEARSAL = Path(__file__).resolve().parent / "rehearsal"
@@ -425,8 +426,8 @@ class RehearsalNode:
 def remove_lockdown_rules() -> None:
     """The nodes' lockdown (their bootcmd) put its metadata and Alertmanager rules in this machine's network namespace,
     which every rehearsal node shares: take them out again."""
-    from gpucluster.lockdown import ALERTS_CHAIN, IMDS_ADDRESSES, IMDS_CHAIN
-    from gpucluster.settings import ALERTMANAGER_PORT
+    from gpucluster.contract.lockdown import ALERTS_CHAIN, IMDS_ADDRESSES, IMDS_CHAIN
+    from gpucluster.contract.settings import ALERTMANAGER_PORT
 
     rules = [(tool, ["-d", address], IMDS_CHAIN) for tool, address in IMDS_ADDRESSES.items()]
     rules.append(("iptables", ["-o", "lo", "-p", "tcp", "--dport", str(ALERTMANAGER_PORT)], ALERTS_CHAIN))
@@ -474,7 +475,7 @@ class LocalCluster:
     def _start(self, boot_head: bool) -> None:
         from moto.server import ThreadedMotoServer
 
-        from gpucluster import bundle, userdata
+        from gpucluster.render import bundle, userdata
 
         self.root.chmod(0o755)
         port = free_port()
@@ -499,7 +500,7 @@ class LocalCluster:
         self.fsx = self.root / "fsx"
         self.fsx.mkdir()
         self.sdk = image_sdk(self.root / "image-python")
-        self.bundle = bundle.build(self.stack, self.layout)
+        self.bundle = bundle.build(self.stack, EXAMPLES_DIR, self.layout)
         self._aws_world(bundle.key(self.bundle), userdata)
         self.env = {**os.environ, "PATH": f"{self._login_commands()}:{os.environ['PATH']}"}
         self.env.pop("SLURM_CONF", None)
@@ -532,7 +533,7 @@ class LocalCluster:
 
     # --- AWS in moto: what `pulumi up` would have created -------------------------------------------------------
     def _aws_world(self, bundle_key: str, userdata) -> None:  # type: ignore[no-untyped-def]
-        from gpucluster.settings import BudgetSettings, ClusterSettings
+        from gpucluster.contract.settings import BudgetSettings, ClusterSettings
 
         ec2, s3, ssm = self.ec2(), self.aws("s3"), self.aws("ssm")
         vpc = ec2.create_vpc(CidrBlock="127.0.0.0/16")["Vpc"]["VpcId"]
@@ -585,7 +586,7 @@ class LocalCluster:
 
     def _pool_settings(self, ec2, known: dict) -> dict:  # type: ignore[no-untyped-def,type-arg]
         """What the GpuPool components export for the stack's pools: a launch template for each new one."""
-        from gpucluster.settings import PoolSettings
+        from gpucluster.contract.settings import PoolSettings
 
         pools = {}
         for pool in self.stack.spec.pools:
@@ -608,11 +609,11 @@ class LocalCluster:
         settings in SSM. The running head's update timer picks them up (`update` runs it here)."""
         from dataclasses import replace
 
-        from gpucluster import bundle
+        from gpucluster.render import bundle
 
         self.stack = stack
         self._devices()
-        data = bundle.build(stack, self.layout)
+        data = bundle.build(stack, EXAMPLES_DIR, self.layout)
         key = bundle.key(data)
         self.aws("s3").put_object(Bucket=self.settings.bundle_bucket, Key=key, Body=data)
         self.settings = replace(self.settings, pools=self._pool_settings(self.ec2(), self.settings.pools), bundle_key=key)
@@ -621,7 +622,7 @@ class LocalCluster:
 
     def update(self) -> str:
         """One run of the head's update unit, as its timer starts it every minute; returns what the boot log gained."""
-        from gpucluster.settings import BOOT_LOG
+        from gpucluster.contract.settings import BOOT_LOG
 
         log = self.head.path(BOOT_LOG)
         before = log.stat().st_size

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from gpucluster import settings as contract
-from gpucluster import userdata
+from gpucluster.contract import settings as contract
+from gpucluster.render import userdata
 
-sys.path.insert(0, str(ROOT / "cloud-init"))
+sys.path.insert(0, str(ROOT / "gpucluster" / "node"))
 import bootstrap  # noqa: E402
 
 PACKAGED_SLURMD = Path("/lib/systemd/system/slurmd.service")  # Debian's slurmd package (make test installs it)
@@ -78,7 +78,7 @@ def test_head_gets_the_command_line_from_the_image_venv(tmp_path: Path, monkeypa
     assert f"PYTHONPATH={contract.LIB_DIR} exec {bootstrap.IMAGE_VENV}/bin/python -m gpucluster" in wrapper.read_text()
     assert stat.S_IMODE(wrapper.stat().st_mode) == 0o755
     # The venv is the one build_image.sh makes.
-    assert f"VENV={bootstrap.IMAGE_VENV}\n" in (ROOT / "cloud-init" / "build_image.sh").read_text()
+    assert f"VENV={bootstrap.IMAGE_VENV}\n" in (ROOT / "gpucluster" / "node" / "build_image.sh").read_text()
 
 
 def test_fstab_entries_are_added_once(tmp_path: Path) -> None:
@@ -224,13 +224,13 @@ def test_update_units_are_ones_systemd_accepts_and_look_every_minute(tmp_path: P
     # Ordered after the boot unit (a reboot's bootstrap and an update never run together), without starting it.
     assert f"After={contract.BOOT_UNIT}" in service.read_text() and "Wants=" not in service.read_text()
     assert f"fetch_bundle.py {contract.NODE_ENV_FILE} --update {contract.APPLIED_FILE}" in service.read_text()
-    assert f"ExecStart=/usr/bin/python3 {contract.LIB_DIR}/cloud-init/fetch_bundle.py" in service.read_text()  # the bundle's
+    assert f"ExecStart=/usr/bin/python3 {contract.LIB_DIR}/gpucluster/node/fetch_bundle.py" in service.read_text()  # the bundle's
 
 
 def test_the_fetcher_and_the_bootstrap_agree_on_what_was_applied(tmp_path: Path) -> None:
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("fetch_bundle", ROOT / "cloud-init" / "fetch_bundle.py")
+    spec = importlib.util.spec_from_file_location("fetch_bundle", ROOT / "gpucluster" / "node" / "fetch_bundle.py")
     fetcher = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(fetcher)  # type: ignore[union-attr]
     settings, marker = tmp_path / "cluster.json", tmp_path / "applied"
@@ -279,7 +279,7 @@ def task_prolog(tmp_path: Path, env_text: str, environment: dict[str, str]) -> s
     env_file = tmp_path / "nccl.env"
     env_file.write_text(env_text)
     script = tmp_path / "task_prolog.sh"
-    script.write_text((ROOT / "cloud-init" / "task_prolog.sh").read_text().replace(contract.NCCL_ENV_FILE, str(env_file)))
+    script.write_text((ROOT / "gpucluster" / "node" / "task_prolog.sh").read_text().replace(contract.NCCL_ENV_FILE, str(env_file)))
     assert str(env_file) in script.read_text()
     return subprocess.run(["sh", str(script)], env={"PATH": "/usr/bin:/bin", **environment}, capture_output=True,
                           text=True, check=True).stdout
@@ -329,7 +329,7 @@ def test_grafana_listens_on_localhost_with_prometheus_and_our_boards(tmp_path: P
     Grafana is not in Debian, so the rehearsal's head runs none; its files are checked here."""
     import json
 
-    from gpucluster import dashboards
+    from gpucluster.render import dashboards
 
     home, provisioning, systemd = tmp_path / "grafana-home", tmp_path / "provisioning", tmp_path / "systemd"
     assert bootstrap.grafana(systemd, provisioning, home, tmp_path / "password") is None  # an image without Grafana

@@ -15,7 +15,7 @@ from moto import mock_aws
 
 from conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "cloud-init"))
+sys.path.insert(0, str(ROOT / "gpucluster" / "node"))
 import gpucluster_budget as guardrail  # noqa: E402
 import gpucluster_node as node  # noqa: E402
 

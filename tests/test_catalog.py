@@ -9,7 +9,7 @@ from pathlib import Path
 import moto
 import pytest
 
-from gpucluster import catalog
+from gpucluster.spec import catalog
 
 EC2_FACTS = json.load(gzip.open(Path(moto.__file__).parent / "ec2" / "resources" / "instance_types.json.gz"))
 ALL = {**catalog.ACCELERATED, **catalog.HEAD_NODE}

@@ -72,8 +72,10 @@ def test_plan_text_shows_what_the_node_images_cost() -> None:
 def test_no_node_images_line_without_images() -> None:
     import dataclasses
 
-    from gpucluster import cli, cost
-    from gpucluster.spec import load_stack
+    from gpucluster import cli
+
+    from gpucluster.spec import cost
+    from gpucluster.spec.model import load_stack
 
     stack = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")
     estimate = cost.estimate(stack)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import FIXTURES, ROOT
-from gpucluster import cost
-from gpucluster.spec import load_stack
+from gpucluster.spec import cost
+from gpucluster.spec.model import load_stack
 
 
 def test_dev_stack_by_hand() -> None:

@@ -16,8 +16,8 @@ import pytest
 
 from conftest import ROOT, reset_moto
 from gpucluster import cli
-from gpucluster.settings import CLUSTER_TAG, POOL_TAG, head_instance_name, session_document_name
-from gpucluster.spec import load_stack
+from gpucluster.contract.settings import CLUSTER_TAG, POOL_TAG, head_instance_name, session_document_name
+from gpucluster.spec.model import load_stack
 
 STACK = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")
 

@@ -1,4 +1,4 @@
-"""The Grafana dashboards (gpucluster/dashboards.py): every query parses with Prometheus' own promtool, names only
+"""The Grafana dashboards (gpucluster/render/dashboards.py): every query parses with Prometheus' own promtool, names only
 metrics our exporters produce or our rules record, and the cost board's idle-cost query computes what it claims."""
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import pytest
 import yaml
 
 from conftest import STACK_FILES
-from gpucluster import dashboards, monitoring, prometheus, settings
-from gpucluster.spec import Stack, load_stack
+from gpucluster.render import dashboards, monitoring, prometheus
+from gpucluster.contract import settings
+from gpucluster.spec.model import Stack, load_stack
 
 STACKS = {p.name: load_stack(p) for p in STACK_FILES}
 KNOWN_METRICS = frozenset().union(*prometheus.EXPORTED.values()) | {name for name, _ in prometheus.RECORDING_RULES}

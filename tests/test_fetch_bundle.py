@@ -1,4 +1,4 @@
-"""cloud-init/fetch_bundle.py, the first step of every node boot, against moto: the settings and the munge key in one
+"""gpucluster/node/fetch_bundle.py, the first step of every node boot, against moto: the settings and the munge key in one
 SSM call, the bundle from S3 once per bundle key, the head's key creation and its race, and the retries that let
 hundreds of nodes boot at once (Parameter Store throttles) without retrying what can never succeed."""
 
@@ -24,18 +24,19 @@ from botocore.exceptions import ClientError
 from moto import mock_aws
 
 from conftest import ROOT
-from gpucluster import bundle, userdata
-from gpucluster.settings import ClusterSettings
-from gpucluster.spec import load_stack
+from gpucluster.render import bundle, userdata
+from gpucluster.contract.settings import ClusterSettings
+from gpucluster.spec.model import load_stack
+from gpucluster.project import EXAMPLES_DIR
 
-spec = importlib.util.spec_from_file_location("fetch_bundle", ROOT / "cloud-init" / "fetch_bundle.py")
+spec = importlib.util.spec_from_file_location("fetch_bundle", ROOT / "gpucluster" / "node" / "fetch_bundle.py")
 assert spec and spec.loader
 fetcher = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(fetcher)
 
 STACK = load_stack(ROOT / "stacks" / "Pulumi.dev.yaml")
 KEY = bytes(range(256)) * 4  # a 1024-byte munge key
-BUNDLE = bundle.build(STACK)  # once: the repository may change while the tests run
+BUNDLE = bundle.build(STACK, EXAMPLES_DIR)  # once: the repository may change while the tests run
 
 
 class Boto3:

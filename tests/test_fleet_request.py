@@ -15,7 +15,7 @@ from botocore.validate import ParamValidator
 
 from conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "cloud-init"))
+sys.path.insert(0, str(ROOT / "gpucluster" / "node"))
 import gpucluster_node as node  # noqa: E402
 
 GOLDEN = ROOT / "tests" / "golden" / "fleet"

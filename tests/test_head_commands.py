@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from conftest import STACK_FILES
-from gpucluster import bundle, dashboards, prometheus, slurm, userdata
-from gpucluster.spec import load_stack
+from gpucluster.render import bundle, dashboards, prometheus, slurm, userdata
+from gpucluster.spec.model import load_stack
+from gpucluster.project import EXAMPLES_DIR
 
 SYSTEM_PYTHON = "/usr/bin/python3"  # what runs the node programs: no pydantic, no venv
 
@@ -24,7 +25,7 @@ def unpack(stack_path: Path, target: Path) -> Path:
     """The bundle as fetch_bundle.py leaves it in /opt/gpucluster."""
     import gzip
 
-    with tarfile.open(fileobj=io.BytesIO(gzip.decompress(bundle.build(load_stack(stack_path))))) as tar:
+    with tarfile.open(fileobj=io.BytesIO(gzip.decompress(bundle.build(load_stack(stack_path), EXAMPLES_DIR)))) as tar:
         tar.extractall(target, filter="data")
     return target
 
@@ -93,12 +94,12 @@ def test_node_programs_find_the_contract_beside_them_with_the_system_python(prog
     root, elsewhere = unpack(STACK_FILES[0], tmp_path / "opt"), tmp_path / "home"
     elsewhere.mkdir()
     code = (f"import sys; sys.path.insert(0, {str(root)!r}); import {program}; "
-            "from gpucluster import settings; print(settings.__file__); "
+            "from gpucluster.contract import settings; print(settings.__file__); "
             "print(sorted(m for m in ('pydantic', 'yaml', 'boto3') if m in sys.modules))")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     done = subprocess.run([SYSTEM_PYTHON, "-I", "-c", code], cwd=elsewhere, env=env, capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0, done.stderr
     settings_file, imported = done.stdout.splitlines()
-    assert settings_file == str(root / "lib" / "gpucluster" / "settings.py")
+    assert settings_file == str(root / "lib" / "gpucluster" / "contract" / "settings.py")
     assert imported == "[]"

@@ -9,9 +9,10 @@ import json
 import tarfile
 
 from conftest import ROOT, of_type
-from gpucluster import bundle, dashboards, prometheus, userdata
+from gpucluster.render import bundle, dashboards, prometheus, userdata
 from gpucluster.plan import Declared, planned_id, planned_outputs
-from gpucluster.spec import Stack
+from gpucluster.spec.model import Stack
+from gpucluster.project import EXAMPLES_DIR
 
 Shipped = tuple[Stack, tuple[Declared, ...]]
 
@@ -28,7 +29,7 @@ def test_head_instance_is_private_imdsv2_encrypted_and_runs_the_rendered_user_da
     assert head.inputs["metadataOptions"]["httpTokens"] == "required"
     assert head.inputs["rootBlockDevice"]["encrypted"] is True
     assert head.inputs["userData"] == userdata.head_node(stack)
-    from gpucluster import cost
+    from gpucluster.spec import cost
 
     assert head.inputs["rootBlockDevice"]["volumeSize"] == cost.HEAD_ROOT_GIB
     volume = _one(declared, "ebs/volume:Volume")
@@ -130,7 +131,7 @@ def test_compute_role_reads_settings_key_bundle_and_writes_gpu_metrics_only(ship
     assert set(compute) == {"ClusterSettings", "Bundle", "GpuMetrics", "SessionManagerAndRunCommand"}
     bucket = planned_id(_one(declared, "s3/bucket:Bucket", "-bundle"), stack.region)
     assert compute["Bundle"] == {"Sid": "Bundle", "Effect": "Allow", "Action": "s3:GetObject", "Resource":
-                                 f"arn:aws:s3:::{bucket}/{bundle.key(bundle.build(stack))}"}
+                                 f"arn:aws:s3:::{bucket}/{bundle.key(bundle.build(stack, EXAMPLES_DIR))}"}
     profile = _one(declared, "iam/instanceProfile:InstanceProfile", "-compute")
     for lt in of_type(declared, "ec2/launchTemplate:LaunchTemplate"):
         assert lt.inputs["iamInstanceProfile"] == {"arn": f"arn:aws:iam::123456789012:instance-profile/{profile.name}"}
@@ -165,7 +166,7 @@ def test_head_address_is_the_fixed_interface_ip(shipped: Shipped) -> None:
 
 def test_settings_document_is_the_contract(shipped: Shipped, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The parameter's JSON loads through ClusterSettings and is exactly what the contract writes back."""
-    from gpucluster.settings import ClusterSettings
+    from gpucluster.contract.settings import ClusterSettings
 
     stack, declared = shipped
     text = _one(declared, "ssm/parameter:Parameter").inputs["insecureValue"]
@@ -187,7 +188,7 @@ def test_a_launch_spec_key_the_contract_does_not_know_fails_up() -> None:
     import pytest
 
     from components.head_node import settings_document
-    from gpucluster.settings import SettingsError
+    from gpucluster.contract.settings import SettingsError
 
     args = SimpleNamespace(cluster_name="c", team="t", region="us-east-1", bundle_key="k", munge_key_parameter="/m",
                            node_program_settings={"all_or_nothing": True})
@@ -222,7 +223,7 @@ def test_bundle_object_holds_the_rendered_files(shipped: Shipped) -> None:
     stack, declared = shipped
     obj = _one(declared, "s3/bucketObjectv2:BucketObjectv2")
     data = base64.b64decode(obj.inputs["contentBase64"])
-    assert data == bundle.build(stack) and obj.inputs["key"] == bundle.key(data)
+    assert data == bundle.build(stack, EXAMPLES_DIR) and obj.inputs["key"] == bundle.key(data)
     with tarfile.open(fileobj=io.BytesIO(gzip.decompress(data))) as tar:
         names = set(tar.getnames())
     programs = {"bootstrap.py", "build_image.sh", "gpucluster_node.py", "gpucluster_budget.py",
@@ -233,9 +234,10 @@ def test_bundle_object_holds_the_rendered_files(shipped: Shipped) -> None:
     metrics |= {f"{'cloudwatch-agent' if p.itype.accelerator.kind == 'nvidia' else 'neuron-metrics'}/{p.name}.json"
                for p in stack.spec.pools}
     slurm_files = {f"slurm/{n}" for n in ("slurm.conf", "gres.conf", "slurmdbd.conf", "plugstack.conf", "cgroup.conf")}
-    library = {f"lib/gpucluster/{source.name}" for source in (ROOT / "gpucluster").glob("*.py")}
-    # lib/ mirrors the repository for what `gpucluster render` reads there: the stack's file and the fetcher.
-    library |= {f"lib/stacks/Pulumi.{stack.name}.yaml", "lib/cloud-init/fetch_bundle.py"}
+    library = {f"lib/{source.relative_to(ROOT).as_posix()}" for source in (ROOT / "gpucluster").rglob("*.py")
+               if "__pycache__" not in source.parts}
+    # lib/ mirrors the repository for what `gpucluster render` reads there: the stack's file beside the library.
+    library |= {f"lib/stacks/Pulumi.{stack.name}.yaml"}
     assert programs | {"accounting.sql", "accounting.sh"} | slurm_files | {f"examples/{n}" for n in bundle.EXAMPLES} | \
         metrics | library == names
 
@@ -245,12 +247,12 @@ def test_bundle_is_deterministic(monkeypatch) -> None:  # type: ignore[no-untype
     import time
 
     from conftest import STACK_FILES
-    from gpucluster.spec import load_stack
+    from gpucluster.spec.model import load_stack
 
     stack = load_stack(STACK_FILES[0])
-    first = bundle.build(stack)
+    first = bundle.build(stack, EXAMPLES_DIR)
     monkeypatch.setattr(time, "time", lambda: 2_000_000_000.0)  # another day, as far as tar and gzip can tell
-    assert bundle.build(stack) == first
+    assert bundle.build(stack, EXAMPLES_DIR) == first
     assert first[4:8] == b"\0\0\0\0"  # gzip header mtime
     with tarfile.open(fileobj=io.BytesIO(gzip.decompress(first))) as tar:
         assert {m.mtime for m in tar.getmembers()} == {0}
@@ -262,7 +264,7 @@ def test_node_program_reads_the_published_settings(shipped: Shipped, tmp_path) -
 
     from conftest import ROOT
 
-    sys.path.insert(0, str(ROOT / "cloud-init"))
+    sys.path.insert(0, str(ROOT / "gpucluster" / "node"))
     import gpucluster_node
 
     stack, declared = shipped

@@ -1,4 +1,4 @@
-"""A compute node's health check (cloud-init/gpucluster_health.py) against stand-ins for nvidia-smi, neuron-ls,
+"""A compute node's health check (gpucluster/node/gpucluster_health.py) against stand-ins for nvidia-smi, neuron-ls,
 fi_info and dmesg on PATH: this machine has no GPU, no Neuron device and no EFA. Each stand-in prints what the real
 tool prints in the cases that matter (its documented CSV or JSON)."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from gpucluster.settings import PoolSettings
+from gpucluster.contract.settings import PoolSettings
 
-sys.path.insert(0, str(ROOT / "cloud-init"))
+sys.path.insert(0, str(ROOT / "gpucluster" / "node"))
 import gpucluster_health as health  # noqa: E402
 
 P5 = PoolSettings("p5", "lt-1", "subnet-1", "p5.48xlarge", "spot", efa_interfaces=32, accelerator="nvidia",

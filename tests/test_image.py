@@ -1,4 +1,4 @@
-"""The node image: cloud-init/build_image.sh, run here with stand-ins for what needs the internet, and the
+"""The node image: gpucluster/node/build_image.sh, run here with stand-ins for what needs the internet, and the
 NodeImage component under the mock runtime for every shipped stack."""
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ import pytest
 import yaml
 
 from conftest import FIXTURES, ROOT, of_type, planned
-from gpucluster import catalog, cost, settings
+from gpucluster.spec import catalog, cost
+from gpucluster.contract import settings
 from gpucluster.plan import Declared, planned_id, planned_outputs, run_program
-from gpucluster.spec import Stack, load_stack, stack_config, validate
+from gpucluster.spec.model import Stack, load_stack, stack_config, validate
 
-SCRIPT = ROOT / "cloud-init" / "build_image.sh"
+SCRIPT = ROOT / "gpucluster" / "node" / "build_image.sh"
 KERNEL = "6.8.0-1021-aws"
 GPU_TOOLS = ("nvidia-smi", "dcgmi", "docker", "nvidia-ctk")  # the NVIDIA Deep Learning AMI's
 STANDIN_NAMES = ("apt-get", "curl", "git", "make", "gpg", "systemctl", "uname", "python3", "aa-enabled",
@@ -666,8 +667,8 @@ def test_each_build_logs_to_a_group_the_stack_owns() -> None:
 
 def test_the_image_tags_dcgm_exporter_by_the_name_the_boot_runs() -> None:
     """build_image.sh pulls NVIDIA's image by digest and tags it; bootstrap's unit runs settings.DCGM_EXPORTER_IMAGE."""
-    from gpucluster import settings
+    from gpucluster.contract import settings
 
-    script = (ROOT / "cloud-init" / "build_image.sh").read_text()
+    script = (ROOT / "gpucluster" / "node" / "build_image.sh").read_text()
     assert re.search(rf"^DCGM_EXPORTER_LOCAL={re.escape(settings.DCGM_EXPORTER_IMAGE)}\s", script, re.M)
     assert 'docker tag "$DCGM_EXPORTER" "$DCGM_EXPORTER_LOCAL"' in script

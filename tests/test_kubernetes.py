@@ -20,9 +20,12 @@ import yaml
 from conftest import K8S_STACK_FILES, ROOT, of_type, planned
 
 from components.kubernetes import autoscaler_node_template_tags
-from gpucluster import catalog, cost, eks, kube, prometheus, queue_guardrail
+from gpucluster.spec import catalog, cost, eks
+from gpucluster.render import kube, prometheus
+from gpucluster.node import queue_guardrail
 from gpucluster.plan import Declared, planned_outputs, run_program
-from gpucluster.spec import Stack, load_stack, validate
+from gpucluster.spec.model import Stack, load_stack, validate
+from gpucluster.project import EXAMPLES_DIR
 
 SCHEMAS = ROOT / "tests" / "schemas"
 TEAM_K8S = ROOT / "stacks" / "Pulumi.team-k8s.yaml"
@@ -196,7 +199,7 @@ def test_system_nodes_run_only_the_clusters_own_software(k8s: tuple[Stack, tuple
     assert _tolerates_system(guardrail.inputs["spec"]["template"]["spec"]["tolerations"])
     addons = {a.inputs["addonName"]: a.inputs for a in of_type(declared, "eks/addon:Addon")}
     assert _tolerates_system(json.loads(addons["coredns"]["configurationValues"])["tolerations"])
-    *_, job = kube.example_job(stack, kube.example_pool(stack))
+    *_, job = kube.example_job(stack, kube.example_pool(stack), (EXAMPLES_DIR / "ddp_train.py").read_text())
     assert not _tolerates_system(job["spec"]["template"]["spec"]["tolerations"])
 
 
@@ -678,8 +681,8 @@ def test_gpu_idle_alert_reaches_the_stack_topic(k8s: tuple[Stack, tuple[Declared
     (sns,) = receivers["stack-topic"]["sns_configs"]
     assert sns["topic_arn"] == topic_arn and sns["sigv4"] == {"region": stack.region}
     assert config["route"]["routes"] == [{"receiver": "null", "matchers": ['alertname = "Watchdog"']}]
-    # The same routing as the Slurm head's Alertmanager (cloud-init/bootstrap.py writes it from the same function).
-    from gpucluster.settings import alertmanager_routing
+    # The same routing as the Slurm head's Alertmanager (gpucluster/node/bootstrap.py writes it from the same function).
+    from gpucluster.contract.settings import alertmanager_routing
     assert receivers["stack-topic"] == alertmanager_routing(topic_arn, stack.region, stack.cluster_name)["receivers"][0]
     amtool = shutil.which("amtool")
     assert amtool, "amtool is missing: install Debian's prometheus-alertmanager (make test does)"
@@ -704,7 +707,7 @@ def test_example_job() -> None:
     stack = load_stack(TEAM_K8S)
     pool = kube.example_pool(stack)
     assert pool.uses_efa and pool.itype.accelerator.kind == "nvidia"
-    config_map, service, job = kube.example_job(stack, pool)
+    config_map, service, job = kube.example_job(stack, pool, (EXAMPLES_DIR / "ddp_train.py").read_text())
     assert config_map["data"]["ddp_train.py"] == (ROOT / "examples" / "ddp_train.py").read_text()
     assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "default"
     spec = job["spec"]
@@ -745,7 +748,7 @@ def _gi(quantity: str) -> int:
 def test_the_example_job_keeps_its_memory_under_the_limit_range(pool_name: str) -> None:
     stack = load_stack(TEAM_K8S)
     pool = next(p for p in stack.spec.pools if p.name == pool_name)
-    *_, job = kube.example_job(stack, pool)
+    *_, job = kube.example_job(stack, pool, (EXAMPLES_DIR / "ddp_train.py").read_text())
     (container,) = job["spec"]["template"]["spec"]["containers"]
     effective = admitted(container, kube.limit_range(stack))
     node_gi = pool.itype.memory_mib // 1024
@@ -833,7 +836,7 @@ def test_rendered_files_are_what_the_program_declares_and_valid(tmp_path: Path) 
     assert "<file system id at up>" in (tmp_path / "kubernetes" / "team.yaml").read_text()
     key = lambda o: (o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"])  # noqa: E731
     declared_keys = {key(o) for o in k8s_objects(declared)}
-    example = {key(o) for o in kube.example_job(stack, kube.example_pool(stack))}
+    example = {key(o) for o in kube.example_job(stack, kube.example_pool(stack), (EXAMPLES_DIR / "ddp_train.py").read_text())}
     assert {key(o) for o in rendered} == declared_keys | example
 
 
@@ -892,7 +895,7 @@ def test_plan_json_for_a_kubernetes_stack(capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_no_team_can_take_a_namespace_the_charts_use() -> None:
-    from gpucluster.spec import RESERVED_NAMESPACES
+    from gpucluster.spec.model import RESERVED_NAMESPACES
 
     charts = (eks.CLUSTER_AUTOSCALER, eks.NVIDIA_DEVICE_PLUGIN, eks.NEURON_DEVICE_PLUGIN, eks.EFA_DEVICE_PLUGIN, eks.KUEUE,
               eks.KUBE_PROMETHEUS_STACK, eks.DCGM_EXPORTER)

@@ -10,8 +10,10 @@ from botocore.stub import Stubber
 from conftest import ROOT
 from test_preflight import Session, _all_denied, client
 
-from gpucluster import eks, preflight
-from gpucluster.spec import load_stack
+from gpucluster.spec import eks
+
+from gpucluster.aws import preflight
+from gpucluster.spec.model import load_stack
 
 TEAM_K8S = ROOT / "stacks" / "Pulumi.team-k8s.yaml"
 

@@ -1,4 +1,4 @@
-"""The lockdown every node runs at boot (gpucluster.lockdown), run for real: the exact script, in a network namespace
+"""The lockdown every node runs at boot (gpucluster.contract.lockdown), run for real: the exact script, in a network namespace
 of its own with a stand-in for instance metadata on 169.254.169.254 (this machine is not on EC2, and iptables' owner
 match works in a namespace), and in a mount namespace whose /etc is an overlay (the images' login user, its sudo
 rule and its docker group are seeded there; this machine's /etc is left alone). The stand-in sits in a namespace of
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from gpucluster import lockdown
-from gpucluster.settings import ALERTMANAGER_PORT, LOGIN_USER, SLURM_USER
+from gpucluster.contract import lockdown
+from gpucluster.contract.settings import ALERTMANAGER_PORT, LOGIN_USER, SLURM_USER
 
 METADATA = textwrap.dedent('''
     from http.server import BaseHTTPRequestHandler, HTTPServer

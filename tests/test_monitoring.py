@@ -14,13 +14,14 @@ import pytest
 from moto import mock_aws
 
 from conftest import ROOT, of_type
-from gpucluster import bundle, monitoring
+from gpucluster.render import bundle, monitoring
 from gpucluster.plan import Declared
-from gpucluster.spec import Stack, load_stack
+from gpucluster.spec.model import Stack, load_stack
 
-sys.path.insert(0, str(ROOT / "cloud-init"))
+sys.path.insert(0, str(ROOT / "gpucluster" / "node"))
 import bootstrap  # noqa: E402
 import gpucluster_neuron_metrics as neuron  # noqa: E402
+from gpucluster.project import EXAMPLES_DIR
 
 TEAM_B = load_stack(ROOT / "stacks" / "Pulumi.team-b.yaml")  # has a trn1 pool
 
@@ -44,7 +45,7 @@ def test_one_idle_alarm_per_accelerator_pool(shipped: tuple[Stack, tuple[Declare
 
 def test_nodes_send_what_the_alarm_watches(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
     stack, declared = shipped
-    with tarfile.open(fileobj=io.BytesIO(gzip.decompress(bundle.build(stack)))) as tar:
+    with tarfile.open(fileobj=io.BytesIO(gzip.decompress(bundle.build(stack, EXAMPLES_DIR)))) as tar:
         for pool in monitoring.watched_pools(stack):
             if pool.itype.accelerator.kind == "nvidia":
                 config = json.load(tar.extractfile(f"cloudwatch-agent/{pool.name}.json"))  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""Node names that resolve (cloud-init/gpucluster_hosts.py): what the head publishes, and what a job's prolog puts
+"""Node names that resolve (gpucluster/node/gpucluster_hosts.py): what the head publishes, and what a job's prolog puts
 into a node's /etc/hosts before the job starts."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from conftest import ROOT
 
-spec = importlib.util.spec_from_file_location("gpucluster_hosts", ROOT / "cloud-init" / "gpucluster_hosts.py")
+spec = importlib.util.spec_from_file_location("gpucluster_hosts", ROOT / "gpucluster" / "node" / "gpucluster_hosts.py")
 hosts = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
 spec.loader.exec_module(hosts)  # type: ignore[union-attr]
 

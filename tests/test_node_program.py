@@ -16,9 +16,9 @@ from botocore.stub import Stubber
 from moto import mock_aws
 
 from conftest import ROOT
-from gpucluster import hostlist, scontrol
+from gpucluster.contract import hostlist, scontrol
 
-sys.path.insert(0, str(ROOT / "cloud-init"))
+sys.path.insert(0, str(ROOT / "gpucluster" / "node"))
 import gpucluster_node as node  # noqa: E402
 
 

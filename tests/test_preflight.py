@@ -16,8 +16,8 @@ from botocore.stub import Stubber
 from moto import mock_aws
 
 from conftest import FIXTURES, ROOT
-from gpucluster import preflight
-from gpucluster.spec import load_stack
+from gpucluster.aws import preflight
+from gpucluster.spec.model import load_stack
 
 TEAM_B = ROOT / "stacks" / "Pulumi.team-b.yaml"
 

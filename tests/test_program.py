@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 from conftest import FIXTURES, ROOT, STACK_FILES, of_type, planned
-from gpucluster import catalog
+from gpucluster.spec import catalog
 from gpucluster.plan import Declared, planned_ami_id, planned_id
-from gpucluster.spec import Stack
+from gpucluster.spec.model import Stack
 
 PROVIDER = "pulumi:providers:aws"
 
@@ -351,7 +351,7 @@ def test_the_program_itself_refuses_bad_config() -> None:
     import pytest
 
     from gpucluster.plan import pulumi_config, run_program
-    from gpucluster.spec import CONFIG_KEY, load_stack
+    from gpucluster.spec.model import CONFIG_KEY, load_stack
 
     stack = load_stack(ROOT / "stacks" / "Pulumi.dev.yaml")
     config = pulumi_config(stack)
@@ -364,7 +364,7 @@ def test_the_program_itself_refuses_bad_config() -> None:
 def test_pool_templates_carry_the_rendered_user_data(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
     import base64
 
-    from gpucluster import userdata
+    from gpucluster.render import userdata
 
     stack, declared = shipped
     templates = _pool_templates(declared)
@@ -393,7 +393,7 @@ def test_longest_stack_name_fits_every_derived_aws_name() -> None:
     import dataclasses
 
     from gpucluster.plan import run_program
-    from gpucluster.spec import AUTONAME_SUFFIX, MAX_STACK_NAME, load_stack
+    from gpucluster.spec.model import AUTONAME_SUFFIX, MAX_STACK_NAME, load_stack
 
     stack = dataclasses.replace(load_stack(ROOT / "stacks" / "Pulumi.team-b.yaml"), name="s" * MAX_STACK_NAME)
     declared = run_program(stack)

@@ -15,12 +15,13 @@ import pytest
 import yaml
 
 from conftest import ROOT, STACK_FILES
-from gpucluster import monitoring, prometheus, settings
-from gpucluster.settings import ClusterSettings, PoolSettings
-from gpucluster.spec import load_stack
+from gpucluster.render import monitoring, prometheus
+from gpucluster.contract import settings
+from gpucluster.contract.settings import ClusterSettings, PoolSettings
+from gpucluster.spec.model import load_stack
 
 
-sys.path.insert(0, str(ROOT / "cloud-init"))  # the node programs import each other, as in the bundle
+sys.path.insert(0, str(ROOT / "gpucluster" / "node"))  # the node programs import each other, as in the bundle
 import bootstrap  # noqa: E402
 import gpucluster_budget as budget  # noqa: E402
 import gpucluster_hosts as hosts  # noqa: E402

@@ -13,8 +13,10 @@ import pytest
 import yaml
 
 from conftest import ROOT, STACK_FILES
-from gpucluster import dashboards, settings, slurm, sources, userdata
-from gpucluster.spec import load_stack
+from gpucluster.render import dashboards, slurm, userdata
+from gpucluster.contract import settings
+from gpucluster import node
+from gpucluster.spec.model import load_stack
 
 GOLDEN = ROOT / "tests" / "golden"
 
@@ -70,7 +72,7 @@ def test_user_data_carries_no_secret() -> None:
             files = {f["path"]: f["content"] for f in doc["write_files"]}
             # Three files, none of them a key: the node's names, the fetcher (the repository's code) and its unit.
             assert set(files) == {settings.NODE_ENV_FILE, settings.FETCHER, f"/etc/systemd/system/{settings.BOOT_UNIT}"}
-            assert files[settings.FETCHER].encode() == sources.node_file(userdata.FETCHER)
+            assert files[settings.FETCHER].encode() == node.source(userdata.FETCHER)
             assert files[f"/etc/systemd/system/{settings.BOOT_UNIT}"] == userdata.boot_unit()
             env = dict(line.split("=", 1) for line in files[settings.NODE_ENV_FILE].splitlines())
             assert env["GPUCLUSTER_MUNGE_KEY_PARAMETER"] == userdata.munge_key_parameter(stack)  # a name

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ALL_STACK_FILES, ROOT
-from gpucluster.spec import SpecError, load_stack, validate
+from gpucluster.spec.model import SpecError, load_stack, validate
 
 BAD = sorted((ROOT / "tests" / "bad_stacks").glob("Pulumi.*.yaml"))
 
@@ -140,7 +140,7 @@ def test_forms_both_readers_agree_on_pass(tmp_path: Path, text: str) -> None:
 
 
 def test_stack_name_limit_is_the_iam_build_role() -> None:
-    from gpucluster.spec import AUTONAME_SUFFIX, MAX_STACK_NAME
+    from gpucluster.spec.model import AUTONAME_SUFFIX, MAX_STACK_NAME
 
     assert MAX_STACK_NAME == 24
     assert len(f"gpucluster-{'s' * MAX_STACK_NAME}-compute-nvidia-build") + AUTONAME_SUFFIX == 64

@@ -8,8 +8,9 @@ import boto3
 from botocore.stub import Stubber
 
 from conftest import ROOT
-from gpucluster import spend
-from gpucluster.spec import load_stack
+from gpucluster.aws import spend
+from gpucluster.spec.model import load_stack
+from gpucluster.project import EXAMPLES_DIR
 
 TEAM_A = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")
 TODAY = dt.date(2026, 11, 20)
@@ -73,9 +74,9 @@ def test_the_head_nodes_command_runs_from_the_bundle_without_pulumi(tmp_path) ->
     import sys
     import tarfile
 
-    from gpucluster import bundle
+    from gpucluster.render import bundle
 
-    with tarfile.open(fileobj=io.BytesIO(gzip.decompress(bundle.build(TEAM_A)))) as tar:
+    with tarfile.open(fileobj=io.BytesIO(gzip.decompress(bundle.build(TEAM_A, EXAMPLES_DIR)))) as tar:
         tar.extractall(tmp_path, filter="data")
     program = ("import sys; sys.modules['pulumi'] = None; sys.path.insert(0, sys.argv[1]); "
                "from gpucluster.cli import main; sys.exit(main(['cost', 'team-a']))")
@@ -87,7 +88,7 @@ def test_the_head_nodes_command_runs_from_the_bundle_without_pulumi(tmp_path) ->
     assert "Stack team-a (team vision)" in out.stdout and "Budget:              $250,000.00" in out.stdout
     assert "Note: spend not read: Could not connect" in out.stdout
     # The stack file it read is the stack that was planned, to the last setting.
-    from gpucluster.spec import load_stack as load
+    from gpucluster.spec.model import load_stack as load
 
     assert load(tmp_path / "lib" / "stacks" / "Pulumi.team-a.yaml") == TEAM_A
 

@@ -9,7 +9,7 @@ import re
 
 from conftest import ROOT, of_type, planned
 from gpucluster.plan import planned_id
-from gpucluster.settings import GRAFANA_PORT, LOGIN_USER, session_document_name
+from gpucluster.contract.settings import GRAFANA_PORT, LOGIN_USER, session_document_name
 
 ACCOUNT = "123456789012"
 

@@ -1,4 +1,4 @@
-"""`pulumi destroy`'s own steps (gpucluster.teardown, components/teardown.py) against a moto server: the fleet the
+"""`pulumi destroy`'s own steps (gpucluster.aws.teardown, components/teardown.py) against a moto server: the fleet the
 resume program launched is terminated and awaited, including instances launched while the step runs; a refused
 termination fails the step with the instance's id; run-time leftovers go; the file system's flush is awaited and a
 failed one stops the deletion (FSx data repository tasks: recorded answers, moto has none). Under the mock runtime:
@@ -21,11 +21,11 @@ import pytest
 from botocore.stub import Stubber
 
 from conftest import ROOT, of_type, planned, reset_moto
-from gpucluster import teardown
+from gpucluster.aws import teardown
 from gpucluster.plan import planned_id
-from gpucluster.settings import CLUSTER_TAG, POOL_TAG, STACK_TAG, ClusterSettings, PoolSettings
+from gpucluster.contract.settings import CLUSTER_TAG, POOL_TAG, STACK_TAG, ClusterSettings, PoolSettings
 
-sys.path.insert(0, str(ROOT / "cloud-init"))
+sys.path.insert(0, str(ROOT / "gpucluster" / "node"))
 import gpucluster_node as node  # noqa: E402
 
 CLUSTER = "gpucluster-t1"

@@ -9,8 +9,8 @@ import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from gpucluster import settings
-from gpucluster.settings import LOGIN_USER
+from gpucluster.contract import settings
+from gpucluster.contract.settings import LOGIN_USER
 from local_cluster import LocalCluster
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from gpucluster.settings import BUDGET_STATE_FILE
+from gpucluster.contract.settings import BUDGET_STATE_FILE
 from local_cluster import LocalCluster
 
 

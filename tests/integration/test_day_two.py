@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from conftest import FIXTURES
-from gpucluster.spec import load_stack
+from gpucluster.spec.model import load_stack
 from local_cluster import LocalCluster
 
 EXTRA_POOL = """      - name: extra

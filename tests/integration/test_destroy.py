@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import subprocess
 
-from gpucluster import teardown, userdata
+from gpucluster.aws import teardown
+
+from gpucluster.render import userdata
 from local_cluster import LocalCluster
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from gpucluster import spend
-from gpucluster.settings import EVENTS_LOG, POOL_TAG, PROMETHEUS_PORT
+from gpucluster.aws import spend
+from gpucluster.contract.settings import EVENTS_LOG, POOL_TAG, PROMETHEUS_PORT
 from local_cluster import LocalCluster
 
 

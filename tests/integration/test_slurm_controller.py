@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from conftest import STACK_FILES
-from gpucluster import slurm
-from gpucluster.spec import load_stack
+from gpucluster.render import slurm
+from gpucluster.spec.model import load_stack
 from local_cluster import LocalCluster, missing_tools
 
 

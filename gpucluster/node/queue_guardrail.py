@@ -3,7 +3,7 @@
 Every message on the budget's queue (AWS Budgets notifications, through SNS) wakes it, and so does a timer: it reads
 the budget's actual spend and, at the act threshold, holds the team's Kueue ClusterQueue (`stopPolicy: Hold`: running
 jobs finish, new ones wait); below it, reopens the queue (`stopPolicy: None`) and reverses the Budgets action that
-denied the autoscaler's scale-up, if it ran (as the Slurm head's guardrail does, cloud-init/gpucluster_budget.py:
+denied the autoscaler's scale-up, if it ran (as the Slurm head's guardrail does, gpucluster/node/gpucluster_budget.py:
 that file is not in this container, so the few lines live here). Standard library and boto3 only.
 """
 

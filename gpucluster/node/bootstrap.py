@@ -23,11 +23,11 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))  # the bundle's copy of the library
-from gpucluster import lockdown  # noqa: E402
-from gpucluster import settings as contract  # noqa: E402
-from gpucluster.hostlist import compress_hostlist, expand_hostlist  # noqa: E402
-from gpucluster.scontrol import node_records, state_flags  # noqa: E402
-from gpucluster.settings import ClusterSettings, PoolSettings, read_env_file  # noqa: E402
+from gpucluster.contract import lockdown  # noqa: E402
+from gpucluster.contract import settings as contract  # noqa: E402
+from gpucluster.contract.hostlist import compress_hostlist, expand_hostlist  # noqa: E402
+from gpucluster.contract.scontrol import node_records, state_flags  # noqa: E402
+from gpucluster.contract.settings import ClusterSettings, PoolSettings, read_env_file  # noqa: E402
 
 BUNDLE = Path(contract.BUNDLE_DIR)
 STATE = Path(contract.STATE_DIR)
@@ -377,7 +377,7 @@ def update_timer(systemd: Path = SYSTEMD) -> None:
     bundle they name; then `bootstrap.py head --update`. The fetcher is the bundle's copy, so it is the new one."""
     (systemd / f"{contract.UPDATE_UNIT}.service").write_text(unit(
         "gpucluster: apply a changed stack (pulumi up) on the running head", "Service",
-        ["Type=oneshot", f"ExecStart=/usr/bin/python3 {contract.LIB_DIR}/cloud-init/fetch_bundle.py "
+        ["Type=oneshot", f"ExecStart=/usr/bin/python3 {contract.LIB_DIR}/gpucluster/node/fetch_bundle.py "
                          f"{contract.NODE_ENV_FILE} --update {contract.APPLIED_FILE}"], wanted_by=None,
         ordered_after=contract.BOOT_UNIT))  # never beside a boot's own bootstrap
     (systemd / f"{contract.UPDATE_UNIT}.timer").write_text(unit(

@@ -4,7 +4,7 @@ The head node component writes `ClusterSettings` (as JSON, into the SSM paramete
 fetch_bundle.py, bootstrap.py, the node programs and the budget guardrail read it through `ClusterSettings.load`.
 Paths, ports and program names live here once, for both sides.
 
-Standard library only: the nodes import this file from the bundle (`/opt/gpucluster/lib/gpucluster/settings.py`)
+Standard library only: the nodes import this file from the bundle (`/opt/gpucluster/lib/gpucluster/contract/settings.py`)
 with the system python3, which has no pydantic.
 """
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gpucluster import catalog, eks
-from gpucluster.spec import MIN_POOL_ROOT_GIB, ImageBuild, Stack
+from gpucluster.spec import catalog, eks
+from gpucluster.spec.model import MIN_POOL_ROOT_GIB, ImageBuild, Stack
 
 COST_TAG = "gpucluster:stack"  # the cost-allocation tag that budgets and spend reports filter on
 HOURS_PER_MONTH = 730  # AWS's own convention in its pricing calculator

@@ -14,8 +14,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
-from gpucluster import catalog, eks
-from gpucluster.spec import Pool, Stack
+from gpucluster.spec import catalog, eks
+from gpucluster.spec.model import Pool, Stack
 
 Status = Literal["pass", "warn", "fail"]
 # vCPU service quotas by instance family letter and market (Service Quotas, service code ec2).
@@ -91,7 +91,7 @@ def check_efa(ec2: Any, pool: Pool) -> Check:
     if live == 0:
         return Check(pool.name, "efa", "fail", f"EC2 says {pool.instance_type} has no EFA here", "set efa: false")
     return Check(pool.name, "efa", "warn", f"EC2 reports {live} EFA interfaces, the catalog {pool.itype.efa_interfaces}",
-                 "update gpucluster/catalog.py")
+                 "update gpucluster/spec/catalog.py")
 
 
 def check_quotas(quotas: Any, stack: Stack, region: str) -> list[Check]:

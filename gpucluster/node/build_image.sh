@@ -34,7 +34,7 @@ GRAFANA_SDK_VERSION=1769699379!11.6.0  # grafana-foundation-sdk (`gpucluster ren
 # tag can move. Its DCGM (4.5) is its own, embedded: not the parent image's dcgmi and nv-hostengine.
 DCGM_EXPORTER_IMAGE=nvcr.io/nvidia/k8s/dcgm-exporter:4.5.2-4.8.1-ubuntu22.04
 DCGM_EXPORTER_DIGEST=sha256:a7ad6547d4546eaf4dd5d6b4c0b4db4101e63ef7dc3cdff7f42b767d2c60b706
-DCGM_EXPORTER_LOCAL=gpucluster/dcgm-exporter:image  # DCGM_EXPORTER_IMAGE in gpucluster/settings.py
+DCGM_EXPORTER_LOCAL=gpucluster/dcgm-exporter:image  # DCGM_EXPORTER_IMAGE in gpucluster/contract/settings.py
 TORCH_VERSION=2.13.0     # the examples' version (requirements-dev.txt)
 PYDANTIC_VERSION=2.14.4  # for the head's `gpucluster` command (requirements.txt: pydantic 2)
 # Every other distribution pip installs; torch pins its own CUDA wheels and triton exactly.
@@ -42,7 +42,7 @@ PIP_CONSTRAINTS=(filelock==4.3.1 fsspec==2026.9.0 jinja2==3.1.6 markupsafe==3.0.
   setuptools==84.2.1 sympy==1.14.0 typing-extensions==4.16.0 pydantic-core==2.50.5 annotated-types==0.8.0
   typing-inspection==0.4.5)
 
-# iptables: every boot's lockdown (gpucluster/lockdown.py) keeps instance metadata from users with it; Ubuntu's
+# iptables: every boot's lockdown (gpucluster/contract/lockdown.py) keeps instance metadata from users with it; Ubuntu's
 # images carry it, named here so that no parent image can lack it. Unversioned, from the noble archive, like the tools.
 HEAD_PACKAGES=("munge=$MUNGE_VERSION" "slurmctld=$SLURM_VERSION" "slurmdbd=$SLURM_VERSION"
   "slurm-client=$SLURM_VERSION" "mariadb-server=$MARIADB_VERSION" "python3-boto3=$BOTO3_VERSION"
@@ -76,7 +76,7 @@ LUSTRE_REPO=https://fsx-lustre-client-repo.s3.amazonaws.com/ubuntu
 GRAFANA_REPO=https://apt.grafana.com
 NEURON_BIN=/opt/aws/neuron/bin  # the Neuron Deep Learning AMI's tools
 PYPI=https://pypi.org/simple
-MANIFEST=/opt/gpucluster-image/manifest.json  # IMAGE_MANIFEST in gpucluster/settings.py
+MANIFEST=/opt/gpucluster-image/manifest.json  # IMAGE_MANIFEST in gpucluster/contract/settings.py
 VENV=/opt/gpucluster-image/venv
 
 ROLE=${1:-}

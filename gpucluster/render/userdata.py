@@ -1,7 +1,7 @@
 """The cloud-init user data handed to EC2, byte for byte, for the head node and for each pool's nodes.
 
 User data holds no secret and nothing AWS assigns at `pulumi up`, and installs nothing (the node image holds the
-software). At every boot, before the network is online, it runs the lockdown (gpucluster.lockdown: instance metadata
+software). At every boot, before the network is online, it runs the lockdown (gpucluster.contract.lockdown: instance metadata
 for root and the daemons only, no root for the login user). It writes three files: node.env (cluster, region, role, pool, the parameters to read), fetch_bundle.py, and
 the unit gpucluster-boot.service, which runs fetch_bundle.py at every boot, not only the first: it reads the settings
 and the munge key from SSM, fetches the bundle from S3 and runs bootstrap.py in the node's role. So the bytes are known
@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import yaml
 
-from gpucluster import lockdown, settings, sources
-from gpucluster.spec import Pool, Stack
+from gpucluster.contract import lockdown, settings
+
+from gpucluster import node
+from gpucluster.spec.model import Pool, Stack
 
 EC2_USER_DATA_LIMIT = 16384
 FETCHER = "fetch_bundle.py"
@@ -98,7 +100,7 @@ def _cloud_config(stack: Stack, role: str, hostname: str | None, pool: Pool | No
         "write_files": [
             {"path": settings.NODE_ENV_FILE, "permissions": "0644",
              "content": "".join(f"{k}={v}\n" for k, v in node_env(stack, role, pool).items())},
-            {"path": settings.FETCHER, "permissions": "0755", "content": sources.node_file(FETCHER).decode()},
+            {"path": settings.FETCHER, "permissions": "0755", "content": node.source(FETCHER).decode()},
             {"path": f"/etc/systemd/system/{settings.BOOT_UNIT}", "permissions": "0644", "content": boot_unit()},
         ],
         # runcmd runs once per instance; the unit it enables runs at every boot. --no-block: cloud-init is itself

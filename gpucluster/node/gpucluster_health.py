@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
-from gpucluster.settings import (  # noqa: E402
+from gpucluster.contract.settings import (  # noqa: E402
     FATAL_XIDS, GPU_JOB_MAP_DIR, HOSTS_PROGRAM, NODE_NAME_FILE, REPLACE_REASON, SHARED_DIR, SLURM_CLIENT_CONF, ClusterSettings, PoolSettings,
     read_env_file,
 )

@@ -31,8 +31,8 @@ from typing import Any, Iterator
 
 from gpucluster_metrics import family, sample, write
 from gpucluster_node import REASON_PREFIX, Slurm, always_on_nodes, setup_logging
-from gpucluster.scontrol import job_records, parse_oneliner  # noqa: E402  (the bundle's lib/, on the path since gpucluster_node)
-from gpucluster.settings import TEXTFILE_DIR, BudgetSettings, ClusterSettings  # the bundle's lib/, on the path since gpucluster_node
+from gpucluster.contract.scontrol import job_records, parse_oneliner  # noqa: E402  (the bundle's lib/, on the path since gpucluster_node)
+from gpucluster.contract.settings import TEXTFILE_DIR, BudgetSettings, ClusterSettings  # the bundle's lib/, on the path since gpucluster_node
 
 BUDGET_PREFIX = f"{REASON_PREFIX} budget"
 # How the resume program marks nodes it could not launch while the Budgets action's deny was on the head node's role.

@@ -11,8 +11,12 @@ import gzip
 import hashlib
 import io
 import tarfile
-from gpucluster import dashboards, monitoring, prometheus, settings, slurm, sources
-from gpucluster.spec import Stack, stack_file
+from pathlib import Path
+
+from gpucluster.render import dashboards, monitoring, prometheus, slurm
+from gpucluster.contract import settings
+from gpucluster import node
+from gpucluster.spec.model import Stack, stack_file
 
 PROGRAMS = ("bootstrap.py", "build_image.sh", "gpucluster_node.py", "gpucluster_budget.py", "gpucluster_neuron_metrics.py",
             "task_prolog.sh", "gpucluster_hosts.py", "gpucluster_health.py", "gpucluster_metrics.py")
@@ -21,19 +25,23 @@ CLUSTER_USERS = (settings.LOGIN_USER,)
 EXAMPLES = ("launch.sh", "ddp_train.py", "ddp.sbatch", "all_reduce.py", "all_reduce.sbatch", "ddp_container.sbatch")
 
 
-def contents(stack: Stack, layout: slurm.SlurmLayout = slurm.SlurmLayout()) -> dict[str, tuple[bytes, int]]:
-    """Path in the bundle -> (bytes, mode). `layout`: the Slurm paths and ports (the boot rehearsal's differ)."""
+LIBRARY = Path(__file__).resolve().parent.parent  # the gpucluster package, shipped whole to lib/gpucluster
+STACKS_IN_LIB = "lib/stacks"  # gpucluster.project.STACKS_DIR on the head node
+
+
+def contents(stack: Stack, examples_dir: Path,
+             layout: slurm.SlurmLayout = slurm.SlurmLayout()) -> dict[str, tuple[bytes, int]]:
+    """Path in the bundle -> (bytes, mode). `examples_dir`: the first-job files copied to the shared file system;
+    `layout`: the Slurm paths and ports (the boot rehearsal's differ)."""
     files = {f"slurm/{name}": (text.encode(), 0o644) for name, text in slurm.all_files(stack, layout).items()}
-    files |= {name: (sources.node_file(name), 0o755) for name in PROGRAMS}
-    files |= {f"examples/{name}": ((sources.EXAMPLES_DIR / name).read_bytes(), 0o755 if name.endswith(".sh") else 0o644)
+    files |= {name: (node.source(name), 0o755) for name in PROGRAMS}
+    files |= {f"examples/{name}": ((examples_dir / name).read_bytes(), 0o755 if name.endswith(".sh") else 0o644)
               for name in EXAMPLES}
     # The library: the settings contract the node programs import, and the command line for the admins on the head
-    # node (`gpucluster cost|render|preflight`) with this stack's file. lib/ mirrors the repository for what the
-    # library reads (gpucluster.sources): the stack beside it, the fetcher that `render` puts into user data.
-    library = sources.ROOT / "gpucluster"
-    files |= {f"lib/gpucluster/{source.name}": (source.read_bytes(), 0o644) for source in sorted(library.glob("*.py"))}
-    files[f"lib/{sources.STACKS_DIR.name}/Pulumi.{stack.name}.yaml"] = (stack_file(stack).encode(), 0o644)
-    files[f"lib/{sources.NODE_DIR.name}/fetch_bundle.py"] = (sources.node_file("fetch_bundle.py"), 0o644)
+    # node (`gpucluster cost|render|preflight`) with this stack's file beside it, as gpucluster.project expects.
+    files |= {f"lib/gpucluster/{source.relative_to(LIBRARY).as_posix()}": (source.read_bytes(), 0o644)
+              for source in sorted(LIBRARY.rglob("*.py")) if "__pycache__" not in source.parts}
+    files[f"{STACKS_IN_LIB}/Pulumi.{stack.name}.yaml"] = (stack_file(stack).encode(), 0o644)
     files["accounting.sql"] = (slurm.ACCOUNTING_DB_SQL.encode(), 0o644)
     files["accounting.sh"] = (slurm.accounting_script(stack, CLUSTER_USERS).encode(), 0o755)
     files |= {name: (text.encode(), 0o644)
@@ -42,10 +50,10 @@ def contents(stack: Stack, layout: slurm.SlurmLayout = slurm.SlurmLayout()) -> d
     return files
 
 
-def build(stack: Stack, layout: slurm.SlurmLayout = slurm.SlurmLayout()) -> bytes:
+def build(stack: Stack, examples_dir: Path, layout: slurm.SlurmLayout = slurm.SlurmLayout()) -> bytes:
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name, (data, mode) in sorted(contents(stack, layout).items()):
+        for name, (data, mode) in sorted(contents(stack, examples_dir, layout).items()):
             info = tarfile.TarInfo(name)
             info.size, info.mode, info.mtime = len(data), mode, 0
             tar.addfile(info, io.BytesIO(data))

@@ -9,9 +9,9 @@ import subprocess
 from dataclasses import dataclass
 from typing import Any
 
-from gpucluster import cost
-from gpucluster.cost import COST_TAG, money
-from gpucluster.spec import Stack
+from gpucluster.spec import cost
+from gpucluster.spec.cost import COST_TAG, money
+from gpucluster.spec.model import Stack
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
-from gpucluster.hostlist import compress_hostlist, expand_hostlist  # noqa: E402
-from gpucluster.scontrol import node_records, state_flags  # noqa: E402
-from gpucluster.settings import (  # noqa: E402
+from gpucluster.contract.hostlist import compress_hostlist, expand_hostlist  # noqa: E402
+from gpucluster.contract.scontrol import node_records, state_flags  # noqa: E402
+from gpucluster.contract.settings import (  # noqa: E402
     HEAD_HOSTNAME, NODE_HOSTS_FILE, SCRAPE_JOBS, SCRAPE_TARGETS_DIR, ClusterSettings,
 )
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gpucluster import catalog, cost
-from gpucluster.settings import STACK_TAG
+from gpucluster.spec import catalog, cost
+from gpucluster.contract.settings import STACK_TAG
 
 BUCKET_PAGES = 20  # ListObjectsV2 pages read to size a bucket (1000 objects each); beyond that the figure is a floor
 

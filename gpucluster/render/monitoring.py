@@ -1,7 +1,7 @@
 """Accelerator utilisation, published by every GPU and Trainium node and watched per pool.
 
 NVIDIA nodes publish through the CloudWatch agent's nvidia_gpu plugin; Neuron nodes through gpucluster's own small
-publisher fed by neuron-monitor (cloud-init/gpucluster_neuron_metrics.py). Both configurations and the alarms share the
+publisher fed by neuron-monitor (gpucluster/node/gpucluster_neuron_metrics.py). Both configurations and the alarms share the
 names below, so that an alarm always watches the metric the nodes send. The rule every GPU dashboard carries:
 utilisation under 30% for 5 minutes is money burning.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from gpucluster.spec import Pool, Stack
+from gpucluster.spec.model import Pool, Stack
 
 NAMESPACE = "CWAgent"
 # The CloudWatch agent names its metrics nvidia_smi_<measurement>.

@@ -1,6 +1,6 @@
 """Grafana dashboards on the head node, built with Grafana's typed builders (grafana-foundation-sdk), never as JSON.
 
-Three boards over the head's Prometheus (gpucluster/prometheus.py lists every metric they query): the cluster overview,
+Three boards over the head's Prometheus (gpucluster/render/prometheus.py lists every metric they query): the cluster overview,
 GPU use per Slurm job, and the team's cost board. `files(stack)` is what `render --out` writes and the head gets in its
 bundle, byte for byte; Grafana provisions them from DASHBOARDS_DIR against the datasource whose uid is DATASOURCE_UID.
 """
@@ -21,8 +21,10 @@ from grafana_foundation_sdk.models.dashboard import (DashboardCursorSync, DataSo
                                                      VariableRefresh, VariableSort)
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
-from gpucluster import monitoring, prometheus, settings
-from gpucluster.spec import Stack
+from gpucluster.render import monitoring, prometheus
+
+from gpucluster.contract import settings
+from gpucluster.spec.model import Stack
 
 # The head provisions its Prometheus datasource under this uid (at 127.0.0.1:PROMETHEUS_PORT): the boards name it by
 # uid, so they never depend on the datasource's display name.

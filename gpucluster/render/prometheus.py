@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import yaml
 
-from gpucluster import cost, monitoring, settings
-from gpucluster.spec import Stack
+from gpucluster.spec import cost
+
+from gpucluster.render import monitoring
+
+from gpucluster.contract import settings
+from gpucluster.spec.model import Stack
 
 SCRAPE_SECONDS = 30  # dcgm-exporter samples every 30 s by default: scraping faster would only repeat its figures
 RETENTION_DAYS = 62  # the cost board's "this month" and the month before it

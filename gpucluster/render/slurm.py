@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpucluster import cost, settings
-from gpucluster.catalog import Accelerator
-from gpucluster.spec import Pool, Stack
+from gpucluster.spec import cost
+
+from gpucluster.contract import settings
+from gpucluster.spec.catalog import Accelerator
+from gpucluster.spec.model import Pool, Stack
 
 # Slurm must not hand out memory the kernel, the CUDA driver and the EFA stack keep. EC2's figure is the nominal size;
 # keep 5% back. (A node that reads a little under RealMemory still registers: node_reg_mem_percent below.)

@@ -16,7 +16,7 @@ from the bundle with the system python3.
 
 from __future__ import annotations
 
-from gpucluster.settings import ALERTMANAGER_PORT, LOGIN_USER, ROLES, SLURM_USER
+from gpucluster.contract.settings import ALERTMANAGER_PORT, LOGIN_USER, ROLES, SLURM_USER
 
 IMDS_ADDRESSES = {"iptables": "169.254.169.254", "ip6tables": "fd00:ec2::254"}  # IPv4, and IPv6 where enabled
 IMDS_CHAIN = "GPUCLUSTER-IMDS"

@@ -17,7 +17,9 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
 
-from gpucluster import catalog, eks, settings
+from gpucluster.spec import catalog, eks
+
+from gpucluster.contract import settings
 
 CONFIG_KEY = "gpucluster:cluster"
 REGION_KEY = "aws:region"
@@ -338,7 +340,7 @@ ROLE_ARN_RE = r"^arn:aws:iam::[0-9]{12}:role/[A-Za-z0-9+=,.@_/-]{1,512}$"
 class Kubernetes(_Model):
     """The EKS cluster of a `scheduler: kubernetes` stack (components/kubernetes.py)."""
 
-    # A version EKS offers in standard support (gpucluster/eks.py); `preflight` asks EKS whether it still does.
+    # A version EKS offers in standard support (gpucluster/spec/eks.py); `preflight` asks EKS whether it still does.
     version: str = eks.DEFAULT_VERSION
     # The API server is private (reachable from the VPC only). CIDRs listed here may also reach its public endpoint,
     # e.g. the network `pulumi up` runs from; never 0.0.0.0/0.
@@ -447,7 +449,7 @@ def _pool_set_problems(pools: list[Any]) -> list[tuple[tuple[str | int, ...], st
     return problems
 
 
-# Namespaces Kubernetes, EKS and the Kubernetes flavour's charts use (gpucluster/eks.py): no team may be named so.
+# Namespaces Kubernetes, EKS and the Kubernetes flavour's charts use (gpucluster/spec/eks.py): no team may be named so.
 RESERVED_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease", "kueue-system", "monitoring")
 
 

@@ -23,8 +23,8 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
-from gpucluster.scontrol import node_records, state_flags  # noqa: E402
-from gpucluster.settings import TEXTFILE_DIR, ClusterSettings  # noqa: E402
+from gpucluster.contract.scontrol import node_records, state_flags  # noqa: E402
+from gpucluster.contract.settings import TEXTFILE_DIR, ClusterSettings  # noqa: E402
 
 INTERVAL_SECONDS = 30  # prometheus.SCRAPE_SECONDS
 COMMAND_SECONDS = 30

@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from gpucluster.settings import BUDGET_UNIT, CLUSTER_TAG, INTERRUPTIONS_UNIT, RECONCILE_UNIT, UPDATE_UNIT
+from gpucluster.contract.settings import BUDGET_UNIT, CLUSTER_TAG, INTERRUPTIONS_UNIT, RECONCILE_UNIT, UPDATE_UNIT
 
-log = logging.getLogger("gpucluster.teardown")
+log = logging.getLogger("gpucluster.aws.teardown")
 
 # States of an instance that still bills or may come back; "shutting-down" is on its way out, but not gone yet.
 LIVE_STATES = ("pending", "running", "stopping", "stopped", "shutting-down")

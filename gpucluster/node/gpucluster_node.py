@@ -42,9 +42,9 @@ from typing import Any, Callable, Iterable, Iterator
 
 # The bundle carries the library beside this program (lib/); the settings contract is in it (standard library only).
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
-from gpucluster.hostlist import compress_hostlist, expand_hostlist  # noqa: E402
-from gpucluster.scontrol import job_records, node_records, state_flags  # noqa: E402
-from gpucluster.settings import (  # noqa: E402
+from gpucluster.contract.hostlist import compress_hostlist, expand_hostlist  # noqa: E402
+from gpucluster.contract.scontrol import job_records, node_records, state_flags  # noqa: E402
+from gpucluster.contract.settings import (  # noqa: E402
     CLUSTER_TAG, POOL_TAG, REPLACE_REASON, SETTINGS_FILE, SLURM_USER, ClusterSettings, PoolSettings,
 )
 

@@ -12,8 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpucluster import eks, monitoring, prometheus, settings
-from gpucluster.spec import Pool, Stack
+from gpucluster import node
+from gpucluster.spec import eks
+
+from gpucluster.render import monitoring, prometheus
+
+from gpucluster.contract import settings
+from gpucluster.spec.model import Pool, Stack
 
 Manifest = dict[str, Any]
 
@@ -43,7 +48,6 @@ DEFAULT_CPU, DEFAULT_MEMORY = "500m", "1Gi"
 NODE_SHARE_CPU, NODE_SHARE_MEMORY = 0.9, 0.85
 # Pods of the team at once: every node's worth of one pod per accelerator, plus room for small helper pods.
 PODS_PER_NODE = 16
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 @dataclass(frozen=True)
@@ -411,11 +415,10 @@ def shm_size(pool: Pool) -> str:
     return f"{int(pool.itype.memory_mib * NODE_SHARE_MEMORY) // 1024 // 4}Gi"
 
 
-def example_job(stack: Stack, pool: Pool, nodes: int = 2, image: str = EXAMPLE_IMAGE) -> list[Manifest]:
-    """examples/ddp_train.py across `nodes` nodes of `pool` with torchrun: an indexed Job (one pod per node) behind a
+def example_job(stack: Stack, pool: Pool, script: str, nodes: int = 2, image: str = EXAMPLE_IMAGE) -> list[Manifest]:
+    """`script` (examples/ddp_train.py) across `nodes` nodes of `pool` with torchrun: an indexed Job (one pod per node) behind a
     headless Service for the rendezvous, queued through the team's LocalQueue, checkpointing to the FSx claim."""
     ns, name = namespace_name(stack), "ddp-example"
-    script = (EXAMPLES / "ddp_train.py").read_text()
     config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "namespace": ns},
                   "data": {"ddp_train.py": script}}
     service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": ns},
@@ -460,7 +463,7 @@ def guardrail_manifests(stack: Stack, queue_url: Any, act_threshold_percent: int
                         launch_deny_action_id: Any) -> list[Manifest]:
     """The in-cluster controller that holds and reopens the team's ClusterQueue: may patch that one queue only."""
     ns = eks.KUEUE.namespace
-    script = (Path(__file__).resolve().parent / "queue_guardrail.py").read_text()
+    script = node.source("queue_guardrail.py").decode()
     labels = {"app": GUARDRAIL}
     env = {"QUEUE_URL": queue_url, "BUDGET_NAME": stack.budget_name, "CLUSTER_QUEUE": cluster_queue_name(stack),
            "ACT_THRESHOLD_PERCENT": str(act_threshold_percent), "AWS_REGION": stack.region,
@@ -519,7 +522,7 @@ def render_header(name: str) -> str:
             "# knows are placeholders (<... at up>).\n")
 
 
-def render_files(stack: Stack) -> dict[str, list[Manifest]]:
+def render_files(stack: Stack, examples_dir: Path) -> dict[str, list[Manifest]]:
     """Every object the program declares in the cluster (values AWS computes as placeholders), and the first job."""
     fsx = Fsx("<file system id at up>", "<file system DNS name at up>", "<mount name at up>",
               stack.spec.storage.lustre.storage_capacity_gib or 1200)
@@ -528,7 +531,7 @@ def render_files(stack: Stack) -> dict[str, list[Manifest]]:
         fsx = Fsx(lustre.file_system_id, lustre.dns_name, lustre.mount_name, 1200)
     files = {"team.yaml": team_manifests(stack, fsx), "queues.yaml": queue_manifests(stack),
              "idle-gpu-rule.yaml": [idle_gpu_rule(stack)],
-             EXAMPLE_JOB_FILE: example_job(stack, example_pool(stack))}
+             EXAMPLE_JOB_FILE: example_job(stack, example_pool(stack), (examples_dir / "ddp_train.py").read_text())}
     act = stack.spec.budget.act_threshold_percent
     if act is not None:
         files["guardrail.yaml"] = guardrail_manifests(stack, "<budget queue URL at up>", act,
