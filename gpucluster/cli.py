@@ -104,7 +104,7 @@ def plan(args: argparse.Namespace) -> int:
         print(f"plan runs the Pulumi program ({project.PROGRAM.name} and components/), which is not here: run it from "
               "a checkout of the repository. Here: render, preflight, cost.", file=sys.stderr)
         return EXIT_BAD_INPUT
-    declared = run_program(stack)
+    declared = run_program(stack, project.pulumi_program())
     estimate = cost.estimate(stack)
     if args.json:
         doc = {

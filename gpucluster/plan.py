@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import runpy
-import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
-from gpucluster import project
 from gpucluster.spec.model import CONFIG_KEY, REGION_KEY, Stack, stack_config
 
 MOCK_ACCOUNT = "123456789012"
@@ -267,8 +264,8 @@ def pulumi_config(stack: Stack) -> dict[str, str]:
     return {REGION_KEY: config[REGION_KEY], CONFIG_KEY: json.dumps(config[CONFIG_KEY])}
 
 
-def run_program(stack: Stack, config: dict[str, str] | None = None) -> list[Declared]:
-    """Run `__main__.py` for `stack` under the mock runtime. Returns what it declared, in declaration order.
+def run_program(stack: Stack, program: Callable[[], None], config: dict[str, str] | None = None) -> list[Declared]:
+    """Run the Pulumi `program` for `stack` under the mock runtime. Returns what it declared, in declaration order.
 
     `config` replaces the stack's own config, as `pulumi up` would read it from the stack file."""
     import pulumi
@@ -276,15 +273,10 @@ def run_program(stack: Stack, config: dict[str, str] | None = None) -> list[Decl
     from pulumi.runtime.stack import run_pulumi_func
     from pulumi.runtime.sync_await import _sync_await
 
-    if str(project.ROOT) not in sys.path:
-        sys.path.insert(0, str(project.ROOT))
     monitor = _recording_monitor(_mocks(stack.region))
     settings.set_root_resource(None)  # a fresh stack on every run, also when one process plans several stacks
     pulumi.runtime.set_all_config(config or pulumi_config(stack))
     pulumi.runtime.set_mocks(monitor.mocks, project="gpucluster", stack=stack.name, preview=False, monitor=monitor)
-
-    def program() -> None:
-        runpy.run_path(str(project.PROGRAM), run_name="__main__")
 
     _sync_await(run_pulumi_func(program))
     return monitor.declared

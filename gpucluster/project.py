@@ -4,9 +4,24 @@ imports this; the layers below are handed paths."""
 
 from __future__ import annotations
 
+import runpy
+import sys
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES_DIR = ROOT / "examples"
 STACKS_DIR = ROOT / "stacks"
 PROGRAM = ROOT / "__main__.py"  # the Pulumi program: only in a checkout, with components/
+
+
+def pulumi_program() -> Callable[[], None]:
+    """The checkout's Pulumi program as Pulumi's Python host runs it (`__main__.py` as __main__, the checkout on the
+    path for components/): what `plan` hands to the mock runtime."""
+
+    def run() -> None:
+        if str(ROOT) not in sys.path:
+            sys.path.insert(0, str(ROOT))
+        runpy.run_path(str(PROGRAM), run_name="__main__")
+
+    return run

@@ -9,6 +9,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from gpucluster.project import pulumi_program  # noqa: E402
 from gpucluster.plan import Declared, run_program  # noqa: E402
 from gpucluster.spec.model import Stack, load_stack  # noqa: E402
 
@@ -23,7 +24,7 @@ FIXTURES = ROOT / "tests" / "stacks"
 def planned(path: Path) -> tuple[Stack, tuple[Declared, ...]]:
     """The stack and what its Pulumi program declares under the mock runtime (once per file per session)."""
     stack = load_stack(path)
-    return stack, tuple(run_program(stack))
+    return stack, tuple(run_program(stack, pulumi_program()))
 
 
 @pytest.fixture(params=STACK_FILES, ids=lambda p: p.name)

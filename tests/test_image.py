@@ -18,6 +18,7 @@ import yaml
 from conftest import FIXTURES, ROOT, of_type, planned
 from gpucluster.spec import catalog, cost
 from gpucluster.contract import settings
+from gpucluster.project import pulumi_program
 from gpucluster.plan import Declared, planned_id, planned_outputs, run_program
 from gpucluster.spec.model import Stack, load_stack, stack_config, validate
 
@@ -613,7 +614,7 @@ def test_an_ami_id_wins_and_is_not_built() -> None:
     cluster["head_node"]["ami_id"] = "ami-0123456789abcdef0"
     next(p for p in cluster["pools"] if p["name"] == "trn1")["ami_id"] = "ami-0fedcba9876543210"
     stack = validate("team-b", config)
-    declared = run_program(stack)
+    declared = run_program(stack, pulumi_program())
     assert {d.name for d in declared if d.type == "gpucluster:image:NodeImage"} == {"gpucluster-team-b-compute-nvidia"}
     assert [i.key for i in cost.estimate(stack).images] == ["compute-nvidia"]
     templates = _templates(declared)
@@ -635,7 +636,7 @@ def test_build_false_declares_no_image_builder_resources() -> None:
     config = _config(ROOT / "stacks" / "Pulumi.team-b.yaml")
     config["gpucluster:cluster"]["image"] = {"build": False}
     stack = validate("team-b", config)
-    declared = run_program(stack)
+    declared = run_program(stack, pulumi_program())
     assert not [d for d in declared if "imagebuilder" in d.type or d.type == "gpucluster:image:NodeImage"]
     templates = _templates(declared)
     assert templates["trn1"]["imageId"] == f"<AMI from {catalog.AMI_PARAMETERS['neuron']} at up>"

@@ -25,7 +25,7 @@ from gpucluster.render import kube, prometheus
 from gpucluster.node import queue_guardrail
 from gpucluster.plan import Declared, planned_outputs, run_program
 from gpucluster.spec.model import Stack, load_stack, validate
-from gpucluster.project import EXAMPLES_DIR
+from gpucluster.project import EXAMPLES_DIR, pulumi_program
 
 SCHEMAS = ROOT / "tests" / "schemas"
 TEAM_K8S = ROOT / "stacks" / "Pulumi.team-k8s.yaml"
@@ -41,7 +41,7 @@ def variant(path: Path, **changes: Any) -> tuple[Stack, tuple[Declared, ...]]:
     doc = yaml.safe_load(path.read_text())["config"]
     doc["gpucluster:cluster"].update(copy.deepcopy(changes))
     stack = validate("k8s-variant", doc)
-    return stack, tuple(run_program(stack))
+    return stack, tuple(run_program(stack, pulumi_program()))
 
 
 def by_name(declared: tuple[Declared, ...], suffix: str) -> dict[str, dict]:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import FIXTURES, ROOT, STACK_FILES, of_type, planned
 from gpucluster.spec import catalog
+from gpucluster.project import pulumi_program
 from gpucluster.plan import Declared, planned_ami_id, planned_id
 from gpucluster.spec.model import Stack
 
@@ -358,7 +359,7 @@ def test_the_program_itself_refuses_bad_config() -> None:
     cluster = json.loads(config[CONFIG_KEY])
     cluster["pools"][0]["min_nodes"] = 5
     with pytest.raises(pulumi.RunError, match=r"gpucluster:cluster.pools\[0\].min_nodes: must be <= max_nodes \(2\), got 5"):
-        run_program(stack, {**config, CONFIG_KEY: json.dumps(cluster)})
+        run_program(stack, pulumi_program(), {**config, CONFIG_KEY: json.dumps(cluster)})
 
 
 def test_pool_templates_carry_the_rendered_user_data(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
@@ -396,7 +397,7 @@ def test_longest_stack_name_fits_every_derived_aws_name() -> None:
     from gpucluster.spec.model import AUTONAME_SUFFIX, MAX_STACK_NAME, load_stack
 
     stack = dataclasses.replace(load_stack(ROOT / "stacks" / "Pulumi.team-b.yaml"), name="s" * MAX_STACK_NAME)
-    declared = run_program(stack)
+    declared = run_program(stack, pulumi_program())
     slack = {}
     for d in declared:
         if d.type in AUTO_NAME_LIMITS:
