@@ -29,8 +29,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "gpucluster" / "node")]
-from gpucluster.render import prometheus  # noqa: E402
 from gpucluster.contract.settings import NODE_EXPORTER_FLAGS  # noqa: E402
+from gpucluster.render import prometheus  # noqa: E402
 
 NODES = 100
 GPUS_PER_NODE = 8

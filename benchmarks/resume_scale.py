@@ -27,7 +27,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "gpucluster" / "node")]  # the library (the settings contract) and the node program
 import gpucluster_node as node  # noqa: E402
 
-
 # The resume program's own part of bringing up 1024 nodes: under 3 s, and EC2 calls per CreateFleet batch, not per node.
 TARGET_NODES, TARGET_SECONDS = 1024, 3.0
 

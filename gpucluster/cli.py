@@ -17,12 +17,11 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from gpucluster.spec import catalog, cost, eks
-
 from gpucluster import project
-from gpucluster.plan import Declared, run_program
 from gpucluster.contract.settings import GRAFANA_PORT
-from gpucluster.spec.model import Stack, SpecError, load_stack, resolve_stack_file
+from gpucluster.plan import Declared, run_program
+from gpucluster.spec import catalog, cost, eks
+from gpucluster.spec.model import SpecError, Stack, load_stack, resolve_stack_file
 
 EXIT_BAD_INPUT = 2
 

@@ -73,7 +73,6 @@ def test_no_node_images_line_without_images() -> None:
     import dataclasses
 
     from gpucluster import cli
-
     from gpucluster.spec import cost
     from gpucluster.spec.model import load_stack
 

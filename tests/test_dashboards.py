@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from conftest import STACK_FILES
-from gpucluster.render import dashboards, monitoring, prometheus
 from gpucluster.contract import settings
+from gpucluster.render import dashboards, monitoring, prometheus
 from gpucluster.spec.model import Stack, load_stack
 
 STACKS = {p.name: load_stack(p) for p in STACK_FILES}

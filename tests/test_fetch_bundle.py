@@ -24,10 +24,10 @@ from botocore.exceptions import ClientError
 from moto import mock_aws
 
 from conftest import ROOT
-from gpucluster.render import bundle, userdata
 from gpucluster.contract.settings import ClusterSettings
-from gpucluster.spec.model import load_stack
 from gpucluster.project import EXAMPLES_DIR
+from gpucluster.render import bundle, userdata
+from gpucluster.spec.model import load_stack
 
 spec = importlib.util.spec_from_file_location("fetch_bundle", ROOT / "gpucluster" / "node" / "fetch_bundle.py")
 assert spec and spec.loader

@@ -9,10 +9,10 @@ import json
 import tarfile
 
 from conftest import ROOT, of_type
-from gpucluster.render import bundle, dashboards, prometheus, userdata
 from gpucluster.plan import Declared, planned_id, planned_outputs
-from gpucluster.spec.model import Stack
 from gpucluster.project import EXAMPLES_DIR
+from gpucluster.render import bundle, dashboards, prometheus, userdata
+from gpucluster.spec.model import Stack
 
 Shipped = tuple[Stack, tuple[Declared, ...]]
 

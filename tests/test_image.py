@@ -16,9 +16,9 @@ import pytest
 import yaml
 
 from conftest import FIXTURES, ROOT, of_type, planned
-from gpucluster.spec import catalog, cost
 from gpucluster.contract import settings
 from gpucluster.plan import Declared, planned_id, planned_outputs, run_program
+from gpucluster.spec import catalog, cost
 from gpucluster.spec.model import Stack, load_stack, stack_config, validate
 
 SCRIPT = ROOT / "gpucluster" / "node" / "build_image.sh"

@@ -7,13 +7,12 @@ import datetime as dt
 
 import pytest
 from botocore.stub import Stubber
+
 from conftest import ROOT
-from test_preflight import Session, _all_denied, client
-
-from gpucluster.spec import eks
-
 from gpucluster.aws import preflight
+from gpucluster.spec import eks
 from gpucluster.spec.model import load_stack
+from test_preflight import Session, _all_denied, client
 
 TEAM_K8S = ROOT / "stacks" / "Pulumi.team-k8s.yaml"
 

@@ -11,9 +11,9 @@ import boto3
 import pytest
 
 from conftest import ROOT, reset_moto
-from gpucluster.spec import catalog, cost
 from gpucluster.aws import leftovers
 from gpucluster.contract.settings import STACK_TAG
+from gpucluster.spec import catalog, cost
 
 
 def tags(stack: str) -> list[dict[str, str]]:

@@ -14,13 +14,13 @@ import pytest
 from moto import mock_aws
 
 from conftest import ROOT, of_type
-from gpucluster.render import bundle, monitoring
 from gpucluster.plan import Declared
+from gpucluster.render import bundle, monitoring
 from gpucluster.spec.model import Stack, load_stack
 
 sys.path.insert(0, str(ROOT / "gpucluster" / "node"))
-import bootstrap  # noqa: E402
-import gpucluster_neuron_metrics as neuron  # noqa: E402
+import bootstrap
+import gpucluster_neuron_metrics as neuron
 from gpucluster.project import EXAMPLES_DIR
 
 TEAM_B = load_stack(ROOT / "stacks" / "Pulumi.team-b.yaml")  # has a trn1 pool

@@ -6,9 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+
 from conftest import FIXTURES, ROOT, STACK_FILES, of_type, planned
-from gpucluster.spec import catalog
 from gpucluster.plan import Declared, planned_ami_id, planned_id
+from gpucluster.spec import catalog
 from gpucluster.spec.model import Stack
 
 PROVIDER = "pulumi:providers:aws"

@@ -15,17 +15,16 @@ import pytest
 import yaml
 
 from conftest import ROOT, STACK_FILES
-from gpucluster.render import monitoring, prometheus
 from gpucluster.contract import settings
 from gpucluster.contract.settings import ClusterSettings, PoolSettings
+from gpucluster.render import monitoring, prometheus
 from gpucluster.spec.model import load_stack
 
-
 sys.path.insert(0, str(ROOT / "gpucluster" / "node"))  # the node programs import each other, as in the bundle
-import bootstrap  # noqa: E402
-import gpucluster_budget as budget  # noqa: E402
-import gpucluster_hosts as hosts  # noqa: E402
-import gpucluster_metrics as metrics  # noqa: E402
+import bootstrap
+import gpucluster_budget as budget
+import gpucluster_hosts as hosts
+import gpucluster_metrics as metrics
 
 
 def tool(name: str) -> str:

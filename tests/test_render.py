@@ -13,9 +13,9 @@ import pytest
 import yaml
 
 from conftest import ROOT, STACK_FILES
-from gpucluster.render import dashboards, slurm, userdata
-from gpucluster.contract import settings
 from gpucluster import node
+from gpucluster.contract import settings
+from gpucluster.render import dashboards, slurm, userdata
 from gpucluster.spec.model import load_stack
 
 GOLDEN = ROOT / "tests" / "golden"

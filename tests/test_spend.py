@@ -9,8 +9,8 @@ from botocore.stub import Stubber
 
 from conftest import ROOT
 from gpucluster.aws import spend
-from gpucluster.spec.model import load_stack
 from gpucluster.project import EXAMPLES_DIR
+from gpucluster.spec.model import load_stack
 
 TEAM_A = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")
 TODAY = dt.date(2026, 11, 20)

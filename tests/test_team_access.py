@@ -8,8 +8,8 @@ import json
 import re
 
 from conftest import ROOT, of_type, planned
-from gpucluster.plan import planned_id
 from gpucluster.contract.settings import GRAFANA_PORT, LOGIN_USER, session_document_name
+from gpucluster.plan import planned_id
 
 ACCOUNT = "123456789012"
 

@@ -22,11 +22,11 @@ from botocore.stub import Stubber
 
 from conftest import ROOT, of_type, planned, reset_moto
 from gpucluster.aws import teardown
-from gpucluster.plan import planned_id
 from gpucluster.contract.settings import CLUSTER_TAG, POOL_TAG, STACK_TAG, ClusterSettings, PoolSettings
+from gpucluster.plan import planned_id
 
 sys.path.insert(0, str(ROOT / "gpucluster" / "node"))
-import gpucluster_node as node  # noqa: E402
+import gpucluster_node as node
 
 CLUSTER = "gpucluster-t1"
 MUNGE = f"/gpucluster/{CLUSTER}/munge-key"

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gpucluster.spec import catalog, cost
 from gpucluster.contract.settings import STACK_TAG
+from gpucluster.spec import catalog, cost
 
 BUCKET_PAGES = 20  # ListObjectsV2 pages read to size a bucket (1000 objects each); beyond that the figure is a floor
 

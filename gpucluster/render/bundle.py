@@ -13,9 +13,9 @@ import io
 import tarfile
 from pathlib import Path
 
-from gpucluster.render import dashboards, monitoring, prometheus, slurm
-from gpucluster.contract import settings
 from gpucluster import node
+from gpucluster.contract import settings
+from gpucluster.render import dashboards, monitoring, prometheus, slurm
 from gpucluster.spec.model import Stack, stack_file
 
 PROGRAMS = ("bootstrap.py", "build_image.sh", "gpucluster_node.py", "gpucluster_budget.py", "gpucluster_neuron_metrics.py",

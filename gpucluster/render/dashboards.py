@@ -10,20 +10,33 @@ from __future__ import annotations
 import json
 from typing import TypeVar
 
-from grafana_foundation_sdk.builders import common as common_builders
-from grafana_foundation_sdk.builders import dashboard, gauge, stat, table, timeseries
-from grafana_foundation_sdk.builders import prometheus as prom
+from grafana_foundation_sdk.builders import (
+    common as common_builders,
+    dashboard,
+    gauge,
+    prometheus as prom,
+    stat,
+    table,
+    timeseries,
+)
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common
-from grafana_foundation_sdk.models.dashboard import Dashboard as DashboardModel
-from grafana_foundation_sdk.models.dashboard import (DashboardCursorSync, DataSourceRef, DataTransformerConfig,
-                                                     DynamicConfigValue, Threshold, ThresholdsMode, VariableOption,
-                                                     VariableRefresh, VariableSort)
+from grafana_foundation_sdk.models.dashboard import (
+    Dashboard as DashboardModel,
+    DashboardCursorSync,
+    DataSourceRef,
+    DataTransformerConfig,
+    DynamicConfigValue,
+    Threshold,
+    ThresholdsMode,
+    VariableOption,
+    VariableRefresh,
+    VariableSort,
+)
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
-from gpucluster.render import monitoring, prometheus
-
 from gpucluster.contract import settings
+from gpucluster.render import monitoring, prometheus
 from gpucluster.spec.model import Stack
 
 # The head provisions its Prometheus datasource under this uid (at 127.0.0.1:PROMETHEUS_PORT): the boards name it by

@@ -13,11 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from gpucluster import node
-from gpucluster.spec import eks
-
-from gpucluster.render import monitoring, prometheus
-
 from gpucluster.contract import settings
+from gpucluster.render import monitoring, prometheus
+from gpucluster.spec import eks
 from gpucluster.spec.model import Pool, Stack
 
 Manifest = dict[str, Any]

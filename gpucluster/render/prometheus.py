@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import yaml
 
-from gpucluster.spec import cost
-
-from gpucluster.render import monitoring
-
 from gpucluster.contract import settings
+from gpucluster.render import monitoring
+from gpucluster.spec import cost
 from gpucluster.spec.model import Stack
 
 SCRAPE_SECONDS = 30  # dcgm-exporter samples every 30 s by default: scraping faster would only repeat its figures

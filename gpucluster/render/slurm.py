@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpucluster.spec import cost
-
 from gpucluster.contract import settings
+from gpucluster.spec import cost
 from gpucluster.spec.catalog import Accelerator
 from gpucluster.spec.model import Pool, Stack
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import yaml
 
-from gpucluster.contract import lockdown, settings
-
 from gpucluster import node
+from gpucluster.contract import lockdown, settings
 from gpucluster.spec.model import Pool, Stack
 
 EC2_USER_DATA_LIMIT = 16384

@@ -17,9 +17,8 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
 
-from gpucluster.spec import catalog, eks
-
 from gpucluster.contract import settings
+from gpucluster.spec import catalog, eks
 
 CONFIG_KEY = "gpucluster:cluster"
 REGION_KEY = "aws:region"
