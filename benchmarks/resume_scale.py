@@ -24,7 +24,8 @@ import boto3
 from botocore.exceptions import EndpointConnectionError
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "gpucluster" / "node")]  # the library (the settings contract) and the node program
+# The library (the settings contract) and the node program.
+sys.path[:0] = [str(ROOT), str(ROOT / "gpucluster" / "node")]
 import gpucluster_node as node  # noqa: E402
 
 # The resume program's own part of bringing up 1024 nodes: under 3 s, and EC2 calls per CreateFleet batch, not per node.

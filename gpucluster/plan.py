@@ -172,7 +172,8 @@ def _placeholder_outputs(typ: str, name: str, inputs: dict[str, Any], region: st
         out["endpoint"] = f"https://{_hex(typ, name, 32).upper()}.gr7.{region}.eks.amazonaws.com"
         out["certificateAuthority"] = {"data": "<cluster CA at up>"}
         # The security group EKS makes for the cluster (control plane, managed add-ons, template-less node groups).
-        out["vpcConfig"] = {**inputs.get("vpcConfig", {}), "clusterSecurityGroupId": f"sg-{_hex(typ, name + '-cluster', 17)}"}
+        out["vpcConfig"] = {**inputs.get("vpcConfig", {}),
+                            "clusterSecurityGroupId": f"sg-{_hex(typ, name + '-cluster', 17)}"}
     elif typ == "aws:eks/nodeGroup:NodeGroup":
         group = inputs["nodeGroupName"]
         out["id"] = f"{inputs['clusterName']}:{group}"

@@ -25,8 +25,9 @@ STACK = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")
 def launch(ec2, cluster: str, name: str, *, pool: str | None = None) -> str:  # type: ignore[no-untyped-def]
     tags = [{"Key": CLUSTER_TAG, "Value": cluster}, {"Key": "Name", "Value": name}]
     tags += [{"Key": POOL_TAG, "Value": pool}] if pool else []
-    return ec2.run_instances(ImageId="ami-12c6146b", InstanceType="m7i.xlarge", MinCount=1, MaxCount=1,
-                             TagSpecifications=[{"ResourceType": "instance", "Tags": tags}])["Instances"][0]["InstanceId"]
+    launched = ec2.run_instances(ImageId="ami-12c6146b", InstanceType="m7i.xlarge", MinCount=1, MaxCount=1,
+                                 TagSpecifications=[{"ResourceType": "instance", "Tags": tags}])
+    return launched["Instances"][0]["InstanceId"]
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
-"""The Grafana dashboards (gpucluster/render/dashboards.py): every query parses with Prometheus' own promtool, names only
-metrics our exporters produce or our rules record, and the cost board's idle-cost query computes what it claims."""
+"""The Grafana dashboards (gpucluster/render/dashboards.py): every query parses with Prometheus' own promtool, names
+only metrics our exporters produce or our rules record, and the cost board's idle-cost query computes what it
+claims."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""gpucluster/node/fetch_bundle.py, the first step of every node boot, against moto: the settings and the munge key in one
-SSM call, the bundle from S3 once per bundle key, the head's key creation and its race, and the retries that let
+"""gpucluster/node/fetch_bundle.py, the first step of every node boot, against moto: the settings and the munge key in
+one SSM call, the bundle from S3 once per bundle key, the head's key creation and its race, and the retries that let
 hundreds of nodes boot at once (Parameter Store throttles) without retrying what can never succeed."""
 
 from __future__ import annotations

@@ -93,10 +93,11 @@ def test_head_role_is_scoped_to_this_cluster(shipped: Shipped) -> None:
     # and reservations; interfaces, volumes and the fleet it creates. No ec2:LaunchTemplate condition key.
     launch = head["LaunchFromClusterResourcesOnly"]
     assert launch["Action"] == launch_actions and "Condition" not in launch
-    templates = {f"{ec2}:launch-template/{planned_id(lt, region)}" for lt in of_type(declared, "ec2/launchTemplate:LaunchTemplate")}
+    launch_templates = of_type(declared, "ec2/launchTemplate:LaunchTemplate")
+    templates = {f"{ec2}:launch-template/{planned_id(lt, region)}" for lt in launch_templates}
     subnet = stack.spec.network.subnet_id or planned_id(_one(declared, "ec2/subnet:Subnet", "-private"), region)
     group = planned_id(_one(declared, "ec2/securityGroup:SecurityGroup", "-cluster"), region)
-    images = {f"arn:aws:ec2:{region}::image/{lt.inputs['imageId']}" for lt in of_type(declared, "ec2/launchTemplate:LaunchTemplate")}
+    images = {f"arn:aws:ec2:{region}::image/{lt.inputs['imageId']}" for lt in launch_templates}
     groups = {f"{ec2}:placement-group/{pg.name}" for pg in of_type(declared, "ec2/placementGroup:PlacementGroup")}
     reservations = {f"{ec2}:capacity-reservation/{p.capacity_reservation_id}" for p in stack.spec.pools
                     if p.capacity_reservation_id}

@@ -333,16 +333,18 @@ def test_compute_build_fetches_only_pinned_and_verified_artifacts(build) -> None
     assert not any(c["manifest_existed"] for c in run.calls)
     # dcgm-exporter's image by its digest (a tag can move), pulled at the build: the boot needs no registry.
     dcgm_exporter = f"{p['DCGM_EXPORTER_IMAGE']}@{p['DCGM_EXPORTER_DIGEST']}"
-    assert re.fullmatch(r"nvcr\.io/nvidia/k8s/dcgm-exporter:[34]\.\d+\.\d+-\d+\.\d+\.\d+-ubuntu\d\d\.04@sha256:[0-9a-f]{64}",
-                        dcgm_exporter)
+    assert re.fullmatch(r"nvcr\.io/nvidia/k8s/dcgm-exporter:[34]\.\d+\.\d+-\d+\.\d+\.\d+-ubuntu\d\d\.04"
+                        r"@sha256:[0-9a-f]{64}", dcgm_exporter)
     # Pulled by digest, then tagged with the name the boot's unit runs (settings.DCGM_EXPORTER_IMAGE).
-    assert run.commands("docker") == [["pull", "-q", dcgm_exporter], ["tag", dcgm_exporter, "gpucluster/dcgm-exporter:image"]]
+    assert run.commands("docker") == [["pull", "-q", dcgm_exporter],
+                                      ["tag", dcgm_exporter, "gpucluster/dcgm-exporter:image"]]
     manifest = json.loads(run.manifest.read_text())
     assert manifest["versions"]["dcgm_exporter"] == dcgm_exporter
     assert manifest["versions"]["node_exporter"] == p["NODE_EXPORTER_VERSION"]
     assert manifest["versions"]["neuron_monitor"] == "none (no Neuron tools)"
     assert manifest["role"] == "compute"
-    assert manifest["versions"]["slurm"] == p["SLURM_VERSION"] and manifest["versions"]["dcgm"] == "from the parent image"
+    assert manifest["versions"]["slurm"] == p["SLURM_VERSION"]
+    assert manifest["versions"]["dcgm"] == "from the parent image"
     assert manifest["versions"]["enroot"] == f"{p['ENROOT_VERSION']} {p['ENROOT_COMMIT']}"
     assert manifest["versions"]["pyxis"] == f"{p['PYXIS_TAG']} {p['PYXIS_COMMIT']}"
 
@@ -494,7 +496,8 @@ def _templates(declared: tuple[Declared, ...] | list[Declared]) -> dict[str, dic
 
 def test_one_image_per_role_and_accelerator_kind_needed(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
     stack, declared = shipped
-    images = {d.name.removeprefix(f"{stack.cluster_name}-"): d for d in declared if d.type == "gpucluster:image:NodeImage"}
+    images = {d.name.removeprefix(f"{stack.cluster_name}-"): d
+              for d in declared if d.type == "gpucluster:image:NodeImage"}
     assert set(images) == _expected_keys(stack)
     assert set(images) == {i.key for i in cost.estimate(stack).images}
     for image in images.values():
@@ -544,9 +547,9 @@ def test_build_instance_private_imdsv2_and_least_privilege(shipped: tuple[Stack,
         assert infra.inputs["resourceTags"]["gpucluster:stack"] == stack.name  # the build's cost is the stack's
         (profile,) = _children(declared, image, "iam/instanceProfile:InstanceProfile")
         assert infra.inputs["instanceProfileName"] == profile.name
-        assert {a.inputs["policyArn"] for a in _children(declared, image, "iam/rolePolicyAttachment:RolePolicyAttachment")} \
-            == {"arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore",
-                "arn:aws:iam::aws:policy/EC2InstanceProfileForImageBuilder"}
+        attached = _children(declared, image, "iam/rolePolicyAttachment:RolePolicyAttachment")
+        assert {a.inputs["policyArn"] for a in attached} == {"arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore",
+                                                              "arn:aws:iam::aws:policy/EC2InstanceProfileForImageBuilder"}
         assert not _children(declared, image, "iam/rolePolicy:RolePolicy")
         (dist,) = _children(declared, image, "distributionConfiguration:DistributionConfiguration")
         (target,) = dist.inputs["distributions"]

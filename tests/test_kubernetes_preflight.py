@@ -57,7 +57,8 @@ def test_ami_parameter_is_the_eks_accelerated_one() -> None:
     assert name == "/aws/service/eks/optimized-ami/1.35/amazon-linux-2023/x86_64/nvidia/recommended/image_id"
     ssm = client("ssm")
     with Stubber(ssm) as stub:
-        stub.add_response("get_parameter", {"Parameter": {"Name": name, "Type": "String", "Value": "ami-0123456789abcdef0"}},
+        stub.add_response("get_parameter",
+                          {"Parameter": {"Name": name, "Type": "String", "Value": "ami-0123456789abcdef0"}},
                           {"Name": name})
         check = preflight.check_ami(ssm, client("ec2"), pool, name)
     assert check.status == "pass" and check.detail == f"{name} -> ami-0123456789abcdef0"

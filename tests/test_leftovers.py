@@ -28,10 +28,11 @@ def test_leftovers_lists_what_still_bills_with_its_monthly_cost(moto_url: str) -
                             aws_secret_access_key="t")
 
     ec2, s3, fsx = client("ec2"), client("s3"), client("fsx")
+    team_a = [{"ResourceType": "instance", "Tags": tags("team-a")}]
     running = ec2.run_instances(ImageId="ami-12c6146b", InstanceType="p5.48xlarge", MinCount=1, MaxCount=1,
-                                TagSpecifications=[{"ResourceType": "instance", "Tags": tags("team-a")}])["Instances"][0]
+                                TagSpecifications=team_a)["Instances"][0]
     gone = ec2.run_instances(ImageId="ami-12c6146b", InstanceType="p5.48xlarge", MinCount=1, MaxCount=1,
-                             TagSpecifications=[{"ResourceType": "instance", "Tags": tags("team-a")}])["Instances"][0]
+                             TagSpecifications=team_a)["Instances"][0]
     ec2.terminate_instances(InstanceIds=[gone["InstanceId"]])
     ec2.run_instances(ImageId="ami-12c6146b", InstanceType="g6.xlarge", MinCount=1, MaxCount=1,
                       TagSpecifications=[{"ResourceType": "instance", "Tags": tags("team-b")}])
@@ -54,7 +55,8 @@ def test_leftovers_lists_what_still_bills_with_its_monthly_cost(moto_url: str) -
     assert found["ec2:volume"].arn.endswith(volume)
     assert found["ec2:volume"].monthly_usd == pytest.approx(100 * cost.GP3_USD_PER_GIB_MONTH)
     assert found["fsx:file-system"].arn.endswith(fs)
-    assert found["fsx:file-system"].monthly_usd == pytest.approx(2400 * cost.LUSTRE_USD_PER_GIB_MONTH[("PERSISTENT_2", 250)])
+    assert found["fsx:file-system"].monthly_usd \
+        == pytest.approx(2400 * cost.LUSTRE_USD_PER_GIB_MONTH[("PERSISTENT_2", 250)])
     assert found["s3:bucket"].monthly_usd == pytest.approx(0.002 * cost.S3_STANDARD_USD_PER_GB_MONTH)
     assert "1 object version(s), 0.00 GB" in found["s3:bucket"].detail
 

@@ -73,8 +73,8 @@ def report(cores_in_use: dict[str, float], devices: int = 16, per_device: int = 
             k: {"neuroncore_utilization": v} for k, v in cores_in_use.items()}},
         "memory_used": {"period": 5.0, "neuron_runtime_used_bytes": {"host": 1 << 20, "neuron_device": 3 << 30}}}}]
     return json.dumps({"neuron_runtime_data": runtimes if cores_in_use else [],
-                       "neuron_hardware_info": {"neuron_device_count": devices, "neuroncore_per_device_count": per_device,
-                                                "error": ""}})
+                       "neuron_hardware_info": {"neuron_device_count": devices,
+                                                "neuroncore_per_device_count": per_device, "error": ""}})
 
 
 def test_neuron_utilisation_counts_unused_cores_as_idle() -> None:
@@ -112,6 +112,7 @@ def test_trainium_node_runs_the_publisher(tmp_path: Path, monkeypatch: pytest.Mo
     (tmp_path / "neuron-metrics" / "trn1.json").write_text("{}")
     assert bootstrap.gpu_metrics("trn1", "us-west-2", tmp_path) == "gpucluster-neuron-metrics.service"
     unit = (tmp_path / "gpucluster-neuron-metrics.service").read_text()
-    assert f"gpucluster_neuron_metrics.py {tmp_path}/neuron-metrics/trn1.json -- /opt/aws/neuron/bin/neuron-monitor" in unit
+    assert f"gpucluster_neuron_metrics.py {tmp_path}/neuron-metrics/trn1.json -- /opt/aws/neuron/bin/neuron-monitor" \
+        in unit
     assert "AWS_DEFAULT_REGION=us-west-2" in unit and "Restart=always" in unit
     assert bootstrap.gpu_metrics("p5-od", "us-west-2", tmp_path) is None  # NVIDIA: the CloudWatch agent, no unit

@@ -63,8 +63,8 @@ def test_preflight_against_moto(moto_url: str, tmp_path: Path) -> None:
     assert "WARN spot score  not checked, ec2:GetSpotPlacementScores unavailable" in out
     # moto's (fake) live spot price replaces the on-demand upper bound in the cost table.
     assert "PASS spot price" in out and "live spot" in out
-    assert "PASS spot role   arn:aws:iam::123456789012:role/aws-service-role/spot.amazonaws.com/AWSServiceRoleForEC2Spot" \
-        " exists (spot pools: p4d-spot)" in out
+    assert "PASS spot role   arn:aws:iam::123456789012:role/aws-service-role/spot.amazonaws.com/" \
+        "AWSServiceRoleForEC2Spot exists (spot pools: p4d-spot)" in out
     assert "0 fail" in out
 
 
@@ -169,7 +169,7 @@ def test_unresolvable_ami_parameter_fails() -> None:
     assert check.status == "fail" and "does not resolve in this region" in check.detail
 
 
-# --- the spot service-linked role --------------------------------------------------------------------------------------
+# --- the spot service-linked role ------------------------------------------------------------------------------------
 
 class Session:
     """A boto3 Session stand-in: hands out the given clients and records which services were asked for."""
@@ -208,7 +208,8 @@ def test_denied_get_role_is_a_warning_naming_the_permission() -> None:
                               expected_params={"RoleName": "AWSServiceRoleForEC2Spot"})
         checks = preflight.guarded(None, "spot role", "iam:GetRole", lambda: preflight.check_spot_role(iam, stack))
         stub.assert_no_pending_responses()
-    assert checks == [preflight.Check(None, "spot role", "warn", "not checked, denied (AccessDenied): grant iam:GetRole")]
+    assert checks == [preflight.Check(None, "spot role", "warn",
+                                      "not checked, denied (AccessDenied): grant iam:GetRole")]
 
 
 def _all_denied(service: str):  # type: ignore[no-untyped-def]

@@ -49,7 +49,8 @@ def test_denied_and_missing_forecast_are_said_not_crashed() -> None:
     assert result.month_to_date is None and result.forecast is None
     assert result.notes == ["spend not read: AccessDeniedException (needs ce:GetCostAndUsage)",
                             "no forecast: DataUnavailableException (needs ce:GetCostForecast and some history)"]
-    assert "GPU-hours:           run this on the head node to read Slurm accounting" in spend.report(TEAM_A, result, None)
+    assert "GPU-hours:           run this on the head node to read Slurm accounting" \
+        in spend.report(TEAM_A, result, None)
 
 
 def test_gpu_hours_from_sshare_account_rows() -> None:

@@ -85,9 +85,10 @@ def world(aws, cluster: str = CLUSTER) -> tuple[ClusterSettings, str]:  # type: 
     subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.0.0.0/24", AvailabilityZone="us-east-1a")["Subnet"]["SubnetId"]
     pools = {}
     for name, market in (("p5-od", "on-demand"), ("p5-spot", "spot")):
-        template = ec2.create_launch_template(LaunchTemplateName=f"{cluster}-{name}", LaunchTemplateData={
+        created = ec2.create_launch_template(LaunchTemplateName=f"{cluster}-{name}", LaunchTemplateData={
             "ImageId": AMI, "InstanceType": "p5.48xlarge", "TagSpecifications": [{"ResourceType": "instance", "Tags": [
-                {"Key": k, "Value": v} for k, v in {**tags, POOL_TAG: name}.items()]}]})["LaunchTemplate"]["LaunchTemplateId"]
+                {"Key": k, "Value": v} for k, v in {**tags, POOL_TAG: name}.items()]}]})
+        template = created["LaunchTemplate"]["LaunchTemplateId"]
         pools[name] = PoolSettings(name, template, subnet, "p5.48xlarge", market)
     head = ec2.run_instances(ImageId=AMI, InstanceType="m7i.large", MinCount=1, MaxCount=1, SubnetId=subnet,
                              TagSpecifications=[{"ResourceType": "instance", "Tags": [
@@ -99,7 +100,8 @@ def world(aws, cluster: str = CLUSTER) -> tuple[ClusterSettings, str]:  # type: 
 
 
 def states(ec2) -> dict[str, str]:  # type: ignore[no-untyped-def]
-    return {i["InstanceId"]: i["State"]["Name"] for r in ec2.describe_instances()["Reservations"] for i in r["Instances"]}
+    return {i["InstanceId"]: i["State"]["Name"]
+            for r in ec2.describe_instances()["Reservations"] for i in r["Instances"]}
 
 
 def test_the_fleet_goes_first_including_instances_launched_while_the_step_runs(aws) -> None:  # type: ignore[no-untyped-def]
@@ -110,7 +112,8 @@ def test_the_fleet_goes_first_including_instances_launched_while_the_step_runs(a
     assert len(first) == 3
     # Another cluster's instance in the same account is not this step's business.
     other = ec2.run_instances(ImageId=AMI, InstanceType="g6.xlarge", MinCount=1, MaxCount=1, TagSpecifications=[
-        {"ResourceType": "instance", "Tags": [{"Key": CLUSTER_TAG, "Value": "gpucluster-other"}]}])["Instances"][0]["InstanceId"]
+        {"ResourceType": "instance", "Tags": [{"Key": CLUSTER_TAG, "Value": "gpucluster-other"}]}],
+    )["Instances"][0]["InstanceId"]
     ssm.put_parameter(Name=MUNGE, Type="SecureString", Value="key")
     events: list[str] = []
     ec2.meta.events.register("before-call.ec2.StopInstances", lambda **kw: events.append("stop head"))
@@ -218,7 +221,8 @@ def test_the_stacks_images_go_unless_another_cluster_runs_from_them(aws) -> None
     said = teardown.delete_run_time_leftovers(ec2, ssm, teardown.Fleet(CLUSTER, head, MUNGE))
     left = {i["ImageId"] for i in ec2.describe_images(Owners=["self"])["Images"]}
     assert images["baked"] not in left and images["shared"] in left
-    assert snapshots and not {s["SnapshotId"] for s in ec2.describe_snapshots(OwnerIds=["self"])["Snapshots"]} & set(snapshots)
+    assert snapshots
+    assert not {s["SnapshotId"] for s in ec2.describe_snapshots(OwnerIds=["self"])["Snapshots"]} & set(snapshots)
     assert any(images["shared"] in line and user in line for line in said), said
 
 
@@ -245,7 +249,8 @@ def test_the_flush_exports_and_waits_for_the_task() -> None:
     stub.add_client_error("create_data_repository_task", "DataRepositoryTaskExecuting",
                           "an auto-export task is running", expected_params=EXPORT)
     stub.add_response("create_data_repository_task", {"DataRepositoryTask": task("PENDING")}, EXPORT)
-    stub.add_response("describe_data_repository_tasks", {"DataRepositoryTasks": [task("EXECUTING")]}, {"TaskIds": [TASK]})
+    stub.add_response("describe_data_repository_tasks", {"DataRepositoryTasks": [task("EXECUTING")]},
+                      {"TaskIds": [TASK]})
     stub.add_response("describe_data_repository_tasks", {"DataRepositoryTasks": [task(
         "SUCCEEDED", Status={"TotalCount": 12, "SucceededCount": 12, "FailedCount": 0})]}, {"TaskIds": [TASK]})
     clock = Clock()
@@ -280,7 +285,7 @@ def test_a_flush_that_outlasts_its_bound_stops_the_deletion() -> None:
         teardown.flush_to_s3(fsx, FS, timeout_seconds=30, poll_seconds=15, clock=clock, sleep=clock.sleep)
 
 
-# --- the steps in the Pulumi program ------------------------------------------------------------------------------------
+# --- the steps in the Pulumi program ----------------------------------------------------------------------------------
 TEAM_A = ROOT / "stacks" / "Pulumi.team-a.yaml"
 
 
@@ -398,6 +403,7 @@ def test_a_flush_can_be_skipped_by_the_destroying_operator() -> None:
     program = ("from components.teardown import LustreExportProvider\n"
                "LustreExportProvider().delete('f', {'region': 'us-east-1', 'file_system_id': 'fs-0123456789abcdef0', "
                "'timeout_seconds': 5})\n")
-    done = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60)
     assert done.returncode == 0, done.stderr
     assert f"{SKIP_FLUSH}=1: fs-0123456789abcdef0 is deleted without exporting" in done.stderr

@@ -1,8 +1,9 @@
 """Grafana dashboards on the head node, built with Grafana's typed builders (grafana-foundation-sdk), never as JSON.
 
-Three boards over the head's Prometheus (gpucluster/render/prometheus.py lists every metric they query): the cluster overview,
-GPU use per Slurm job, and the team's cost board. `files(stack)` is what `render --out` writes and the head gets in its
-bundle, byte for byte; Grafana provisions them from DASHBOARDS_DIR against the datasource whose uid is DATASOURCE_UID.
+Three boards over the head's Prometheus (gpucluster/render/prometheus.py lists every metric they query): the cluster
+overview, GPU use per Slurm job, and the team's cost board. `files(stack)` is what `render --out` writes and the head
+gets in its bundle, byte for byte; Grafana provisions them from DASHBOARDS_DIR against the datasource whose uid is
+DATASOURCE_UID.
 """
 
 from __future__ import annotations

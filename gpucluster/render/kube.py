@@ -414,8 +414,9 @@ def shm_size(pool: Pool) -> str:
 
 
 def example_job(stack: Stack, pool: Pool, script: str, nodes: int = 2, image: str = EXAMPLE_IMAGE) -> list[Manifest]:
-    """`script` (examples/ddp_train.py) across `nodes` nodes of `pool` with torchrun: an indexed Job (one pod per node) behind a
-    headless Service for the rendezvous, queued through the team's LocalQueue, checkpointing to the FSx claim."""
+    """`script` (examples/ddp_train.py) across `nodes` nodes of `pool` with torchrun: an indexed Job (one pod per node)
+    behind a headless Service for the rendezvous, queued through the team's LocalQueue, checkpointing to the FSx
+    claim."""
     ns, name = namespace_name(stack), "ddp-example"
     config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "namespace": ns},
                   "data": {"ddp_train.py": script}}
@@ -486,8 +487,9 @@ def guardrail_manifests(stack: Stack, queue_url: Any, act_threshold_percent: int
                                           "seccompProfile": {"type": "RuntimeDefault"}},
                       "containers": [{
                           "name": "guardrail", "image": GUARDRAIL_IMAGE,
-                          "command": ["sh", "-c", f"pip install --quiet --no-cache-dir --target /tmp/lib {GUARDRAIL_BOTO3} && "
-                                                  "PYTHONPATH=/tmp/lib exec python /opt/guardrail/queue_guardrail.py"],
+                          "command": ["sh", "-c",
+                                      f"pip install --quiet --no-cache-dir --target /tmp/lib {GUARDRAIL_BOTO3} && "
+                                      "PYTHONPATH=/tmp/lib exec python /opt/guardrail/queue_guardrail.py"],
                           "env": [{"name": k, "value": v} for k, v in env.items()],
                           "resources": {"requests": {"cpu": "50m", "memory": "128Mi"},
                                         "limits": {"memory": "256Mi"}},

@@ -120,7 +120,8 @@ def alert_rules() -> list[dict[str, object]]:
                         f"{monitoring.IDLE_PERCENT}% for {minutes} minutes",
              "description": "Average utilisation {{ $value | printf \"%.0f\" }}% over " f"{minutes} minutes; "
                             "Slurm job {{ $labels.hpc_job }}. An idle GPU still costs its hour."}},
-        {"alert": "GpuXidError", "expr": f'DCGM_EXP_XID_ERRORS_COUNT{{UUID!="",xid=~"{"|".join(map(str, settings.FATAL_XIDS))}"}} > 0',
+        {"alert": "GpuXidError",
+         "expr": f'DCGM_EXP_XID_ERRORS_COUNT{{UUID!="",xid=~"{"|".join(map(str, settings.FATAL_XIDS))}"}} > 0',
          "labels": {"severity": "critical"},
          "annotations": {"summary": "GPU {{ $labels.gpu }} of {{ $labels.node }} reported XID {{ $labels.xid }}",
                          "description": "The health check drains a node whose XID needs a reset (see `sinfo -R`)."}},

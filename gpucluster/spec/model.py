@@ -103,7 +103,8 @@ class Network(_Model):
     def _one_network(self) -> Network:
         existing = (self.vpc_id, self.subnet_id)
         if self.vpc_cidr and any(existing):
-            raise _rule_errors("network", [((), "give vpc_cidr (new VPC) or vpc_id + subnet_id (existing), not both")], None)
+            raise _rule_errors("network", [((), "give vpc_cidr (new VPC) or vpc_id + subnet_id (existing), not both")],
+                               None)
         if not self.vpc_cidr and not all(existing):
             raise _rule_errors("network", [((), "give vpc_cidr for a new VPC, or both vpc_id and subnet_id")], None)
         return self
@@ -221,7 +222,8 @@ class Lustre(_Model):
         if self.file_system_id:
             for key in ("deployment_type", "storage_capacity_gib", "throughput_mb_per_tib", "data_repository"):
                 if getattr(self, key) is not None:
-                    problems.append(((key,), "not allowed with file_system_id (the existing file system is used as is)"))
+                    problems.append(
+                        ((key,), "not allowed with file_system_id (the existing file system is used as is)"))
             for key in ("dns_name", "mount_name"):
                 if not getattr(self, key):
                     problems.append(((key,), "required with file_system_id (see `aws fsx describe-file-systems`)"))
@@ -304,7 +306,8 @@ class Budget(_Model):
     @field_validator("notify_emails")
     @classmethod
     def _emails(cls, value: list[str]) -> list[str]:
-        problems = [((i,), f"not an email address: {e!r}") for i, e in enumerate(value) if not re.fullmatch(EMAIL_RE, e)]
+        problems = [((i,), f"not an email address: {e!r}")
+                    for i, e in enumerate(value) if not re.fullmatch(EMAIL_RE, e)]
         if problems:
             raise _rule_errors("notify_emails", problems, value)
         return value
@@ -515,7 +518,8 @@ class Stack:
 
     @property
     def tags(self) -> dict[str, str]:
-        return {settings.CLUSTER_TAG: self.cluster_name, settings.TEAM_TAG: self.spec.team, settings.STACK_TAG: self.name}
+        return {settings.CLUSTER_TAG: self.cluster_name, settings.TEAM_TAG: self.spec.team,
+                settings.STACK_TAG: self.name}
 
 
 class SpecError(Exception):
@@ -625,7 +629,8 @@ def validate(stack: str, config: dict[str, Any], source: str = "") -> Stack:
             problems += found
         az = raw.get("availability_zone")
         if isinstance(region, str) and not _region_problems(region) and isinstance(az, str) \
-                and re.fullmatch(r"[a-z]{2}(-[a-z]+)+-\d[a-z]", az) and not re.fullmatch(re.escape(region) + "[a-z]", az):
+                and re.fullmatch(r"[a-z]{2}(-[a-z]+)+-\d[a-z]", az) \
+                and not re.fullmatch(re.escape(region) + "[a-z]", az):
             problems.append((_path(("availability_zone",)), f"{az} is not in region {region}"))
     if problems or spec is None:
         raise SpecError(source or stack, problems)
@@ -648,7 +653,8 @@ def resolve_stack_file(stack: str, stacks_dir: Path) -> Path:
 
 
 def stack_config(stack: Stack) -> dict[str, Any]:
-    """The `config:` mapping of the validated stack, as the stack file gave it (defaults left out, explicit nulls kept)."""
+    """The `config:` mapping of the validated stack, as the stack file gave it (defaults left out, explicit nulls
+    kept)."""
     return {REGION_KEY: stack.region, CONFIG_KEY: stack.spec.model_dump(mode="json", exclude_unset=True)}
 
 
