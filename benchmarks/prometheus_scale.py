@@ -24,8 +24,10 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import TypeVar
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "gpucluster" / "node")]
@@ -48,12 +50,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+T = TypeVar("T")
+
 def get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=10) as answer:
         return answer.read().decode()
 
 
-def wait(what: str, ready, seconds: float):  # type: ignore[no-untyped-def]
+def wait(what: str, ready: Callable[[], T], seconds: float) -> T:
+    """The first truthy answer of `ready` within `seconds`."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:

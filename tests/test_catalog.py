@@ -36,6 +36,7 @@ def test_hardware_facts_match_ec2(name: str) -> None:
     if ours.accelerator is None:
         assert not devices
         return
+    assert devices, f"EC2 reports no accelerator for {name}"
     (device,) = devices
     assert ours.accelerator.count == device["Count"]
     assert ours.accelerator.model == device["Name"]

@@ -261,7 +261,8 @@ def test_no_settings_yet_is_waited_for(aws: Any, tmp_path: Path) -> None:
 
 def test_throttling_past_botocores_retries_is_retried_and_the_boot_completes(aws: Any, tmp_path: Path) -> None:
     put_key(aws)
-    api, slept = Boto3(), []
+    api = Boto3()
+    slept: list[float] = []
     api.faults["GetParameters"] = ["ThrottlingException"] * 25  # botocore gives up after 11 attempts, twice
     env = node_env(tmp_path, "compute")
     fetcher.fetch(env, api, sleep=slept.append)

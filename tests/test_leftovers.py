@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from typing import Any
 
 import boto3
 import pytest
@@ -23,7 +24,7 @@ def tags(stack: str) -> list[dict[str, str]]:
 def test_leftovers_lists_what_still_bills_with_its_monthly_cost(moto_url: str) -> None:
     reset_moto(moto_url)
 
-    def client(service: str):  # type: ignore[no-untyped-def]
+    def client(service: str) -> Any:
         return boto3.client(service, region_name="us-east-1", endpoint_url=moto_url, aws_access_key_id="t",
                             aws_secret_access_key="t")
 

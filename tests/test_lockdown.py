@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -113,7 +114,7 @@ DRIVER = textwrap.dedent('''
     "ALERTMANAGER_PORT", str(ALERTMANAGER_PORT))
 
 
-def run_in_namespaces(tmp_path: Path, role: str, times: int = 1, extra_rule: str = "") -> dict:  # type: ignore[type-arg]
+def run_in_namespaces(tmp_path: Path, role: str, times: int = 1, extra_rule: str = "") -> dict[str, Any]:
     missing = [tool for tool in ("iptables", "unshare", "setpriv", "ip") if not shutil.which(tool)]
     assert not missing, f"install {missing} (make test does)"
     script = tmp_path / "lockdown.sh"

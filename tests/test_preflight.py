@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import boto3
 import pytest
@@ -38,7 +39,7 @@ def run_cli(path: Path, url: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=300)
 
 
-def spot_role(iam) -> None:  # type: ignore[no-untyped-def]
+def spot_role(iam: Any) -> None:
     """AWSServiceRoleForEC2Spot as AWS makes it. moto's create_service_linked_role names the spot role
     AWSServiceRoleForspot, so it is made with create_role at the service-linked path."""
     iam.create_role(RoleName=preflight.SPOT_ROLE, Path="/aws-service-role/spot.amazonaws.com/",
@@ -82,7 +83,7 @@ def test_bad_stack_exits_2(tmp_path: Path) -> None:
 
 # --- recorded answers ------------------------------------------------------------------------------------------------
 
-def client(service: str):  # type: ignore[no-untyped-def]
+def client(service: str) -> Any:
     return boto3.client(service, region_name="us-east-1", aws_access_key_id="t", aws_secret_access_key="t")
 
 
@@ -174,10 +175,11 @@ def test_unresolvable_ami_parameter_fails() -> None:
 class Session:
     """A boto3 Session stand-in: hands out the given clients and records which services were asked for."""
 
-    def __init__(self, **clients):  # type: ignore[no-untyped-def]
-        self.clients, self.asked = clients, []
+    def __init__(self, **clients: Any):
+        self.clients = clients
+        self.asked: list[str] = []
 
-    def client(self, service: str, region_name: str | None = None):  # type: ignore[no-untyped-def]
+    def client(self, service: str, region_name: str | None = None) -> Any:
         self.asked.append(service)
         return self.clients.get(service) or client(service)
 
@@ -212,11 +214,11 @@ def test_denied_get_role_is_a_warning_naming_the_permission() -> None:
                                       "not checked, denied (AccessDenied): grant iam:GetRole")]
 
 
-def _all_denied(service: str):  # type: ignore[no-untyped-def]
+def _all_denied(service: str) -> Any:
     """A client whose every call is denied before it is sent: run() then has only warnings, and asks no AWS."""
     from botocore.exceptions import ClientError
 
-    def deny(model, **_):  # type: ignore[no-untyped-def]
+    def deny(model: Any, **_: Any) -> None:
         raise ClientError({"Error": {"Code": "AccessDenied", "Message": "denied"}}, model.name)
 
     c = client(service)

@@ -66,7 +66,7 @@ def test_placement_group_on_every_efa_pool(shipped: tuple[Stack, tuple[Declared,
     for pool in stack.spec.pools:
         placement = templates[pool.name].get("placement")
         if pool.uses_efa:
-            assert placement["groupName"] in groups, pool.name
+            assert placement and placement["groupName"] in groups, pool.name
         else:
             assert not placement
     assert len(groups) == sum(p.uses_efa for p in stack.spec.pools)
@@ -215,7 +215,7 @@ def test_budget_notifications(shipped: tuple[Stack, tuple[Declared, ...]]) -> No
     assert budget.inputs["timeUnit"] == "MONTHLY" and budget.inputs["budgetType"] == "COST"
     assert budget.inputs["costFilters"] == [{"name": "TagKeyValue", "values": [f"user:gpucluster:stack${stack.name}"]}]
     got = {(n["threshold"], n["notificationType"]) for n in budget.inputs["notifications"]}
-    act = {budget_spec.act_threshold_percent} - {None}
+    act = set() if budget_spec.act_threshold_percent is None else {budget_spec.act_threshold_percent}
     assert got == {(float(t), "FORECASTED") for t in budget_spec.thresholds_percent} | {
         (float(t), "ACTUAL") for t in set(budget_spec.thresholds_percent) | act}
     topic_arn = f"arn:aws:sns:{stack.region}:123456789012:{topic.name}"

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -154,14 +155,14 @@ def test_prometheus_keeps_at_most_its_share_of_the_state_volume() -> None:
     assert "--web.listen-address=127.0.0.1:" in args  # never on the node's network address
 
 
-def cluster_settings(**extra: object) -> ClusterSettings:
+def cluster_settings(**extra: Any) -> ClusterSettings:
     pools = {"p5-od": PoolSettings("p5-od", "lt-1", "subnet-1", "p5.48xlarge", "on-demand", max_nodes=4,
                                    accelerator="nvidia", accelerators=8, node_hour_usd=98.32),
              "trn": PoolSettings("trn", "lt-2", "subnet-1", "trn1.32xlarge", "spot", max_nodes=2, accelerator="neuron",
                                  accelerators=16, node_hour_usd=21.5),
              "cpu": PoolSettings("cpu", "lt-3", "subnet-1", "c7i.4xlarge", "on-demand", max_nodes=2)}
     return ClusterSettings(cluster="gpucluster-team-a", region="us-east-1", pools=pools, team="vision",
-                           head_address="10.0.0.5", **extra)  # type: ignore[arg-type]
+                           head_address="10.0.0.5", **extra)
 
 
 def test_the_target_lists_follow_the_registered_nodes_with_their_labels() -> None:

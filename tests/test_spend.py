@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime as dt
+from pathlib import Path
+from typing import Any
 
 import boto3
 from botocore.stub import Stubber
@@ -17,7 +19,7 @@ TODAY = dt.date(2026, 11, 20)
 TAG = {"Tags": {"Key": "gpucluster:stack", "Values": ["team-a"], "MatchOptions": ["EQUALS"]}}
 
 
-def ce():  # type: ignore[no-untyped-def]
+def ce() -> Any:
     return boto3.client("ce", region_name="us-east-1", aws_access_key_id="t", aws_secret_access_key="t")
 
 
@@ -66,7 +68,7 @@ def test_month_bounds() -> None:
     assert spend.month_bounds(dt.date(2026, 12, 31)) == (dt.date(2026, 12, 1), dt.date(2027, 1, 1))
 
 
-def test_the_head_nodes_command_runs_from_the_bundle_without_pulumi(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_the_head_nodes_command_runs_from_the_bundle_without_pulumi(tmp_path: Path) -> None:
     """The bundle's library and stack file, run as the head node's `gpucluster cost`: no Pulumi there, no
     credentials here (said, not a crash)."""
     import gzip

@@ -14,16 +14,18 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import boto3
 import pytest
 from botocore.stub import Stubber
 
-from conftest import ROOT, of_type, planned, reset_moto
+from conftest import ROOT, ClientFactory, of_type, planned, reset_moto
 from gpucluster.aws import teardown
 from gpucluster.contract.settings import CLUSTER_TAG, POOL_TAG, STACK_TAG, ClusterSettings, PoolSettings
-from gpucluster.plan import planned_id
+from gpucluster.plan import Declared, planned_id
 
 sys.path.insert(0, str(ROOT / "gpucluster" / "node"))
 import gpucluster_node as node
@@ -34,11 +36,11 @@ AMI = "ami-12c6146b"  # one of moto's own images
 
 
 @pytest.fixture
-def aws(moto_url: str):  # type: ignore[no-untyped-def]
+def aws(moto_url: str) -> ClientFactory:
     """Clients on an empty account (moto's backends are reset per test)."""
     reset_moto(moto_url)
 
-    def client(service: str):  # type: ignore[no-untyped-def]
+    def client(service: str) -> Any:
         return boto3.client(service, region_name="us-east-1", endpoint_url=moto_url, aws_access_key_id="t",
                             aws_secret_access_key="t")
     return client
@@ -50,7 +52,8 @@ class RecordingHead:
     it ran among the EC2 calls."""
 
     def __init__(self, events: list[str], reachable: bool = True):
-        self.events, self.reachable, self.scripts = events, reachable, []  # type: list[str]
+        self.events, self.reachable = events, reachable
+        self.scripts: list[str] = []
 
     def run(self, script: str) -> str:
         self.events.append("quiesce")
@@ -63,7 +66,7 @@ class RecordingHead:
 class Clock:
     """Time that passes only when the step sleeps: waits without waiting."""
 
-    def __init__(self, on_sleep=None):  # type: ignore[no-untyped-def]
+    def __init__(self, on_sleep: Callable[[int], None] | None = None):
         self.now, self.sleeps, self.on_sleep = 0.0, 0, on_sleep
 
     def __call__(self) -> float:
@@ -76,7 +79,7 @@ class Clock:
             self.on_sleep(self.sleeps)
 
 
-def world(aws, cluster: str = CLUSTER) -> tuple[ClusterSettings, str]:  # type: ignore[no-untyped-def]
+def world(aws: ClientFactory, cluster: str = CLUSTER) -> tuple[ClusterSettings, str]:
     """The cluster's network and pool templates as `pulumi up` leaves them, its head instance, and settings for the
     resume program with a registry of its own."""
     ec2 = aws("ec2")
@@ -99,12 +102,12 @@ def world(aws, cluster: str = CLUSTER) -> tuple[ClusterSettings, str]:  # type: 
     return config, head
 
 
-def states(ec2) -> dict[str, str]:  # type: ignore[no-untyped-def]
+def states(ec2: Any) -> dict[str, str]:
     return {i["InstanceId"]: i["State"]["Name"]
             for r in ec2.describe_instances()["Reservations"] for i in r["Instances"]}
 
 
-def test_the_fleet_goes_first_including_instances_launched_while_the_step_runs(aws) -> None:  # type: ignore[no-untyped-def]
+def test_the_fleet_goes_first_including_instances_launched_while_the_step_runs(aws: ClientFactory) -> None:
     ec2, ssm = aws("ec2"), aws("ssm")
     config, head = world(aws)
     slurm = _Slurm()
@@ -144,7 +147,7 @@ def test_the_fleet_goes_first_including_instances_launched_while_the_step_runs(a
     assert not ssm.describe_parameters()["Parameters"]
 
 
-def test_an_instance_that_refuses_fails_the_step_with_its_id(aws) -> None:  # type: ignore[no-untyped-def]
+def test_an_instance_that_refuses_fails_the_step_with_its_id(aws: ClientFactory) -> None:
     ec2, ssm = aws("ec2"), aws("ssm")
     config, head = world(aws)
     launched = node.resume(config, ec2, _Slurm(), "p5-od-[1-2]").launched
@@ -162,7 +165,7 @@ def test_an_instance_that_refuses_fails_the_step_with_its_id(aws) -> None:  # ty
     assert after[protected] == "running" and after[launched["p5-od-2"]] == "terminated"  # the others still went
 
 
-def test_a_head_that_cannot_close_its_partitions_is_stopped_before_the_sweep(aws) -> None:  # type: ignore[no-untyped-def]
+def test_a_head_that_cannot_close_its_partitions_is_stopped_before_the_sweep(aws: ClientFactory) -> None:
     ec2, ssm = aws("ec2"), aws("ssm")
     config, head = world(aws)
     node.resume(config, ec2, _Slurm(), "p5-od-1")
@@ -178,7 +181,7 @@ def test_a_head_that_cannot_close_its_partitions_is_stopped_before_the_sweep(aws
                        "stopped")
 
 
-def test_a_head_already_gone_does_not_stop_the_teardown(aws) -> None:  # type: ignore[no-untyped-def]
+def test_a_head_already_gone_does_not_stop_the_teardown(aws: ClientFactory) -> None:
     ec2, ssm = aws("ec2"), aws("ssm")
     config, head = world(aws)
     launched = node.resume(config, ec2, _Slurm(), "p5-od-1").launched
@@ -203,7 +206,7 @@ def test_credentials_that_may_not_terminate_fail_at_once() -> None:
     assert clock.sleeps == 0  # no quarter of an hour of retries
 
 
-def test_the_stacks_images_go_unless_another_cluster_runs_from_them(aws) -> None:  # type: ignore[no-untyped-def]
+def test_the_stacks_images_go_unless_another_cluster_runs_from_them(aws: ClientFactory) -> None:
     ec2, ssm = aws("ec2"), aws("ssm")
     _, head = world(aws)
     tags = [{"Key": CLUSTER_TAG, "Value": CLUSTER}, {"Key": "gpucluster:image", "Value": "compute-nvidia"}]
@@ -231,12 +234,12 @@ FS = "fs-0123456789abcdef0"
 TASK = "task-0123456789abcdef0"
 
 
-def task(lifecycle: str, **extra: object) -> dict:  # type: ignore[type-arg]
+def task(lifecycle: str, **extra: object) -> dict[str, object]:
     return {"TaskId": TASK, "Lifecycle": lifecycle, "Type": "EXPORT_TO_REPOSITORY", "FileSystemId": FS,
             "CreationTime": dt.datetime(2026, 11, 30), **extra}
 
 
-def stubbed_fsx():  # type: ignore[no-untyped-def]
+def stubbed_fsx() -> tuple[Any, Stubber]:
     fsx = boto3.client("fsx", region_name="us-east-1", aws_access_key_id="t", aws_secret_access_key="t")
     return fsx, Stubber(fsx)
 
@@ -289,7 +292,7 @@ def test_a_flush_that_outlasts_its_bound_stops_the_deletion() -> None:
 TEAM_A = ROOT / "stacks" / "Pulumi.team-a.yaml"
 
 
-def _by_urn(declared):  # type: ignore[no-untyped-def]
+def _by_urn(declared: Sequence[Declared]) -> dict[str, Declared]:
     return {d.urn: d for d in declared}
 
 
@@ -341,7 +344,7 @@ def test_a_step_is_never_replaced_and_keeps_its_inputs_for_delete() -> None:
     assert provider.update("c-fleet", olds, news).outs == {"cluster": "c", "head_instance_id": "i-2"}
 
 
-def test_the_serialised_provider_tears_the_fleet_down_in_a_fresh_process(aws, moto_url: str) -> None:  # type: ignore[no-untyped-def]
+def test_the_serialised_provider_tears_the_fleet_down_in_a_fresh_process(aws: ClientFactory, moto_url: str) -> None:
     """What `pulumi destroy` does with the state: unpickle the provider the program stored and call its delete, in a
     process of its own started from the project directory, with the credentials of the environment."""
     stack, declared = planned(TEAM_A)

@@ -423,7 +423,11 @@ def example_job(stack: Stack, pool: Pool, script: str, nodes: int = 2, image: st
     service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": ns},
                "spec": {"clusterIP": "None", "selector": {"job-name": name}, "ports": [{"name": "c10d",
                                                                                          "port": 29500}]}}
-    procs = pool.itype.accelerator.count  # type: ignore[union-attr]
+    accelerator = pool.itype.accelerator
+    if accelerator is None:
+        raise ValueError(f"the example job runs one process per accelerator: pool {pool.name} "
+                         f"({pool.instance_type}) has none")
+    procs = accelerator.count
     command = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={procs}", "--node-rank=$(JOB_COMPLETION_INDEX)",
                f"--master-addr={name}-0.{name}", "--master-port=29500",
                "/opt/example/ddp_train.py", "--checkpoint-dir", f"/fsx/checkpoints/{name}"]

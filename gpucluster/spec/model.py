@@ -9,6 +9,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -71,7 +72,7 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
-def _rule_errors(model: str, problems: list[tuple[tuple[str | int, ...], str]], data: Any) -> ValidationError:
+def _rule_errors(model: str, problems: Sequence[tuple[tuple[str | int, ...], str]], data: Any) -> ValidationError:
     """Turn cross-field problems into one ValidationError so pydantic reports them next to the field errors."""
     return ValidationError.from_exception_data(
         model,
@@ -469,7 +470,8 @@ def _scheduler_problems(spec: dict[str, Any]) -> list[tuple[tuple[str | int, ...
             problems.append((("team",), f"{spec['team']!r} is a namespace the cluster's own software uses (the team "
                              f"gets a namespace of its name): choose another; taken: {', '.join(RESERVED_NAMESPACES)}"))
         pools = spec.get("pools")
-        for i, pool in enumerate(pools if isinstance(pools, list) else []):
+        pools = pools if isinstance(pools, list) else []
+        for i, pool in enumerate(pools):
             if isinstance(pool, dict) and pool.get("ami_id") is not None:
                 problems.append((("pools", i, "ami_id"), "not allowed with scheduler: kubernetes (node groups boot "
                                                          "the EKS-optimized accelerated AMI of the cluster's version)"))
@@ -632,9 +634,9 @@ def validate(stack: str, config: dict[str, Any], source: str = "") -> Stack:
                 and re.fullmatch(r"[a-z]{2}(-[a-z]+)+-\d[a-z]", az) \
                 and not re.fullmatch(re.escape(region) + "[a-z]", az):
             problems.append((_path(("availability_zone",)), f"{az} is not in region {region}"))
-    if problems or spec is None:
+    if problems or spec is None or not isinstance(region, str):  # a region that is no string is among the problems
         raise SpecError(source or stack, problems)
-    return Stack(name=stack, region=region, spec=spec)  # type: ignore[arg-type]
+    return Stack(name=stack, region=region, spec=spec)
 
 
 def stack_name_from_path(path: Path) -> str:
