@@ -28,8 +28,14 @@ system-packages:
 	@dpkg -s $(SYSTEM_PACKAGES) >/dev/null 2>&1 || { $(SUDO) apt-get update -q && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q $(SYSTEM_PACKAGES); }
 
-test: $(VENV)/.installed system-packages
+test: lint $(VENV)/.installed system-packages
 	$(PY) -m pytest -q
+
+# ruff and mypy as pyproject.toml configures them.
+.PHONY: lint
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 bench: $(VENV)/.installed system-packages
 	$(PY) benchmarks/plan_speed.py

@@ -20,6 +20,7 @@ import tempfile
 from collections import Counter
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
@@ -33,7 +34,7 @@ DOWNLOADS = re.compile(r"\$ (curl|wget|git clone)\b")
 TARGETS = {"installs": 0, "downloads": 0, "aws_calls": 3, "seconds": 5.0}
 
 
-def measure(node: RehearsalNode, calls: list[str]) -> dict[str, object]:
+def measure(node: RehearsalNode, calls: list[str]) -> dict[str, Any]:
     log = node.path(settings.BOOT_LOG).read_text().splitlines()
     times = [datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f") for line in log if (m := STAMP.match(line))]
     done = [line for line in log if "bootstrap" in line and line.endswith(" done")]

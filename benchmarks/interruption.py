@@ -82,8 +82,9 @@ def prolog_seconds() -> list[float]:
     smi.write_text("#!/bin/sh\n" + "".join(f'echo "{i}, 0"\n' for i in range(8)))
     smi.chmod(0o755)
     # What the Prolog runs before the node names (whose wait depends on the other nodes' registration, not on us).
-    program = ("import sys; sys.path.insert(0, %r); import gpucluster_health as h; from gpucluster.contract.settings import "
-               "PoolSettings; h.check(PoolSettings('p5', 'lt', 's', 'p5.48xlarge', 'spot', accelerator='nvidia', "
+    program = ("import sys; sys.path.insert(0, %r); import gpucluster_health as h; "
+               "from gpucluster.contract.settings import PoolSettings; "
+               "h.check(PoolSettings('p5', 'lt', 's', 'p5.48xlarge', 'spot', accelerator='nvidia', "
                "accelerators=8), 'prolog')") % str(ROOT / "gpucluster" / "node")
     env = {**os.environ, "PATH": f"{work / 'bin'}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
     times = []

@@ -19,7 +19,8 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-TYPES = ["p5.48xlarge", "p4d.24xlarge", "p5en.48xlarge", "g6e.12xlarge", "trn1.32xlarge", "g6.xlarge", "p6-b200.48xlarge"]
+TYPES = ["p5.48xlarge", "p4d.24xlarge", "p5en.48xlarge", "g6e.12xlarge", "trn1.32xlarge", "g6.xlarge",
+         "p6-b200.48xlarge"]
 
 
 def many_pools_stack(directory: Path, pools: int) -> Path:

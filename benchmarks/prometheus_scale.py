@@ -24,13 +24,15 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import TypeVar
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "gpucluster" / "node")]
-from gpucluster.render import prometheus  # noqa: E402
 from gpucluster.contract.settings import NODE_EXPORTER_FLAGS  # noqa: E402
+from gpucluster.render import prometheus  # noqa: E402
 
 NODES = 100
 GPUS_PER_NODE = 8
@@ -48,12 +50,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+T = TypeVar("T")
+
 def get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=10) as answer:
         return answer.read().decode()
 
 
-def wait(what: str, ready, seconds: float):  # type: ignore[no-untyped-def]
+def wait(what: str, ready: Callable[[], T], seconds: float) -> T:
+    """The first truthy answer of `ready` within `seconds`."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
@@ -84,7 +89,8 @@ def scaled_to_p5(node_text: str) -> list[str]:
     cpus = sorted({line.split('cpu="')[1].split('"')[0] for line in samples if 'cpu="' in line})
     devices = sorted({line.split('device="')[1].split('"')[0] for line in samples
                       if line.startswith("node_network_") and 'device="' in line})
-    scaled = [line for line in samples if 'cpu="' not in line and not (line.startswith("node_network_") and 'device="' in line)]
+    scaled = [line for line in samples
+              if 'cpu="' not in line and not (line.startswith("node_network_") and 'device="' in line)]
     per_cpu = [line for line in samples if f'cpu="{cpus[0]}"' in line] if cpus else []
     per_device = [line for line in samples if line.startswith("node_network_") and f'device="{devices[0]}"' in line] \
         if devices else []
@@ -99,7 +105,8 @@ def our_series(node: int) -> list[str]:
            f'Hostname="p5-{node}"}} 1' for name, _, _ in prometheus.DCGM_COUNTERS for g in range(GPUS_PER_NODE)]
     efa = [f'gpucluster_efa_{d}_bytes_total{{device="rdmap{i}",port="1"}} 1' for d in ("rx", "tx")
            for i in range(EFA_DEVICES)]
-    return gpu + efa + ['gpucluster_lustre_read_bytes_total{fs="fsx"} 1', 'gpucluster_lustre_write_bytes_total{fs="fsx"} 1']
+    lustre = ['gpucluster_lustre_read_bytes_total{fs="fsx"} 1', 'gpucluster_lustre_write_bytes_total{fs="fsx"} 1']
+    return gpu + efa + lustre
 
 
 def serve(samples: list[str]) -> tuple[ThreadingHTTPServer, int]:
@@ -168,13 +175,15 @@ def main() -> int:
     per_day = series * 86400 / prometheus.SCRAPE_SECONDS
     disk_day = per_day * BYTES_PER_SAMPLE
     retention = prometheus.retention_bytes()
-    print(f"series per p5 node: {per_node} (node_exporter {node_series}, dcgm-exporter "
-          f"{len(prometheus.DCGM_COUNTERS) * GPUS_PER_NODE}, EFA and Lustre {len(our_series(0)) - len(prometheus.DCGM_COUNTERS) * GPUS_PER_NODE})")
+    dcgm_series = len(prometheus.DCGM_COUNTERS) * GPUS_PER_NODE
+    print(f"series per p5 node: {per_node} (node_exporter {node_series}, dcgm-exporter {dcgm_series}, "
+          f"EFA and Lustre {len(our_series(0)) - dcgm_series})")
     print(f"{NODES} nodes: {series} head series, Prometheus resident {loaded / 2**20:.0f} MiB "
           f"({(loaded - idle) / 2**10 / max(series, 1):.1f} KiB per series over an idle {idle / 2**20:.0f} MiB; "
           f"target under {TARGET_MEMORY_GIB:g} GiB)")
-    print(f"disk: {per_day / 1e6:.1f} M samples a day at {prometheus.SCRAPE_SECONDS} s, about {disk_day / 2**30:.2f} GiB "
-          f"a day; the head's {retention >> 30} GiB hold {retention / disk_day:.0f} days "
+    print(f"disk: {per_day / 1e6:.1f} M samples a day at {prometheus.SCRAPE_SECONDS} s, "
+          f"about {disk_day / 2**30:.2f} GiB a day; "
+          f"the head's {retention >> 30} GiB hold {retention / disk_day:.0f} days "
           f"(time retention {prometheus.RETENTION_DAYS} days)")
     return 0 if loaded < TARGET_MEMORY_GIB * 2**30 else 1
 

@@ -19,14 +19,16 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import boto3
 from botocore.exceptions import EndpointConnectionError
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "gpucluster" / "node")]  # the library (the settings contract) and the node program
+# The library (the settings contract) and the node program.
+sys.path[:0] = [str(ROOT), str(ROOT / "gpucluster" / "node")]
 import gpucluster_node as node  # noqa: E402
-
+from gpucluster.contract.settings import ClusterSettings, PoolSettings  # noqa: E402
 
 # The resume program's own part of bringing up 1024 nodes: under 3 s, and EC2 calls per CreateFleet batch, not per node.
 TARGET_NODES, TARGET_SECONDS = 1024, 3.0
@@ -57,10 +59,10 @@ def main() -> None:
     subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.0.0.0/20", AvailabilityZone="us-east-1a")["Subnet"]["SubnetId"]
     template = ec2.create_launch_template(LaunchTemplateName="bench", LaunchTemplateData={
         "ImageId": "ami-12c6146b", "InstanceType": "p5.48xlarge"})["LaunchTemplate"]["LaunchTemplateId"]
-    pool = node.PoolSettings("p5", template, subnet, "p5.48xlarge", "on-demand")
+    pool = PoolSettings("p5", template, subnet, "p5.48xlarge", "on-demand")
     registry = Path(tempfile.mkdtemp(prefix="resume-scale-")) / "instances.json"
-    config = node.ClusterSettings(cluster="bench", region="us-east-1", pools={"p5": pool}, log_file="/dev/null",
-                                  registry_file=str(registry))
+    config = ClusterSettings(cluster="bench", region="us-east-1", pools={"p5": pool}, log_file="/dev/null",
+                             registry_file=str(registry))
     print(f"{'nodes':>6} {'jobs':>5} {'seconds':>8} {'s/node':>7} {'scontrol':>8}  EC2 calls")
     met = True
     for size in args.sizes:
@@ -100,7 +102,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for_server(ec2) -> None:  # type: ignore[no-untyped-def]
+def wait_for_server(ec2: Any) -> None:
     for _ in range(100):
         try:
             ec2.describe_regions()

@@ -59,8 +59,8 @@ def main() -> None:
     logging.disable(logging.CRITICAL)
     runs = [one_run() for _ in range(args.runs)]
     print(f"{'run':>3} {'submit->running s':>18} {'resume program s':>17} {'rest s':>7}")
-    for i, (total, ours) in enumerate(runs, 1):
-        print(f"{i:3d} {total:18.2f} {ours:17.2f} {total - ours:7.2f}")
+    for i, (total, resume) in enumerate(runs, 1):
+        print(f"{i:3d} {total:18.2f} {resume:17.2f} {total - resume:7.2f}")
     totals, ours = [r[0] for r in runs], [r[1] for r in runs]
     print(f"median: {statistics.median(totals):.2f} s to running, of which the resume program "
           f"{statistics.median(ours):.2f} s (simulated boot {BOOT_SECONDS:.0f} s)")

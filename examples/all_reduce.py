@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--max-bytes", type=int, default=None, help="largest message (default 16 GiB on GPU, 64 MiB on CPU)")
+    parser.add_argument("--max-bytes", type=int, default=None,
+                        help="largest message (default 16 GiB on GPU, 64 MiB on CPU)")
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
     use_cuda = torch.cuda.is_available()

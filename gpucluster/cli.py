@@ -17,12 +17,11 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from gpucluster.spec import catalog, cost, eks
-
 from gpucluster import project
-from gpucluster.plan import Declared, run_program
 from gpucluster.contract.settings import GRAFANA_PORT
-from gpucluster.spec.model import Stack, SpecError, load_stack, resolve_stack_file
+from gpucluster.plan import Declared, run_program
+from gpucluster.spec import catalog, cost, eks
+from gpucluster.spec.model import SpecError, Stack, load_stack, resolve_stack_file
 
 EXIT_BAD_INPUT = 2
 
@@ -39,7 +38,7 @@ def cost_table(stack: Stack, estimate: cost.CostEstimate) -> list[str]:
              cost.money(p.hourly_min), cost.money(p.hourly_max), p.priced_as)
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines += [
         "",
@@ -47,12 +46,15 @@ def cost_table(stack: Stack, estimate: cost.CostEstimate) -> list[str]:
         (f"EKS and system nodes per month:  {cost.money(estimate.kubernetes_monthly)} (control plane "
          f"{cost.money(eks.CONTROL_PLANE_USD_PER_HOUR)}/h, {eks.SYSTEM_NODES} x {eks.SYSTEM_INSTANCE_TYPE})"
          if stack.spec.scheduler == "kubernetes" else
-         f"Head node per month:             {cost.money(estimate.head_node_monthly)} ({stack.spec.head_node.instance_type}, EBS)"),
-        *([f"Node images:                     {cost.money(estimate.image_build_usd)} per build ({len(estimate.images)} x "
+         f"Head node per month:             {cost.money(estimate.head_node_monthly)} "
+         f"({stack.spec.head_node.instance_type}, EBS)"),
+        *([f"Node images:                     {cost.money(estimate.image_build_usd)} per build "
+           f"({len(estimate.images)} x "
            f"{catalog.IMAGE_BUILD_HOURS:g} h of {catalog.IMAGE_BUILD_INSTANCE_TYPE}), "
            f"{cost.money(estimate.image_snapshots_monthly)} per month of snapshots"] if estimate.images else []),
         f"NAT and VPC endpoints per month: {cost.money(estimate.network_monthly)}",
-        f"Cluster per hour:                {cost.money(estimate.hourly_min)} at min size, {cost.money(estimate.hourly_max)} at max size",
+        f"Cluster per hour:                {cost.money(estimate.hourly_min)} at min size, "
+        f"{cost.money(estimate.hourly_max)} at max size",
         f"Month at max size:               {cost.money(estimate.monthly_at_max)} against a budget of "
         f"{cost.money(estimate.budget_monthly)}",
     ]
@@ -292,7 +294,8 @@ def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="python -m gpucluster", description=__doc__)
     sub = top.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="show what a stack creates and costs, offline")
-    p.add_argument("stack", nargs="?", default="dev", help="a stack name under stacks/ or a path to a stack file (default: dev)")
+    p.add_argument("stack", nargs="?", default="dev",
+                   help="a stack name under stacks/ or a path to a stack file (default: dev)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=plan)
     r = sub.add_parser("render", help="write the user data and Slurm files of a stack")

@@ -9,9 +9,14 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from gpucluster.spec.model import CONFIG_KEY, REGION_KEY, Stack, stack_config
+
+if TYPE_CHECKING:  # pulumi is imported where the plan runs: the head node's command line has no pulumi
+    from pulumi.runtime import Mocks
+    from pulumi.runtime.mocks import MockMonitor
+    from pulumi.runtime.proto.resource_pb2 import RegisterResourceRequest, RegisterResourceResponse
 
 MOCK_ACCOUNT = "123456789012"
 # An interface's private IP as AWS gives it, from the documentation range (RFC 5737): never a real address.
@@ -169,7 +174,8 @@ def _placeholder_outputs(typ: str, name: str, inputs: dict[str, Any], region: st
         out["endpoint"] = f"https://{_hex(typ, name, 32).upper()}.gr7.{region}.eks.amazonaws.com"
         out["certificateAuthority"] = {"data": "<cluster CA at up>"}
         # The security group EKS makes for the cluster (control plane, managed add-ons, template-less node groups).
-        out["vpcConfig"] = {**inputs.get("vpcConfig", {}), "clusterSecurityGroupId": f"sg-{_hex(typ, name + '-cluster', 17)}"}
+        out["vpcConfig"] = {**inputs.get("vpcConfig", {}),
+                            "clusterSecurityGroupId": f"sg-{_hex(typ, name + '-cluster', 17)}"}
     elif typ == "aws:eks/nodeGroup:NodeGroup":
         group = inputs["nodeGroupName"]
         out["id"] = f"{inputs['clusterName']}:{group}"
@@ -208,38 +214,36 @@ def planned_outputs(declared: Declared, region: str) -> dict[str, Any]:
     return _placeholder_outputs(declared.type, declared.name, declared.inputs, region)
 
 
-def _mocks(region: str):  # type: ignore[no-untyped-def]
-    from pulumi.runtime import Mocks
+def _mocks(region: str) -> Mocks:
+    from pulumi.runtime import MockCallArgs, MockResourceArgs, Mocks
 
     class PlanMocks(Mocks):
-        def new_resource(self, args):  # type: ignore[no-untyped-def]
+        def new_resource(self, args: MockResourceArgs) -> tuple[str | None, dict[str, Any]]:
             outputs = _placeholder_outputs(args.typ, args.name, args.inputs, region)
             return outputs.pop("id"), {**args.inputs, **outputs}
 
-        def call(self, args):  # type: ignore[no-untyped-def]
+        def call(self, args: MockCallArgs) -> tuple[dict[str, Any], list[tuple[str, str]] | None]:
             if args.token == "aws:ssm/getParameter:getParameter":
                 name = args.args["name"]
-                return {"name": name, "type": "String", "value": f"<AMI from {name} at up>"}
+                return {"name": name, "type": "String", "value": f"<AMI from {name} at up>"}, []
             if args.token == "aws:index/getCallerIdentity:getCallerIdentity":
-                return {"accountId": MOCK_ACCOUNT, "arn": f"arn:aws:iam::{MOCK_ACCOUNT}:user/plan", "userId": "plan"}
+                return {"accountId": MOCK_ACCOUNT, "arn": f"arn:aws:iam::{MOCK_ACCOUNT}:user/plan",
+                        "userId": "plan"}, []
             raise NotImplementedError(f"the offline plan has no answer for {args.token}")
 
     return PlanMocks()
 
 
-def _recording_monitor(mocks):  # type: ignore[no-untyped-def]
+def _recording_monitor(mocks: Mocks, declared: list[Declared]) -> MockMonitor:
+    """The mock runtime's monitor, appending every resource the program registers to `declared`."""
     from pulumi.runtime import rpc
     from pulumi.runtime.mocks import MockMonitor
 
     class RecordingMonitor(MockMonitor):
-        def __init__(self, mocks):  # type: ignore[no-untyped-def]
-            super().__init__(mocks)
-            self.declared: list[Declared] = []
-
-        def RegisterResource(self, request):  # type: ignore[no-untyped-def]
+        def RegisterResource(self, request: RegisterResourceRequest) -> RegisterResourceResponse:
             response = super().RegisterResource(request)
             if request.type != "pulumi:pulumi:Stack":
-                self.declared.append(
+                declared.append(
                     Declared(
                         type=request.type,
                         name=request.name,
@@ -273,10 +277,11 @@ def run_program(stack: Stack, program: Callable[[], None], config: dict[str, str
     from pulumi.runtime.stack import run_pulumi_func
     from pulumi.runtime.sync_await import _sync_await
 
-    monitor = _recording_monitor(_mocks(stack.region))
-    settings.set_root_resource(None)  # a fresh stack on every run, also when one process plans several stacks
+    declared: list[Declared] = []
+    monitor = _recording_monitor(_mocks(stack.region), declared)
+    settings.ROOT.set(None)  # a fresh stack on every run, also when one process plans several stacks
     pulumi.runtime.set_all_config(config or pulumi_config(stack))
     pulumi.runtime.set_mocks(monitor.mocks, project="gpucluster", stack=stack.name, preview=False, monitor=monitor)
 
     _sync_await(run_pulumi_func(program))
-    return monitor.declared
+    return declared

@@ -2,22 +2,30 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gpucluster.project import pulumi_program  # noqa: E402
 from gpucluster.plan import Declared, run_program  # noqa: E402
-from gpucluster.spec.model import Stack, load_stack  # noqa: E402
+from gpucluster.project import pulumi_program  # noqa: E402
+from gpucluster.spec.catalog import Accelerator  # noqa: E402
+from gpucluster.spec.model import Pool, Stack, load_stack  # noqa: E402
+
+if TYPE_CHECKING:
+    from local_cluster import LocalCluster
 
 ALL_STACK_FILES = sorted((ROOT / "stacks").glob("Pulumi.*.yaml"))
 # The Slurm flavour's stacks (what the Slurm tests take as "every shipped stack"), and the Kubernetes flavour's.
 STACK_FILES = [p for p in ALL_STACK_FILES if load_stack(p).spec.scheduler == "slurm"]
 K8S_STACK_FILES = [p for p in ALL_STACK_FILES if load_stack(p).spec.scheduler == "kubernetes"]
 FIXTURES = ROOT / "tests" / "stacks"
+# A boto3 client for a service name (boto3's clients are untyped: pyproject.toml says why).
+ClientFactory = Callable[[str], Any]
 
 
 @functools.cache
@@ -32,12 +40,19 @@ def shipped(request: pytest.FixtureRequest) -> tuple[Stack, tuple[Declared, ...]
     return planned(request.param)
 
 
-def of_type(declared: tuple[Declared, ...], suffix: str) -> list[Declared]:
+def of_type(declared: Sequence[Declared], suffix: str) -> list[Declared]:
     return [d for d in declared if d.type.endswith(suffix)]
 
 
+def accelerator(pool: Pool) -> Accelerator:
+    """The accelerator of a pool the test knows has one."""
+    found = pool.itype.accelerator
+    assert found is not None, f"pool {pool.name} ({pool.instance_type}) has no accelerator"
+    return found
+
+
 @pytest.fixture
-def cluster():  # type: ignore[no-untyped-def]
+def cluster() -> Iterator[LocalCluster]:
     """A fresh local Slurm cluster of tests/stacks/Pulumi.local.yaml, EC2 and the rest in moto (tests/integration)."""
     import shutil
     import tempfile
@@ -53,7 +68,7 @@ def cluster():  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="module")
-def moto_url():  # type: ignore[no-untyped-def]
+def moto_url() -> Iterator[str]:
     """A moto server on 127.0.0.1 for the module's boto3 code (AWS_ENDPOINT_URL or endpoint_url)."""
     from moto.server import ThreadedMotoServer
 

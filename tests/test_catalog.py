@@ -36,13 +36,15 @@ def test_hardware_facts_match_ec2(name: str) -> None:
     if ours.accelerator is None:
         assert not devices
         return
+    assert devices, f"EC2 reports no accelerator for {name}"
     (device,) = devices
     assert ours.accelerator.count == device["Count"]
     assert ours.accelerator.model == device["Name"]
     if name in MEMORY_DISAGREEMENTS:
         return
     # EC2 reports usable memory in MiB (an 80 GB H100 shows 81920, a 24 GB A10G 22888): within 10% of the nominal size.
-    assert abs(ours.accelerator.memory_gib_each * 1024 - device["MemoryInfo"]["SizeInMiB"]) <= 0.1 * device["MemoryInfo"]["SizeInMiB"]
+    reported_mib = device["MemoryInfo"]["SizeInMiB"]
+    assert abs(ours.accelerator.memory_gib_each * 1024 - reported_mib) <= 0.1 * reported_mib
 
 
 def test_catalog_covers_the_supported_families() -> None:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -73,7 +74,6 @@ def test_no_node_images_line_without_images() -> None:
     import dataclasses
 
     from gpucluster import cli
-
     from gpucluster.spec import cost
     from gpucluster.spec.model import load_stack
 
@@ -127,7 +127,7 @@ def test_not_utf8_exits_2_without_traceback() -> None:
     assert "file: not UTF-8 text" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_plan_says_what_destroy_keeps_and_what_it_costs(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_plan_says_what_destroy_keeps_and_what_it_costs(tmp_path: Path) -> None:
     """team-a keeps its bucket (priced by what it holds); with the file system kept too, its month by hand: 4800 GiB
     of PERSISTENT_2 at 250 MB/s/TiB, $0.210 per GiB-month = $1,008.00. team-b's bucket is the team's, import only."""
     import yaml
@@ -145,7 +145,7 @@ def test_plan_says_what_destroy_keeps_and_what_it_costs(tmp_path) -> None:  # ty
     assert "Files written under /fsx are not exported (the team's bucket is imported only)" in team_b.stdout
 
 
-def test_events_lists_what_happened_to_nodes_and_jobs(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_events_lists_what_happened_to_nodes_and_jobs(tmp_path: Path) -> None:
     log = tmp_path / "events.jsonl"
     log.write_text('{"event": "spot interruption warning", "instance": "i-0abc", "jobs": ["41", "42"], '
                    '"node": "p5-spot-1", "time": "2026-11-30T16:00:00Z"}\n'

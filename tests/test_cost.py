@@ -15,7 +15,8 @@ def test_dev_stack_by_hand() -> None:
     assert (pool.usd_per_node_hour, pool.min_nodes, pool.max_nodes) == (0.8048, 0, 2)
     assert pool.priced_as == "on-demand (spot upper bound)"
     assert est.lustre_monthly == pytest.approx(0.140 * 1200)  # SCRATCH_2, 1200 GiB
-    assert est.head_node_monthly == pytest.approx(0.1008 * 730 + 0.08 * 300)  # m7i.large + root (100) and state (200) gp3
+    # m7i.large + root (100) and state (200) gp3
+    assert est.head_node_monthly == pytest.approx(0.1008 * 730 + 0.08 * 300)
     assert est.network_monthly == pytest.approx((0.045 + 3 * 0.01) * 730)  # NAT + three SSM endpoints
     # Two baked images (head, compute-nvidia): an hour of m7i.xlarge each per build, and their snapshots at the
     # standard rate for 20 GiB (head) and 120 GiB (compute) roots.
@@ -56,7 +57,8 @@ def test_existing_network_and_fsx_cost_nothing_here_and_unpriced_types_are_named
 def test_budget_that_covers_full_size_is_not_flagged() -> None:
     stack = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")
     full_month = cost.estimate(stack).monthly_at_max
-    generous = stack.spec.model_copy(update={"budget": stack.spec.budget.model_copy(update={"monthly_usd": full_month + 1})})
+    generous = stack.spec.model_copy(
+        update={"budget": stack.spec.budget.model_copy(update={"monthly_usd": full_month + 1})})
     est = cost.estimate(type(stack)(stack.name, stack.region, generous))
     assert not est.over_budget and est.hours_at_max_within_budget > 730
 
@@ -64,7 +66,8 @@ def test_budget_that_covers_full_size_is_not_flagged() -> None:
 def test_gpu_hour_quota_derived_from_budget_and_prices() -> None:
     stack = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")  # $250,000; p5.48xlarge $55.04/h for 8 GPUs
     assert cost.gpu_hour_quota(stack) == int(250000 / (55.04 / 8))
-    explicit = stack.spec.model_copy(update={"budget": stack.spec.budget.model_copy(update={"gpu_hours_per_month": 5000})})
+    explicit = stack.spec.model_copy(
+        update={"budget": stack.spec.budget.model_copy(update={"gpu_hours_per_month": 5000})})
     assert cost.gpu_hour_quota(type(stack)(stack.name, stack.region, explicit)) == 5000
 
 

@@ -10,6 +10,7 @@ import os
 import shlex
 import subprocess
 import sys
+from typing import Any
 
 import boto3
 import pytest
@@ -22,15 +23,16 @@ from gpucluster.spec.model import load_stack
 STACK = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")
 
 
-def launch(ec2, cluster: str, name: str, *, pool: str | None = None) -> str:  # type: ignore[no-untyped-def]
+def launch(ec2: Any, cluster: str, name: str, *, pool: str | None = None) -> str:
     tags = [{"Key": CLUSTER_TAG, "Value": cluster}, {"Key": "Name", "Value": name}]
     tags += [{"Key": POOL_TAG, "Value": pool}] if pool else []
-    return ec2.run_instances(ImageId="ami-12c6146b", InstanceType="m7i.xlarge", MinCount=1, MaxCount=1,
-                             TagSpecifications=[{"ResourceType": "instance", "Tags": tags}])["Instances"][0]["InstanceId"]
+    launched = ec2.run_instances(ImageId="ami-12c6146b", InstanceType="m7i.xlarge", MinCount=1, MaxCount=1,
+                                 TagSpecifications=[{"ResourceType": "instance", "Tags": tags}])
+    return launched["Instances"][0]["InstanceId"]
 
 
 @pytest.fixture
-def ec2(moto_url: str):  # type: ignore[no-untyped-def]
+def ec2(moto_url: str) -> Any:
     reset_moto(moto_url)
     return boto3.client("ec2", region_name=STACK.region, endpoint_url=moto_url, aws_access_key_id="t",
                         aws_secret_access_key="t")
@@ -46,7 +48,7 @@ def run(moto_url: str | None, *args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120)
 
 
-def test_prints_the_port_forward_to_the_running_head(ec2, moto_url: str) -> None:  # type: ignore[no-untyped-def]
+def test_prints_the_port_forward_to_the_running_head(ec2: Any, moto_url: str) -> None:
     cluster = STACK.cluster_name
     old_head = launch(ec2, cluster, head_instance_name(cluster))
     ec2.terminate_instances(InstanceIds=[old_head])  # a replaced head
@@ -67,7 +69,7 @@ def test_prints_the_port_forward_to_the_running_head(ec2, moto_url: str) -> None
     assert default.returncode == 0 and "localPortNumber=3000" in default.stdout  # settings.GRAFANA_PORT
 
 
-def test_no_running_head_is_said_and_exits_1(ec2, moto_url: str) -> None:  # type: ignore[no-untyped-def]
+def test_no_running_head_is_said_and_exits_1(ec2: Any, moto_url: str) -> None:
     cluster = STACK.cluster_name
     launch(ec2, cluster, f"{cluster}-h100-1", pool="h100")
     stopped = launch(ec2, cluster, head_instance_name(cluster))
@@ -90,8 +92,8 @@ def test_a_port_outside_1_to_65535_is_refused() -> None:
         assert done.returncode == 2 and "is not a TCP port" in done.stderr
 
 
-def test_run_execs_the_printed_command(ec2, moto_url: str, monkeypatch: pytest.MonkeyPatch,
-                                       capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+def test_run_execs_the_printed_command(ec2: Any, moto_url: str, monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
     head = launch(ec2, STACK.cluster_name, head_instance_name(STACK.cluster_name))
     for name, value in (("AWS_ENDPOINT_URL", moto_url), ("AWS_ACCESS_KEY_ID", "t"), ("AWS_SECRET_ACCESS_KEY", "t")):
         monkeypatch.setenv(name, value)

@@ -1,5 +1,6 @@
-"""The Grafana dashboards (gpucluster/render/dashboards.py): every query parses with Prometheus' own promtool, names only
-metrics our exporters produce or our rules record, and the cost board's idle-cost query computes what it claims."""
+"""The Grafana dashboards (gpucluster/render/dashboards.py): every query parses with Prometheus' own promtool, names
+only metrics our exporters produce or our rules record, and the cost board's idle-cost query computes what it
+claims."""
 
 from __future__ import annotations
 
@@ -9,16 +10,18 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from conftest import STACK_FILES
-from gpucluster.render import dashboards, monitoring, prometheus
 from gpucluster.contract import settings
+from gpucluster.render import dashboards, monitoring, prometheus
 from gpucluster.spec.model import Stack, load_stack
 
 STACKS = {p.name: load_stack(p) for p in STACK_FILES}
+Board = dict[str, Any]  # a dashboard's JSON model
 KNOWN_METRICS = frozenset().union(*prometheus.EXPORTED.values()) | {name for name, _ in prometheus.RECORDING_RULES}
 # Grafana's built-in variables, replaced with values of the kind Grafana sends.
 GRAFANA_VARIABLES = {"__range": "2592000s", "__rate_interval": "2m", "__interval": "30s"}
@@ -57,21 +60,21 @@ def metric_names(expr: str) -> set[str]:
     return names
 
 
-def boards(stack: Stack) -> dict[str, dict]:  # type: ignore[type-arg]
+def boards(stack: Stack) -> dict[str, Board]:
     return {path: json.loads(text) for path, text in dashboards.files(stack).items()}
 
 
-def panels(board: dict) -> list[dict]:  # type: ignore[type-arg]
+def panels(board: Board) -> list[dict[str, Any]]:
     return [p for p in board["panels"] if p["type"] != "row"]
 
 
-def substituted(expr: str, board: dict) -> str:  # type: ignore[type-arg]
+def substituted(expr: str, board: Board) -> str:
     """The expression as Prometheus gets it: Grafana's variables and the board's own replaced with valid values."""
     values = GRAFANA_VARIABLES | {v["name"]: "x" for v in board.get("templating", {}).get("list", [])}
     return re.sub(r"\$\{?(\w+)\}?", lambda m: values[m.group(1)], expr)  # KeyError: a variable the board lacks
 
 
-def expressions(board: dict) -> Iterator[str]:  # type: ignore[type-arg]
+def expressions(board: Board) -> Iterator[str]:
     """Every PromQL expression of a board, variables substituted: its panels' queries and its variables' selectors."""
     for panel in panels(board):
         for target in panel["targets"]:
@@ -184,7 +187,7 @@ def test_boards_have_fixed_unique_uids_and_use_the_datasource_uid(name: str) -> 
         assert len({p["title"] for p in board["panels"]}) == len(board["panels"]), path
 
 
-def cost_board(stack: Stack) -> dict:  # type: ignore[type-arg]
+def cost_board(stack: Stack) -> Board:
     return boards(stack)[f"{settings.DASHBOARDS_DIR}/{dashboards.COST_UID}.json"]
 
 
@@ -215,7 +218,7 @@ def test_idle_gpu_hours_and_their_cost_per_pool(tmp_path: Path) -> None:
     evaluate = lambda expr: expr.replace("$__range", f"{window}s")  # noqa: E731
     hour = 3600 // step  # samples in an hour
     idle_hours = 1.5
-    test = {"rule_files": [], "evaluation_interval": f"{step}s", "tests": [{
+    test: dict[str, Any] = {"rule_files": [], "evaluation_interval": f"{step}s", "tests": [{
         "interval": f"{step}s",
         "input_series": [
             {"series": 'gpucluster:gpu_idle{pool="a", node="a-1", gpu="0"}', "values": f"0x40 1x{hour - 1} 0x80"},

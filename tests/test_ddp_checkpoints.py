@@ -61,8 +61,9 @@ def test_usr1_to_one_rank_makes_every_rank_checkpoint(tmp_path: Path) -> None:
         deadline = time.monotonic() + 60
         while "(signalled)" not in seen and time.monotonic() < deadline:
             seen += run.stdout.readline()
-        assert re.search(r"checkpoint at step (\d+) \(signalled\)", seen), seen[-2000:]
-        step = int(re.search(r"checkpoint at step (\d+) \(signalled\)", seen).group(1))  # type: ignore[union-attr]
+        signalled = re.search(r"checkpoint at step (\d+) \(signalled\)", seen)
+        assert signalled, seen[-2000:]
+        step = int(signalled.group(1))
         assert sorted(p.name for p in (tmp_path / f"step-{step}").iterdir()) == ["rank-0.pt", "rank-1.pt"]
         assert run.poll() is None  # it trains on: the cluster, not the job, decides when it stops
     finally:

@@ -1,5 +1,5 @@
-"""gpucluster/node/fetch_bundle.py, the first step of every node boot, against moto: the settings and the munge key in one
-SSM call, the bundle from S3 once per bundle key, the head's key creation and its race, and the retries that let
+"""gpucluster/node/fetch_bundle.py, the first step of every node boot, against moto: the settings and the munge key in
+one SSM call, the bundle from S3 once per bundle key, the head's key creation and its race, and the retries that let
 hundreds of nodes boot at once (Parameter Store throttles) without retrying what can never succeed."""
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from botocore.exceptions import ClientError
 from moto import mock_aws
 
 from conftest import ROOT
-from gpucluster.render import bundle, userdata
 from gpucluster.contract.settings import ClusterSettings
-from gpucluster.spec.model import load_stack
 from gpucluster.project import EXAMPLES_DIR
+from gpucluster.render import bundle, userdata
+from gpucluster.spec.model import load_stack
 
 spec = importlib.util.spec_from_file_location("fetch_bundle", ROOT / "gpucluster" / "node" / "fetch_bundle.py")
 assert spec and spec.loader
@@ -261,7 +261,8 @@ def test_no_settings_yet_is_waited_for(aws: Any, tmp_path: Path) -> None:
 
 def test_throttling_past_botocores_retries_is_retried_and_the_boot_completes(aws: Any, tmp_path: Path) -> None:
     put_key(aws)
-    api, slept = Boto3(), []
+    api = Boto3()
+    slept: list[float] = []
     api.faults["GetParameters"] = ["ThrottlingException"] * 25  # botocore gives up after 11 attempts, twice
     env = node_env(tmp_path, "compute")
     fetcher.fetch(env, api, sleep=slept.append)

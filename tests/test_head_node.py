@@ -7,12 +7,17 @@ import gzip
 import io
 import json
 import tarfile
+from pathlib import Path
+from typing import Any
 
-from conftest import ROOT, of_type
-from gpucluster.render import bundle, dashboards, prometheus, userdata
+import pytest
+
+from conftest import ROOT, accelerator, of_type
+from gpucluster.contract.settings import ClusterSettings
 from gpucluster.plan import Declared, planned_id, planned_outputs
-from gpucluster.spec.model import Stack
 from gpucluster.project import EXAMPLES_DIR
+from gpucluster.render import bundle, dashboards, prometheus, userdata
+from gpucluster.spec.model import Stack
 
 Shipped = tuple[Stack, tuple[Declared, ...]]
 
@@ -93,10 +98,11 @@ def test_head_role_is_scoped_to_this_cluster(shipped: Shipped) -> None:
     # and reservations; interfaces, volumes and the fleet it creates. No ec2:LaunchTemplate condition key.
     launch = head["LaunchFromClusterResourcesOnly"]
     assert launch["Action"] == launch_actions and "Condition" not in launch
-    templates = {f"{ec2}:launch-template/{planned_id(lt, region)}" for lt in of_type(declared, "ec2/launchTemplate:LaunchTemplate")}
+    launch_templates = of_type(declared, "ec2/launchTemplate:LaunchTemplate")
+    templates = {f"{ec2}:launch-template/{planned_id(lt, region)}" for lt in launch_templates}
     subnet = stack.spec.network.subnet_id or planned_id(_one(declared, "ec2/subnet:Subnet", "-private"), region)
     group = planned_id(_one(declared, "ec2/securityGroup:SecurityGroup", "-cluster"), region)
-    images = {f"arn:aws:ec2:{region}::image/{lt.inputs['imageId']}" for lt in of_type(declared, "ec2/launchTemplate:LaunchTemplate")}
+    images = {f"arn:aws:ec2:{region}::image/{lt.inputs['imageId']}" for lt in launch_templates}
     groups = {f"{ec2}:placement-group/{pg.name}" for pg in of_type(declared, "ec2/placementGroup:PlacementGroup")}
     reservations = {f"{ec2}:capacity-reservation/{p.capacity_reservation_id}" for p in stack.spec.pools
                     if p.capacity_reservation_id}
@@ -164,10 +170,8 @@ def test_head_address_is_the_fixed_interface_ip(shipped: Shipped) -> None:
     assert settings["head_address"] == given and ipaddress.IPv4Address(given).is_private
 
 
-def test_settings_document_is_the_contract(shipped: Shipped, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_settings_document_is_the_contract(shipped: Shipped, tmp_path: Path) -> None:
     """The parameter's JSON loads through ClusterSettings and is exactly what the contract writes back."""
-    from gpucluster.contract.settings import ClusterSettings
-
     stack, declared = shipped
     text = _one(declared, "ssm/parameter:Parameter").inputs["insecureValue"]
     (tmp_path / "cluster.json").write_text(text)
@@ -185,21 +189,24 @@ def test_a_launch_spec_key_the_contract_does_not_know_fails_up() -> None:
     """The document is built through ClusterSettings.from_dict: drift between pools and contract stops `pulumi up`."""
     from types import SimpleNamespace
 
-    import pytest
-
     from components.head_node import settings_document
     from gpucluster.contract.settings import SettingsError
 
+    # The fields of HeadNodeArgs that settings_document reads.
     args = SimpleNamespace(cluster_name="c", team="t", region="us-east-1", bundle_key="k", munge_key_parameter="/m",
                            node_program_settings={"all_or_nothing": True})
     pool = {"launch_template_id": "lt-1", "launch_template_version": 3, "subnet_id": "subnet-1",
             "instance_type": "p5.48xlarge", "market": "spot"}
     learned = {"bundle_bucket": "b", "head_address": "10.0.0.5", "state_volume_id": "vol-1", "fsx_dns_name": "d",
                "fsx_mount_name": "m", "budget": None}
-    doc = json.loads(settings_document(args, {**learned, "pools": {"p5": pool}}))  # type: ignore[arg-type]
+
+    def document(pools: dict[str, Any]) -> str:
+        return settings_document(args, {**learned, "pools": pools})  # type: ignore[arg-type]  # args: the stand-in
+
+    doc = json.loads(document({"p5": pool}))
     assert doc["pools"]["p5"]["launch_template_version"] == "3" and "budget" not in doc
     with pytest.raises(SettingsError, match="pools.p5: unknown key"):
-        settings_document(args, {**learned, "pools": {"p5": {**pool, "spot_max_price": 9}}})  # type: ignore[arg-type]
+        document({"p5": {**pool, "spot_max_price": 9}})
 
 
 def test_nodes_read_settings_and_munge_key_in_one_call_on_those_two_parameters_only(shipped: Shipped) -> None:
@@ -231,7 +238,7 @@ def test_bundle_object_holds_the_rendered_files(shipped: Shipped) -> None:
                 "gpucluster_metrics.py"}
     # Prometheus' configuration, rules and flags; dcgm-exporter's counters; Grafana's dashboards.
     metrics = set(prometheus.files(stack)) | set(dashboards.files(stack))
-    metrics |= {f"{'cloudwatch-agent' if p.itype.accelerator.kind == 'nvidia' else 'neuron-metrics'}/{p.name}.json"
+    metrics |= {f"{'cloudwatch-agent' if accelerator(p).kind == 'nvidia' else 'neuron-metrics'}/{p.name}.json"
                for p in stack.spec.pools}
     slurm_files = {f"slurm/{n}" for n in ("slurm.conf", "gres.conf", "slurmdbd.conf", "plugstack.conf", "cgroup.conf")}
     library = {f"lib/{source.relative_to(ROOT).as_posix()}" for source in (ROOT / "gpucluster").rglob("*.py")
@@ -242,7 +249,7 @@ def test_bundle_object_holds_the_rendered_files(shipped: Shipped) -> None:
         metrics | library == names
 
 
-def test_bundle_is_deterministic(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_bundle_is_deterministic(monkeypatch: pytest.MonkeyPatch) -> None:
     """Same content, same bytes, whenever it is built: its S3 key changes only with its content."""
     import time
 
@@ -258,19 +265,12 @@ def test_bundle_is_deterministic(monkeypatch) -> None:  # type: ignore[no-untype
         assert {m.mtime for m in tar.getmembers()} == {0}
 
 
-def test_node_program_reads_the_published_settings(shipped: Shipped, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """The settings document the head node gets is one the node program loads."""
-    import sys
-
-    from conftest import ROOT
-
-    sys.path.insert(0, str(ROOT / "gpucluster" / "node"))
-    import gpucluster_node
-
+def test_node_program_reads_the_published_settings(shipped: Shipped, tmp_path: Path) -> None:
+    """The settings document the head node gets is one the node program loads (with the contract's loader)."""
     stack, declared = shipped
     path = tmp_path / "cluster.json"
     path.write_text(_one(declared, "ssm/parameter:Parameter").inputs["insecureValue"])
-    config = gpucluster_node.ClusterSettings.load(path)
+    config = ClusterSettings.load(path)
     assert config.cluster == stack.cluster_name and set(config.pools) == {p.name for p in stack.spec.pools}
     assert config.all_or_nothing is stack.spec.slurm.all_or_nothing
 

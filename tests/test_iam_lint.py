@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Iterator
+from typing import Any
 
 from conftest import ALL_STACK_FILES as STACK_FILES, planned
 from gpucluster.plan import Declared, planned_outputs
@@ -55,7 +57,7 @@ SUPPRESSED = {
 }
 
 
-def _about(finding) -> list[str]:  # type: ignore[no-untyped-def]
+def _about(finding: Any) -> list[str]:
     """What a finding is about, in the terms SUPPRESSED uses: its actions, its escalation type or its detail."""
     location, detail = finding.location or {}, finding.detail
     if finding.issue == "RESOURCE_MISMATCH":
@@ -67,7 +69,7 @@ def _about(finding) -> list[str]:  # type: ignore[no-untyped-def]
     return [str(detail)]
 
 
-def _documents(stack_name: str, declared: tuple[Declared, ...], region: str):  # type: ignore[no-untyped-def]
+def _documents(stack_name: str, declared: tuple[Declared, ...], region: str) -> Iterator[tuple[str, str, str]]:
     """(what, policy's short name, document) for every policy document declared; a trust policy twice: as written,
     and with its role's ARN as the Resource of each statement."""
     prefix = f"gpucluster-{stack_name}-"
@@ -85,7 +87,7 @@ def _documents(stack_name: str, declared: tuple[Declared, ...], region: str):  #
                 yield f"{d.name} ({d.type})", d.name.removeprefix(prefix), d.inputs[key]
 
 
-def _findings():  # type: ignore[no-untyped-def]
+def _findings() -> Iterator[tuple[str, str, str, Any]]:
     for path in STACK_FILES:
         stack, declared = planned(path)
         for what, short, document in _documents(stack.name, declared, stack.region):

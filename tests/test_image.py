@@ -9,17 +9,18 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import FIXTURES, ROOT, of_type, planned
-from gpucluster.spec import catalog, cost
+from conftest import FIXTURES, ROOT, accelerator, of_type, planned
 from gpucluster.contract import settings
-from gpucluster.project import pulumi_program
 from gpucluster.plan import Declared, planned_id, planned_outputs, run_program
+from gpucluster.project import pulumi_program
+from gpucluster.spec import catalog, cost
 from gpucluster.spec.model import Stack, load_stack, stack_config, validate
 
 SCRIPT = ROOT / "gpucluster" / "node" / "build_image.sh"
@@ -139,13 +140,17 @@ class Run:
         return self.root / settings.IMAGE_MANIFEST.lstrip("/")
 
 
+# The fixture below: runs the build script for a role, with the stand-ins' keyword arguments.
+Build = Callable[..., Run]
+
+
 @pytest.fixture
-def build(tmp_path: Path):  # type: ignore[no-untyped-def]
+def build(tmp_path: Path) -> Build:
     """Run the build script with stand-ins. Seams, each forced by this machine: the commands above (no internet,
     a shared machine), GPUCLUSTER_IMAGE_ROOT (the script writes system paths, as root) and GPUCLUSTER_RETRY_BASE_MS
     (real back-off waits add up to minutes). `tags` changes what a remote's tag names (upstream_tags)."""
 
-    def run(role: str, *, fail: list[tuple[str, int]] = (), gpu_tools: tuple[str, ...] = GPU_TOOLS,
+    def run(role: str, *, fail: Sequence[tuple[str, int]] = (), gpu_tools: tuple[str, ...] = GPU_TOOLS,
             edits: dict[str, str] | None = None, agent_present: bool = False, tags: dict[str, str] | None = None,
             apparmor: bool = True, neuron_tools: tuple[str, ...] | None = None,
             keys: dict[str, list[str]] | None = None) -> Run:
@@ -204,14 +209,14 @@ def test_manifest_path_is_the_settings_contract() -> None:
     assert pins()["VENV"] == str(Path(settings.IMAGE_MANIFEST).parent / "venv")
 
 
-def test_usage_without_a_role(build) -> None:  # type: ignore[no-untyped-def]
+def test_usage_without_a_role(build: Build) -> None:
     run = build("")
     assert run.returncode == 2 and "usage" in run.stderr and run.calls == []
 
 
 # --- head -------------------------------------------------------------------------------------------------------------
 
-def test_head_build_installs_pinned_packages_once_and_writes_the_manifest_last(build) -> None:  # type: ignore[no-untyped-def]
+def test_head_build_installs_pinned_packages_once_and_writes_the_manifest_last(build: Build) -> None:
     p = pins()
     run = build("head")
     assert run.returncode == 0, run.stderr
@@ -267,7 +272,7 @@ def test_head_build_installs_pinned_packages_once_and_writes_the_manifest_last(b
 
 @pytest.mark.parametrize("fingerprints", [["0" * 40], [], ["B53AE77BADB630A683046005963FA27710458545", "1" * 40]],
                          ids=["another key", "no key", "a second key beside it"])
-def test_grafana_repository_with_any_key_but_the_pinned_one_is_not_added(build, fingerprints) -> None:  # type: ignore[no-untyped-def]
+def test_grafana_repository_with_any_key_but_the_pinned_one_is_not_added(build: Build, fingerprints: list[str]) -> None:
     p = pins()
     assert p["GRAFANA_KEY_FINGERPRINT"] == "B53AE77BADB630A683046005963FA27710458545"  # Grafana's, since 2023
     run = build("head", keys={f"{p['GRAFANA_REPO']}/gpg.key": fingerprints})
@@ -277,7 +282,7 @@ def test_grafana_repository_with_any_key_but_the_pinned_one_is_not_added(build, 
     assert not run.commands("apt-get") and not run.manifest.exists()
 
 
-def test_a_step_that_fails_twice_is_retried_with_doubling_waits(build) -> None:  # type: ignore[no-untyped-def]
+def test_a_step_that_fails_twice_is_retried_with_doubling_waits(build: Build) -> None:
     run = build("head", fail=[("apt-get -o DPkg::Lock::Timeout=120 -q -y update", 2)])
     assert run.returncode == 0, run.stderr
     assert sum("update" in c for c in run.commands("apt-get")) == 3
@@ -285,7 +290,7 @@ def test_a_step_that_fails_twice_is_retried_with_doubling_waits(build) -> None: 
     assert run.manifest.exists()
 
 
-def test_a_step_that_keeps_failing_stops_the_build_without_a_manifest(build) -> None:  # type: ignore[no-untyped-def]
+def test_a_step_that_keeps_failing_stops_the_build_without_a_manifest(build: Build) -> None:
     run = build("head", fail=[("lustre-client-modules-", 99)])
     assert run.returncode != 0
     assert sum(f"lustre-client-modules-{KERNEL}" in c for c in run.commands("apt-get")) == 5
@@ -295,7 +300,7 @@ def test_a_step_that_keeps_failing_stops_the_build_without_a_manifest(build) -> 
     assert not run.manifest.exists() and not run.commands("systemctl")
 
 
-def test_an_old_manifest_does_not_survive_a_failed_rebuild(build, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_an_old_manifest_does_not_survive_a_failed_rebuild(build: Build, tmp_path: Path) -> None:
     assert build("head").manifest.exists()
     run = build("head", fail=[("mariadb-server", 99)])
     assert run.returncode != 0 and not run.manifest.exists()
@@ -303,7 +308,7 @@ def test_an_old_manifest_does_not_survive_a_failed_rebuild(build, tmp_path: Path
 
 # --- compute ----------------------------------------------------------------------------------------------------------
 
-def test_compute_build_fetches_only_pinned_and_verified_artifacts(build) -> None:  # type: ignore[no-untyped-def]
+def test_compute_build_fetches_only_pinned_and_verified_artifacts(build: Build) -> None:
     p = pins()
     run = build("compute")
     assert run.returncode == 0, run.stderr
@@ -334,21 +339,23 @@ def test_compute_build_fetches_only_pinned_and_verified_artifacts(build) -> None
     assert not any(c["manifest_existed"] for c in run.calls)
     # dcgm-exporter's image by its digest (a tag can move), pulled at the build: the boot needs no registry.
     dcgm_exporter = f"{p['DCGM_EXPORTER_IMAGE']}@{p['DCGM_EXPORTER_DIGEST']}"
-    assert re.fullmatch(r"nvcr\.io/nvidia/k8s/dcgm-exporter:[34]\.\d+\.\d+-\d+\.\d+\.\d+-ubuntu\d\d\.04@sha256:[0-9a-f]{64}",
-                        dcgm_exporter)
+    assert re.fullmatch(r"nvcr\.io/nvidia/k8s/dcgm-exporter:[34]\.\d+\.\d+-\d+\.\d+\.\d+-ubuntu\d\d\.04"
+                        r"@sha256:[0-9a-f]{64}", dcgm_exporter)
     # Pulled by digest, then tagged with the name the boot's unit runs (settings.DCGM_EXPORTER_IMAGE).
-    assert run.commands("docker") == [["pull", "-q", dcgm_exporter], ["tag", dcgm_exporter, "gpucluster/dcgm-exporter:image"]]
+    assert run.commands("docker") == [["pull", "-q", dcgm_exporter],
+                                      ["tag", dcgm_exporter, "gpucluster/dcgm-exporter:image"]]
     manifest = json.loads(run.manifest.read_text())
     assert manifest["versions"]["dcgm_exporter"] == dcgm_exporter
     assert manifest["versions"]["node_exporter"] == p["NODE_EXPORTER_VERSION"]
     assert manifest["versions"]["neuron_monitor"] == "none (no Neuron tools)"
     assert manifest["role"] == "compute"
-    assert manifest["versions"]["slurm"] == p["SLURM_VERSION"] and manifest["versions"]["dcgm"] == "from the parent image"
+    assert manifest["versions"]["slurm"] == p["SLURM_VERSION"]
+    assert manifest["versions"]["dcgm"] == "from the parent image"
     assert manifest["versions"]["enroot"] == f"{p['ENROOT_VERSION']} {p['ENROOT_COMMIT']}"
     assert manifest["versions"]["pyxis"] == f"{p['PYXIS_TAG']} {p['PYXIS_COMMIT']}"
 
 
-def test_same_slurm_version_on_head_and_compute(build) -> None:  # type: ignore[no-untyped-def]
+def test_same_slurm_version_on_head_and_compute(build: Build) -> None:
     def slurm_pins(run: Run) -> set[str]:
         return {a.split("=", 1)[1] for c in run.commands("apt-get") for a in c if re.match(r"slurm|libslurm", a)}
 
@@ -361,7 +368,7 @@ def test_enroot_pin_is_a_release_tag_and_a_full_commit() -> None:
     assert p["ENROOT_TAG"] == f"v{p['ENROOT_VERSION']}" and re.fullmatch(r"[0-9a-f]{40}", p["ENROOT_COMMIT"])
 
 
-def test_enroot_is_built_from_the_pinned_commit_with_its_submodules(build) -> None:  # type: ignore[no-untyped-def]
+def test_enroot_is_built_from_the_pinned_commit_with_its_submodules(build: Build) -> None:
     p = pins()
     run = build("compute")
     assert run.returncode == 0, run.stderr
@@ -385,7 +392,7 @@ def test_enroot_is_built_from_the_pinned_commit_with_its_submodules(build) -> No
     assert run.commands("apparmor_parser") == [["-r", "-T", "-W", f"{run.root}/etc/apparmor.d/enroot"]]
 
 
-def test_enroot_profile_is_installed_but_not_loaded_without_apparmor(build) -> None:  # type: ignore[no-untyped-def]
+def test_enroot_profile_is_installed_but_not_loaded_without_apparmor(build: Build) -> None:
     run = build("compute", apparmor=False)
     assert run.returncode == 0, run.stderr
     assert (run.root / "etc/apparmor.d/enroot").is_file() and not run.commands("apparmor_parser")
@@ -398,18 +405,18 @@ def _stopped_at_enroot(run: Run) -> None:
     assert not run.commands("pip") and not run.commands("systemctl")
 
 
-def test_enroot_tag_that_names_another_commit_stops_the_build(build) -> None:  # type: ignore[no-untyped-def]
+def test_enroot_tag_that_names_another_commit_stops_the_build(build: Build) -> None:
     p = pins()
     run = build("compute", tags={f"{p['ENROOT_REPO']} {p['ENROOT_TAG']}": "1" * 40})
     _stopped_at_enroot(run)
     assert f"enroot {p['ENROOT_TAG']} is not {p['ENROOT_COMMIT']}" in run.stderr
 
 
-def test_enroot_commit_pin_is_what_head_is_checked_against(build) -> None:  # type: ignore[no-untyped-def]
+def test_enroot_commit_pin_is_what_head_is_checked_against(build: Build) -> None:
     _stopped_at_enroot(build("compute", edits={"ENROOT_COMMIT": "0" * 40}))
 
 
-def test_enroot_clone_is_retried_and_a_missing_tag_stops_the_build(build) -> None:  # type: ignore[no-untyped-def]
+def test_enroot_clone_is_retried_and_a_missing_tag_stops_the_build(build: Build) -> None:
     run = build("compute", fail=[("--recurse-submodules", 2)])
     assert run.returncode == 0, run.stderr
     assert sum("--recurse-submodules" in c for c in run.commands("git")) == 3
@@ -418,26 +425,26 @@ def test_enroot_clone_is_retried_and_a_missing_tag_stops_the_build(build) -> Non
     assert "giving up after 5 attempts" in run.stderr
 
 
-def test_pyxis_at_another_commit_stops_the_build(build) -> None:  # type: ignore[no-untyped-def]
+def test_pyxis_at_another_commit_stops_the_build(build: Build) -> None:
     run = build("compute", edits={"PYXIS_COMMIT": "0" * 40})
     assert run.returncode != 0 and not run.manifest.exists()
     assert not any(c[1].endswith("/pyxis") for c in run.commands("make"))
 
 
-def test_cloudwatch_agent_with_another_signing_key_is_not_installed(build) -> None:  # type: ignore[no-untyped-def]
+def test_cloudwatch_agent_with_another_signing_key_is_not_installed(build: Build) -> None:
     run = build("compute", edits={"CWAGENT_KEY_FINGERPRINT": "0" * 40})
     assert run.returncode != 0 and "CloudWatch agent key" in run.stderr
     assert not any("amazon-cloudwatch-agent.deb" in a for c in run.commands("apt-get") for a in c)
     assert not run.manifest.exists()
 
 
-def test_cloudwatch_agent_already_in_the_image_is_kept(build) -> None:  # type: ignore[no-untyped-def]
+def test_cloudwatch_agent_already_in_the_image_is_kept(build: Build) -> None:
     run = build("compute", agent_present=True)
     assert run.returncode == 0, run.stderr
     assert not any("amazoncloudwatch-agent" in c[-1] for c in run.commands("curl"))
 
 
-def test_nvidia_image_without_dcgm_fails_and_neuron_image_needs_none(build) -> None:  # type: ignore[no-untyped-def]
+def test_nvidia_image_without_dcgm_fails_and_neuron_image_needs_none(build: Build) -> None:
     run = build("compute", gpu_tools=("nvidia-smi", "docker", "nvidia-ctk"))
     assert run.returncode != 0 and "without DCGM" in run.stderr and run.calls == [] and not run.manifest.exists()
     run = build("compute", gpu_tools=(), neuron_tools=("neuron-monitor", "neuron-monitor-prometheus.py"))
@@ -449,7 +456,7 @@ def test_nvidia_image_without_dcgm_fails_and_neuron_image_needs_none(build) -> N
 
 
 @pytest.mark.parametrize("missing", ["docker", "nvidia-ctk"])
-def test_nvidia_image_without_its_container_runtime_fails_first(build, missing: str) -> None:  # type: ignore[no-untyped-def]
+def test_nvidia_image_without_its_container_runtime_fails_first(build: Build, missing: str) -> None:
     """dcgm-exporter runs in a container: docker and NVIDIA's container toolkit are the DLAMI's, never installed."""
     run = build("compute", gpu_tools=tuple(t for t in GPU_TOOLS if t != missing))
     assert run.returncode != 0 and "without docker or the NVIDIA container toolkit" in run.stderr
@@ -457,14 +464,14 @@ def test_nvidia_image_without_its_container_runtime_fails_first(build, missing: 
 
 
 @pytest.mark.parametrize("missing", ["neuron-monitor", "neuron-monitor-prometheus.py"])
-def test_neuron_image_without_neuron_monitor_fails_first(build, missing: str) -> None:  # type: ignore[no-untyped-def]
+def test_neuron_image_without_neuron_monitor_fails_first(build: Build, missing: str) -> None:
     tools = tuple(t for t in ("neuron-monitor", "neuron-monitor-prometheus.py") if t != missing)
     run = build("compute", gpu_tools=(), neuron_tools=tools)
     assert run.returncode != 0 and f"a Neuron image without {pins()['NEURON_BIN']}/{missing}" in run.stderr
     assert run.calls == [] and not run.manifest.exists()
 
 
-def test_dcgm_exporter_pull_is_retried_and_its_failure_stops_the_build(build) -> None:  # type: ignore[no-untyped-def]
+def test_dcgm_exporter_pull_is_retried_and_its_failure_stops_the_build(build: Build) -> None:
     run = build("compute", fail=[("docker pull", 2)])
     assert run.returncode == 0, run.stderr
     assert [c[0] for c in run.commands("docker")] == ["pull", "pull", "pull", "tag"]
@@ -474,7 +481,7 @@ def test_dcgm_exporter_pull_is_retried_and_its_failure_stops_the_build(build) ->
 
 # --- the NodeImage component under the mock runtime ---------------------------------------------------------------
 
-def _children(declared: tuple[Declared, ...] | list[Declared], image: Declared, suffix: str) -> list[Declared]:
+def _children(declared: Sequence[Declared], image: Declared, suffix: str) -> list[Declared]:
     return [d for d in declared if d.parent_urn == image.urn and d.type.endswith(suffix)]
 
 
@@ -488,14 +495,15 @@ def _config(path: Path) -> dict:
     return json.loads(json.dumps(stack_config(load_stack(path))))
 
 
-def _templates(declared: tuple[Declared, ...] | list[Declared]) -> dict[str, dict]:
+def _templates(declared: Sequence[Declared]) -> dict[str, dict]:
     return {lt.inputs["tagSpecifications"][0]["tags"]["gpucluster:pool"]: lt.inputs
             for lt in of_type(declared, "ec2/launchTemplate:LaunchTemplate")}
 
 
 def test_one_image_per_role_and_accelerator_kind_needed(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
     stack, declared = shipped
-    images = {d.name.removeprefix(f"{stack.cluster_name}-"): d for d in declared if d.type == "gpucluster:image:NodeImage"}
+    images = {d.name.removeprefix(f"{stack.cluster_name}-"): d
+              for d in declared if d.type == "gpucluster:image:NodeImage"}
     assert set(images) == _expected_keys(stack)
     assert set(images) == {i.key for i in cost.estimate(stack).images}
     for image in images.values():
@@ -545,9 +553,9 @@ def test_build_instance_private_imdsv2_and_least_privilege(shipped: tuple[Stack,
         assert infra.inputs["resourceTags"]["gpucluster:stack"] == stack.name  # the build's cost is the stack's
         (profile,) = _children(declared, image, "iam/instanceProfile:InstanceProfile")
         assert infra.inputs["instanceProfileName"] == profile.name
-        assert {a.inputs["policyArn"] for a in _children(declared, image, "iam/rolePolicyAttachment:RolePolicyAttachment")} \
-            == {"arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore",
-                "arn:aws:iam::aws:policy/EC2InstanceProfileForImageBuilder"}
+        attached = _children(declared, image, "iam/rolePolicyAttachment:RolePolicyAttachment")
+        assert {a.inputs["policyArn"] for a in attached} == {"arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore",
+                                                              "arn:aws:iam::aws:policy/EC2InstanceProfileForImageBuilder"}
         assert not _children(declared, image, "iam/rolePolicy:RolePolicy")
         (dist,) = _children(declared, image, "distributionConfiguration:DistributionConfiguration")
         (target,) = dist.inputs["distributions"]
@@ -600,7 +608,7 @@ def test_templates_and_head_boot_the_baked_images(shipped: tuple[Stack, tuple[De
 
     stack, declared = shipped
     for pool in stack.spec.pools:
-        image = f"{stack.cluster_name}-compute-{pool.itype.accelerator.kind}"  # type: ignore[union-attr]
+        image = f"{stack.cluster_name}-compute-{accelerator(pool).kind}"
         assert _templates(declared)[pool.name]["imageId"] == planned_ami_id(image), pool.name
     (head,) = of_type(declared, "ec2/instance:Instance")
     assert head.inputs["ami"] == planned_ami_id(f"{stack.cluster_name}-head")

@@ -7,13 +7,12 @@ import datetime as dt
 
 import pytest
 from botocore.stub import Stubber
+
 from conftest import ROOT
-from test_preflight import Session, _all_denied, client
-
-from gpucluster.spec import eks
-
 from gpucluster.aws import preflight
+from gpucluster.spec import eks
 from gpucluster.spec.model import load_stack
+from test_preflight import Session, _all_denied, client
 
 TEAM_K8S = ROOT / "stacks" / "Pulumi.team-k8s.yaml"
 
@@ -58,7 +57,8 @@ def test_ami_parameter_is_the_eks_accelerated_one() -> None:
     assert name == "/aws/service/eks/optimized-ami/1.35/amazon-linux-2023/x86_64/nvidia/recommended/image_id"
     ssm = client("ssm")
     with Stubber(ssm) as stub:
-        stub.add_response("get_parameter", {"Parameter": {"Name": name, "Type": "String", "Value": "ami-0123456789abcdef0"}},
+        stub.add_response("get_parameter",
+                          {"Parameter": {"Name": name, "Type": "String", "Value": "ami-0123456789abcdef0"}},
                           {"Name": name})
         check = preflight.check_ami(ssm, client("ec2"), pool, name)
     assert check.status == "pass" and check.detail == f"{name} -> ami-0123456789abcdef0"

@@ -6,14 +6,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from typing import Any
 
 import boto3
 import pytest
 
 from conftest import ROOT, reset_moto
-from gpucluster.spec import catalog, cost
 from gpucluster.aws import leftovers
 from gpucluster.contract.settings import STACK_TAG
+from gpucluster.spec import catalog, cost
 
 
 def tags(stack: str) -> list[dict[str, str]]:
@@ -23,15 +24,16 @@ def tags(stack: str) -> list[dict[str, str]]:
 def test_leftovers_lists_what_still_bills_with_its_monthly_cost(moto_url: str) -> None:
     reset_moto(moto_url)
 
-    def client(service: str):  # type: ignore[no-untyped-def]
+    def client(service: str) -> Any:
         return boto3.client(service, region_name="us-east-1", endpoint_url=moto_url, aws_access_key_id="t",
                             aws_secret_access_key="t")
 
     ec2, s3, fsx = client("ec2"), client("s3"), client("fsx")
+    team_a = [{"ResourceType": "instance", "Tags": tags("team-a")}]
     running = ec2.run_instances(ImageId="ami-12c6146b", InstanceType="p5.48xlarge", MinCount=1, MaxCount=1,
-                                TagSpecifications=[{"ResourceType": "instance", "Tags": tags("team-a")}])["Instances"][0]
+                                TagSpecifications=team_a)["Instances"][0]
     gone = ec2.run_instances(ImageId="ami-12c6146b", InstanceType="p5.48xlarge", MinCount=1, MaxCount=1,
-                             TagSpecifications=[{"ResourceType": "instance", "Tags": tags("team-a")}])["Instances"][0]
+                             TagSpecifications=team_a)["Instances"][0]
     ec2.terminate_instances(InstanceIds=[gone["InstanceId"]])
     ec2.run_instances(ImageId="ami-12c6146b", InstanceType="g6.xlarge", MinCount=1, MaxCount=1,
                       TagSpecifications=[{"ResourceType": "instance", "Tags": tags("team-b")}])
@@ -54,7 +56,8 @@ def test_leftovers_lists_what_still_bills_with_its_monthly_cost(moto_url: str) -
     assert found["ec2:volume"].arn.endswith(volume)
     assert found["ec2:volume"].monthly_usd == pytest.approx(100 * cost.GP3_USD_PER_GIB_MONTH)
     assert found["fsx:file-system"].arn.endswith(fs)
-    assert found["fsx:file-system"].monthly_usd == pytest.approx(2400 * cost.LUSTRE_USD_PER_GIB_MONTH[("PERSISTENT_2", 250)])
+    assert found["fsx:file-system"].monthly_usd \
+        == pytest.approx(2400 * cost.LUSTRE_USD_PER_GIB_MONTH[("PERSISTENT_2", 250)])
     assert found["s3:bucket"].monthly_usd == pytest.approx(0.002 * cost.S3_STANDARD_USD_PER_GB_MONTH)
     assert "1 object version(s), 0.00 GB" in found["s3:bucket"].detail
 

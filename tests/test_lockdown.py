@@ -1,8 +1,8 @@
-"""The lockdown every node runs at boot (gpucluster.contract.lockdown), run for real: the exact script, in a network namespace
-of its own with a stand-in for instance metadata on 169.254.169.254 (this machine is not on EC2, and iptables' owner
-match works in a namespace), and in a mount namespace whose /etc is an overlay (the images' login user, its sudo
-rule and its docker group are seeded there; this machine's /etc is left alone). The stand-in sits in a namespace of
-its own behind a veth pair, so the node reaches it from an address of its own, as on EC2."""
+"""The lockdown every node runs at boot (gpucluster.contract.lockdown), run for real: the exact script, in a network
+namespace of its own with a stand-in for instance metadata on 169.254.169.254 (this machine is not on EC2, and
+iptables' owner match works in a namespace), and in a mount namespace whose /etc is an overlay (the images' login user,
+its sudo rule and its docker group are seeded there; this machine's /etc is left alone). The stand-in sits in a
+namespace of its own behind a veth pair, so the node reaches it from an address of its own, as on EC2."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -87,12 +88,14 @@ DRIVER = textwrap.dedent('''
              "except OSError as exc:\\n    print(type(exc).__name__, exc)\\n")
     import socket
     alertmanager = socket.create_server(("127.0.0.1", ALERTMANAGER_PORT))  # a stand-in: the port is what counts
-    connect = ("import socket\\ntry:\\n    socket.create_connection(('127.0.0.1', ALERTMANAGER_PORT), timeout=5).close()"
+    connect = ("import socket\\ntry:\\n"
+               "    socket.create_connection(('127.0.0.1', ALERTMANAGER_PORT), timeout=5).close()"
                "\\n    print('connected')\\nexcept OSError as exc:\\n    print(type(exc).__name__, exc)\\n")
     answers, alerts = {}, {}
     for user in ("root", "SLURM", "LOGIN", "nobody", "prometheus"):
         entry = pwd.getpwnam(user)
-        as_user = ["setpriv", f"--reuid={entry.pw_uid}", f"--regid={entry.pw_gid}", "--clear-groups", "/usr/bin/python3"]
+        as_user = ["setpriv", f"--reuid={entry.pw_uid}", f"--regid={entry.pw_gid}", "--clear-groups",
+                   "/usr/bin/python3"]
         answers[user] = subprocess.run(as_user + ["-c", probe], capture_output=True, text=True).stdout.strip()
         alerts[user] = subprocess.run(as_user + ["-c", connect], capture_output=True, text=True).stdout.strip()
     alertmanager.close()
@@ -111,7 +114,7 @@ DRIVER = textwrap.dedent('''
     "ALERTMANAGER_PORT", str(ALERTMANAGER_PORT))
 
 
-def run_in_namespaces(tmp_path: Path, role: str, times: int = 1, extra_rule: str = "") -> dict:  # type: ignore[type-arg]
+def run_in_namespaces(tmp_path: Path, role: str, times: int = 1, extra_rule: str = "") -> dict[str, Any]:
     missing = [tool for tool in ("iptables", "unshare", "setpriv", "ip") if not shutil.which(tool)]
     assert not missing, f"install {missing} (make test does)"
     script = tmp_path / "lockdown.sh"
@@ -137,7 +140,8 @@ def test_only_root_and_the_daemons_get_instance_metadata(tmp_path: Path, role: s
     # The head's resume, suspend and reconciler programs run as the slurm user; nothing on a compute node does.
     assert answers[SLURM_USER] == "token" if role == "head" else "Connection refused" in answers[SLURM_USER], answers
     # Alertmanager (the packaged prometheus user) sends the head's alerts to SNS; compute nodes send none.
-    assert answers["prometheus"] == "token" if role == "head" else "Connection refused" in answers["prometheus"], answers
+    assert answers["prometheus"] == "token" if role == "head" else "Connection refused" in answers["prometheus"], \
+        answers
     for user in (LOGIN_USER, "nobody"):
         assert "Connection refused" in answers[user], answers  # refused at once, not left to time out
     assert "-A GPUCLUSTER-IMDS -m owner --uid-owner 0 -j ACCEPT" in result["rules"], result["rules"]
@@ -165,7 +169,8 @@ def test_the_lockdown_runs_again_at_every_boot_without_piling_up_rules(tmp_path:
     """bootcmd runs it at every boot and the bootstrap once more: the chain is rebuilt, not appended to."""
     result = run_in_namespaces(tmp_path, "head", times=2)
     assert result["rc"] == 0, result["stderr"]
-    assert result["rules"].count("-j ACCEPT") == len(lockdown.IMDS_USERS["head"]) and result["rules"].count("-j REJECT") == 1, result["rules"]
+    rules = result["rules"]
+    assert rules.count("-j ACCEPT") == len(lockdown.IMDS_USERS["head"]) and rules.count("-j REJECT") == 1, rules
     assert result["answers"]["root"] == "token" and result["answers"][LOGIN_USER] != "token"
 
 

@@ -8,22 +8,29 @@ import json
 import sys
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import boto3
 import pytest
 from moto import mock_aws
 
-from conftest import ROOT, of_type
-from gpucluster.render import bundle, monitoring
+from conftest import ROOT, accelerator, of_type
 from gpucluster.plan import Declared
+from gpucluster.render import bundle, monitoring
 from gpucluster.spec.model import Stack, load_stack
 
 sys.path.insert(0, str(ROOT / "gpucluster" / "node"))
-import bootstrap  # noqa: E402
-import gpucluster_neuron_metrics as neuron  # noqa: E402
+import bootstrap
+import gpucluster_neuron_metrics as neuron
 from gpucluster.project import EXAMPLES_DIR
 
 TEAM_B = load_stack(ROOT / "stacks" / "Pulumi.team-b.yaml")  # has a trn1 pool
+
+
+def json_member(tar: tarfile.TarFile, name: str) -> Any:
+    member = tar.extractfile(name)
+    assert member is not None, f"{name} is not a file in the bundle"
+    return json.load(member)
 
 
 def test_one_idle_alarm_per_accelerator_pool(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
@@ -47,8 +54,8 @@ def test_nodes_send_what_the_alarm_watches(shipped: tuple[Stack, tuple[Declared,
     stack, declared = shipped
     with tarfile.open(fileobj=io.BytesIO(gzip.decompress(bundle.build(stack, EXAMPLES_DIR)))) as tar:
         for pool in monitoring.watched_pools(stack):
-            if pool.itype.accelerator.kind == "nvidia":
-                config = json.load(tar.extractfile(f"cloudwatch-agent/{pool.name}.json"))  # type: ignore[arg-type]
+            if accelerator(pool).kind == "nvidia":
+                config = json_member(tar, f"cloudwatch-agent/{pool.name}.json")
                 metrics = config["metrics"]
                 assert metrics["namespace"] == monitoring.NAMESPACE
                 assert metrics["global_dimensions"] == monitoring.dimensions(stack, pool)
@@ -56,7 +63,7 @@ def test_nodes_send_what_the_alarm_watches(shipped: tuple[Stack, tuple[Declared,
                 # The agent names the metric nvidia_smi_<measurement>.
                 sent = f"nvidia_smi_{metrics['metrics_collected']['nvidia_gpu']['measurement'][0]}"
             else:
-                config = json.load(tar.extractfile(f"neuron-metrics/{pool.name}.json"))  # type: ignore[arg-type]
+                config = json_member(tar, f"neuron-metrics/{pool.name}.json")
                 assert config["namespace"] == monitoring.NAMESPACE and config["period_seconds"] == 60
                 assert config["dimensions"] == monitoring.dimensions(stack, pool)
                 sent = config["metric_name"]
@@ -73,8 +80,8 @@ def report(cores_in_use: dict[str, float], devices: int = 16, per_device: int = 
             k: {"neuroncore_utilization": v} for k, v in cores_in_use.items()}},
         "memory_used": {"period": 5.0, "neuron_runtime_used_bytes": {"host": 1 << 20, "neuron_device": 3 << 30}}}}]
     return json.dumps({"neuron_runtime_data": runtimes if cores_in_use else [],
-                       "neuron_hardware_info": {"neuron_device_count": devices, "neuroncore_per_device_count": per_device,
-                                                "error": ""}})
+                       "neuron_hardware_info": {"neuron_device_count": devices,
+                                                "neuroncore_per_device_count": per_device, "error": ""}})
 
 
 def test_neuron_utilisation_counts_unused_cores_as_idle() -> None:
@@ -85,7 +92,7 @@ def test_neuron_utilisation_counts_unused_cores_as_idle() -> None:
 
 
 def test_trainium_node_publishes_what_the_alarm_reads() -> None:
-    pool = next(p for p in TEAM_B.spec.pools if p.itype.accelerator.kind == "neuron")
+    pool = next(p for p in TEAM_B.spec.pools if accelerator(p).kind == "neuron")
     config = json.loads(monitoring.neuron_publisher_config(TEAM_B, pool))
     ticks = iter(range(0, 1000, 20))  # a report every 20 s: three reports per 60 s period
     lines = [report({str(i): 90.0 for i in range(32)})] * 3 + [report({})] * 3 + ["not json"]
@@ -93,7 +100,7 @@ def test_trainium_node_publishes_what_the_alarm_reads() -> None:
         cloudwatch = boto3.client("cloudwatch", region_name=TEAM_B.region)
         assert neuron.publish(lines, config, cloudwatch, clock=lambda: float(next(ticks))) == 2
 
-        def read(metric: str) -> list[dict]:  # type: ignore[type-arg]
+        def read(metric: str) -> list[dict[str, Any]]:
             """As the alarm reads: the namespace, the metric, the pool's dimensions; all time in one period."""
             return cloudwatch.get_metric_statistics(
                 Namespace=monitoring.NAMESPACE, MetricName=metric,
@@ -112,6 +119,7 @@ def test_trainium_node_runs_the_publisher(tmp_path: Path, monkeypatch: pytest.Mo
     (tmp_path / "neuron-metrics" / "trn1.json").write_text("{}")
     assert bootstrap.gpu_metrics("trn1", "us-west-2", tmp_path) == "gpucluster-neuron-metrics.service"
     unit = (tmp_path / "gpucluster-neuron-metrics.service").read_text()
-    assert f"gpucluster_neuron_metrics.py {tmp_path}/neuron-metrics/trn1.json -- /opt/aws/neuron/bin/neuron-monitor" in unit
+    assert f"gpucluster_neuron_metrics.py {tmp_path}/neuron-metrics/trn1.json -- /opt/aws/neuron/bin/neuron-monitor" \
+        in unit
     assert "AWS_DEFAULT_REGION=us-west-2" in unit and "Restart=always" in unit
     assert bootstrap.gpu_metrics("p5-od", "us-west-2", tmp_path) is None  # NVIDIA: the CloudWatch agent, no unit

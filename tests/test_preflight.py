@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import boto3
 import pytest
@@ -38,7 +39,7 @@ def run_cli(path: Path, url: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=300)
 
 
-def spot_role(iam) -> None:  # type: ignore[no-untyped-def]
+def spot_role(iam: Any) -> None:
     """AWSServiceRoleForEC2Spot as AWS makes it. moto's create_service_linked_role names the spot role
     AWSServiceRoleForspot, so it is made with create_role at the service-linked path."""
     iam.create_role(RoleName=preflight.SPOT_ROLE, Path="/aws-service-role/spot.amazonaws.com/",
@@ -63,8 +64,8 @@ def test_preflight_against_moto(moto_url: str, tmp_path: Path) -> None:
     assert "WARN spot score  not checked, ec2:GetSpotPlacementScores unavailable" in out
     # moto's (fake) live spot price replaces the on-demand upper bound in the cost table.
     assert "PASS spot price" in out and "live spot" in out
-    assert "PASS spot role   arn:aws:iam::123456789012:role/aws-service-role/spot.amazonaws.com/AWSServiceRoleForEC2Spot" \
-        " exists (spot pools: p4d-spot)" in out
+    assert "PASS spot role   arn:aws:iam::123456789012:role/aws-service-role/spot.amazonaws.com/" \
+        "AWSServiceRoleForEC2Spot exists (spot pools: p4d-spot)" in out
     assert "0 fail" in out
 
 
@@ -82,7 +83,7 @@ def test_bad_stack_exits_2(tmp_path: Path) -> None:
 
 # --- recorded answers ------------------------------------------------------------------------------------------------
 
-def client(service: str):  # type: ignore[no-untyped-def]
+def client(service: str) -> Any:
     return boto3.client(service, region_name="us-east-1", aws_access_key_id="t", aws_secret_access_key="t")
 
 
@@ -169,15 +170,16 @@ def test_unresolvable_ami_parameter_fails() -> None:
     assert check.status == "fail" and "does not resolve in this region" in check.detail
 
 
-# --- the spot service-linked role --------------------------------------------------------------------------------------
+# --- the spot service-linked role ------------------------------------------------------------------------------------
 
 class Session:
     """A boto3 Session stand-in: hands out the given clients and records which services were asked for."""
 
-    def __init__(self, **clients):  # type: ignore[no-untyped-def]
-        self.clients, self.asked = clients, []
+    def __init__(self, **clients: Any):
+        self.clients = clients
+        self.asked: list[str] = []
 
-    def client(self, service: str, region_name: str | None = None):  # type: ignore[no-untyped-def]
+    def client(self, service: str, region_name: str | None = None) -> Any:
         self.asked.append(service)
         return self.clients.get(service) or client(service)
 
@@ -208,14 +210,15 @@ def test_denied_get_role_is_a_warning_naming_the_permission() -> None:
                               expected_params={"RoleName": "AWSServiceRoleForEC2Spot"})
         checks = preflight.guarded(None, "spot role", "iam:GetRole", lambda: preflight.check_spot_role(iam, stack))
         stub.assert_no_pending_responses()
-    assert checks == [preflight.Check(None, "spot role", "warn", "not checked, denied (AccessDenied): grant iam:GetRole")]
+    assert checks == [preflight.Check(None, "spot role", "warn",
+                                      "not checked, denied (AccessDenied): grant iam:GetRole")]
 
 
-def _all_denied(service: str):  # type: ignore[no-untyped-def]
+def _all_denied(service: str) -> Any:
     """A client whose every call is denied before it is sent: run() then has only warnings, and asks no AWS."""
     from botocore.exceptions import ClientError
 
-    def deny(model, **_):  # type: ignore[no-untyped-def]
+    def deny(model: Any, **_: Any) -> None:
         raise ClientError({"Error": {"Code": "AccessDenied", "Message": "denied"}}, model.name)
 
     c = client(service)

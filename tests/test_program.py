@@ -6,10 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+
 from conftest import FIXTURES, ROOT, STACK_FILES, of_type, planned
-from gpucluster.spec import catalog
-from gpucluster.project import pulumi_program
 from gpucluster.plan import Declared, planned_ami_id, planned_id
+from gpucluster.project import pulumi_program
+from gpucluster.spec import catalog
 from gpucluster.spec.model import Stack
 
 PROVIDER = "pulumi:providers:aws"
@@ -66,7 +67,7 @@ def test_placement_group_on_every_efa_pool(shipped: tuple[Stack, tuple[Declared,
     for pool in stack.spec.pools:
         placement = templates[pool.name].get("placement")
         if pool.uses_efa:
-            assert placement["groupName"] in groups, pool.name
+            assert placement and placement["groupName"] in groups, pool.name
         else:
             assert not placement
     assert len(groups) == sum(p.uses_efa for p in stack.spec.pools)
@@ -143,7 +144,8 @@ def test_new_network_is_private_with_endpoints(shipped: tuple[Stack, tuple[Decla
     assert vpc.inputs["cidrBlock"] == stack.spec.network.vpc_cidr
     subnets = of_type(declared, "ec2/subnet:Subnet")
     assert {s.inputs["availabilityZone"] for s in subnets} == {stack.spec.availability_zone}
-    endpoints = {e.inputs["serviceName"].rsplit(".", 1)[1]: e.inputs for e in of_type(declared, "ec2/vpcEndpoint:VpcEndpoint")}
+    endpoints = {e.inputs["serviceName"].rsplit(".", 1)[1]: e.inputs
+                 for e in of_type(declared, "ec2/vpcEndpoint:VpcEndpoint")}
     assert endpoints["s3"]["vpcEndpointType"] == "Gateway"
     for service in ("ssm", "ssmmessages", "ec2messages"):
         assert endpoints[service]["vpcEndpointType"] == "Interface" and endpoints[service]["privateDnsEnabled"]
@@ -175,7 +177,8 @@ def test_fsx_settings(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
         assert dra.inputs["dataRepositoryPath"].startswith("s3://")
         assert dra.inputs["s3"]["autoExportPolicy"]["events"] == ["NEW", "CHANGED", "DELETED"]
         (block,) = of_type(storage, "s3/bucketPublicAccessBlock:BucketPublicAccessBlock")
-        assert all(block.inputs[k] for k in ("blockPublicAcls", "blockPublicPolicy", "ignorePublicAcls", "restrictPublicBuckets"))
+        assert all(block.inputs[k]
+                   for k in ("blockPublicAcls", "blockPublicPolicy", "ignorePublicAcls", "restrictPublicBuckets"))
         (versioning,) = of_type(storage, "s3/bucketVersioning:BucketVersioning")
         assert versioning.inputs["versioningConfiguration"]["status"] == "Enabled"
         (sse,) = of_type(storage, "s3/bucketServerSideEncryptionConfiguration:BucketServerSideEncryptionConfiguration")
@@ -213,7 +216,7 @@ def test_budget_notifications(shipped: tuple[Stack, tuple[Declared, ...]]) -> No
     assert budget.inputs["timeUnit"] == "MONTHLY" and budget.inputs["budgetType"] == "COST"
     assert budget.inputs["costFilters"] == [{"name": "TagKeyValue", "values": [f"user:gpucluster:stack${stack.name}"]}]
     got = {(n["threshold"], n["notificationType"]) for n in budget.inputs["notifications"]}
-    act = {budget_spec.act_threshold_percent} - {None}
+    act = set() if budget_spec.act_threshold_percent is None else {budget_spec.act_threshold_percent}
     assert got == {(float(t), "FORECASTED") for t in budget_spec.thresholds_percent} | {
         (float(t), "ACTUAL") for t in set(budget_spec.thresholds_percent) | act}
     topic_arn = f"arn:aws:sns:{stack.region}:123456789012:{topic.name}"
@@ -226,7 +229,8 @@ def test_budget_notifications(shipped: tuple[Stack, tuple[Declared, ...]]) -> No
     assert statement["Principal"]["Service"] == ["budgets.amazonaws.com", "cloudwatch.amazonaws.com"]
     assert statement["Condition"] == {"StringEquals": {"aws:SourceAccount": "123456789012"}}
     tags = of_type(declared, "costexplorer/costAllocationTag:CostAllocationTag")
-    assert [t.inputs["tagKey"] for t in tags] == (["gpucluster:stack"] if budget_spec.activate_cost_allocation_tag else [])
+    assert [t.inputs["tagKey"] for t in tags] \
+        == (["gpucluster:stack"] if budget_spec.activate_cost_allocation_tag else [])
     assert all(t.retain_on_delete for t in tags)
 
 
@@ -247,12 +251,15 @@ def test_budget_reaches_the_head_node_and_the_launch_deny(shipped: tuple[Stack, 
     assert q.inputs["sqsManagedSseEnabled"] is True
     (queue_policy,) = [p for p in of_type(declared, "sqs/queuePolicy:QueuePolicy") if p.name.endswith("-guardrail")]
     (allow,) = json.loads(queue_policy.inputs["policy"])["Statement"]
-    assert (allow["Principal"], allow["Action"], allow["Resource"]) == ({"Service": "sns.amazonaws.com"}, "sqs:SendMessage", queue)
+    assert (allow["Principal"], allow["Action"], allow["Resource"]) \
+        == ({"Service": "sns.amazonaws.com"}, "sqs:SendMessage", queue)
     assert allow["Condition"] == {"ArnEquals": {"aws:SourceArn": topic}}
-    (to_queue,) = [s for s in of_type(declared, "sns/topicSubscription:TopicSubscription") if s.inputs["protocol"] == "sqs"]
+    (to_queue,) = [s for s in of_type(declared, "sns/topicSubscription:TopicSubscription")
+                   if s.inputs["protocol"] == "sqs"]
     assert (to_queue.inputs["topic"], to_queue.inputs["endpoint"]) == (topic, queue)
     # The head node reads that queue and the budget, may tell the subscribers and reverse this budget's actions.
-    guard = {p.name: json.loads(p.inputs["policy"]) for p in of_type(declared, "iam/rolePolicy:RolePolicy")}[f"{name}-head-guardrail"]
+    role_policies = {p.name: json.loads(p.inputs["policy"]) for p in of_type(declared, "iam/rolePolicy:RolePolicy")}
+    guard = role_policies[f"{name}-head-guardrail"]
     grants = {s["Sid"]: (s["Action"], s["Resource"]) for s in guard["Statement"]}
     budget_arn = _arn(stack, "budgets", f"budget/{stack.budget_name}")
     assert grants["BudgetQueue"][1] == queue and grants["TellSubscribers"] == ("sns:Publish", topic)
@@ -313,8 +320,8 @@ def test_every_resource_sits_in_a_component(shipped: tuple[Stack, tuple[Declared
 
 def test_existing_network_and_file_system_are_used_not_created() -> None:
     stack, declared = planned(FIXTURES / "Pulumi.existing.yaml")
-    for kind in ("ec2/vpc:Vpc", "ec2/subnet:Subnet", "ec2/natGateway:NatGateway", "fsx/lustreFileSystem:LustreFileSystem",
-                 "costexplorer/costAllocationTag:CostAllocationTag"):
+    for kind in ("ec2/vpc:Vpc", "ec2/subnet:Subnet", "ec2/natGateway:NatGateway",
+                 "fsx/lustreFileSystem:LustreFileSystem", "costexplorer/costAllocationTag:CostAllocationTag"):
         assert not of_type(declared, kind), kind
     assert [b.name for b in of_type(declared, "s3/bucket:Bucket")] == ["gpucluster-existing-bundle"]  # no data bucket
     (sg,) = of_type(declared, "ec2/securityGroup:SecurityGroup")
@@ -323,7 +330,8 @@ def test_existing_network_and_file_system_are_used_not_created() -> None:
     assert {n["subnetId"] for n in templates["b200"]["networkInterfaces"]} == {stack.spec.network.subnet_id}
     # The capacity block pool targets its reservation and runs the AMI the stack pinned.
     cb = templates["p5en-cb"]
-    assert cb["capacityReservationSpecification"]["capacityReservationTarget"]["capacityReservationId"] == "cr-0a1b2c3d4e5f60718"
+    assert cb["capacityReservationSpecification"]["capacityReservationTarget"]["capacityReservationId"] \
+        == "cr-0a1b2c3d4e5f60718"
     assert cb["imageId"] == "ami-0a1b2c3d4e5f60718"
     assert cb["instanceMarketOptions"] == {"marketType": "capacity-block"}  # EC2 launches into a block only so
     assert not {"capacityReservationSpecification", "instanceMarketOptions"} & set(templates["b200"])
@@ -358,7 +366,8 @@ def test_the_program_itself_refuses_bad_config() -> None:
     config = pulumi_config(stack)
     cluster = json.loads(config[CONFIG_KEY])
     cluster["pools"][0]["min_nodes"] = 5
-    with pytest.raises(pulumi.RunError, match=r"gpucluster:cluster.pools\[0\].min_nodes: must be <= max_nodes \(2\), got 5"):
+    with pytest.raises(pulumi.RunError,
+                       match=r"gpucluster:cluster.pools\[0\].min_nodes: must be <= max_nodes \(2\), got 5"):
         run_program(stack, pulumi_program(), {**config, CONFIG_KEY: json.dumps(cluster)})
 
 

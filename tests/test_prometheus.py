@@ -10,22 +10,22 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from conftest import ROOT, STACK_FILES
-from gpucluster.render import monitoring, prometheus
 from gpucluster.contract import settings
 from gpucluster.contract.settings import ClusterSettings, PoolSettings
+from gpucluster.render import monitoring, prometheus
 from gpucluster.spec.model import load_stack
 
-
 sys.path.insert(0, str(ROOT / "gpucluster" / "node"))  # the node programs import each other, as in the bundle
-import bootstrap  # noqa: E402
-import gpucluster_budget as budget  # noqa: E402
-import gpucluster_hosts as hosts  # noqa: E402
-import gpucluster_metrics as metrics  # noqa: E402
+import bootstrap
+import gpucluster_budget as budget
+import gpucluster_hosts as hosts
+import gpucluster_metrics as metrics
 
 
 def tool(name: str) -> str:
@@ -60,7 +60,8 @@ def test_promtool_accepts_the_rendered_configuration_and_rules(path: Path, tmp_p
 
 def test_promtool_refuses_a_broken_rule(tmp_path: Path) -> None:
     """The check above can fail."""
-    (tmp_path / "rules.yml").write_text("groups:\n- name: x\n  rules:\n  - alert: Broken\n    expr: avg_over_time(up[5m]\n")
+    (tmp_path / "rules.yml").write_text(
+        "groups:\n- name: x\n  rules:\n  - alert: Broken\n    expr: avg_over_time(up[5m]\n")
     assert promtool("check", "rules", str(tmp_path / "rules.yml")).returncode != 0
 
 
@@ -70,8 +71,9 @@ def gpu_series(values: str, gpu: str = "0") -> dict[str, str]:
 
 
 def gpu_idle_alert(gpu: str = "0") -> dict[str, object]:
-    return {"exp_labels": {"severity": "warning", "gpu": gpu, "UUID": f"GPU-{gpu}", "modelName": "NVIDIA H100 80GB HBM3",
-                           "Hostname": "p5-od-1", "node": "p5-od-1", "pool": "p5-od", "job": "dcgm"},
+    return {"exp_labels": {"severity": "warning", "gpu": gpu, "UUID": f"GPU-{gpu}",
+                           "modelName": "NVIDIA H100 80GB HBM3", "Hostname": "p5-od-1", "node": "p5-od-1",
+                           "pool": "p5-od", "job": "dcgm"},
             "exp_annotations": {
                 "summary": f"GPU {gpu} of p5-od-1 (p5-od) under {monitoring.IDLE_PERCENT}% for "
                            f"{monitoring.IDLE_MINUTES} minutes",
@@ -148,18 +150,19 @@ def test_dcgm_counters_are_what_the_rules_and_exporter_list_agree_on() -> None:
 
 def test_prometheus_keeps_at_most_its_share_of_the_state_volume() -> None:
     args = prometheus.prometheus_args()
-    assert "--storage.tsdb.retention.size=100GB" in args and f"--storage.tsdb.path={settings.PROMETHEUS_DATA_DIR}" in args
+    assert "--storage.tsdb.retention.size=100GB" in args
+    assert f"--storage.tsdb.path={settings.PROMETHEUS_DATA_DIR}" in args
     assert "--web.listen-address=127.0.0.1:" in args  # never on the node's network address
 
 
-def cluster_settings(**extra: object) -> ClusterSettings:
+def cluster_settings(**extra: Any) -> ClusterSettings:
     pools = {"p5-od": PoolSettings("p5-od", "lt-1", "subnet-1", "p5.48xlarge", "on-demand", max_nodes=4,
                                    accelerator="nvidia", accelerators=8, node_hour_usd=98.32),
              "trn": PoolSettings("trn", "lt-2", "subnet-1", "trn1.32xlarge", "spot", max_nodes=2, accelerator="neuron",
                                  accelerators=16, node_hour_usd=21.5),
              "cpu": PoolSettings("cpu", "lt-3", "subnet-1", "c7i.4xlarge", "on-demand", max_nodes=2)}
     return ClusterSettings(cluster="gpucluster-team-a", region="us-east-1", pools=pools, team="vision",
-                           head_address="10.0.0.5", **extra)  # type: ignore[arg-type]
+                           head_address="10.0.0.5", **extra)
 
 
 def test_the_target_lists_follow_the_registered_nodes_with_their_labels() -> None:
@@ -171,8 +174,10 @@ def test_the_target_lists_follow_the_registered_nodes_with_their_labels() -> Non
         {"targets": ["10.0.0.5:9100"], "labels": {"node": "head", **labels}},
         {"targets": ["10.0.0.11:9100"], "labels": {"node": "p5-od-1", "pool": "p5-od", **labels}},
         {"targets": ["10.0.0.12:9100"], "labels": {"node": "trn-2", "pool": "trn", **labels}}]
-    assert lists["dcgm.json"] == [{"targets": ["10.0.0.11:9400"], "labels": {"node": "p5-od-1", "pool": "p5-od", **labels}}]
-    assert lists["neuron.json"] == [{"targets": ["10.0.0.12:9500"], "labels": {"node": "trn-2", "pool": "trn", **labels}}]
+    assert lists["dcgm.json"] == [
+        {"targets": ["10.0.0.11:9400"], "labels": {"node": "p5-od-1", "pool": "p5-od", **labels}}]
+    assert lists["neuron.json"] == [
+        {"targets": ["10.0.0.12:9500"], "labels": {"node": "trn-2", "pool": "trn", **labels}}]
 
 
 def test_a_node_that_leaves_slurm_leaves_the_target_lists(tmp_path: Path) -> None:
@@ -180,7 +185,8 @@ def test_a_node_that_leaves_slurm_leaves_the_target_lists(tmp_path: Path) -> Non
     gone = "NodeName=p5-od-1 NodeAddr=p5-od-1 State=IDLE+CLOUD+POWERED_DOWN"
     (tmp_path / "etc-hosts").write_text("127.0.0.1 localhost\n")
     for scontrol, expected in ((up, ["10.0.0.11:9400"]), (gone, [])):
-        hosts.publish_once(tmp_path / "hosts", tmp_path / "etc-hosts", scontrol, cluster_settings(), tmp_path / "targets")
+        hosts.publish_once(tmp_path / "hosts", tmp_path / "etc-hosts", scontrol, cluster_settings(),
+                           tmp_path / "targets")
         assert [t for entry in json.loads((tmp_path / "targets" / "dcgm.json").read_text()) for t in entry["targets"]] \
             == expected
 
@@ -207,7 +213,8 @@ def test_the_head_figures_parse_and_say_what_slurm_says() -> None:
     assert 'gpucluster_slurm_node_state{node="p5-od-3",pool="p5-od",state="powered_down"} 1' in text
     assert 'gpucluster_slurm_node_state{node="trn-1",pool="trn",state="down"} 1' in text
     assert 'gpucluster_slurm_jobs{partition="p5-od",state="pending"} 2' in text
-    assert "gpucluster_gpu_used_seconds 162000\n" in text and "gpucluster_gpu_quota_seconds 360000\n" in text  # 45 h, 100 h
+    # 45 h, 100 h
+    assert "gpucluster_gpu_used_seconds 162000\n" in text and "gpucluster_gpu_quota_seconds 360000\n" in text
     assert 'gpucluster_pool_gpu_hour_usd{pool="p5-od"} 12.29\n' in text and 'pool="cpu"' not in text
     checked = subprocess.run([tool("promtool"), "check", "metrics"], input=text, capture_output=True, text=True,
                              timeout=30)
@@ -224,7 +231,8 @@ def test_the_compute_figures_read_efa_and_lustre_counters(tmp_path: Path) -> Non
         (counters / "rdma_read_bytes").write_text("7\n")
     lctl = ("llite.fsx-ffff9b0c5b5a1000.stats=\nsnapshot_time             1700000000.1 secs.nsecs\n"
             "read_bytes                8 samples [bytes] 4096 1048576 4198400\n"
-            "write_bytes               2 samples [bytes] 65536 65536 131072\nopen                      5 samples [usecs]\n")
+            "write_bytes               2 samples [bytes] 65536 65536 131072\n"
+            "open                      5 samples [usecs]\n")
     text = metrics.efa_bytes(tmp_path) + metrics.lustre_bytes(lctl)
     assert 'gpucluster_efa_rx_bytes_total{device="rdmap16s27",port="1"} 1234567890123\n' in text  # every digit
     assert 'gpucluster_efa_tx_bytes_total{device="rdmap32s27",port="1"} 40' in text
@@ -291,7 +299,8 @@ def test_the_gpucluster_metrics_we_name_are_what_our_programs_write(tmp_path: Pa
         (tmp_path / "gpucluster-budget.prom").read_text(), metrics.pool_prices(s),
         metrics.slurm_nodes("NodeName=p5-od-1 State=IDLE+CLOUD", s), metrics.slurm_jobs("p5-od RUNNING\n"),
         metrics.gpu_hours("vision||gres/gpu=1|gres/gpu=2\n", "vision"), metrics.efa_bytes(tmp_path),
-        metrics.lustre_bytes("llite.fsx-1.stats=\nread_bytes 1 samples [bytes] 1 1 1\nwrite_bytes 1 samples [bytes] 1 1 1\n")])
+        metrics.lustre_bytes("llite.fsx-1.stats=\n"
+                             "read_bytes 1 samples [bytes] 1 1 1\nwrite_bytes 1 samples [bytes] 1 1 1\n")])
     assert exposed_names(written) == prometheus.EXPORTED["gpucluster_metrics"]
 
 

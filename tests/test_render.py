@@ -13,9 +13,9 @@ import pytest
 import yaml
 
 from conftest import ROOT, STACK_FILES
-from gpucluster.render import dashboards, slurm, userdata
-from gpucluster.contract import settings
 from gpucluster import node
+from gpucluster.contract import settings
+from gpucluster.render import dashboards, slurm, userdata
 from gpucluster.spec.model import load_stack
 
 GOLDEN = ROOT / "tests" / "golden"
@@ -37,7 +37,8 @@ def test_render_writes_valid_small_user_data_and_slurm_files(path: Path, tmp_pat
     done = render(str(path), tmp_path)
     assert done.returncode == 0, done.stderr
     expected = {"head-node.user-data", *(f"{p.name}.user-data" for p in stack.spec.pools),
-                "slurm/slurm.conf", "slurm/gres.conf", "slurm/slurmdbd.conf", "slurm/plugstack.conf", "slurm/cgroup.conf",
+                "slurm/slurm.conf", "slurm/gres.conf", "slurm/slurmdbd.conf", "slurm/plugstack.conf",
+                "slurm/cgroup.conf",
                 *settings.MONITORING_FILES, "prometheus/prometheus.env", "dcgm-exporter/counters.csv",
                 *dashboards.files(stack)}
     written = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()}
@@ -86,7 +87,8 @@ def test_user_data_carries_no_secret() -> None:
 
 
 def test_golden_team_a(tmp_path: Path) -> None:
-    """The rendered team-a artifacts, reviewed like code. Regenerate with GPUCLUSTER_UPDATE_GOLDEN=1 and read the diff."""
+    """The rendered team-a artifacts, reviewed like code. Regenerate with GPUCLUSTER_UPDATE_GOLDEN=1 and read the
+    diff."""
     assert render("team-a", tmp_path).returncode == 0
     golden = GOLDEN / "team-a"
     if os.environ.get("GPUCLUSTER_UPDATE_GOLDEN"):

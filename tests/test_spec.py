@@ -92,11 +92,10 @@ def test_destroy_keeps_the_bucket_and_deletes_the_file_system_unless_asked() -> 
       "storage_capacity_gib": None, "throughput_mb_per_tib": None, "keep_file_system_on_destroy": True},
      "keep_file_system_on_destroy", "not allowed with file_system_id (the stack never deletes it)"),
 ])
-def test_keep_keys_only_where_the_stack_owns_what_they_keep(lustre: dict, key: str, reason: str) -> None:  # type: ignore[type-arg]
+def test_keep_keys_only_where_the_stack_owns_what_they_keep(lustre: dict[str, object], key: str, reason: str) -> None:
     cfg = _config()
-    cfg["gpucluster:cluster"]["storage"]["lustre"].update(lustre)
-    cfg["gpucluster:cluster"]["storage"]["lustre"] = {k: v for k, v in cfg["gpucluster:cluster"]["storage"]["lustre"].items()
-                                                      if v is not None}
+    given = {**cfg["gpucluster:cluster"]["storage"]["lustre"], **lustre}
+    cfg["gpucluster:cluster"]["storage"]["lustre"] = {k: v for k, v in given.items() if v is not None}
     with pytest.raises(SpecError) as bad:
         validate("s1", cfg)
     assert f"gpucluster:cluster.storage.lustre.{key}: {reason}" in bad.value.render()

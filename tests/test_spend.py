@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 import datetime as dt
+from pathlib import Path
+from typing import Any
 
 import boto3
 from botocore.stub import Stubber
 
 from conftest import ROOT
 from gpucluster.aws import spend
-from gpucluster.spec.model import load_stack
 from gpucluster.project import EXAMPLES_DIR
+from gpucluster.spec.model import load_stack
 
 TEAM_A = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")
 TODAY = dt.date(2026, 11, 20)
 TAG = {"Tags": {"Key": "gpucluster:stack", "Values": ["team-a"], "MatchOptions": ["EQUALS"]}}
 
 
-def ce():  # type: ignore[no-untyped-def]
+def ce() -> Any:
     return boto3.client("ce", region_name="us-east-1", aws_access_key_id="t", aws_secret_access_key="t")
 
 
@@ -49,7 +51,8 @@ def test_denied_and_missing_forecast_are_said_not_crashed() -> None:
     assert result.month_to_date is None and result.forecast is None
     assert result.notes == ["spend not read: AccessDeniedException (needs ce:GetCostAndUsage)",
                             "no forecast: DataUnavailableException (needs ce:GetCostForecast and some history)"]
-    assert "GPU-hours:           run this on the head node to read Slurm accounting" in spend.report(TEAM_A, result, None)
+    assert "GPU-hours:           run this on the head node to read Slurm accounting" \
+        in spend.report(TEAM_A, result, None)
 
 
 def test_gpu_hours_from_sshare_account_rows() -> None:
@@ -65,7 +68,7 @@ def test_month_bounds() -> None:
     assert spend.month_bounds(dt.date(2026, 12, 31)) == (dt.date(2026, 12, 1), dt.date(2027, 1, 1))
 
 
-def test_the_head_nodes_command_runs_from_the_bundle_without_pulumi(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_the_head_nodes_command_runs_from_the_bundle_without_pulumi(tmp_path: Path) -> None:
     """The bundle's library and stack file, run as the head node's `gpucluster cost`: no Pulumi there, no
     credentials here (said, not a crash)."""
     import gzip

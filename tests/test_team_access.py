@@ -8,8 +8,8 @@ import json
 import re
 
 from conftest import ROOT, of_type, planned
-from gpucluster.plan import planned_id
 from gpucluster.contract.settings import GRAFANA_PORT, LOGIN_USER, session_document_name
+from gpucluster.plan import planned_id
 
 ACCOUNT = "123456789012"
 
@@ -48,9 +48,10 @@ def test_sessions_on_the_head_node_as_the_login_user_or_as_admin() -> None:
         sessions = f"arn:aws:ssm:{region}:{ACCOUNT}:session/${{aws:userid}}-*"
         assert own["Action"] == ["ssm:TerminateSession", "ssm:ResumeSession"] and own["Resource"] == sessions
         assert channel["Action"] == "ssmmessages:OpenDataChannel" and channel["Resource"] == sessions
-        assert find["Action"] == "ec2:DescribeInstances"  # what `gpucluster dashboard` calls (tests/test_dashboard_command.py)
+        # What `gpucluster dashboard` calls (tests/test_dashboard_command.py).
+        assert find["Action"] == "ec2:DescribeInstances"
     # Nothing else in the stack grants StartSession.
-    grants = [d.name for d in declared for key in ("policy",) if key in d.inputs and "ssm:StartSession" in d.inputs[key]]
+    grants = [d.name for d in declared if "policy" in d.inputs and "ssm:StartSession" in d.inputs["policy"]]
     assert sorted(grants) == sorted(f"{cluster}-{k}" for k in policies)
 
 

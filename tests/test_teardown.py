@@ -14,19 +14,21 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import boto3
 import pytest
 from botocore.stub import Stubber
 
-from conftest import ROOT, of_type, planned, reset_moto
+from conftest import ROOT, ClientFactory, of_type, planned, reset_moto
 from gpucluster.aws import teardown
-from gpucluster.plan import planned_id
 from gpucluster.contract.settings import CLUSTER_TAG, POOL_TAG, STACK_TAG, ClusterSettings, PoolSettings
+from gpucluster.plan import Declared, planned_id
 
 sys.path.insert(0, str(ROOT / "gpucluster" / "node"))
-import gpucluster_node as node  # noqa: E402
+import gpucluster_node as node
 
 CLUSTER = "gpucluster-t1"
 MUNGE = f"/gpucluster/{CLUSTER}/munge-key"
@@ -34,11 +36,11 @@ AMI = "ami-12c6146b"  # one of moto's own images
 
 
 @pytest.fixture
-def aws(moto_url: str):  # type: ignore[no-untyped-def]
+def aws(moto_url: str) -> ClientFactory:
     """Clients on an empty account (moto's backends are reset per test)."""
     reset_moto(moto_url)
 
-    def client(service: str):  # type: ignore[no-untyped-def]
+    def client(service: str) -> Any:
         return boto3.client(service, region_name="us-east-1", endpoint_url=moto_url, aws_access_key_id="t",
                             aws_secret_access_key="t")
     return client
@@ -50,7 +52,8 @@ class RecordingHead:
     it ran among the EC2 calls."""
 
     def __init__(self, events: list[str], reachable: bool = True):
-        self.events, self.reachable, self.scripts = events, reachable, []  # type: list[str]
+        self.events, self.reachable = events, reachable
+        self.scripts: list[str] = []
 
     def run(self, script: str) -> str:
         self.events.append("quiesce")
@@ -63,7 +66,7 @@ class RecordingHead:
 class Clock:
     """Time that passes only when the step sleeps: waits without waiting."""
 
-    def __init__(self, on_sleep=None):  # type: ignore[no-untyped-def]
+    def __init__(self, on_sleep: Callable[[int], None] | None = None):
         self.now, self.sleeps, self.on_sleep = 0.0, 0, on_sleep
 
     def __call__(self) -> float:
@@ -76,7 +79,7 @@ class Clock:
             self.on_sleep(self.sleeps)
 
 
-def world(aws, cluster: str = CLUSTER) -> tuple[ClusterSettings, str]:  # type: ignore[no-untyped-def]
+def world(aws: ClientFactory, cluster: str = CLUSTER) -> tuple[ClusterSettings, str]:
     """The cluster's network and pool templates as `pulumi up` leaves them, its head instance, and settings for the
     resume program with a registry of its own."""
     ec2 = aws("ec2")
@@ -85,9 +88,10 @@ def world(aws, cluster: str = CLUSTER) -> tuple[ClusterSettings, str]:  # type: 
     subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.0.0.0/24", AvailabilityZone="us-east-1a")["Subnet"]["SubnetId"]
     pools = {}
     for name, market in (("p5-od", "on-demand"), ("p5-spot", "spot")):
-        template = ec2.create_launch_template(LaunchTemplateName=f"{cluster}-{name}", LaunchTemplateData={
+        created = ec2.create_launch_template(LaunchTemplateName=f"{cluster}-{name}", LaunchTemplateData={
             "ImageId": AMI, "InstanceType": "p5.48xlarge", "TagSpecifications": [{"ResourceType": "instance", "Tags": [
-                {"Key": k, "Value": v} for k, v in {**tags, POOL_TAG: name}.items()]}]})["LaunchTemplate"]["LaunchTemplateId"]
+                {"Key": k, "Value": v} for k, v in {**tags, POOL_TAG: name}.items()]}]})
+        template = created["LaunchTemplate"]["LaunchTemplateId"]
         pools[name] = PoolSettings(name, template, subnet, "p5.48xlarge", market)
     head = ec2.run_instances(ImageId=AMI, InstanceType="m7i.large", MinCount=1, MaxCount=1, SubnetId=subnet,
                              TagSpecifications=[{"ResourceType": "instance", "Tags": [
@@ -98,11 +102,12 @@ def world(aws, cluster: str = CLUSTER) -> tuple[ClusterSettings, str]:  # type: 
     return config, head
 
 
-def states(ec2) -> dict[str, str]:  # type: ignore[no-untyped-def]
-    return {i["InstanceId"]: i["State"]["Name"] for r in ec2.describe_instances()["Reservations"] for i in r["Instances"]}
+def states(ec2: Any) -> dict[str, str]:
+    return {i["InstanceId"]: i["State"]["Name"]
+            for r in ec2.describe_instances()["Reservations"] for i in r["Instances"]}
 
 
-def test_the_fleet_goes_first_including_instances_launched_while_the_step_runs(aws) -> None:  # type: ignore[no-untyped-def]
+def test_the_fleet_goes_first_including_instances_launched_while_the_step_runs(aws: ClientFactory) -> None:
     ec2, ssm = aws("ec2"), aws("ssm")
     config, head = world(aws)
     slurm = _Slurm()
@@ -110,7 +115,8 @@ def test_the_fleet_goes_first_including_instances_launched_while_the_step_runs(a
     assert len(first) == 3
     # Another cluster's instance in the same account is not this step's business.
     other = ec2.run_instances(ImageId=AMI, InstanceType="g6.xlarge", MinCount=1, MaxCount=1, TagSpecifications=[
-        {"ResourceType": "instance", "Tags": [{"Key": CLUSTER_TAG, "Value": "gpucluster-other"}]}])["Instances"][0]["InstanceId"]
+        {"ResourceType": "instance", "Tags": [{"Key": CLUSTER_TAG, "Value": "gpucluster-other"}]}],
+    )["Instances"][0]["InstanceId"]
     ssm.put_parameter(Name=MUNGE, Type="SecureString", Value="key")
     events: list[str] = []
     ec2.meta.events.register("before-call.ec2.StopInstances", lambda **kw: events.append("stop head"))
@@ -141,7 +147,7 @@ def test_the_fleet_goes_first_including_instances_launched_while_the_step_runs(a
     assert not ssm.describe_parameters()["Parameters"]
 
 
-def test_an_instance_that_refuses_fails_the_step_with_its_id(aws) -> None:  # type: ignore[no-untyped-def]
+def test_an_instance_that_refuses_fails_the_step_with_its_id(aws: ClientFactory) -> None:
     ec2, ssm = aws("ec2"), aws("ssm")
     config, head = world(aws)
     launched = node.resume(config, ec2, _Slurm(), "p5-od-[1-2]").launched
@@ -159,7 +165,7 @@ def test_an_instance_that_refuses_fails_the_step_with_its_id(aws) -> None:  # ty
     assert after[protected] == "running" and after[launched["p5-od-2"]] == "terminated"  # the others still went
 
 
-def test_a_head_that_cannot_close_its_partitions_is_stopped_before_the_sweep(aws) -> None:  # type: ignore[no-untyped-def]
+def test_a_head_that_cannot_close_its_partitions_is_stopped_before_the_sweep(aws: ClientFactory) -> None:
     ec2, ssm = aws("ec2"), aws("ssm")
     config, head = world(aws)
     node.resume(config, ec2, _Slurm(), "p5-od-1")
@@ -175,7 +181,7 @@ def test_a_head_that_cannot_close_its_partitions_is_stopped_before_the_sweep(aws
                        "stopped")
 
 
-def test_a_head_already_gone_does_not_stop_the_teardown(aws) -> None:  # type: ignore[no-untyped-def]
+def test_a_head_already_gone_does_not_stop_the_teardown(aws: ClientFactory) -> None:
     ec2, ssm = aws("ec2"), aws("ssm")
     config, head = world(aws)
     launched = node.resume(config, ec2, _Slurm(), "p5-od-1").launched
@@ -200,7 +206,7 @@ def test_credentials_that_may_not_terminate_fail_at_once() -> None:
     assert clock.sleeps == 0  # no quarter of an hour of retries
 
 
-def test_the_stacks_images_go_unless_another_cluster_runs_from_them(aws) -> None:  # type: ignore[no-untyped-def]
+def test_the_stacks_images_go_unless_another_cluster_runs_from_them(aws: ClientFactory) -> None:
     ec2, ssm = aws("ec2"), aws("ssm")
     _, head = world(aws)
     tags = [{"Key": CLUSTER_TAG, "Value": CLUSTER}, {"Key": "gpucluster:image", "Value": "compute-nvidia"}]
@@ -218,7 +224,8 @@ def test_the_stacks_images_go_unless_another_cluster_runs_from_them(aws) -> None
     said = teardown.delete_run_time_leftovers(ec2, ssm, teardown.Fleet(CLUSTER, head, MUNGE))
     left = {i["ImageId"] for i in ec2.describe_images(Owners=["self"])["Images"]}
     assert images["baked"] not in left and images["shared"] in left
-    assert snapshots and not {s["SnapshotId"] for s in ec2.describe_snapshots(OwnerIds=["self"])["Snapshots"]} & set(snapshots)
+    assert snapshots
+    assert not {s["SnapshotId"] for s in ec2.describe_snapshots(OwnerIds=["self"])["Snapshots"]} & set(snapshots)
     assert any(images["shared"] in line and user in line for line in said), said
 
 
@@ -227,12 +234,12 @@ FS = "fs-0123456789abcdef0"
 TASK = "task-0123456789abcdef0"
 
 
-def task(lifecycle: str, **extra: object) -> dict:  # type: ignore[type-arg]
+def task(lifecycle: str, **extra: object) -> dict[str, object]:
     return {"TaskId": TASK, "Lifecycle": lifecycle, "Type": "EXPORT_TO_REPOSITORY", "FileSystemId": FS,
             "CreationTime": dt.datetime(2026, 11, 30), **extra}
 
 
-def stubbed_fsx():  # type: ignore[no-untyped-def]
+def stubbed_fsx() -> tuple[Any, Stubber]:
     fsx = boto3.client("fsx", region_name="us-east-1", aws_access_key_id="t", aws_secret_access_key="t")
     return fsx, Stubber(fsx)
 
@@ -245,7 +252,8 @@ def test_the_flush_exports_and_waits_for_the_task() -> None:
     stub.add_client_error("create_data_repository_task", "DataRepositoryTaskExecuting",
                           "an auto-export task is running", expected_params=EXPORT)
     stub.add_response("create_data_repository_task", {"DataRepositoryTask": task("PENDING")}, EXPORT)
-    stub.add_response("describe_data_repository_tasks", {"DataRepositoryTasks": [task("EXECUTING")]}, {"TaskIds": [TASK]})
+    stub.add_response("describe_data_repository_tasks", {"DataRepositoryTasks": [task("EXECUTING")]},
+                      {"TaskIds": [TASK]})
     stub.add_response("describe_data_repository_tasks", {"DataRepositoryTasks": [task(
         "SUCCEEDED", Status={"TotalCount": 12, "SucceededCount": 12, "FailedCount": 0})]}, {"TaskIds": [TASK]})
     clock = Clock()
@@ -280,11 +288,11 @@ def test_a_flush_that_outlasts_its_bound_stops_the_deletion() -> None:
         teardown.flush_to_s3(fsx, FS, timeout_seconds=30, poll_seconds=15, clock=clock, sleep=clock.sleep)
 
 
-# --- the steps in the Pulumi program ------------------------------------------------------------------------------------
+# --- the steps in the Pulumi program ----------------------------------------------------------------------------------
 TEAM_A = ROOT / "stacks" / "Pulumi.team-a.yaml"
 
 
-def _by_urn(declared):  # type: ignore[no-untyped-def]
+def _by_urn(declared: Sequence[Declared]) -> dict[str, Declared]:
     return {d.urn: d for d in declared}
 
 
@@ -336,7 +344,7 @@ def test_a_step_is_never_replaced_and_keeps_its_inputs_for_delete() -> None:
     assert provider.update("c-fleet", olds, news).outs == {"cluster": "c", "head_instance_id": "i-2"}
 
 
-def test_the_serialised_provider_tears_the_fleet_down_in_a_fresh_process(aws, moto_url: str) -> None:  # type: ignore[no-untyped-def]
+def test_the_serialised_provider_tears_the_fleet_down_in_a_fresh_process(aws: ClientFactory, moto_url: str) -> None:
     """What `pulumi destroy` does with the state: unpickle the provider the program stored and call its delete, in a
     process of its own started from the project directory, with the credentials of the environment."""
     stack, declared = planned(TEAM_A)
@@ -398,6 +406,7 @@ def test_a_flush_can_be_skipped_by_the_destroying_operator() -> None:
     program = ("from components.teardown import LustreExportProvider\n"
                "LustreExportProvider().delete('f', {'region': 'us-east-1', 'file_system_id': 'fs-0123456789abcdef0', "
                "'timeout_seconds': 5})\n")
-    done = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60)
     assert done.returncode == 0, done.stderr
     assert f"{SKIP_FLUSH}=1: fs-0123456789abcdef0 is deleted without exporting" in done.stderr

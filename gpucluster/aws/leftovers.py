@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gpucluster.spec import catalog, cost
 from gpucluster.contract.settings import STACK_TAG
+from gpucluster.spec import catalog, cost
 
 BUCKET_PAGES = 20  # ListObjectsV2 pages read to size a bucket (1000 objects each); beyond that the figure is a floor
 
@@ -85,7 +85,8 @@ def _instance(clients: dict[str, Any], ident: str) -> tuple[float | None, str] |
 
 def _volume(clients: dict[str, Any], ident: str) -> tuple[float, str]:
     volume = clients["ec2"].describe_volumes(VolumeIds=[ident])["Volumes"][0]
-    return volume["Size"] * cost.GP3_USD_PER_GIB_MONTH, f"{volume['Size']} GiB {volume.get('VolumeType', '')}, {volume['State']}"
+    detail = f"{volume['Size']} GiB {volume.get('VolumeType', '')}, {volume['State']}"
+    return volume["Size"] * cost.GP3_USD_PER_GIB_MONTH, detail
 
 
 def _snapshot(clients: dict[str, Any], ident: str) -> tuple[float, str]:
@@ -170,8 +171,8 @@ def report(stack_name: str, region: str, leftovers: list[Leftover]) -> list[str]
     lines = [f"{len(leftovers)} resource(s) in {region} still tagged {STACK_TAG}={stack_name}:"]
     width = max(len(item.kind) for item in leftovers)
     for item in leftovers:
-        lines.append(f"  {item.kind.ljust(width)}  {cost.money(item.monthly_usd).rjust(11) if item.monthly_usd is not None else 'not priced'.rjust(11)}"
-                     f"/month  {item.arn}  {item.detail}")
+        monthly = cost.money(item.monthly_usd) if item.monthly_usd is not None else "not priced"
+        lines.append(f"  {item.kind.ljust(width)}  {monthly.rjust(11)}/month  {item.arn}  {item.detail}")
     total = sum(item.monthly_usd or 0.0 for item in leftovers)
     lines.append(f"Per month, priced ones: {cost.money(total)} (reference rates of {catalog.PRICE_DATE}). Delete "
                  "what you no longer want in the console or with the AWS CLI; the API lists deleted resources for a "

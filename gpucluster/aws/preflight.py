@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime as dt
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Literal
 
 from gpucluster.spec import catalog, eks
@@ -29,7 +30,8 @@ QUOTAS = {
 }
 # EC2 launches spot instances (CreateFleet included) through this service-linked role, one per account. A caller without
 # iam:CreateServiceLinkedRole cannot make EC2 create it on first use: CreateFleet then fails with
-# AuthFailure.ServiceLinkedRoleCreationNotPermitted. (AWS EC2 User Guide, "Service-linked role for Spot Instance requests")
+# AuthFailure.ServiceLinkedRoleCreationNotPermitted. (AWS EC2 User Guide, "Service-linked role for Spot Instance
+# requests")
 SPOT_ROLE = "AWSServiceRoleForEC2Spot"
 SPOT_ROLE_FIX = "aws iam create-service-linked-role --aws-service-name spot.amazonaws.com"
 DENIED = {"AccessDenied", "AccessDeniedException", "UnauthorizedOperation", "UnauthorizedException"}
@@ -90,7 +92,8 @@ def check_efa(ec2: Any, pool: Pool) -> Check:
         return Check(pool.name, "efa", "pass", f"{live} EFA interface(s), as the launch template lays out")
     if live == 0:
         return Check(pool.name, "efa", "fail", f"EC2 says {pool.instance_type} has no EFA here", "set efa: false")
-    return Check(pool.name, "efa", "warn", f"EC2 reports {live} EFA interfaces, the catalog {pool.itype.efa_interfaces}",
+    return Check(pool.name, "efa", "warn",
+                 f"EC2 reports {live} EFA interfaces, the catalog {pool.itype.efa_interfaces}",
                  "update gpucluster/spec/catalog.py")
 
 
@@ -108,7 +111,7 @@ def check_quotas(quotas: Any, stack: Stack, region: str) -> list[Check]:
         vcpus = sum(p.max_nodes * p.itype.vcpus for p in pools)
         names = [p.name for p in pools]
         for check in guarded(pools[0].name, "quota", "servicequotas:GetServiceQuota",
-                             lambda: _quota(quotas, code, title, vcpus, names, region)):
+                             partial(_quota, quotas, code, title, vcpus, names, region)):
             checks += [Check(p.name, check.name, check.status, check.detail, check.fix) for p in pools]
     return checks
 
@@ -149,7 +152,8 @@ def check_spot_score(ec2: Any, pool: Pool, region: str, az_id: str) -> Check:
                                            SingleAvailabilityZone=True, RegionNames=[region])["SpotPlacementScores"]
     score = max((s["Score"] for s in scores if s.get("AvailabilityZoneId") == az_id), default=0)
     if score >= LOW_SPOT_SCORE:
-        return Check(pool.name, "spot score", "pass", f"placement score {score}/10 for {pool.max_nodes} nodes in {az_id}")
+        return Check(pool.name, "spot score", "pass",
+                     f"placement score {score}/10 for {pool.max_nodes} nodes in {az_id}")
     best = max(scores, key=lambda s: s["Score"], default=None)
     hint = f"; best here: {best['AvailabilityZoneId']} scores {best['Score']}" if best else ""
     return Check(pool.name, "spot score", "warn", f"placement score {score}/10 for {pool.max_nodes} nodes in {az_id}"
@@ -241,7 +245,8 @@ def spot_price(ec2: Any, pool: Pool, az: str) -> tuple[Check, float | None]:
         return Check(pool.name, "spot price", "warn", f"no spot price for {pool.instance_type} in {az}"), None
     price = float(max(history, key=lambda h: h["Timestamp"])["SpotPrice"])
     if price <= 0:
-        return Check(pool.name, "spot price", "warn", f"EC2 gave a spot price of {price} for {pool.instance_type}"), None
+        return Check(pool.name, "spot price", "warn",
+                     f"EC2 gave a spot price of {price} for {pool.instance_type}"), None
     ref = pool.itype.on_demand_usd_per_hour
     saving = f" ({100 * (1 - price / ref):.0f}% under the reference on-demand rate)" if ref else ""
     return Check(pool.name, "spot price", "pass", f"${price:.4f}/h now in {az}{saving}"), price
@@ -270,36 +275,47 @@ def run(stack: Stack, session: Any) -> Report:
     zone_ids: dict[str, str] = {}
     checks += guarded(None, "zone", "ec2:DescribeAvailabilityZones", lambda: _zone(ec2, az, zone_ids))
     for pool in stack.spec.pools:
-        checks += guarded(pool.name, "offered", "ec2:DescribeInstanceTypeOfferings", lambda: check_offered(ec2, pool, az))
-        checks += guarded(pool.name, "efa", "ec2:DescribeInstanceTypes", lambda: check_efa(ec2, pool))
-        if pool.capacity == "capacity-block":
-            checks += guarded(pool.name, "reservation", "ec2:DescribeCapacityReservations",
-                              lambda: check_reservation(ec2, pool, az))
-        if pool.capacity == "spot":
-            if az in zone_ids:
-                checks += guarded(pool.name, "spot score", "ec2:GetSpotPlacementScores",
-                                  lambda: check_spot_score(ec2, pool, region, zone_ids[az]))
-            found: list[float | None] = []
-            checks += guarded(pool.name, "spot price", "ec2:DescribeSpotPriceHistory",
-                              lambda: _record(spot_price(ec2, pool, az), found))
-            if found and found[0] is not None:
-                prices[pool.name] = found[0]
-        checks += guarded(pool.name, "ami", "ssm:GetParameter / ec2:DescribeImages", lambda: check_ami(ssm, ec2, pool, ami_parameter(stack, pool)))
+        checks += _pool_checks(stack, pool, ec2, ssm, zone_ids, prices)
     checks += check_quotas(quotas, stack, region)
     if stack.spec.scheduler == "kubernetes":
         client, version = session.client("eks", region_name=region), stack.spec.eks.version
-        checks += guarded(None, "k8s version", "eks:DescribeClusterVersions", lambda: check_eks_version(client, version))
+        checks += guarded(None, "k8s version", "eks:DescribeClusterVersions",
+                          lambda: check_eks_version(client, version))
         checks += guarded(None, "add-on", "eks:DescribeAddonVersions", lambda: check_addons(client, version))
     order = {p.name: i for i, p in enumerate(stack.spec.pools)}
     checks.sort(key=lambda c: order.get(c.pool or "", -1))
     return Report(checks, prices)
 
 
+def _pool_checks(stack: Stack, pool: Pool, ec2: Any, ssm: Any, zone_ids: dict[str, str],
+                 prices: dict[str, float]) -> list[Check]:
+    """One pool's checks; its spot price, when EC2 gives one, goes into `prices`."""
+    region, az = stack.region, stack.spec.availability_zone
+    checks = guarded(pool.name, "offered", "ec2:DescribeInstanceTypeOfferings", lambda: check_offered(ec2, pool, az))
+    checks += guarded(pool.name, "efa", "ec2:DescribeInstanceTypes", lambda: check_efa(ec2, pool))
+    if pool.capacity == "capacity-block":
+        checks += guarded(pool.name, "reservation", "ec2:DescribeCapacityReservations",
+                          lambda: check_reservation(ec2, pool, az))
+    if pool.capacity == "spot":
+        if az in zone_ids:
+            checks += guarded(pool.name, "spot score", "ec2:GetSpotPlacementScores",
+                              lambda: check_spot_score(ec2, pool, region, zone_ids[az]))
+        found: list[float | None] = []
+        checks += guarded(pool.name, "spot price", "ec2:DescribeSpotPriceHistory",
+                          lambda: _record(spot_price(ec2, pool, az), found))
+        if found and found[0] is not None:
+            prices[pool.name] = found[0]
+    checks += guarded(pool.name, "ami", "ssm:GetParameter / ec2:DescribeImages",
+                      lambda: check_ami(ssm, ec2, pool, ami_parameter(stack, pool)))
+    return checks
+
+
 def _zone(ec2: Any, az: str, zone_ids: dict[str, str]) -> Check:
     """Spot placement scores speak of zone ids (use1-az4), stack files of zone names (us-east-1a)."""
     zone_ids.update({z["ZoneName"]: z["ZoneId"] for z in ec2.describe_availability_zones()["AvailabilityZones"]})
     if az not in zone_ids:
-        return Check(None, "zone", "fail", f"{az} is not a zone of this region", f"one of: {', '.join(sorted(zone_ids))}")
+        return Check(None, "zone", "fail", f"{az} is not a zone of this region",
+                     f"one of: {', '.join(sorted(zone_ids))}")
     return Check(None, "zone", "pass", f"{az} is {zone_ids[az]} in this account")
 
 

@@ -70,7 +70,8 @@ def from_budget(budgets: Any, account: str, stack: Stack, ce_error: str) -> Spen
     try:
         budget = budgets.describe_budget(AccountId=account, BudgetName=stack.budget_name)["Budget"]
     except (BotoCoreError, ClientError) as exc:
-        return Spend(None, None, [f"spend not read: Cost Explorer {ce_error}, and the budget {stack.budget_name}: {exc}"])
+        return Spend(None, None,
+                     [f"spend not read: Cost Explorer {ce_error}, and the budget {stack.budget_name}: {exc}"])
     calculated = budget.get("CalculatedSpend", {})
     amount = lambda key: float(calculated[key]["Amount"]) if key in calculated else None  # noqa: E731
     return Spend(amount("ActualSpend"), amount("ForecastedSpend"),
@@ -101,9 +102,9 @@ def slurm_gpu_hours(env: dict[str, str] | None = None) -> dict[str, float] | Non
 
 def report(stack: Stack, result: Spend, gpu_hours: dict[str, float] | None) -> list[str]:
     budget = stack.spec.budget.monthly_usd
+    share = f" ({100 * result.month_to_date / budget:.0f}% of the budget)" if result.month_to_date is not None else ""
     lines = [f"Stack {stack.name} (team {stack.spec.team}), tag {COST_TAG}={stack.name}",
-             f"Spent this month:    {money(result.month_to_date)}"
-             + (f" ({100 * result.month_to_date / budget:.0f}% of the budget)" if result.month_to_date is not None else ""),
+             f"Spent this month:    {money(result.month_to_date)}{share}",
              f"Forecast for month:  {money(result.forecast)}"
              + (" - over budget" if result.forecast is not None and result.forecast > budget else ""),
              f"Budget:              {money(budget)}"]

@@ -95,7 +95,8 @@ class SsmChannel:
             info = self.ssm.describe_instance_information(
                 Filters=[{"Key": "InstanceIds", "Values": [self.instance_id]}])["InstanceInformationList"]
             if not info or info[0].get("PingStatus") != "Online":
-                raise HeadUnreachable(f"its SSM agent is not online ({info[0]['PingStatus'] if info else 'not registered'})")
+                status = info[0]["PingStatus"] if info else "not registered"
+                raise HeadUnreachable(f"its SSM agent is not online ({status})")
             command = self.ssm.send_command(
                 InstanceIds=[self.instance_id], DocumentName="AWS-RunShellScript",
                 Parameters={"commands": [script]}, TimeoutSeconds=max(30, int(self.timeout)),
@@ -112,7 +113,8 @@ class SsmChannel:
                 if result["Status"] == "Success":
                     return str(result.get("StandardOutputContent", ""))
                 if result["Status"] in ("Failed", "Cancelled", "TimedOut", "Cancelling"):
-                    raise HeadUnreachable(f"the command {result['Status']}: {result.get('StandardErrorContent', '')[-500:]}")
+                    error = result.get("StandardErrorContent", "")[-500:]
+                    raise HeadUnreachable(f"the command {result['Status']}: {error}")
             raise HeadUnreachable(f"the command did not finish in {self.timeout:.0f} s")
         except (BotoCoreError, ClientError) as exc:
             raise HeadUnreachable(f"SSM: {exc}") from exc

@@ -13,13 +13,14 @@ import io
 import tarfile
 from pathlib import Path
 
-from gpucluster.render import dashboards, monitoring, prometheus, slurm
-from gpucluster.contract import settings
 from gpucluster import node
+from gpucluster.contract import settings
+from gpucluster.render import dashboards, monitoring, prometheus, slurm
 from gpucluster.spec.model import Stack, stack_file
 
-PROGRAMS = ("bootstrap.py", "build_image.sh", "gpucluster_node.py", "gpucluster_budget.py", "gpucluster_neuron_metrics.py",
-            "task_prolog.sh", "gpucluster_hosts.py", "gpucluster_health.py", "gpucluster_metrics.py")
+PROGRAMS = ("bootstrap.py", "build_image.sh", "gpucluster_node.py", "gpucluster_budget.py",
+            "gpucluster_neuron_metrics.py", "task_prolog.sh", "gpucluster_hosts.py", "gpucluster_health.py",
+            "gpucluster_metrics.py")
 # Who submits jobs on the head node: the image's login user (Ubuntu). Add others with `sacctmgr add user`.
 CLUSTER_USERS = (settings.LOGIN_USER,)
 EXAMPLES = ("launch.sh", "ddp_train.py", "ddp.sbatch", "all_reduce.py", "all_reduce.sbatch", "ddp_container.sbatch")
@@ -46,7 +47,8 @@ def contents(stack: Stack, examples_dir: Path,
     files["accounting.sh"] = (slurm.accounting_script(stack, CLUSTER_USERS).encode(), 0o755)
     files |= {name: (text.encode(), 0o644)
               for name, text in (monitoring.node_config(stack, pool) for pool in monitoring.watched_pools(stack))}
-    files |= {name: (text.encode(), 0o644) for name, text in (prometheus.files(stack) | dashboards.files(stack)).items()}
+    files |= {name: (text.encode(), 0o644)
+              for name, text in (prometheus.files(stack) | dashboards.files(stack)).items()}
     return files
 
 

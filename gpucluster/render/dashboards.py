@@ -1,8 +1,9 @@
 """Grafana dashboards on the head node, built with Grafana's typed builders (grafana-foundation-sdk), never as JSON.
 
-Three boards over the head's Prometheus (gpucluster/render/prometheus.py lists every metric they query): the cluster overview,
-GPU use per Slurm job, and the team's cost board. `files(stack)` is what `render --out` writes and the head gets in its
-bundle, byte for byte; Grafana provisions them from DASHBOARDS_DIR against the datasource whose uid is DATASOURCE_UID.
+Three boards over the head's Prometheus (gpucluster/render/prometheus.py lists every metric they query): the cluster
+overview, GPU use per Slurm job, and the team's cost board. `files(stack)` is what `render --out` writes and the head
+gets in its bundle, byte for byte; Grafana provisions them from DASHBOARDS_DIR against the datasource whose uid is
+DATASOURCE_UID.
 """
 
 from __future__ import annotations
@@ -10,20 +11,33 @@ from __future__ import annotations
 import json
 from typing import TypeVar
 
-from grafana_foundation_sdk.builders import common as common_builders
-from grafana_foundation_sdk.builders import dashboard, gauge, stat, table, timeseries
-from grafana_foundation_sdk.builders import prometheus as prom
+from grafana_foundation_sdk.builders import (
+    common as common_builders,
+    dashboard,
+    gauge,
+    prometheus as prom,
+    stat,
+    table,
+    timeseries,
+)
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common
-from grafana_foundation_sdk.models.dashboard import Dashboard as DashboardModel
-from grafana_foundation_sdk.models.dashboard import (DashboardCursorSync, DataSourceRef, DataTransformerConfig,
-                                                     DynamicConfigValue, Threshold, ThresholdsMode, VariableOption,
-                                                     VariableRefresh, VariableSort)
+from grafana_foundation_sdk.models.dashboard import (
+    Dashboard as DashboardModel,
+    DashboardCursorSync,
+    DataSourceRef,
+    DataTransformerConfig,
+    DynamicConfigValue,
+    Threshold,
+    ThresholdsMode,
+    VariableOption,
+    VariableRefresh,
+    VariableSort,
+)
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
-from gpucluster.render import monitoring, prometheus
-
 from gpucluster.contract import settings
+from gpucluster.render import monitoring, prometheus
 from gpucluster.spec.model import Stack
 
 # The head provisions its Prometheus datasource under this uid (at 127.0.0.1:PROMETHEUS_PORT): the boards name it by

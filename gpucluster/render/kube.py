@@ -13,11 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from gpucluster import node
-from gpucluster.spec import eks
-
-from gpucluster.render import monitoring, prometheus
-
 from gpucluster.contract import settings
+from gpucluster.render import monitoring, prometheus
+from gpucluster.spec import eks
 from gpucluster.spec.model import Pool, Stack
 
 Manifest = dict[str, Any]
@@ -416,15 +414,20 @@ def shm_size(pool: Pool) -> str:
 
 
 def example_job(stack: Stack, pool: Pool, script: str, nodes: int = 2, image: str = EXAMPLE_IMAGE) -> list[Manifest]:
-    """`script` (examples/ddp_train.py) across `nodes` nodes of `pool` with torchrun: an indexed Job (one pod per node) behind a
-    headless Service for the rendezvous, queued through the team's LocalQueue, checkpointing to the FSx claim."""
+    """`script` (examples/ddp_train.py) across `nodes` nodes of `pool` with torchrun: an indexed Job (one pod per node)
+    behind a headless Service for the rendezvous, queued through the team's LocalQueue, checkpointing to the FSx
+    claim."""
     ns, name = namespace_name(stack), "ddp-example"
     config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "namespace": ns},
                   "data": {"ddp_train.py": script}}
     service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": ns},
                "spec": {"clusterIP": "None", "selector": {"job-name": name}, "ports": [{"name": "c10d",
                                                                                          "port": 29500}]}}
-    procs = pool.itype.accelerator.count  # type: ignore[union-attr]
+    accelerator = pool.itype.accelerator
+    if accelerator is None:
+        raise ValueError(f"the example job runs one process per accelerator: pool {pool.name} "
+                         f"({pool.instance_type}) has none")
+    procs = accelerator.count
     command = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={procs}", "--node-rank=$(JOB_COMPLETION_INDEX)",
                f"--master-addr={name}-0.{name}", "--master-port=29500",
                "/opt/example/ddp_train.py", "--checkpoint-dir", f"/fsx/checkpoints/{name}"]
@@ -488,8 +491,9 @@ def guardrail_manifests(stack: Stack, queue_url: Any, act_threshold_percent: int
                                           "seccompProfile": {"type": "RuntimeDefault"}},
                       "containers": [{
                           "name": "guardrail", "image": GUARDRAIL_IMAGE,
-                          "command": ["sh", "-c", f"pip install --quiet --no-cache-dir --target /tmp/lib {GUARDRAIL_BOTO3} && "
-                                                  "PYTHONPATH=/tmp/lib exec python /opt/guardrail/queue_guardrail.py"],
+                          "command": ["sh", "-c",
+                                      f"pip install --quiet --no-cache-dir --target /tmp/lib {GUARDRAIL_BOTO3} && "
+                                      "PYTHONPATH=/tmp/lib exec python /opt/guardrail/queue_guardrail.py"],
                           "env": [{"name": k, "value": v} for k, v in env.items()],
                           "resources": {"requests": {"cpu": "50m", "memory": "128Mi"},
                                         "limits": {"memory": "256Mi"}},

@@ -1,8 +1,8 @@
 """Accelerator utilisation, published by every GPU and Trainium node and watched per pool.
 
 NVIDIA nodes publish through the CloudWatch agent's nvidia_gpu plugin; Neuron nodes through gpucluster's own small
-publisher fed by neuron-monitor (gpucluster/node/gpucluster_neuron_metrics.py). Both configurations and the alarms share the
-names below, so that an alarm always watches the metric the nodes send. The rule every GPU dashboard carries:
+publisher fed by neuron-monitor (gpucluster/node/gpucluster_neuron_metrics.py). Both configurations and the alarms share
+the names below, so that an alarm always watches the metric the nodes send. The rule every GPU dashboard carries:
 utilisation under 30% for 5 minutes is money burning.
 """
 

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import yaml
 
-from gpucluster.spec import cost
-
-from gpucluster.render import monitoring
-
 from gpucluster.contract import settings
+from gpucluster.render import monitoring
+from gpucluster.spec import cost
 from gpucluster.spec.model import Stack
 
 SCRAPE_SECONDS = 30  # dcgm-exporter samples every 30 s by default: scraping faster would only repeat its figures
@@ -122,7 +120,8 @@ def alert_rules() -> list[dict[str, object]]:
                         f"{monitoring.IDLE_PERCENT}% for {minutes} minutes",
              "description": "Average utilisation {{ $value | printf \"%.0f\" }}% over " f"{minutes} minutes; "
                             "Slurm job {{ $labels.hpc_job }}. An idle GPU still costs its hour."}},
-        {"alert": "GpuXidError", "expr": f'DCGM_EXP_XID_ERRORS_COUNT{{UUID!="",xid=~"{"|".join(map(str, settings.FATAL_XIDS))}"}} > 0',
+        {"alert": "GpuXidError",
+         "expr": f'DCGM_EXP_XID_ERRORS_COUNT{{UUID!="",xid=~"{"|".join(map(str, settings.FATAL_XIDS))}"}} > 0',
          "labels": {"severity": "critical"},
          "annotations": {"summary": "GPU {{ $labels.gpu }} of {{ $labels.node }} reported XID {{ $labels.xid }}",
                          "description": "The health check drains a node whose XID needs a reset (see `sinfo -R`)."}},

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpucluster.spec import cost
-
 from gpucluster.contract import settings
+from gpucluster.spec import cost
 from gpucluster.spec.catalog import Accelerator
 from gpucluster.spec.model import Pool, Stack
 
@@ -135,7 +134,8 @@ def _node_line(pool: Pool, first_port: int | None) -> str:
         line += f" Gres={g}"
     line += f" Features={','.join(features)}"
     if first_port is not None:
-        line += f" Port={first_port}" if pool.max_nodes == 1 else f" Port=[{first_port}-{first_port + pool.max_nodes - 1}]"
+        last_port = first_port + pool.max_nodes - 1
+        line += f" Port={first_port}" if pool.max_nodes == 1 else f" Port=[{first_port}-{last_port}]"
     return line + " State=CLOUD"
 
 
@@ -146,7 +146,8 @@ def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
     always_on = [hostlist(p.name, 1, p.min_nodes) for p in pools if p.min_nodes]
     gres_types = sorted({g.split(":")[0] for p in pools if (g := gres(p))})
     lines: list[str | None] = [
-        f"# Rendered by gpucluster for stack {stack.name}. Change the stack file and run `pulumi up`; edits here are lost.",
+        f"# Rendered by gpucluster for stack {stack.name}. "
+        "Change the stack file and run `pulumi up`; edits here are lost.",
         f"ClusterName={stack.cluster_name}",
         f"SlurmctldHost={layout.controller_host}",
         f"SlurmctldPort={layout.controller_port}",
@@ -297,7 +298,8 @@ def accounting_script(stack: Stack, users: tuple[str, ...]) -> str:
 
 def slurmdbd_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
     return "\n".join([
-        f"# Rendered by gpucluster for stack {stack.name}. slurmdbd requires this file to be mode 0600, owned by SlurmUser.",
+        f"# Rendered by gpucluster for stack {stack.name}. "
+        "slurmdbd requires this file to be mode 0600, owned by SlurmUser.",
         "AuthType=auth/munge",
         f"AuthInfo=socket={layout.munge_socket}",
         "DbdHost=localhost",
@@ -327,7 +329,8 @@ def cgroup_conf(stack: Stack) -> str:
 
 
 # pyxis gives srun --container-image (enroot underneath). Optional: a node without the plugin still runs jobs.
-PLUGSTACK_CONF = "# Rendered by gpucluster: pyxis for `srun --container-image`.\noptional /usr/local/lib/slurm/spank_pyxis.so\n"
+PLUGSTACK_CONF = ("# Rendered by gpucluster: pyxis for `srun --container-image`.\n"
+                  "optional /usr/local/lib/slurm/spank_pyxis.so\n")
 
 
 def all_files(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> dict[str, str]:

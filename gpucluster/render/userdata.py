@@ -1,20 +1,19 @@
 """The cloud-init user data handed to EC2, byte for byte, for the head node and for each pool's nodes.
 
 User data holds no secret and nothing AWS assigns at `pulumi up`, and installs nothing (the node image holds the
-software). At every boot, before the network is online, it runs the lockdown (gpucluster.contract.lockdown: instance metadata
-for root and the daemons only, no root for the login user). It writes three files: node.env (cluster, region, role, pool, the parameters to read), fetch_bundle.py, and
-the unit gpucluster-boot.service, which runs fetch_bundle.py at every boot, not only the first: it reads the settings
-and the munge key from SSM, fetches the bundle from S3 and runs bootstrap.py in the node's role. So the bytes are known
-offline, and small: EC2 takes 16384 bytes at most.
+software). At every boot, before the network is online, it runs the lockdown (gpucluster.contract.lockdown: instance
+metadata for root and the daemons only, no root for the login user). It writes three files: node.env (cluster, region,
+role, pool, the parameters to read), fetch_bundle.py, and the unit gpucluster-boot.service, which runs fetch_bundle.py
+at every boot, not only the first: it reads the settings and the munge key from SSM, fetches the bundle from S3 and
+runs bootstrap.py in the node's role. So the bytes are known offline, and small: EC2 takes 16384 bytes at most.
 """
 
 from __future__ import annotations
 
 import yaml
 
-from gpucluster.contract import lockdown, settings
-
 from gpucluster import node
+from gpucluster.contract import lockdown, settings
 from gpucluster.spec.model import Pool, Stack
 
 EC2_USER_DATA_LIMIT = 16384

@@ -221,9 +221,10 @@ def kept_on_destroy(stack: Stack) -> list[Kept]:
         kept.append(Kept("the stack's S3 bucket (the data written under /fsx, exported)", None,
                          f"S3 Standard ${S3_STANDARD_USD_PER_GB_MONTH}/GB-month of what it holds"))
     if lustre.keeps_file_system and lustre.deployment_type and lustre.storage_capacity_gib:
-        kept.append(Kept(f"the FSx for Lustre file system ({lustre.deployment_type}, {lustre.storage_capacity_gib} GiB)",
+        what = f"the FSx for Lustre file system ({lustre.deployment_type}, {lustre.storage_capacity_gib} GiB)"
+        kept.append(Kept(what,
                          lustre_usd_per_month(lustre.deployment_type, lustre.throughput_mb_per_tib,
-                                        lustre.storage_capacity_gib),
+                                              lustre.storage_capacity_gib),
                          "storage.lustre.keep_file_system_on_destroy"))
     return kept
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -17,9 +18,8 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
 
-from gpucluster.spec import catalog, eks
-
 from gpucluster.contract import settings
+from gpucluster.spec import catalog, eks
 
 CONFIG_KEY = "gpucluster:cluster"
 REGION_KEY = "aws:region"
@@ -72,7 +72,7 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
-def _rule_errors(model: str, problems: list[tuple[tuple[str | int, ...], str]], data: Any) -> ValidationError:
+def _rule_errors(model: str, problems: Sequence[tuple[tuple[str | int, ...], str]], data: Any) -> ValidationError:
     """Turn cross-field problems into one ValidationError so pydantic reports them next to the field errors."""
     return ValidationError.from_exception_data(
         model,
@@ -104,7 +104,8 @@ class Network(_Model):
     def _one_network(self) -> Network:
         existing = (self.vpc_id, self.subnet_id)
         if self.vpc_cidr and any(existing):
-            raise _rule_errors("network", [((), "give vpc_cidr (new VPC) or vpc_id + subnet_id (existing), not both")], None)
+            raise _rule_errors("network", [((), "give vpc_cidr (new VPC) or vpc_id + subnet_id (existing), not both")],
+                               None)
         if not self.vpc_cidr and not all(existing):
             raise _rule_errors("network", [((), "give vpc_cidr for a new VPC, or both vpc_id and subnet_id")], None)
         return self
@@ -222,7 +223,8 @@ class Lustre(_Model):
         if self.file_system_id:
             for key in ("deployment_type", "storage_capacity_gib", "throughput_mb_per_tib", "data_repository"):
                 if getattr(self, key) is not None:
-                    problems.append(((key,), "not allowed with file_system_id (the existing file system is used as is)"))
+                    problems.append(
+                        ((key,), "not allowed with file_system_id (the existing file system is used as is)"))
             for key in ("dns_name", "mount_name"):
                 if not getattr(self, key):
                     problems.append(((key,), "required with file_system_id (see `aws fsx describe-file-systems`)"))
@@ -305,7 +307,8 @@ class Budget(_Model):
     @field_validator("notify_emails")
     @classmethod
     def _emails(cls, value: list[str]) -> list[str]:
-        problems = [((i,), f"not an email address: {e!r}") for i, e in enumerate(value) if not re.fullmatch(EMAIL_RE, e)]
+        problems = [((i,), f"not an email address: {e!r}")
+                    for i, e in enumerate(value) if not re.fullmatch(EMAIL_RE, e)]
         if problems:
             raise _rule_errors("notify_emails", problems, value)
         return value
@@ -467,7 +470,8 @@ def _scheduler_problems(spec: dict[str, Any]) -> list[tuple[tuple[str | int, ...
             problems.append((("team",), f"{spec['team']!r} is a namespace the cluster's own software uses (the team "
                              f"gets a namespace of its name): choose another; taken: {', '.join(RESERVED_NAMESPACES)}"))
         pools = spec.get("pools")
-        for i, pool in enumerate(pools if isinstance(pools, list) else []):
+        pools = pools if isinstance(pools, list) else []
+        for i, pool in enumerate(pools):
             if isinstance(pool, dict) and pool.get("ami_id") is not None:
                 problems.append((("pools", i, "ami_id"), "not allowed with scheduler: kubernetes (node groups boot "
                                                          "the EKS-optimized accelerated AMI of the cluster's version)"))
@@ -516,7 +520,8 @@ class Stack:
 
     @property
     def tags(self) -> dict[str, str]:
-        return {settings.CLUSTER_TAG: self.cluster_name, settings.TEAM_TAG: self.spec.team, settings.STACK_TAG: self.name}
+        return {settings.CLUSTER_TAG: self.cluster_name, settings.TEAM_TAG: self.spec.team,
+                settings.STACK_TAG: self.name}
 
 
 class SpecError(Exception):
@@ -626,11 +631,12 @@ def validate(stack: str, config: dict[str, Any], source: str = "") -> Stack:
             problems += found
         az = raw.get("availability_zone")
         if isinstance(region, str) and not _region_problems(region) and isinstance(az, str) \
-                and re.fullmatch(r"[a-z]{2}(-[a-z]+)+-\d[a-z]", az) and not re.fullmatch(re.escape(region) + "[a-z]", az):
+                and re.fullmatch(r"[a-z]{2}(-[a-z]+)+-\d[a-z]", az) \
+                and not re.fullmatch(re.escape(region) + "[a-z]", az):
             problems.append((_path(("availability_zone",)), f"{az} is not in region {region}"))
-    if problems or spec is None:
+    if problems or spec is None or not isinstance(region, str):  # a region that is no string is among the problems
         raise SpecError(source or stack, problems)
-    return Stack(name=stack, region=region, spec=spec)  # type: ignore[arg-type]
+    return Stack(name=stack, region=region, spec=spec)
 
 
 def stack_name_from_path(path: Path) -> str:
@@ -649,7 +655,8 @@ def resolve_stack_file(stack: str, stacks_dir: Path) -> Path:
 
 
 def stack_config(stack: Stack) -> dict[str, Any]:
-    """The `config:` mapping of the validated stack, as the stack file gave it (defaults left out, explicit nulls kept)."""
+    """The `config:` mapping of the validated stack, as the stack file gave it (defaults left out, explicit nulls
+    kept)."""
     return {REGION_KEY: stack.region, CONFIG_KEY: stack.spec.model_dump(mode="json", exclude_unset=True)}
 
 
