@@ -28,8 +28,13 @@ system-packages:
 	@dpkg -s $(SYSTEM_PACKAGES) >/dev/null 2>&1 || { $(SUDO) apt-get update -q && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q $(SYSTEM_PACKAGES); }
 
-test: $(VENV)/.installed system-packages
+test: $(VENV)/.installed system-packages docs
 	$(PY) -m pytest -q
+
+# The documentation site (mkdocs.yml): --strict fails on a broken link or anchor and on a page left out of the nav.
+.PHONY: docs
+docs: $(VENV)/.installed
+	$(VENV)/bin/mkdocs build --strict --quiet
 
 bench: $(VENV)/.installed system-packages
 	$(PY) benchmarks/plan_speed.py
