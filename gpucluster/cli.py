@@ -291,7 +291,8 @@ def events(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="python -m gpucluster", description=__doc__)
+    top = argparse.ArgumentParser(prog="python -m gpucluster", description=__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # the docstring's table
     sub = top.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="show what a stack creates and costs, offline")
     p.add_argument("stack", nargs="?", default="dev",

@@ -81,8 +81,12 @@ def _rule_errors(model: str, problems: Sequence[tuple[tuple[str | int, ...], str
 
 
 class Network(_Model):
+    # A new VPC's range: a private IPv4 network, /16 to /20 (room for a private and a public subnet). Give each
+    # team's stack a range of its own.
     vpc_cidr: str | None = None
+    # An existing VPC, with subnet_id, instead of vpc_cidr.
     vpc_id: str | None = Field(default=None, pattern=r"^vpc-[0-9a-f]{8,17}$")
+    # The existing VPC's subnet that the nodes and the file system use, with vpc_id.
     subnet_id: str | None = Field(default=None, pattern=r"^subnet-[0-9a-f]{8,17}$")
 
     @field_validator("vpc_cidr")
@@ -128,22 +132,37 @@ AmiId = Annotated[str | None, Field(default=None, pattern=r"^ami-[0-9a-f]{8,17}$
 
 
 class HeadNode(_Model):
+    # The head node's instance type: it runs slurmctld, slurmdbd with MariaDB, Prometheus, Alertmanager and Grafana.
     instance_type: Annotated[str, _in_catalog(catalog.HEAD_NODE, "head node type")] = "m7i.2xlarge"
+    # The head node's image. Default: the stack's baked head image, or Ubuntu 24.04 with image.build false.
     ami_id: AmiId = None
 
 
 class Pool(_Model):
+    # The pool's Slurm partition, and its nodes' names: <name>-1, <name>-2, ... (not `default`: Slurm reserves it).
     name: str = Field(pattern=POOL_NAME_RE)
+    # Every node's EC2 instance type (see Instance types).
     instance_type: Annotated[str, _in_catalog(catalog.ACCELERATED, "instance type")]
+    # How the nodes are bought: on demand, as spot, or from a capacity block (named by capacity_reservation_id).
     capacity: Literal["on-demand", "spot", "capacity-block"] = "on-demand"
+    # Nodes kept running (always on), at most max_nodes; a capacity-block pool's must equal max_nodes (the block is
+    # paid for whole).
     min_nodes: int = Field(default=0, ge=0)
+    # The most nodes the pool runs at once.
     max_nodes: int = Field(ge=1, le=1024)
+    # EFA network interfaces, for NCCL across nodes. Default: on where the type supports EFA (true where it does not
+    # is refused).
     efa: bool | None = None
+    # The capacity block's reservation: required with capacity: capacity-block, and only allowed there.
     capacity_reservation_id: str | None = Field(default=None, pattern=r"^cr-[0-9a-f]{8,17}$")
+    # The nodes' image. Default: the stack's baked image of the pool's accelerator kind; with image.build false, the
+    # newest Deep Learning Base AMI (the Neuron DLAMI for trn types). It may name an image another stack of the
+    # account baked. Not allowed with scheduler: kubernetes.
     ami_id: AmiId = None
     # A spot pool's partition also lists this pool's nodes: when spot capacity runs out, jobs run there.
     fallback: str | None = None
-    # Container images, enroot caches and checkpoints staged locally need room; the DLAMIs ship 100+ GiB snapshots.
+    # Each node's root volume in GiB (encrypted gp3). Container images, enroot caches and checkpoints staged locally
+    # need room; the DLAMIs ship 100+ GiB snapshots.
     root_volume_gib: int = Field(default=200, ge=MIN_POOL_ROOT_GIB, le=16384)
 
     @field_validator("name")
@@ -203,18 +222,29 @@ def _pool_rules(pool: dict[str, Any]) -> list[tuple[tuple[str | int, ...], str]]
 
 
 class Lustre(_Model):
+    # The FSx for Lustre deployment type: required unless file_system_id names an existing file system.
     deployment_type: Literal["SCRATCH_2", "PERSISTENT_2"] | None = None
+    # The file system's size: 1200, 2400 or a multiple of 2400 GiB (required unless file_system_id).
     storage_capacity_gib: int | None = Field(default=None, ge=1200)
+    # PERSISTENT_2's throughput per TiB of storage, in MB/s: 125, 250, 500 or 1000 (required there; AWS fixes
+    # SCRATCH_2's).
     throughput_mb_per_tib: int | None = None
+    # A team's own S3 location, imported into /fsx; nothing is exported to it. Default: the stack creates a private,
+    # versioned, encrypted bucket that /fsx imports from and exports to.
     data_repository: str | None = Field(default=None, pattern=r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?$")
+    # An existing FSx for Lustre file system, mounted as is instead of creating one (with dns_name and mount_name).
     file_system_id: str | None = Field(default=None, pattern=r"^fs-[0-9a-f]{8,17}$")
-    # An existing file system is mounted by DNS name and mount name; FSx has no lookup by id in Pulumi.
+    # The existing file system's DNS name, with file_system_id: an existing file system is mounted by DNS name and
+    # mount name; FSx has no lookup by id in Pulumi.
     dns_name: str | None = None
+    # The existing file system's mount name, with file_system_id (`aws fsx describe-file-systems` shows both).
     mount_name: str | None = None
     # What `pulumi destroy` keeps. The data lives in S3 (the association exports to the stack's bucket); the file
     # system is a cache of it that bills every month, so it goes unless asked for. The stack's bucket stays. With a
     # team's bucket nothing is exported: the stack must say whether the file system (homes, checkpoints) stays.
     keep_file_system_on_destroy: bool | None = None
+    # Whether `pulumi destroy` keeps the stack's bucket, which holds what was exported from /fsx. Not allowed with
+    # data_repository: the stack never deletes a team's bucket.
     keep_bucket_on_destroy: bool = True
 
     @model_validator(mode="after")
@@ -278,12 +308,17 @@ class Lustre(_Model):
 
 
 class Storage(_Model):
+    # FSx for Lustre, linked to S3.
     lustre: Lustre
 
 
 class Budget(_Model):
+    # The monthly budget in US dollars.
     monthly_usd: float = Field(gt=0)
+    # Percentages of monthly_usd (each 1 to 1000, none repeated) at which the subscribers hear: each an alert on
+    # actual and one on forecasted spend.
     thresholds_percent: list[int] = Field(default=[50, 80, 100], min_length=1)
+    # Who receives the budget's and the cluster's alerts (the stack's SNS topic); each confirms AWS's e-mail first.
     notify_emails: list[str] = Field(min_length=1)
     # Percent of the monthly budget in actual spend at which the cluster stops starting GPU nodes: the head node's
     # guardrail closes the partitions and an AWS Budgets action denies the head node's launches. null: alert only.
@@ -321,7 +356,8 @@ class Slurm(_Model):
     resume_timeout_seconds: int = Field(default=1800, ge=300, le=7200)
     # A multi-node job gets all its nodes from EC2 or none (no paying for half a job waiting for the rest).
     all_or_nothing: bool = True
-    # Nodes set DOWN for lack of capacity become schedulable again after this many seconds.
+    # Nodes set DOWN for lack of capacity (or another passing cause) become schedulable again after this many
+    # seconds, doubled for each failure in a row up to an hour (or this many seconds, if more).
     capacity_retry_seconds: int = Field(default=600, ge=60, le=86400)
     # A spot interruption warning comes two minutes before EC2 reclaims the instance: its jobs get SIGUSR1 to
     # checkpoint, and are requeued this many seconds later (their checkpoint must be written by then).
@@ -353,6 +389,7 @@ class Kubernetes(_Model):
     # The control plane needs subnets in two AZs; the second is a small subnet in this AZ (default: another letter of
     # the stack's region). With an existing network, name a subnet of the VPC in another AZ instead.
     control_plane_availability_zone: str | None = Field(default=None, pattern=r"^[a-z]{2}(-[a-z]+)+-\d[a-z]$")
+    # With an existing network (vpc_id): a subnet of the VPC in another AZ, for the control plane (required then).
     control_plane_subnet_id: str | None = Field(default=None, pattern=r"^subnet-[0-9a-f]{8,17}$")
 
     @field_validator("version")
@@ -392,17 +429,27 @@ class ImageBuild:
 
 
 class ClusterSpec(_Model):
+    # The team's name: in resource names and tags (gpucluster:team), its Slurm account and its Kubernetes namespace.
     team: str = Field(pattern=NAME_RE, max_length=32)
+    # The one AZ of the nodes and the file system (EFA and cluster placement groups need one); in aws:region.
     availability_zone: str = Field(pattern=r"^[a-z]{2}(-[a-z]+)+-\d[a-z]$")
     # slurm: a Slurm head node launching nodes on demand; kubernetes: an EKS cluster (the `kubernetes:` section).
     scheduler: Literal["slurm", "kubernetes"] = "slurm"
+    # The EKS cluster (scheduler: kubernetes only; every key has a default).
     kubernetes: Kubernetes | None = None
+    # A new VPC (vpc_cidr), or an existing network (vpc_id and subnet_id).
     network: Network
+    # The Slurm head node (scheduler: slurm only).
     head_node: HeadNode = HeadNode()
+    # The node pools, names unique: each a Slurm partition (or an EKS node group) of one instance type, from zero.
     pools: list[Pool] = Field(min_length=1, max_length=64)
+    # The shared file system, mounted at /fsx on every node.
     storage: Storage
+    # The monthly AWS budget of the spend tagged with the stack, its alerts, and what acts at its threshold.
     budget: Budget
+    # Slurm's settings (scheduler: slurm only).
     slurm: Slurm = Slurm()
+    # The node images (scheduler: slurm only).
     image: NodeImage = NodeImage()
 
     @property
@@ -575,7 +622,7 @@ def _message(err: ErrorDetails) -> str:
     if err["type"] == "extra_forbidden":
         if field in RENAMED:
             return f"renamed: {RENAMED[field]}"
-        return "unknown key (check the spelling; see README for the keys)"
+        return "unknown key (check the spelling; the keys: docs/reference/stack-file.md)"
     if err["type"] == "missing":
         return "required key is missing"
     return err["msg"].removeprefix("Value error, ")

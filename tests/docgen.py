@@ -1,0 +1,267 @@
+"""The docs' reference pages that are generated, so that they cannot drift from the code: the stack file's keys from
+the pydantic model (gpucluster/spec/model.py) and the command line's help. tests/test_docs.py compares the committed
+pages with what this module produces; `GPUCLUSTER_UPDATE_GOLDEN=1` rewrites them, as for the other golden files.
+
+A key's description is its `Field(description=...)` or else the comment block right above the field in model.py: the
+model's comments are its documentation, so a field without either is an error here."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+
+import annotated_types
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
+from gpucluster.spec import catalog, eks, model
+
+ROOT = Path(__file__).resolve().parent.parent
+STACK_FILE_PAGE = ROOT / "docs" / "reference" / "stack-file.md"
+CLI_PAGE = ROOT / "docs" / "reference" / "cli.md"
+REGENERATE = "GPUCLUSTER_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_docs.py"
+
+# Keys whose allowed values a validator checks against a table of the library: the same tables, listed.
+ALLOWED_FROM_TABLES: dict[str, tuple[str, list[str]]] = {
+    model.REGION_KEY: ("catalog.AWS_REGIONS", sorted(catalog.AWS_REGIONS)),
+    "head_node.instance_type": ("catalog.HEAD_NODE", list(catalog.HEAD_NODE)),
+    "pools[].instance_type": ("catalog.ACCELERATED", list(catalog.ACCELERATED)),
+    "kubernetes.version": ("eks.VERSIONS", list(eks.VERSIONS)),
+}
+
+
+@dataclass(frozen=True)
+class Key:
+    path: str  # under gpucluster:cluster, e.g. "pools[].min_nodes"
+    kind: str  # the YAML type, in words
+    default: str
+    allowed: str
+    description: str
+    section: str | None  # a mapping's (or a list of mappings') keys are under this path: "storage.lustre", "pools[]"
+
+
+def field_comments(cls: type[BaseModel]) -> dict[str, str]:
+    """Field name -> the comment block right above its line in the class body."""
+    lines = textwrap.dedent(inspect.getsource(cls)).splitlines()
+    body = ast.parse("\n".join(lines)).body[0]
+    assert isinstance(body, ast.ClassDef)
+    comments: dict[str, str] = {}
+    for node in body.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            above: list[str] = []
+            row = node.lineno - 2  # the line above the field, 0-based
+            while row >= 0 and lines[row].lstrip().startswith("#"):
+                above.insert(0, lines[row].lstrip()[1:].strip())
+                row -= 1
+            if above:
+                comments[node.target.id] = " ".join(above)
+    return comments
+
+
+def _unwrap(annotation: Any) -> tuple[Any, bool]:
+    """The annotation without `| None`, and whether null is allowed."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        rest = [a for a in get_args(annotation) if a is not type(None)]
+        return (rest[0] if len(rest) == 1 else Union[tuple(rest)]), len(rest) < len(get_args(annotation))
+    return annotation, False
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    inner, _ = _unwrap(annotation)
+    if get_origin(inner) is list:
+        inner = get_args(inner)[0]
+    return inner if isinstance(inner, type) and issubclass(inner, BaseModel) else None
+
+
+def _type_name(annotation: Any) -> str:
+    inner, nullable = _unwrap(annotation)
+    if get_origin(inner) is Annotated:
+        inner = get_args(inner)[0]
+    if get_origin(inner) is list:
+        name = f"list of {_type_name(get_args(inner)[0])}s"
+    elif get_origin(inner) is Literal:
+        name = "string"
+    elif isinstance(inner, type) and issubclass(inner, BaseModel):
+        name = "mapping"
+    else:
+        name = {str: "string", int: "integer", float: "number", bool: "boolean"}[inner]
+    return f"{name} or null" if nullable else name
+
+
+def _yaml(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, BaseModel):
+        return "every key's default"
+    if isinstance(value, list):
+        return "[" + ", ".join(_yaml(v) for v in value) + "]"
+    return str(value)
+
+
+def _constraints(name: str, annotation: Any, metadata: list[Any]) -> list[str]:
+    """What the field's type and metadata allow, in words (a list's item constraints included)."""
+    out: list[str] = []
+    inner, _ = _unwrap(annotation)
+    if get_origin(inner) is Literal:
+        out.append("one of " + ", ".join(f"`{v}`" for v in get_args(inner)))
+    if get_origin(inner) is list and get_origin(item := get_args(inner)[0]) is Annotated:
+        out += [f"each: {c}" for meta in get_args(item)[1:] if isinstance(meta, FieldInfo)
+                for c in _constraints(name, str, meta.metadata)]
+    unit = "item" if get_origin(inner) is list else "character"
+    low = next((m.ge for m in metadata if isinstance(m, annotated_types.Ge)), None)
+    high = next((m.le for m in metadata if isinstance(m, annotated_types.Le)), None)
+    if low is not None and high is not None:
+        out.append(f"{low} to {high}")
+    else:
+        out += [f">= {low}"] * (low is not None) + [f"<= {high}"] * (high is not None)
+    out += [f"> {m.gt}" for m in metadata if isinstance(m, annotated_types.Gt)]
+    out += [f"at least {m.min_length} {unit}{'s' * (m.min_length != 1)}" for m in metadata
+            if isinstance(m, annotated_types.MinLen)]
+    out += [f"at most {m.max_length} {unit}{'s' * (m.max_length != 1)}" for m in metadata
+            if isinstance(m, annotated_types.MaxLen)]
+    patterns = [p for meta in metadata if (p := getattr(meta, "pattern", None))]
+    # What a pattern allows in the words the checker's own messages use, else the pattern itself.
+    return [model.PATTERN_HELP.get(name, f"matches `{p}`") for p in patterns] + out
+
+
+def keys(cls: type[BaseModel] = model.ClusterSpec, prefix: str = "") -> Iterator[Key]:
+    """Every key of the stack file's cluster mapping, depth first, each section after its own key."""
+    comments = field_comments(cls)
+    for name, field in cls.model_fields.items():
+        path = f"{prefix}{name}"
+        description = field.description or comments.get(name)
+        if not description:
+            raise ValueError(f"{cls.__name__}.{name} ({path}) has no description: add a comment above it in "
+                             "gpucluster/spec/model.py")
+        model_ = _model_of(field.annotation)
+        section = None if model_ is None else path + ("[]" if get_origin(_unwrap(field.annotation)[0]) is list else "")
+        allowed = _constraints(name, field.annotation, field.metadata)
+        if path in ALLOWED_FROM_TABLES:
+            table, values = ALLOWED_FROM_TABLES[path]
+            allowed.append(f"one of {table}: " + ", ".join(f"`{v}`" for v in values))
+        default = "required" if field.is_required() else _yaml(field.get_default(call_default_factory=True))
+        yield Key(path, _type_name(field.annotation), default, "; ".join(allowed), description, section)
+        if model_ is not None and section is not None:
+            yield from keys(model_, f"{section}.")
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _table(rows: list[Key]) -> list[str]:
+    out = ["| key | type | default | allowed | description |", "| --- | --- | --- | --- | --- |"]
+    for key in rows:
+        leaf = key.path.rsplit(".", 1)[-1]
+        name = f"[`{leaf}`](#{_anchor(key.section)})" if key.section else f"`{leaf}`"
+        out.append(f"| {name} | {key.kind} | {_cell(key.default)} | {_cell(key.allowed)} | {_cell(key.description)} |")
+    return out
+
+
+def _anchor(path: str) -> str:
+    """The id MkDocs gives the heading of a section (see _heading)."""
+    return "".join(c for c in f"gpuclustercluster{path}".replace(".", "").replace("[]", "") if c.isalnum() or c in "-_")
+
+
+def _heading(path: str) -> str:
+    return f"## `gpucluster:cluster.{path}` {{#{_anchor(path)}}}"
+
+
+def stack_file_page() -> str:
+    """docs/reference/stack-file.md."""
+    every = list(keys())
+    under: dict[str, list[Key]] = defaultdict(list)
+    for key in every:
+        under[key.path.rpartition(".")[0]].append(key)
+    lines = [
+        "# Stack file keys",
+        "",
+        f"<!-- Generated by tests/docgen.py from gpucluster/spec/model.py. Do not edit: {REGENERATE} -->",
+        "",
+        "A stack file is `stacks/Pulumi.<stack>.yaml`; the stack's name is the file's (lowercase letters, digits and "
+        f"`-`, at most {model.MAX_STACK_NAME} characters). Under `config:` it holds two keys: `{model.REGION_KEY}` and "
+        f"`{model.CONFIG_KEY}`, the cluster mapping whose keys follow. A key not listed here is refused. "
+        "`make plan STACK=<stack>` checks a file and names every problem at once, each with its path "
+        "(see [Adding a team](../tutorials/adding-a-team.md)). The shipped stacks under `stacks/` are examples.",
+        "",
+        "## Top level",
+        "",
+        "| key | type | default | allowed | description |",
+        "| --- | --- | --- | --- | --- |",
+        f"| `{model.REGION_KEY}` | string | required | one of {ALLOWED_FROM_TABLES[model.REGION_KEY][0]} "
+        f"({catalog.REGIONS_SOURCE}): " + ", ".join(f"`{r}`" for r in ALLOWED_FROM_TABLES[model.REGION_KEY][1])
+        + " | The AWS region of every resource of the stack. |",
+        f"| [`{model.CONFIG_KEY}`](#{_anchor('')}) | mapping | required |  | The cluster: the keys below. |",
+        "",
+        f"## `{model.CONFIG_KEY}` {{#{_anchor('')}}}",
+        "",
+        *_table(under[""]),
+    ]
+    for key in every:
+        if key.section:
+            lines += ["", _heading(key.section), "", key.description, "", *_table(under[key.section])]
+    pool_types = ALLOWED_FROM_TABLES["pools[].instance_type"][0]
+    lines += ["", "## Instance types", "",
+              f"The types a pool may name (`{pool_types}` in gpucluster/spec/catalog.py), with the on-demand price the "
+              f"plan uses ({catalog.PRICE_SOURCE}, recorded {catalog.PRICE_DATE}). `preflight` reads live prices.", "",
+              "| type | accelerator | vCPUs | memory GiB | EFA interfaces | $/h on demand |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for t in catalog.ACCELERATED.values():
+        acc = t.accelerator
+        accelerator = f"{acc.count} x {acc.model} ({acc.kind}, {acc.memory_gib_each} GiB each)" if acc else ""
+        price = f"{t.on_demand_usd_per_hour:.3f}" if t.on_demand_usd_per_hour is not None else "not published"
+        efa = t.efa_interfaces or "no EFA"
+        lines.append(f"| `{t.name}` | {accelerator} | {t.vcpus} | {t.memory_mib // 1024} | {efa} | {price} |")
+    lines += ["", "The head node's types (`catalog.HEAD_NODE`):", "", "| type | vCPUs | memory GiB | $/h on demand |",
+              "| --- | --- | --- | --- |"]
+    lines += [f"| `{t.name}` | {t.vcpus} | {t.memory_mib // 1024} | {t.on_demand_usd_per_hour:.4f} |"
+              for t in catalog.HEAD_NODE.values() if t.on_demand_usd_per_hour is not None]
+    return "\n".join(lines) + "\n"
+
+
+def help_text(*args: str) -> str:
+    """`python -m gpucluster ARGS --help` as a user's terminal of 100 columns shows it."""
+    env = {**os.environ, "COLUMNS": "100"}
+    return subprocess.run([sys.executable, "-m", "gpucluster", *args, "--help"], cwd=ROOT, env=env, check=True,
+                          capture_output=True, text=True).stdout
+
+
+def cli_page() -> str:
+    """docs/reference/cli.md."""
+    from gpucluster.cli import parser
+
+    # argparse has no public way to list a parser's subcommands.
+    commands = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    lines = [
+        "# Command line",
+        "",
+        f"<!-- Generated by tests/docgen.py from `python -m gpucluster --help`. Do not edit: {REGENERATE} -->",
+        "",
+        "Run it from the repository's root with the project's venv (`.venv/bin/python -m gpucluster ...`; `make plan` "
+        "does it for `plan`). On the head node the same program is the `gpucluster` command.",
+        "",
+        "## `python -m gpucluster`",
+        "",
+        "```text",
+        help_text().rstrip(),
+        "```",
+    ]
+    for name in commands:
+        lines += ["", f"## `{name}`", "", "```text", help_text(name).rstrip(), "```"]
+    return "\n".join(lines) + "\n"
+
+
+PAGES = {STACK_FILE_PAGE: stack_file_page, CLI_PAGE: cli_page}
