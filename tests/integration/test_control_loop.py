@@ -73,8 +73,10 @@ def test_always_on_node_comes_back_after_its_instance_vanishes_and_an_unhealthy_
     cluster.wait(f"{node} to be drained by its Prolog", lambda: "nvidia-smi did not answer in 10 s" in cluster.run(
         "sinfo", "--noheader", "-R", "-n", node, "--format=%E"), 60)
     assert time.monotonic() - submitted < 10 + 15  # the tool's limit, then Slurm's own round trips
+    # Requeued by the Prolog: COMPLETING for a moment (the epilog's round trip), then PENDING again.
+    cluster.wait(f"job {job} to be requeued", lambda: cluster.job_state(job) == "PENDING", 30)
     job_record = cluster.run("scontrol", "show", "job", job)
-    assert "JobState=PENDING" in job_record and "Restarts=1" in job_record, job_record  # requeued by the Prolog
+    assert "Restarts=1" in job_record, job_record
     assert "sleep 600" not in rehearsal.enter("ps", "-eo", "args").stdout  # the hung tool was killed with its session
     cluster.run("scancel", job)
 
