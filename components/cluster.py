@@ -11,6 +11,7 @@ import pulumi_aws as aws
 from components.budget import Budget, BudgetArgs, LaunchDeny, LaunchDenyArgs
 from components.gpu_pool import GpuPool, GpuPoolArgs
 from components.head_node import GuardrailWiring, HeadNode, HeadNodeArgs
+from components.iam import account_id
 from components.image import NodeImage, NodeImageArgs
 from components.interruptions import InterruptionEvents, InterruptionEventsArgs
 from components.monitoring import IdleGpuAlarms, IdleGpuAlarmsArgs
@@ -46,9 +47,10 @@ def create_storage(stack: Stack, network: Network, opts: pulumi.ResourceOptions)
     )
 
 
-def create_budget(stack: Stack, opts: pulumi.ResourceOptions) -> Budget:
+def create_budget(stack: Stack, account: pulumi.Input[str], opts: pulumi.ResourceOptions) -> Budget:
     budget = stack.spec.budget
     return Budget(stack.cluster_name, BudgetArgs(budget_name=stack.budget_name, spec=budget, stack=stack.name,
+                                                 account_id=account,
                                                  activate_cost_tag=budget.activate_cost_allocation_tag), opts)
 
 
@@ -74,6 +76,7 @@ def create_cluster(stack: Stack, examples_dir: Path) -> dict[str, object]:
 
         return create_kubernetes_cluster(stack)
     opts = provider_options(stack)
+    account = account_id(opts)
     network = create_network(stack, opts)
     storage = create_storage(stack, network, opts)
     # The build instances need the private subnet's route out (NAT) and its SSM endpoints: the whole network first.
@@ -97,6 +100,7 @@ def create_cluster(stack: Stack, examples_dir: Path) -> dict[str, object]:
         stack.cluster_name,
         NodeAccessArgs(
             region=stack.region,
+            account_id=account,
             bundle=bundle_bytes,
             bundle_key=bundle_key,
             config_parameter=userdata.config_parameter(stack),
@@ -121,7 +125,7 @@ def create_cluster(stack: Stack, examples_dir: Path) -> dict[str, object]:
         )
         for pool in spec.pools
     }
-    budget = create_budget(stack, opts)
+    budget = create_budget(stack, account, opts)
     # EC2 warns only of spot instances: a stack without spot pools has no use for the rule and its queue.
     events = InterruptionEvents(stack.cluster_name, InterruptionEventsArgs(cluster_name=stack.cluster_name), opts) \
         if any(pool.capacity == "spot" for pool in spec.pools) else None
@@ -135,6 +139,7 @@ def create_cluster(stack: Stack, examples_dir: Path) -> dict[str, object]:
             cluster_name=stack.cluster_name,
             team=spec.team,
             region=stack.region,
+            account_id=account,
             availability_zone=spec.availability_zone,
             instance_type=spec.head_node.instance_type,
             subnet_id=network.subnet_id,
@@ -163,11 +168,11 @@ def create_cluster(stack: Stack, examples_dir: Path) -> dict[str, object]:
         opts,
     )
     team = TeamAccess(stack.cluster_name, TeamAccessArgs(cluster_name=stack.cluster_name, region=stack.region,
-                                                         head_instance_id=head.instance_id), opts)
+                                                         account_id=account, head_instance_id=head.instance_id), opts)
     deny = None if act is None else LaunchDeny(
         stack.cluster_name, LaunchDenyArgs(budget_name=budget.budget_name, act_threshold_percent=act,
                                            role_name=head.role_name, role_arn=head.role_arn,
-                                           topic_arn=budget.topic_arn), opts)
+                                           topic_arn=budget.topic_arn, account_id=account), opts)
     IdleGpuAlarms(stack.cluster_name, IdleGpuAlarmsArgs(stack=stack, topic_arn=budget.topic_arn), opts)
     kept = [f"{k.what}: {cost.money(k.monthly_usd) + ' per month' if k.monthly_usd is not None else k.note}"
             for k in cost.kept_on_destroy(stack)]

@@ -14,10 +14,10 @@ from components import child
 from components.budget import LaunchDeny, LaunchDenyArgs
 from components.cluster import (create_budget, create_network, create_storage, network_and_storage_outputs,
                                 provider_options)
-from components.kubernetes import (ASSUME_AND_TAG, ClusterSoftware, ClusterSoftwareArgs, EksCluster, EksClusterArgs,
-                                   NodePool, NodePoolArgs, TeamSpace, TeamSpaceArgs, declare, trust)
+from components.iam import ASSUME_AND_TAG, account_id, policy, trust
+from components.kubernetes import (ClusterSoftware, ClusterSoftwareArgs, EksCluster, EksClusterArgs, NodePool,
+                                   NodePoolArgs, TeamSpace, TeamSpaceArgs, declare)
 from components.network import control_plane_cidr
-from components.node_access import policy
 from gpucluster.spec import cost, eks
 from gpucluster.render import kube
 from gpucluster.spec.model import Stack
@@ -57,14 +57,15 @@ def create_kubernetes_cluster(stack: Stack) -> dict[str, object]:
     """Declare every resource of a Kubernetes stack and return the stack outputs."""
     spec = stack.spec
     opts = provider_options(stack)
+    account = account_id(opts)
     network = create_network(stack, opts)
     storage = create_storage(stack, network, opts)
-    budget = create_budget(stack, opts)
+    budget = create_budget(stack, account, opts)
     cluster = EksCluster(stack.cluster_name, EksClusterArgs(
         stack=stack, vpc_id=network.vpc_id, subnet_id=network.subnet_id,
         control_plane_subnet_id=spec.eks.control_plane_subnet_id,
         control_plane_cidr=control_plane_cidr(spec.network.vpc_cidr) if spec.network.vpc_cidr else None,
-        security_group_id=network.security_group_id), opts)
+        security_group_id=network.security_group_id, account_id=account), opts)
     node_ready = [cluster.node_access, *cluster.node_policies]
     pools = {pool.name: NodePool(f"{stack.cluster_name}-{pool.name}", NodePoolArgs(
         stack=stack, pool=pool, cluster_name=cluster.name, node_role_arn=cluster.node_role_arn,
@@ -86,7 +87,8 @@ def create_kubernetes_cluster(stack: Stack) -> dict[str, object]:
     if act is not None:
         deny = LaunchDeny(stack.cluster_name, LaunchDenyArgs(
             budget_name=budget.budget_name, act_threshold_percent=act, role_name=software.autoscaler_role_name,
-            role_arn=software.autoscaler_role_arn, topic_arn=budget.topic_arn, denied_actions=SCALE_UP_ACTIONS), opts)
+            role_arn=software.autoscaler_role_arn, topic_arn=budget.topic_arn, account_id=account,
+            denied_actions=SCALE_UP_ACTIONS), opts)
         QueueGuardrail(stack.cluster_name, stack, cluster.name, budget.queue_url, budget.queue_arn,  # type: ignore[arg-type]
                        budget.budget_arn, act, deny, [software.kueue], in_cluster)
     estimate = cost.estimate(stack)

@@ -16,7 +16,8 @@ import pulumi
 import pulumi_aws as aws
 
 from components import child
-from components.node_access import EC2_ASSUME, PARAMETER_READ, SSM_AGENT, NodeAccess, policy
+from components.iam import EC2_ASSUME, PARAMETER_READ, SSM_AGENT, policy
+from components.node_access import NodeAccess
 from gpucluster.spec.catalog import UBUNTU_AMI_PARAMETER
 from gpucluster.spec.cost import HEAD_ROOT_GIB, HEAD_STATE_GIB
 from gpucluster.contract.settings import CLUSTER_TAG, ClusterSettings, head_instance_name
@@ -29,6 +30,7 @@ class HeadNodeArgs:
     cluster_name: str
     team: str
     region: str
+    account_id: pulumi.Input[str]  # components.iam.account_id
     availability_zone: str
     instance_type: str
     subnet_id: pulumi.Input[str]
@@ -75,11 +77,10 @@ class HeadNode(pulumi.ComponentResource):
 
     def __init__(self, name: str, args: HeadNodeArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpucluster:head:HeadNode", name, None, opts)
-        account = aws.get_caller_identity_output(opts=pulumi.InvokeOutputOptions(parent=self)).account_id
         access = args.access
         head_role = aws.iam.Role(f"{name}-head", assume_role_policy=EC2_ASSUME, opts=child(self))
         aws.iam.RolePolicy(f"{name}-head", role=head_role.id, policy=pulumi.Output.all(
-            account=account, config_arn=access.config_parameter_arn, munge_arn=access.munge_key_parameter_arn,
+            account=args.account_id, config_arn=access.config_parameter_arn, munge_arn=access.munge_key_parameter_arn,
             bundle_arn=access.bundle_arn, compute_role_arn=access.compute_role_arn,
             template_ids=args.launch_template_ids, image_ids=args.image_ids, subnet_id=args.subnet_id,
             security_group_id=args.security_group_id, pools=args.pools).apply(
@@ -149,7 +150,7 @@ class HeadNode(pulumi.ComponentResource):
         self.private_ip = interface.private_ip
 
         budget = None if guard is None else {
-            "budget_name": guard.budget_name, "account_id": account, "queue_url": guard.queue_url,
+            "budget_name": guard.budget_name, "account_id": args.account_id, "queue_url": guard.queue_url,
             "topic_arn": guard.topic_arn, "act_threshold_percent": guard.act_threshold_percent}
         settings = pulumi.Output.all(
             bundle_bucket=access.bucket, head_address=interface.private_ip, state_volume_id=state.id,

@@ -17,26 +17,20 @@ import pulumi_kubernetes as k8s
 
 from components import child
 from components.gpu_pool import launch_template, placement_group
-from components.node_access import policy
+from components.iam import ASSUME_AND_TAG, MANAGED_POLICY, policy, trust
 from gpucluster.spec import eks
 from gpucluster.render import kube
 from gpucluster.contract import settings
 from gpucluster.spec.model import Pool, Stack
 
-MANAGED_POLICY = "arn:aws:iam::aws:policy/"
 ACCESS_POLICY = "arn:aws:eks::aws:cluster-access-policy/"
 # The node role joins the cluster and pulls images; the VPC CNI's IP management is its own Pod Identity role, so that
 # no pod on the node can use it.
 NODE_POLICIES = ("AmazonEKSWorkerNodePolicy", "AmazonEC2ContainerRegistryPullOnly")
 CNI_POLICY = "AmazonEKS_CNI_Policy"
-ASSUME_AND_TAG = ("sts:AssumeRole", "sts:TagSession")
 AUTOSCALER_SERVICE_ACCOUNT = "cluster-autoscaler"
 CAPACITY_TYPES = {"on-demand": "ON_DEMAND", "spot": "SPOT", "capacity-block": "CAPACITY_BLOCK"}
 TAINT_EFFECTS = {"NoSchedule": "NO_SCHEDULE"}
-
-
-def trust(service: str, actions: Sequence[str] = ("sts:AssumeRole",)) -> str:
-    return policy([{"Effect": "Allow", "Principal": {"Service": service}, "Action": list(actions)}])
 
 
 @dataclass(frozen=True)
@@ -47,6 +41,7 @@ class EksClusterArgs:
     control_plane_subnet_id: pulumi.Input[str] | None  # an existing subnet in another AZ; None: create a small one
     control_plane_cidr: str | None  # the small subnet's range in a new VPC
     security_group_id: pulumi.Input[str]
+    account_id: pulumi.Input[str]  # components.iam.account_id: the team role's trust names it
 
 
 class EksCluster(pulumi.ComponentResource):
@@ -132,7 +127,7 @@ class EksCluster(pulumi.ComponentResource):
                      "effect": TAINT_EFFECTS[kube.SYSTEM_TAINT["effect"]]}],
             opts=child(self, depends_on=[self.node_access, *node_policies, *node_addons.values()]))
         self._admins(name, cluster, settings_.admin_role_arns)
-        self.team_role_arn = self._team(name, stack, cluster)
+        self.team_role_arn = self._team(name, stack, cluster, args.account_id)
         pod_addons = self._addons(name, cluster, [a for a in eks.ADDONS if a not in eks.NODE_ADDONS], node_addons,
                                   after=[self.system_nodes])
         self.addons = [{**node_addons, **pod_addons}[a] for a in eks.ADDONS]
@@ -173,13 +168,13 @@ class EksCluster(pulumi.ComponentResource):
                                             policy_arn=ACCESS_POLICY + "AmazonEKSClusterAdminPolicy",
                                             access_scope={"type": "cluster"}, opts=child(self, depends_on=[entry]))
 
-    def _team(self, name: str, stack: Stack, cluster: aws.eks.Cluster) -> pulumi.Output[str]:
+    def _team(self, name: str, stack: Stack, cluster: aws.eks.Cluster,
+              account_id: pulumi.Input[str]) -> pulumi.Output[str]:
         """The team's role: edit rights in its namespace only, and DescribeCluster for `aws eks update-kubeconfig`.
         Who may assume it is the account's IAM to say (as for the Slurm flavour's access policies)."""
-        account = aws.get_caller_identity_output(opts=pulumi.InvokeOutputOptions(parent=self)).account_id
-        role = aws.iam.Role(f"{name}-team", assume_role_policy=account.apply(lambda acct: policy([{
-            "Effect": "Allow", "Principal": {"AWS": f"arn:aws:iam::{acct}:root"}, "Action": "sts:AssumeRole"}])),
-            opts=child(self))
+        role = aws.iam.Role(f"{name}-team", assume_role_policy=pulumi.Output.from_input(account_id).apply(
+            lambda acct: policy([{"Effect": "Allow", "Principal": {"AWS": f"arn:aws:iam::{acct}:root"},
+                                  "Action": "sts:AssumeRole"}])), opts=child(self))
         aws.iam.RolePolicy(f"{name}-team", role=role.id, policy=cluster.arn.apply(lambda arn: policy([{
             "Sid": "Kubeconfig", "Effect": "Allow", "Action": "eks:DescribeCluster", "Resource": arn}])),
             opts=child(self))
