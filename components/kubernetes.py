@@ -1,7 +1,8 @@
-"""The Kubernetes flavour: an EKS cluster (EksCluster), one managed node group per pool (NodePool), and what runs in
-the cluster (ClusterSoftware: autoscaler, device plugins, Kueue, monitoring; TeamSpace: the team's namespace, quota,
-queues and file system). Every object is a plain pulumi-aws or pulumi_kubernetes resource, so that the offline plan
-and the tests see each one; third-party software is a pinned helm.v3.Release.
+"""The Kubernetes flavour's components: an EKS cluster (EksCluster), one managed node group per pool (NodePool), and
+what runs in the cluster (ClusterSoftware: autoscaler, device plugins, Kueue, monitoring; TeamSpace: the team's
+namespace, quota, queues and file system; QueueGuardrail: the budget's hold on the team's queue). Every object is a
+plain pulumi-aws or pulumi_kubernetes resource, so that the offline plan and the tests see each one; third-party
+software is a pinned helm.v3.Release.
 """
 
 from __future__ import annotations
@@ -404,4 +405,45 @@ class TeamSpace(pulumi.ComponentResource):
             declare(manifest, child(self, depends_on=[args.kueue, core[0]]))
         if any(p.itype.accelerator and p.itype.accelerator.kind == "nvidia" for p in stack.spec.pools):
             declare(kube.idle_gpu_rule(stack), child(self, depends_on=[args.prometheus]))
+        self.register_outputs({})
+
+
+@dataclass(frozen=True)
+class QueueGuardrailArgs:
+    stack: Stack
+    cluster_name: pulumi.Input[str]
+    # The Budget component's queue and budget, and the LaunchDeny that denies the autoscaler's scale-up.
+    queue_url: pulumi.Input[str]
+    queue_arn: pulumi.Input[str]
+    budget_arn: pulumi.Input[str]
+    act_threshold_percent: int
+    launch_deny_action_id: pulumi.Input[str]
+    launch_deny_action_arn: pulumi.Input[str]
+    kueue: pulumi.Resource  # the release that installs Kueue's CRDs
+
+
+class QueueGuardrail(pulumi.ComponentResource):
+    """The budget's queue, read in the cluster by a small controller that holds the team's ClusterQueue at the act
+    threshold and reopens it below (gpucluster/node/queue_guardrail.py), with its Pod Identity role."""
+
+    def __init__(self, name: str, args: QueueGuardrailArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("gpucluster:kubernetes:QueueGuardrail", name, None, opts)
+        role = aws.iam.Role(f"{name}-guardrail-pod", assume_role_policy=trust("pods.eks.amazonaws.com", ASSUME_AND_TAG),
+                            opts=child(self))
+        aws.iam.RolePolicy(f"{name}-guardrail-pod", role=role.id, policy=pulumi.Output.all(
+            args.queue_arn, args.budget_arn, args.launch_deny_action_arn).apply(lambda a: policy([
+                {"Sid": "BudgetQueue", "Effect": "Allow", "Action": ["sqs:ReceiveMessage", "sqs:DeleteMessage"],
+                 "Resource": a[0]},
+                {"Sid": "ReadBudget", "Effect": "Allow", "Action": "budgets:ViewBudget", "Resource": a[1]},
+                # On reopening, lift the autoscaler's scale-up deny: whether it ran, and reversing it; that action only
+                # (DescribeBudgetAction takes the action's ARN, where DescribeBudgetActionsForBudget needs the budget's).
+                {"Sid": "ReverseLaunchDeny", "Effect": "Allow",
+                 "Action": ["budgets:DescribeBudgetAction", "budgets:ExecuteBudgetAction"], "Resource": a[2]}])),
+            opts=child(self))
+        aws.eks.PodIdentityAssociation(f"{name}-guardrail", cluster_name=args.cluster_name,
+                                       namespace=eks.KUEUE.namespace, service_account=kube.GUARDRAIL,
+                                       role_arn=role.arn, opts=child(self))
+        for manifest in kube.guardrail_manifests(args.stack, args.queue_url, args.act_threshold_percent,
+                                                 args.launch_deny_action_id):
+            declare(manifest, child(self, depends_on=[args.kueue]))
         self.register_outputs({})
