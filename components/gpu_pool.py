@@ -7,7 +7,7 @@ from this template, so the pool exports what that call needs: template id, subne
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import pulumi
 import pulumi_aws as aws
@@ -112,12 +112,36 @@ def launch_template(name: str, pool: Pool, *, description: str, subnet_id: pulum
     )
 
 
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What the resume program needs to launch the pool's nodes: the settings contract's PoolSettings (the pool's name
+    aside), with what `pulumi up` learns still as outputs."""
+
+    launch_template_id: pulumi.Output[str]
+    launch_template_version: pulumi.Output[int]
+    subnet_id: pulumi.Input[str]
+    instance_type: str
+    market: str
+    capacity_reservation_id: str | None
+    placement_group: pulumi.Output[str] | None
+    min_nodes: int
+    max_nodes: int
+    efa_interfaces: int
+    accelerator: str
+    accelerators: int
+    node_hour_usd: float
+
+    def as_dict(self) -> dict[str, object]:
+        """The fields by name, for Pulumi to resolve (`Output.all`, component and stack outputs)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}  # asdict would deep-copy the outputs
+
+
 class GpuPool(pulumi.ComponentResource):
     launch_template_id: pulumi.Output[str]
     launch_template_version: pulumi.Output[int]
     placement_group: pulumi.Output[str] | None
     image_id: pulumi.Output[str]
-    launch_spec: dict[str, object]
+    launch_spec: LaunchSpec
 
     def __init__(self, name: str, args: GpuPoolArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpucluster:pool:GpuPool", name, None, opts)
@@ -143,24 +167,19 @@ class GpuPool(pulumi.ComponentResource):
             user_data=args.user_data)
         self.launch_template_id = template.id
         self.launch_template_version = template.latest_version
-        self.launch_spec = self._launch_spec(args)
-        self.register_outputs(self.launch_spec)
-
-    def _launch_spec(self, args: GpuPoolArgs) -> dict[str, object]:
-        """What the resume program needs to launch this pool's nodes."""
-        pool = args.pool
-        return {
-            "launch_template_id": self.launch_template_id,
-            "launch_template_version": self.launch_template_version,
-            "subnet_id": args.subnet_id,
-            "instance_type": pool.instance_type,
-            "market": pool.capacity,
-            "capacity_reservation_id": pool.capacity_reservation_id,
-            "placement_group": self.placement_group,
-            "min_nodes": pool.min_nodes,
-            "max_nodes": pool.max_nodes,
-            "efa_interfaces": pool.itype.efa_interfaces if pool.uses_efa else 0,
-            "accelerator": pool.itype.accelerator.kind if pool.itype.accelerator else "",
-            "accelerators": pool.itype.accelerator.count if pool.itype.accelerator else 0,
-            "node_hour_usd": pool.itype.on_demand_usd_per_hour or 0.0,
-        }
+        self.launch_spec = LaunchSpec(
+            launch_template_id=self.launch_template_id,
+            launch_template_version=self.launch_template_version,
+            subnet_id=args.subnet_id,
+            instance_type=pool.instance_type,
+            market=pool.capacity,
+            capacity_reservation_id=pool.capacity_reservation_id,
+            placement_group=self.placement_group,
+            min_nodes=pool.min_nodes,
+            max_nodes=pool.max_nodes,
+            efa_interfaces=pool.itype.efa_interfaces if pool.uses_efa else 0,
+            accelerator=accelerator.kind,
+            accelerators=accelerator.count,
+            node_hour_usd=pool.itype.on_demand_usd_per_hour or 0.0,
+        )
+        self.register_outputs(self.launch_spec.as_dict())

@@ -11,7 +11,7 @@ import pulumi
 
 from components.budget import LaunchDeny, LaunchDenyArgs
 from components.gpu_pool import GpuPool, GpuPoolArgs
-from components.head_node import GuardrailWiring, HeadNode, HeadNodeArgs
+from components.head_node import GuardrailWiring, HeadNode, HeadNodeArgs, NodeProgramSettings
 from components.image import NodeImage, NodeImageArgs
 from components.interruptions import InterruptionEvents, InterruptionEventsArgs
 from components.monitoring import IdleGpuAlarms, IdleGpuAlarmsArgs
@@ -106,10 +106,7 @@ def create_slurm_cluster(stack: Stack, examples_dir: Path) -> dict[str, object]:
             image_ids=[pool.image_id for pool in pools.values()],
             fsx_dns_name=storage.dns_name,
             fsx_mount_name=storage.mount_name,
-            node_program_settings={"all_or_nothing": spec.slurm.all_or_nothing,
-                                   "capacity_retry_seconds": spec.slurm.capacity_retry_seconds,
-                                   "checkpoint_grace_seconds": spec.slurm.checkpoint_grace_seconds,
-                                   "drain_on_rebalance": spec.slurm.drain_on_rebalance},
+            node_program_settings=NodeProgramSettings.of(spec.slurm),
             alerts_topic_arn=budget.topic_arn,
             interruption_queue_url=events.queue_url if events else None,
             interruption_queue_arn=events.queue_arn if events else None,
@@ -139,7 +136,7 @@ def create_slurm_cluster(stack: Stack, examples_dir: Path) -> dict[str, object]:
         kept=kept), opts)
     return {
         **shared_outputs(stack, shared),
-        "pools": {name: pool.launch_spec for name, pool in pools.items()},
+        "pools": {name: pool.launch_spec.as_dict() for name, pool in pools.items()},
         "head_node_instance_id": head.instance_id,
         "head_node_private_ip": head.private_ip,
         # A shell on the head as the login user (no sudo), and the admins' (sudo): each needs its policy attached.

@@ -187,11 +187,13 @@ def test_a_launch_spec_key_the_contract_does_not_know_fails_up() -> None:
 
     import pytest
 
-    from components.head_node import settings_document
+    from components.head_node import NodeProgramSettings, settings_document
     from gpucluster.contract.settings import SettingsError
 
     args = SimpleNamespace(cluster_name="c", team="t", region="us-east-1", bundle_key="k", munge_key_parameter="/m",
-                           node_program_settings={"all_or_nothing": True})
+                           node_program_settings=NodeProgramSettings(all_or_nothing=True, capacity_retry_seconds=600,
+                                                                     checkpoint_grace_seconds=60,
+                                                                     drain_on_rebalance=True))
     pool = {"launch_template_id": "lt-1", "launch_template_version": 3, "subnet_id": "subnet-1",
             "instance_type": "p5.48xlarge", "market": "spot"}
     learned = {"bundle_bucket": "b", "head_address": "10.0.0.5", "state_volume_id": "vol-1", "fsx_dns_name": "d",
