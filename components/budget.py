@@ -12,7 +12,7 @@ import pulumi_aws as aws
 from components import child
 from components.iam import allow_service, policy
 from gpucluster.spec.cost import COST_TAG
-from gpucluster.spec.model import Budget as BudgetSpec
+from gpucluster.spec.model import BudgetSpec
 
 
 @dataclass(frozen=True)

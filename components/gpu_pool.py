@@ -15,7 +15,7 @@ import pulumi_aws as aws
 from components import child
 from gpucluster.spec import catalog
 from gpucluster.contract import settings
-from gpucluster.spec.model import Pool
+from gpucluster.spec.model import PoolSpec
 
 ROOT_DEVICE = "/dev/sda1"  # Ubuntu-based DLAMIs
 
@@ -23,7 +23,7 @@ ROOT_DEVICE = "/dev/sda1"  # Ubuntu-based DLAMIs
 @dataclass(frozen=True)
 class GpuPoolArgs:
     cluster_name: str
-    pool: Pool
+    pool: PoolSpec
     subnet_id: pulumi.Input[str]
     security_group_id: pulumi.Input[str]
     # Tags EC2 puts on each launched instance, volume and interface (provider default tags do not reach them).
@@ -34,7 +34,7 @@ class GpuPoolArgs:
     image_id: pulumi.Input[str] | None = None
 
 
-def network_interfaces(pool: Pool, subnet_id: pulumi.Input[str] | None,
+def network_interfaces(pool: PoolSpec, subnet_id: pulumi.Input[str] | None,
                        security_group_ids: Sequence[pulumi.Input[str]]) -> list[dict]:
     """The pool's interfaces: one per network card with EFA. `subnet_id` None leaves the subnet to the launcher (EKS
     managed node groups reject a template whose interfaces name one)."""
@@ -52,14 +52,14 @@ def network_interfaces(pool: Pool, subnet_id: pulumi.Input[str] | None,
     ]
 
 
-def placement_group(name: str, pool: Pool, opts: pulumi.ResourceOptions) -> pulumi.Output[str] | None:
+def placement_group(name: str, pool: PoolSpec, opts: pulumi.ResourceOptions) -> pulumi.Output[str] | None:
     """A cluster placement group for an EFA pool (nodes close together on the network); None without EFA."""
     if not pool.uses_efa:
         return None
     return aws.ec2.PlacementGroup(f"{name}-pg", strategy="cluster", opts=opts).name
 
 
-def launch_template(name: str, pool: Pool, *, description: str, subnet_id: pulumi.Input[str] | None,
+def launch_template(name: str, pool: PoolSpec, *, description: str, subnet_id: pulumi.Input[str] | None,
                     security_group_ids: Sequence[pulumi.Input[str]], group_name: pulumi.Input[str] | None,
                     node_tags: dict[str, str], root_device: str, opts: pulumi.ResourceOptions,
                     image_id: pulumi.Input[str] | None = None, instance_profile_arn: pulumi.Input[str] | None = None,

@@ -22,7 +22,7 @@ from components.node_access import NodeAccess
 from gpucluster.spec.catalog import UBUNTU_AMI_PARAMETER
 from gpucluster.spec.cost import HEAD_ROOT_GIB, HEAD_STATE_GIB
 from gpucluster.contract.settings import CLUSTER_TAG, ClusterSettings, head_instance_name
-from gpucluster.spec.model import Slurm
+from gpucluster.spec.model import SlurmSpec
 
 STATE_DEVICE = "/dev/sdf"
 
@@ -68,7 +68,7 @@ class NodeProgramSettings:
     drain_on_rebalance: bool
 
     @classmethod
-    def of(cls, slurm: Slurm) -> NodeProgramSettings:
+    def of(cls, slurm: SlurmSpec) -> NodeProgramSettings:
         return cls(all_or_nothing=slurm.all_or_nothing, capacity_retry_seconds=slurm.capacity_retry_seconds,
                    checkpoint_grace_seconds=slurm.checkpoint_grace_seconds, drain_on_rebalance=slurm.drain_on_rebalance)
 

@@ -22,7 +22,7 @@ from components.iam import ASSUME_AND_TAG, MANAGED_POLICY, policy, trust
 from gpucluster.spec import eks
 from gpucluster.render import kube
 from gpucluster.contract import settings
-from gpucluster.spec.model import Pool, Stack
+from gpucluster.spec.model import PoolSpec, Stack
 
 ACCESS_POLICY = "arn:aws:eks::aws:cluster-access-policy/"
 # The node role joins the cluster and pulls images; the VPC CNI's IP management is its own Pod Identity role, so that
@@ -206,7 +206,7 @@ def kubeconfig(cluster_name: str, endpoint: str, ca_data: str, region: str) -> s
     })
 
 
-def autoscaler_node_template_tags(stack: Stack, pool: Pool) -> dict[str, str]:
+def autoscaler_node_template_tags(stack: Stack, pool: PoolSpec) -> dict[str, str]:
     """What the Cluster Autoscaler reads off an Auto Scaling group at zero nodes to know what a new node would look
     like (kubernetes/autoscaler#4998): without the taints and the GPU/EFA counts it never scales a pool up from zero."""
     prefix = "k8s.io/cluster-autoscaler/node-template"
@@ -219,7 +219,7 @@ def autoscaler_node_template_tags(stack: Stack, pool: Pool) -> dict[str, str]:
 @dataclass(frozen=True)
 class NodePoolArgs:
     stack: Stack
-    pool: Pool
+    pool: PoolSpec
     cluster_name: pulumi.Input[str]
     node_role_arn: pulumi.Input[str]
     subnet_id: pulumi.Input[str]
@@ -428,8 +428,8 @@ class QueueGuardrail(pulumi.ComponentResource):
 
     def __init__(self, name: str, args: QueueGuardrailArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpucluster:kubernetes:QueueGuardrail", name, None, opts)
-        role = aws.iam.Role(f"{name}-guardrail-pod", assume_role_policy=trust("pods.eks.amazonaws.com", ASSUME_AND_TAG),
-                            opts=child(self))
+        role = aws.iam.Role(f"{name}-guardrail-pod",
+                            assume_role_policy=trust("pods.eks.amazonaws.com", ASSUME_AND_TAG), opts=child(self))
         aws.iam.RolePolicy(f"{name}-guardrail-pod", role=role.id, policy=pulumi.Output.all(
             args.queue_arn, args.budget_arn, args.launch_deny_action_arn).apply(lambda a: policy([
                 {"Sid": "BudgetQueue", "Effect": "Allow", "Action": ["sqs:ReceiveMessage", "sqs:DeleteMessage"],

@@ -68,6 +68,9 @@ EMAIL_RE = rf"{_ATOM}(?:\.{_ATOM})*@(?:{_LABEL}\.)+[A-Za-z]{{2,63}}"
 
 
 class _Model(BaseModel):
+    """A mapping of the stack file, named after its key with Spec (`network:` is NetworkSpec): the components of the
+    plain names (components/network.py's Network) build what it asks for."""
+
     # .nan and .inf are floats in YAML 1.1 and 1.2 alike: no field of the spec means anything with them.
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
@@ -80,7 +83,7 @@ def _rule_errors(model: str, problems: list[tuple[tuple[str | int, ...], str]], 
     )
 
 
-class Network(_Model):
+class NetworkSpec(_Model):
     vpc_cidr: str | None = None
     vpc_id: str | None = Field(default=None, pattern=r"^vpc-[0-9a-f]{8,17}$")
     subnet_id: str | None = Field(default=None, pattern=r"^subnet-[0-9a-f]{8,17}$")
@@ -101,7 +104,7 @@ class Network(_Model):
         return value
 
     @model_validator(mode="after")
-    def _one_network(self) -> Network:
+    def _one_network(self) -> NetworkSpec:
         existing = (self.vpc_id, self.subnet_id)
         if self.vpc_cidr and any(existing):
             raise _rule_errors("network", [((), "give vpc_cidr (new VPC) or vpc_id + subnet_id (existing), not both")], None)
@@ -126,12 +129,12 @@ def _in_catalog(table: dict[str, catalog.InstanceType], what: str) -> AfterValid
 AmiId = Annotated[str | None, Field(default=None, pattern=r"^ami-[0-9a-f]{8,17}$")]
 
 
-class HeadNode(_Model):
+class HeadNodeSpec(_Model):
     instance_type: Annotated[str, _in_catalog(catalog.HEAD_NODE, "head node type")] = "m7i.2xlarge"
     ami_id: AmiId = None
 
 
-class Pool(_Model):
+class PoolSpec(_Model):
     name: str = Field(pattern=POOL_NAME_RE)
     instance_type: Annotated[str, _in_catalog(catalog.ACCELERATED, "instance type")]
     capacity: Literal["on-demand", "spot", "capacity-block"] = "on-demand"
@@ -154,7 +157,7 @@ class Pool(_Model):
         return value
 
     @model_validator(mode="after")
-    def _rules(self) -> Pool:
+    def _rules(self) -> PoolSpec:
         problems = _pool_rules(self.model_dump())
         if problems:
             raise _rule_errors("pool", problems, self.name)
@@ -201,7 +204,7 @@ def _pool_rules(pool: dict[str, Any]) -> list[tuple[tuple[str | int, ...], str]]
     return problems
 
 
-class Lustre(_Model):
+class LustreSpec(_Model):
     deployment_type: Literal["SCRATCH_2", "PERSISTENT_2"] | None = None
     storage_capacity_gib: int | None = Field(default=None, ge=1200)
     throughput_mb_per_tib: int | None = None
@@ -217,7 +220,7 @@ class Lustre(_Model):
     keep_bucket_on_destroy: bool = True
 
     @model_validator(mode="after")
-    def _rules(self) -> Lustre:
+    def _rules(self) -> LustreSpec:
         problems: list[tuple[tuple[str | int, ...], str]] = []
         if self.file_system_id:
             for key in ("deployment_type", "storage_capacity_gib", "throughput_mb_per_tib", "data_repository"):
@@ -275,11 +278,11 @@ class Lustre(_Model):
         return not self.file_system_id and not self.data_repository
 
 
-class Storage(_Model):
-    lustre: Lustre
+class StorageSpec(_Model):
+    lustre: LustreSpec
 
 
-class Budget(_Model):
+class BudgetSpec(_Model):
     monthly_usd: float = Field(gt=0)
     thresholds_percent: list[int] = Field(default=[50, 80, 100], min_length=1)
     notify_emails: list[str] = Field(min_length=1)
@@ -311,7 +314,7 @@ class Budget(_Model):
         return value
 
 
-class Slurm(_Model):
+class SlurmSpec(_Model):
     # Idle seconds before a cloud node is terminated. Short saves money; long keeps warm nodes for the next job.
     suspend_time_seconds: int = Field(default=600, ge=10, le=86400)
     # How long a launched node may take to register with slurmctld; p5 nodes with 32 EFA interfaces boot slowly.
@@ -328,7 +331,7 @@ class Slurm(_Model):
     drain_on_rebalance: bool = True
 
 
-class NodeImage(_Model):
+class ImageSpec(_Model):
     # Bake the nodes' software into AMIs with EC2 Image Builder at `up` (about an hour per image when it changes), so
     # that a node starts in seconds. false: stock AMIs, and every node installs its software at first boot (minutes).
     build: bool = True
@@ -337,7 +340,7 @@ class NodeImage(_Model):
 ROLE_ARN_RE = r"^arn:aws:iam::[0-9]{12}:role/[A-Za-z0-9+=,.@_/-]{1,512}$"
 
 
-class Kubernetes(_Model):
+class KubernetesSpec(_Model):
     """The EKS cluster of a `scheduler: kubernetes` stack (components/kubernetes.py)."""
 
     # A version EKS offers in standard support (gpucluster/spec/eks.py); `preflight` asks EKS whether it still does.
@@ -393,14 +396,14 @@ class ClusterSpec(_Model):
     availability_zone: str = Field(pattern=r"^[a-z]{2}(-[a-z]+)+-\d[a-z]$")
     # slurm: a Slurm head node launching nodes on demand; kubernetes: an EKS cluster (the `kubernetes:` section).
     scheduler: Literal["slurm", "kubernetes"] = "slurm"
-    kubernetes: Kubernetes | None = None
-    network: Network
-    head_node: HeadNode = HeadNode()
-    pools: list[Pool] = Field(min_length=1, max_length=64)
-    storage: Storage
-    budget: Budget
-    slurm: Slurm = Slurm()
-    image: NodeImage = NodeImage()
+    kubernetes: KubernetesSpec | None = None
+    network: NetworkSpec
+    head_node: HeadNodeSpec = HeadNodeSpec()
+    pools: list[PoolSpec] = Field(min_length=1, max_length=64)
+    storage: StorageSpec
+    budget: BudgetSpec
+    slurm: SlurmSpec = SlurmSpec()
+    image: ImageSpec = ImageSpec()
 
     @property
     def image_builds(self) -> list[ImageBuild]:
@@ -412,9 +415,9 @@ class ClusterSpec(_Model):
         return ([] if self.head_node.ami_id else [ImageBuild("head")]) + [ImageBuild("compute", k) for k in kinds]
 
     @property
-    def eks(self) -> Kubernetes:
+    def eks(self) -> KubernetesSpec:
         """The Kubernetes section, defaults filled in (a kubernetes stack may leave it out)."""
-        return self.kubernetes or Kubernetes()
+        return self.kubernetes or KubernetesSpec()
 
     @model_validator(mode="after")
     def _unique_pools(self) -> ClusterSpec:
@@ -573,6 +576,8 @@ def _message(err: ErrorDetails) -> str:
         return "unknown key (check the spelling; see README for the keys)"
     if err["type"] == "missing":
         return "required key is missing"
+    if err["type"] == "model_type":  # pydantic would add "or instance of <the model's Python class>"
+        return "Input should be a valid dictionary"
     return err["msg"].removeprefix("Value error, ")
 
 
