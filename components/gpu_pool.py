@@ -146,8 +146,7 @@ class GpuPool(pulumi.ComponentResource):
     def __init__(self, name: str, args: GpuPoolArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpucluster:pool:GpuPool", name, None, opts)
         pool = args.pool
-        accelerator = pool.itype.accelerator
-        assert accelerator, f"{pool.instance_type} has no accelerator"
+        accelerator = pool.accelerator
 
         if pool.ami_id or args.image_id is not None:
             self.image_id = pulumi.Output.from_input(pool.ami_id or args.image_id)  # type: ignore[arg-type]

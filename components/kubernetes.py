@@ -44,6 +44,11 @@ class EksClusterArgs:
     security_group_id: pulumi.Input[str]
     account_id: pulumi.Input[str]  # components.iam.account_id: the team role's trust names it
 
+    def __post_init__(self) -> None:
+        if self.control_plane_subnet_id is None and not self.control_plane_cidr:
+            raise ValueError("the EKS control plane needs a second subnet: control_plane_subnet_id (an existing subnet "
+                             "in another AZ) or control_plane_cidr (the range of a new VPC to create one in)")
+
 
 class EksCluster(pulumi.ComponentResource):
     """The control plane: private endpoint, secrets under a KMS key, API-mode access entries, managed add-ons."""
@@ -60,7 +65,6 @@ class EksCluster(pulumi.ComponentResource):
         stack, settings_ = args.stack, args.stack.spec.eks
         second_subnet = args.control_plane_subnet_id
         if second_subnet is None:
-            assert args.control_plane_cidr, "a new VPC needs the control plane's range"
             zone = settings_.control_plane_availability_zone or other_zone(stack.spec.availability_zone)
             # Holds only the control plane's interfaces, which talk to the nodes inside the VPC: no route out needed.
             second_subnet = aws.ec2.Subnet(
@@ -237,7 +241,7 @@ class NodePool(pulumi.ComponentResource):
     def __init__(self, name: str, args: NodePoolArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpucluster:kubernetes:NodePool", name, None, opts)
         stack, pool = args.stack, args.pool
-        assert pool.itype.accelerator, pool.name
+        accelerator = pool.accelerator
         group = placement_group(name, pool, child(self))
         template = launch_template(
             name, pool, description=f"{stack.cluster_name} node group {pool.name}: {pool.instance_type}",
@@ -251,7 +255,7 @@ class NodePool(pulumi.ComponentResource):
             version=args.version,
             node_role_arn=args.node_role_arn,
             subnet_ids=[args.subnet_id],
-            ami_type=eks.AMI_TYPES[pool.itype.accelerator.kind],
+            ami_type=eks.AMI_TYPES[accelerator.kind],
             capacity_type=CAPACITY_TYPES[pool.capacity],
             launch_template={"id": template.id, "version": template.latest_version.apply(str)},
             scaling_config={"min_size": pool.min_nodes, "max_size": pool.max_nodes, "desired_size": pool.min_nodes},

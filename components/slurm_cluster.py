@@ -71,7 +71,7 @@ def create_slurm_cluster(stack: Stack, examples_dir: Path) -> dict[str, object]:
                 instance_tags=stack.tags,
                 user_data=base64.b64encode(userdata.pool_nodes(stack, pool).encode()).decode(),
                 instance_profile_arn=access.compute_instance_profile_arn,
-                image_id=baked(f"compute-{pool.itype.accelerator.kind}"),  # type: ignore[union-attr]
+                image_id=baked(f"compute-{pool.accelerator.kind}"),
             ),
             opts,
         )

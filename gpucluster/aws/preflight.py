@@ -159,8 +159,7 @@ def check_spot_score(ec2: Any, pool: PoolSpec, region: str, az_id: str) -> Check
 def ami_parameter(stack: Stack, pool: PoolSpec) -> str:
     """The public parameter naming the image a pool boots: EKS's accelerated AL2023 AMI of the cluster's version on
     Kubernetes, the newest Deep Learning AMI on Slurm."""
-    accelerator = pool.itype.accelerator
-    assert accelerator
+    accelerator = pool.accelerator
     if stack.spec.scheduler == "kubernetes":
         return eks.ami_parameter(stack.spec.eks.version, accelerator.kind)
     return catalog.AMI_PARAMETERS[accelerator.kind]

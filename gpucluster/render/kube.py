@@ -69,8 +69,7 @@ def cluster_queue_name(stack: Stack) -> str:
 
 
 def accelerator_resource(pool: PoolSpec) -> str:
-    assert pool.itype.accelerator, pool.name
-    return eks.GPU_RESOURCE if pool.itype.accelerator.kind == "nvidia" else eks.NEURON_RESOURCE
+    return eks.GPU_RESOURCE if pool.accelerator.kind == "nvidia" else eks.NEURON_RESOURCE
 
 
 def family_name(stack: Stack, pool: PoolSpec) -> str:
@@ -89,8 +88,7 @@ def families(stack: Stack) -> dict[str, list[PoolSpec]]:
 
 def pool_labels(stack: Stack, pool: PoolSpec) -> dict[str, str]:
     """Labels every node of the pool carries (node group labels; the ResourceFlavor selects on the family's)."""
-    assert pool.itype.accelerator, pool.name
-    labels = {POOL_LABEL: pool.name, CAPACITY_LABEL: pool.capacity, ACCELERATOR_LABEL: pool.itype.accelerator.kind,
+    labels = {POOL_LABEL: pool.name, CAPACITY_LABEL: pool.capacity, ACCELERATOR_LABEL: pool.accelerator.kind,
               FAMILY_LABEL: family_name(stack, pool)}
     return labels | ({EFA_LABEL: "true"} if pool.uses_efa else {})
 
@@ -105,8 +103,7 @@ def pool_taints(pool: PoolSpec) -> list[dict[str, str]]:
 
 def pool_resources(pool: PoolSpec) -> dict[str, int]:
     """Extended resources one node of the pool advertises (its device plugins' counts)."""
-    assert pool.itype.accelerator, pool.name
-    out = {accelerator_resource(pool): pool.itype.accelerator.count}
+    out = {accelerator_resource(pool): pool.accelerator.count}
     if pool.uses_efa:
         out[eks.EFA_RESOURCE] = pool.itype.efa_interfaces
     return out
@@ -425,7 +422,7 @@ def example_job(stack: Stack, pool: PoolSpec, script: str, nodes: int = 2,
     service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": ns},
                "spec": {"clusterIP": "None", "selector": {"job-name": name}, "ports": [{"name": "c10d",
                                                                                          "port": 29500}]}}
-    procs = pool.itype.accelerator.count  # type: ignore[union-attr]
+    procs = pool.accelerator.count
     command = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={procs}", "--node-rank=$(JOB_COMPLETION_INDEX)",
                f"--master-addr={name}-0.{name}", "--master-port=29500",
                "/opt/example/ddp_train.py", "--checkpoint-dir", f"/fsx/checkpoints/{name}"]

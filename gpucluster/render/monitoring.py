@@ -28,14 +28,12 @@ def watched_pools(stack: Stack) -> list[PoolSpec]:
 
 
 def utilisation_metric(pool: PoolSpec) -> str:
-    assert pool.itype.accelerator, pool.name
-    return UTILISATION_METRICS[pool.itype.accelerator.kind]
+    return UTILISATION_METRICS[pool.accelerator.kind]
 
 
 def node_config(stack: Stack, pool: PoolSpec) -> tuple[str, str]:
     """(file name in the bundle, content) of what the pool's nodes run to publish utilisation."""
-    assert pool.itype.accelerator, pool.name
-    if pool.itype.accelerator.kind == "nvidia":
+    if pool.accelerator.kind == "nvidia":
         return f"cloudwatch-agent/{pool.name}.json", agent_config(stack, pool)
     return f"neuron-metrics/{pool.name}.json", neuron_publisher_config(stack, pool)
 

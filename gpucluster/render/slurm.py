@@ -73,10 +73,8 @@ def node_names(pool: PoolSpec) -> list[str]:
     return [f"{pool.name}-{n}" for n in range(1, pool.max_nodes + 1)]
 
 
-def _gres_name_type(pool: PoolSpec) -> tuple[str, str | None]:
-    """Slurm's name for the pool's accelerators and, for GPUs, their type (h100, a100, ...)."""
-    acc = pool.itype.accelerator
-    assert acc, pool.name
+def _gres_name_type(acc: Accelerator) -> tuple[str, str | None]:
+    """Slurm's name for the accelerators and, for GPUs, their type (h100, a100, ...)."""
     return ("gpu", acc.model.lower()) if acc.kind == "nvidia" else ("neuron", None)
 
 
@@ -85,7 +83,7 @@ def gres(pool: PoolSpec) -> str | None:
     acc = pool.itype.accelerator
     if acc is None:
         return None
-    name, kind = _gres_name_type(pool)
+    name, kind = _gres_name_type(acc)
     return f"{name}:{kind}:{acc.count}" if kind else f"{name}:{acc.count}"
 
 
@@ -264,7 +262,7 @@ def gres_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         acc = pool.itype.accelerator
         if acc is None:
             continue
-        name, kind = _gres_name_type(pool)
+        name, kind = _gres_name_type(acc)
         files = device_files(acc, layout.dev_dir)
         lines.append(f"NodeName={hostlist(pool.name, 1, pool.max_nodes)} Name={name}"
                      f"{f' Type={kind}' if kind else ''} File={files}")

@@ -168,6 +168,15 @@ class PoolSpec(_Model):
         return catalog.ACCELERATED[self.instance_type]
 
     @property
+    def accelerator(self) -> catalog.Accelerator:
+        """The pool's GPUs or Neuron devices: every type a pool may name has them (catalog.ACCELERATED)."""
+        if self.itype.accelerator is None:
+            allowed = ", ".join(name for name, itype in catalog.ACCELERATED.items() if itype.accelerator)
+            raise ValueError(f"pool {self.name}: {self.instance_type} has no accelerator; a pool takes one of: "
+                             f"{allowed}")
+        return self.itype.accelerator
+
+    @property
     def uses_efa(self) -> bool:
         """EFA is on by default wherever the type supports it."""
         return self.itype.efa_supported if self.efa is None else self.efa
