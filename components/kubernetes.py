@@ -44,11 +44,6 @@ class EksClusterArgs:
     security_group_id: pulumi.Input[str]
     account_id: pulumi.Input[str]  # components.iam.account_id: the team role's trust names it
 
-    def __post_init__(self) -> None:
-        if self.control_plane_subnet_id is None and not self.control_plane_cidr:
-            raise ValueError("the EKS control plane needs a second subnet: control_plane_subnet_id (an existing subnet "
-                             "in another AZ) or control_plane_cidr (the range of a new VPC to create one in)")
-
 
 class EksCluster(pulumi.ComponentResource):
     """The control plane: private endpoint, secrets under a KMS key, API-mode access entries, managed add-ons."""
@@ -65,6 +60,9 @@ class EksCluster(pulumi.ComponentResource):
         stack, settings_ = args.stack, args.stack.spec.eks
         second_subnet = args.control_plane_subnet_id
         if second_subnet is None:
+            if not args.control_plane_cidr:
+                raise ValueError("the EKS control plane needs a second subnet: control_plane_subnet_id (an existing "
+                                 "subnet in another AZ) or control_plane_cidr (the range of a new VPC to create one in)")
             zone = settings_.control_plane_availability_zone or other_zone(stack.spec.availability_zone)
             # Holds only the control plane's interfaces, which talk to the nodes inside the VPC: no route out needed.
             second_subnet = aws.ec2.Subnet(

@@ -22,11 +22,6 @@ class NetworkArgs:
     vpc_id: str | None = None  # ... or an existing VPC and private subnet with their own egress
     subnet_id: str | None = None
 
-    def __post_init__(self) -> None:
-        if not self.vpc_cidr and not (self.vpc_id and self.subnet_id):
-            raise ValueError("a network needs vpc_cidr (a new VPC) or both vpc_id and subnet_id (an existing VPC and "
-                             f"its private subnet); got vpc_id={self.vpc_id!r}, subnet_id={self.subnet_id!r}")
-
 
 def split_cidr(vpc_cidr: str) -> tuple[str, str]:
     """The private subnet takes the first half of the VPC (GPU nodes, FSx); the public subnet (NAT only) a /24-sized
@@ -55,8 +50,11 @@ class Network(pulumi.ComponentResource):
         super().__init__("gpucluster:network:Network", name, None, opts)
         if args.vpc_cidr:
             self.vpc_id, self.subnet_id = self._new_vpc(name, args, args.vpc_cidr)
-        else:
+        elif args.vpc_id and args.subnet_id:
             self.vpc_id, self.subnet_id = pulumi.Output.from_input(args.vpc_id), pulumi.Output.from_input(args.subnet_id)
+        else:
+            raise ValueError("a network needs vpc_cidr (a new VPC) or both vpc_id and subnet_id (an existing VPC and "
+                             f"its private subnet); got vpc_id={args.vpc_id!r}, subnet_id={args.subnet_id!r}")
 
         sg = aws.ec2.SecurityGroup(
             f"{name}-cluster",

@@ -25,12 +25,6 @@ class StorageArgs:
     # The group's rules (Network.security_group_rules): FSx refuses a group whose rules are not yet in force.
     security_group_rules: Sequence[pulumi.Resource] = ()
 
-    def __post_init__(self) -> None:
-        lustre = self.lustre
-        if lustre.file_system_id and not (lustre.dns_name and lustre.mount_name):
-            raise ValueError(f"the existing file system {lustre.file_system_id} is mounted by its dns_name and "
-                             f"mount_name: give both (got {lustre.dns_name!r}, {lustre.mount_name!r})")
-
 
 class Storage(pulumi.ComponentResource):
     file_system_id: pulumi.Output[str]
@@ -46,9 +40,13 @@ class Storage(pulumi.ComponentResource):
         self.data_repository = None
         if lustre.file_system_id:
             # An existing file system: mounted as is, never touched by this stack.
+            dns_name, mount_name = lustre.dns_name, lustre.mount_name
+            if not dns_name or not mount_name:
+                raise ValueError(f"the existing file system {lustre.file_system_id} is mounted by its dns_name and "
+                                 f"mount_name: give both (got {dns_name!r}, {mount_name!r})")
             self.file_system_id = pulumi.Output.from_input(lustre.file_system_id)
-            self.dns_name = pulumi.Output.from_input(lustre.dns_name)
-            self.mount_name = pulumi.Output.from_input(lustre.mount_name)
+            self.dns_name = pulumi.Output.from_input(dns_name)
+            self.mount_name = pulumi.Output.from_input(mount_name)
         else:
             self._create(name, args)
         self.register_outputs(

@@ -14,9 +14,9 @@ from pulumi.runtime.stack import run_pulumi_func
 from pulumi.runtime.sync_await import _sync_await
 
 from components.gpu_pool import GpuPool, GpuPoolArgs
-from components.kubernetes import EksClusterArgs, NodePool, NodePoolArgs
-from components.network import NetworkArgs
-from components.storage import StorageArgs
+from components.kubernetes import EksCluster, EksClusterArgs, NodePool, NodePoolArgs
+from components.network import Network, NetworkArgs
+from components.storage import Storage, StorageArgs
 from conftest import ROOT
 from gpucluster.aws import preflight
 from gpucluster.render import kube, monitoring
@@ -55,13 +55,13 @@ class _Echo(pulumi.runtime.Mocks):
     def new_resource(self, args: pulumi.runtime.MockResourceArgs) -> tuple[str, dict[str, Any]]:
         return f"{args.name}-id", args.inputs
 
-    def call(self, args: pulumi.runtime.MockCallArgs) -> dict[str, Any]:
-        return {}
+    def call(self, args: pulumi.runtime.MockCallArgs) -> tuple[dict[str, Any], list[tuple[str, str]] | None]:
+        return {}, []
 
 
-def declare_alone(declare: Callable[[], object]) -> None:
+def declare_alone(declare: Callable[[], Any]) -> None:
     """Run `declare` as a Pulumi program of its own under the mock runtime."""
-    settings.set_root_resource(None)
+    settings.set_root_resource(None)  # type: ignore[arg-type]  # a fresh stack, as gpucluster.plan.run_program does
     pulumi.runtime.set_mocks(_Echo(), project="gpucluster", stack="alone", preview=False)
     _sync_await(run_pulumi_func(declare))
 
@@ -80,28 +80,30 @@ def test_a_pool_component_refuses_a_type_without_accelerators(
 
 
 def test_network_needs_a_range_or_an_existing_vpc_and_subnet() -> None:
-    NetworkArgs(region="us-east-1", availability_zone="us-east-1a", vpc_cidr="10.0.0.0/16")
-    NetworkArgs(region="us-east-1", availability_zone="us-east-1a", vpc_id="vpc-1", subnet_id="subnet-1")
+    declare_alone(lambda: Network("n", NetworkArgs(region="us-east-1", availability_zone="us-east-1a",
+                                                   vpc_id="vpc-1", subnet_id="subnet-1")))
     with pytest.raises(ValueError, match=r"a network needs vpc_cidr \(a new VPC\) or both vpc_id and subnet_id .*"
                                          r"got vpc_id='vpc-1', subnet_id=None"):
-        NetworkArgs(region="us-east-1", availability_zone="us-east-1a", vpc_id="vpc-1")
+        declare_alone(lambda: Network("n", NetworkArgs(region="us-east-1", availability_zone="us-east-1a",
+                                                       vpc_id="vpc-1")))
 
 
 def test_an_existing_file_system_needs_its_dns_and_mount_names() -> None:
+    def storage(lustre: LustreSpec) -> Callable[[], object]:
+        return lambda: Storage("s", StorageArgs(lustre=lustre, region="us-east-1", subnet_id="subnet-1",
+                                                security_group_id="sg-1"))
+
     named = LustreSpec.model_construct(file_system_id="fs-0123456789abcdef0", dns_name="d", mount_name="m")
-    StorageArgs(lustre=named, region="us-east-1", subnet_id="subnet-1", security_group_id="sg-1")
-    unnamed = named.model_copy(update={"mount_name": None})
+    declare_alone(storage(named))
     with pytest.raises(ValueError, match=r"the existing file system fs-0123456789abcdef0 is mounted by its dns_name "
                                          r"and mount_name: give both \(got 'd', None\)"):
-        StorageArgs(lustre=unnamed, region="us-east-1", subnet_id="subnet-1", security_group_id="sg-1")
+        declare_alone(storage(named.model_copy(update={"mount_name": None})))
 
 
 def test_the_control_plane_needs_a_second_subnet_or_a_range_for_one() -> None:
     stack = load_stack(ROOT / "stacks" / "Pulumi.team-k8s.yaml")
-    common = {"stack": stack, "vpc_id": "vpc-1", "subnet_id": "subnet-1", "security_group_id": "sg-1",
-              "account_id": "123456789012"}
-    EksClusterArgs(**common, control_plane_subnet_id="subnet-2", control_plane_cidr=None)
-    EksClusterArgs(**common, control_plane_subnet_id=None, control_plane_cidr="10.0.129.0/24")
+    args = EksClusterArgs(stack=stack, vpc_id="vpc-1", subnet_id="subnet-1", control_plane_subnet_id=None,
+                          control_plane_cidr=None, security_group_id="sg-1", account_id="123456789012")
     with pytest.raises(ValueError, match=r"the EKS control plane needs a second subnet: control_plane_subnet_id .* "
                                          r"or control_plane_cidr"):
-        EksClusterArgs(**common, control_plane_subnet_id=None, control_plane_cidr=None)
+        declare_alone(lambda: EksCluster("c", args))
