@@ -16,8 +16,8 @@ import pulumi
 import pulumi_aws as aws
 
 from components import child
-from components.iam import EC2_ASSUME, PARAMETER_READ, SSM_AGENT, policy
 from components.gpu_pool import LaunchSpec
+from components.iam import EC2_ASSUME, PARAMETER_READ, SSM_AGENT, policy
 from components.node_access import NodeAccess
 from gpucluster.spec.catalog import UBUNTU_AMI_PARAMETER
 from gpucluster.spec.cost import HEAD_ROOT_GIB, HEAD_STATE_GIB
@@ -94,7 +94,7 @@ class HeadNode(pulumi.ComponentResource):
     def __init__(self, name: str, args: HeadNodeArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpucluster:head:HeadNode", name, None, opts)
         access = args.access
-        pools = {name: spec.as_dict() for name, spec in args.pools.items()}
+        pools = {pool: spec.as_dict() for pool, spec in args.pools.items()}
         head_role = aws.iam.Role(f"{name}-head", assume_role_policy=EC2_ASSUME, opts=child(self))
         aws.iam.RolePolicy(f"{name}-head", role=head_role.id, policy=pulumi.Output.all(
             account=args.account_id, config_arn=access.config_parameter_arn, munge_arn=access.munge_key_parameter_arn,
