@@ -1,4 +1,5 @@
-"""Pulumi ComponentResources of a gpucluster, each usable alone. `create_cluster` in components.cluster wires them."""
+"""Pulumi ComponentResources of a gpucluster, each usable alone. `create_cluster` in components.cluster wires them
+into one of the two flavours (components/slurm_cluster.py, components/kubernetes_cluster.py)."""
 
 from __future__ import annotations
 

@@ -10,9 +10,9 @@ import pulumi
 import pulumi_aws as aws
 
 from components import child
-from components.node_access import policy
+from components.iam import allow_service, policy
 from gpucluster.spec.cost import COST_TAG
-from gpucluster.spec.model import Budget as BudgetSpec
+from gpucluster.spec.model import BudgetSpec
 
 
 @dataclass(frozen=True)
@@ -20,18 +20,13 @@ class BudgetArgs:
     budget_name: str
     spec: BudgetSpec
     stack: str  # the value of the cost-allocation tag COST_TAG
+    account_id: pulumi.Input[str]  # components.iam.account_id: only its own account's services may publish
     activate_cost_tag: bool = True
 
 
 def tag_filter(stack: str) -> str:
     """Budgets' TagKeyValue filter: `user:<key>$<value>`."""
     return f"user:{COST_TAG}${stack}"
-
-
-def allow_service(service: str | list[str], action: str, resource: str, condition: dict[str, dict[str, str]]) -> str:
-    """A resource policy letting one AWS service act on one resource, on behalf of one source only."""
-    return policy([{"Effect": "Allow", "Principal": {"Service": service}, "Action": action, "Resource": resource,
-                    "Condition": condition}])
 
 
 class Budget(pulumi.ComponentResource):
@@ -44,13 +39,12 @@ class Budget(pulumi.ComponentResource):
 
     def __init__(self, name: str, args: BudgetArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpucluster:budget:Budget", name, None, opts)
-        account = aws.get_caller_identity_output(opts=pulumi.InvokeOutputOptions(parent=self)).account_id
         # SNS server-side encryption is left off: Budgets cannot publish to a topic under the AWS-managed SNS key.
         topic = aws.sns.Topic(f"{name}-alerts", opts=child(self))
         aws.sns.TopicPolicy(
             f"{name}-alerts",
             arn=topic.arn,
-            policy=pulumi.Output.all(topic.arn, account).apply(
+            policy=pulumi.Output.all(topic.arn, args.account_id).apply(
                 # Budgets for its notifications and actions, CloudWatch for the idle-GPU alarms.
                 lambda a: allow_service(["budgets.amazonaws.com", "cloudwatch.amazonaws.com"], "SNS:Publish", a[0],
                                         {"StringEquals": {"aws:SourceAccount": a[1]}})),
@@ -120,6 +114,7 @@ class LaunchDenyArgs:
     role_name: pulumi.Input[str]  # the role that launches nodes (the head node's)
     role_arn: pulumi.Input[str]
     topic_arn: pulumi.Input[str]
+    account_id: pulumi.Input[str]  # components.iam.account_id: only its own account's Budgets may run the action
     # What the role may no longer do: launch instances (the Slurm head), or resize groups (Kubernetes' autoscaler).
     denied_actions: tuple[str, ...] = tuple(LAUNCH_ACTIONS)
 
@@ -130,13 +125,13 @@ class LaunchDeny(pulumi.ComponentResource):
 
     def __init__(self, name: str, args: LaunchDenyArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpucluster:budget:LaunchDeny", name, None, opts)
-        account = aws.get_caller_identity_output(opts=pulumi.InvokeOutputOptions(parent=self)).account_id
         deny = aws.iam.Policy(f"{name}-launch-deny", description="gpucluster budget action: no instance launches",
                               policy=policy([{"Sid": "BudgetSpent", "Effect": "Deny", "Action": list(args.denied_actions),
                                               "Resource": "*"}]), opts=child(self))
-        executor = aws.iam.Role(f"{name}-budget-action", assume_role_policy=account.apply(lambda acct: policy([{
-            "Effect": "Allow", "Principal": {"Service": "budgets.amazonaws.com"}, "Action": "sts:AssumeRole",
-            "Condition": {"StringEquals": {"aws:SourceAccount": acct}}}])), opts=child(self))
+        executor = aws.iam.Role(f"{name}-budget-action", assume_role_policy=pulumi.Output.from_input(
+            args.account_id).apply(lambda acct: policy([{
+                "Effect": "Allow", "Principal": {"Service": "budgets.amazonaws.com"}, "Action": "sts:AssumeRole",
+                "Condition": {"StringEquals": {"aws:SourceAccount": acct}}}])), opts=child(self))
         # Attach and detach exactly that policy on exactly that role.
         aws.iam.RolePolicy(f"{name}-budget-action", role=executor.id, policy=pulumi.Output.all(
             args.role_arn, deny.arn).apply(lambda a: policy([{

@@ -7,7 +7,7 @@ from this template, so the pool exports what that call needs: template id, subne
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import pulumi
 import pulumi_aws as aws
@@ -15,7 +15,7 @@ import pulumi_aws as aws
 from components import child
 from gpucluster.spec import catalog
 from gpucluster.contract import settings
-from gpucluster.spec.model import Pool
+from gpucluster.spec.model import PoolSpec
 
 ROOT_DEVICE = "/dev/sda1"  # Ubuntu-based DLAMIs
 
@@ -23,7 +23,7 @@ ROOT_DEVICE = "/dev/sda1"  # Ubuntu-based DLAMIs
 @dataclass(frozen=True)
 class GpuPoolArgs:
     cluster_name: str
-    pool: Pool
+    pool: PoolSpec
     subnet_id: pulumi.Input[str]
     security_group_id: pulumi.Input[str]
     # Tags EC2 puts on each launched instance, volume and interface (provider default tags do not reach them).
@@ -34,7 +34,7 @@ class GpuPoolArgs:
     image_id: pulumi.Input[str] | None = None
 
 
-def network_interfaces(pool: Pool, subnet_id: pulumi.Input[str] | None,
+def network_interfaces(pool: PoolSpec, subnet_id: pulumi.Input[str] | None,
                        security_group_ids: Sequence[pulumi.Input[str]]) -> list[dict]:
     """The pool's interfaces: one per network card with EFA. `subnet_id` None leaves the subnet to the launcher (EKS
     managed node groups reject a template whose interfaces name one)."""
@@ -52,14 +52,14 @@ def network_interfaces(pool: Pool, subnet_id: pulumi.Input[str] | None,
     ]
 
 
-def placement_group(name: str, pool: Pool, opts: pulumi.ResourceOptions) -> pulumi.Output[str] | None:
+def placement_group(name: str, pool: PoolSpec, opts: pulumi.ResourceOptions) -> pulumi.Output[str] | None:
     """A cluster placement group for an EFA pool (nodes close together on the network); None without EFA."""
     if not pool.uses_efa:
         return None
     return aws.ec2.PlacementGroup(f"{name}-pg", strategy="cluster", opts=opts).name
 
 
-def launch_template(name: str, pool: Pool, *, description: str, subnet_id: pulumi.Input[str] | None,
+def launch_template(name: str, pool: PoolSpec, *, description: str, subnet_id: pulumi.Input[str] | None,
                     security_group_ids: Sequence[pulumi.Input[str]], group_name: pulumi.Input[str] | None,
                     node_tags: dict[str, str], root_device: str, opts: pulumi.ResourceOptions,
                     image_id: pulumi.Input[str] | None = None, instance_profile_arn: pulumi.Input[str] | None = None,
@@ -112,18 +112,41 @@ def launch_template(name: str, pool: Pool, *, description: str, subnet_id: pulum
     )
 
 
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What the resume program needs to launch the pool's nodes: the settings contract's PoolSettings (the pool's name
+    aside), with what `pulumi up` learns still as outputs."""
+
+    launch_template_id: pulumi.Output[str]
+    launch_template_version: pulumi.Output[int]
+    subnet_id: pulumi.Input[str]
+    instance_type: str
+    market: str
+    capacity_reservation_id: str | None
+    placement_group: pulumi.Output[str] | None
+    min_nodes: int
+    max_nodes: int
+    efa_interfaces: int
+    accelerator: str
+    accelerators: int
+    node_hour_usd: float
+
+    def as_dict(self) -> dict[str, object]:
+        """The fields by name, for Pulumi to resolve (`Output.all`, component and stack outputs)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}  # asdict would deep-copy the outputs
+
+
 class GpuPool(pulumi.ComponentResource):
     launch_template_id: pulumi.Output[str]
     launch_template_version: pulumi.Output[int]
     placement_group: pulumi.Output[str] | None
     image_id: pulumi.Output[str]
-    launch_spec: dict[str, object]
+    launch_spec: LaunchSpec
 
     def __init__(self, name: str, args: GpuPoolArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpucluster:pool:GpuPool", name, None, opts)
         pool = args.pool
-        accelerator = pool.itype.accelerator
-        assert accelerator, f"{pool.instance_type} has no accelerator"
+        accelerator = pool.accelerator
 
         if pool.ami_id or args.image_id is not None:
             self.image_id = pulumi.Output.from_input(pool.ami_id or args.image_id)  # type: ignore[arg-type]
@@ -143,24 +166,19 @@ class GpuPool(pulumi.ComponentResource):
             user_data=args.user_data)
         self.launch_template_id = template.id
         self.launch_template_version = template.latest_version
-        self.launch_spec = self._launch_spec(args)
-        self.register_outputs(self.launch_spec)
-
-    def _launch_spec(self, args: GpuPoolArgs) -> dict[str, object]:
-        """What the resume program needs to launch this pool's nodes."""
-        pool = args.pool
-        return {
-            "launch_template_id": self.launch_template_id,
-            "launch_template_version": self.launch_template_version,
-            "subnet_id": args.subnet_id,
-            "instance_type": pool.instance_type,
-            "market": pool.capacity,
-            "capacity_reservation_id": pool.capacity_reservation_id,
-            "placement_group": self.placement_group,
-            "min_nodes": pool.min_nodes,
-            "max_nodes": pool.max_nodes,
-            "efa_interfaces": pool.itype.efa_interfaces if pool.uses_efa else 0,
-            "accelerator": pool.itype.accelerator.kind if pool.itype.accelerator else "",
-            "accelerators": pool.itype.accelerator.count if pool.itype.accelerator else 0,
-            "node_hour_usd": pool.itype.on_demand_usd_per_hour or 0.0,
-        }
+        self.launch_spec = LaunchSpec(
+            launch_template_id=self.launch_template_id,
+            launch_template_version=self.launch_template_version,
+            subnet_id=args.subnet_id,
+            instance_type=pool.instance_type,
+            market=pool.capacity,
+            capacity_reservation_id=pool.capacity_reservation_id,
+            placement_group=self.placement_group,
+            min_nodes=pool.min_nodes,
+            max_nodes=pool.max_nodes,
+            efa_interfaces=pool.itype.efa_interfaces if pool.uses_efa else 0,
+            accelerator=accelerator.kind,
+            accelerators=accelerator.count,
+            node_hour_usd=pool.itype.on_demand_usd_per_hour or 0.0,
+        )
+        self.register_outputs(self.launch_spec.as_dict())

@@ -9,17 +9,20 @@ its Slurm state and accounting on their own volume, so compute nodes and running
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import pulumi
 import pulumi_aws as aws
 
 from components import child
-from components.node_access import EC2_ASSUME, PARAMETER_READ, SSM_AGENT, NodeAccess, policy
+from components.gpu_pool import LaunchSpec
+from components.iam import EC2_ASSUME, PARAMETER_READ, SSM_AGENT, policy
+from components.node_access import NodeAccess
 from gpucluster.spec.catalog import UBUNTU_AMI_PARAMETER
 from gpucluster.spec.cost import HEAD_ROOT_GIB, HEAD_STATE_GIB
 from gpucluster.contract.settings import CLUSTER_TAG, ClusterSettings, head_instance_name
+from gpucluster.spec.model import SlurmSpec
 
 STATE_DEVICE = "/dev/sdf"
 
@@ -29,6 +32,7 @@ class HeadNodeArgs:
     cluster_name: str
     team: str
     region: str
+    account_id: pulumi.Input[str]  # components.iam.account_id
     availability_zone: str
     instance_type: str
     subnet_id: pulumi.Input[str]
@@ -38,14 +42,13 @@ class HeadNodeArgs:
     bundle_key: str
     config_parameter: str
     munge_key_parameter: str
-    # Pool name -> launch spec (outputs of each GpuPool), published to every node through the config parameter.
-    pools: dict[str, dict[str, object]]
+    # Pool name -> GpuPool.launch_spec, published to every node through the config parameter.
+    pools: dict[str, LaunchSpec]
     launch_template_ids: list[pulumi.Input[str]]
     image_ids: list[pulumi.Input[str]]  # the AMIs of those templates: the only images the head may launch
     fsx_dns_name: pulumi.Input[str]
     fsx_mount_name: pulumi.Input[str]
-    # Settings the node programs read as they are (gpucluster_node.Config): all_or_nothing, capacity_retry_seconds.
-    node_program_settings: dict[str, object]
+    node_program_settings: NodeProgramSettings
     ami_id: pulumi.Input[str] | None = None  # None: the current Ubuntu 24.04 image
     # The group's rules (Network.security_group_rules): the head's boot mounts /fsx and reaches S3 and SSM through them.
     security_group_rules: Sequence[pulumi.Resource] = ()
@@ -53,6 +56,21 @@ class HeadNodeArgs:
     alerts_topic_arn: pulumi.Input[str] | None = None  # what the head's programs tell the team
     interruption_queue_url: pulumi.Input[str] | None = None  # EC2's spot warnings (InterruptionEvents); None: no spot
     interruption_queue_arn: pulumi.Input[str] | None = None
+
+
+@dataclass(frozen=True)
+class NodeProgramSettings:
+    """The stack's settings the node programs read as they are: ClusterSettings fields of the same names."""
+
+    all_or_nothing: bool
+    capacity_retry_seconds: int
+    checkpoint_grace_seconds: int
+    drain_on_rebalance: bool
+
+    @classmethod
+    def of(cls, slurm: SlurmSpec) -> NodeProgramSettings:
+        return cls(all_or_nothing=slurm.all_or_nothing, capacity_retry_seconds=slurm.capacity_retry_seconds,
+                   checkpoint_grace_seconds=slurm.checkpoint_grace_seconds, drain_on_rebalance=slurm.drain_on_rebalance)
 
 
 @dataclass(frozen=True)
@@ -75,14 +93,14 @@ class HeadNode(pulumi.ComponentResource):
 
     def __init__(self, name: str, args: HeadNodeArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpucluster:head:HeadNode", name, None, opts)
-        account = aws.get_caller_identity_output(opts=pulumi.InvokeOutputOptions(parent=self)).account_id
         access = args.access
+        pools = {pool: spec.as_dict() for pool, spec in args.pools.items()}
         head_role = aws.iam.Role(f"{name}-head", assume_role_policy=EC2_ASSUME, opts=child(self))
         aws.iam.RolePolicy(f"{name}-head", role=head_role.id, policy=pulumi.Output.all(
-            account=account, config_arn=access.config_parameter_arn, munge_arn=access.munge_key_parameter_arn,
+            account=args.account_id, config_arn=access.config_parameter_arn, munge_arn=access.munge_key_parameter_arn,
             bundle_arn=access.bundle_arn, compute_role_arn=access.compute_role_arn,
             template_ids=args.launch_template_ids, image_ids=args.image_ids, subnet_id=args.subnet_id,
-            security_group_id=args.security_group_id, pools=args.pools).apply(
+            security_group_id=args.security_group_id, pools=pools).apply(
                 lambda v: policy(head_statements(args, **v))),
             opts=child(self))
         if args.interruption_queue_arn is not None:
@@ -149,11 +167,11 @@ class HeadNode(pulumi.ComponentResource):
         self.private_ip = interface.private_ip
 
         budget = None if guard is None else {
-            "budget_name": guard.budget_name, "account_id": account, "queue_url": guard.queue_url,
+            "budget_name": guard.budget_name, "account_id": args.account_id, "queue_url": guard.queue_url,
             "topic_arn": guard.topic_arn, "act_threshold_percent": guard.act_threshold_percent}
         settings = pulumi.Output.all(
             bundle_bucket=access.bucket, head_address=interface.private_ip, state_volume_id=state.id,
-            fsx_dns_name=args.fsx_dns_name, fsx_mount_name=args.fsx_mount_name, pools=args.pools,
+            fsx_dns_name=args.fsx_dns_name, fsx_mount_name=args.fsx_mount_name, pools=pools,
             budget=budget, alerts_topic_arn=args.alerts_topic_arn or "",
             interruption_queue_url=args.interruption_queue_url or "").apply(lambda v: settings_document(args, v))
         # insecure_value: these settings are not secret (pulumi-aws would otherwise encrypt them in state and hide them).
@@ -171,7 +189,8 @@ def settings_document(args: HeadNodeArgs, learned: dict[str, Any]) -> str:
              for name, spec in learned["pools"].items()}
     return ClusterSettings.from_dict({
         "cluster": args.cluster_name, "team": args.team, "region": args.region, "bundle_key": args.bundle_key,
-        "munge_key_parameter": args.munge_key_parameter, **args.node_program_settings, **learned, "pools": pools,
+        "munge_key_parameter": args.munge_key_parameter, **asdict(args.node_program_settings), **learned,
+        "pools": pools,
     }).to_json()
 
 

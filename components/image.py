@@ -18,7 +18,7 @@ import yaml
 
 from components import child
 from components.gpu_pool import ROOT_DEVICE
-from components.node_access import EC2_ASSUME, SSM_CORE
+from components.iam import EC2_ASSUME, MANAGED_POLICY, SSM_CORE
 from gpucluster.spec import catalog, cost
 from gpucluster import node
 from gpucluster.contract import settings
@@ -29,7 +29,7 @@ BUILD_SCRIPT = "build_image.sh"  # a node program (gpucluster.node)
 SCRIPT_ON_IMAGE = f"{Path(settings.IMAGE_MANIFEST).parent}/build_image.sh"
 HEREDOC_END = "GPUCLUSTER_BUILD_SCRIPT"
 COMPONENT_DATA_LIMIT = 16000  # characters of inline YAML that CreateComponent accepts (its `data`)
-IMAGE_BUILDER_POLICY = "arn:aws:iam::aws:policy/EC2InstanceProfileForImageBuilder"
+IMAGE_BUILDER_POLICY = MANAGED_POLICY + "EC2InstanceProfileForImageBuilder"
 # A build is an hour or so, and Image Builder snapshots a 100+ GiB DLAMI volume after it.
 BUILD_TIMEOUT = "180m"
 

@@ -14,7 +14,7 @@ import pulumi
 import pulumi_aws as aws
 
 from components import child
-from components.budget import allow_service
+from components.iam import allow_service
 
 EVENT_TYPES = ["EC2 Spot Instance Interruption Warning", "EC2 Instance Rebalance Recommendation"]
 # A warning is worth two minutes: one older than this is of no use to anyone.

@@ -1,7 +1,8 @@
-"""The Kubernetes flavour: an EKS cluster (EksCluster), one managed node group per pool (NodePool), and what runs in
-the cluster (ClusterSoftware: autoscaler, device plugins, Kueue, monitoring; TeamSpace: the team's namespace, quota,
-queues and file system). Every object is a plain pulumi-aws or pulumi_kubernetes resource, so that the offline plan
-and the tests see each one; third-party software is a pinned helm.v3.Release.
+"""The Kubernetes flavour's components: an EKS cluster (EksCluster), one managed node group per pool (NodePool), and
+what runs in the cluster (ClusterSoftware: autoscaler, device plugins, Kueue, monitoring; TeamSpace: the team's
+namespace, quota, queues and file system; QueueGuardrail: the budget's hold on the team's queue). Every object is a
+plain pulumi-aws or pulumi_kubernetes resource, so that the offline plan and the tests see each one; third-party
+software is a pinned helm.v3.Release.
 """
 
 from __future__ import annotations
@@ -17,26 +18,20 @@ import pulumi_kubernetes as k8s
 
 from components import child
 from components.gpu_pool import launch_template, placement_group
-from components.node_access import policy
+from components.iam import ASSUME_AND_TAG, MANAGED_POLICY, policy, trust
 from gpucluster.spec import eks
 from gpucluster.render import kube
 from gpucluster.contract import settings
-from gpucluster.spec.model import Pool, Stack
+from gpucluster.spec.model import PoolSpec, Stack
 
-MANAGED_POLICY = "arn:aws:iam::aws:policy/"
 ACCESS_POLICY = "arn:aws:eks::aws:cluster-access-policy/"
 # The node role joins the cluster and pulls images; the VPC CNI's IP management is its own Pod Identity role, so that
 # no pod on the node can use it.
 NODE_POLICIES = ("AmazonEKSWorkerNodePolicy", "AmazonEC2ContainerRegistryPullOnly")
 CNI_POLICY = "AmazonEKS_CNI_Policy"
-ASSUME_AND_TAG = ("sts:AssumeRole", "sts:TagSession")
 AUTOSCALER_SERVICE_ACCOUNT = "cluster-autoscaler"
 CAPACITY_TYPES = {"on-demand": "ON_DEMAND", "spot": "SPOT", "capacity-block": "CAPACITY_BLOCK"}
 TAINT_EFFECTS = {"NoSchedule": "NO_SCHEDULE"}
-
-
-def trust(service: str, actions: Sequence[str] = ("sts:AssumeRole",)) -> str:
-    return policy([{"Effect": "Allow", "Principal": {"Service": service}, "Action": list(actions)}])
 
 
 @dataclass(frozen=True)
@@ -47,6 +42,7 @@ class EksClusterArgs:
     control_plane_subnet_id: pulumi.Input[str] | None  # an existing subnet in another AZ; None: create a small one
     control_plane_cidr: str | None  # the small subnet's range in a new VPC
     security_group_id: pulumi.Input[str]
+    account_id: pulumi.Input[str]  # components.iam.account_id: the team role's trust names it
 
 
 class EksCluster(pulumi.ComponentResource):
@@ -64,7 +60,9 @@ class EksCluster(pulumi.ComponentResource):
         stack, settings_ = args.stack, args.stack.spec.eks
         second_subnet = args.control_plane_subnet_id
         if second_subnet is None:
-            assert args.control_plane_cidr, "a new VPC needs the control plane's range"
+            if not args.control_plane_cidr:
+                raise ValueError("the EKS control plane needs a second subnet: control_plane_subnet_id (an existing "
+                                 "subnet in another AZ) or control_plane_cidr (the range of a new VPC to create one in)")
             zone = settings_.control_plane_availability_zone or other_zone(stack.spec.availability_zone)
             # Holds only the control plane's interfaces, which talk to the nodes inside the VPC: no route out needed.
             second_subnet = aws.ec2.Subnet(
@@ -132,7 +130,7 @@ class EksCluster(pulumi.ComponentResource):
                      "effect": TAINT_EFFECTS[kube.SYSTEM_TAINT["effect"]]}],
             opts=child(self, depends_on=[self.node_access, *node_policies, *node_addons.values()]))
         self._admins(name, cluster, settings_.admin_role_arns)
-        self.team_role_arn = self._team(name, stack, cluster)
+        self.team_role_arn = self._team(name, stack, cluster, args.account_id)
         pod_addons = self._addons(name, cluster, [a for a in eks.ADDONS if a not in eks.NODE_ADDONS], node_addons,
                                   after=[self.system_nodes])
         self.addons = [{**node_addons, **pod_addons}[a] for a in eks.ADDONS]
@@ -173,13 +171,13 @@ class EksCluster(pulumi.ComponentResource):
                                             policy_arn=ACCESS_POLICY + "AmazonEKSClusterAdminPolicy",
                                             access_scope={"type": "cluster"}, opts=child(self, depends_on=[entry]))
 
-    def _team(self, name: str, stack: Stack, cluster: aws.eks.Cluster) -> pulumi.Output[str]:
+    def _team(self, name: str, stack: Stack, cluster: aws.eks.Cluster,
+              account_id: pulumi.Input[str]) -> pulumi.Output[str]:
         """The team's role: edit rights in its namespace only, and DescribeCluster for `aws eks update-kubeconfig`.
         Who may assume it is the account's IAM to say (as for the Slurm flavour's access policies)."""
-        account = aws.get_caller_identity_output(opts=pulumi.InvokeOutputOptions(parent=self)).account_id
-        role = aws.iam.Role(f"{name}-team", assume_role_policy=account.apply(lambda acct: policy([{
-            "Effect": "Allow", "Principal": {"AWS": f"arn:aws:iam::{acct}:root"}, "Action": "sts:AssumeRole"}])),
-            opts=child(self))
+        role = aws.iam.Role(f"{name}-team", assume_role_policy=pulumi.Output.from_input(account_id).apply(
+            lambda acct: policy([{"Effect": "Allow", "Principal": {"AWS": f"arn:aws:iam::{acct}:root"},
+                                  "Action": "sts:AssumeRole"}])), opts=child(self))
         aws.iam.RolePolicy(f"{name}-team", role=role.id, policy=cluster.arn.apply(lambda arn: policy([{
             "Sid": "Kubeconfig", "Effect": "Allow", "Action": "eks:DescribeCluster", "Resource": arn}])),
             opts=child(self))
@@ -210,7 +208,7 @@ def kubeconfig(cluster_name: str, endpoint: str, ca_data: str, region: str) -> s
     })
 
 
-def autoscaler_node_template_tags(stack: Stack, pool: Pool) -> dict[str, str]:
+def autoscaler_node_template_tags(stack: Stack, pool: PoolSpec) -> dict[str, str]:
     """What the Cluster Autoscaler reads off an Auto Scaling group at zero nodes to know what a new node would look
     like (kubernetes/autoscaler#4998): without the taints and the GPU/EFA counts it never scales a pool up from zero."""
     prefix = "k8s.io/cluster-autoscaler/node-template"
@@ -223,7 +221,7 @@ def autoscaler_node_template_tags(stack: Stack, pool: Pool) -> dict[str, str]:
 @dataclass(frozen=True)
 class NodePoolArgs:
     stack: Stack
-    pool: Pool
+    pool: PoolSpec
     cluster_name: pulumi.Input[str]
     node_role_arn: pulumi.Input[str]
     subnet_id: pulumi.Input[str]
@@ -241,7 +239,7 @@ class NodePool(pulumi.ComponentResource):
     def __init__(self, name: str, args: NodePoolArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpucluster:kubernetes:NodePool", name, None, opts)
         stack, pool = args.stack, args.pool
-        assert pool.itype.accelerator, pool.name
+        accelerator = pool.accelerator
         group = placement_group(name, pool, child(self))
         template = launch_template(
             name, pool, description=f"{stack.cluster_name} node group {pool.name}: {pool.instance_type}",
@@ -255,7 +253,7 @@ class NodePool(pulumi.ComponentResource):
             version=args.version,
             node_role_arn=args.node_role_arn,
             subnet_ids=[args.subnet_id],
-            ami_type=eks.AMI_TYPES[pool.itype.accelerator.kind],
+            ami_type=eks.AMI_TYPES[accelerator.kind],
             capacity_type=CAPACITY_TYPES[pool.capacity],
             launch_template={"id": template.id, "version": template.latest_version.apply(str)},
             scaling_config={"min_size": pool.min_nodes, "max_size": pool.max_nodes, "desired_size": pool.min_nodes},
@@ -409,4 +407,45 @@ class TeamSpace(pulumi.ComponentResource):
             declare(manifest, child(self, depends_on=[args.kueue, core[0]]))
         if any(p.itype.accelerator and p.itype.accelerator.kind == "nvidia" for p in stack.spec.pools):
             declare(kube.idle_gpu_rule(stack), child(self, depends_on=[args.prometheus]))
+        self.register_outputs({})
+
+
+@dataclass(frozen=True)
+class QueueGuardrailArgs:
+    stack: Stack
+    cluster_name: pulumi.Input[str]
+    # The Budget component's queue and budget, and the LaunchDeny that denies the autoscaler's scale-up.
+    queue_url: pulumi.Input[str]
+    queue_arn: pulumi.Input[str]
+    budget_arn: pulumi.Input[str]
+    act_threshold_percent: int
+    launch_deny_action_id: pulumi.Input[str]
+    launch_deny_action_arn: pulumi.Input[str]
+    kueue: pulumi.Resource  # the release that installs Kueue's CRDs
+
+
+class QueueGuardrail(pulumi.ComponentResource):
+    """The budget's queue, read in the cluster by a small controller that holds the team's ClusterQueue at the act
+    threshold and reopens it below (gpucluster/node/queue_guardrail.py), with its Pod Identity role."""
+
+    def __init__(self, name: str, args: QueueGuardrailArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("gpucluster:kubernetes:QueueGuardrail", name, None, opts)
+        role = aws.iam.Role(f"{name}-guardrail-pod",
+                            assume_role_policy=trust("pods.eks.amazonaws.com", ASSUME_AND_TAG), opts=child(self))
+        aws.iam.RolePolicy(f"{name}-guardrail-pod", role=role.id, policy=pulumi.Output.all(
+            args.queue_arn, args.budget_arn, args.launch_deny_action_arn).apply(lambda a: policy([
+                {"Sid": "BudgetQueue", "Effect": "Allow", "Action": ["sqs:ReceiveMessage", "sqs:DeleteMessage"],
+                 "Resource": a[0]},
+                {"Sid": "ReadBudget", "Effect": "Allow", "Action": "budgets:ViewBudget", "Resource": a[1]},
+                # On reopening, lift the autoscaler's scale-up deny: whether it ran, and reversing it; that action only
+                # (DescribeBudgetAction takes the action's ARN, where DescribeBudgetActionsForBudget needs the budget's).
+                {"Sid": "ReverseLaunchDeny", "Effect": "Allow",
+                 "Action": ["budgets:DescribeBudgetAction", "budgets:ExecuteBudgetAction"], "Resource": a[2]}])),
+            opts=child(self))
+        aws.eks.PodIdentityAssociation(f"{name}-guardrail", cluster_name=args.cluster_name,
+                                       namespace=eks.KUEUE.namespace, service_account=kube.GUARDRAIL,
+                                       role_arn=role.arn, opts=child(self))
+        for manifest in kube.guardrail_manifests(args.stack, args.queue_url, args.act_threshold_percent,
+                                                 args.launch_deny_action_id):
+            declare(manifest, child(self, depends_on=[args.kueue]))
         self.register_outputs({})

@@ -49,10 +49,12 @@ class Network(pulumi.ComponentResource):
     def __init__(self, name: str, args: NetworkArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpucluster:network:Network", name, None, opts)
         if args.vpc_cidr:
-            self.vpc_id, self.subnet_id = self._new_vpc(name, args)
-        else:
-            assert args.vpc_id and args.subnet_id, "existing network needs vpc_id and subnet_id"
+            self.vpc_id, self.subnet_id = self._new_vpc(name, args, args.vpc_cidr)
+        elif args.vpc_id and args.subnet_id:
             self.vpc_id, self.subnet_id = pulumi.Output.from_input(args.vpc_id), pulumi.Output.from_input(args.subnet_id)
+        else:
+            raise ValueError("a network needs vpc_cidr (a new VPC) or both vpc_id and subnet_id (an existing VPC and "
+                             f"its private subnet); got vpc_id={args.vpc_id!r}, subnet_id={args.subnet_id!r}")
 
         sg = aws.ec2.SecurityGroup(
             f"{name}-cluster",
@@ -80,11 +82,10 @@ class Network(pulumi.ComponentResource):
             {"vpc_id": self.vpc_id, "subnet_id": self.subnet_id, "security_group_id": self.security_group_id}
         )
 
-    def _new_vpc(self, name: str, args: NetworkArgs) -> tuple[pulumi.Output[str], pulumi.Output[str]]:
-        assert args.vpc_cidr
-        private_cidr, public_cidr = split_cidr(args.vpc_cidr)
+    def _new_vpc(self, name: str, args: NetworkArgs, vpc_cidr: str) -> tuple[pulumi.Output[str], pulumi.Output[str]]:
+        private_cidr, public_cidr = split_cidr(vpc_cidr)
         vpc = aws.ec2.Vpc(
-            name, cidr_block=args.vpc_cidr, enable_dns_hostnames=True, enable_dns_support=True, opts=child(self)
+            name, cidr_block=vpc_cidr, enable_dns_hostnames=True, enable_dns_support=True, opts=child(self)
         )
         private = aws.ec2.Subnet(
             f"{name}-private", vpc_id=vpc.id, cidr_block=private_cidr, availability_zone=args.availability_zone,
@@ -121,7 +122,7 @@ class Network(pulumi.ComponentResource):
             opts=child(self),
         )
         aws.vpc.SecurityGroupIngressRule(
-            f"{name}-endpoints-https", security_group_id=endpoint_sg.id, cidr_ipv4=args.vpc_cidr, ip_protocol="tcp",
+            f"{name}-endpoints-https", security_group_id=endpoint_sg.id, cidr_ipv4=vpc_cidr, ip_protocol="tcp",
             from_port=443, to_port=443, description="HTTPS from the VPC", opts=child(self),
         )
         for service in SSM_ENDPOINTS:

@@ -4,39 +4,20 @@ together with the cluster's SSM parameters, nothing else."""
 from __future__ import annotations
 
 import base64
-import json
 from dataclasses import dataclass
 
 import pulumi
 import pulumi_aws as aws
 
 from components import child, private_bucket
+from components.iam import EC2_ASSUME, PARAMETER_READ, SSM_AGENT, policy
 from gpucluster.render import monitoring
-
-EC2_ASSUME = json.dumps({"Version": "2012-10-17", "Statement": [
-    {"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"}, "Action": "sts:AssumeRole"}]})
-# The image build instances only (Image Builder's documented pair with EC2InstanceProfileForImageBuilder).
-SSM_CORE = "arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore"
-# A node reads its settings and the munge key in one GetParameters call; GetParameter stays for single reads.
-PARAMETER_READ = ["ssm:GetParameter", "ssm:GetParameters"]
-# What the nodes' SSM agent needs for Session Manager (the ssmmessages channels) and Run Command (ec2messages, which
-# `pulumi destroy` uses to close the partitions), and no more. Not AmazonSSMManagedInstanceCore: it also allows
-# ssm:GetParameter(s) on every parameter of the account, another stack's munge key among them. These actions take no
-# resource but "*".
-SSM_AGENT = {"Sid": "SessionManagerAndRunCommand", "Effect": "Allow", "Resource": "*", "Action": [
-    "ssm:UpdateInstanceInformation", "ssmmessages:CreateControlChannel", "ssmmessages:CreateDataChannel",
-    "ssmmessages:OpenControlChannel", "ssmmessages:OpenDataChannel", "ec2messages:AcknowledgeMessage",
-    "ec2messages:DeleteMessage", "ec2messages:FailMessage", "ec2messages:GetEndpoint", "ec2messages:GetMessages",
-    "ec2messages:SendReply"]}
-
-
-def policy(statements: list[dict[str, object]]) -> str:
-    return json.dumps({"Version": "2012-10-17", "Statement": statements})
 
 
 @dataclass(frozen=True)
 class NodeAccessArgs:
     region: str
+    account_id: pulumi.Input[str]  # components.iam.account_id
     bundle: bytes  # gpucluster.render.bundle.build
     bundle_key: str
     config_parameter: str
@@ -53,11 +34,10 @@ class NodeAccess(pulumi.ComponentResource):
 
     def __init__(self, name: str, args: NodeAccessArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpucluster:access:NodeAccess", name, None, opts)
-        account = aws.get_caller_identity_output(opts=pulumi.InvokeOutputOptions(parent=self)).account_id
         self.config_parameter_arn = pulumi.Output.concat(
-            f"arn:aws:ssm:{args.region}:", account, f":parameter{args.config_parameter}")
+            f"arn:aws:ssm:{args.region}:", args.account_id, f":parameter{args.config_parameter}")
         self.munge_key_parameter_arn = pulumi.Output.concat(
-            f"arn:aws:ssm:{args.region}:", account, f":parameter{args.munge_key_parameter}")
+            f"arn:aws:ssm:{args.region}:", args.account_id, f":parameter{args.munge_key_parameter}")
 
         bucket = private_bucket(f"{name}-bundle", child(self), force_destroy=True)
         bundle = aws.s3.BucketObjectv2(f"{name}-bundle", bucket=bucket.id, key=args.bundle_key,

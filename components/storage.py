@@ -11,14 +11,14 @@ import pulumi_aws as aws
 
 from components import child, private_bucket
 from components.teardown import lustre_export
-from gpucluster.spec.model import Lustre
+from gpucluster.spec.model import LustreSpec
 
 LUSTRE_VERSION = "2.15"  # data repository associations need 2.12+; 2.15 is the newest client the DLAMIs ship
 
 
 @dataclass(frozen=True)
 class StorageArgs:
-    lustre: Lustre
+    lustre: LustreSpec
     region: str
     subnet_id: pulumi.Input[str]
     security_group_id: pulumi.Input[str]
@@ -40,10 +40,13 @@ class Storage(pulumi.ComponentResource):
         self.data_repository = None
         if lustre.file_system_id:
             # An existing file system: mounted as is, never touched by this stack.
-            assert lustre.dns_name and lustre.mount_name
+            dns_name, mount_name = lustre.dns_name, lustre.mount_name
+            if not dns_name or not mount_name:
+                raise ValueError(f"the existing file system {lustre.file_system_id} is mounted by its dns_name and "
+                                 f"mount_name: give both (got {dns_name!r}, {mount_name!r})")
             self.file_system_id = pulumi.Output.from_input(lustre.file_system_id)
-            self.dns_name = pulumi.Output.from_input(lustre.dns_name)
-            self.mount_name = pulumi.Output.from_input(lustre.mount_name)
+            self.dns_name = pulumi.Output.from_input(dns_name)
+            self.mount_name = pulumi.Output.from_input(mount_name)
         else:
             self._create(name, args)
         self.register_outputs(

@@ -76,6 +76,7 @@ def access_policy(instance_arn: str, document_arns: list[str], sessions_arn: str
 class TeamAccessArgs:
     cluster_name: str
     region: str
+    account_id: pulumi.Input[str]  # components.iam.account_id
     head_instance_id: pulumi.Input[str]
 
 
@@ -88,11 +89,10 @@ class TeamAccess(pulumi.ComponentResource):
 
     def __init__(self, name: str, args: TeamAccessArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpucluster:access:TeamAccess", name, None, opts)
-        account = aws.get_caller_identity_output(opts=pulumi.InvokeOutputOptions(parent=self)).account_id
-        instance_arn = pulumi.Output.concat(f"arn:aws:ec2:{args.region}:", account, ":instance/",
+        instance_arn = pulumi.Output.concat(f"arn:aws:ec2:{args.region}:", args.account_id, ":instance/",
                                             args.head_instance_id)
         # ${aws:userid}: each caller's own sessions (Session Manager names a session after its caller's user id).
-        sessions_arn = pulumi.Output.concat(f"arn:aws:ssm:{args.region}:", account, ":session/${aws:userid}-*")
+        sessions_arn = pulumi.Output.concat(f"arn:aws:ssm:{args.region}:", args.account_id, ":session/${aws:userid}-*")
         users = aws.ssm.Document(
             f"{name}-user-session", name=session_document_name(args.cluster_name, "user"), document_type="Session",
             document_format="JSON", content=session_document(
@@ -111,7 +111,7 @@ class TeamAccess(pulumi.ComponentResource):
             opts=child(self))
 
         def document_arn(document: aws.ssm.Document) -> pulumi.Output[str]:
-            return pulumi.Output.concat(f"arn:aws:ssm:{args.region}:", account, ":document/", document.name)
+            return pulumi.Output.concat(f"arn:aws:ssm:{args.region}:", args.account_id, ":document/", document.name)
 
         # The descriptions stay as they were: a changed one replaces the policy, and the old one, attached to the
         # team's users, could not be deleted.

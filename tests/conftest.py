@@ -13,8 +13,7 @@ sys.path.insert(0, str(ROOT))
 
 from gpucluster.plan import Declared, run_program  # noqa: E402
 from gpucluster.project import pulumi_program  # noqa: E402
-from gpucluster.spec.catalog import Accelerator  # noqa: E402
-from gpucluster.spec.model import Pool, Stack, load_stack  # noqa: E402
+from gpucluster.spec.model import Stack, load_stack  # noqa: E402
 
 if TYPE_CHECKING:
     from local_cluster import LocalCluster
@@ -42,13 +41,6 @@ def shipped(request: pytest.FixtureRequest) -> tuple[Stack, tuple[Declared, ...]
 
 def of_type(declared: Sequence[Declared], suffix: str) -> list[Declared]:
     return [d for d in declared if d.type.endswith(suffix)]
-
-
-def accelerator(pool: Pool) -> Accelerator:
-    """The accelerator of a pool the test knows has one."""
-    found = pool.itype.accelerator
-    assert found is not None, f"pool {pool.name} ({pool.instance_type}) has no accelerator"
-    return found
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from conftest import ROOT, accelerator, of_type
+from conftest import ROOT, of_type
 from gpucluster.contract.settings import ClusterSettings
 from gpucluster.plan import Declared, planned_id, planned_outputs
 from gpucluster.project import EXAMPLES_DIR
@@ -189,12 +189,16 @@ def test_a_launch_spec_key_the_contract_does_not_know_fails_up() -> None:
     """The document is built through ClusterSettings.from_dict: drift between pools and contract stops `pulumi up`."""
     from types import SimpleNamespace
 
-    from components.head_node import settings_document
+    import pytest
+
+    from components.head_node import NodeProgramSettings, settings_document
     from gpucluster.contract.settings import SettingsError
 
     # The fields of HeadNodeArgs that settings_document reads.
     args = SimpleNamespace(cluster_name="c", team="t", region="us-east-1", bundle_key="k", munge_key_parameter="/m",
-                           node_program_settings={"all_or_nothing": True})
+                           node_program_settings=NodeProgramSettings(all_or_nothing=True, capacity_retry_seconds=600,
+                                                                     checkpoint_grace_seconds=60,
+                                                                     drain_on_rebalance=True))
     pool = {"launch_template_id": "lt-1", "launch_template_version": 3, "subnet_id": "subnet-1",
             "instance_type": "p5.48xlarge", "market": "spot"}
     learned = {"bundle_bucket": "b", "head_address": "10.0.0.5", "state_volume_id": "vol-1", "fsx_dns_name": "d",
@@ -238,7 +242,7 @@ def test_bundle_object_holds_the_rendered_files(shipped: Shipped) -> None:
                 "gpucluster_metrics.py"}
     # Prometheus' configuration, rules and flags; dcgm-exporter's counters; Grafana's dashboards.
     metrics = set(prometheus.files(stack)) | set(dashboards.files(stack))
-    metrics |= {f"{'cloudwatch-agent' if accelerator(p).kind == 'nvidia' else 'neuron-metrics'}/{p.name}.json"
+    metrics |= {f"{'cloudwatch-agent' if p.accelerator.kind == 'nvidia' else 'neuron-metrics'}/{p.name}.json"
                for p in stack.spec.pools}
     slurm_files = {f"slurm/{n}" for n in ("slurm.conf", "gres.conf", "slurmdbd.conf", "plugstack.conf", "cgroup.conf")}
     library = {f"lib/{source.relative_to(ROOT).as_posix()}" for source in (ROOT / "gpucluster").rglob("*.py")

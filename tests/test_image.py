@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import FIXTURES, ROOT, accelerator, of_type, planned
+from conftest import FIXTURES, ROOT, of_type, planned
 from gpucluster.contract import settings
 from gpucluster.plan import Declared, planned_id, planned_outputs, run_program
 from gpucluster.project import pulumi_program
@@ -608,7 +608,7 @@ def test_templates_and_head_boot_the_baked_images(shipped: tuple[Stack, tuple[De
 
     stack, declared = shipped
     for pool in stack.spec.pools:
-        image = f"{stack.cluster_name}-compute-{accelerator(pool).kind}"
+        image = f"{stack.cluster_name}-compute-{pool.accelerator.kind}"
         assert _templates(declared)[pool.name]["imageId"] == planned_ami_id(image), pool.name
     (head,) = of_type(declared, "ec2/instance:Instance")
     assert head.inputs["ami"] == planned_ami_id(f"{stack.cluster_name}-head")

@@ -14,7 +14,7 @@ import boto3
 import pytest
 from moto import mock_aws
 
-from conftest import ROOT, accelerator, of_type
+from conftest import ROOT, of_type
 from gpucluster.plan import Declared
 from gpucluster.render import bundle, monitoring
 from gpucluster.spec.model import Stack, load_stack
@@ -54,7 +54,7 @@ def test_nodes_send_what_the_alarm_watches(shipped: tuple[Stack, tuple[Declared,
     stack, declared = shipped
     with tarfile.open(fileobj=io.BytesIO(gzip.decompress(bundle.build(stack, EXAMPLES_DIR)))) as tar:
         for pool in monitoring.watched_pools(stack):
-            if accelerator(pool).kind == "nvidia":
+            if pool.accelerator.kind == "nvidia":
                 config = json_member(tar, f"cloudwatch-agent/{pool.name}.json")
                 metrics = config["metrics"]
                 assert metrics["namespace"] == monitoring.NAMESPACE
@@ -92,7 +92,7 @@ def test_neuron_utilisation_counts_unused_cores_as_idle() -> None:
 
 
 def test_trainium_node_publishes_what_the_alarm_reads() -> None:
-    pool = next(p for p in TEAM_B.spec.pools if accelerator(p).kind == "neuron")
+    pool = next(p for p in TEAM_B.spec.pools if p.accelerator.kind == "neuron")
     config = json.loads(monitoring.neuron_publisher_config(TEAM_B, pool))
     ticks = iter(range(0, 1000, 20))  # a report every 20 s: three reports per 60 s period
     lines = [report({str(i): 90.0 for i in range(32)})] * 3 + [report({})] * 3 + ["not json"]

@@ -164,3 +164,15 @@ def test_yaml_1_1_boolean_key_is_refused(tmp_path: Path) -> None:
         load_stack(path)
     assert any(p == "gpucluster:cluster.on" and m.startswith("key 'on' is a boolean in YAML 1.1")
                for p, m in caught.value.problems), caught.value.problems
+
+
+@pytest.mark.parametrize("section", ["network", "head_node", "pools", "storage", "budget", "slurm", "image"])
+def test_a_section_that_is_not_a_mapping_is_told_without_python_names(section: str) -> None:
+    """pydantic would add "or instance of NetworkSpec": the file's reader sees the key's path, never a class name."""
+    cfg = _config()
+    cluster = cfg["gpucluster:cluster"]
+    cluster[section] = [5] if section == "pools" else 5
+    where = "gpucluster:cluster.pools[0]" if section == "pools" else f"gpucluster:cluster.{section}"
+    with pytest.raises(SpecError) as caught:
+        validate("s1", cfg)
+    assert caught.value.problems == [(where, "Input should be a valid dictionary")]

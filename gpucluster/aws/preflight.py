@@ -16,7 +16,7 @@ from functools import partial
 from typing import Any, Callable, Literal
 
 from gpucluster.spec import catalog, eks
-from gpucluster.spec.model import Pool, Stack
+from gpucluster.spec.model import PoolSpec, Stack
 
 Status = Literal["pass", "warn", "fail"]
 # vCPU service quotas by instance family letter and market (Service Quotas, service code ec2).
@@ -70,7 +70,7 @@ def guarded(pool: str | None, name: str, permission: str, probe: Callable[[], Ch
     return result if isinstance(result, list) else [result]
 
 
-def check_offered(ec2: Any, pool: Pool, az: str) -> Check:
+def check_offered(ec2: Any, pool: PoolSpec, az: str) -> Check:
     reply = ec2.describe_instance_type_offerings(
         LocationType="availability-zone",
         Filters=[{"Name": "instance-type", "Values": [pool.instance_type]}])
@@ -82,7 +82,7 @@ def check_offered(ec2: Any, pool: Pool, az: str) -> Check:
                  f"set availability_zone to one of: {elsewhere}")
 
 
-def check_efa(ec2: Any, pool: Pool) -> Check:
+def check_efa(ec2: Any, pool: PoolSpec) -> Check:
     if not pool.uses_efa:
         return Check(pool.name, "efa", "pass", "EFA not used by this pool")
     (info,) = ec2.describe_instance_types(InstanceTypes=[pool.instance_type])["InstanceTypes"]
@@ -99,7 +99,7 @@ def check_efa(ec2: Any, pool: Pool) -> Check:
 
 def check_quotas(quotas: Any, stack: Stack, region: str) -> list[Check]:
     """One vCPU quota may serve several pools: compare it with the sum of their max_nodes x vCPUs."""
-    need: dict[tuple[str, str], list[Pool]] = defaultdict(list)
+    need: dict[tuple[str, str], list[PoolSpec]] = defaultdict(list)
     checks = []
     for pool in stack.spec.pools:
         if pool.capacity == "capacity-block":
@@ -126,7 +126,7 @@ def _quota(quotas: Any, code: str, title: str, vcpus: int, pools: list[str], reg
                  f"--quota-code {code} --desired-value {vcpus}")
 
 
-def check_reservation(ec2: Any, pool: Pool, az: str) -> Check:
+def check_reservation(ec2: Any, pool: PoolSpec, az: str) -> Check:
     (res,) = ec2.describe_capacity_reservations(CapacityReservationIds=[pool.capacity_reservation_id])[
         "CapacityReservations"]
     problems = []
@@ -147,7 +147,7 @@ def check_reservation(ec2: Any, pool: Pool, az: str) -> Check:
                  f"in {az} {window}".rstrip())
 
 
-def check_spot_score(ec2: Any, pool: Pool, region: str, az_id: str) -> Check:
+def check_spot_score(ec2: Any, pool: PoolSpec, region: str, az_id: str) -> Check:
     scores = ec2.get_spot_placement_scores(InstanceTypes=[pool.instance_type], TargetCapacity=pool.max_nodes,
                                            SingleAvailabilityZone=True, RegionNames=[region])["SpotPlacementScores"]
     score = max((s["Score"] for s in scores if s.get("AvailabilityZoneId") == az_id), default=0)
@@ -160,11 +160,10 @@ def check_spot_score(ec2: Any, pool: Pool, region: str, az_id: str) -> Check:
                  f"{hint}", "expect interruptions and fallbacks; give the pool a fallback or fewer max_nodes")
 
 
-def ami_parameter(stack: Stack, pool: Pool) -> str:
+def ami_parameter(stack: Stack, pool: PoolSpec) -> str:
     """The public parameter naming the image a pool boots: EKS's accelerated AL2023 AMI of the cluster's version on
     Kubernetes, the newest Deep Learning AMI on Slurm."""
-    accelerator = pool.itype.accelerator
-    assert accelerator
+    accelerator = pool.accelerator
     if stack.spec.scheduler == "kubernetes":
         return eks.ami_parameter(stack.spec.eks.version, accelerator.kind)
     return catalog.AMI_PARAMETERS[accelerator.kind]
@@ -202,7 +201,7 @@ def check_addons(client: Any, version: str) -> list[Check]:
     return checks
 
 
-def check_ami(ssm: Any, ec2: Any, pool: Pool, parameter: str) -> Check:
+def check_ami(ssm: Any, ec2: Any, pool: PoolSpec, parameter: str) -> Check:
     if pool.ami_id:
         from botocore.exceptions import ClientError
 
@@ -237,7 +236,7 @@ def check_spot_role(iam: Any, stack: Stack) -> Check:
     return Check(None, "spot role", "pass", f"{role['Arn']} exists (spot pools: {pools})")
 
 
-def spot_price(ec2: Any, pool: Pool, az: str) -> tuple[Check, float | None]:
+def spot_price(ec2: Any, pool: PoolSpec, az: str) -> tuple[Check, float | None]:
     history = ec2.describe_spot_price_history(
         InstanceTypes=[pool.instance_type], AvailabilityZone=az, ProductDescriptions=["Linux/UNIX"],
         StartTime=dt.datetime.now(dt.timezone.utc))["SpotPriceHistory"]
@@ -287,7 +286,7 @@ def run(stack: Stack, session: Any) -> Report:
     return Report(checks, prices)
 
 
-def _pool_checks(stack: Stack, pool: Pool, ec2: Any, ssm: Any, zone_ids: dict[str, str],
+def _pool_checks(stack: Stack, pool: PoolSpec, ec2: Any, ssm: Any, zone_ids: dict[str, str],
                  prices: dict[str, float]) -> list[Check]:
     """One pool's checks; its spot price, when EC2 gives one, goes into `prices`."""
     region, az = stack.region, stack.spec.availability_zone

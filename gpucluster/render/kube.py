@@ -16,7 +16,7 @@ from gpucluster import node
 from gpucluster.contract import settings
 from gpucluster.render import monitoring, prometheus
 from gpucluster.spec import eks
-from gpucluster.spec.model import Pool, Stack
+from gpucluster.spec.model import PoolSpec, Stack
 
 Manifest = dict[str, Any]
 
@@ -66,34 +66,32 @@ def cluster_queue_name(stack: Stack) -> str:
     return stack.spec.team
 
 
-def accelerator_resource(pool: Pool) -> str:
-    assert pool.itype.accelerator, pool.name
-    return eks.GPU_RESOURCE if pool.itype.accelerator.kind == "nvidia" else eks.NEURON_RESOURCE
+def accelerator_resource(pool: PoolSpec) -> str:
+    return eks.GPU_RESOURCE if pool.accelerator.kind == "nvidia" else eks.NEURON_RESOURCE
 
 
-def family_name(stack: Stack, pool: Pool) -> str:
+def family_name(stack: Stack, pool: PoolSpec) -> str:
     """The pool's family: the spot pool's name for a spot pool and its fallback, else the pool's own."""
     spot = next((p for p in stack.spec.pools if p.fallback == pool.name), None)
     return spot.name if spot is not None else pool.name
 
 
-def families(stack: Stack) -> dict[str, list[Pool]]:
+def families(stack: Stack) -> dict[str, list[PoolSpec]]:
     """The pools by family, in the order Kueue tries the flavours; within a family, spot first."""
-    out: dict[str, list[Pool]] = {}
+    out: dict[str, list[PoolSpec]] = {}
     for pool in flavor_order(stack):
         out.setdefault(family_name(stack, pool), []).append(pool)
     return out
 
 
-def pool_labels(stack: Stack, pool: Pool) -> dict[str, str]:
+def pool_labels(stack: Stack, pool: PoolSpec) -> dict[str, str]:
     """Labels every node of the pool carries (node group labels; the ResourceFlavor selects on the family's)."""
-    assert pool.itype.accelerator, pool.name
-    labels = {POOL_LABEL: pool.name, CAPACITY_LABEL: pool.capacity, ACCELERATOR_LABEL: pool.itype.accelerator.kind,
+    labels = {POOL_LABEL: pool.name, CAPACITY_LABEL: pool.capacity, ACCELERATOR_LABEL: pool.accelerator.kind,
               FAMILY_LABEL: family_name(stack, pool)}
     return labels | ({EFA_LABEL: "true"} if pool.uses_efa else {})
 
 
-def pool_taints(pool: Pool) -> list[dict[str, str]]:
+def pool_taints(pool: PoolSpec) -> list[dict[str, str]]:
     """Only pods that ask for accelerators (and, on spot pools, accept interruption) land on the pool's nodes."""
     taints = [{"key": accelerator_resource(pool), "value": "true", "effect": "NoSchedule"}]
     if pool.capacity == "spot":
@@ -101,19 +99,18 @@ def pool_taints(pool: Pool) -> list[dict[str, str]]:
     return taints
 
 
-def pool_resources(pool: Pool) -> dict[str, int]:
+def pool_resources(pool: PoolSpec) -> dict[str, int]:
     """Extended resources one node of the pool advertises (its device plugins' counts)."""
-    assert pool.itype.accelerator, pool.name
-    out = {accelerator_resource(pool): pool.itype.accelerator.count}
+    out = {accelerator_resource(pool): pool.accelerator.count}
     if pool.uses_efa:
         out[eks.EFA_RESOURCE] = pool.itype.efa_interfaces
     return out
 
 
-def flavor_order(stack: Stack) -> list[Pool]:
+def flavor_order(stack: Stack) -> list[PoolSpec]:
     """The team's flavours in the order Kueue tries them: each spot pool right before the pool it falls back to."""
     pools = list(stack.spec.pools)
-    ordered: list[Pool] = []
+    ordered: list[PoolSpec] = []
     for pool in pools:
         if pool in ordered:
             continue
@@ -134,7 +131,7 @@ def _covered(stack: Stack) -> list[str]:
     return ["cpu", "memory", *extended]
 
 
-def _family_quota(name: str, pools: list[Pool], covered: list[str]) -> dict[str, Any]:
+def _family_quota(name: str, pools: list[PoolSpec], covered: list[str]) -> dict[str, Any]:
     """What the family's pools hold at their largest, per resource Kueue covers (0 for resources it has none of)."""
     have: dict[str, int] = {}
     memory_mib = 0
@@ -203,7 +200,7 @@ def fsx_volume(stack: Stack, fsx: Fsx) -> list[Manifest]:
     return [pv, pvc]
 
 
-def family_tolerations(pools: list[Pool]) -> list[dict[str, str]]:
+def family_tolerations(pools: list[PoolSpec]) -> list[dict[str, str]]:
     """Tolerations for every taint of the family's nodes: the accelerator's, and the spot opt-in where a spot pool is
     in it (a job admitted to a spot family accepts interruption: that is the family's point)."""
     taints = {(t["key"], t["value"], t["effect"]) for pool in pools for t in pool_taints(pool)}
@@ -399,7 +396,7 @@ def prometheus_values(stack: Stack, topic_arn: Any) -> dict[str, Any]:
 EXAMPLE_IMAGE = "pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime"
 
 
-def node_sized_resources(pool: Pool) -> dict[str, str]:
+def node_sized_resources(pool: PoolSpec) -> dict[str, str]:
     """What one pod that takes a whole node of the pool asks for: all its accelerators and EFA interfaces, and most of
     its CPU and memory (requests = limits: Guaranteed, so the kubelet evicts it last)."""
     memory_gi = int(pool.itype.memory_mib * NODE_SHARE_MEMORY) // 1024
@@ -407,13 +404,14 @@ def node_sized_resources(pool: Pool) -> dict[str, str]:
     return out | {r: str(c) for r, c in pool_resources(pool).items()}
 
 
-def shm_size(pool: Pool) -> str:
+def shm_size(pool: PoolSpec) -> str:
     """/dev/shm for NCCL and the data loaders: a quarter of the pod's memory (a memory-backed emptyDir counts against
     the container's memory limit, so it is bounded by it in any case)."""
     return f"{int(pool.itype.memory_mib * NODE_SHARE_MEMORY) // 1024 // 4}Gi"
 
 
-def example_job(stack: Stack, pool: Pool, script: str, nodes: int = 2, image: str = EXAMPLE_IMAGE) -> list[Manifest]:
+def example_job(stack: Stack, pool: PoolSpec, script: str, nodes: int = 2,
+                image: str = EXAMPLE_IMAGE) -> list[Manifest]:
     """`script` (examples/ddp_train.py) across `nodes` nodes of `pool` with torchrun: an indexed Job (one pod per node)
     behind a headless Service for the rendezvous, queued through the team's LocalQueue, checkpointing to the FSx
     claim."""
@@ -423,11 +421,7 @@ def example_job(stack: Stack, pool: Pool, script: str, nodes: int = 2, image: st
     service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": ns},
                "spec": {"clusterIP": "None", "selector": {"job-name": name}, "ports": [{"name": "c10d",
                                                                                          "port": 29500}]}}
-    accelerator = pool.itype.accelerator
-    if accelerator is None:
-        raise ValueError(f"the example job runs one process per accelerator: pool {pool.name} "
-                         f"({pool.instance_type}) has none")
-    procs = accelerator.count
+    procs = pool.accelerator.count
     command = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={procs}", "--node-rank=$(JOB_COMPLETION_INDEX)",
                f"--master-addr={name}-0.{name}", "--master-port=29500",
                "/opt/example/ddp_train.py", "--checkpoint-dir", f"/fsx/checkpoints/{name}"]
@@ -508,7 +502,7 @@ def guardrail_manifests(stack: Stack, queue_url: Any, act_threshold_percent: int
 
 # --- For `kubectl apply` ----------------------------------------------------------------------------------------
 
-def example_pool(stack: Stack) -> Pool:
+def example_pool(stack: Stack) -> PoolSpec:
     """The pool the first job runs on: the first NVIDIA pool with EFA, else the first NVIDIA pool, else the first."""
     nvidia = [p for p in stack.spec.pools if p.itype.accelerator and p.itype.accelerator.kind == "nvidia"]
     return next((p for p in nvidia if p.uses_efa), nvidia[0] if nvidia else stack.spec.pools[0])

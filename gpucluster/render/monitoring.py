@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from gpucluster.spec.model import Pool, Stack
+from gpucluster.spec.model import PoolSpec, Stack
 
 NAMESPACE = "CWAgent"
 # The CloudWatch agent names its metrics nvidia_smi_<measurement>.
@@ -22,25 +22,23 @@ IDLE_MINUTES = 5
 PERIOD_SECONDS = 60  # one data point a minute from every node; the alarm averages per minute
 
 
-def watched_pools(stack: Stack) -> list[Pool]:
+def watched_pools(stack: Stack) -> list[PoolSpec]:
     """Every pool with accelerators."""
     return [p for p in stack.spec.pools if p.itype.accelerator]
 
 
-def utilisation_metric(pool: Pool) -> str:
-    assert pool.itype.accelerator, pool.name
-    return UTILISATION_METRICS[pool.itype.accelerator.kind]
+def utilisation_metric(pool: PoolSpec) -> str:
+    return UTILISATION_METRICS[pool.accelerator.kind]
 
 
-def node_config(stack: Stack, pool: Pool) -> tuple[str, str]:
+def node_config(stack: Stack, pool: PoolSpec) -> tuple[str, str]:
     """(file name in the bundle, content) of what the pool's nodes run to publish utilisation."""
-    assert pool.itype.accelerator, pool.name
-    if pool.itype.accelerator.kind == "nvidia":
+    if pool.accelerator.kind == "nvidia":
         return f"cloudwatch-agent/{pool.name}.json", agent_config(stack, pool)
     return f"neuron-metrics/{pool.name}.json", neuron_publisher_config(stack, pool)
 
 
-def neuron_publisher_config(stack: Stack, pool: Pool) -> str:
+def neuron_publisher_config(stack: Stack, pool: PoolSpec) -> str:
     """For gpucluster_neuron_metrics.py: the mean utilisation of all the node's NeuronCores (0 for cores no runtime
     uses, so an idle node reports 0 rather than nothing) and the device memory in use, one data point a minute."""
     return json.dumps({"namespace": NAMESPACE, "metric_name": UTILISATION_METRICS["neuron"],
@@ -48,11 +46,11 @@ def neuron_publisher_config(stack: Stack, pool: Pool) -> str:
                        "period_seconds": PERIOD_SECONDS}, indent=1, sort_keys=True) + "\n"
 
 
-def dimensions(stack: Stack, pool: Pool) -> dict[str, str]:
+def dimensions(stack: Stack, pool: PoolSpec) -> dict[str, str]:
     return {CLUSTER_DIMENSION: stack.cluster_name, POOL_DIMENSION: pool.name}
 
 
-def agent_config(stack: Stack, pool: Pool) -> str:
+def agent_config(stack: Stack, pool: PoolSpec) -> str:
     """amazon-cloudwatch-agent configuration for the pool's nodes: per-GPU metrics every minute, aggregated to the
     pool (the dimensions the alarm watches)."""
     return json.dumps({

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from gpucluster.contract import settings
 from gpucluster.spec import cost
 from gpucluster.spec.catalog import Accelerator
-from gpucluster.spec.model import Pool, Stack
+from gpucluster.spec.model import PoolSpec, Stack
 
 # Slurm must not hand out memory the kernel, the CUDA driver and the EFA stack keep. EC2's figure is the nominal size;
 # keep 5% back. (A node that reads a little under RealMemory still registers: node_reg_mem_percent below.)
@@ -68,23 +68,21 @@ def hostlist(prefix: str, first: int, last: int) -> str:
     return f"{prefix}-{first}" if first == last else f"{prefix}-[{first}-{last}]"
 
 
-def node_names(pool: Pool) -> list[str]:
+def node_names(pool: PoolSpec) -> list[str]:
     return [f"{pool.name}-{n}" for n in range(1, pool.max_nodes + 1)]
 
 
-def _gres_name_type(pool: Pool) -> tuple[str, str | None]:
-    """Slurm's name for the pool's accelerators and, for GPUs, their type (h100, a100, ...)."""
-    acc = pool.itype.accelerator
-    assert acc, pool.name
+def _gres_name_type(acc: Accelerator) -> tuple[str, str | None]:
+    """Slurm's name for the accelerators and, for GPUs, their type (h100, a100, ...)."""
     return ("gpu", acc.model.lower()) if acc.kind == "nvidia" else ("neuron", None)
 
 
-def gres(pool: Pool) -> str | None:
+def gres(pool: PoolSpec) -> str | None:
     """The node's generic resources: typed GPUs (gpu:h100:8) or Neuron devices (neuron:16)."""
     acc = pool.itype.accelerator
     if acc is None:
         return None
-    name, kind = _gres_name_type(pool)
+    name, kind = _gres_name_type(acc)
     return f"{name}:{kind}:{acc.count}" if kind else f"{name}:{acc.count}"
 
 
@@ -94,12 +92,12 @@ DEFAULT_TIME = "1-00:00:00"  # a job without --time gets a day; longer runs say 
 WEIGHTS = {"spot": 1, "capacity-block": 10, "on-demand": 100}
 
 
-def real_memory(pool: Pool) -> int:
+def real_memory(pool: PoolSpec) -> int:
     """The node's RealMemory in MiB: what Slurm may allocate to jobs."""
     return int(pool.itype.memory_mib * MEMORY_FRACTION)
 
 
-def job_defaults(members: list[Pool]) -> dict[str, int]:
+def job_defaults(members: list[PoolSpec]) -> dict[str, int]:
     """A partition's defaults for jobs that do not say how much they need, so that a small job leaves the rest of the
     node to others (CR_Core_Memory without a default gives a job without --mem the whole node's memory).
 
@@ -122,7 +120,7 @@ def job_defaults(members: list[Pool]) -> dict[str, int]:
     return defaults
 
 
-def _node_line(pool: Pool, first_port: int | None) -> str:
+def _node_line(pool: PoolSpec, first_port: int | None) -> str:
     """One line per pool. Every node is a CLOUD node, the always-on ones too (they are in SuspendExcNodes and the
     reconciler has them powered up): a node without State=CLOUD needs an address Slurm can resolve at its start, which
     an instance that does not exist yet has not (Slurm 23.11 hides such a node as FUTURE, 22.05 drops it)."""
@@ -265,7 +263,7 @@ def gres_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         acc = pool.itype.accelerator
         if acc is None:
             continue
-        name, kind = _gres_name_type(pool)
+        name, kind = _gres_name_type(acc)
         files = device_files(acc, layout.dev_dir)
         lines.append(f"NodeName={hostlist(pool.name, 1, pool.max_nodes)} Name={name}"
                      f"{f' Type={kind}' if kind else ''} File={files}")

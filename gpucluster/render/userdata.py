@@ -14,7 +14,7 @@ import yaml
 
 from gpucluster import node
 from gpucluster.contract import lockdown, settings
-from gpucluster.spec.model import Pool, Stack
+from gpucluster.spec.model import PoolSpec, Stack
 
 EC2_USER_DATA_LIMIT = 16384
 FETCHER = "fetch_bundle.py"
@@ -64,7 +64,7 @@ def boot_unit() -> str:
     ])
 
 
-def node_env(stack: Stack, role: str, pool: Pool | None) -> dict[str, str]:
+def node_env(stack: Stack, role: str, pool: PoolSpec | None) -> dict[str, str]:
     """What a node knows before it has read anything: written by cloud-init to settings.NODE_ENV_FILE."""
     env = {
         "GPUCLUSTER_CLUSTER": stack.cluster_name,
@@ -82,7 +82,7 @@ def node_env(stack: Stack, role: str, pool: Pool | None) -> dict[str, str]:
     return env
 
 
-def _cloud_config(stack: Stack, role: str, hostname: str | None, pool: Pool | None) -> str:
+def _cloud_config(stack: Stack, role: str, hostname: str | None, pool: PoolSpec | None) -> str:
     doc: dict[str, object] = {}
     if hostname:
         doc |= {"hostname": hostname, "manage_etc_hosts": True}
@@ -115,7 +115,7 @@ def head_node(stack: Stack) -> str:
     return _cloud_config(stack, "head", settings.HEAD_HOSTNAME, None)
 
 
-def pool_nodes(stack: Stack, pool: Pool) -> str:
+def pool_nodes(stack: Stack, pool: PoolSpec) -> str:
     # The node takes its Slurm name (found by its instance id) as hostname in the bootstrap; nothing to set here.
     return _cloud_config(stack, "compute", None, pool)
 

@@ -68,6 +68,9 @@ EMAIL_RE = rf"{_ATOM}(?:\.{_ATOM})*@(?:{_LABEL}\.)+[A-Za-z]{{2,63}}"
 
 
 class _Model(BaseModel):
+    """A mapping of the stack file, named after its key with Spec (`network:` is NetworkSpec): the components of the
+    plain names (components/network.py's Network) build what it asks for."""
+
     # .nan and .inf are floats in YAML 1.1 and 1.2 alike: no field of the spec means anything with them.
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
@@ -80,7 +83,7 @@ def _rule_errors(model: str, problems: Sequence[tuple[tuple[str | int, ...], str
     )
 
 
-class Network(_Model):
+class NetworkSpec(_Model):
     # A new VPC's range: a private IPv4 network, /16 to /20 (room for a private and a public subnet). Give each
     # team's stack a range of its own.
     vpc_cidr: str | None = None
@@ -105,7 +108,7 @@ class Network(_Model):
         return value
 
     @model_validator(mode="after")
-    def _one_network(self) -> Network:
+    def _one_network(self) -> NetworkSpec:
         existing = (self.vpc_id, self.subnet_id)
         if self.vpc_cidr and any(existing):
             raise _rule_errors("network", [((), "give vpc_cidr (new VPC) or vpc_id + subnet_id (existing), not both")],
@@ -131,14 +134,14 @@ def _in_catalog(table: dict[str, catalog.InstanceType], what: str) -> AfterValid
 AmiId = Annotated[str | None, Field(default=None, pattern=r"^ami-[0-9a-f]{8,17}$")]
 
 
-class HeadNode(_Model):
+class HeadNodeSpec(_Model):
     # The head node's instance type: it runs slurmctld, slurmdbd with MariaDB, Prometheus, Alertmanager and Grafana.
     instance_type: Annotated[str, _in_catalog(catalog.HEAD_NODE, "head node type")] = "m7i.2xlarge"
     # The head node's image. Default: the stack's baked head image, or Ubuntu 24.04 with image.build false.
     ami_id: AmiId = None
 
 
-class Pool(_Model):
+class PoolSpec(_Model):
     # The pool's Slurm partition, and its nodes' names: <name>-1, <name>-2, ... (not `default`: Slurm reserves it).
     name: str = Field(pattern=POOL_NAME_RE)
     # Every node's EC2 instance type (see Instance types).
@@ -174,7 +177,7 @@ class Pool(_Model):
         return value
 
     @model_validator(mode="after")
-    def _rules(self) -> Pool:
+    def _rules(self) -> PoolSpec:
         problems = _pool_rules(self.model_dump())
         if problems:
             raise _rule_errors("pool", problems, self.name)
@@ -183,6 +186,15 @@ class Pool(_Model):
     @property
     def itype(self) -> catalog.InstanceType:
         return catalog.ACCELERATED[self.instance_type]
+
+    @property
+    def accelerator(self) -> catalog.Accelerator:
+        """The pool's GPUs or Neuron devices: every type a pool may name has them (catalog.ACCELERATED)."""
+        if self.itype.accelerator is None:
+            allowed = ", ".join(name for name, itype in catalog.ACCELERATED.items() if itype.accelerator)
+            raise ValueError(f"pool {self.name}: {self.instance_type} has no accelerator; a pool takes one of: "
+                             f"{allowed}")
+        return self.itype.accelerator
 
     @property
     def uses_efa(self) -> bool:
@@ -221,7 +233,7 @@ def _pool_rules(pool: dict[str, Any]) -> list[tuple[tuple[str | int, ...], str]]
     return problems
 
 
-class Lustre(_Model):
+class LustreSpec(_Model):
     # The FSx for Lustre deployment type: required unless file_system_id names an existing file system.
     deployment_type: Literal["SCRATCH_2", "PERSISTENT_2"] | None = None
     # The file system's size: 1200, 2400 or a multiple of 2400 GiB (required unless file_system_id).
@@ -248,7 +260,7 @@ class Lustre(_Model):
     keep_bucket_on_destroy: bool = True
 
     @model_validator(mode="after")
-    def _rules(self) -> Lustre:
+    def _rules(self) -> LustreSpec:
         problems: list[tuple[tuple[str | int, ...], str]] = []
         if self.file_system_id:
             for key in ("deployment_type", "storage_capacity_gib", "throughput_mb_per_tib", "data_repository"):
@@ -307,12 +319,12 @@ class Lustre(_Model):
         return not self.file_system_id and not self.data_repository
 
 
-class Storage(_Model):
+class StorageSpec(_Model):
     # FSx for Lustre, linked to S3.
-    lustre: Lustre
+    lustre: LustreSpec
 
 
-class Budget(_Model):
+class BudgetSpec(_Model):
     # The monthly budget in US dollars.
     monthly_usd: float = Field(gt=0)
     # Percentages of monthly_usd (each 1 to 1000, none repeated) at which the subscribers hear: each an alert on
@@ -349,7 +361,7 @@ class Budget(_Model):
         return value
 
 
-class Slurm(_Model):
+class SlurmSpec(_Model):
     # Idle seconds before a cloud node is terminated. Short saves money; long keeps warm nodes for the next job.
     suspend_time_seconds: int = Field(default=600, ge=10, le=86400)
     # How long a launched node may take to register with slurmctld; p5 nodes with 32 EFA interfaces boot slowly.
@@ -367,7 +379,7 @@ class Slurm(_Model):
     drain_on_rebalance: bool = True
 
 
-class NodeImage(_Model):
+class ImageSpec(_Model):
     # Bake the nodes' software into AMIs with EC2 Image Builder at `up` (about an hour per image when it changes), so
     # that a node starts in seconds. false: stock AMIs, and every node installs its software at first boot (minutes).
     build: bool = True
@@ -376,7 +388,7 @@ class NodeImage(_Model):
 ROLE_ARN_RE = r"^arn:aws:iam::[0-9]{12}:role/[A-Za-z0-9+=,.@_/-]{1,512}$"
 
 
-class Kubernetes(_Model):
+class KubernetesSpec(_Model):
     """The EKS cluster of a `scheduler: kubernetes` stack (components/kubernetes.py)."""
 
     # A version EKS offers in standard support (gpucluster/spec/eks.py); `preflight` asks EKS whether it still does.
@@ -436,21 +448,21 @@ class ClusterSpec(_Model):
     # slurm: a Slurm head node launching nodes on demand; kubernetes: an EKS cluster (the `kubernetes:` section).
     scheduler: Literal["slurm", "kubernetes"] = "slurm"
     # The EKS cluster (scheduler: kubernetes only; every key has a default).
-    kubernetes: Kubernetes | None = None
+    kubernetes: KubernetesSpec | None = None
     # A new VPC (vpc_cidr), or an existing network (vpc_id and subnet_id).
-    network: Network
+    network: NetworkSpec
     # The Slurm head node (scheduler: slurm only).
-    head_node: HeadNode = HeadNode()
+    head_node: HeadNodeSpec = HeadNodeSpec()
     # The node pools, names unique: each a Slurm partition (or an EKS node group) of one instance type, from zero.
-    pools: list[Pool] = Field(min_length=1, max_length=64)
+    pools: list[PoolSpec] = Field(min_length=1, max_length=64)
     # The shared file system, mounted at /fsx on every node.
-    storage: Storage
+    storage: StorageSpec
     # The monthly AWS budget of the spend tagged with the stack, its alerts, and what acts at its threshold.
-    budget: Budget
+    budget: BudgetSpec
     # Slurm's settings (scheduler: slurm only).
-    slurm: Slurm = Slurm()
+    slurm: SlurmSpec = SlurmSpec()
     # The node images (scheduler: slurm only).
-    image: NodeImage = NodeImage()
+    image: ImageSpec = ImageSpec()
 
     @property
     def image_builds(self) -> list[ImageBuild]:
@@ -462,9 +474,9 @@ class ClusterSpec(_Model):
         return ([] if self.head_node.ami_id else [ImageBuild("head")]) + [ImageBuild("compute", k) for k in kinds]
 
     @property
-    def eks(self) -> Kubernetes:
+    def eks(self) -> KubernetesSpec:
         """The Kubernetes section, defaults filled in (a kubernetes stack may leave it out)."""
-        return self.kubernetes or Kubernetes()
+        return self.kubernetes or KubernetesSpec()
 
     @model_validator(mode="after")
     def _unique_pools(self) -> ClusterSpec:
@@ -625,6 +637,8 @@ def _message(err: ErrorDetails) -> str:
         return "unknown key (check the spelling; the keys: docs/reference/stack-file.md)"
     if err["type"] == "missing":
         return "required key is missing"
+    if err["type"] == "model_type":  # pydantic would add "or instance of <the model's Python class>"
+        return "Input should be a valid dictionary"
     return err["msg"].removeprefix("Value error, ")
 
 
