@@ -28,7 +28,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "gpucluster" / "node")]
+sys.path.insert(0, str(ROOT))
 from gpucluster.render import prometheus  # noqa: E402
 from gpucluster.contract.settings import NODE_EXPORTER_FLAGS  # noqa: E402
 

@@ -9,17 +9,15 @@ import pwd
 import shutil
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from conftest import ROOT
-from gpucluster.contract import settings as contract
+from gpucluster.contract import reasons, settings as contract
 from gpucluster.render import userdata
 
-sys.path.insert(0, str(ROOT / "gpucluster" / "node"))
-import bootstrap  # noqa: E402
+from gpucluster.node import bootstrap
 
 PACKAGED_SLURMD = Path("/lib/systemd/system/slurmd.service")  # Debian's slurmd package (make test installs it)
 
@@ -64,7 +62,7 @@ def test_head_installs_the_budget_guardrail_service_and_command(tmp_path: Path) 
     sbin.mkdir()
     bootstrap.budget_guardrail(systemd, sbin)
     bootstrap.budget_guardrail(systemd, sbin)  # a reboot runs it again
-    assert (sbin / "gpucluster-budget").readlink() == bootstrap.BUNDLE / "gpucluster_budget.py"
+    assert (sbin / "gpucluster-budget").readlink() == Path(contract.BUDGET_PROGRAM)
     unit = (systemd / "gpucluster-budget.service").read_text()
     assert f"ExecStart={sbin}/gpucluster-budget run" in unit and "Restart=always" in unit
     assert "After=slurmctld.service" in unit and "WantedBy=multi-user.target" in unit
@@ -264,7 +262,8 @@ def test_nodes_a_stack_drops_are_retired_before_they_go(states: dict[str, set[st
     monkeypatch.setattr(bootstrap, "run", lambda *args, **kw: ran.append(args))
     assert bootstrap.retire(sorted(states), states) == waiting
     assert [call[2:4] for call in ran] == commands
-    assert all(call[-1] == f"reason={bootstrap.REMOVED_REASON}" for call in ran if "state=power_down_force" not in call)
+    assert all(call[-1] == f"reason={reasons.REMOVED}" for call in ran if "state=power_down_force" not in call)
+    assert reasons.REMOVED.startswith(reasons.CONFIGURATION)  # the reconciler leaves such a node DOWN
 
 
 def test_conf_nodes_reads_every_node_of_slurm_conf() -> None:

@@ -226,9 +226,12 @@ def test_bundle_object_holds_the_rendered_files(shipped: Shipped) -> None:
     assert data == bundle.build(stack, EXAMPLES_DIR) and obj.inputs["key"] == bundle.key(data)
     with tarfile.open(fileobj=io.BytesIO(gzip.decompress(data))) as tar:
         names = set(tar.getnames())
-    programs = {"bootstrap.py", "build_image.sh", "gpucluster_node.py", "gpucluster_budget.py",
-                "gpucluster_neuron_metrics.py", "task_prolog.sh", "gpucluster_hosts.py", "gpucluster_health.py",
-                "gpucluster_metrics.py"}
+        modes = {member.name: member.mode for member in tar.getmembers()}
+    # The node programs, which Slurm, systemd and the boot run by their paths in the library: executable, and only they.
+    programs = {f"lib/gpucluster/node/{name}" for name in (
+        "bootstrap.py", "fetch_bundle.py", "build_image.sh", "resume.py", "suspend.py", "resume_fail.py", "reconcile.py",
+        "interruptions.py", "budget_guardrail.py", "neuron_metrics.py", "task_prolog.sh", "hosts.py", "health.py",
+        "metrics.py")}
     # Prometheus' configuration, rules and flags; dcgm-exporter's counters; Grafana's dashboards.
     metrics = set(prometheus.files(stack)) | set(dashboards.files(stack))
     metrics |= {f"{'cloudwatch-agent' if p.itype.accelerator.kind == 'nvidia' else 'neuron-metrics'}/{p.name}.json"
@@ -240,6 +243,7 @@ def test_bundle_object_holds_the_rendered_files(shipped: Shipped) -> None:
     library |= {f"lib/stacks/Pulumi.{stack.name}.yaml"}
     assert programs | {"accounting.sql", "accounting.sh"} | slurm_files | {f"examples/{n}" for n in bundle.EXAMPLES} | \
         metrics | library == names
+    assert {name for name in names if name.startswith("lib/") and modes[name] == 0o755} == programs
 
 
 def test_bundle_is_deterministic(monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -259,18 +263,13 @@ def test_bundle_is_deterministic(monkeypatch) -> None:  # type: ignore[no-untype
 
 
 def test_node_program_reads_the_published_settings(shipped: Shipped, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """The settings document the head node gets is one the node program loads."""
-    import sys
-
-    from conftest import ROOT
-
-    sys.path.insert(0, str(ROOT / "gpucluster" / "node"))
-    import gpucluster_node
+    """The settings document the head node gets is one the node programs load."""
+    from gpucluster.contract.settings import ClusterSettings
 
     stack, declared = shipped
     path = tmp_path / "cluster.json"
     path.write_text(_one(declared, "ssm/parameter:Parameter").inputs["insecureValue"])
-    config = gpucluster_node.ClusterSettings.load(path)
+    config = ClusterSettings.load(path)
     assert config.cluster == stack.cluster_name and set(config.pools) == {p.name for p in stack.spec.pools}
     assert config.all_or_nothing is stack.spec.slurm.all_or_nothing
 

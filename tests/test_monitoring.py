@@ -5,7 +5,6 @@ from __future__ import annotations
 import gzip
 import io
 import json
-import sys
 import tarfile
 from pathlib import Path
 
@@ -18,9 +17,8 @@ from gpucluster.render import bundle, monitoring
 from gpucluster.plan import Declared
 from gpucluster.spec.model import Stack, load_stack
 
-sys.path.insert(0, str(ROOT / "gpucluster" / "node"))
-import bootstrap  # noqa: E402
-import gpucluster_neuron_metrics as neuron  # noqa: E402
+from gpucluster.contract import settings
+from gpucluster.node import bootstrap, neuron_metrics as neuron
 from gpucluster.project import EXAMPLES_DIR
 
 TEAM_B = load_stack(ROOT / "stacks" / "Pulumi.team-b.yaml")  # has a trn1 pool
@@ -112,6 +110,6 @@ def test_trainium_node_runs_the_publisher(tmp_path: Path, monkeypatch: pytest.Mo
     (tmp_path / "neuron-metrics" / "trn1.json").write_text("{}")
     assert bootstrap.gpu_metrics("trn1", "us-west-2", tmp_path) == "gpucluster-neuron-metrics.service"
     unit = (tmp_path / "gpucluster-neuron-metrics.service").read_text()
-    assert f"gpucluster_neuron_metrics.py {tmp_path}/neuron-metrics/trn1.json -- /opt/aws/neuron/bin/neuron-monitor" in unit
+    assert f"{settings.NEURON_METRICS_PROGRAM} {tmp_path}/neuron-metrics/trn1.json -- /opt/aws/neuron/bin/neuron-monitor" in unit
     assert "AWS_DEFAULT_REGION=us-west-2" in unit and "Restart=always" in unit
     assert bootstrap.gpu_metrics("p5-od", "us-west-2", tmp_path) is None  # NVIDIA: the CloudWatch agent, no unit

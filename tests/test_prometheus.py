@@ -8,24 +8,18 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import ROOT, STACK_FILES
+from conftest import STACK_FILES
 from gpucluster.render import monitoring, prometheus
 from gpucluster.contract import settings
 from gpucluster.contract.settings import ClusterSettings, PoolSettings
 from gpucluster.spec.model import load_stack
-
-
-sys.path.insert(0, str(ROOT / "gpucluster" / "node"))  # the node programs import each other, as in the bundle
-import bootstrap  # noqa: E402
-import gpucluster_budget as budget  # noqa: E402
-import gpucluster_hosts as hosts  # noqa: E402
-import gpucluster_metrics as metrics  # noqa: E402
+from gpucluster.node import bootstrap, budget_guardrail, hosts, metrics
+from gpucluster.node.budget import BudgetSpend
 
 
 def tool(name: str) -> str:
@@ -281,7 +275,7 @@ def test_the_node_exporter_metrics_we_name_are_what_a_real_node_exporter_serves(
 
 
 def test_the_gpucluster_metrics_we_name_are_what_our_programs_write(tmp_path: Path) -> None:
-    budget.publish_spend(budget.Spend(actual=1.0, limit=2.0, act_at=2.0, forecast=3.0), tmp_path)
+    budget_guardrail.publish_spend(BudgetSpend(actual=1.0, limit=2.0, act_at=2.0, forecast=3.0), tmp_path)
     s = cluster_settings()
     counters = tmp_path / "sys/class/infiniband/rdmap0/ports/1/hw_counters"
     counters.mkdir(parents=True)
