@@ -266,6 +266,29 @@ def test_nodes_a_stack_drops_are_retired_before_they_go(states: dict[str, set[st
     assert reasons.REMOVED.startswith(reasons.CONFIGURATION)  # the reconciler leaves such a node DOWN
 
 
+def test_an_update_restarts_the_services_on_the_units_it_wrote(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new bundle may run its programs from other paths: systemd reads the rewritten units before any restart,
+    else it would restart a service on its former unit, whose program the new bundle no longer has."""
+    for place in ("etc", "bundle/slurm"):
+        (tmp_path / place).mkdir(parents=True)
+        (tmp_path / place / "slurm.conf").write_text("NodeName=a-[1-2] CPUs=4 State=CLOUD\n")
+    monkeypatch.setattr(bootstrap, "SLURM_ETC", tmp_path / "etc")
+    monkeypatch.setattr(bootstrap, "BUNDLE", tmp_path / "bundle")
+    steps: list[str] = []
+    for name in ("slurm_files", "node_control_units", "budget_guardrail", "node_names", "grow_state_volume",
+                 "head_monitoring", "command_line"):
+        monkeypatch.setattr(bootstrap, name, lambda *args, name=name: steps.append(name))
+    monkeypatch.setattr(bootstrap, "run", lambda *args, **kw: steps.append(" ".join(args)))
+    monkeypatch.setattr(bootstrap.shutil, "copytree", lambda *args, **kw: None)
+    settings = contract.ClusterSettings(cluster="c1", region="us-east-1", pools={}, interruption_queue_url="q",
+                                        budget=contract.BudgetSettings("b", "1", 100, "q", "t"))
+    assert bootstrap.update(settings)
+    reload = steps.index("systemctl daemon-reload")
+    assert {"node_control_units", "budget_guardrail", "node_names"} <= set(steps[:reload])
+    restarts = [step for step in steps if step.startswith("systemctl restart")]
+    assert len(restarts) == 3 and all(steps.index(step) > reload for step in restarts)
+
+
 def test_conf_nodes_reads_every_node_of_slurm_conf() -> None:
     text = "ClusterName=c\nNodeName=p5-od-[1-3] CPUs=192 State=CLOUD\nNodeName=extra-1 CPUs=4 State=CLOUD\n" \
            "PartitionName=p5-od Nodes=p5-od-[1-3] State=UP\n"

@@ -147,3 +147,22 @@ def test_a_compute_node_imports_every_node_module_with_the_system_python_alone(t
     assert str(package / "contract" / "settings.py") in loaded[str(root / "lib/gpucluster/node/resume.py")]
     # The bundle's library, nothing from here.
     assert all(file.startswith(f"{lib}/") for files in loaded.values() for file in files)
+
+
+def test_no_node_module_imports_a_program() -> None:
+    """The node programs share modules, never each other: a program's entry file is its own."""
+    import ast
+
+    from gpucluster.node import NODE_DIR
+
+    sources = {f"gpucluster.node.{p.stem}": p.read_text() for p in NODE_DIR.glob("*.py") if p.stem != "__init__"}
+    programs = {name for name, text in sources.items() if 'if __name__ == "__main__":' in text}
+    assert {f"gpucluster.node.{Path(p).stem}" for p in settings.NODE_PROGRAMS if p.endswith(".py")} <= programs
+    for name, text in sources.items():
+        imported = set()
+        for statement in ast.walk(ast.parse(text)):
+            if isinstance(statement, ast.Import):
+                imported |= {alias.name for alias in statement.names}
+            elif isinstance(statement, ast.ImportFrom) and statement.module:
+                imported |= {statement.module} | {f"{statement.module}.{alias.name}" for alias in statement.names}
+        assert not imported & programs - {name}, f"{name} imports a program: {sorted(imported & programs)}"

@@ -1,5 +1,5 @@
-"""What the programs ask of Slurm (SlurmControl, over scontrol) and read from it (contract.scontrol, contract.hostlist),
-against stand-ins for scontrol."""
+"""What the programs ask of Slurm (SlurmControl, over scontrol) and read from it (contract.scontrol, contract.hostlist,
+and a node's pool by its name), against stand-ins for scontrol."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from gpucluster.contract import hostlist, scontrol
+from gpucluster.contract.settings import ClusterSettings, PoolSettings, named_pool
 from gpucluster.node.slurm_control import SlurmControl
 from head_fakes import fake_scontrol
 
@@ -71,3 +72,18 @@ def test_jobs_on_a_node_from_scontrol_show_jobs() -> None:
                     "JobId=42 JobName=x UserId=ubuntu(1100) JobState=PENDING Reason=Priority NodeList=(null)\n"
                     "JobId=43 JobName=y UserId=ubuntu(1100) JobState=RUNNING Reason=None NodeList=standby-1\n")
     assert Jobs().jobs_on("spot-2") == ["41"] and Jobs().jobs_on("standby-1") == ["43"]
+
+
+@pytest.mark.parametrize(("node", "named", "of_the_stack"), [
+    ("p5-od-3", "p5-od", "p5-od"),
+    ("p5-od-spot-1", "p5-od-spot", ""),  # a name of a pool the stack does not have
+    ("ghost-1", "ghost", ""),
+    ("head", "head", ""),  # no number: no pool's node
+    ("p5-od-x", "p5-od", ""),
+])
+def test_a_nodes_pool_by_its_name_and_in_the_stack(node: str, named: str, of_the_stack: str) -> None:
+    """The resume program launches (or refuses, naming it) the pool a node's name names; the reconciler, the metrics
+    and the scrape targets go by the stack's pools."""
+    config = ClusterSettings(cluster="c1", region="us-east-1", pools={
+        name: PoolSettings(name, "lt-1", "subnet-1", "p5.48xlarge", "on-demand") for name in ("p5-od", "p5")})
+    assert named_pool(node) == named and config.pool_of(node) == of_the_stack

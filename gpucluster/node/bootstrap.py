@@ -430,6 +430,10 @@ def update(s: ClusterSettings) -> bool:
         RESTART_PENDING.touch()  # kept until the restart worked: the next tick compares the new files with themselves
     slurm_files()
     node_control_units()
+    if s.budget is not None:
+        budget_guardrail()
+    node_names()
+    run("systemctl", "daemon-reload")  # the units as just written (a new bundle may run its programs from elsewhere)
     if RESTART_PENDING.exists():
         run("systemctl", "restart", "slurmctld")
         retry("slurmctld to answer", controller_up, attempts=8, delay=0.5)
@@ -437,11 +441,9 @@ def update(s: ClusterSettings) -> bool:
     run("scontrol", "reconfigure")
     run("sh", str(BUNDLE / "accounting.sh"))
     if s.budget is not None:
-        budget_guardrail()
         run("systemctl", "restart", f"{contract.BUDGET_UNIT}.service")
     if s.interruption_queue_url:
         run("systemctl", "restart", f"{contract.INTERRUPTIONS_UNIT}.service")  # the new bundle's program
-    node_names()
     run("systemctl", "restart", "gpucluster-hosts.service")  # the new bundle's publisher
     grow_state_volume(s.state_volume_id)  # `up` may have enlarged it; Prometheus' retention counts on its size
     head_monitoring(s)  # the new bundle's Prometheus files and metrics program, the topic as it is now
