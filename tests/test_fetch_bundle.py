@@ -145,9 +145,9 @@ def test_compute_node_reads_both_in_one_call_and_fetches_the_bundle_once(aws: An
         shipped = set(tar.getnames())
     # All of the bundle but the library's head-only parts (spec, render, aws, the command line, the stack's file):
     # of lib/ only the contract and the node programs, which need nothing else.
-    library = {"lib/gpucluster/__init__.py"} | {name for name in shipped
-                                                 if name.startswith(("lib/gpucluster/contract/", "lib/gpucluster/node/"))}
-    assert unpacked == {name for name in shipped if not name.startswith("lib/")} | library | {".bundle-key", ".bundle-files"}
+    library = {name for name in shipped if name.startswith(("lib/gpucluster/contract/", "lib/gpucluster/node/"))}
+    rest = {name for name in shipped if not name.startswith("lib/")}
+    assert unpacked == rest | library | {"lib/gpucluster/__init__.py", ".bundle-key", ".bundle-files"}
     assert str(BOOTSTRAP) in unpacked and "lib/gpucluster/spec/model.py" in shipped - unpacked
     assert (target / ".bundle-key").read_text() == bundle.key(BUNDLE)
     assert not list(tmp_path.rglob("*.tmp"))  # written atomically, nothing half-written left behind

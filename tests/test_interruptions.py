@@ -8,7 +8,7 @@ import json
 
 from gpucluster.node.interruptions import REBALANCE, SPOT_WARNING, Interruptions, serve
 from gpucluster.node.resume import resume
-from head_fakes import NOW, FakeSlurm, ec2_fixture, make_config  # noqa: F401  (ec2_fixture: the `ec2` fixture)
+from head_fakes import NOW, FakeSlurm, ec2_fixture, make_config  # noqa: F401  (the ec2 fixture)
 
 
 def spot_event(kind: str, instance: str) -> dict:  # type: ignore[type-arg]

@@ -14,7 +14,7 @@ from gpucluster.node import fleet
 from gpucluster.node.reconcile import NodeView, Status, classify, reconcile
 from gpucluster.node.registry import read_registry
 from gpucluster.node.resume import resume
-from head_fakes import NOW, FakeSlurm, ec2_fixture, live, make_config  # noqa: F401  (ec2_fixture: the `ec2` fixture)
+from head_fakes import NOW, FakeSlurm, ec2_fixture, live, make_config  # noqa: F401  (the ec2 fixture)
 
 
 def view(state: str, reason: str = "", user: str = "slurm", ago: float = 0, **known: object) -> NodeView:

@@ -13,7 +13,7 @@ from gpucluster.contract import reasons
 from gpucluster.contract.settings import ClusterSettings
 from gpucluster.node import fleet, program, resume as resume_program
 from gpucluster.node.resume import job_nodes, resume
-from head_fakes import FakeSlurm, ec2_fixture, fake_scontrol, live, make_config  # noqa: F401  (ec2_fixture: the `ec2` fixture)
+from head_fakes import FakeSlurm, ec2_fixture, fake_scontrol, live, make_config  # noqa: F401  (the ec2 fixture)
 
 
 def resume_file(tmp_path: Path, jobs: dict[int, str]) -> str:

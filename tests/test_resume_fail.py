@@ -6,7 +6,7 @@ from __future__ import annotations
 from gpucluster.node import fleet
 from gpucluster.node.resume import resume
 from gpucluster.node.resume_fail import resume_fail
-from head_fakes import FakeSlurm, ec2_fixture, make_config  # noqa: F401  (ec2_fixture: the `ec2` fixture)
+from head_fakes import FakeSlurm, ec2_fixture, make_config  # noqa: F401  (the ec2 fixture)
 
 
 def test_resume_fail_keeps_the_reason_of_nodes_it_never_launched(ec2) -> None:  # type: ignore[no-untyped-def]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from gpucluster.node import fleet
 from gpucluster.node.resume import resume
 from gpucluster.node.suspend import suspend
-from head_fakes import FakeSlurm, ec2_fixture, live, make_config  # noqa: F401  (ec2_fixture: the `ec2` fixture)
+from head_fakes import FakeSlurm, ec2_fixture, live, make_config  # noqa: F401  (the ec2 fixture)
 
 
 def test_suspend_terminates_only_the_listed_nodes(ec2) -> None:  # type: ignore[no-untyped-def]

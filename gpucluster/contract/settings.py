@@ -112,7 +112,7 @@ HEALTH_PROGRAM = f"{NODE_PROGRAMS_DIR}/health.py"
 HOSTS_PROGRAM = f"{NODE_PROGRAMS_DIR}/hosts.py"  # publishes NODE_HOSTS_FILE (head); the Prolog's second part (compute)
 METRICS_PROGRAM = f"{NODE_PROGRAMS_DIR}/metrics.py"  # Slurm, EFA and Lustre figures into TEXTFILE_DIR
 NEURON_METRICS_PROGRAM = f"{NODE_PROGRAMS_DIR}/neuron_metrics.py"  # NeuronCore utilisation to CloudWatch
-TASK_PROLOG = f"{NODE_PROGRAMS_DIR}/task_prolog.sh"  # Slurm's TaskProlog: puts NCCL_ENV_FILE into each task's environment
+TASK_PROLOG = f"{NODE_PROGRAMS_DIR}/task_prolog.sh"  # Slurm's TaskProlog: NCCL_ENV_FILE into each task's environment
 NODE_PROGRAMS = (BOOTSTRAP_PROGRAM, BUNDLE_FETCHER, BUILD_IMAGE_SCRIPT, RESUME_PROGRAM, SUSPEND_PROGRAM,
                  RESUME_FAIL_PROGRAM, RECONCILE_PROGRAM, INTERRUPTIONS_PROGRAM, BUDGET_PROGRAM, HEALTH_PROGRAM,
                  HOSTS_PROGRAM, METRICS_PROGRAM, NEURON_METRICS_PROGRAM, TASK_PROLOG)  # executable in the bundle
