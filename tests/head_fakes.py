@@ -17,7 +17,7 @@ from gpucluster.node.slurm_control import SlurmControl
 
 
 class FakeSlurm(SlurmControl):
-    """Records what the programs ask of Slurm; expands simple lists; serves a node table for the reconciler."""
+    """Records what the programs ask of Slurm; serves a node table for the reconciler."""
 
     def __init__(self, table: list[dict[str, str]] | None = None):
         self.calls: list[tuple[str, ...]] = []
@@ -25,8 +25,6 @@ class FakeSlurm(SlurmControl):
 
     def _run(self, *args: str) -> str:
         self.calls.append(args)
-        if args[:2] == ("show", "hostnames"):
-            return "\n".join(args[2].split(","))
         if args[:2] == ("show", "nodes"):
             return "\n".join(" ".join(f"{k}={v}" for k, v in n.items()) for n in self.table)
         return ""
