@@ -5,7 +5,7 @@ per job (the health check's fast part).
 
 The warning: the interruptions service handles an event from a queue on a moto server in this process, for a node of
 a registry of 1024 nodes, with Slurm's scontrol and scancel replaced by stand-ins that answer at once (their own time
-is Slurm's, not ours). The Prolog: gpucluster_health.py's `prolog` checks with a stand-in nvidia-smi that answers at
+is Slurm's, not ours). The Prolog: the health check's `prolog` checks with a stand-in nvidia-smi that answers at
 once (a real one takes its own time, about 0.1 to 0.5 s on an 8-GPU node), run as Slurm runs it: a fresh process.
 """
 
@@ -24,16 +24,17 @@ import boto3
 from moto.server import ThreadedMotoServer
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "gpucluster" / "node")]
-import gpucluster_node as node  # noqa: E402
+sys.path.insert(0, str(ROOT))
 from gpucluster.contract.settings import ClusterSettings, PoolSettings  # noqa: E402
+from gpucluster.node.interruptions import SPOT_WARNING, Interruptions  # noqa: E402
+from gpucluster.node.slurm_control import SlurmControl  # noqa: E402
 
 TARGET_WARNING_SECONDS = 5.0  # warning received -> node drained, jobs signalled (the requeue follows the grace)
 TARGET_PROLOG_SECONDS = 2.0  # added to every job's start
 NODES = 1024
 
 
-class InstantSlurm(node.Slurm):
+class InstantSlurm(SlurmControl):
     """scontrol and scancel that answer at once; a job on every node."""
 
     def _run(self, *args: str) -> str:
@@ -60,10 +61,10 @@ def warning_seconds() -> list[float]:
     config = ClusterSettings(cluster="bench", region="us-east-1", pools={"p5-spot": PoolSettings(
         "p5-spot", "lt-1", "subnet-1", "p5.48xlarge", "spot", max_nodes=NODES)}, registry_file=str(registry),
         log_file=str(work / "nodes.log"), events_log=str(work / "events.jsonl"), interruption_queue_url=url)
-    service = node.Interruptions(config, InstantSlurm())
+    service = Interruptions(config, InstantSlurm())
     times = []
     for i in range(1, 21):
-        event = {"detail-type": node.SPOT_WARNING, "time": "2026-11-30T16:00:00Z",
+        event = {"detail-type": SPOT_WARNING, "time": "2026-11-30T16:00:00Z",
                  "detail": {"instance-id": f"i-{i * 37:017x}", "instance-action": "terminate"}}
         sqs.send_message(QueueUrl=url, MessageBody=json.dumps(event))
         start = time.perf_counter()
@@ -82,10 +83,9 @@ def prolog_seconds() -> list[float]:
     smi.write_text("#!/bin/sh\n" + "".join(f'echo "{i}, 0"\n' for i in range(8)))
     smi.chmod(0o755)
     # What the Prolog runs before the node names (whose wait depends on the other nodes' registration, not on us).
-    program = ("import sys; sys.path.insert(0, %r); import gpucluster_health as h; "
-               "from gpucluster.contract.settings import PoolSettings; "
-               "h.check(PoolSettings('p5', 'lt', 's', 'p5.48xlarge', 'spot', accelerator='nvidia', "
-               "accelerators=8), 'prolog')") % str(ROOT / "gpucluster" / "node")
+    program = ("from gpucluster.node import health as h; from gpucluster.contract.settings import "
+               "PoolSettings; h.check(PoolSettings('p5', 'lt', 's', 'p5.48xlarge', 'spot', accelerator='nvidia', "
+               "accelerators=8), 'prolog')")
     env = {**os.environ, "PATH": f"{work / 'bin'}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
     times = []
     for _ in range(10):

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TypeVar
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "gpucluster" / "node")]
+sys.path.insert(0, str(ROOT))
 from gpucluster.contract.settings import NODE_EXPORTER_FLAGS  # noqa: E402
 from gpucluster.render import prometheus  # noqa: E402
 

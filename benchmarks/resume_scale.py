@@ -25,16 +25,17 @@ import boto3
 from botocore.exceptions import EndpointConnectionError
 
 ROOT = Path(__file__).resolve().parent.parent
-# The library (the settings contract) and the node program.
-sys.path[:0] = [str(ROOT), str(ROOT / "gpucluster" / "node")]
-import gpucluster_node as node  # noqa: E402
+sys.path.insert(0, str(ROOT))  # the library: the settings contract and the node programs
 from gpucluster.contract.settings import ClusterSettings, PoolSettings  # noqa: E402
+from gpucluster.node.resume import resume  # noqa: E402
+from gpucluster.node.slurm_control import SlurmControl  # noqa: E402
+from gpucluster.node.suspend import suspend  # noqa: E402
 
 # The resume program's own part of bringing up 1024 nodes: under 3 s, and EC2 calls per CreateFleet batch, not per node.
 TARGET_NODES, TARGET_SECONDS = 1024, 3.0
 
 
-class RecordingSlurm(node.Slurm):
+class RecordingSlurm(SlurmControl):
     def __init__(self) -> None:
         self.calls = 0
 
@@ -73,14 +74,14 @@ def main() -> None:
             slurm = RecordingSlurm()
             resume_file = write_resume_file(registry.parent, size, jobs)
             start = time.perf_counter()
-            result = node.resume(config, ec2, slurm, f"p5-[1-{size}]", resume_file)
+            result = resume(config, ec2, slurm, f"p5-[1-{size}]", resume_file)
             seconds = time.perf_counter() - start
             assert len(result.launched) == size, result.failed
             ops = ", ".join(f"{op} {n}" for op, n in sorted(calls.items()))
             print(f"{size:6d} {jobs:5d} {seconds:8.2f} {seconds / size:7.3f} {slurm.calls:8d}  {ops}")
             if size == TARGET_NODES:
                 met = met and seconds < TARGET_SECONDS and sum(calls.values()) <= -(-size // config.batch_size)
-            node.suspend(config, ec2, slurm, f"p5-[1-{size}]")  # the registry empty again for the next run
+            suspend(config, ec2, f"p5-[1-{size}]")  # the registry empty again for the next run
     if TARGET_NODES in args.sizes:
         print(f"target for {TARGET_NODES} nodes: under {TARGET_SECONDS} s, one EC2 call per batch of "
               f"{config.batch_size}: {'met' if met else 'NOT met'}")

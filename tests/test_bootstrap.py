@@ -9,17 +9,15 @@ import pwd
 import shutil
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from conftest import ROOT
-from gpucluster.contract import settings as contract
+from gpucluster.contract import reasons, settings as contract
 from gpucluster.render import userdata
 
-sys.path.insert(0, str(ROOT / "gpucluster" / "node"))
-import bootstrap  # noqa: E402
+from gpucluster.node import bootstrap
 
 PACKAGED_SLURMD = Path("/lib/systemd/system/slurmd.service")  # Debian's slurmd package (make test installs it)
 
@@ -64,7 +62,7 @@ def test_head_installs_the_budget_guardrail_service_and_command(tmp_path: Path) 
     sbin.mkdir()
     bootstrap.budget_guardrail(systemd, sbin)
     bootstrap.budget_guardrail(systemd, sbin)  # a reboot runs it again
-    assert (sbin / "gpucluster-budget").readlink() == bootstrap.BUNDLE / "gpucluster_budget.py"
+    assert (sbin / "gpucluster-budget").readlink() == Path(contract.BUDGET_PROGRAM)
     unit = (systemd / "gpucluster-budget.service").read_text()
     assert f"ExecStart={sbin}/gpucluster-budget run" in unit and "Restart=always" in unit
     assert "After=slurmctld.service" in unit and "WantedBy=multi-user.target" in unit
@@ -264,7 +262,31 @@ def test_nodes_a_stack_drops_are_retired_before_they_go(states: dict[str, set[st
     monkeypatch.setattr(bootstrap, "run", lambda *args, **kw: ran.append(args))
     assert bootstrap.retire(sorted(states), states) == waiting
     assert [call[2:4] for call in ran] == commands
-    assert all(call[-1] == f"reason={bootstrap.REMOVED_REASON}" for call in ran if "state=power_down_force" not in call)
+    assert all(call[-1] == f"reason={reasons.REMOVED}" for call in ran if "state=power_down_force" not in call)
+    assert reasons.REMOVED.startswith(reasons.CONFIGURATION)  # the reconciler leaves such a node DOWN
+
+
+def test_an_update_restarts_the_services_on_the_units_it_wrote(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new bundle may run its programs from other paths: systemd reads the rewritten units before any restart,
+    else it would restart a service on its former unit, whose program the new bundle no longer has."""
+    for place in ("etc", "bundle/slurm"):
+        (tmp_path / place).mkdir(parents=True)
+        (tmp_path / place / "slurm.conf").write_text("NodeName=a-[1-2] CPUs=4 State=CLOUD\n")
+    monkeypatch.setattr(bootstrap, "SLURM_ETC", tmp_path / "etc")
+    monkeypatch.setattr(bootstrap, "BUNDLE", tmp_path / "bundle")
+    steps: list[str] = []
+    for name in ("slurm_files", "node_control_units", "budget_guardrail", "node_names", "grow_state_volume",
+                 "head_monitoring", "command_line"):
+        monkeypatch.setattr(bootstrap, name, lambda *args, name=name: steps.append(name))
+    monkeypatch.setattr(bootstrap, "run", lambda *args, **kw: steps.append(" ".join(args)))
+    monkeypatch.setattr(bootstrap.shutil, "copytree", lambda *args, **kw: None)
+    settings = contract.ClusterSettings(cluster="c1", region="us-east-1", pools={}, interruption_queue_url="q",
+                                        budget=contract.BudgetSettings("b", "1", 100, "q", "t"))
+    assert bootstrap.update(settings)
+    reload = steps.index("systemctl daemon-reload")
+    assert {"node_control_units", "budget_guardrail", "node_names"} <= set(steps[:reload])
+    restarts = [step for step in steps if step.startswith("systemctl restart")]
+    assert len(restarts) == 3 and all(steps.index(step) > reload for step in restarts)
 
 
 def test_conf_nodes_reads_every_node_of_slurm_conf() -> None:

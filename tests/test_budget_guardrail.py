@@ -4,7 +4,6 @@ partition and job state, and botocore's Stubber for the Budgets actions moto doe
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -13,11 +12,10 @@ import pytest
 from botocore.stub import Stubber
 from moto import mock_aws
 
-from conftest import ROOT
-
-sys.path.insert(0, str(ROOT / "gpucluster" / "node"))
-import gpucluster_budget as guardrail  # noqa: E402
-import gpucluster_node as node  # noqa: E402
+from gpucluster.contract.settings import BudgetSettings, ClusterSettings
+from gpucluster.node import budget_guardrail as guardrail
+from gpucluster.node.budget import BudgetSpend, budget_closed
+from gpucluster.node.slurm_control import SlurmControl
 
 ACCOUNT = "123456789012"
 BUDGET = "gpucluster-t-monthly"
@@ -25,7 +23,7 @@ NOV = time.mktime((2026, 11, 29, 12, 0, 0, 0, 0, 0))
 DEC = time.mktime((2026, 12, 2, 12, 0, 0, 0, 0, 0))
 
 
-class FakeSlurm(guardrail.SlurmQueue):
+class FakeSlurm(SlurmControl):
     """Partitions, jobs and nodes as scontrol shows them; updates change them as slurmctld would."""
 
     def __init__(self) -> None:
@@ -86,10 +84,10 @@ def set_spend(budgets, actual: float, limit: float = 1000.0) -> None:  # type: i
 
 def make(aws, tmp_path: Path, act: float = 100, deny_action: bool = False):  # type: ignore[no-untyped-def]
     budgets, sns, _, topic, queue, _ = aws
-    config = node.ClusterSettings(cluster="gpucluster-t", region="us-east-1", pools={}, log_file="/dev/null",
-                         budget_state_file=str(tmp_path / "budget.json"))
-    guard = guardrail.BudgetSettings(budget_name=BUDGET, account_id=ACCOUNT, act_threshold_percent=act, queue_url=queue,
-                            topic_arn=topic, launch_deny_action=deny_action)
+    config = ClusterSettings(cluster="gpucluster-t", region="us-east-1", pools={}, log_file="/dev/null",
+                             budget_state_file=str(tmp_path / "budget.json"))
+    guard = BudgetSettings(budget_name=BUDGET, account_id=ACCOUNT, act_threshold_percent=act, queue_url=queue,
+                           topic_arn=topic, launch_deny_action=deny_action)
     slurm = FakeSlurm()
     return guardrail.Guardrail(config, guard, slurm, budgets, sns, team="vision"), slurm
 
@@ -113,7 +111,7 @@ def test_spend_over_the_act_threshold_closes_and_under_it_reopens(aws, tmp_path:
     # The idle cloud node is released now; the busy one, the powered-down one and the always-on one are not touched.
     assert ("update", "nodename=spot-1", "state=power_down") in slurm.calls
     assert not [c for c in slurm.calls if c[0] == "update" and c[1].startswith("nodename=") and c[1] != "nodename=spot-1"]
-    assert node.budget_closed(g.config)
+    assert budget_closed(g.config.budget_state_file)
     assert heard(aws) == ["gpucluster gpucluster-t: budget guardrail closed the partitions"]
 
     assert g.check(NOV) == "closed-still"  # nothing new to say
@@ -122,7 +120,7 @@ def test_spend_over_the_act_threshold_closes_and_under_it_reopens(aws, tmp_path:
     assert g.check(NOV) == "reopened"
     assert slurm.partitions_ == {"spot": "UP", "standby": "UP", "maint": "DOWN"}
     assert slurm.jobs["8"]["AdminComment"] == ""
-    assert not node.budget_closed(g.config)
+    assert not budget_closed(g.config.budget_state_file)
     assert heard(aws) == ["gpucluster gpucluster-t: budget guardrail reopened the partitions"]
 
 
@@ -206,27 +204,25 @@ def test_the_service_acts_on_a_message_and_keeps_it_when_the_check_fails(aws, tm
     budgets, _, sqs, _, _, _ = aws
     queue = sqs.create_queue(QueueName="short", Attributes={"VisibilityTimeout": "1"})["QueueUrl"]
     g, slurm = make(aws, tmp_path)
-    g.guard = guardrail.BudgetSettings(**{**g.guard.__dict__, "queue_url": queue})
+    g.guard = BudgetSettings(**{**g.guard.__dict__, "queue_url": queue})
     set_spend(budgets, 1200)
     sqs.send_message(QueueUrl=queue, MessageBody=json.dumps({
         "Type": "Notification", "Subject": "AWS Budgets: gpucluster-t-monthly has exceeded your alert threshold",
         "Message": "ACTUAL Cost ... is greater than $1,000.00"}))
-    monkeypatch.setattr(guardrail, "RECEIVE_WAIT_SECONDS", 0)
     pauses: list[float] = []
-    monkeypatch.setattr(guardrail.time, "sleep", pauses.append)
 
-    def unreachable() -> guardrail.Spend:
+    def unreachable() -> BudgetSpend:
         raise RuntimeError("budgets unreachable")
 
-    # Budgets cannot be read: nothing changes, the step pauses, the message is not deleted.
+    # Budgets cannot be read: nothing changes, the step pauses (for a wait), the message is not deleted.
     monkeypatch.setattr(g, "spend", unreachable)
     rounds = iter([False, True])
-    guardrail.serve(g, sqs, stop=lambda: next(rounds))
+    guardrail.serve(g, sqs, stop=lambda: next(rounds), wait_seconds=0, sleep=pauses.append)
     assert slurm.partitions_["spot"] == "UP" and pauses == [0]
     monkeypatch.undo()
     time.sleep(1.2)  # the visibility timeout: the message is back
     rounds = iter([False, True])
-    guardrail.serve(g, sqs, stop=lambda: next(rounds))
+    guardrail.serve(g, sqs, stop=lambda: next(rounds), wait_seconds=0)
     assert slurm.partitions_["spot"] == "DOWN"
     left = sqs.get_queue_attributes(QueueUrl=queue, AttributeNames=["All"])["Attributes"]
     assert (left["ApproximateNumberOfMessages"], left["ApproximateNumberOfMessagesNotVisible"]) == ("0", "0")

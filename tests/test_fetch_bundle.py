@@ -24,6 +24,7 @@ from botocore.exceptions import ClientError
 from moto import mock_aws
 
 from conftest import ROOT
+from gpucluster.contract import settings as contract
 from gpucluster.contract.settings import ClusterSettings
 from gpucluster.project import EXAMPLES_DIR
 from gpucluster.render import bundle, userdata
@@ -37,6 +38,7 @@ spec.loader.exec_module(fetcher)
 STACK = load_stack(ROOT / "stacks" / "Pulumi.dev.yaml")
 KEY = bytes(range(256)) * 4  # a 1024-byte munge key
 BUNDLE = bundle.build(STACK, EXAMPLES_DIR)  # once: the repository may change while the tests run
+BOOTSTRAP = Path(contract.BOOTSTRAP_PROGRAM).relative_to(contract.BUNDLE_DIR)  # its place in the bundle
 
 
 class Boto3:
@@ -140,7 +142,13 @@ def test_compute_node_reads_both_in_one_call_and_fetches_the_bundle_once(aws: An
     target = Path(env["GPUCLUSTER_BUNDLE_DIR"])
     unpacked = {str(p.relative_to(target)) for p in target.rglob("*") if p.is_file()}
     with tarfile.open(fileobj=io.BytesIO(BUNDLE)) as tar:
-        assert unpacked == set(tar.getnames()) | {".bundle-key", ".bundle-files"}
+        shipped = set(tar.getnames())
+    # All of the bundle but the library's head-only parts (spec, render, aws, the command line, the stack's file):
+    # of lib/ only the contract and the node programs, which need nothing else.
+    library = {name for name in shipped if name.startswith(("lib/gpucluster/contract/", "lib/gpucluster/node/"))}
+    rest = {name for name in shipped if not name.startswith("lib/")}
+    assert unpacked == rest | library | {"lib/gpucluster/__init__.py", ".bundle-key", ".bundle-files"}
+    assert str(BOOTSTRAP) in unpacked and "lib/gpucluster/spec/model.py" in shipped - unpacked
     assert (target / ".bundle-key").read_text() == bundle.key(BUNDLE)
     assert not list(tmp_path.rglob("*.tmp"))  # written atomically, nothing half-written left behind
 
@@ -164,7 +172,18 @@ def test_a_new_bundle_key_is_fetched(aws: Any, tmp_path: Path) -> None:
     fetcher.fetch(env, api, sleep=no_sleep)
     assert api.calls["GetObject"] == 1
     assert not (target / "retired_program.py").exists()
-    assert (target / "fetch_bundle.py").exists() and (target / "bootstrap.py").exists()
+    assert (target / "fetch_bundle.py").exists() and (target / BOOTSTRAP).exists()
+
+
+def test_the_head_unpacks_the_whole_bundle(aws: Any, tmp_path: Path) -> None:
+    """The head's admins run `gpucluster cost|render|preflight` from the bundle's library and stack file."""
+    put_key(aws)
+    env = node_env(tmp_path, "head")
+    fetcher.fetch(env, Boto3(), sleep=no_sleep)
+    target = Path(env["GPUCLUSTER_BUNDLE_DIR"])
+    with tarfile.open(fileobj=io.BytesIO(BUNDLE)) as tar:
+        assert {str(p.relative_to(target)) for p in target.rglob("*") if p.is_file()} == \
+            set(tar.getnames()) | {".bundle-key", ".bundle-files"}
 
 
 # --- (ii) the munge key: the head creates it, compute nodes wait for it ----------------------------------------------
@@ -269,7 +288,7 @@ def test_throttling_past_botocores_retries_is_retried_and_the_boot_completes(aws
     assert api.sends["GetParameters"] == 26  # 11 + 11 + (3 throttled and the answer)
     assert api.calls["GetParameters"] == 3 and len(slept) == 2  # fetch()'s own loop: two more tries
     assert Path(env["GPUCLUSTER_MUNGE_KEY_FILE"]).read_bytes() == KEY
-    assert (Path(env["GPUCLUSTER_BUNDLE_DIR"]) / "bootstrap.py").exists()
+    assert (Path(env["GPUCLUSTER_BUNDLE_DIR"]) / BOOTSTRAP).exists()
 
 
 def test_access_denied_is_not_retried(aws: Any, tmp_path: Path) -> None:
@@ -298,4 +317,4 @@ def test_a_bundle_not_yet_uploaded_is_waited_for(aws: Any, tmp_path: Path) -> No
     env, api = node_env(tmp_path, "compute"), Boto3()
     fetcher.fetch(env, api, sleep=sleep)
     assert len(slept) == 2 and api.calls["GetObject"] == 3
-    assert (Path(env["GPUCLUSTER_BUNDLE_DIR"]) / "bootstrap.py").exists()
+    assert (Path(env["GPUCLUSTER_BUNDLE_DIR"]) / BOOTSTRAP).exists()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from typing import Any
 
 import botocore.session
@@ -14,31 +13,30 @@ from botocore.model import Shape
 from botocore.validate import ParamValidator
 
 from conftest import ROOT
-
-sys.path.insert(0, str(ROOT / "gpucluster" / "node"))
-import gpucluster_node as node  # noqa: E402
+from gpucluster.contract.settings import ClusterSettings, PoolSettings
+from gpucluster.node.fleet import fleet_request
 
 GOLDEN = ROOT / "tests" / "golden" / "fleet"
 TEMPLATE, SUBNET = "lt-0123456789abcdef0", "subnet-0123456789abcdef0"
 
 # scenario -> (pool, all_or_nothing); four p5 nodes each, pools as the GpuPool component exports them.
-SCENARIOS: dict[str, tuple[node.PoolSettings, bool]] = {
-    "on-demand": (node.PoolSettings("p5-od", TEMPLATE, SUBNET, "p5.48xlarge", "on-demand",
+SCENARIOS: dict[str, tuple[PoolSettings, bool]] = {
+    "on-demand": (PoolSettings("p5-od", TEMPLATE, SUBNET, "p5.48xlarge", "on-demand",
                                     placement_group="team-a-p5-od-pg"), False),
-    "spot": (node.PoolSettings("p5-spot", TEMPLATE, SUBNET, "p5.48xlarge", "spot",
+    "spot": (PoolSettings("p5-spot", TEMPLATE, SUBNET, "p5.48xlarge", "spot",
                                placement_group="team-a-p5-spot-pg"), False),
-    "capacity-block": (node.PoolSettings("p5en-cb", TEMPLATE, SUBNET, "p5en.48xlarge", "capacity-block",
+    "capacity-block": (PoolSettings("p5en-cb", TEMPLATE, SUBNET, "p5en.48xlarge", "capacity-block",
                                          capacity_reservation_id="cr-0a1b2c3d4e5f60718",
                                          placement_group="team-a-p5en-cb-pg"), False),
-    "all-or-nothing": (node.PoolSettings("p5-spot", TEMPLATE, SUBNET, "p5.48xlarge", "spot",
+    "all-or-nothing": (PoolSettings("p5-spot", TEMPLATE, SUBNET, "p5.48xlarge", "spot",
                                          placement_group="team-a-p5-spot-pg"), True),
 }
 
 
 def request(scenario: str) -> dict[str, Any]:
     pool, all_or_nothing = SCENARIOS[scenario]
-    config = node.ClusterSettings(cluster="team-a", region="us-east-1", pools={pool.name: pool})
-    return node._fleet_request(config, pool, 4, all_or_nothing)
+    config = ClusterSettings(cluster="team-a", region="us-east-1", pools={pool.name: pool})
+    return fleet_request(config, pool, 4, all_or_nothing)
 
 
 def ec2_input() -> Shape:
@@ -79,5 +77,5 @@ def test_capacity_block_fleet_names_the_block_market_and_nothing_a_block_refuses
     assert sent["TargetCapacitySpecification"]["DefaultTargetCapacityType"] == "capacity-block"
     assert "OnDemandOptions" not in sent and "SpotOptions" not in sent
     pool, _ = SCENARIOS["capacity-block"]
-    aon = node._fleet_request(node.ClusterSettings("team-a", "us-east-1", {pool.name: pool}), pool, 4, True)
+    aon = fleet_request(ClusterSettings("team-a", "us-east-1", {pool.name: pool}), pool, 4, True)
     assert aon["OnDemandOptions"] == {"MinTargetCapacity": 4, "SingleInstanceType": True, "SingleAvailabilityZone": True}

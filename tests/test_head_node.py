@@ -237,9 +237,12 @@ def test_bundle_object_holds_the_rendered_files(shipped: Shipped) -> None:
     assert data == bundle.build(stack, EXAMPLES_DIR) and obj.inputs["key"] == bundle.key(data)
     with tarfile.open(fileobj=io.BytesIO(gzip.decompress(data))) as tar:
         names = set(tar.getnames())
-    programs = {"bootstrap.py", "build_image.sh", "gpucluster_node.py", "gpucluster_budget.py",
-                "gpucluster_neuron_metrics.py", "task_prolog.sh", "gpucluster_hosts.py", "gpucluster_health.py",
-                "gpucluster_metrics.py"}
+        modes = {member.name: member.mode for member in tar.getmembers()}
+    # The node programs, which Slurm, systemd and the boot run by their paths in the library: executable, and only they.
+    programs = {f"lib/gpucluster/node/{name}" for name in (
+        "bootstrap.py", "fetch_bundle.py", "build_image.sh", "resume.py", "suspend.py", "resume_fail.py",
+        "reconcile.py", "interruptions.py", "budget_guardrail.py", "neuron_metrics.py", "task_prolog.sh", "hosts.py",
+        "health.py", "metrics.py")}
     # Prometheus' configuration, rules and flags; dcgm-exporter's counters; Grafana's dashboards.
     metrics = set(prometheus.files(stack)) | set(dashboards.files(stack))
     metrics |= {f"{'cloudwatch-agent' if p.accelerator.kind == 'nvidia' else 'neuron-metrics'}/{p.name}.json"
@@ -251,6 +254,7 @@ def test_bundle_object_holds_the_rendered_files(shipped: Shipped) -> None:
     library |= {f"lib/stacks/Pulumi.{stack.name}.yaml"}
     assert programs | {"accounting.sql", "accounting.sh"} | slurm_files | {f"examples/{n}" for n in bundle.EXAMPLES} | \
         metrics | library == names
+    assert {name for name in names if name.startswith("lib/") and modes[name] == 0o755} == programs
 
 
 def test_bundle_is_deterministic(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -270,7 +274,9 @@ def test_bundle_is_deterministic(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_node_program_reads_the_published_settings(shipped: Shipped, tmp_path: Path) -> None:
-    """The settings document the head node gets is one the node program loads (with the contract's loader)."""
+    """The settings document the head node gets is one the node programs load."""
+    from gpucluster.contract.settings import ClusterSettings
+
     stack, declared = shipped
     path = tmp_path / "cluster.json"
     path.write_text(_one(declared, "ssm/parameter:Parameter").inputs["insecureValue"])

@@ -1,20 +1,16 @@
-"""A compute node's health check (gpucluster/node/gpucluster_health.py) against stand-ins for nvidia-smi, neuron-ls,
+"""A compute node's health check (gpucluster/node/health.py) against stand-ins for nvidia-smi, neuron-ls,
 fi_info and dmesg on PATH: this machine has no GPU, no Neuron device and no EFA. Each stand-in prints what the real
 tool prints in the cases that matter (its documented CSV or JSON)."""
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
 from gpucluster.contract.settings import PoolSettings
-
-sys.path.insert(0, str(ROOT / "gpucluster" / "node"))
-import gpucluster_health as health  # noqa: E402
+from gpucluster.node import health
 
 P5 = PoolSettings("p5", "lt-1", "subnet-1", "p5.48xlarge", "spot", efa_interfaces=32, accelerator="nvidia",
                   accelerators=8)

@@ -17,6 +17,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+import standard_library
 from conftest import K8S_STACK_FILES, ROOT, of_type, planned
 
 from components.kubernetes import autoscaler_node_template_tags
@@ -586,7 +587,33 @@ def test_guardrail_reads_the_budget_queue_and_may_patch_one_queue(k8s: tuple[Sta
     assert env["CLUSTER_QUEUE"] == stack.spec.team and env["BUDGET_NAME"] == stack.budget_name
     assert env["LAUNCH_DENY_ACTION_ID"] == planned_outputs(action, stack.region)["actionId"]
     (script,) = [c for c in of_type(declared, "core/v1:ConfigMap") if c.inputs["metadata"]["name"] == kube.GUARDRAIL]
-    assert script.inputs["data"]["queue_guardrail.py"] == Path(queue_guardrail.__file__).read_text()
+    assert script.inputs["data"]["gpucluster.node.queue_guardrail.py"] == Path(queue_guardrail.__file__).read_text()
+
+
+def test_the_guardrail_pod_has_every_file_its_program_imports(k8s: tuple[Stack, tuple[Declared, ...]],
+                                                            tmp_path: Path) -> None:
+    """The ConfigMap carries the guardrail and the library modules it shares with the Slurm head's guardrail (the queue
+    loop, the budget decision); the volume puts each at its path. The program, as the container starts it from that
+    mount, imports with the standard library alone (boto3 is the pod's own, imported where the service starts)."""
+    import subprocess
+    import sys
+
+    _, declared = k8s
+    (script,) = [c for c in of_type(declared, "core/v1:ConfigMap") if c.inputs["metadata"]["name"] == kube.GUARDRAIL]
+    (deployment,) = of_type(declared, "apps/v1:Deployment")
+    pod = deployment.inputs["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v.get("configMap", {}).get("name") == kube.GUARDRAIL]
+    (mount,) = [m["mountPath"] for m in pod["containers"][0]["volumeMounts"] if m["name"] == volume["name"]]
+    for item in volume["configMap"]["items"]:  # the volume as the kubelet projects it, under tmp_path
+        (tmp_path / item["path"]).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / item["path"]).write_text(script.inputs["data"][item["key"]])
+    assert {item["key"] for item in volume["configMap"]["items"]} == set(script.inputs["data"])
+    program = pod["containers"][0]["command"][-1].split("exec python ")[1]
+    assert program.startswith(f"{mount}/")
+    code = standard_library.ONLY + "import runpy\nrunpy.run_path(sys.argv[1])\n"
+    done = subprocess.run([sys.executable, "-I", "-c", code, str(tmp_path / program.removeprefix(f"{mount}/"))],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
 
 
 @pytest.mark.parametrize(("actual", "expected"), [(99.99, "None"), (100.0, "Hold"), (250.0, "Hold"), (0.0, "None")])

@@ -20,7 +20,6 @@ import pytest
 
 from conftest import ROOT
 
-NODE_DIR = "gpucluster/node"
 # Layer -> the layers it may import. "node source" is gpucluster/node/__init__.py: it reads the programs as data.
 BELOW_THE_TOP: dict[str, set[str]] = {
     "contract": {"contract"},
@@ -76,8 +75,6 @@ def layer_of(module: str) -> str | None:
 def imports(path: str, source: str, tree: set[str]) -> list[Import]:
     """Every import in a module's source, resolved against the modules of `tree` (paths)."""
     known = {module_name(p) for p in tree}
-    # The node programs import each other by file name, as they lie side by side in the bundle.
-    programs = {Path(p).stem: module_name(p) for p in tree if Path(p).parent.as_posix() == NODE_DIR}
     package = module_name(path).split(".")
     if not path.endswith("__init__.py"):
         package = package[:-1]
@@ -90,7 +87,7 @@ def imports(path: str, source: str, tree: set[str]) -> list[Import]:
                 if node.level else node.module or ""
             found += [Import(node.lineno, f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
                       for alias in node.names]
-    return [Import(i.line, programs.get(i.module, i.module)) for i in found]
+    return found
 
 
 def violations(files: dict[str, str], rest_of_tree: Iterable[str] = ()) -> list[str]:
@@ -136,8 +133,8 @@ def test_the_library_is_all_in_layers() -> None:
 @pytest.mark.parametrize(("path", "source", "expected"), [
     ("gpucluster/spec/bad.py", "def f():\n    from gpucluster.render import slurm\n",
      "gpucluster/spec/bad.py:2: spec imports gpucluster.render.slurm (render); spec may import contract, spec"),
-    ("gpucluster/render/bad.py", "from gpucluster.node import gpucluster_node\n",
-     "gpucluster/render/bad.py:1: render imports gpucluster.node.gpucluster_node (node)"),
+    ("gpucluster/render/bad.py", "from gpucluster.node import resume\n",
+     "gpucluster/render/bad.py:1: render imports gpucluster.node.resume (node)"),
     ("gpucluster/aws/bad.py", "from ..render import kube\n",
      "gpucluster/aws/bad.py:1: aws imports gpucluster.render.kube (render)"),
     ("components/bad.py", "import gpucluster.project\n",
@@ -160,7 +157,7 @@ def test_an_import_across_the_layers_is_named(path: str, source: str, expected: 
 
 @pytest.mark.parametrize(("path", "source"), [
     ("gpucluster/render/fine.py", "from gpucluster.node import source\nfrom gpucluster import node\n"),
-    ("gpucluster/node/fine.py", "import json\nimport boto3\nfrom gpucluster_node import Slurm\n"
+    ("gpucluster/node/fine.py", "import json\nimport boto3\nfrom gpucluster.node.slurm_control import SlurmControl\n"
                                 "from gpucluster.contract.settings import ClusterSettings\n"),
     ("gpucluster/cli.py", "from gpucluster import project\n"),
 ])

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gzip
 import io
 import json
-import sys
 import tarfile
 from pathlib import Path
 from typing import Any
@@ -15,14 +14,12 @@ import pytest
 from moto import mock_aws
 
 from conftest import ROOT, of_type
+from gpucluster.contract import settings
+from gpucluster.node import bootstrap, neuron_metrics as neuron
 from gpucluster.plan import Declared
+from gpucluster.project import EXAMPLES_DIR
 from gpucluster.render import bundle, monitoring
 from gpucluster.spec.model import Stack, load_stack
-
-sys.path.insert(0, str(ROOT / "gpucluster" / "node"))
-import bootstrap
-import gpucluster_neuron_metrics as neuron
-from gpucluster.project import EXAMPLES_DIR
 
 TEAM_B = load_stack(ROOT / "stacks" / "Pulumi.team-b.yaml")  # has a trn1 pool
 
@@ -119,7 +116,8 @@ def test_trainium_node_runs_the_publisher(tmp_path: Path, monkeypatch: pytest.Mo
     (tmp_path / "neuron-metrics" / "trn1.json").write_text("{}")
     assert bootstrap.gpu_metrics("trn1", "us-west-2", tmp_path) == "gpucluster-neuron-metrics.service"
     unit = (tmp_path / "gpucluster-neuron-metrics.service").read_text()
-    assert f"gpucluster_neuron_metrics.py {tmp_path}/neuron-metrics/trn1.json -- /opt/aws/neuron/bin/neuron-monitor" \
-        in unit
+    monitor = "/opt/aws/neuron/bin/neuron-monitor"
+    command = f"{settings.NEURON_METRICS_PROGRAM} {tmp_path}/neuron-metrics/trn1.json -- {monitor}"
+    assert command in unit
     assert "AWS_DEFAULT_REGION=us-west-2" in unit and "Restart=always" in unit
     assert bootstrap.gpu_metrics("p5-od", "us-west-2", tmp_path) is None  # NVIDIA: the CloudWatch agent, no unit

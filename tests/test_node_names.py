@@ -1,18 +1,13 @@
-"""Node names that resolve (gpucluster/node/gpucluster_hosts.py): what the head publishes, and what a job's prolog puts
+"""Node names that resolve (gpucluster/node/hosts.py): what the head publishes, and what a job's prolog puts
 into a node's /etc/hosts before the job starts."""
 
 from __future__ import annotations
 
-import importlib.util
 import threading
 import time
 from pathlib import Path
 
-from conftest import ROOT
-
-spec = importlib.util.spec_from_file_location("gpucluster_hosts", ROOT / "gpucluster" / "node" / "gpucluster_hosts.py")
-hosts = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-spec.loader.exec_module(hosts)  # type: ignore[union-attr]
+from gpucluster.node import hosts
 
 NODES = "\n".join([
     "NodeName=p5-od-1 Arch=x86_64 NodeAddr=10.0.0.11 NodeHostName=p5-od-1 State=ALLOCATED+CLOUD Reason=(null)",

@@ -8,24 +8,19 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from conftest import ROOT, STACK_FILES
+from conftest import STACK_FILES
 from gpucluster.contract import settings
 from gpucluster.contract.settings import ClusterSettings, PoolSettings
+from gpucluster.node import bootstrap, budget_guardrail, hosts, metrics
+from gpucluster.node.budget import BudgetSpend
 from gpucluster.render import monitoring, prometheus
 from gpucluster.spec.model import load_stack
-
-sys.path.insert(0, str(ROOT / "gpucluster" / "node"))  # the node programs import each other, as in the bundle
-import bootstrap
-import gpucluster_budget as budget
-import gpucluster_hosts as hosts
-import gpucluster_metrics as metrics
 
 
 def tool(name: str) -> str:
@@ -289,7 +284,7 @@ def test_the_node_exporter_metrics_we_name_are_what_a_real_node_exporter_serves(
 
 
 def test_the_gpucluster_metrics_we_name_are_what_our_programs_write(tmp_path: Path) -> None:
-    budget.publish_spend(budget.Spend(actual=1.0, limit=2.0, act_at=2.0, forecast=3.0), tmp_path)
+    budget_guardrail.publish_spend(BudgetSpend(actual=1.0, limit=2.0, act_at=2.0, forecast=3.0), tmp_path)
     s = cluster_settings()
     counters = tmp_path / "sys/class/infiniband/rdmap0/ports/1/hw_counters"
     counters.mkdir(parents=True)

@@ -25,10 +25,9 @@ from botocore.stub import Stubber
 from conftest import ROOT, ClientFactory, of_type, planned, reset_moto
 from gpucluster.aws import teardown
 from gpucluster.contract.settings import CLUSTER_TAG, POOL_TAG, STACK_TAG, ClusterSettings, PoolSettings
+from gpucluster.node.resume import resume
+from gpucluster.node.slurm_control import SlurmControl
 from gpucluster.plan import Declared, planned_id
-
-sys.path.insert(0, str(ROOT / "gpucluster" / "node"))
-import gpucluster_node as node
 
 CLUSTER = "gpucluster-t1"
 MUNGE = f"/gpucluster/{CLUSTER}/munge-key"
@@ -111,7 +110,7 @@ def test_the_fleet_goes_first_including_instances_launched_while_the_step_runs(a
     ec2, ssm = aws("ec2"), aws("ssm")
     config, head = world(aws)
     slurm = _Slurm()
-    first = node.resume(config, ec2, slurm, "p5-od-[1-2],p5-spot-1").launched
+    first = resume(config, ec2, slurm, "p5-od-[1-2],p5-spot-1").launched
     assert len(first) == 3
     # Another cluster's instance in the same account is not this step's business.
     other = ec2.run_instances(ImageId=AMI, InstanceType="g6.xlarge", MinCount=1, MaxCount=1, TagSpecifications=[
@@ -127,7 +126,7 @@ def test_the_fleet_goes_first_including_instances_launched_while_the_step_runs(a
         # A resume program that was mid-CreateFleet when the partitions closed: its instance shows after the first
         # sweep terminated the others.
         if sleeps == 1:
-            late.update(node.resume(config, ec2, slurm, "p5-spot-2").launched)
+            late.update(resume(config, ec2, slurm, "p5-spot-2").launched)
 
     clock = Clock(resume_in_flight)
     channel = RecordingHead(events)
@@ -150,7 +149,7 @@ def test_the_fleet_goes_first_including_instances_launched_while_the_step_runs(a
 def test_an_instance_that_refuses_fails_the_step_with_its_id(aws: ClientFactory) -> None:
     ec2, ssm = aws("ec2"), aws("ssm")
     config, head = world(aws)
-    launched = node.resume(config, ec2, _Slurm(), "p5-od-[1-2]").launched
+    launched = resume(config, ec2, _Slurm(), "p5-od-[1-2]").launched
     protected = launched["p5-od-1"]
     ec2.modify_instance_attribute(InstanceId=protected, DisableApiTermination={"Value": True})
     clock = Clock()
@@ -168,7 +167,7 @@ def test_an_instance_that_refuses_fails_the_step_with_its_id(aws: ClientFactory)
 def test_a_head_that_cannot_close_its_partitions_is_stopped_before_the_sweep(aws: ClientFactory) -> None:
     ec2, ssm = aws("ec2"), aws("ssm")
     config, head = world(aws)
-    node.resume(config, ec2, _Slurm(), "p5-od-1")
+    resume(config, ec2, _Slurm(), "p5-od-1")
     events: list[str] = []
     ec2.meta.events.register("before-call.ec2.StopInstances", lambda **kw: events.append("stop head"))
     ec2.meta.events.register("before-call.ec2.TerminateInstances", lambda **kw: events.append("terminate"))
@@ -184,7 +183,7 @@ def test_a_head_that_cannot_close_its_partitions_is_stopped_before_the_sweep(aws
 def test_a_head_already_gone_does_not_stop_the_teardown(aws: ClientFactory) -> None:
     ec2, ssm = aws("ec2"), aws("ssm")
     config, head = world(aws)
-    launched = node.resume(config, ec2, _Slurm(), "p5-od-1").launched
+    launched = resume(config, ec2, _Slurm(), "p5-od-1").launched
     ec2.terminate_instances(InstanceIds=[head])
     clock = Clock()
     said = teardown.tear_down_fleet(teardown.Fleet(CLUSTER, head, MUNGE), ec2, ssm, RecordingHead([], reachable=False),
@@ -351,7 +350,7 @@ def test_the_serialised_provider_tears_the_fleet_down_in_a_fresh_process(aws: Cl
     (step,) = of_type(declared, "dynamic/gpucluster:FleetTeardown")
     config, head = world(aws, stack.cluster_name)
     ec2 = aws("ec2")
-    launched = node.resume(config, ec2, _Slurm(), "p5-od-[1-2]").launched
+    launched = resume(config, ec2, _Slurm(), "p5-od-[1-2]").launched
     props = {**{k: v for k, v in step.inputs.items()}, "head_instance_id": head, "timeout_seconds": 60,
              "quiet_seconds": 2}
     program = ("import base64, json, sys, dill\n"
@@ -372,7 +371,7 @@ def test_the_serialised_provider_tears_the_fleet_down_in_a_fresh_process(aws: Cl
     assert b"components.teardown" in base64.b64decode(step.inputs["__provider"])
 
 
-class _Slurm(node.Slurm):
+class _Slurm(SlurmControl):
     """The resume program tells Slurm each node's instance; nothing listens here."""
 
     def __init__(self) -> None:

@@ -1,11 +1,11 @@
-"""Slurm's host lists (p5-od-[1-3,7]) in both directions. Standard library only: the node programs and the bootstrap
-import it from the bundle with the system python3."""
+"""Slurm's host lists (p5-od-[1-3,7]) in both directions, and long lists in batches. Standard library only: the node
+programs and the bootstrap import it from the bundle with the system python3."""
 
 from __future__ import annotations
 
 import re
 from collections import defaultdict
-from typing import Iterable
+from typing import Iterable, Iterator
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
@@ -48,3 +48,9 @@ def compress_hostlist(nodes: Iterable[str]) -> str:
         spans = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
         parts.append(f"{prefix}{numbers[0]}" if len(numbers) == 1 else f"{prefix}[{spans}]")
     return ",".join(parts)
+
+
+def in_batches(items: list[str], size: int) -> Iterator[list[str]]:
+    """Node names or instance ids `size` at a time: one scontrol or EC2 call each, under their limits."""
+    for i in range(0, len(items), size):
+        yield items[i : i + size]

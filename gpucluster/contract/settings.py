@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 # --- where things are on a node ---------------------------------------------------------------------------------------
-BUNDLE_DIR = "/opt/gpucluster"  # the unpacked bundle: bootstrap, node programs, Slurm files, examples, lib/
-BIN_DIR = f"{BUNDLE_DIR}/bin"  # Slurm's ResumeProgram, SuspendProgram, ResumeFailProgram and the reconciler
+BUNDLE_DIR = "/opt/gpucluster"  # the unpacked bundle: lib/ (the library and its node programs), Slurm files, examples
 LIB_DIR = f"{BUNDLE_DIR}/lib"  # the gpucluster library (this file among it) and the stack's file
 FETCHER = f"{BUNDLE_DIR}/fetch_bundle.py"  # written by cloud-init, run by gpucluster-boot.service at every boot
 ETC_DIR = "/etc/gpucluster"
@@ -42,14 +41,8 @@ NODE_REGISTRY = f"{NODE_REGISTRY_DIR}/instances.json"
 NODE_NAME_FILE = f"{ETC_DIR}/node-name"  # a compute instance's Slurm node name, learned at its first boot
 SLURM_CLIENT_CONF = f"{ETC_DIR}/slurm-client.conf"  # enough for scontrol to reach the controller before slurmd runs
 NCCL_ENV_FILE = f"{ETC_DIR}/nccl.env"  # a compute node's NCCL/EFA settings (NAME=value), for every job step
-TASK_PROLOG = f"{BUNDLE_DIR}/task_prolog.sh"  # Slurm's TaskProlog: puts NCCL_ENV_FILE into each task's environment
 IMAGE_MANIFEST = "/opt/gpucluster-image/manifest.json"  # written last by build_image.sh: the image is complete
 BOOT_UNIT = "gpucluster-boot.service"
-# The reason prefix of a node drained for a fresh instance (a spot warning, a failed health check): the reconciler
-# replaces its instance once the node is idle.
-REPLACE_REASON = "gpucluster: replace"
-# Slurm's HealthCheckProgram and its Prolog (the fast checks, then HOSTS_PROGRAM's part).
-HEALTH_PROGRAM = f"{BUNDLE_DIR}/gpucluster_health.py"
 # The head's units that may launch or keep nodes, besides slurmctld: stopped first when the cluster is torn down.
 RECONCILE_UNIT = "gpucluster-reconcile"  # a service and its timer
 BUDGET_UNIT = "gpucluster-budget"  # the guardrail service (it reopens partitions when the spend falls back)
@@ -68,7 +61,6 @@ LOGIN_USER = "ubuntu"  # the images' login user: in the team's Slurm account, it
 SHARED_DIR = "/fsx"  # the Lustre file system, on every node
 SHARED_HOME = f"{SHARED_DIR}/home"  # bind-mounted at /home on every node: code, venvs and job output follow the job
 NODE_HOSTS_FILE = f"{SHARED_DIR}/.gpucluster/hosts"  # registered nodes' names and addresses, kept by the head
-HOSTS_PROGRAM = f"{BUNDLE_DIR}/gpucluster_hosts.py"  # publishes them (head); the Prolog's second part (compute)
 SLURMCTLD_PORT = 6817
 SLURMD_PORT = 6818
 SLURMDBD_PORT = 6819
@@ -82,7 +74,7 @@ ALERTMANAGER_PORT = 9093  # the head, on 127.0.0.1
 GRAFANA_PORT = 3000  # the head, on 127.0.0.1: reached through a Session Manager port forward only
 MONITORING_FILES = ("prometheus/prometheus.yml", "prometheus/rules.yml")  # in the bundle and in `render --out`
 DASHBOARDS_DIR = "grafana/dashboards"  # in the bundle and in `render --out`
-# file_sd target lists the head's node-name publisher keeps (gpucluster_hosts.py): one file per exporter kind.
+# file_sd target lists the head's node-name publisher keeps (HOSTS_PROGRAM): one file per exporter kind.
 SCRAPE_TARGETS_DIR = f"{STATE_DIR}/scrape-targets"
 PROMETHEUS_DATA_DIR = f"{STATE_DIR}/prometheus"  # on the state volume: a replaced head keeps its history
 # node_exporter's textfile collector (Debian's and Ubuntu's default directory): the Slurm, budget, EFA and Lustre
@@ -102,11 +94,31 @@ GRAFANA_DATASOURCE_UID = "prometheus"
 # the bus, uncontained ECC, GSP errors): the health check drains on them, the GpuXidError alert fires on them.
 FATAL_XIDS = (48, 63, 64, 74, 79, 94, 95, 119, 120)  # the head's provisioned Prometheus, as every dashboard panel names it
 
-# --- programs --------------------------------------------------------------------------------------------------------
-NODE_PROGRAM = "gpucluster_node.py"
-NODE_COMMANDS = ("resume", "suspend", "resume-fail", "reconcile", "interruptions")  # links to NODE_PROGRAM in BIN_DIR
-BUDGET_PROGRAM = "gpucluster_budget.py"
-BUDGET_COMMAND = "gpucluster-budget"
+# --- the node programs: files of the library's gpucluster/node, run where the bundle unpacks them -----------------
+# Each puts the library it is part of (LIB_DIR) on its path itself: Slurm, systemd and the boot run them by these paths.
+NODE_PROGRAMS_DIR = f"{LIB_DIR}/gpucluster/node"
+BOOTSTRAP_PROGRAM = f"{NODE_PROGRAMS_DIR}/bootstrap.py"  # FETCHER runs it at every boot (node.env names it)
+BUNDLE_FETCHER = f"{NODE_PROGRAMS_DIR}/fetch_bundle.py"  # the bundle's FETCHER: the head's UPDATE_UNIT runs it
+BUILD_IMAGE_SCRIPT = f"{NODE_PROGRAMS_DIR}/build_image.sh"  # the boot of a stock AMI runs it first
+RESUME_PROGRAM = f"{NODE_PROGRAMS_DIR}/resume.py"  # Slurm's ResumeProgram
+SUSPEND_PROGRAM = f"{NODE_PROGRAMS_DIR}/suspend.py"  # Slurm's SuspendProgram
+RESUME_FAIL_PROGRAM = f"{NODE_PROGRAMS_DIR}/resume_fail.py"  # Slurm's ResumeFailProgram
+RECONCILE_PROGRAM = f"{NODE_PROGRAMS_DIR}/reconcile.py"  # RECONCILE_UNIT's
+INTERRUPTIONS_PROGRAM = f"{NODE_PROGRAMS_DIR}/interruptions.py"  # INTERRUPTIONS_UNIT's
+BUDGET_PROGRAM = f"{NODE_PROGRAMS_DIR}/budget_guardrail.py"  # BUDGET_UNIT's, and BUDGET_COMMAND's
+BUDGET_COMMAND = "gpucluster-budget"  # on the head's admins' PATH: status, check, close, reopen
+# Slurm's HealthCheckProgram, Prolog and Epilog (the fast checks, then HOSTS_PROGRAM's part).
+HEALTH_PROGRAM = f"{NODE_PROGRAMS_DIR}/health.py"
+HOSTS_PROGRAM = f"{NODE_PROGRAMS_DIR}/hosts.py"  # publishes NODE_HOSTS_FILE (head); the Prolog's second part (compute)
+METRICS_PROGRAM = f"{NODE_PROGRAMS_DIR}/metrics.py"  # Slurm, EFA and Lustre figures into TEXTFILE_DIR
+NEURON_METRICS_PROGRAM = f"{NODE_PROGRAMS_DIR}/neuron_metrics.py"  # NeuronCore utilisation to CloudWatch
+TASK_PROLOG = f"{NODE_PROGRAMS_DIR}/task_prolog.sh"  # Slurm's TaskProlog: NCCL_ENV_FILE into each task's environment
+NODE_PROGRAMS = (BOOTSTRAP_PROGRAM, BUNDLE_FETCHER, BUILD_IMAGE_SCRIPT, RESUME_PROGRAM, SUSPEND_PROGRAM,
+                 RESUME_FAIL_PROGRAM, RECONCILE_PROGRAM, INTERRUPTIONS_PROGRAM, BUDGET_PROGRAM, HEALTH_PROGRAM,
+                 HOSTS_PROGRAM, METRICS_PROGRAM, NEURON_METRICS_PROGRAM, TASK_PROLOG)  # executable in the bundle
+# All a compute node unpacks of the bundle's lib/ (node.env tells the fetcher; paths in the bundle): what the node
+# programs import. The head unpacks the whole library: its admins run `gpucluster cost|render|preflight` there.
+NODE_LIBRARY = ("lib/gpucluster/__init__.py", "lib/gpucluster/contract/", "lib/gpucluster/node/")
 ROLES = ("head", "compute")
 
 
@@ -214,9 +226,14 @@ class ClusterSettings:
     exporter_port_base: int = 0
 
     def pool_of(self, node: str) -> str:
-        """The pool of a node named <pool>-<n> ("" for another name: the head)."""
-        return next((p for p in sorted(self.pools, key=len, reverse=True)
-                     if node.startswith(f"{p}-") and node[len(p) + 1:].isdigit()), "")
+        """The stack's pool that the node is one of: <pool>-<n> of a pool of these settings; "" for any other name
+        (the head's). `named_pool` is what a name claims, whether the stack has that pool or not."""
+        pool, _, number = node.rpartition("-")
+        return pool if pool in self.pools and number.isdigit() else ""
+
+    def always_on_nodes(self) -> set[str]:
+        """<pool>-1 .. <pool>-<min_nodes> of every pool: kept launched by the reconciler, never suspended."""
+        return {f"{pool.name}-{i}" for pool in self.pools.values() for i in range(1, pool.min_nodes + 1)}
 
     def exporter_port(self, job: ScrapeJob, node: str) -> int:
         if not self.exporter_port_base:
@@ -251,6 +268,12 @@ class ClusterSettings:
         if doc["budget"] is None:
             del doc["budget"]
         return json.dumps(doc, sort_keys=True, indent=1)
+
+
+def named_pool(node: str) -> str:
+    """The pool a node's name names, <pool>-<n> -> <pool> (p5-od-3 -> p5-od), whether the stack has it or not: what the
+    resume program launches from, or says it has no settings for. `ClusterSettings.pool_of` knows the stack's pools."""
+    return node.rsplit("-", 1)[0]
 
 
 def read_env_file(path: str | Path = NODE_ENV_FILE) -> dict[str, str]:

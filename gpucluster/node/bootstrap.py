@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Configure a gpucluster node in its role: `bootstrap.py head` or `bootstrap.py compute`.
+"""Configure a gpucluster node in its role (settings.BOOTSTRAP_PROGRAM): `bootstrap.py head` or `bootstrap.py compute`.
 
 Run by fetch_bundle.py from gpucluster-boot.service at every boot, after the settings, the munge key and the bundle
 are on disk; idempotent, so a reboot converges. It makes no AWS call and, on the node image, installs and downloads
@@ -22,8 +22,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))  # the bundle's copy of the library
-from gpucluster.contract import lockdown  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this program is part of (the bundle's lib/)
+from gpucluster.contract import lockdown, reasons  # noqa: E402
 from gpucluster.contract import settings as contract  # noqa: E402
 from gpucluster.contract.hostlist import compress_hostlist, expand_hostlist  # noqa: E402
 from gpucluster.contract.scontrol import node_records, state_flags  # noqa: E402
@@ -70,7 +70,7 @@ def ensure_image(role: str, manifest: Path = Path(contract.IMAGE_MANIFEST)) -> N
         log.info("node image: %s", json.loads(manifest.read_text()).get("role", "?"))
         return
     log.warning("no %s: this is not a gpucluster node image; installing the software now (minutes)", manifest)
-    run("bash", str(BUNDLE / "build_image.sh"), role)
+    run("bash", contract.BUILD_IMAGE_SCRIPT, role)
     if not manifest.exists():
         raise RuntimeError(f"build_image.sh {role} finished without writing {manifest}")
 
@@ -258,17 +258,12 @@ def slurm_files() -> int:
     return next(int(line.split("=", 1)[1]) for line in dbd.read_text().splitlines() if line.startswith("DbdPort="))
 
 
-def node_programs() -> None:
-    """Slurm's resume/suspend/resume-fail programs and the reconciler: links to the node program, and its timer."""
-    bin_dir = Path(contract.BIN_DIR)
-    bin_dir.mkdir(exist_ok=True)
-    for command in contract.NODE_COMMANDS:
-        link = bin_dir / command
-        if not link.is_symlink():
-            link.symlink_to(BUNDLE / contract.NODE_PROGRAM)
+def node_control_units() -> None:
+    """The reconciler's service and timer, and the interruptions service (Slurm runs its resume, suspend and
+    resume-fail programs itself, by the paths slurm.conf names)."""
     (SYSTEMD / f"{contract.RECONCILE_UNIT}.service").write_text(unit(
         "gpucluster: match EC2 instances and Slurm nodes", "Service",
-        ["Type=oneshot", "User=slurm", f"ExecStart={bin_dir}/reconcile"], wanted_by=None))
+        ["Type=oneshot", "User=slurm", f"ExecStart={contract.RECONCILE_PROGRAM}"], wanted_by=None))
     (SYSTEMD / f"{contract.RECONCILE_UNIT}.timer").write_text(unit(
         # From the moment the bootstrap starts it (always-on nodes powered up at once), then every minute.
         "gpucluster reconciler every minute", "Timer", ["OnActiveSec=10s", "OnUnitActiveSec=60s"],
@@ -276,7 +271,7 @@ def node_programs() -> None:
     # As slurm, like the programs Slurm runs: it drains, signals and requeues, and reads the registry.
     (SYSTEMD / f"{contract.INTERRUPTIONS_UNIT}.service").write_text(unit(
         "gpucluster: act on EC2's spot interruption warnings", "Service",
-        ["User=slurm", f"ExecStart={bin_dir}/interruptions", "Restart=always", "RestartSec=10"],
+        ["User=slurm", f"ExecStart={contract.INTERRUPTIONS_PROGRAM}", "Restart=always", "RestartSec=10"],
         after="slurmctld.service"))
 
 
@@ -284,8 +279,8 @@ def budget_guardrail(systemd: Path = SYSTEMD, sbin: Path = Path("/usr/local/sbin
     """The guardrail service, and `gpucluster-budget` on the admin's PATH for status, check, close and reopen."""
     command = sbin / contract.BUDGET_COMMAND
     sbin.mkdir(parents=True, exist_ok=True)
-    if not command.is_symlink():
-        command.symlink_to(BUNDLE / contract.BUDGET_PROGRAM)
+    command.unlink(missing_ok=True)  # made anew: a former bundle's may name another program
+    command.symlink_to(contract.BUDGET_PROGRAM)
     # As root: it writes the state that `sudo gpucluster-budget reopen` also writes.
     (systemd / f"{contract.BUDGET_UNIT}.service").write_text(unit(
         "gpucluster budget guardrail: close the partitions when the budget is spent", "Service",
@@ -293,7 +288,7 @@ def budget_guardrail(systemd: Path = SYSTEMD, sbin: Path = Path("/usr/local/sbin
 
 
 def node_names(systemd: Path = SYSTEMD) -> None:
-    """The service that publishes registered nodes' names and addresses (gpucluster_hosts.py): as root, for the head's
+    """The service that publishes registered nodes' names and addresses (HOSTS_PROGRAM): as root, for the head's
     /etc/hosts; it waits for slurmctld, and retries while /fsx is not there yet (a reboot)."""
     (systemd / "gpucluster-hosts.service").write_text(unit(
         "gpucluster: node names that resolve (/etc/hosts and the shared hosts file)", "Service",
@@ -340,7 +335,7 @@ def head(s: ClusterSettings) -> None:
     start("mariadb")
     run("mariadb", "-u", "root", "-e", (BUNDLE / "accounting.sql").read_text())
     dbd_port = slurm_files()
-    node_programs()
+    node_control_units()
     start("slurmdbd")
     wait_for_port(dbd_port)
     start("slurmctld", f"{contract.RECONCILE_UNIT}.timer")
@@ -366,8 +361,6 @@ def head(s: ClusterSettings) -> None:
 
 # --- the head: a changed stack applied in place ------------------------------------------------------------------------
 
-# Under the node programs' configuration prefix: the reconciler leaves such a node DOWN.
-REMOVED_REASON = "gpucluster: configuration: removed from the stack by pulumi up"
 RESTART_PENDING = Path(contract.ETC_DIR) / "slurmctld-restart-pending"  # node definitions changed, not yet restarted
 BUSY = {"ALLOCATED", "MIXED", "COMPLETING", "POWER_UP", "POWERING_UP"}  # a job has it, or it is being launched
 
@@ -377,7 +370,7 @@ def update_timer(systemd: Path = SYSTEMD) -> None:
     bundle they name; then `bootstrap.py head --update`. The fetcher is the bundle's copy, so it is the new one."""
     (systemd / f"{contract.UPDATE_UNIT}.service").write_text(unit(
         "gpucluster: apply a changed stack (pulumi up) on the running head", "Service",
-        ["Type=oneshot", f"ExecStart=/usr/bin/python3 {contract.LIB_DIR}/gpucluster/node/fetch_bundle.py "
+        ["Type=oneshot", f"ExecStart=/usr/bin/python3 {contract.BUNDLE_FETCHER} "
                          f"{contract.NODE_ENV_FILE} --update {contract.APPLIED_FILE}"], wanted_by=None,
         ordered_after=contract.BOOT_UNIT))  # never beside a boot's own bootstrap
     (systemd / f"{contract.UPDATE_UNIT}.timer").write_text(unit(
@@ -410,11 +403,11 @@ def retire(nodes: list[str], states: dict[str, set[str]]) -> list[str]:
     down = [n for n in busy if "DOWN" in states[n] and not states[n] & {"POWER_DOWN", "POWERING_DOWN"}]
     drain = [n for n in busy if n not in down and not states[n] & {"POWER_DOWN", "POWERING_DOWN"}]
     if off:
-        run("scontrol", "update", f"nodename={','.join(off)}", "state=down", f"reason={REMOVED_REASON}")
+        run("scontrol", "update", f"nodename={','.join(off)}", "state=down", f"reason={reasons.REMOVED}")
     if down:  # DOWN nodes run no job
         run("scontrol", "update", f"nodename={','.join(down)}", "state=power_down_force")
     if drain:
-        run("scontrol", "update", f"nodename={','.join(drain)}", "state=power_down_asap", f"reason={REMOVED_REASON}")
+        run("scontrol", "update", f"nodename={','.join(drain)}", "state=power_down_asap", f"reason={reasons.REMOVED}")
     return busy
 
 
@@ -436,7 +429,11 @@ def update(s: ClusterSettings) -> bool:
     if node_lines(old) != node_lines(new):
         RESTART_PENDING.touch()  # kept until the restart worked: the next tick compares the new files with themselves
     slurm_files()
-    node_programs()
+    node_control_units()
+    if s.budget is not None:
+        budget_guardrail()
+    node_names()
+    run("systemctl", "daemon-reload")  # the units as just written (a new bundle may run its programs from elsewhere)
     if RESTART_PENDING.exists():
         run("systemctl", "restart", "slurmctld")
         retry("slurmctld to answer", controller_up, attempts=8, delay=0.5)
@@ -444,11 +441,9 @@ def update(s: ClusterSettings) -> bool:
     run("scontrol", "reconfigure")
     run("sh", str(BUNDLE / "accounting.sh"))
     if s.budget is not None:
-        budget_guardrail()
         run("systemctl", "restart", f"{contract.BUDGET_UNIT}.service")
     if s.interruption_queue_url:
         run("systemctl", "restart", f"{contract.INTERRUPTIONS_UNIT}.service")  # the new bundle's program
-    node_names()
     run("systemctl", "restart", "gpucluster-hosts.service")  # the new bundle's publisher
     grow_state_volume(s.state_volume_id)  # `up` may have enlarged it; Prometheus' retention counts on its size
     head_monitoring(s)  # the new bundle's Prometheus files and metrics program, the topic as it is now
@@ -535,7 +530,7 @@ def gpu_metrics(pool: str, region: str, systemd: Path = SYSTEMD) -> str | None:
     (systemd / "gpucluster-neuron-metrics.service").write_text(unit(
         "gpucluster: NeuronCore utilisation to CloudWatch", "Service",
         [f"Environment=AWS_DEFAULT_REGION={region}",
-         f"ExecStart=/usr/bin/python3 {BUNDLE}/gpucluster_neuron_metrics.py {neuron} -- /opt/aws/neuron/bin/neuron-monitor",
+         f"ExecStart=/usr/bin/python3 {contract.NEURON_METRICS_PROGRAM} {neuron} -- /opt/aws/neuron/bin/neuron-monitor",
          "Restart=always", "RestartSec=30"]))
     return "gpucluster-neuron-metrics.service"
 
@@ -567,10 +562,10 @@ def node_exporter(s: ClusterSettings, node: str, address: str) -> None:
 
 
 def metrics_writer(role: str, systemd: Path = SYSTEMD) -> None:
-    """gpucluster_metrics.py: Slurm, quota and prices on the head; EFA and Lustre bytes on compute nodes."""
+    """METRICS_PROGRAM: Slurm, quota and prices on the head; EFA and Lustre bytes on compute nodes."""
     (systemd / METRICS_UNIT).write_text(unit(
         "gpucluster: Slurm, EFA and Lustre figures for node_exporter", "Service",
-        [f"ExecStart=/usr/bin/python3 {BUNDLE}/gpucluster_metrics.py {role}", "Restart=always", "RestartSec=10"],
+        [f"ExecStart=/usr/bin/python3 {contract.METRICS_PROGRAM} {role}", "Restart=always", "RestartSec=10"],
         ordered_after="slurmctld.service"))
     start(METRICS_UNIT)
 

@@ -1,17 +1,15 @@
 #!/usr/bin/env python3
 """First step of every boot of a gpucluster node (gpucluster-boot.service, written by cloud-init from user data).
 
-One SSM GetParameters call for the cluster's settings and the munge key, one S3 GetObject for the bundle (skipped
-when the bundle on disk is the current one), then bootstrap.py in this node's role. The head node creates the munge
-key when it is the first. AWS calls use botocore's adaptive retries (client-side rate limiting against Parameter
-Store's shared 40 TPS when hundreds of nodes boot at once), and a whole failed attempt is retried with jittered
-backoff until DEADLINE_SECONDS; then the unit fails and systemd starts it again. Argument: the node.env file.
-Standard library and boto3 (installed first when the image lacks it: the stock-AMI path).
+One SSM GetParameters call for the settings and the munge key (the first head makes it), one S3 GetObject for the
+bundle (none when the one on disk is current), then the bootstrap in this node's role. AWS calls use botocore's
+adaptive retries (client-side rate limiting against Parameter Store's 40 TPS when hundreds of nodes boot at once); a
+failed attempt is retried with jittered backoff until DEADLINE_SECONDS, then the unit fails and systemd starts it
+again. Argument: node.env (the paths). Standard library and boto3 (installed first on a stock AMI).
 
-With `--update APPLIED_FILE` (the head's update timer, every minute): the same two calls, but bootstrap.py runs (as
-`head --update`) only when the settings differ from the ones whose SHA-256 is in APPLIED_FILE, which the bootstrap
-writes once it has applied them. A later `pulumi up` writes new settings naming a new bundle: so it reaches the
-running head within the timer's period.
+With `--update APPLIED_FILE` (the head's update timer, every minute): the bootstrap runs (`head --update`) only when
+the settings differ from those whose SHA-256 APPLIED_FILE holds, written once applied: a `pulumi up` reaches the
+running head within a minute.
 """
 
 import base64
@@ -82,8 +80,8 @@ def settings_and_key(ssm, env: dict) -> tuple:  # type: ignore[no-untyped-def,ty
     return found[config], base64.b64decode(found[munge])
 
 
-def fetch_bundle(s3, bucket: str, key: str, target: str) -> None:
-    """Unpack the bundle over the last one; files the new bundle no longer has are removed (they were the last's)."""
+def fetch_bundle(s3, bucket: str, key: str, target: str, library: tuple = ("lib/",)) -> None:  # type: ignore[type-arg]
+    """Unpack the bundle (of lib/ only `library`) over the last one; files it no longer has are removed."""
     marker, listing = os.path.join(target, ".bundle-key"), os.path.join(target, ".bundle-files")
     if os.path.exists(marker) and open(marker).read() == key:
         log.debug("bundle %s already in %s", key, target)  # every minute on the head: not worth a line
@@ -96,9 +94,10 @@ def fetch_bundle(s3, bucket: str, key: str, target: str) -> None:
             raise NotYet(f"no bundle s3://{bucket}/{key} yet ({code})") from exc
         raise
     with tarfile.open(fileobj=io.BytesIO(body)) as bundle:
-        files = [m.name for m in bundle.getmembers() if m.isfile()]
+        members = [m for m in bundle.getmembers() if m.isfile() and (m.name[:4] != "lib/" or m.name.startswith(library))]
+        files = [m.name for m in members]
         # The "data" filter refuses links and paths out of the target; Pythons before 3.11.4 (Debian 12) lack it.
-        bundle.extractall(target, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+        bundle.extractall(target, members, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
     if os.path.exists(listing):
         for stale in set(open(listing).read().split()) - set(files):
             if os.path.isfile(os.path.join(target, stale)):
@@ -120,7 +119,8 @@ def fetch(env: dict, boto3, sleep=time.sleep) -> bytes:  # type: ignore[no-untyp
         try:
             raw, key = settings_and_key(ssm, env)
             settings = json.loads(raw)
-            fetch_bundle(s3, settings["bundle_bucket"], settings["bundle_key"], env["GPUCLUSTER_BUNDLE_DIR"])
+            fetch_bundle(s3, settings["bundle_bucket"], settings["bundle_key"], env["GPUCLUSTER_BUNDLE_DIR"],
+                         tuple(env.get("GPUCLUSTER_LIBRARY", "lib/").split(":")))
             break
         except (NotYet, BotoCoreError, ClientError) as exc:
             code = exc.response["Error"]["Code"] if isinstance(exc, ClientError) else type(exc).__name__
@@ -152,7 +152,7 @@ def main(argv: list) -> int:  # type: ignore[type-arg]
     except Exception:
         log.exception("fetching the settings and bundle failed")
         return 1
-    bootstrap = os.path.join(env["GPUCLUSTER_BUNDLE_DIR"], "bootstrap.py")
+    bootstrap = env["GPUCLUSTER_BOOTSTRAP"]
     if applied_file is None:
         return subprocess.call([sys.executable, bootstrap, env["GPUCLUSTER_ROLE"]])
     if applied(applied_file, settings):

@@ -1,28 +1,32 @@
-"""The Kubernetes flavour's budget guardrail, run in the cluster (components/eks_stack.py mounts this file).
+"""The Kubernetes flavour's budget guardrail, run in the cluster (gpucluster/render/kube.py ships it in a ConfigMap,
+with the modules of this package it imports, and components/eks_stack.py deploys it).
 
 Every message on the budget's queue (AWS Budgets notifications, through SNS) wakes it, and so does a timer: it reads
 the budget's actual spend and, at the act threshold, holds the team's Kueue ClusterQueue (`stopPolicy: Hold`: running
 jobs finish, new ones wait); below it, reopens the queue (`stopPolicy: None`) and reverses the Budgets action that
-denied the autoscaler's scale-up, if it ran (as the Slurm head's guardrail does, gpucluster/node/gpucluster_budget.py:
-that file is not in this container, so the few lines live here). Standard library and boto3 only.
+denied the autoscaler's scale-up, if it ran. The queue's long-poll loop and the budget decision are the Slurm head
+guardrail's (sqs_poll, budget). Standard library and boto3 only.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import ssl
+import sys
+import time
 import urllib.request
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this program is part of (the ConfigMap's)
+from gpucluster.node import sqs_poll  # noqa: E402
+from gpucluster.node.budget import read_spend  # noqa: E402
 
 SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 KUEUE_PATH = "/apis/kueue.x-k8s.io/v1beta2/clusterqueues/"
 RECHECK_SECONDS = 600  # also without a message: spend falls back at the month's turn with no notification
-
-
-def stop_policy(actual_usd: float, limit_usd: float, act_threshold_percent: int) -> str:
-    """Hold at or past the act threshold of the month's budget; None (open) below it."""
-    return "Hold" if actual_usd >= limit_usd * act_threshold_percent / 100 else "None"
 
 
 def patch_body(policy: str) -> bytes:
@@ -42,12 +46,10 @@ def set_stop_policy(cluster_queue: str, policy: str) -> None:
 
 
 def decide(budgets: Any, account: str, budget_name: str, act_threshold_percent: int) -> dict[str, Any]:
-    """Read the budget and say what the ClusterQueue's stopPolicy should be."""
-    budget = budgets.describe_budget(AccountId=account, BudgetName=budget_name)["Budget"]
-    actual = float(budget["CalculatedSpend"]["ActualSpend"]["Amount"])
-    limit = float(budget["BudgetLimit"]["Amount"])
-    return {"actual_usd": actual, "limit_usd": limit,
-            "stop_policy": stop_policy(actual, limit, act_threshold_percent)}
+    """Read the budget and say what the ClusterQueue's stopPolicy should be: Hold at or past the act threshold of the
+    month's budget, None (open) below it."""
+    spend = read_spend(budgets, account, budget_name, act_threshold_percent)
+    return {"actual_usd": spend.actual, "limit_usd": spend.limit, "stop_policy": "Hold" if spend.over else "None"}
 
 
 def lift_launch_deny(budgets: Any, account: str, budget_name: str, action_id: str) -> bool:
@@ -72,22 +74,24 @@ def step(budgets: Any, account: str, budget_name: str, act_threshold_percent: in
 def main() -> None:
     import boto3
 
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(levelname)s %(message)s")
     queue_url, budget_name = os.environ["QUEUE_URL"], os.environ["BUDGET_NAME"]
     cluster_queue, act = os.environ["CLUSTER_QUEUE"], int(os.environ["ACT_THRESHOLD_PERCENT"])
     action_id = os.environ["LAUNCH_DENY_ACTION_ID"]
     sqs, budgets = boto3.client("sqs"), boto3.client("budgets")
     account = boto3.client("sts").get_caller_identity()["Account"]
-    waited = RECHECK_SECONDS
-    while True:
-        messages = sqs.receive_message(QueueUrl=queue_url, WaitTimeSeconds=20, MaxNumberOfMessages=10).get("Messages", [])
-        waited += 20
-        if messages or waited >= RECHECK_SECONDS:
+    next_check = 0.0
+
+    def check(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        nonlocal next_check
+        if messages or time.time() >= next_check:
             decision = step(budgets, account, budget_name, act, action_id)
             set_stop_policy(cluster_queue, decision["stop_policy"])
             print(json.dumps(decision), flush=True)
-            waited = 0
-        for message in messages:
-            sqs.delete_message(QueueUrl=queue_url, ReceiptHandle=message["ReceiptHandle"])
+            next_check = time.time() + RECHECK_SECONDS
+        return messages
+
+    sqs_poll.serve(sqs, queue_url, check)
 
 
 if __name__ == "__main__":

@@ -454,13 +454,19 @@ def example_job(stack: Stack, pool: PoolSpec, script: str, nodes: int = 2,
 
 GUARDRAIL_IMAGE = "python:3.12-slim"
 GUARDRAIL_BOTO3 = "boto3==1.44.8"  # the version the project itself pins against (requirements: boto3)
+# The guardrail and the library files it imports, at their places under the mount (a ConfigMap's keys are flat names;
+# the volume's items put each file at its path): it shares its queue loop and budget decision with the Slurm head's.
+GUARDRAIL_MOUNT = "/opt/guardrail"
+GUARDRAIL_PROGRAM = "gpucluster/node/queue_guardrail.py"
+GUARDRAIL_FILES = {path.replace("/", "."): path for path in (  # ConfigMap key -> path
+    "gpucluster/__init__.py", "gpucluster/node/__init__.py", "gpucluster/node/budget.py", "gpucluster/node/sqs_poll.py",
+    GUARDRAIL_PROGRAM)}
 
 
 def guardrail_manifests(stack: Stack, queue_url: Any, act_threshold_percent: int,
                         launch_deny_action_id: Any) -> list[Manifest]:
     """The in-cluster controller that holds and reopens the team's ClusterQueue: may patch that one queue only."""
     ns = eks.KUEUE.namespace
-    script = node.source("queue_guardrail.py").decode()
     labels = {"app": GUARDRAIL}
     env = {"QUEUE_URL": queue_url, "BUDGET_NAME": stack.budget_name, "CLUSTER_QUEUE": cluster_queue_name(stack),
            "ACT_THRESHOLD_PERCENT": str(act_threshold_percent), "AWS_REGION": stack.region,
@@ -474,7 +480,7 @@ def guardrail_manifests(stack: Stack, queue_url: Any, act_threshold_percent: int
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": GUARDRAIL},
          "subjects": [{"kind": "ServiceAccount", "name": GUARDRAIL, "namespace": ns}]},
         {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": GUARDRAIL, "namespace": ns},
-         "data": {"queue_guardrail.py": script}},
+         "data": {key: (node.LIBRARY_DIR / path).read_text() for key, path in GUARDRAIL_FILES.items()}},
         {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": GUARDRAIL, "namespace": ns,
                                                                      "labels": labels},
          "spec": {"replicas": 1, "selector": {"matchLabels": labels}, "strategy": {"type": "Recreate"},
@@ -487,15 +493,16 @@ def guardrail_manifests(stack: Stack, queue_url: Any, act_threshold_percent: int
                           "name": "guardrail", "image": GUARDRAIL_IMAGE,
                           "command": ["sh", "-c",
                                       f"pip install --quiet --no-cache-dir --target /tmp/lib {GUARDRAIL_BOTO3} && "
-                                      "PYTHONPATH=/tmp/lib exec python /opt/guardrail/queue_guardrail.py"],
+                                      f"PYTHONPATH=/tmp/lib exec python {GUARDRAIL_MOUNT}/{GUARDRAIL_PROGRAM}"],
                           "env": [{"name": k, "value": v} for k, v in env.items()],
                           "resources": {"requests": {"cpu": "50m", "memory": "128Mi"},
                                         "limits": {"memory": "256Mi"}},
                           "securityContext": {"allowPrivilegeEscalation": False,
                                               "capabilities": {"drop": ["ALL"]}},
-                          "volumeMounts": [{"name": "script", "mountPath": "/opt/guardrail"},
+                          "volumeMounts": [{"name": "script", "mountPath": GUARDRAIL_MOUNT},
                                            {"name": "tmp", "mountPath": "/tmp"}]}],
-                      "volumes": [{"name": "script", "configMap": {"name": GUARDRAIL}},
+                      "volumes": [{"name": "script", "configMap": {"name": GUARDRAIL, "items": [
+                                      {"key": key, "path": path} for key, path in GUARDRAIL_FILES.items()]}},
                                   {"name": "tmp", "emptyDir": {}}]}}}},
     ]
 

@@ -1,8 +1,8 @@
 """Accelerator utilisation, published by every GPU and Trainium node and watched per pool.
 
 NVIDIA nodes publish through the CloudWatch agent's nvidia_gpu plugin; Neuron nodes through gpucluster's own small
-publisher fed by neuron-monitor (gpucluster/node/gpucluster_neuron_metrics.py). Both configurations and the alarms share
-the names below, so that an alarm always watches the metric the nodes send. The rule every GPU dashboard carries:
+publisher fed by neuron-monitor (gpucluster/node/neuron_metrics.py). Both configurations and the alarms share the
+names below, so that an alarm always watches the metric the nodes send. The rule every GPU dashboard carries:
 utilisation under 30% for 5 minutes is money burning.
 """
 
@@ -39,7 +39,7 @@ def node_config(stack: Stack, pool: PoolSpec) -> tuple[str, str]:
 
 
 def neuron_publisher_config(stack: Stack, pool: PoolSpec) -> str:
-    """For gpucluster_neuron_metrics.py: the mean utilisation of all the node's NeuronCores (0 for cores no runtime
+    """For neuron_metrics.py: the mean utilisation of all the node's NeuronCores (0 for cores no runtime
     uses, so an idle node reports 0 rather than nothing) and the device memory in use, one data point a minute."""
     return json.dumps({"namespace": NAMESPACE, "metric_name": UTILISATION_METRICS["neuron"],
                        "memory_metric_name": "neuron_memory_used", "dimensions": dimensions(stack, pool),

@@ -1,7 +1,7 @@
 """Prometheus on the head node: what it scrapes, how long it keeps it, and the rules that alert.
 
 Rendered from the stack alone, so `gpucluster render STACK --out DIR` writes byte for byte what the head gets in its
-bundle. Targets come from file_sd lists that the head's node-name publisher keeps (gpucluster_hosts.py): a node is
+bundle. Targets come from file_sd lists that the head's node-name publisher keeps (HOSTS_PROGRAM): a node is
 scraped from the moment it registers with Slurm until it is powered down, with its Slurm name, pool, team and cluster as
 labels. Every metric a rule or a dashboard names is listed in `EXPORTED`, by the exporter we ship that produces it.
 """
@@ -45,8 +45,9 @@ EXPORTED: dict[str, frozenset[str]] = {
         "node_cpu_seconds_total", "node_memory_MemAvailable_bytes", "node_memory_MemTotal_bytes",
         "node_filesystem_avail_bytes", "node_filesystem_size_bytes", "node_network_receive_bytes_total",
         "node_network_transmit_bytes_total", "node_load1", "up"}),
-    # gpucluster_metrics.py on the compute nodes (EFA's hardware counters, the Lustre client's byte counts) and on the
-    # head (Slurm's queue and nodes, the GPU-hour quota, the budget, the pools' prices).
+    # Our programs, through node_exporter's textfile collector: METRICS_PROGRAM on the compute nodes (EFA's hardware
+    # counters, the Lustre client's byte counts) and on the head (Slurm's queue and nodes, the GPU-hour quota, the
+    # pools' prices), and the budget guardrail on the head (the budget).
     "gpucluster_metrics": frozenset({
         "gpucluster_efa_rx_bytes_total", "gpucluster_efa_tx_bytes_total", "gpucluster_lustre_read_bytes_total",
         "gpucluster_lustre_write_bytes_total", "gpucluster_slurm_node_state", "gpucluster_slurm_jobs",

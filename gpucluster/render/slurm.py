@@ -32,7 +32,6 @@ class SlurmLayout:
     spool_dir: str = settings.SLURMD_SPOOL_DIR
     log_dir: str = "/var/log/slurm"
     run_dir: str = "/run/slurm"
-    programs_dir: str = settings.BIN_DIR
     munge_socket: str = "/run/munge/munge.socket.2"
     slurm_user: str = settings.SLURM_USER
     # Tests run several slurmd on one host: each node then gets its own port from here up, and the slurmd paths
@@ -186,9 +185,9 @@ def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         "SlurmdParameters=config_overrides" if layout.simulated_hardware else None,
         "",
         "# Nodes are EC2 instances launched on demand and terminated when idle.",
-        f"ResumeProgram={layout.programs_dir}/resume",
-        f"SuspendProgram={layout.programs_dir}/suspend",
-        f"ResumeFailProgram={layout.programs_dir}/resume-fail",
+        f"ResumeProgram={settings.RESUME_PROGRAM}",
+        f"SuspendProgram={settings.SUSPEND_PROGRAM}",
+        f"ResumeFailProgram={settings.RESUME_FAIL_PROGRAM}",
         f"ResumeTimeout={timers.resume_timeout_seconds}",
         f"SuspendTime={timers.suspend_time_seconds}",
         f"SuspendTimeout={layout.suspend_timeout}",

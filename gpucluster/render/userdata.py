@@ -73,12 +73,14 @@ def node_env(stack: Stack, role: str, pool: PoolSpec | None) -> dict[str, str]:
         "GPUCLUSTER_CONFIG_PARAMETER": config_parameter(stack),
         "GPUCLUSTER_MUNGE_KEY_PARAMETER": munge_key_parameter(stack),
         "GPUCLUSTER_BUNDLE_DIR": settings.BUNDLE_DIR,
+        "GPUCLUSTER_BOOTSTRAP": settings.BOOTSTRAP_PROGRAM,
         "GPUCLUSTER_SETTINGS_FILE": settings.SETTINGS_FILE,
         "GPUCLUSTER_MUNGE_KEY_FILE": settings.MUNGE_KEY_STAGED,
         "GPUCLUSTER_BOOT_LOG": settings.BOOT_LOG,
     }
     if pool:
         env["GPUCLUSTER_POOL"] = pool.name
+        env["GPUCLUSTER_LIBRARY"] = ":".join(settings.NODE_LIBRARY)
     return env
 
 

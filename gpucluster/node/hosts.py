@@ -1,8 +1,9 @@
 #!/usr/bin/python3
-"""Node names that resolve: every node's Slurm name in /etc/hosts on the head and on the nodes of each job.
+"""Node names that resolve (settings.HOSTS_PROGRAM): every node's Slurm name in /etc/hosts on the head and on the
+nodes of each job.
 
 Slurm knows each node's address once the node registers (Slurm 23.11 takes it from the registration). Two modes:
-- `gpucluster_hosts.py publish` (the head's gpucluster-hosts.service, every PUBLISH_SECONDS): the names and addresses
+- `hosts.py publish` (the head's gpucluster-hosts.service, every PUBLISH_SECONDS): the names and addresses
   of the registered nodes into a hosts file on the shared file system, written by rename, and into the head's own
   /etc/hosts; and Prometheus' target lists (settings.SCRAPE_JOBS), each node labelled with its name, pool, team and
   cluster. A node powered down leaves them all, so its name stops resolving and Prometheus stops scraping it.
@@ -24,13 +25,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this program is part of (the bundle's lib/)
 from gpucluster.contract.hostlist import compress_hostlist, expand_hostlist  # noqa: E402
 from gpucluster.contract.scontrol import node_records, state_flags  # noqa: E402
 from gpucluster.contract.settings import (  # noqa: E402
     HEAD_HOSTNAME, NODE_HOSTS_FILE, SCRAPE_JOBS, SCRAPE_TARGETS_DIR, ClusterSettings,
 )
 
+# The block's markers in /etc/hosts keep the program's former name: the files already written know only it.
 BEGIN, END = "# gpucluster nodes: begin (written by gpucluster_hosts.py)", "# gpucluster nodes: end"
 PUBLISH_SECONDS = 2.0
 PROLOG_WAIT_SECONDS = 60  # a job starts anyway after this (its own tools may not need names), with a log line

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Trainium utilisation for the pool's idle alarm: reads neuron-monitor's JSON reports and publishes, once a period,
-the mean utilisation of all the node's NeuronCores and the device memory its runtimes hold to CloudWatch.
+"""Trainium utilisation for the pool's idle alarm (settings.NEURON_METRICS_PROGRAM): reads neuron-monitor's JSON
+reports and publishes, once a period, the mean utilisation of all the node's NeuronCores and the device memory its
+runtimes hold to CloudWatch.
 
-`gpucluster_neuron_metrics.py CONFIG [-- COMMAND...]`: CONFIG is the bundle's neuron-metrics/<pool>.json (namespace,
+`neuron_metrics.py CONFIG [-- COMMAND...]`: CONFIG is the bundle's neuron-metrics/<pool>.json (namespace,
 metric name, dimensions, period); COMMAND defaults to `neuron-monitor`. Unlike a plain relay of neuron-monitor, a core
 no runtime uses counts as 0 and a node with no runtime at all reports 0: an idle node is exactly what the alarm is for,
 and a silent one would read as missing data. Standard library and boto3 only.

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""gpucluster's budget guardrail, run on the head node as the service gpucluster-budget.
+"""gpucluster's budget guardrail on the head node (settings.BUDGET_PROGRAM), run as the service BUDGET_UNIT.
 
 AWS Budgets publishes its notifications to the stack's SNS topic; an SQS queue subscribed to it wakes this program.
 The budget itself (DescribeBudget) is the truth, read on every message and every `check_seconds`:
@@ -12,8 +12,8 @@ The budget itself (DescribeBudget) is the truth, read on every message and every
   deny on the head node's role is reversed.
 
 By hand: `gpucluster-budget status | check | close | reopen`. `reopen` holds for the rest of the month (a person
-decided to spend more); `close` holds until someone reopens. Every action is logged (journal and log file) and published to the topic, so the budget's
-subscribers hear of it.
+decided to spend more); `close` holds until someone reopens. Every action is logged (journal and log file) and
+published to the topic, so the budget's subscribers hear of it. Standard library and boto3.
 """
 
 from __future__ import annotations
@@ -25,66 +25,22 @@ import os
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
-from gpucluster_metrics import family, sample, write
-from gpucluster_node import REASON_PREFIX, Slurm, always_on_nodes, setup_logging
-from gpucluster.contract.scontrol import job_records, parse_oneliner  # noqa: E402  (the bundle's lib/, on the path since gpucluster_node)
-from gpucluster.contract.settings import TEXTFILE_DIR, BudgetSettings, ClusterSettings  # the bundle's lib/, on the path since gpucluster_node
-
-BUDGET_PREFIX = f"{REASON_PREFIX} budget"
-# How the resume program marks nodes it could not launch while the Budgets action's deny was on the head node's role.
-DENIED_PREFIX = f"{REASON_PREFIX} launch failed: UnauthorizedOperation"
-RECEIVE_WAIT_SECONDS = 20  # SQS long polling: also the pace of the sweep over new pending jobs while closed
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this program is part of (the bundle's lib/)
+from gpucluster.contract import reasons  # noqa: E402
+from gpucluster.contract.settings import TEXTFILE_DIR, BudgetSettings, ClusterSettings  # noqa: E402
+from gpucluster.node import sqs_poll  # noqa: E402
+from gpucluster.node.budget import BudgetSpend, GuardrailState, read_spend  # noqa: E402
+from gpucluster.node.program import setup_logging  # noqa: E402
+from gpucluster.node.slurm_control import SlurmControl  # noqa: E402
+from gpucluster.node.textfile import family, sample, write  # noqa: E402
 
 log = logging.getLogger("gpucluster-budget")
 
 
-@dataclass
-class State:
-    """What the guardrail did, kept across restarts; the reconciler reads `closed`."""
-
-    closed: bool = False
-    reason: str = ""
-    since: float = 0.0
-    partitions: list[str] = field(default_factory=list)  # the ones it closed: only those reopen
-    reopened_by_hand: str = ""  # the month (YYYY-MM, UTC) a person reopened: no closing again in it
-    closed_by_hand: bool = False  # a person closed: only a person reopens
-
-    @classmethod
-    def load(cls, path: Path) -> State:
-        try:
-            return cls(**json.loads(path.read_text()))
-        except FileNotFoundError:
-            return cls()
-
-    def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=1))
-        tmp.chmod(0o644)  # the reconciler (slurm user) reads it
-        tmp.replace(path)
-
-
-@dataclass(frozen=True)
-class Spend:
-    actual: float
-    limit: float
-    act_at: float
-    forecast: float | None = None  # AWS forecasts a month's spend once it has some history
-
-    @property
-    def over(self) -> bool:
-        return self.actual >= self.act_at
-
-    def describe(self, team: str) -> str:
-        return (f"team {team} spent ${self.actual:,.2f} of its ${self.limit:,.2f} monthly budget "
-                f"(the guardrail acts at ${self.act_at:,.2f})")
-
-
-def publish_spend(spend: Spend, directory: Path) -> None:
+def publish_spend(spend: BudgetSpend, directory: Path) -> None:
     """The budget for the cost board, through node_exporter's textfile collector."""
     figures = [("limit", spend.limit, "The team's monthly budget"), ("actual", spend.actual, "Spend this month"),
                ("forecast", spend.forecast, "AWS's forecast of this month's spend")]
@@ -97,68 +53,25 @@ def month(now: float) -> str:
     return time.strftime("%Y-%m", time.gmtime(now))
 
 
-class SlurmQueue(Slurm):
-    """The scontrol calls of the guardrail: partitions, pending jobs, idle nodes."""
-
-    def partitions(self) -> dict[str, str]:
-        """Partition name -> State (UP, DOWN, DRAIN, INACTIVE)."""
-        rows = [parse_oneliner(line) for line in self._run("show", "partitions", "--oneliner").splitlines()
-                if line.startswith("PartitionName=")]
-        return {row["PartitionName"]: row["State"] for row in rows}
-
-    def set_partition_state(self, names: list[str], state: str) -> None:
-        for name in names:
-            self._run("update", f"partitionname={name}", f"state={state}")
-
-    def pending_jobs(self) -> dict[str, str]:
-        """Pending job id -> its AdminComment ("" when none)."""
-        jobs = job_records(self._run("show", "jobs", "--oneliner"))
-        return {job["JobId"]: job.get("AdminComment", "") for job in jobs if job.get("JobState") == "PENDING"}
-
-    def set_admin_comment(self, job: str, text: str) -> None:
-        self._run("update", f"jobid={job}", f"admincomment={text}")
-
-    def power_down_idle(self, keep: set[str]) -> list[str]:
-        """Nodes that are up and idle: powered down now (Slurm calls the suspend program), not after SuspendTime.
-        `keep`: the always-on nodes, which the team chose to keep running (a power-down request would override
-        SuspendExcNodes)."""
-        idle = [n["NodeName"] for n in self.nodes() if _idle_and_up(n.get("State", "")) and n["NodeName"] not in keep]
-        if idle:
-            self._run("update", f"nodename={','.join(idle)}", "state=power_down")
-        return idle
-
-
-def _idle_and_up(state: str) -> bool:
-    """An idle cloud node that is up."""
-    flags = set(state.split("+"))
-    return {"IDLE", "CLOUD"} <= flags and not flags & {"POWERED_DOWN", "POWERING_DOWN", "POWERING_UP", "DOWN", "COMPLETING"}
-
-
 class Guardrail:
-    def __init__(self, config: ClusterSettings, guard: BudgetSettings, slurm: SlurmQueue, budgets, sns, team: str,  # type: ignore[no-untyped-def]
+    def __init__(self, config: ClusterSettings, guard: BudgetSettings, slurm: SlurmControl, budgets, sns, team: str,  # type: ignore[no-untyped-def]
                  metrics_dir: Path | None = None):
         self.config, self.guard, self.slurm, self.budgets, self.sns, self.team = config, guard, slurm, budgets, sns, team
         self.state_path = Path(config.budget_state_file)
         self.metrics_dir = metrics_dir  # where the spend goes for Prometheus (None: nowhere)
 
     @contextmanager
-    def _state(self) -> Iterator[State]:
+    def _state(self) -> Iterator[GuardrailState]:
         """The state, locked against the service and a person's command running at once, saved on the way out."""
         self.state_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.state_path.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            state = State.load(self.state_path)
+            state = GuardrailState.load(self.state_path)
             yield state
             state.save(self.state_path)
 
-    def spend(self) -> Spend:
-        budget = self.budgets.describe_budget(AccountId=self.guard.account_id, BudgetName=self.guard.budget_name)["Budget"]
-        limit = float(budget["BudgetLimit"]["Amount"])
-        calculated = budget.get("CalculatedSpend", {})
-        actual = float(calculated.get("ActualSpend", {}).get("Amount", 0))
-        forecast = calculated.get("ForecastedSpend", {}).get("Amount")
-        spend = Spend(actual=actual, limit=limit, act_at=limit * self.guard.act_threshold_percent / 100,
-                      forecast=float(forecast) if forecast is not None else None)
+    def spend(self) -> BudgetSpend:
+        spend = read_spend(self.budgets, self.guard.account_id, self.guard.budget_name, self.guard.act_threshold_percent)
         if self.metrics_dir:
             publish_spend(spend, self.metrics_dir)
         return spend
@@ -207,7 +120,7 @@ class Guardrail:
                 self._enforce(state)
 
     # --- the actions -----------------------------------------------------------------------------------------------
-    def _close(self, state: State, why: str, now: float) -> None:
+    def _close(self, state: GuardrailState, why: str, now: float) -> None:
         up = sorted(name for name, st in self.slurm.partitions().items() if st == "UP")
         state.closed, state.reason, state.since = True, why, now
         state.partitions = sorted(set(state.partitions) | set(up))
@@ -216,27 +129,27 @@ class Guardrail:
                    "new jobs wait, running jobs finish, idle nodes are released. They reopen when spend falls under "
                    "the threshold (new month, raised budget) or with `sudo gpucluster-budget reopen` on the head node.")
 
-    def _enforce(self, state: State) -> None:
+    def _enforce(self, state: GuardrailState) -> None:
         partitions = self.slurm.partitions()
         still_up = [p for p in state.partitions if partitions.get(p) == "UP"]
         self.slurm.set_partition_state(still_up, "DOWN")
-        comment = f"{BUDGET_PREFIX}: partitions closed: {state.reason}"
+        comment = f"{reasons.BUDGET}: partitions closed: {state.reason}"
         for job, current in self.slurm.pending_jobs().items():
             if current != comment:
                 self.slurm.set_admin_comment(job, comment)
-        released = self.slurm.power_down_idle(keep=always_on_nodes(self.config))
+        released = self.slurm.power_down_idle(keep=self.config.always_on_nodes())
         if released:
             log.info("budget closed: powering down idle node(s) %s", ",".join(released))
 
-    def _reopen(self, state: State, why: str, always_tell: bool = False) -> None:
+    def _reopen(self, state: GuardrailState, why: str, always_tell: bool = False) -> None:
         closed_here = state.partitions
         existing = self.slurm.partitions()
         self.slurm.set_partition_state([p for p in closed_here if p in existing], "UP")
         for job, current in self.slurm.pending_jobs().items():
-            if current.startswith(BUDGET_PREFIX):
+            if current.startswith(reasons.BUDGET):
                 self.slurm.set_admin_comment(job, "")
         denied = [n["NodeName"] for n in self.slurm.nodes()
-                  if n.get("Reason", "").startswith(DENIED_PREFIX) and "DOWN" in n.get("State", "")]
+                  if n.get("Reason", "").startswith(reasons.LAUNCH_DENIED) and "DOWN" in n.get("State", "")]
         if denied:  # the launch deny is being lifted: those nodes may launch again
             log.info("nodes %s were refused a launch while denied: schedulable again", ",".join(denied))
             self.slurm.power_down(denied)
@@ -274,27 +187,26 @@ class Guardrail:
             log.exception("could not publish to %s", self.guard.topic_arn)
 
 
-def serve(guardrail: Guardrail, sqs, stop=lambda: False) -> None:  # type: ignore[no-untyped-def]
-    """The service: wake on a budget message or every check_seconds; sweep while closed."""
-    guard = guardrail.guard
+def serve(guardrail: Guardrail, sqs, stop: Callable[[], bool] = lambda: False,  # type: ignore[no-untyped-def]
+          wait_seconds: int = sqs_poll.RECEIVE_WAIT_SECONDS, sleep: Callable[[float], None] = time.sleep) -> None:
+    """The service: wake on a budget message or every check_seconds, and sweep while closed at every wait's end (so
+    the wait is the pace of the sweep over new pending jobs). Messages are deleted only once acted on: a failed check
+    leaves them to come back after the visibility timeout, and pauses the service for a wait."""
     next_check = 0.0
-    while not stop():
-        try:
-            messages = sqs.receive_message(QueueUrl=guard.queue_url, WaitTimeSeconds=RECEIVE_WAIT_SECONDS,
-                                           MaxNumberOfMessages=10).get("Messages", [])
-            for message in messages:
-                log.info("notification: %s", _subject(message["Body"]))
-            if messages or time.time() >= next_check:
-                log.info("budget check: %s", guardrail.check())
-                next_check = time.time() + guard.check_seconds
-            else:
-                guardrail.sweep()
-            # Deleted only once acted on: a failed check leaves them to come back after the visibility timeout.
-            for message in messages:
-                sqs.delete_message(QueueUrl=guard.queue_url, ReceiptHandle=message["ReceiptHandle"])
-        except Exception:
-            log.exception("budget guardrail step failed; retrying")
-            time.sleep(RECEIVE_WAIT_SECONDS)
+
+    def act(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        nonlocal next_check
+        for message in messages:
+            log.info("notification: %s", _subject(message["Body"]))
+        if messages or time.time() >= next_check:
+            log.info("budget check: %s", guardrail.check())
+            next_check = time.time() + guardrail.guard.check_seconds
+        else:
+            guardrail.sweep()
+        return messages
+
+    sqs_poll.serve(sqs, guardrail.guard.queue_url, act, stop, lambda: wait_seconds, retry_seconds=wait_seconds,
+                   sleep=sleep)
 
 
 def _subject(body: str) -> str:
@@ -323,12 +235,12 @@ def main(argv: list[str]) -> int:
         return 2
     command = argv[1]
     config = ClusterSettings.load()
-    setup_logging(config)
+    setup_logging(config.log_file)
     if config.budget is None:
         print("this cluster has no budget guardrail (budget.act_threshold_percent is null)", file=sys.stderr)
         return 2
     budgets, sns, sqs = clients(config)
-    guardrail = Guardrail(config, config.budget, SlurmQueue(config.scontrol), budgets, sns, config.team,
+    guardrail = Guardrail(config, config.budget, SlurmControl(config.scontrol), budgets, sns, config.team,
                           Path(TEXTFILE_DIR))
     who = os.environ.get("SUDO_USER") or os.environ.get("USER") or "root"
     try:
@@ -341,7 +253,7 @@ def main(argv: list[str]) -> int:
         elif command == "reopen":
             guardrail.reopen_by_hand(who)
         else:
-            state = State.load(guardrail.state_path)
+            state = GuardrailState.load(guardrail.state_path)
             print(f"{'CLOSED' if state.closed else 'open'}: {state.reason or guardrail.spend().describe(guardrail.team)}"
                   + (f" (reopened by hand for {state.reopened_by_hand})" if state.reopened_by_hand else ""))
     except Exception:

@@ -1,10 +1,10 @@
 #!/usr/bin/python3
-"""The figures no exporter has, for node_exporter's textfile collector (settings.TEXTFILE_DIR).
+"""The figures no exporter has, for node_exporter's textfile collector (settings.METRICS_PROGRAM into TEXTFILE_DIR).
 
-`gpucluster_metrics.py head` (gpucluster-metrics.service on the head, as root): Slurm's nodes by state, jobs by
+`metrics.py head` (gpucluster-metrics.service on the head, as root): Slurm's nodes by state, jobs by
 partition and state, the team's GPU time this month against its quota (Slurm's own account of them: the account's
 GrpTRESRaw and GrpTRESMins for gres/gpu, reset monthly), each pool's price of a GPU-hour (for the cost board).
-`gpucluster_metrics.py compute` (on every compute node): EFA's hardware byte counters per device and the Lustre
+`metrics.py compute` (on every compute node): EFA's hardware byte counters per device and the Lustre
 client's bytes read and written. Every INTERVAL_SECONDS, into one file by rename, so a scrape never sees half of it.
 A source that fails (slurmctld restarting, no Lustre yet) leaves its figures out for that round, with a log line.
 
@@ -14,7 +14,6 @@ Standard library only.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import subprocess
 import sys
@@ -22,9 +21,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this program is part of (the bundle's lib/)
 from gpucluster.contract.scontrol import node_records, state_flags  # noqa: E402
 from gpucluster.contract.settings import TEXTFILE_DIR, ClusterSettings  # noqa: E402
+from gpucluster.node.textfile import family, sample, write  # noqa: E402
 
 INTERVAL_SECONDS = 30  # prometheus.SCRAPE_SECONDS
 COMMAND_SECONDS = 30
@@ -36,21 +36,6 @@ NODE_STATES = (("down", {"DOWN"}), ("fail", {"FAIL"}), ("drained", {"DRAIN", "ID
                ("powering_up", {"POWERING_UP"}), ("powering_down", {"POWERING_DOWN"}),
                ("powered_down", {"POWERED_DOWN"}), ("allocated", {"ALLOCATED"}), ("mixed", {"MIXED"}),
                ("completing", {"COMPLETING"}), ("idle", {"IDLE"}))
-
-
-def label_value(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def sample(name: str, value: float, **labels: str) -> str:
-    inner = ",".join(f'{k}="{label_value(v)}"' for k, v in sorted(labels.items()))
-    # Every digit (shortest exact form): a byte counter in the terabytes must still rate() smoothly.
-    text = str(int(value)) if float(value).is_integer() else repr(float(value))
-    return f"{name}{{{inner}}} {text}\n" if inner else f"{name} {text}\n"
-
-
-def family(name: str, kind: str, help_text: str, samples: list[str]) -> str:
-    return f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n" + "".join(samples) if samples else ""
 
 
 def node_state(flags: set[str]) -> str:
@@ -154,21 +139,14 @@ def compute_figures() -> str:
     return "".join(parts)
 
 
-def write(text: str, directory: Path = Path(TEXTFILE_DIR), name: str = OUTPUT) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    temporary = directory / f".{name}.tmp"  # the collector reads *.prom only
-    temporary.write_text(text)
-    os.chmod(temporary, 0o644)
-    os.replace(temporary, directory / name)
-
-
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(levelname)s %(message)s", stream=sys.stderr)
     if argv[1:] not in (["head"], ["compute"]):
-        print("usage: gpucluster_metrics.py head|compute", file=sys.stderr)
+        print("usage: metrics.py head|compute", file=sys.stderr)
         return 2
     while True:  # the head's settings anew each round: a later `pulumi up` may add pools
-        write(head_figures(ClusterSettings.load()) if argv[1] == "head" else compute_figures())
+        write(head_figures(ClusterSettings.load()) if argv[1] == "head" else compute_figures(), Path(TEXTFILE_DIR),
+              OUTPUT)
         time.sleep(INTERVAL_SECONDS)
 
 

@@ -1,13 +1,15 @@
 #!/usr/bin/python3
-"""A compute node's health: the accelerators its pool has, no fatal GPU error, its EFA devices, /fsx, local disk.
+"""A compute node's health (settings.HEALTH_PROGRAM): the accelerators its pool has, no fatal GPU error, its EFA
+devices, /fsx, local disk.
 
 Run as root by slurmd: as Slurm's HealthCheckProgram (every HealthCheckInterval), as its Epilog (which only takes the
-job's labels off its GPUs for dcgm-exporter) and as its Prolog before every job
-(Slurm gives a prolog SLURM_JOB_ID), where only the fast checks run, each tool has TOOL_SECONDS (a hung nvidia-smi can
-never hang a job's start: ParallelCluster #6777), and a healthy node goes on to the node names (HOSTS_PROGRAM). The bootstrap runs it with `--boot` before slurmd starts, adding a short
-DCGM diagnostic where DCGM is installed. A node that fails is drained with the reason `gpucluster: replace: health:
-...` (`sinfo -R`); the reconciler gives it a fresh instance once it is idle. In the Prolog the exit status is 1, so
-Slurm requeues the job (SchedulerParameters=nohold_on_prolog_fail) and it never starts here.
+job's labels off its GPUs for dcgm-exporter) and as its Prolog before every job (Slurm gives a prolog SLURM_JOB_ID),
+where only the fast checks run, each tool has TOOL_SECONDS (a hung nvidia-smi can never hang a job's start:
+ParallelCluster #6777), and a healthy node goes on to the node names (HOSTS_PROGRAM). The bootstrap runs it with
+`--boot` before slurmd starts, adding a short DCGM diagnostic where DCGM is installed. A node that fails is drained
+with the reason `gpucluster: replace: health: ...` (`sinfo -R`); the reconciler gives it a fresh instance once it is
+idle. In the Prolog the exit status is 1, so Slurm requeues the job (SchedulerParameters=nohold_on_prolog_fail) and it
+never starts here.
 
 Standard library only. What a node should have comes from the cluster settings and the node's pool.
 """
@@ -23,11 +25,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this program is part of (the bundle's lib/)
+from gpucluster.contract import reasons  # noqa: E402
 from gpucluster.contract.settings import (  # noqa: E402
-    FATAL_XIDS, GPU_JOB_MAP_DIR, HOSTS_PROGRAM, NODE_NAME_FILE, REPLACE_REASON, SHARED_DIR, SLURM_CLIENT_CONF, ClusterSettings, PoolSettings,
-    read_env_file,
+    FATAL_XIDS, GPU_JOB_MAP_DIR, HOSTS_PROGRAM, NODE_NAME_FILE, SHARED_DIR, SLURM_CLIENT_CONF, ClusterSettings,
+    PoolSettings, read_env_file,
 )
+from gpucluster.node.slurm_control import SlurmControl  # noqa: E402
 
 TOOL_SECONDS = 10  # one tool call; the Prolog makes at most three
 DCGM_SECONDS = 300  # `dcgmi diag -r 1` takes about a minute
@@ -121,9 +125,12 @@ def check(pool: PoolSettings, mode: str) -> list[str]:
 
 
 def drain(node: str, problems: list[str], scontrol: str = "scontrol") -> None:
-    reason = f"{REPLACE_REASON}: health: {'; '.join(problems)}"[:200]
-    subprocess.run([scontrol, "update", f"nodename={node}", "state=drain", f"reason={reason}"], timeout=TOOL_SECONDS,
-                   capture_output=True)
+    """For a fresh instance (reasons.REPLACE). A controller that does not answer leaves the node as it is: the next
+    check tries again."""
+    try:
+        SlurmControl(scontrol, timeout=TOOL_SECONDS).drain([node], f"{reasons.REPLACE}: health: {'; '.join(problems)}")
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired):  # SlurmControl logged it
+        pass
 
 
 def label_gpus(job: str, gpus: str, epilog: bool, mapping: Path = Path(GPU_JOB_MAP_DIR)) -> None:

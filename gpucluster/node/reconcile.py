@@ -1,0 +1,212 @@
+#!/usr/bin/env python3
+"""The reconciler on the head node (settings.RECONCILE_PROGRAM, run by its timer every minute): classify every node
+(its Slurm state and its instance) and every unowned instance into a status, then act per status: power up always-on
+nodes, set DOWN nodes whose instance vanished, return nodes DOWN for a passing cause to service with backoff, replace
+the instance of a node drained for it once idle, terminate instances nothing owns once their launch grace is over.
+Standard library and boto3."""
+
+from __future__ import annotations
+
+import enum
+import re
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this program is part of (the bundle's lib/)
+from gpucluster.contract import reasons  # noqa: E402
+from gpucluster.contract.hostlist import compress_hostlist  # noqa: E402
+from gpucluster.contract.scontrol import state_flags  # noqa: E402
+from gpucluster.contract.settings import SLURM_USER, ClusterSettings  # noqa: E402
+from gpucluster.node import log, program  # noqa: E402
+from gpucluster.node.budget import budget_closed  # noqa: E402
+from gpucluster.node.fleet import cluster_instances, ec2_client, terminate  # noqa: E402
+from gpucluster.node.registry import forget, read_registry, registry  # noqa: E402
+from gpucluster.node.slurm_control import SlurmControl  # noqa: E402
+
+MAX_RETRY_SECONDS = 3600  # the backoff of a node that keeps failing stops doubling here
+
+
+class Status(enum.Enum):
+    HEALTHY = "healthy"  # up with its instance, or off without one
+    CHANGING = "changing"  # powering up or down: the resume and suspend programs (and ResumeTimeout) see to it
+    POWER_UP = "power up"  # an always-on node that is off: Slurm is asked to power it up (the resume program runs)
+    LOST = "lost"  # Slurm counts on it, its instance is gone (spot reclaim, terminated outside Slurm): set DOWN
+    RETRY = "retry"  # DOWN for a passing cause and its backoff is over: terminate what is left, back to service
+    BACKING_OFF = "backing off"  # DOWN for a passing cause, waiting for its next try
+    NEEDS_FIX = "needs a fix"  # DOWN for a configuration error: stays DOWN, its reason says what to fix
+    HELD = "held by an admin"  # DOWN or DRAIN set by a person (or drained by Slurm): left alone
+    LEFTOVER = "leftover"  # Slurm has it off but its instance runs: terminate
+    DRAINING = "draining for a new instance"  # drained by the cluster (reasons.REPLACE), jobs still on it: wait
+    REPLACE = "replace"  # drained by the cluster, idle or its instance gone: new instance (back to service)
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """What the reconciler knows of one node."""
+
+    name: str
+    flags: frozenset[str]
+    reason: str = ""
+    reason_user: str = ""
+    reason_time: float = 0.0
+    always_on: bool = False
+    has_instance: bool = False  # a live instance the registry gives it
+    failures: int = 0  # consecutive returns to service that did not stick
+
+    @classmethod
+    def from_slurm(cls, record: dict[str, str], **known: Any) -> NodeView:
+        reason = record.get("Reason", "")
+        # scontrol shows `Reason=text [user@2026-11-29T15:10:00]`.
+        stamp = re.search(r"\[([^@\]]+)@(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)\]$", reason)
+        return cls(name=record["NodeName"], flags=frozenset(state_flags(record)), reason=reason,
+                   reason_user=stamp.group(1) if stamp else "",
+                   reason_time=time.mktime(time.strptime(stamp.group(2), "%Y-%m-%dT%H:%M:%S")) if stamp else 0.0,
+                   **known)
+
+
+def retry_delay(failures: int, base: int) -> float:
+    """Seconds a node waits, DOWN, before its next return to service: the base, doubled per failure before, capped."""
+    return min(base * 2 ** min(failures, 16), max(base, MAX_RETRY_SECONDS))
+
+
+def classify(node: NodeView, now: float, retry_base: int) -> Status:
+    """The node's status from its Slurm state and its instance: a pure function, one row per case."""
+    flags = node.flags
+    if "FUTURE" in flags:
+        return Status.HEALTHY
+    # The interruptions service drains as slurm, a node's own health check as root.
+    if "DRAIN" in flags and "DOWN" not in flags and node.reason_user in (SLURM_USER, "root") and \
+            node.reason.startswith(reasons.REPLACE):
+        busy = flags & {"ALLOCATED", "MIXED", "COMPLETING"}
+        return Status.DRAINING if busy and node.has_instance else Status.REPLACE
+    if "DOWN" in flags or "DRAIN" in flags:
+        if node.reason_user != SLURM_USER or "DOWN" not in flags:
+            return Status.HELD  # an admin's hold; drained nodes finish their jobs first (health checks drain)
+        if reasons.CONFIGURATION in node.reason:  # slurmctld appends its own reasons to one already there: "old : new"
+            return Status.NEEDS_FIX
+        return Status.RETRY if now - node.reason_time >= retry_delay(node.failures, retry_base) else Status.BACKING_OFF
+    if flags & {"POWERING_UP", "POWERING_DOWN", "POWER_DOWN", "POWER_UP"}:  # asked for, or under way
+        return Status.CHANGING
+    if "POWERED_DOWN" in flags:
+        if node.has_instance:
+            return Status.LEFTOVER
+        return Status.POWER_UP if node.always_on else Status.HEALTHY
+    return Status.HEALTHY if node.has_instance else Status.LOST
+
+
+def orphans(instances: dict[str, dict[str, Any]], owned: set[str], now: float, grace: int) -> list[str]:
+    """Live pool instances no node owns, launched more than `grace` seconds ago."""
+    return sorted(i for i, inst in instances.items() if i not in owned and now - _launch_time(inst) >= grace)
+
+
+def _launch_time(instance: dict[str, Any]) -> float:
+    launched = instance.get("LaunchTime")
+    return launched.timestamp() if hasattr(launched, "timestamp") else time.time()
+
+
+def reconcile(config: ClusterSettings, ec2, slurm: SlurmControl, now: float | None = None) -> dict[str, list[str]]:  # type: ignore[no-untyped-def]
+    """One pass of the timer. Returns what it did, by status. Each action is guarded on its own: one that fails is
+    logged and the others still run."""
+    now = time.time() if now is None else now
+    instances = cluster_instances(config, ec2)
+    state = read_registry(config)
+    always_on = config.always_on_nodes()
+    records = slurm.nodes()
+    views = [NodeView.from_slurm(record, always_on=record["NodeName"] in always_on,
+                                 has_instance=state.instances.get(record["NodeName"], {}).get("instance") in instances,
+                                 failures=state.failures.get(record["NodeName"], 0))
+             for record in records if config.pool_of(record["NodeName"])]
+    statuses = {view.name: classify(view, now, config.capacity_retry_seconds) for view in views}
+    by_status: dict[Status, list[str]] = defaultdict(list)
+    for name, status in statuses.items():
+        by_status[status].append(name)
+    stray = orphans(instances, set(state.owner()), now, config.orphan_grace_seconds)
+    # Entries for nodes Slurm no longer has (a stack that dropped them, applied by a new head): their instances are
+    # nobody's, past the same grace.
+    known = {record["NodeName"] for record in records}  # a pool the new settings drop may still be draining
+    gone = [n for n, e in state.instances.items()
+            if n not in known and now - e.get("launched", 0) >= config.orphan_grace_seconds]
+    seen = {n: e["instance"] for n, e in state.instances.items()}
+    done: dict[str, list[str]] = {}
+
+    def act(what: str, nodes: list[str], action: Callable[[list[str]], object]) -> None:
+        if not nodes:
+            return
+        try:
+            if action(nodes) is not False:
+                done[what] = sorted(nodes)
+        except Exception:  # the next pass tries again; the other actions of this pass still run
+            log.exception("reconcile: %s %s failed", what, compress_hostlist(nodes))
+
+    act("terminated", stray, lambda ids: _terminate_orphans(ec2, ids))
+    act("forgotten", gone, lambda nodes: _terminate_orphans(ec2, forget(config, nodes, seen)))
+    act("leftover", by_status[Status.LEFTOVER], lambda nodes: terminate(ec2, forget(config, nodes, seen)))
+    act("down", by_status[Status.LOST], lambda nodes: _set_lost(slurm, nodes))
+    act("retried", by_status[Status.RETRY],
+        lambda nodes: _fresh_start(config, ec2, slurm, nodes, seen, replacing=False))
+    act("replaced", by_status[Status.REPLACE],
+        lambda nodes: _fresh_start(config, ec2, slurm, nodes, seen, replacing=True))
+    act("powered up", by_status[Status.POWER_UP], lambda nodes: _power_up(config, slurm, nodes))
+    healthy_up = [v.name for v in views if statuses[v.name] is Status.HEALTHY and v.has_instance and v.failures]
+    act("recovered", healthy_up, lambda nodes: _clear_failures(config, nodes))
+    log.info("reconcile: %s", "; ".join(f"{status.value} {compress_hostlist(nodes)}"
+                                         for status, nodes in sorted(by_status.items(), key=lambda i: i[0].value)
+                                         if nodes))
+    return done
+
+
+def _terminate_orphans(ec2, ids: list[str]) -> None:  # type: ignore[no-untyped-def]
+    if ids:
+        log.warning("instance(s) %s belong to no node (past their launch grace): terminating", ",".join(ids))
+        terminate(ec2, ids)
+
+
+def _set_lost(slurm: SlurmControl, nodes: list[str]) -> None:
+    log.error("node(s) %s lost their instance: setting them DOWN", compress_hostlist(nodes))
+    slurm.set_down(nodes, f"{reasons.PREFIX} instance vanished (spot reclaim or terminated outside Slurm)")
+
+
+def _fresh_start(config: ClusterSettings, ec2, slurm: SlurmControl, nodes: list[str],  # type: ignore[no-untyped-def]
+                 seen: dict[str, str], replacing: bool) -> None:
+    """Terminate what is left of the nodes' instances and power them down: idle~, the next job gets a fresh instance
+    (an always-on node, the next pass's power up). A return to service after a failure counts the attempt, so the
+    next one waits twice as long; a replacement (the node was drained for it) is no failure, and an event."""
+    ids = forget(config, nodes, seen)
+    what = "replacing their instance" if replacing else "returning to service"
+    log.info("node(s) %s: %s (terminating %s)", compress_hostlist(nodes), what, ",".join(ids) or "nothing")
+    terminate(ec2, ids)
+    if not replacing:
+        with registry(config) as state:
+            for n in nodes:
+                state.failures[n] = state.failures.get(n, 0) + 1
+    slurm.power_down(nodes)
+    if replacing:
+        program.record_event(config, "replaced", nodes=nodes, instances=ids)
+
+
+def _power_up(config: ClusterSettings, slurm: SlurmControl, nodes: list[str]) -> bool:
+    if budget_closed(config.budget_state_file):
+        log.warning("always-on node(s) %s are off: not powering up, the budget guardrail has closed the cluster",
+                    compress_hostlist(nodes))
+        return False
+    log.info("always-on node(s) %s are off: powering them up", compress_hostlist(nodes))
+    slurm.power_up(nodes)
+    return True
+
+
+def _clear_failures(config: ClusterSettings, nodes: list[str]) -> None:
+    with registry(config) as state:
+        for n in nodes:
+            state.failures.pop(n, None)
+
+
+def main(argv: list[str]) -> int:
+    return program.run(argv, lambda config, slurm: reconcile(config, ec2_client(config), slurm))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,40 @@
+#!/usr/bin/env python3
+"""Slurm's ResumeFailProgram on the head node (settings.RESUME_FAIL_PROGRAM): `resume_fail.py HOSTLIST`, the nodes
+Slurm gave up on at ResumeTimeout. A launched node that never registered: its instance is terminated and the node set
+DOWN with the reason; the reconciler returns it to service with backoff. Standard library and boto3."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this program is part of (the bundle's lib/)
+from gpucluster.contract import reasons  # noqa: E402
+from gpucluster.contract.hostlist import compress_hostlist, expand_hostlist  # noqa: E402
+from gpucluster.contract.settings import ClusterSettings  # noqa: E402
+from gpucluster.node import log, program  # noqa: E402
+from gpucluster.node.fleet import ec2_client, terminate  # noqa: E402
+from gpucluster.node.registry import registry  # noqa: E402
+from gpucluster.node.slurm_control import SlurmControl  # noqa: E402
+
+
+def resume_fail(config: ClusterSettings, ec2, slurm: SlurmControl, hostlist: str) -> list[str]:  # type: ignore[no-untyped-def]
+    """Only the nodes the resume program launched are set DOWN with this reason: the others were set DOWN by it
+    already, with EC2's reason (a configuration error's fix must stay visible)."""
+    nodes = expand_hostlist(hostlist)
+    with registry(config) as state:
+        launched = {n: state.instances.pop(n)["instance"] for n in nodes if n in state.instances}
+    log.error("resume failed for %s (never registered): terminating %s", compress_hostlist(nodes),
+              ",".join(launched.values()) or "nothing")
+    terminate(ec2, list(launched.values()))
+    slurm.set_down(sorted(launched), f"{reasons.LAUNCH_FAILED}: node did not register before ResumeTimeout")
+    return list(launched.values())
+
+
+def main(argv: list[str]) -> int:
+    return program.run(argv, lambda config, slurm, hostlist: resume_fail(config, ec2_client(config), slurm, hostlist),
+                       ("HOSTLIST",))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

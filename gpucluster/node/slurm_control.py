@@ -1,0 +1,130 @@
+"""The scontrol (and scancel) calls the node programs make, in one place: the resume, suspend and resume-fail programs,
+the reconciler, the interruptions service, the budget guardrail and the health check. Standard library only."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from gpucluster.contract.hostlist import expand_hostlist, in_batches
+from gpucluster.contract.scontrol import job_records, node_records, parse_oneliner, state_flags
+from gpucluster.node import log
+
+SCONTROL_BATCH = 200  # nodes per scontrol update
+# A hung slurmctld must not hang a program: Slurm kills a ResumeProgram only after ResumeTimeout, with nodes half set.
+SCONTROL_TIMEOUT = 60
+REASON_LENGTH = 200  # Slurm keeps no more of a reason
+
+
+class SlurmControl:
+    """Slurm's controller as the programs see it, through scontrol. Each call fails with scontrol's own error (logged
+    with its stderr) or after `timeout` seconds."""
+
+    def __init__(self, scontrol: str = "scontrol", timeout: float = SCONTROL_TIMEOUT):
+        self.scontrol = scontrol
+        self.timeout = timeout
+
+    def _run(self, *args: str) -> str:
+        return self._call(self.scontrol, *args)
+
+    def _call(self, *command: str) -> str:
+        try:
+            return subprocess.run(list(command), check=True, capture_output=True, text=True,
+                                  timeout=self.timeout).stdout
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+            # The exception's text has neither the tool's stderr nor the nodes; stderr is what says why.
+            log.error("%s; stderr: %s", exc, error_text(exc).strip() or "(none)")
+            raise
+
+    def _update(self, nodes: list[str], *settings: str) -> None:
+        for batch in in_batches(sorted(nodes), SCONTROL_BATCH):
+            self._run("update", f"nodename={','.join(batch)}", *settings)
+
+    # --- nodes ------------------------------------------------------------------------------------------------------
+    def nodes(self) -> list[dict[str, str]]:
+        """One dict per node of `scontrol show nodes --oneliner` (keys such as NodeName, State, Reason)."""
+        return node_records(self._run("show", "nodes", "--oneliner"))
+
+    def set_instances(self, instances: dict[str, str]) -> None:
+        """Each node's instance id as its NodeHostName, many nodes per call (scontrol takes matching lists): the
+        instance finds its node by it. When the node registers, Slurm sets NodeAddr and NodeHostName from it
+        (cloud_reg_addrs), and back to the node name when it powers down."""
+        for batch in in_batches(sorted(instances), SCONTROL_BATCH):
+            self._run("update", f"nodename={','.join(batch)}", f"nodehostname={','.join(instances[n] for n in batch)}")
+
+    def set_down(self, nodes: list[str], reason: str) -> None:
+        """DOWN with the reason: Slurm requeues the job (held for the credential lifetime, 120 s by default) and
+        schedules it on nodes that are not DOWN. The reconciler returns the node to service later, unless the reason
+        is a configuration error."""
+        if nodes:
+            self._update(nodes, "state=down", f"reason={reason[:REASON_LENGTH]}")
+
+    def drain(self, nodes: list[str], reason: str) -> None:
+        """No new job; running ones go on. The reconciler replaces the node once it is idle (reasons.REPLACE)."""
+        if nodes:
+            self._update(nodes, "state=drain", f"reason={reason[:REASON_LENGTH]}")
+
+    def power_down(self, nodes: list[str]) -> None:
+        """Back to powered-down cloud nodes (idle~), schedulable again."""
+        if nodes:
+            self._update(nodes, "state=power_down_force")
+
+    def power_up(self, nodes: list[str]) -> None:
+        """Slurm runs the resume program for them and counts on them from then on (always-on nodes)."""
+        if nodes:
+            self._update(nodes, "state=power_up")
+
+    def power_down_idle(self, keep: set[str]) -> list[str]:
+        """Nodes that are up and idle: powered down now (Slurm calls the suspend program), not after SuspendTime.
+        `keep`: the always-on nodes, which the team chose to keep running (a power-down request would override
+        SuspendExcNodes)."""
+        idle = [n["NodeName"] for n in self.nodes() if _idle_and_up(state_flags(n)) and n["NodeName"] not in keep]
+        if idle:
+            self._update(idle, "state=power_down")
+        return idle
+
+    # --- jobs -------------------------------------------------------------------------------------------------------
+    def jobs_on(self, node: str) -> list[str]:
+        """Ids of the jobs running on the node (`scontrol show node` lists none; `show jobs` does)."""
+        return [record["JobId"] for record in job_records(self._run("show", "jobs", "--oneliner"))
+                if record.get("JobState") in ("RUNNING", "COMPLETING", "CONFIGURING")
+                and node in expand_hostlist(record.get("NodeList", ""))]
+
+    def pending_jobs(self) -> dict[str, str]:
+        """Pending job id -> its AdminComment ("" when none)."""
+        jobs = job_records(self._run("show", "jobs", "--oneliner"))
+        return {job["JobId"]: job.get("AdminComment", "") for job in jobs if job.get("JobState") == "PENDING"}
+
+    def set_admin_comment(self, job: str, text: str) -> None:
+        self._run("update", f"jobid={job}", f"admincomment={text}")
+
+    def signal_job(self, job: str, signal_name: str) -> None:
+        """To the batch step and every job step (`scancel --full`): the job's processes hear it, wherever they run."""
+        scancel = str(Path(self.scontrol).with_name("scancel")) if "/" in self.scontrol else "scancel"
+        self._call(scancel, f"--signal={signal_name}", "--full", job)
+
+    def requeue(self, job: str) -> None:
+        self._run("requeue", job)
+
+    # --- partitions -------------------------------------------------------------------------------------------------
+    def partitions(self) -> dict[str, str]:
+        """Partition name -> State (UP, DOWN, DRAIN, INACTIVE)."""
+        rows = [parse_oneliner(line) for line in self._run("show", "partitions", "--oneliner").splitlines()
+                if line.startswith("PartitionName=")]
+        return {row["PartitionName"]: row["State"] for row in rows}
+
+    def set_partition_state(self, names: list[str], state: str) -> None:
+        for name in names:
+            self._run("update", f"partitionname={name}", f"state={state}")
+
+
+def _idle_and_up(flags: set[str]) -> bool:
+    """An idle cloud node that is up."""
+    return {"IDLE", "CLOUD"} <= flags and not flags & {"POWERED_DOWN", "POWERING_DOWN", "POWERING_UP", "DOWN",
+                                                        "COMPLETING"}
+
+
+def error_text(exc: subprocess.CalledProcessError | subprocess.TimeoutExpired) -> str:
+    """A failed tool's stderr. TimeoutExpired carries raw bytes even when the call asked for text."""
+    data = exc.stderr
+    return data.decode(errors="replace") if isinstance(data, bytes) else data or ""
