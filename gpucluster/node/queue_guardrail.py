@@ -1,5 +1,5 @@
 """The Kubernetes flavour's budget guardrail, run in the cluster (gpucluster/render/kube.py ships it in a ConfigMap,
-with the modules of this package it imports, and components/eks_stack.py deploys it).
+with the modules of this package it imports, and components/kubernetes.py (QueueGuardrail) deploys it).
 
 Every message on the budget's queue (AWS Budgets notifications, through SNS) wakes it, and so does a timer: it reads
 the budget's actual spend and, at the act threshold, holds the team's Kueue ClusterQueue (`stopPolicy: Hold`: running
