@@ -4,8 +4,8 @@ The head node component writes `ClusterSettings` (as JSON, into the SSM paramete
 fetch_bundle.py, bootstrap.py, the node programs and the budget guardrail read it through `ClusterSettings.load`.
 Paths, ports and program names live here once, for both sides.
 
-Standard library only: the nodes import this file from the bundle (`/opt/gpucluster/lib/gpucluster/contract/settings.py`)
-with the system python3, which has no pydantic.
+Standard library only: the nodes import this file from the bundle
+(`/opt/gpucluster/lib/gpucluster/contract/settings.py`) with the system python3, which has no pydantic.
 """
 
 from __future__ import annotations
@@ -13,7 +13,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 # --- where things are on a node ---------------------------------------------------------------------------------------
 BUNDLE_DIR = "/opt/gpucluster"  # the unpacked bundle: lib/ (the library and its node programs), Slurm files, examples
@@ -89,10 +92,10 @@ GPU_JOB_MAP_DIR = "/run/gpucluster/gpu-jobs"
 # The dcgm-exporter container as build_image.sh tags it after pulling NVIDIA's image by digest: the boot needs no
 # registry.
 DCGM_EXPORTER_IMAGE = "gpucluster/dcgm-exporter:image"
-GRAFANA_DATASOURCE_UID = "prometheus"
+GRAFANA_DATASOURCE_UID = "prometheus"  # the head's provisioned Prometheus, as every dashboard panel names it
 # NVIDIA XIDs that mean the GPU needs a reset or a replacement (NVIDIA's XID catalogue: double-bit ECC, fallen off
 # the bus, uncontained ECC, GSP errors): the health check drains on them, the GpuXidError alert fires on them.
-FATAL_XIDS = (48, 63, 64, 74, 79, 94, 95, 119, 120)  # the head's provisioned Prometheus, as every dashboard panel names it
+FATAL_XIDS = (48, 63, 64, 74, 79, 94, 95, 119, 120)
 
 # --- the node programs: files of the library's gpucluster/node, run where the bundle unpacks them -----------------
 # Each puts the library it is part of (LIB_DIR) on its path itself: Slurm, systemd and the boot run them by these paths.
@@ -141,7 +144,10 @@ class SettingsError(ValueError):
     """The settings document does not match this contract (missing or unknown keys)."""
 
 
-def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
+_Settings = TypeVar("_Settings", bound="DataclassInstance")  # the settings class _build makes
+
+
+def _build(cls: type[_Settings], raw: dict[str, Any], where: str) -> _Settings:
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(raw) - known)
     if unknown:
@@ -241,7 +247,8 @@ class ClusterSettings:
         index = 0  # the head
         if pool := self.pool_of(node):
             names = list(self.pools)
-            index = 1 + sum(self.pools[p].max_nodes for p in names[:names.index(pool)]) + int(node.rsplit("-", 1)[1]) - 1
+            before = sum(self.pools[p].max_nodes for p in names[:names.index(pool)])
+            index = 1 + before + int(node.rsplit("-", 1)[1]) - 1
         return self.exporter_port_base + index * len(SCRAPE_JOBS) + SCRAPE_JOBS.index(job)
 
     @classmethod
