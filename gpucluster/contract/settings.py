@@ -13,10 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
-
-if TYPE_CHECKING:
-    from _typeshed import DataclassInstance
+from typing import Any
 
 # --- where things are on a node ---------------------------------------------------------------------------------------
 BUNDLE_DIR = "/opt/gpucluster"  # the unpacked bundle: lib/ (the library and its node programs), Slurm files, examples
@@ -144,10 +141,7 @@ class SettingsError(ValueError):
     """The settings document does not match this contract (missing or unknown keys)."""
 
 
-_Settings = TypeVar("_Settings", bound="DataclassInstance")  # the settings class _build makes
-
-
-def _build(cls: type[_Settings], raw: dict[str, Any], where: str) -> _Settings:
+def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(raw) - known)
     if unknown:
@@ -257,8 +251,9 @@ class ClusterSettings:
         pools = {name: _build(PoolSettings, {"name": name, **{k: v for k, v in spec.items() if k != "name"}},
                               f"pools.{name}") for name, spec in raw.pop("pools", {}).items()}
         budget = raw.pop("budget", None)
-        return _build(cls, {**raw, "pools": pools,
-                            "budget": _build(BudgetSettings, budget, "budget") if budget else None}, "settings")
+        budget_settings = _build(BudgetSettings, budget, "budget") if budget else None
+        settings: ClusterSettings = _build(cls, {**raw, "pools": pools, "budget": budget_settings}, "settings")
+        return settings  # typed here: _build makes whichever settings class it is given
 
     @classmethod
     def from_json(cls, text: str) -> ClusterSettings:
