@@ -12,8 +12,6 @@ the settings differ from those whose SHA-256 APPLIED_FILE holds, written once ap
 running head within a minute.
 """
 
-from __future__ import annotations
-
 import base64
 import hashlib
 import io
@@ -43,8 +41,7 @@ def boto3_module() -> Any:
     except ImportError:  # a stock AMI: the node image would have it
         apt = ["apt-get", "-o", "DPkg::Lock::Timeout=120", "-q"]
         for attempt in range(5):
-            if (subprocess.call(apt + ["update"]) == 0
-                    and subprocess.call(apt + ["install", "-y", "python3-boto3"]) == 0):
+            if not subprocess.call(apt + ["update"]) and not subprocess.call(apt + ["install", "-y", "python3-boto3"]):
                 break
             if attempt < 4:
                 time.sleep(2 ** attempt * 5)
@@ -97,15 +94,12 @@ def fetch_bundle(s3: Any, bucket: str, key: str, target: str, library: tuple[str
         if code in ("NoSuchKey", "AccessDenied"):  # `pulumi up` still writing it, or its grant not yet in force
             raise NotYet(f"no bundle s3://{bucket}/{key} yet ({code})") from exc
         raise
-    with tarfile.open(fileobj=io.BytesIO(body)) as bundle:
-        members = [m for m in bundle.getmembers()
-                   if m.isfile() and (m.name[:4] != "lib/" or m.name.startswith(library))]
+    with tarfile.open(fileobj=io.BytesIO(body)) as tar:
+        members = [m for m in tar.getmembers() if m.isfile() and (m.name[:4] != "lib/" or m.name.startswith(library))]
         files = [m.name for m in members]
         # The "data" filter refuses links and paths out of the target; Pythons before 3.11.4 (Debian 12) lack it.
-        if hasattr(tarfile, "data_filter"):
-            bundle.extractall(target, members, filter="data")
-        else:
-            bundle.extractall(target, members)
+        safe: dict[str, Any] = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+        tar.extractall(target, members, **safe)
     if os.path.exists(listing):
         for stale in set(open(listing).read().split()) - set(files):
             if os.path.isfile(os.path.join(target, stale)):
