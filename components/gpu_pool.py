@@ -34,9 +34,9 @@ class GpuPoolArgs:
     image_id: pulumi.Input[str] | None = None
 
 
-def network_interfaces(pool: PoolSpec, subnet_id: pulumi.Input[str] | None,
-                       security_group_ids: Sequence[pulumi.Input[str]],
-                       ) -> list[aws.ec2.LaunchTemplateNetworkInterfaceArgsDict]:
+def network_interfaces(
+        pool: PoolSpec, subnet_id: pulumi.Input[str] | None,
+        security_group_ids: Sequence[pulumi.Input[str]]) -> list[aws.ec2.LaunchTemplateNetworkInterfaceArgsDict]:
     """The pool's interfaces: one per network card with EFA. `subnet_id` None leaves the subnet to the launcher (EKS
     managed node groups reject a template whose interfaces name one)."""
     return [
