@@ -3,13 +3,15 @@ into one of the two flavours (components/slurm_cluster.py, components/kubernetes
 
 from __future__ import annotations
 
+from typing import Any
+
 import pulumi
 import pulumi_aws as aws
 
 
-def child(parent: pulumi.Resource, **kwargs: object) -> pulumi.ResourceOptions:
+def child(parent: pulumi.Resource, **kwargs: Any) -> pulumi.ResourceOptions:
     """Options for a resource owned by a component: parented, so it inherits the component's provider."""
-    return pulumi.ResourceOptions(parent=parent, **kwargs)  # type: ignore[arg-type]
+    return pulumi.ResourceOptions(parent=parent, **kwargs)
 
 
 def private_bucket(name: str, opts: pulumi.ResourceOptions, force_destroy: bool) -> aws.s3.Bucket:

@@ -70,12 +70,13 @@ class Budget(pulumi.ComponentResource):
                                   opts=child(self))
             aws.sqs.QueuePolicy(f"{name}-guardrail", queue_url=queue.url, policy=pulumi.Output.all(
                 queue.arn, topic.arn).apply(lambda a: allow_service("sns.amazonaws.com", "sqs:SendMessage", a[0],
-                                                                    {"ArnEquals": {"aws:SourceArn": a[1]}})), opts=child(self))
+                                                                    {"ArnEquals": {"aws:SourceArn": a[1]}})),
+                opts=child(self))
             aws.sns.TopicSubscription(f"{name}-guardrail", topic=topic.arn, protocol="sqs", endpoint=queue.arn,
                                       opts=child(self))
             self.queue_url, self.queue_arn = queue.url, queue.arn
         actual_at = sorted(set(args.spec.thresholds_percent) | ({act} if act is not None else set()))
-        notifications = [
+        notifications: list[aws.budgets.BudgetNotificationArgsDict] = [
             {
                 "comparison_operator": "GREATER_THAN",
                 "notification_type": kind,
@@ -126,8 +127,9 @@ class LaunchDeny(pulumi.ComponentResource):
     def __init__(self, name: str, args: LaunchDenyArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpucluster:budget:LaunchDeny", name, None, opts)
         deny = aws.iam.Policy(f"{name}-launch-deny", description="gpucluster budget action: no instance launches",
-                              policy=policy([{"Sid": "BudgetSpent", "Effect": "Deny", "Action": list(args.denied_actions),
-                                              "Resource": "*"}]), opts=child(self))
+                              policy=policy([{"Sid": "BudgetSpent", "Effect": "Deny",
+                                              "Action": list(args.denied_actions), "Resource": "*"}]),
+                              opts=child(self))
         executor = aws.iam.Role(f"{name}-budget-action", assume_role_policy=pulumi.Output.from_input(
             args.account_id).apply(lambda acct: policy([{
                 "Effect": "Allow", "Principal": {"Service": "budgets.amazonaws.com"}, "Action": "sts:AssumeRole",

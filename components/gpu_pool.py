@@ -13,8 +13,8 @@ import pulumi
 import pulumi_aws as aws
 
 from components import child
-from gpucluster.spec import catalog
 from gpucluster.contract import settings
+from gpucluster.spec import catalog
 from gpucluster.spec.model import PoolSpec
 
 ROOT_DEVICE = "/dev/sda1"  # Ubuntu-based DLAMIs
@@ -34,8 +34,9 @@ class GpuPoolArgs:
     image_id: pulumi.Input[str] | None = None
 
 
-def network_interfaces(pool: PoolSpec, subnet_id: pulumi.Input[str] | None,
-                       security_group_ids: Sequence[pulumi.Input[str]]) -> list[dict]:
+def network_interfaces(
+        pool: PoolSpec, subnet_id: pulumi.Input[str] | None,
+        security_group_ids: Sequence[pulumi.Input[str]]) -> list[aws.ec2.LaunchTemplateNetworkInterfaceArgsDict]:
     """The pool's interfaces: one per network card with EFA. `subnet_id` None leaves the subnet to the launcher (EKS
     managed node groups reject a template whose interfaces name one)."""
     return [
@@ -66,47 +67,57 @@ def launch_template(name: str, pool: PoolSpec, *, description: str, subnet_id: p
                     user_data: pulumi.Input[str] | None = None) -> aws.ec2.LaunchTemplate:
     """A pool's launch template, the same for both schedulers: EFA layout, placement group, IMDSv2 with one hop,
     encrypted gp3 root, capacity-block targeting and tags on what EC2 launches."""
+    # Typed one by one: the resource's overloads of unions are too many for mypy to match literals against.
+    metadata_options: aws.ec2.LaunchTemplateMetadataOptionsArgsDict = {
+        "http_endpoint": "enabled",
+        "http_tokens": "required",  # IMDSv2 only
+        # One hop: enroot/pyxis containers share the host network namespace; Kubernetes pods, in their own, get
+        # AWS credentials from EKS Pod Identity only and must not borrow the node's role.
+        "http_put_response_hop_limit": 1,
+        # The node's lockdown guards IPv4 metadata; the IPv6 endpoint stays off.
+        "http_protocol_ipv6": "disabled",
+    }
+    block_device_mappings: list[aws.ec2.LaunchTemplateBlockDeviceMappingArgsDict] = [
+        {
+            "device_name": root_device,
+            "ebs": {
+                "volume_size": pool.root_volume_gib,
+                "volume_type": "gp3",
+                "encrypted": "true",
+                "delete_on_termination": "true",
+            },
+        }
+    ]
+    # Capacity blocks are reservations: the node must target its block, and EC2 launches into a block only
+    # with the capacity-block market type on the template. Spot/on-demand is chosen by the launcher
+    # (CreateFleet's market, a node group's capacity type).
+    capacity_reservation: aws.ec2.LaunchTemplateCapacityReservationSpecificationArgsDict | None = (
+        {"capacity_reservation_target": {"capacity_reservation_id": pool.capacity_reservation_id}}
+        if pool.capacity == "capacity-block"
+        else None
+    )
+    market: aws.ec2.LaunchTemplateInstanceMarketOptionsArgsDict | None = (
+        {"market_type": "capacity-block"} if pool.capacity == "capacity-block" else None)
+    placement: aws.ec2.LaunchTemplatePlacementArgsDict | None = {"group_name": group_name} if group_name else None
+    profile: aws.ec2.LaunchTemplateIamInstanceProfileArgsDict | None = (
+        {"arn": instance_profile_arn} if instance_profile_arn else None)
+    tag_specifications: list[aws.ec2.LaunchTemplateTagSpecificationArgsDict] = [
+        {"resource_type": kind, "tags": node_tags} for kind in ("instance", "volume", "network-interface")
+    ]
     return aws.ec2.LaunchTemplate(
         f"{name}-lt",
         description=description,
         image_id=image_id,
         instance_type=pool.instance_type,
         network_interfaces=network_interfaces(pool, subnet_id, security_group_ids),
-        placement={"group_name": group_name} if group_name else None,
-        metadata_options={
-            "http_endpoint": "enabled",
-            "http_tokens": "required",  # IMDSv2 only
-            # One hop: enroot/pyxis containers share the host network namespace; Kubernetes pods, in their own, get
-            # AWS credentials from EKS Pod Identity only and must not borrow the node's role.
-            "http_put_response_hop_limit": 1,
-            # The node's lockdown guards IPv4 metadata; the IPv6 endpoint stays off.
-            "http_protocol_ipv6": "disabled",
-        },
-        block_device_mappings=[
-            {
-                "device_name": root_device,
-                "ebs": {
-                    "volume_size": pool.root_volume_gib,
-                    "volume_type": "gp3",
-                    "encrypted": "true",
-                    "delete_on_termination": "true",
-                },
-            }
-        ],
-        # Capacity blocks are reservations: the node must target its block, and EC2 launches into a block only
-        # with the capacity-block market type on the template. Spot/on-demand is chosen by the launcher
-        # (CreateFleet's market, a node group's capacity type).
-        capacity_reservation_specification=(
-            {"capacity_reservation_target": {"capacity_reservation_id": pool.capacity_reservation_id}}
-            if pool.capacity == "capacity-block"
-            else None
-        ),
-        instance_market_options={"market_type": "capacity-block"} if pool.capacity == "capacity-block" else None,
-        iam_instance_profile={"arn": instance_profile_arn} if instance_profile_arn else None,
+        placement=placement,
+        metadata_options=metadata_options,
+        block_device_mappings=block_device_mappings,
+        capacity_reservation_specification=capacity_reservation,
+        instance_market_options=market,
+        iam_instance_profile=profile,
         user_data=user_data,
-        tag_specifications=[
-            {"resource_type": kind, "tags": node_tags} for kind in ("instance", "volume", "network-interface")
-        ],
+        tag_specifications=tag_specifications,
         update_default_version=True,
         opts=opts,
     )
@@ -148,8 +159,9 @@ class GpuPool(pulumi.ComponentResource):
         pool = args.pool
         accelerator = pool.accelerator
 
-        if pool.ami_id or args.image_id is not None:
-            self.image_id = pulumi.Output.from_input(pool.ami_id or args.image_id)  # type: ignore[arg-type]
+        image_id = pool.ami_id or args.image_id
+        if image_id is not None:
+            self.image_id = pulumi.Output.from_input(image_id)
         else:
             # No baked image (image.build false): the stock DLAMI, resolved at `pulumi up`, so every node of a pool
             # boots the same image until the next `up`; nodes install their software at first boot.

@@ -19,9 +19,9 @@ from components import child
 from components.gpu_pool import LaunchSpec
 from components.iam import EC2_ASSUME, PARAMETER_READ, SSM_AGENT, policy
 from components.node_access import NodeAccess
+from gpucluster.contract.settings import CLUSTER_TAG, ClusterSettings, head_instance_name
 from gpucluster.spec.catalog import UBUNTU_AMI_PARAMETER
 from gpucluster.spec.cost import HEAD_ROOT_GIB, HEAD_STATE_GIB
-from gpucluster.contract.settings import CLUSTER_TAG, ClusterSettings, head_instance_name
 from gpucluster.spec.model import SlurmSpec
 
 STATE_DEVICE = "/dev/sdf"
@@ -174,7 +174,8 @@ class HeadNode(pulumi.ComponentResource):
             fsx_dns_name=args.fsx_dns_name, fsx_mount_name=args.fsx_mount_name, pools=pools,
             budget=budget, alerts_topic_arn=args.alerts_topic_arn or "",
             interruption_queue_url=args.interruption_queue_url or "").apply(lambda v: settings_document(args, v))
-        # insecure_value: these settings are not secret (pulumi-aws would otherwise encrypt them in state and hide them).
+        # insecure_value: these settings are not secret (pulumi-aws would otherwise encrypt them in state and hide
+        # them).
         aws.ssm.Parameter(f"{name}-config", name=args.config_parameter, type="String", insecure_value=settings,
                           description=f"gpucluster {args.cluster_name}: what every node needs to know",
                           opts=child(self))
@@ -201,8 +202,8 @@ def head_statements(args: HeadNodeArgs, account: str, config_arn: str, munge_arn
     and only instances tagged with this cluster (ParallelCluster's explicit-resource form: every resource a
     CreateFleet/RunInstances call touches is named); terminate only this cluster's instances, pass only the
     compute role, create and read only this cluster's parameters. Only root and the slurm user on the head get these
-    credentials (gpucluster.contract.lockdown): a login user gets none, so cannot launch outside Slurm, terminate nodes or
-    reverse the budget's action."""
+    credentials (gpucluster.contract.lockdown): a login user gets none, so cannot launch outside Slurm, terminate nodes
+    or reverse the budget's action."""
     region = args.region
     ec2 = f"arn:aws:ec2:{region}:{account}"
     templates = [f"{ec2}:launch-template/{t}" for t in template_ids]
@@ -232,7 +233,8 @@ def head_statements(args: HeadNodeArgs, account: str, config_arn: str, munge_arn
          "Condition": {"StringEquals": {f"aws:ResourceTag/{CLUSTER_TAG}": args.cluster_name}}},
         # Resume and the reconciler read instance states; these Describe actions take no resource but "*".
         {"Sid": "Describe", "Effect": "Allow", "Action": ["ec2:DescribeInstances", "ec2:DescribeInstanceStatus",
-                                                        "ec2:DescribeLaunchTemplates", "ec2:DescribeLaunchTemplateVersions"],
+                                                        "ec2:DescribeLaunchTemplates",
+                                                        "ec2:DescribeLaunchTemplateVersions"],
          "Resource": "*"},
         # An UnauthorizedOperation from a launch carries an encoded message: this reads which statement refused.
         {"Sid": "DecodeLaunchErrors", "Effect": "Allow", "Action": "sts:DecodeAuthorizationMessage", "Resource": "*"},
@@ -271,10 +273,12 @@ def guardrail_statements(queue_arn: str, topic_arn: str, budget_arn: str) -> lis
         # The guardrail tells the budget's subscribers when it closes or reopens the partitions: this topic only.
         {"Sid": "TellSubscribers", "Effect": "Allow", "Action": "sns:Publish", "Resource": topic_arn},
         # The spend it compares with the act threshold, and whether the backstop action has fired: this budget only.
-        {"Sid": "ReadBudget", "Effect": "Allow", "Action": ["budgets:ViewBudget", "budgets:DescribeBudgetActionsForBudget"],
+        {"Sid": "ReadBudget", "Effect": "Allow",
+         "Action": ["budgets:ViewBudget", "budgets:DescribeBudgetActionsForBudget"],
          "Resource": budget_arn},
         # `gpucluster-budget reopen` (by an admin: sudo) lifts the deny policy the backstop attached: this budget's
-        # actions only. A login user cannot: the head's credentials are root's and slurm's (gpucluster.contract.lockdown).
+        # actions only. A login user cannot: the head's credentials are root's and slurm's
+        # (gpucluster.contract.lockdown).
         {"Sid": "ReverseBudgetActions", "Effect": "Allow", "Action": "budgets:ExecuteBudgetAction",
          "Resource": f"{budget_arn}/action/*"},
     ]

@@ -22,7 +22,7 @@ PARAMETER_READ = ["ssm:GetParameter", "ssm:GetParameters"]
 # `pulumi destroy` uses to close the partitions), and no more. Not AmazonSSMManagedInstanceCore: it also allows
 # ssm:GetParameter(s) on every parameter of the account, another stack's munge key among them. These actions take no
 # resource but "*".
-SSM_AGENT = {"Sid": "SessionManagerAndRunCommand", "Effect": "Allow", "Resource": "*", "Action": [
+SSM_AGENT: dict[str, object] = {"Sid": "SessionManagerAndRunCommand", "Effect": "Allow", "Resource": "*", "Action": [
     "ssm:UpdateInstanceInformation", "ssmmessages:CreateControlChannel", "ssmmessages:CreateDataChannel",
     "ssmmessages:OpenControlChannel", "ssmmessages:OpenDataChannel", "ec2messages:AcknowledgeMessage",
     "ec2messages:DeleteMessage", "ec2messages:FailMessage", "ec2messages:GetEndpoint", "ec2messages:GetMessages",

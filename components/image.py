@@ -9,6 +9,7 @@ deregisters the AMIs it made (their snapshots stay billed until removed).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,9 +20,9 @@ import yaml
 from components import child
 from components.gpu_pool import ROOT_DEVICE
 from components.iam import EC2_ASSUME, MANAGED_POLICY, SSM_CORE
-from gpucluster.spec import catalog, cost
 from gpucluster import node
 from gpucluster.contract import settings
+from gpucluster.spec import catalog, cost
 from gpucluster.spec.model import ImageBuild
 
 BUILD_SCRIPT = "build_image.sh"  # a node program (gpucluster.node)
@@ -58,7 +59,8 @@ class _LiteralDumper(yaml.SafeDumper):
 
 
 _LiteralDumper.add_representer(
-    str, lambda dumper, value: dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|" if "\n" in value else None))
+    str, lambda dumper, value: dumper.represent_scalar("tag:yaml.org,2002:str", value,
+                                                       style="|" if "\n" in value else None))
 
 
 def component_document(role: str, part: str, index: int, count: int) -> str:
@@ -98,12 +100,21 @@ def component_documents(role: str, script: str) -> list[str]:
             parts[offset * count // len(script)] += line
             offset += len(line)
         documents = [component_document(role, part, i, count) for i, part in enumerate(parts)]
-        if all(part and len(document) <= COMPONENT_DATA_LIMIT for part, document in zip(parts, documents)):
+        if all(part and len(document) <= COMPONENT_DATA_LIMIT for part, document in zip(parts, documents, strict=True)):
             return documents
     raise ValueError(f"build_image.sh does not cut into documents of {COMPONENT_DATA_LIMIT} characters")
 
 
 BUILD_LOG_DAYS = 30
+
+
+
+def built_ami(resources: Sequence[aws.imagebuilder.outputs.ImageOutputResource]) -> str:
+    """The AMI an image build made, from the image's output resources."""
+    amis = resources[0].amis
+    if not amis or not amis[0].image:
+        raise ValueError("the image build reports no AMI among its output resources")
+    return amis[0].image
 
 
 class NodeImage(pulumi.ComponentResource):
@@ -160,5 +171,5 @@ class NodeImage(pulumi.ComponentResource):
             name, image_recipe_arn=recipe.arn, infrastructure_configuration_arn=infrastructure.arn,
             distribution_configuration_arn=distribution.arn, logging_configuration={"log_group_name": build_log.name},
             opts=child(self, custom_timeouts=pulumi.CustomTimeouts(create=BUILD_TIMEOUT)))
-        self.image_id = image.output_resources.apply(lambda resources: resources[0].amis[0].image)
+        self.image_id = image.output_resources.apply(built_ami)
         self.register_outputs({"image_id": self.image_id})

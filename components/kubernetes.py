@@ -19,9 +19,9 @@ import pulumi_kubernetes as k8s
 from components import child
 from components.gpu_pool import launch_template, placement_group
 from components.iam import ASSUME_AND_TAG, MANAGED_POLICY, policy, trust
-from gpucluster.spec import eks
-from gpucluster.render import kube
 from gpucluster.contract import settings
+from gpucluster.render import kube
+from gpucluster.spec import eks
 from gpucluster.spec.model import PoolSpec, Stack
 
 ACCESS_POLICY = "arn:aws:eks::aws:cluster-access-policy/"
@@ -53,7 +53,7 @@ class EksCluster(pulumi.ComponentResource):
     node_role_arn: pulumi.Output[str]
     kubeconfig: pulumi.Output[str]
     version: pulumi.Output[str]
-    node_security_group_ids: list[pulumi.Output[str]]
+    node_security_group_ids: list[pulumi.Input[str]]
 
     def __init__(self, name: str, args: EksClusterArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpucluster:kubernetes:EksCluster", name, None, opts)
@@ -62,7 +62,8 @@ class EksCluster(pulumi.ComponentResource):
         if second_subnet is None:
             if not args.control_plane_cidr:
                 raise ValueError("the EKS control plane needs a second subnet: control_plane_subnet_id (an existing "
-                                 "subnet in another AZ) or control_plane_cidr (the range of a new VPC to create one in)")
+                                 "subnet in another AZ) or control_plane_cidr (the range of a new VPC to create one "
+                                 "in)")
             zone = settings_.control_plane_availability_zone or other_zone(stack.spec.availability_zone)
             # Holds only the control plane's interfaces, which talk to the nodes inside the VPC: no route out needed.
             second_subnet = aws.ec2.Subnet(
@@ -147,7 +148,7 @@ class EksCluster(pulumi.ComponentResource):
         addons = dict(made)
         for addon in sorted(names, key=lambda a: a != "eks-pod-identity-agent"):
             vpc_cni = addon == "vpc-cni"
-            association = None
+            association: list[aws.eks.AddonPodIdentityAssociationArgsDict] | None = None
             if vpc_cni:
                 cni = aws.iam.Role(f"{name}-vpc-cni",
                                    assume_role_policy=trust("pods.eks.amazonaws.com", ASSUME_AND_TAG), opts=child(self))
@@ -159,7 +160,8 @@ class EksCluster(pulumi.ComponentResource):
                 resolve_conflicts_on_create="OVERWRITE", resolve_conflicts_on_update="PRESERVE",
                 pod_identity_associations=association,
                 # CoreDNS runs on the tainted system nodes (EKS's default tolerations say so too; explicit here).
-                configuration_values=json.dumps({"tolerations": kube.SYSTEM_TOLERATIONS}) if addon == "coredns" else None,
+                configuration_values=(json.dumps({"tolerations": kube.SYSTEM_TOLERATIONS}) if addon == "coredns"
+                                      else None),
                 opts=child(self, depends_on=[*after, *([addons["eks-pod-identity-agent"]] if vpc_cni else [])]))
         return {a: addons[a] for a in names}
 
@@ -225,9 +227,19 @@ class NodePoolArgs:
     cluster_name: pulumi.Input[str]
     node_role_arn: pulumi.Input[str]
     subnet_id: pulumi.Input[str]
-    security_group_ids: Sequence[pulumi.Input[str]]  # the stack's and the cluster's (EksCluster.node_security_group_ids)
+    # the stack's and the cluster's (EksCluster.node_security_group_ids)
+    security_group_ids: Sequence[pulumi.Input[str]]
     version: pulumi.Input[str]  # the cluster's: the node group's AMI follows it
     depends_on: Sequence[pulumi.Resource] = ()  # the node role's policies and access entry
+
+
+
+def autoscaling_group_name(resources: Sequence[aws.eks.outputs.NodeGroupResource]) -> str:
+    """The Auto Scaling group EKS made for a managed node group, from the node group's resources."""
+    groups = resources[0].autoscaling_groups
+    if not groups or not groups[0].name:
+        raise ValueError("the node group reports no Auto Scaling group among its resources")
+    return groups[0].name
 
 
 class NodePool(pulumi.ComponentResource):
@@ -264,7 +276,7 @@ class NodePool(pulumi.ComponentResource):
             # The autoscaler owns the desired size once the group exists.
             opts=child(self, depends_on=list(args.depends_on), ignore_changes=["scalingConfig.desiredSize"]),
         )
-        asg_name = node_group.resources.apply(lambda r: r[0].autoscaling_groups[0].name)
+        asg_name = node_group.resources.apply(autoscaling_group_name)
         for i, (key, value) in enumerate(sorted(autoscaler_node_template_tags(stack, pool).items())):
             aws.autoscaling.Tag(f"{name}-ca-{i}", autoscaling_group_name=asg_name,
                                 tag={"key": key, "value": value, "propagate_at_launch": False}, opts=child(self))
@@ -316,8 +328,8 @@ class ClusterSoftwareArgs:
 
 
 class ClusterSoftware(pulumi.ComponentResource):
-    """Pinned Helm releases: the Cluster Autoscaler (with its Pod Identity role), the NVIDIA, Neuron and EFA device plugins,
-    Kueue, and the Prometheus stack with dcgm-exporter."""
+    """Pinned Helm releases: the Cluster Autoscaler (with its Pod Identity role), the NVIDIA, Neuron and EFA device
+    plugins, Kueue, and the Prometheus stack with dcgm-exporter."""
 
     autoscaler_role_arn: pulumi.Output[str]
     autoscaler_role_name: pulumi.Output[str]
@@ -348,7 +360,8 @@ class ClusterSoftware(pulumi.ComponentResource):
             release("efa-device-plugin", eks.EFA_DEVICE_PLUGIN, kube.efa_device_plugin_values(), child(self))
         self.kueue = release("kueue", eks.KUEUE, kube.kueue_values(stack), child(self))
         alertmanager = aws.iam.Role(f"{name}-alertmanager",
-                                    assume_role_policy=trust("pods.eks.amazonaws.com", ASSUME_AND_TAG), opts=child(self))
+                                    assume_role_policy=trust("pods.eks.amazonaws.com", ASSUME_AND_TAG),
+                                    opts=child(self))
         # Alertmanager's SNS receiver (SigV4) publishes the alerts to the stack's topic: that topic only.
         aws.iam.RolePolicy(f"{name}-alertmanager", role=alertmanager.id,
                            policy=pulumi.Output.from_input(args.alerts_topic_arn).apply(lambda arn: policy([{
@@ -438,7 +451,8 @@ class QueueGuardrail(pulumi.ComponentResource):
                  "Resource": a[0]},
                 {"Sid": "ReadBudget", "Effect": "Allow", "Action": "budgets:ViewBudget", "Resource": a[1]},
                 # On reopening, lift the autoscaler's scale-up deny: whether it ran, and reversing it; that action only
-                # (DescribeBudgetAction takes the action's ARN, where DescribeBudgetActionsForBudget needs the budget's).
+                # (DescribeBudgetAction takes the action's ARN, where DescribeBudgetActionsForBudget needs the
+                # budget's).
                 {"Sid": "ReverseLaunchDeny", "Effect": "Allow",
                  "Action": ["budgets:DescribeBudgetAction", "budgets:ExecuteBudgetAction"], "Resource": a[2]}])),
             opts=child(self))

@@ -8,8 +8,18 @@ import pulumi
 import pulumi_kubernetes as k8s
 
 from components.budget import LaunchDeny, LaunchDenyArgs
-from components.kubernetes import (ClusterSoftware, ClusterSoftwareArgs, EksCluster, EksClusterArgs, NodePool,
-                                   NodePoolArgs, QueueGuardrail, QueueGuardrailArgs, TeamSpace, TeamSpaceArgs)
+from components.kubernetes import (
+    ClusterSoftware,
+    ClusterSoftwareArgs,
+    EksCluster,
+    EksClusterArgs,
+    NodePool,
+    NodePoolArgs,
+    QueueGuardrail,
+    QueueGuardrailArgs,
+    TeamSpace,
+    TeamSpaceArgs,
+)
 from components.network import control_plane_cidr
 from components.shared import create_shared_parts, shared_outputs
 from gpucluster.render import kube
@@ -38,6 +48,8 @@ def create_kubernetes_cluster(stack: Stack) -> dict[str, object]:
     # Everything in the cluster goes through the API with the identity running Pulumi, once a node runs the add-ons.
     provider = k8s.Provider("eks", kubeconfig=cluster.kubeconfig, enable_server_side_apply=True,
                             opts=pulumi.ResourceOptions(depends_on=[cluster.system_nodes, *cluster.addons]))
+    if opts.provider is None:
+        raise ValueError("the stack's resource options name no AWS provider (create_shared_parts sets one)")
     in_cluster = pulumi.ResourceOptions(providers={"aws": opts.provider, "kubernetes": provider})
     software = ClusterSoftware(stack.cluster_name, ClusterSoftwareArgs(
         stack=stack, cluster_name=cluster.name, cluster_arn=cluster.arn,
@@ -53,8 +65,9 @@ def create_kubernetes_cluster(stack: Stack) -> dict[str, object]:
             role_arn=software.autoscaler_role_arn, topic_arn=budget.topic_arn, account_id=shared.account_id,
             denied_actions=SCALE_UP_ACTIONS), opts)
         QueueGuardrail(stack.cluster_name, QueueGuardrailArgs(
-            stack=stack, cluster_name=cluster.name, queue_url=budget.queue_url,  # type: ignore[arg-type]
-            queue_arn=budget.queue_arn, budget_arn=budget.budget_arn,  # type: ignore[arg-type]
+            stack=stack, cluster_name=cluster.name, budget_arn=budget.budget_arn,
+            queue_url=budget.queue_url,  # type: ignore[arg-type]  # the budget has it: act is set
+            queue_arn=budget.queue_arn,  # type: ignore[arg-type]  # the budget has it: act is set
             act_threshold_percent=act, launch_deny_action_id=deny.action_id, launch_deny_action_arn=deny.action_arn,
             kueue=software.kueue), in_cluster)
     return {

@@ -51,7 +51,8 @@ class Network(pulumi.ComponentResource):
         if args.vpc_cidr:
             self.vpc_id, self.subnet_id = self._new_vpc(name, args, args.vpc_cidr)
         elif args.vpc_id and args.subnet_id:
-            self.vpc_id, self.subnet_id = pulumi.Output.from_input(args.vpc_id), pulumi.Output.from_input(args.subnet_id)
+            self.vpc_id = pulumi.Output.from_input(args.vpc_id)
+            self.subnet_id = pulumi.Output.from_input(args.subnet_id)
         else:
             raise ValueError("a network needs vpc_cidr (a new VPC) or both vpc_id and subnet_id (an existing VPC and "
                              f"its private subnet); got vpc_id={args.vpc_id!r}, subnet_id={args.subnet_id!r}")
@@ -59,7 +60,8 @@ class Network(pulumi.ComponentResource):
         sg = aws.ec2.SecurityGroup(
             f"{name}-cluster",
             vpc_id=self.vpc_id,
-            description="gpucluster members: all traffic among themselves (EFA, NCCL, Slurm, Lustre); no inbound from outside",
+            description="gpucluster members: all traffic among themselves (EFA, NCCL, Slurm, Lustre); "
+                        "no inbound from outside",
             opts=child(self),
         )
         # EFA's SRD traffic needs an all-protocol rule to and from the group itself. It also covers Lustre (TCP 988,
@@ -103,7 +105,8 @@ class Network(pulumi.ComponentResource):
             f"{name}-public", vpc_id=vpc.id, routes=[{"cidr_block": "0.0.0.0/0", "gateway_id": igw.id}],
             opts=child(self),
         )
-        aws.ec2.RouteTableAssociation(f"{name}-public", subnet_id=public.id, route_table_id=public_rt.id, opts=child(self))
+        aws.ec2.RouteTableAssociation(f"{name}-public", subnet_id=public.id, route_table_id=public_rt.id,
+                                      opts=child(self))
         private_rt = aws.ec2.RouteTable(
             f"{name}-private", vpc_id=vpc.id, routes=[{"cidr_block": "0.0.0.0/0", "nat_gateway_id": nat.id}],
             opts=child(self),
@@ -118,7 +121,8 @@ class Network(pulumi.ComponentResource):
             route_table_ids=[private_rt.id], opts=child(self),
         )
         endpoint_sg = aws.ec2.SecurityGroup(
-            f"{name}-endpoints", vpc_id=vpc.id, description="HTTPS from inside the VPC to the Session Manager endpoints",
+            f"{name}-endpoints", vpc_id=vpc.id,
+            description="HTTPS from inside the VPC to the Session Manager endpoints",
             opts=child(self),
         )
         aws.vpc.SecurityGroupIngressRule(

@@ -83,7 +83,8 @@ def create_slurm_cluster(stack: Stack, examples_dir: Path) -> dict[str, object]:
     act = spec.budget.act_threshold_percent
     guardrail = None if act is None else GuardrailWiring(
         budget_name=budget.budget_name, budget_arn=budget.budget_arn, act_threshold_percent=act,
-        queue_url=budget.queue_url, queue_arn=budget.queue_arn, topic_arn=budget.topic_arn)  # type: ignore[arg-type]
+        queue_url=budget.queue_url, queue_arn=budget.queue_arn,  # type: ignore[arg-type]  # the budget has it: act is set
+        topic_arn=budget.topic_arn)
     head = HeadNode(
         stack.cluster_name,
         HeadNodeArgs(
@@ -110,7 +111,7 @@ def create_slurm_cluster(stack: Stack, examples_dir: Path) -> dict[str, object]:
             alerts_topic_arn=budget.topic_arn,
             interruption_queue_url=events.queue_url if events else None,
             interruption_queue_arn=events.queue_arn if events else None,
-            ami_id=spec.head_node.ami_id or baked("head"),  # type: ignore[arg-type]
+            ami_id=spec.head_node.ami_id or baked("head"),
             guardrail=guardrail,
         ),
         opts,

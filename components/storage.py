@@ -84,13 +84,14 @@ class Storage(pulumi.ComponentResource):
             # and a final backup at delete, which would outlive the stack and bill: the data is in S3 already.
             copy_tags_to_backups=True if lustre.deployment_type == "PERSISTENT_2" else None,
             skip_final_backup=True if lustre.deployment_type == "PERSISTENT_2" else None,
-            # CreateFileSystem checks the group's rules synchronously (InvalidNetworkSettings, aws-parallelcluster#6181).
+            # CreateFileSystem checks the group's rules synchronously (InvalidNetworkSettings,
+            # aws-parallelcluster#6181).
             opts=child(self, retain_on_delete=lustre.keeps_file_system,
                        depends_on=list(args.security_group_rules)),
         )
         # One association for the whole namespace: new, changed and deleted S3 objects show under /fsx.
         events = ["NEW", "CHANGED", "DELETED"]
-        policies: dict[str, object] = {"auto_import_policy": {"events": events}}
+        policies: aws.fsx.DataRepositoryAssociationS3ArgsDict = {"auto_import_policy": {"events": events}}
         # Only the stack's own bucket takes exports (checkpoints, and deletions under /fsx). A bucket the team named
         # holds their dataset: exporting would let `rm` under /fsx delete their objects.
         if lustre.exports:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import boto3
 import pytest
@@ -42,13 +43,13 @@ class FakeSlurm(SlurmControl):
 
 
 @pytest.fixture(name="ec2")
-def ec2_fixture():  # type: ignore[no-untyped-def]
+def ec2_fixture():
     """An EC2 client of in-process moto (import the fixture by this name: test functions take `ec2`)."""
     with mock_aws():
         yield boto3.client("ec2", region_name="us-east-1")
 
 
-def make_config(ec2, **overrides: object) -> ClusterSettings:  # type: ignore[no-untyped-def]
+def make_config(ec2, **overrides: Any) -> ClusterSettings:
     """Two pools of p5 (spot and on-demand) in moto; the registry in a fresh directory."""
     overrides.setdefault("registry_file", str(Path(tempfile.mkdtemp(prefix="registry-")) / "instances.json"))
     vpc = ec2.create_vpc(CidrBlock="10.0.0.0/16")["Vpc"]["VpcId"]
@@ -59,10 +60,10 @@ def make_config(ec2, **overrides: object) -> ClusterSettings:  # type: ignore[no
     )["LaunchTemplate"]["LaunchTemplateId"]
     pools = {name: PoolSettings(name, template, subnet, "p5.48xlarge", market)
              for name, market in (("p5-spot", "spot"), ("p5-od", "on-demand"))}
-    return ClusterSettings(cluster="c1", region="us-east-1", pools=pools, log_file="/dev/null", **overrides)  # type: ignore[arg-type]
+    return ClusterSettings(cluster="c1", region="us-east-1", pools=pools, log_file="/dev/null", **overrides)
 
 
-def live(config: ClusterSettings, ec2) -> dict[str, str]:  # type: ignore[no-untyped-def]
+def live(config: ClusterSettings, ec2) -> dict[str, str]:
     """node -> instance, for the registry's nodes whose instance runs."""
     running = fleet.cluster_instances(config, ec2)
     return {n: e["instance"] for n, e in read_registry(config).instances.items() if e["instance"] in running}

@@ -40,10 +40,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable
 
-from gpucluster.render import slurm
 from gpucluster.contract.settings import CLUSTER_TAG, LOGIN_USER, NODE_REGISTRY, POOL_TAG, SCRAPE_JOBS
-from gpucluster.spec.model import Stack
 from gpucluster.project import EXAMPLES_DIR
+from gpucluster.render import slurm
+from gpucluster.spec.model import Stack
 
 ROOT = Path(__file__).resolve().parent.parent
 REHEARSAL = Path(__file__).resolve().parent / "rehearsal"
@@ -53,7 +53,7 @@ REQUIRED = ("/usr/bin/python3", "munged", "slurmctld", "slurmd", "slurmdbd", "si
 # What a user or a test runs on the head node: these commands enter its namespaces (a login on the head).
 HEAD_COMMANDS = ("sbatch", "squeue", "scontrol", "sinfo", "sacctmgr", "sshare", "sacct", "scancel", "srun", "sreport")
 BOOT_SECONDS = 2.0
-SITE_PACKAGES = Path(__import__("boto3").__file__).resolve().parent.parent
+SITE_PACKAGES = Path(__import__("boto3").__path__[0]).resolve().parent
 # What the node image's python3-boto3 gives the system Python (Debian's is too old for AWS_ENDPOINT_URL): copied out
 # of the test venv, whose directory the slurm user running the resume program may not be allowed to enter.
 AWS_SDK = ("boto3", "botocore", "s3transfer", "jmespath", "dateutil", "urllib3", "six.py")
@@ -143,8 +143,9 @@ def wait_for(what: str, ready: Callable[[], bool], watched: list[subprocess.Pope
 
 class AwsFront:
     """An HTTP front for moto, one per caller (a node, or the tests), so that each AWS call is counted against who made
-    it. It can answer CreateFleet with an EC2 error for the markets in `failing_markets`, and the next `throttle[action]`
-    calls of an action with ThrottlingException, as AWS does when an account's request rate is spent."""
+    it. It can answer CreateFleet with an EC2 error for the markets in `failing_markets`, and the next
+    `throttle[action]` calls of an action with ThrottlingException, as AWS does when an account's request rate is
+    spent."""
 
     def __init__(self, upstream: str, who: str, calls: list[tuple[str, str]], failing_markets: dict[str, str],
                  throttle: dict[str, int]):
@@ -195,7 +196,7 @@ class AwsFront:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     @staticmethod
-    def action(method: str, path: str, headers, body: bytes) -> str:  # type: ignore[no-untyped-def]
+    def action(method: str, path: str, headers, body: bytes) -> str:
         """The API call: the JSON protocols name it in X-Amz-Target, the query protocols in Action=, S3 by method."""
         if target := headers.get("X-Amz-Target"):
             return target.rsplit(".", 1)[-1]
@@ -309,12 +310,14 @@ class RehearsalNode:
             link.symlink_to(self.volume)
         for where in ("/dev/disk/by-id", "/fsx"):
             Path(where).mkdir(parents=True, exist_ok=True)  # mount points on this machine; empty
-        mounts = [f"mount -t overlay overlay -o lowerdir={d},upperdir={self._dir(d, 'up')},workdir={self._dir(d, 'work')} {d}"
-                  for d in OVERLAID]
-        mounts += [f"mount --bind {run_dir} /run", "mount -t tmpfs tmpfs /dev/shm", f"mount --bind {disk} /dev/disk/by-id",
+        mounts = [f"mount -t overlay overlay -o lowerdir={d},upperdir={self._dir(d, 'up')},"
+                  f"workdir={self._dir(d, 'work')} {d}" for d in OVERLAID]
+        mounts += [f"mount --bind {run_dir} /run", "mount -t tmpfs tmpfs /dev/shm",
+                   f"mount --bind {disk} /dev/disk/by-id",
                    f"mount --bind {self.fsx} /fsx", f"mount --bind {REHEARSAL / 'systemctl'} /usr/bin/systemctl",
                    # A new instance has EC2's name; a rebooted one the name in its /etc/hostname, as systemd sets it.
-                   f"hostname ip-{self.name}" if first else "hostname -F /etc/hostname", "systemd-tmpfiles --create --prefix=/run --prefix=/var/lib >/dev/null 2>&1 || true",
+                   f"hostname ip-{self.name}" if first else "hostname -F /etc/hostname",
+                   "systemd-tmpfiles --create --prefix=/run --prefix=/var/lib >/dev/null 2>&1 || true",
                    "exec sleep infinity"]
         clock = ["--time", f"--boottime=-{Path('/proc/uptime').read_text().split('.')[0]}"] if self.own_clock else []
         log = open(self.root / "init.log", "ab")
@@ -349,7 +352,8 @@ class RehearsalNode:
                             ("group", f"{LOGIN_USER}:x:{LOGIN_UID}:")):
             target = self._dir("/etc", "up") / name
             host = Path("/etc") / name
-            if not target.exists() and not any(line.split(":")[0] == LOGIN_USER for line in host.read_text().splitlines()):
+            if not target.exists() and not any(line.split(":")[0] == LOGIN_USER
+                                               for line in host.read_text().splitlines()):
                 target.write_text(host.read_text() + entry + "\n")
         if self.gpus:
             # No GPU on this machine: nvidia-smi as the health check asks it (index, uncorrected ECC errors), one
@@ -513,26 +517,27 @@ class LocalCluster:
         self._closers.append(front.close)
         return front
 
-    def aws(self, service: str):  # type: ignore[no-untyped-def]
+    def aws(self, service: str):
         import boto3
 
         return boto3.client(service, endpoint_url=self.moto_url, region_name=self.stack.region,
                             aws_access_key_id="testing", aws_secret_access_key="testing")
 
-    def ec2(self):  # type: ignore[no-untyped-def]
+    def ec2(self):
         return self.aws("ec2")
 
     def _devices(self) -> None:
         self.dev_dir.mkdir(exist_ok=True)
         for pool in self.stack.spec.pools:
-            acc = pool.itype.accelerator
-            for i in range(acc.count if acc else 0):
+            if not (acc := pool.itype.accelerator):
+                continue
+            for i in range(acc.count):
                 device = self.dev_dir / f"{acc.kind}{i}"  # as slurm.device_files names them
                 if not device.is_symlink():
                     device.symlink_to("/dev/null")  # slurmd wants a character device behind each gres.conf File=
 
     # --- AWS in moto: what `pulumi up` would have created -------------------------------------------------------
-    def _aws_world(self, bundle_key: str, userdata) -> None:  # type: ignore[no-untyped-def]
+    def _aws_world(self, bundle_key: str, userdata) -> None:
         from gpucluster.contract.settings import BudgetSettings, ClusterSettings
 
         ec2, s3, ssm = self.ec2(), self.aws("s3"), self.aws("ssm")
@@ -542,8 +547,10 @@ class LocalCluster:
                                         AvailabilityZone=self.stack.spec.availability_zone)["Subnet"]["SubnetId"]
         pools = self._pool_settings(ec2, {})
         head = ec2.run_instances(ImageId=IMAGE_AMI, InstanceType=self.stack.spec.head_node.instance_type, MinCount=1,
-                                 MaxCount=1, SubnetId=self.subnet, TagSpecifications=[{"ResourceType": "instance", "Tags": [
-                                     {"Key": "Name", "Value": f"{self.stack.cluster_name}-head"}]}])["Instances"][0]
+                                 MaxCount=1, SubnetId=self.subnet, TagSpecifications=[{
+                                     "ResourceType": "instance",
+                                     "Tags": [{"Key": "Name", "Value": f"{self.stack.cluster_name}-head"}]}],
+                                 )["Instances"][0]
         self.head_instance, self.head_address = head["InstanceId"], head["PrivateIpAddress"]
         self.volume_id = ec2.create_volume(AvailabilityZone=self.stack.spec.availability_zone, Size=1)["VolumeId"]
         image = self.root / "state-volume.img"
@@ -584,7 +591,7 @@ class LocalCluster:
         ssm.put_parameter(Name=userdata.config_parameter(self.stack), Type="String", Value=self.settings.to_json())
         self.userdata = userdata
 
-    def _pool_settings(self, ec2, known: dict) -> dict:  # type: ignore[no-untyped-def,type-arg]
+    def _pool_settings(self, ec2, known: dict) -> dict:
         """What the GpuPool components export for the stack's pools: a launch template for each new one."""
         from gpucluster.contract.settings import PoolSettings
 
@@ -594,7 +601,8 @@ class LocalCluster:
                 LaunchTemplateName=f"{self.stack.cluster_name}-{pool.name}",
                 LaunchTemplateData={"ImageId": IMAGE_AMI, "InstanceType": pool.instance_type,
                                     "TagSpecifications": [{"ResourceType": "instance", "Tags": [
-                                        {"Key": k, "Value": v} for k, v in {**self.stack.tags, POOL_TAG: pool.name}.items()]}]},
+                                        {"Key": k, "Value": v}
+                                        for k, v in {**self.stack.tags, POOL_TAG: pool.name}.items()]}]},
             )["LaunchTemplate"]["LaunchTemplateId"]
             acc = pool.itype.accelerator
             pools[pool.name] = PoolSettings(name=pool.name, launch_template_id=template, subnet_id=self.subnet,
@@ -616,7 +624,8 @@ class LocalCluster:
         data = bundle.build(stack, EXAMPLES_DIR, self.layout)
         key = bundle.key(data)
         self.aws("s3").put_object(Bucket=self.settings.bundle_bucket, Key=key, Body=data)
-        self.settings = replace(self.settings, pools=self._pool_settings(self.ec2(), self.settings.pools), bundle_key=key)
+        self.settings = replace(self.settings, pools=self._pool_settings(self.ec2(), self.settings.pools),
+                                bundle_key=key)
         self.aws("ssm").put_parameter(Name=self.userdata.config_parameter(stack), Type="String",
                                       Value=self.settings.to_json(), Overwrite=True)
 
@@ -652,7 +661,7 @@ class LocalCluster:
         self.head = RehearsalNode(name, self.root / name, self.userdata.head_node(self.stack), self.front("head"),
                                   imds, self.fsx, self.sdk, volume=Path(self.volume_device), volume_id=self.volume_id)
         self.head.boot()
-        (self.root / "head.pid").write_text(str(self.head.init.pid))  # type: ignore[union-attr]
+        (self.root / "head.pid").write_text(str(self.head.init.pid))  # type: ignore[union-attr]  # boot() started it
         self.wait_booted(self.head, seconds)
         # As the README tells admins: users other than the image's login user are added by hand; the tests submit
         # as root.
@@ -671,7 +680,7 @@ class LocalCluster:
         node.power_off()
         node.boot()
         if node is self.head:
-            (self.root / "head.pid").write_text(str(self.head.init.pid))  # type: ignore[union-attr]
+            (self.root / "head.pid").write_text(str(self.head.init.pid))  # type: ignore[union-attr]  # boot() started it
         self.wait_booted(node, seconds)
 
     def wait_booted(self, node: RehearsalNode, seconds: float) -> None:
@@ -724,7 +733,7 @@ class LocalCluster:
         entries = json.loads(path.read_text())["instances"] if path.exists() else {}
         return {entry["instance"]: node for node, entry in entries.items()}
 
-    def _live(self, ec2=None) -> dict[str, dict[str, str]]:  # type: ignore[no-untyped-def]
+    def _live(self, ec2=None) -> dict[str, dict[str, str]]:
         """Pending or running instances of this cluster's pools in moto: instance id -> its tags."""
         ec2 = ec2 or self.ec2()
         reservations = ec2.describe_instances(Filters=[
@@ -733,11 +742,11 @@ class LocalCluster:
         return {i["InstanceId"]: {t["Key"]: t["Value"] for t in i.get("Tags", [])}
                 for r in reservations for i in r["Instances"]}
 
-    def instances_by_id(self, ec2=None) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    def instances_by_id(self, ec2=None) -> dict[str, str]:
         """Instance id -> pool."""
         return {instance: tags.get(POOL_TAG, "") for instance, tags in self._live(ec2).items()}
 
-    def instances(self, ec2=None) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    def instances(self, ec2=None) -> dict[str, str]:
         """Live instances the cluster knows as nodes: node name -> instance id."""
         live = self._live(ec2)
         return {node: instance for instance, node in self.registry().items() if instance in live}

@@ -4,6 +4,7 @@ systemd reads them, the accounting database's directory. (The munge key's trip t
 from __future__ import annotations
 
 import configparser
+import logging
 import os
 import pwd
 import shutil
@@ -15,9 +16,8 @@ import pytest
 
 from conftest import ROOT
 from gpucluster.contract import reasons, settings as contract
-from gpucluster.render import userdata
-
 from gpucluster.node import bootstrap
+from gpucluster.render import userdata
 
 PACKAGED_SLURMD = Path("/lib/systemd/system/slurmd.service")  # Debian's slurmd package (make test installs it)
 
@@ -51,8 +51,8 @@ def test_nccl_environment_turns_on_efa_only_where_the_pool_has_it() -> None:  # 
 
 
 def test_usage_error_exits_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(bootstrap.logging, "FileHandler", lambda path: bootstrap.logging.StreamHandler())
-    monkeypatch.setattr(bootstrap.Path, "mkdir", lambda *a, **k: None)
+    monkeypatch.setattr(logging, "FileHandler", lambda path: logging.StreamHandler())
+    monkeypatch.setattr(Path, "mkdir", lambda *a, **k: None)
     assert bootstrap.main(["bootstrap.py", "nonsense"]) == 2
 
 
@@ -156,7 +156,11 @@ def test_database_dir_from_an_earlier_head_is_given_to_mysql(tmp_path: Path, mon
         os.chown(path, 0, 0)
     real_run = bootstrap.run
     ran: list[tuple[str, ...]] = []
-    monkeypatch.setattr(bootstrap, "run", lambda *args, **kw: ran.append(args) or real_run(*args, **kw))
+
+    def recorded(*args, **kw):
+        ran.append(args)
+        return real_run(*args, **kw)
+    monkeypatch.setattr(bootstrap, "run", recorded)
 
     bootstrap.database_dir(data, conf)
 
@@ -197,7 +201,7 @@ def test_a_rebooted_instance_keeps_its_node(tmp_path: Path, monkeypatch: pytest.
     saved = tmp_path / "node-name"
     saved.write_text("p5-od-3\n")
     monkeypatch.setattr(bootstrap, "imds", lambda path: pytest.fail("asked the metadata service again"))
-    assert bootstrap.node_name(None, saved) == "p5-od-3"  # type: ignore[arg-type]
+    assert bootstrap.node_name(None, saved) == "p5-od-3"  # type: ignore[arg-type]  # a saved name needs no settings
 
 
 def test_real_scontrol_accepts_the_client_conf(tmp_path: Path) -> None:
@@ -205,8 +209,8 @@ def test_real_scontrol_accepts_the_client_conf(tmp_path: Path) -> None:
     file reaching the controller)."""
     settings = contract.ClusterSettings(cluster="team-a", region="us-east-1", pools={}, slurmctld_port=16817)
     conf = bootstrap.slurm_client_conf(settings, tmp_path / "client.conf")
-    offline = subprocess.run(["scontrol", "show", "hostnames", "p5-od-[1-2]"], env={**os.environ, "SLURM_CONF": str(conf)},
-                             capture_output=True, text=True, timeout=30)
+    offline = subprocess.run(["scontrol", "show", "hostnames", "p5-od-[1-2]"],
+                             env={**os.environ, "SLURM_CONF": str(conf)}, capture_output=True, text=True, timeout=30)
     assert offline.stdout.split() == ["p5-od-1", "p5-od-2"], offline.stderr
 
 
@@ -222,15 +226,17 @@ def test_update_units_are_ones_systemd_accepts_and_look_every_minute(tmp_path: P
     # Ordered after the boot unit (a reboot's bootstrap and an update never run together), without starting it.
     assert f"After={contract.BOOT_UNIT}" in service.read_text() and "Wants=" not in service.read_text()
     assert f"fetch_bundle.py {contract.NODE_ENV_FILE} --update {contract.APPLIED_FILE}" in service.read_text()
-    assert f"ExecStart=/usr/bin/python3 {contract.LIB_DIR}/gpucluster/node/fetch_bundle.py" in service.read_text()  # the bundle's
+    # the bundle's fetch_bundle.py
+    assert f"ExecStart=/usr/bin/python3 {contract.LIB_DIR}/gpucluster/node/fetch_bundle.py" in service.read_text()
 
 
 def test_the_fetcher_and_the_bootstrap_agree_on_what_was_applied(tmp_path: Path) -> None:
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("fetch_bundle", ROOT / "gpucluster" / "node" / "fetch_bundle.py")
-    fetcher = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(fetcher)  # type: ignore[union-attr]
+    assert spec is not None and spec.loader is not None
+    fetcher = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fetcher)
     settings, marker = tmp_path / "cluster.json", tmp_path / "applied"
     settings.write_bytes(b'{"cluster": "c1"}')
     assert not fetcher.applied(str(marker), settings.read_bytes())  # never applied
@@ -254,7 +260,8 @@ def test_the_fetcher_and_the_bootstrap_agree_on_what_was_applied(tmp_path: Path)
     # DOWN with an instance perhaps left: no job runs on it, powered down now.
     ({"x-1": {"DOWN", "CLOUD", "NOT_RESPONDING"}}, [("nodename=x-1", "state=power_down_force")], ["x-1"]),
     # Being launched for a job: drained like a busy node.
-    ({"x-1": {"ALLOCATED", "CLOUD", "POWERED_DOWN", "POWERING_UP"}}, [("nodename=x-1", "state=power_down_asap")], ["x-1"]),
+    ({"x-1": {"ALLOCATED", "CLOUD", "POWERED_DOWN", "POWERING_UP"}}, [("nodename=x-1", "state=power_down_asap")],
+     ["x-1"]),
 ])
 def test_nodes_a_stack_drops_are_retired_before_they_go(states: dict[str, set[str]], commands: list[tuple[str, str]],
                                                         waiting: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -279,7 +286,7 @@ def test_an_update_restarts_the_services_on_the_units_it_wrote(tmp_path: Path, m
                  "head_monitoring", "command_line"):
         monkeypatch.setattr(bootstrap, name, lambda *args, name=name: steps.append(name))
     monkeypatch.setattr(bootstrap, "run", lambda *args, **kw: steps.append(" ".join(args)))
-    monkeypatch.setattr(bootstrap.shutil, "copytree", lambda *args, **kw: None)
+    monkeypatch.setattr(shutil, "copytree", lambda *args, **kw: None)
     settings = contract.ClusterSettings(cluster="c1", region="us-east-1", pools={}, interruption_queue_url="q",
                                         budget=contract.BudgetSettings("b", "1", 100, "q", "t"))
     assert bootstrap.update(settings)
@@ -301,7 +308,8 @@ def task_prolog(tmp_path: Path, env_text: str, environment: dict[str, str]) -> s
     env_file = tmp_path / "nccl.env"
     env_file.write_text(env_text)
     script = tmp_path / "task_prolog.sh"
-    script.write_text((ROOT / "gpucluster" / "node" / "task_prolog.sh").read_text().replace(contract.NCCL_ENV_FILE, str(env_file)))
+    shipped = (ROOT / "gpucluster" / "node" / "task_prolog.sh").read_text()
+    script.write_text(shipped.replace(contract.NCCL_ENV_FILE, str(env_file)))
     assert str(env_file) in script.read_text()
     return subprocess.run(["sh", str(script)], env={"PATH": "/usr/bin:/bin", **environment}, capture_output=True,
                           text=True, check=True).stdout
@@ -315,7 +323,8 @@ def test_task_prolog_gives_each_task_the_nccl_settings_and_the_users_win(tmp_pat
     assert task_prolog(tmp_path, text, {"NCCL_DEBUG": ""}).count("NCCL_DEBUG") == 0  # set, even empty: theirs
 
 
-def test_shared_home_makes_the_login_users_home_once_and_binds_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_shared_home_makes_the_login_users_home_once_and_binds_it(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     ran: list[tuple[str, ...]] = []
     monkeypatch.setattr(bootstrap, "run", lambda *args, **kw: ran.append(args))
     monkeypatch.setattr(bootstrap, "mounted", lambda where: False)
@@ -346,7 +355,7 @@ def test_lustre_is_mounted_nosuid_nodev(tmp_path: Path, monkeypatch: pytest.Monk
     assert entry.split()[2] == "lustre" and {"nosuid", "nodev"} <= set(entry.split()[3].split(","))
 
 
-def test_grafana_listens_on_localhost_with_prometheus_and_our_boards(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_grafana_listens_on_localhost_with_prometheus_and_our_boards(tmp_path: Path, monkeypatch) -> None:
     """The provisioning Grafana reads: the datasource every board names, the boards from the bundle, 127.0.0.1 only.
     Grafana is not in Debian, so the rehearsal's head runs none; its files are checked here."""
     import json
@@ -357,7 +366,7 @@ def test_grafana_listens_on_localhost_with_prometheus_and_our_boards(tmp_path: P
     assert bootstrap.grafana(systemd, provisioning, home, tmp_path / "password") is None  # an image without Grafana
     home.mkdir()
     owners = []
-    monkeypatch.setattr(bootstrap.shutil, "chown", lambda path, user, group: owners.append((path, user, group)))
+    monkeypatch.setattr(shutil, "chown", lambda path, user, group: owners.append((path, user, group)))
     assert bootstrap.grafana(systemd, provisioning, home, tmp_path / "password") == "grafana-server"
     (source,) = json.loads((provisioning / "datasources" / "gpucluster.yaml").read_text())["datasources"]
     assert source["uid"] == dashboards.DATASOURCE_UID and source["url"] == f"http://127.0.0.1:{contract.PROMETHEUS_PORT}"

@@ -34,13 +34,15 @@ class FakeSlurm(SlurmControl):
                            {"NodeName": "standby-1", "State": "IDLE+CLOUD+POWERED_DOWN"},
                            {"NodeName": "standby-2", "State": "IDLE"},  # always-on: left running
                            {"NodeName": "spot-3", "State": "DOWN+CLOUD+POWERED_DOWN",  # launched while denied
-                            "Reason": "gpucluster: launch failed: UnauthorizedOperation: explicit deny [slurm@2026-11-29T10:00:00]"}]
+                            "Reason": "gpucluster: launch failed: UnauthorizedOperation: explicit deny "
+                                      "[slurm@2026-11-29T10:00:00]"}]
         self.calls: list[tuple[str, ...]] = []
 
     def _run(self, *args: str) -> str:
         self.calls.append(args)
         if args[:2] == ("show", "partitions"):
-            return "\n".join(f"PartitionName={p} AllowGroups=ALL State={s} TotalCPUs=8" for p, s in self.partitions_.items())
+            return "\n".join(f"PartitionName={p} AllowGroups=ALL State={s} TotalCPUs=8"
+                             for p, s in self.partitions_.items())
         if args[:2] == ("show", "jobs"):
             return "\n".join(f"JobId={j} " + " ".join(f"{k}={v}" for k, v in f.items()) for j, f in self.jobs.items())
         if args[:2] == ("show", "nodes"):
@@ -56,7 +58,7 @@ class FakeSlurm(SlurmControl):
 
 
 @pytest.fixture
-def aws():  # type: ignore[no-untyped-def]
+def aws():
     with mock_aws():
         budgets = boto3.client("budgets", region_name="us-east-1")
         sns = boto3.client("sns", region_name="us-east-1")
@@ -70,7 +72,7 @@ def aws():  # type: ignore[no-untyped-def]
         yield budgets, sns, sqs, topic, queue, ear
 
 
-def set_spend(budgets, actual: float, limit: float = 1000.0) -> None:  # type: ignore[no-untyped-def]
+def set_spend(budgets, actual: float, limit: float = 1000.0) -> None:
     """The budget as AWS reports it. moto keeps the CalculatedSpend it is given."""
     try:
         budgets.delete_budget(AccountId=ACCOUNT, BudgetName=BUDGET)
@@ -82,7 +84,7 @@ def set_spend(budgets, actual: float, limit: float = 1000.0) -> None:  # type: i
         "CalculatedSpend": {"ActualSpend": {"Amount": str(actual), "Unit": "USD"}}})
 
 
-def make(aws, tmp_path: Path, act: float = 100, deny_action: bool = False):  # type: ignore[no-untyped-def]
+def make(aws, tmp_path: Path, act: float = 100, deny_action: bool = False):
     budgets, sns, _, topic, queue, _ = aws
     config = ClusterSettings(cluster="gpucluster-t", region="us-east-1", pools={}, log_file="/dev/null",
                              budget_state_file=str(tmp_path / "budget.json"))
@@ -92,13 +94,13 @@ def make(aws, tmp_path: Path, act: float = 100, deny_action: bool = False):  # t
     return guardrail.Guardrail(config, guard, slurm, budgets, sns, team="vision"), slurm
 
 
-def heard(aws) -> list[str]:  # type: ignore[no-untyped-def]
+def heard(aws) -> list[str]:
     _, _, sqs, _, _, ear = aws
     messages = sqs.receive_message(QueueUrl=ear, MaxNumberOfMessages=10).get("Messages", [])
     return [json.loads(m["Body"])["Subject"] for m in messages]
 
 
-def test_spend_over_the_act_threshold_closes_and_under_it_reopens(aws, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_spend_over_the_act_threshold_closes_and_under_it_reopens(aws, tmp_path: Path) -> None:
     g, slurm = make(aws, tmp_path, act=90)
     set_spend(aws[0], 850)
     assert g.check(NOV) == "open" and slurm.partitions_["spot"] == "UP"
@@ -110,7 +112,8 @@ def test_spend_over_the_act_threshold_closes_and_under_it_reopens(aws, tmp_path:
     assert "AdminComment" not in slurm.jobs["7"]  # running jobs are left alone
     # The idle cloud node is released now; the busy one, the powered-down one and the always-on one are not touched.
     assert ("update", "nodename=spot-1", "state=power_down") in slurm.calls
-    assert not [c for c in slurm.calls if c[0] == "update" and c[1].startswith("nodename=") and c[1] != "nodename=spot-1"]
+    assert not [c for c in slurm.calls
+                if c[0] == "update" and c[1].startswith("nodename=") and c[1] != "nodename=spot-1"]
     assert budget_closed(g.config.budget_state_file)
     assert heard(aws) == ["gpucluster gpucluster-t: budget guardrail closed the partitions"]
 
@@ -124,7 +127,7 @@ def test_spend_over_the_act_threshold_closes_and_under_it_reopens(aws, tmp_path:
     assert heard(aws) == ["gpucluster gpucluster-t: budget guardrail reopened the partitions"]
 
 
-def test_a_reconfigure_that_reopens_partitions_is_undone_while_closed(aws, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_reconfigure_that_reopens_partitions_is_undone_while_closed(aws, tmp_path: Path) -> None:
     g, slurm = make(aws, tmp_path)
     set_spend(aws[0], 1200)
     g.check(NOV)
@@ -134,7 +137,7 @@ def test_a_reconfigure_that_reopens_partitions_is_undone_while_closed(aws, tmp_p
     assert slurm.partitions_["spot"] == "DOWN" and slurm.jobs["9"]["AdminComment"].startswith("gpucluster: budget")
 
 
-def test_reopen_by_hand_holds_for_the_month_then_lapses(aws, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_reopen_by_hand_holds_for_the_month_then_lapses(aws, tmp_path: Path) -> None:
     g, slurm = make(aws, tmp_path)
     set_spend(aws[0], 1200)
     g.check(NOV)
@@ -153,7 +156,7 @@ def test_reopen_by_hand_holds_for_the_month_then_lapses(aws, tmp_path: Path) -> 
     assert slurm.partitions_["spot"] == "UP"
 
 
-def test_reopening_reverses_the_budget_action_that_ran(aws, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_reopening_reverses_the_budget_action_that_ran(aws, tmp_path: Path) -> None:
     g, slurm = make(aws, tmp_path, deny_action=True)
     set_spend(aws[0], 1200)
     g.check(NOV)
@@ -184,7 +187,7 @@ def test_reopening_reverses_the_budget_action_that_ran(aws, tmp_path: Path) -> N
 
 
 def test_a_denied_budget_action_is_logged_and_the_partitions_still_reopen(aws, tmp_path: Path,
-                                                                         caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
     g, slurm = make(aws, tmp_path, deny_action=True)
     set_spend(aws[0], 1200)
     g.check(NOV)
@@ -200,7 +203,7 @@ def test_a_denied_budget_action_is_logged_and_the_partitions_still_reopen(aws, t
 
 
 def test_the_service_acts_on_a_message_and_keeps_it_when_the_check_fails(aws, tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     budgets, _, sqs, _, _, _ = aws
     queue = sqs.create_queue(QueueName="short", Attributes={"VisibilityTimeout": "1"})["QueueUrl"]
     g, slurm = make(aws, tmp_path)
@@ -228,7 +231,7 @@ def test_the_service_acts_on_a_message_and_keeps_it_when_the_check_fails(aws, tm
     assert (left["ApproximateNumberOfMessages"], left["ApproximateNumberOfMessagesNotVisible"]) == ("0", "0")
 
 
-def test_every_check_puts_the_spend_where_prometheus_reads_it(aws, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_every_check_puts_the_spend_where_prometheus_reads_it(aws, tmp_path: Path) -> None:
     """The cost board's budget figures: node_exporter's textfile collector reads them from the metrics directory."""
     g, _ = make(aws, tmp_path)
     g.metrics_dir = tmp_path / "textfile"

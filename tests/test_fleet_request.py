@@ -78,4 +78,5 @@ def test_capacity_block_fleet_names_the_block_market_and_nothing_a_block_refuses
     assert "OnDemandOptions" not in sent and "SpotOptions" not in sent
     pool, _ = SCENARIOS["capacity-block"]
     aon = fleet_request(ClusterSettings("team-a", "us-east-1", {pool.name: pool}), pool, 4, True)
-    assert aon["OnDemandOptions"] == {"MinTargetCapacity": 4, "SingleInstanceType": True, "SingleAvailabilityZone": True}
+    assert aon["OnDemandOptions"] == {"MinTargetCapacity": 4, "SingleInstanceType": True,
+                                      "SingleAvailabilityZone": True}

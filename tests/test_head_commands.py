@@ -18,9 +18,9 @@ import pytest
 import standard_library
 from conftest import STACK_FILES
 from gpucluster.contract import settings
+from gpucluster.project import EXAMPLES_DIR
 from gpucluster.render import bundle, dashboards, prometheus, slurm, userdata
 from gpucluster.spec.model import load_stack
-from gpucluster.project import EXAMPLES_DIR
 
 SYSTEM_PYTHON = "/usr/bin/python3"  # what runs the node programs: no pydantic, no venv
 

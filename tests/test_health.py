@@ -18,7 +18,7 @@ TRN = PoolSettings("trn", "lt-2", "subnet-1", "trn1.32xlarge", "on-demand", acce
 
 
 @pytest.fixture
-def tools(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+def tools(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Write a stand-in: tools("nvidia-smi", "echo ...")."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -34,7 +34,7 @@ def gpus(n: int, ecc: dict[int, int] | None = None) -> str:
     return "; ".join(f'echo "{i}, {(ecc or {}).get(i, 0)}"' for i in range(n))
 
 
-def test_a_healthy_node_passes(tools) -> None:  # type: ignore[no-untyped-def]
+def test_a_healthy_node_passes(tools) -> None:
     tools("nvidia-smi", gpus(8))
     tools("fi_info", "; ".join(f'echo "provider: efa"; echo "    domain: rdmap{i}s0-rdm"' for i in range(32)))
     tools("dmesg", 'echo "[  1.0] usual boot noise"')
@@ -47,16 +47,16 @@ def test_a_healthy_node_passes(tools) -> None:  # type: ignore[no-untyped-def]
     ("echo 'NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver' >&2; exit 9",
      "nvidia-smi exited 9: NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver"),
 ])
-def test_gpu_faults_are_found(tools, stand_in: str, problem: str) -> None:  # type: ignore[no-untyped-def]
+def test_gpu_faults_are_found(tools, stand_in: str, problem: str) -> None:
     tools("nvidia-smi", stand_in)
     assert problem in health.accelerators(P5)
 
 
-def test_a_missing_tool_is_a_finding_not_a_crash(tools) -> None:  # type: ignore[no-untyped-def]
+def test_a_missing_tool_is_a_finding_not_a_crash(tools) -> None:
     assert health.accelerators(P5) == ["nvidia-smi not found"]
 
 
-def test_a_hung_tool_costs_its_time_limit_and_no_more(tools, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_hung_tool_costs_its_time_limit_and_no_more(tools, monkeypatch: pytest.MonkeyPatch) -> None:
     tools("nvidia-smi", "sleep 600")
     monkeypatch.setattr(health, "TOOL_SECONDS", 1)
     start = time.monotonic()
@@ -64,7 +64,7 @@ def test_a_hung_tool_costs_its_time_limit_and_no_more(tools, monkeypatch: pytest
     assert "nvidia-smi did not answer in 1 s" in problems and time.monotonic() - start < 3
 
 
-def test_fatal_xids_and_missing_efa_devices(tools) -> None:  # type: ignore[no-untyped-def]
+def test_fatal_xids_and_missing_efa_devices(tools) -> None:
     tools("dmesg", 'echo "[ 99.1] NVRM: Xid (PCI:0000:53:00): 79, pid=1234, GPU has fallen off the bus."; '
                    'echo "[ 99.2] NVRM: Xid (PCI:0000:64:00): 13, Graphics Exception"')
     assert health.fatal_xids() == ["fatal GPU XID(s) 79 in the kernel log"]  # 13 is an application's fault
@@ -72,12 +72,12 @@ def test_fatal_xids_and_missing_efa_devices(tools) -> None:  # type: ignore[no-u
     assert health.efa(P5) == ["31 of 32 EFA devices"]
 
 
-def test_neuron_devices_are_counted(tools) -> None:  # type: ignore[no-untyped-def]
+def test_neuron_devices_are_counted(tools) -> None:
     tools("neuron-ls", "echo '[" + ",".join('{"neuron_device": %d}' % i for i in range(15)) + "]'")
     assert health.accelerators(TRN) == ["15 of 16 Neuron devices"]
 
 
-def test_the_prolog_runs_only_the_fast_checks(tools, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_the_prolog_runs_only_the_fast_checks(tools, monkeypatch: pytest.MonkeyPatch) -> None:
     tools("nvidia-smi", gpus(8))
     tools("fi_info", "exit 1")  # would be a finding in the periodic check
     tools("dmesg", "exit 1")

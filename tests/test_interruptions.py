@@ -11,7 +11,7 @@ from gpucluster.node.resume import resume
 from head_fakes import NOW, FakeSlurm, ec2_fixture, make_config  # noqa: F401  (the ec2 fixture)
 
 
-def spot_event(kind: str, instance: str) -> dict:  # type: ignore[type-arg]
+def spot_event(kind: str, instance: str) -> dict:
     """As EventBridge delivers EC2's warnings (the rule's target is the queue: the event is the message body)."""
     detail = {"instance-id": instance, "instance-action": "terminate"} if kind == SPOT_WARNING else \
         {"instance-id": instance}
@@ -28,7 +28,7 @@ class Clock:
         return self.now
 
 
-def test_a_spot_warning_drains_signals_and_requeues_after_the_grace(ec2, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_spot_warning_drains_signals_and_requeues_after_the_grace(ec2, tmp_path) -> None:
     config = make_config(ec2, events_log=str(tmp_path / "events.jsonl"), checkpoint_grace_seconds=60)
     slurm, clock = FakeSlurm(), Clock()
     launched = resume(config, ec2, slurm, "p5-spot-[1-2]").launched
@@ -50,7 +50,7 @@ def test_a_spot_warning_drains_signals_and_requeues_after_the_grace(ec2, tmp_pat
     assert events[0]["node"] == "p5-spot-1" and events[0]["jobs"] == ["41", "42"]
 
 
-def test_rebalance_drains_without_signalling_unless_turned_off(ec2, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_rebalance_drains_without_signalling_unless_turned_off(ec2, tmp_path) -> None:
     config = make_config(ec2, events_log=str(tmp_path / "events.jsonl"))
     slurm = FakeSlurm()
     instance = resume(config, ec2, slurm, "p5-spot-1").launched["p5-spot-1"]
@@ -64,14 +64,14 @@ def test_rebalance_drains_without_signalling_unless_turned_off(ec2, tmp_path) ->
     assert not [c for c in quiet.calls if c[0] == "update"]
 
 
-def test_warnings_for_other_clusters_instances_are_not_ours(ec2, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_warnings_for_other_clusters_instances_are_not_ours(ec2, tmp_path) -> None:
     config = make_config(ec2, events_log=str(tmp_path / "events.jsonl"))
     slurm = FakeSlurm()
     assert Interruptions(config, slurm).handle(spot_event(SPOT_WARNING, "i-0123456789abcdef0")) == []
     assert not slurm.calls
 
 
-def test_the_service_reads_the_queue_and_deletes_what_it_handled(ec2, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_the_service_reads_the_queue_and_deletes_what_it_handled(ec2, tmp_path) -> None:
     import boto3
 
     sqs = boto3.client("sqs", region_name="us-east-1")

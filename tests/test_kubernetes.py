@@ -17,16 +17,16 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-import standard_library
-from conftest import K8S_STACK_FILES, ROOT, of_type, planned
 
+import standard_library
 from components.kubernetes import autoscaler_node_template_tags
-from gpucluster.spec import catalog, cost, eks
-from gpucluster.render import kube, prometheus
+from conftest import K8S_STACK_FILES, ROOT, of_type, planned
 from gpucluster.node import queue_guardrail
 from gpucluster.plan import Declared, planned_outputs, run_program
-from gpucluster.spec.model import Stack, load_stack, validate
 from gpucluster.project import EXAMPLES_DIR, pulumi_program
+from gpucluster.render import kube, prometheus
+from gpucluster.spec import catalog, cost, eks
+from gpucluster.spec.model import Stack, load_stack, validate
 
 SCHEMAS = ROOT / "tests" / "schemas"
 TEAM_K8S = ROOT / "stacks" / "Pulumi.team-k8s.yaml"
@@ -254,13 +254,15 @@ def test_node_group_per_pool(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
     placement = {g.name: g.inputs for g in of_type(declared, "ec2/placementGroup:PlacementGroup")}
     for pool in stack.spec.pools:
         group, lt = groups[pool.name], templates[pool.name]
-        assert group["amiType"] == ("AL2023_x86_64_NVIDIA" if pool.itype.accelerator.kind == "nvidia"
+        accelerator = pool.itype.accelerator
+        assert accelerator is not None
+        assert group["amiType"] == ("AL2023_x86_64_NVIDIA" if accelerator.kind == "nvidia"
                                     else "AL2023_x86_64_NEURON")
         assert group["capacityType"] == {"on-demand": "ON_DEMAND", "spot": "SPOT"}[pool.capacity]
         assert group["scalingConfig"] == {"minSize": pool.min_nodes, "maxSize": pool.max_nodes,
                                           "desiredSize": pool.min_nodes}
         assert group["labels"] == {"gpucluster/pool": pool.name, "gpucluster/capacity": pool.capacity,
-                                   "gpucluster/accelerator": pool.itype.accelerator.kind,
+                                   "gpucluster/accelerator": accelerator.kind,
                                    "gpucluster/family": "p5-spot" if pool.name.startswith("p5") else pool.name,
                                    **({"gpucluster/efa": "true"} if pool.uses_efa else {})}
         taints = {(t["key"], t["effect"]) for t in group["taints"]}
@@ -364,6 +366,7 @@ def test_autoscaler_node_template_tags_on_each_group(k8s: tuple[Stack, tuple[Dec
         got = tags[f"eks-{stack.cluster_name}-{pool.name}-<uuid at up>"]  # the group EKS made for the node group
         assert got[f"{prefix}/label/gpucluster/pool"] == pool.name
         assert got[f"{prefix}/taint/nvidia.com/gpu"] == "true:NoSchedule"
+        assert pool.itype.accelerator is not None
         assert got[f"{prefix}/resources/nvidia.com/gpu"] == str(pool.itype.accelerator.count)
         if pool.uses_efa:
             assert got[f"{prefix}/resources/vpc.amazonaws.com/efa"] == str(pool.itype.efa_interfaces)
@@ -414,7 +417,8 @@ def test_autoscaler_priority_expander_spot_first(k8s: tuple[Stack, tuple[Declare
     arn = f"arn:aws:autoscaling:{stack.region}:123456789012:autoScalingGroup:0a1b2c3d-uuid:autoScalingGroupName/"
     assert all(fnmatchcase(arn + group, resize["Resource"]) for group in tagged)
     assert not fnmatchcase(arn + "eks-gpucluster-other-p5-od-uuid", resize["Resource"])
-    assert grants["NodeGroups"]["Resource"] == f"arn:aws:eks:{stack.region}:123456789012:nodegroup/{stack.cluster_name}/*"
+    assert (grants["NodeGroups"]["Resource"]
+            == f"arn:aws:eks:{stack.region}:123456789012:nodegroup/{stack.cluster_name}/*")
 
 
 # --- 4. Devices and storage; Helm pins ---------------------------------------------------------------------------
@@ -490,7 +494,8 @@ def test_kueue_flavours_are_pool_families_so_spot_falls_back() -> None:
     assert set(flavours) == {"p5-spot", "g6e"}
     assert flavours["p5-spot"]["nodeLabels"] == {"gpucluster/family": "p5-spot"}
     groups = _groups(stack, declared)
-    assert groups["p5-spot"]["labels"]["gpucluster/family"] == groups["p5-od"]["labels"]["gpucluster/family"] == "p5-spot"
+    assert (groups["p5-spot"]["labels"]["gpucluster/family"] == groups["p5-od"]["labels"]["gpucluster/family"]
+            == "p5-spot")
     assert groups["g6e"]["labels"]["gpucluster/family"] == "g6e"
     # Kueue puts the flavour's tolerations on the pods it admits: the accelerator's taint, and spot's opt-in.
     assert flavours["p5-spot"]["tolerations"] == [
@@ -503,8 +508,10 @@ def test_kueue_flavours_are_pool_families_so_spot_falls_back() -> None:
     for name, group in groups.items():
         if name == "system":
             continue
-        tolerated = {(t["key"], t["value"], t["effect"]) for t in flavours[group["labels"]["gpucluster/family"]]["tolerations"]}
-        assert {(t["key"], t["value"], t["effect"].replace("NO_SCHEDULE", "NoSchedule")) for t in group["taints"]} <= tolerated
+        flavour = flavours[group["labels"]["gpucluster/family"]]
+        tolerated = {(t["key"], t["value"], t["effect"]) for t in flavour["tolerations"]}
+        tainted = {(t["key"], t["value"], t["effect"].replace("NO_SCHEDULE", "NoSchedule")) for t in group["taints"]}
+        assert tainted <= tolerated
     (cq,) = of_type(declared, "kueue.x-k8s.io/v1beta2:ClusterQueue")
     (group,) = cq.inputs["spec"]["resourceGroups"]
     assert [f["name"] for f in group["flavors"]] == ["p5-spot", "g6e"]
@@ -618,8 +625,8 @@ def test_the_guardrail_pod_has_every_file_its_program_imports(k8s: tuple[Stack, 
 
 @pytest.mark.parametrize(("actual", "expected"), [(99.99, "None"), (100.0, "Hold"), (250.0, "Hold"), (0.0, "None")])
 def test_guardrail_holds_at_the_threshold(actual: float, expected: str) -> None:
-    from botocore.stub import Stubber
     import boto3
+    from botocore.stub import Stubber
 
     budgets = boto3.client("budgets", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
     with Stubber(budgets) as stub:
@@ -650,8 +657,8 @@ def _budget_action(status: str) -> dict:
     (150.0, "EXECUTION_SUCCESS", None),  # still over: held, the deny stays
 ])
 def test_guardrail_reverses_the_launch_deny_when_it_reopens(actual: float, status: str, reversed_: bool | None) -> None:
-    from botocore.stub import Stubber
     import boto3
+    from botocore.stub import Stubber
 
     budgets = boto3.client("budgets", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
     ids = {"AccountId": "123456789012", "BudgetName": "b"}
@@ -733,7 +740,7 @@ def test_gpu_idle_alert_reaches_the_stack_topic(k8s: tuple[Stack, tuple[Declared
 def test_example_job() -> None:
     stack = load_stack(TEAM_K8S)
     pool = kube.example_pool(stack)
-    assert pool.uses_efa and pool.itype.accelerator.kind == "nvidia"
+    assert pool.uses_efa and pool.itype.accelerator is not None and pool.itype.accelerator.kind == "nvidia"
     config_map, service, job = kube.example_job(stack, pool, (EXAMPLES_DIR / "ddp_train.py").read_text())
     assert config_map["data"]["ddp_train.py"] == (ROOT / "examples" / "ddp_train.py").read_text()
     assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "default"
@@ -863,7 +870,8 @@ def test_rendered_files_are_what_the_program_declares_and_valid(tmp_path: Path) 
     assert "<file system id at up>" in (tmp_path / "kubernetes" / "team.yaml").read_text()
     key = lambda o: (o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"])  # noqa: E731
     declared_keys = {key(o) for o in k8s_objects(declared)}
-    example = {key(o) for o in kube.example_job(stack, kube.example_pool(stack), (EXAMPLES_DIR / "ddp_train.py").read_text())}
+    job_objects = kube.example_job(stack, kube.example_pool(stack), (EXAMPLES_DIR / "ddp_train.py").read_text())
+    example = {key(o) for o in job_objects}
     assert {key(o) for o in rendered} == declared_keys | example
 
 
@@ -902,6 +910,7 @@ def test_cost_counts_the_control_plane_not_a_head_node() -> None:
     estimate = cost.estimate(stack)
     assert estimate.head_node_monthly == 0
     system = catalog.lookup(eks.SYSTEM_INSTANCE_TYPE).on_demand_usd_per_hour
+    assert system is not None
     assert estimate.kubernetes_monthly == pytest.approx((0.10 + 2 * system) * cost.HOURS_PER_MONTH)
     assert not estimate.images  # EKS's own AMIs: nothing baked
     assert estimate.fixed_hourly == pytest.approx(
@@ -924,6 +933,6 @@ def test_plan_json_for_a_kubernetes_stack(capsys: pytest.CaptureFixture[str]) ->
 def test_no_team_can_take_a_namespace_the_charts_use() -> None:
     from gpucluster.spec.model import RESERVED_NAMESPACES
 
-    charts = (eks.CLUSTER_AUTOSCALER, eks.NVIDIA_DEVICE_PLUGIN, eks.NEURON_DEVICE_PLUGIN, eks.EFA_DEVICE_PLUGIN, eks.KUEUE,
-              eks.KUBE_PROMETHEUS_STACK, eks.DCGM_EXPORTER)
+    charts = (eks.CLUSTER_AUTOSCALER, eks.NVIDIA_DEVICE_PLUGIN, eks.NEURON_DEVICE_PLUGIN, eks.EFA_DEVICE_PLUGIN,
+              eks.KUEUE, eks.KUBE_PROMETHEUS_STACK, eks.DCGM_EXPORTER)
     assert {c.namespace for c in charts} <= set(RESERVED_NAMESPACES)

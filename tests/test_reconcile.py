@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,7 +21,7 @@ from head_fakes import NOW, FakeSlurm, ec2_fixture, live, make_config  # noqa: F
 def view(state: str, reason: str = "", user: str = "slurm", ago: float = 0, **known: object) -> NodeView:
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(NOW - ago))
     record = {"NodeName": "p5-od-1", "State": state, **({"Reason": f"{reason} [{user}@{stamp}]"} if reason else {})}
-    return NodeView.from_slurm(record, **known)  # type: ignore[arg-type]
+    return NodeView.from_slurm(record, **known)
 
 
 S = Status
@@ -65,7 +66,7 @@ def test_classify(case: NodeView, expected: Status) -> None:
     assert classify(case, NOW, retry_base=600) is expected
 
 
-def test_reconcile_acts_per_status(ec2) -> None:  # type: ignore[no-untyped-def]
+def test_reconcile_acts_per_status(ec2) -> None:
     config = make_config(ec2, capacity_retry_seconds=600)
     launched = resume(config, ec2, FakeSlurm(), "p5-od-1,p5-od-2,p5-od-4").launched
     ec2.terminate_instances(InstanceIds=[launched["p5-od-4"]])  # a spot reclaim, say
@@ -89,7 +90,7 @@ def test_reconcile_acts_per_status(ec2) -> None:  # type: ignore[no-untyped-def]
     assert read_registry(config).failures == {"p5-spot-1": 1}  # its next try waits twice as long
 
 
-def test_a_reconcile_during_a_resume_terminates_nothing(ec2) -> None:  # type: ignore[no-untyped-def]
+def test_a_reconcile_during_a_resume_terminates_nothing(ec2) -> None:
     """An instance EC2 launched a moment ago that no node owns yet (the resume program has not recorded it) is left
     alone until its launch grace is over; past it, it is an orphan."""
     config = make_config(ec2, orphan_grace_seconds=300)
@@ -101,14 +102,14 @@ def test_a_reconcile_during_a_resume_terminates_nothing(ec2) -> None:  # type: i
     assert done == {"terminated": fresh} and not fleet.cluster_instances(config, ec2)
 
 
-def test_the_head_node_is_never_an_orphan(ec2) -> None:  # type: ignore[no-untyped-def]
+def test_the_head_node_is_never_an_orphan(ec2) -> None:
     config = make_config(ec2, orphan_grace_seconds=0)
     ec2.run_instances(ImageId="ami-12c6146b", MinCount=1, MaxCount=1, TagSpecifications=[
         {"ResourceType": "instance", "Tags": [{"Key": CLUSTER_TAG, "Value": config.cluster}]}])
     assert reconcile(config, ec2, FakeSlurm()) == {}
 
 
-def test_one_failing_action_does_not_stop_the_others(ec2, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+def test_one_failing_action_does_not_stop_the_others(ec2, caplog: pytest.LogCaptureFixture) -> None:
     config = make_config(ec2, orphan_grace_seconds=0)
     request = fleet.fleet_request(config, config.pools["p5-od"], 1, False)
     stray = ec2.create_fleet(**request)["Instances"][0]["InstanceIds"]
@@ -123,16 +124,16 @@ def test_one_failing_action_does_not_stop_the_others(ec2, caplog: pytest.LogCapt
     assert "reconcile: down p5-od-3 failed" in caplog.text
 
 
-def always_on_config(ec2, budget_state: Path | None = None) -> ClusterSettings:  # type: ignore[no-untyped-def]
+def always_on_config(ec2, budget_state: Path | None = None) -> ClusterSettings:
     config = make_config(ec2)
     pools = {name: PoolSettings(**{**pool.__dict__, "min_nodes": 2 if name == "p5-od" else 0})
              for name, pool in config.pools.items()}
-    extra = {"budget_state_file": str(budget_state)} if budget_state else {}
+    extra: dict[str, Any] = {"budget_state_file": str(budget_state)} if budget_state else {}
     return ClusterSettings(cluster="c1", region="us-east-1", pools=pools, log_file="/dev/null",
-                                registry_file=config.registry_file, **extra)  # type: ignore[arg-type]
+                                registry_file=config.registry_file, **extra)
 
 
-def test_reconcile_powers_up_always_on_nodes_through_slurm(ec2) -> None:  # type: ignore[no-untyped-def]
+def test_reconcile_powers_up_always_on_nodes_through_slurm(ec2) -> None:
     """Slurm powers them up (and runs the resume program): it then counts on them and never suspends them."""
     config = always_on_config(ec2)
     table = [{"NodeName": "p5-od-1", "State": "IDLE+CLOUD+POWERED_DOWN"},
@@ -144,7 +145,7 @@ def test_reconcile_powers_up_always_on_nodes_through_slurm(ec2) -> None:  # type
     assert not fleet.cluster_instances(config, ec2)  # launching is the resume program's part
 
 
-def test_reconcile_powers_up_no_always_on_node_while_the_budget_is_closed(ec2, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_reconcile_powers_up_no_always_on_node_while_the_budget_is_closed(ec2, tmp_path: Path) -> None:
     state = tmp_path / "budget.json"
     config = always_on_config(ec2, state)
     state.write_text('{"closed": true}')  # as the budget guardrail writes it
@@ -155,7 +156,7 @@ def test_reconcile_powers_up_no_always_on_node_while_the_budget_is_closed(ec2, t
     assert reconcile(config, ec2, FakeSlurm(table)) == {"powered up": ["p5-od-1"]}
 
 
-def test_instances_of_nodes_slurm_no_longer_has_are_terminated_after_the_grace(ec2) -> None:  # type: ignore[no-untyped-def]
+def test_instances_of_nodes_slurm_no_longer_has_are_terminated_after_the_grace(ec2) -> None:
     """A stack that dropped nodes, applied by a new head: the registry still names their instances, Slurm does not
     list the nodes. A node Slurm still lists (a dropped pool draining) keeps its instance."""
     config = make_config(ec2, orphan_grace_seconds=300)
@@ -167,7 +168,7 @@ def test_instances_of_nodes_slurm_no_longer_has_are_terminated_after_the_grace(e
     assert set(live(config, ec2)) == {"p5-od-2"} and launched["p5-od-1"] not in fleet.cluster_instances(config, ec2)
 
 
-def test_reconcile_replaces_a_drained_node_once_idle(ec2, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_reconcile_replaces_a_drained_node_once_idle(ec2, tmp_path) -> None:
     config = make_config(ec2, events_log=str(tmp_path / "events.jsonl"))
     launched = resume(config, ec2, FakeSlurm(), "p5-spot-1,p5-od-1").launched
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S")

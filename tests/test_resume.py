@@ -25,11 +25,11 @@ def resume_file(tmp_path: Path, jobs: dict[int, str]) -> str:
     return str(path)
 
 
-def refuse_market(ec2, market: str, code: str = "InsufficientInstanceCapacity") -> None:  # type: ignore[no-untyped-def]
+def refuse_market(ec2, market: str, code: str = "InsufficientInstanceCapacity") -> None:
     """EC2 answers an instant fleet of `market` with no instance and the error, as it does when it has no room."""
     original = ec2.create_fleet
 
-    def create_fleet(**kw):  # type: ignore[no-untyped-def]
+    def create_fleet(**kw):
         if kw["TargetCapacitySpecification"]["DefaultTargetCapacityType"] == market:
             return {"FleetId": "fleet-1", "Instances": [], "Errors": [{"ErrorCode": code, "ErrorMessage": "no room"}]}
         return original(**kw)
@@ -41,7 +41,7 @@ SPOT_ROLE_DOWN = ("gpucluster: launch failed: no spot service-linked role, run o
                   "aws iam create-service-linked-role --aws-service-name spot.amazonaws.com")
 
 
-def test_resume_launches_and_records_each_node_without_a_call_per_instance(ec2) -> None:  # type: ignore[no-untyped-def]
+def test_resume_launches_and_records_each_node_without_a_call_per_instance(ec2) -> None:
     config, slurm = make_config(ec2), FakeSlurm()
     calls: list[str] = []
     ec2.meta.events.register("before-call.ec2", lambda model, **kw: calls.append(model.name))
@@ -57,7 +57,7 @@ def test_resume_launches_and_records_each_node_without_a_call_per_instance(ec2) 
                                                            for n in ("p5-od-1", "p5-od-2", "p5-spot-3")))]
 
 
-def test_resume_keeps_a_nodes_live_instance(ec2) -> None:  # type: ignore[no-untyped-def]
+def test_resume_keeps_a_nodes_live_instance(ec2) -> None:
     """Slurm may resume a node again (a repeated power up, a restarted controller): no second instance for it."""
     config = make_config(ec2)
     first = resume(config, ec2, FakeSlurm(), "p5-od-1").launched
@@ -65,21 +65,28 @@ def test_resume_keeps_a_nodes_live_instance(ec2) -> None:  # type: ignore[no-unt
     assert again["p5-od-1"] == first["p5-od-1"] and len(fleet.cluster_instances(config, ec2)) == 2
 
 
-def test_best_effort_batches_respect_the_batch_size(ec2) -> None:  # type: ignore[no-untyped-def]
+def test_best_effort_batches_respect_the_batch_size(ec2) -> None:
     config = make_config(ec2, batch_size=2, all_or_nothing=False)
     calls = []
     original = ec2.create_fleet
-    ec2.create_fleet = lambda **kw: (calls.append(kw["TargetCapacitySpecification"]["TotalTargetCapacity"])
-                                     or original(**kw))
+
+    def counted(**kw):
+        calls.append(kw["TargetCapacitySpecification"]["TotalTargetCapacity"])
+        return original(**kw)
+    ec2.create_fleet = counted
     resume(config, ec2, FakeSlurm(), "p5-od-[1-5]")
     assert calls == [2, 2, 1]
 
 
-def test_a_job_is_never_split_and_single_node_jobs_share_calls(ec2, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_job_is_never_split_and_single_node_jobs_share_calls(ec2, tmp_path: Path) -> None:
     config = make_config(ec2, batch_size=2)
     sent = []
     original = ec2.create_fleet
-    ec2.create_fleet = lambda **kw: sent.append(kw) or original(**kw)
+
+    def recorded(**kw):
+        sent.append(kw)
+        return original(**kw)
+    ec2.create_fleet = recorded
     jobs = {7: "p5-od-[1-3]", 8: "p5-od-4", 9: "p5-od-5", 10: "p5-od-6"}
     resume(config, ec2, FakeSlurm(), "p5-od-[1-6]", resume_file(tmp_path, jobs))
     shapes = [(kw["TargetCapacitySpecification"]["TotalTargetCapacity"], kw["OnDemandOptions"].get("MinTargetCapacity"))
@@ -88,7 +95,7 @@ def test_a_job_is_never_split_and_single_node_jobs_share_calls(ec2, tmp_path: Pa
     assert shapes == [(3, 3), (2, None), (1, None)]
 
 
-def test_a_resume_file_of_a_manual_power_up_has_no_jobs(ec2, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_resume_file_of_a_manual_power_up_has_no_jobs(ec2, tmp_path: Path) -> None:
     """`scontrol update state=power_up` (the reconciler's, for always-on nodes): Slurm writes an empty job list, and
     null for fields without a value."""
     config = make_config(ec2)
@@ -101,7 +108,7 @@ def test_a_resume_file_of_a_manual_power_up_has_no_jobs(ec2, tmp_path: Path) -> 
     assert set(result.launched) == {"p5-od-1", "p5-od-2"}
 
 
-def test_two_coalesced_jobs_succeed_or_fail_on_their_own(ec2, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_two_coalesced_jobs_succeed_or_fail_on_their_own(ec2, tmp_path: Path) -> None:
     """Slurm resumes the nodes of two jobs in one call; spot has no room. The spot job's nodes go DOWN (it is
     requeued); the on-demand job's nodes are launched."""
     config, slurm = make_config(ec2), FakeSlurm()
@@ -114,7 +121,7 @@ def test_two_coalesced_jobs_succeed_or_fail_on_their_own(ec2, tmp_path: Path) ->
     assert down[1] == "nodename=p5-spot-1,p5-spot-2"
 
 
-def test_a_job_across_two_pools_gets_all_its_nodes_or_none(ec2, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_job_across_two_pools_gets_all_its_nodes_or_none(ec2, tmp_path: Path) -> None:
     """A partition with a fallback pool can give one job nodes of two pools: all of them, or none."""
     config, slurm = make_config(ec2), FakeSlurm()
     refuse_market(ec2, "spot")
@@ -123,11 +130,11 @@ def test_a_job_across_two_pools_gets_all_its_nodes_or_none(ec2, tmp_path: Path) 
     assert set(result.failed) == {"p5-od-1", "p5-spot-1"}
 
 
-def test_all_or_nothing_terminates_a_partial_fleet(ec2) -> None:  # type: ignore[no-untyped-def]
+def test_all_or_nothing_terminates_a_partial_fleet(ec2) -> None:
     config, slurm = make_config(ec2), FakeSlurm()
     real = ec2.create_fleet
 
-    def partial(**kw):  # type: ignore[no-untyped-def]
+    def partial(**kw):
         kw["TargetCapacitySpecification"]["TotalTargetCapacity"] = 1  # EC2 found room for one of two
         reply = real(**kw)
         reply["Errors"] = [{"ErrorCode": "InsufficientInstanceCapacity", "ErrorMessage": "no room"}]
@@ -147,7 +154,7 @@ def test_all_or_nothing_terminates_a_partial_fleet(ec2) -> None:  # type: ignore
     ("UnauthorizedOperation", "launch failed"),  # the budget's deny action: lifted when the budget reopens
     ("InvalidLaunchTemplateId.NotFound", "configuration: fix the stack and pulumi up"),
 ])
-def test_api_errors_mark_nodes_down_with_the_aws_reason(ec2, code: str, kind: str) -> None:  # type: ignore[no-untyped-def]
+def test_api_errors_mark_nodes_down_with_the_aws_reason(ec2, code: str, kind: str) -> None:
     config, slurm = make_config(ec2), FakeSlurm()
     with Stubber(ec2) as stub:
         stub.add_client_error("create_fleet", service_error_code=code, service_message="quota or template")
@@ -162,7 +169,7 @@ def test_api_errors_mark_nodes_down_with_the_aws_reason(ec2, code: str, kind: st
     ("AuthFailure", "The provided credentials do not have permission to create the service-linked role for EC2 Spot "
                     "Instances."),  # another code, the same message
 ])
-def test_missing_spot_role_sets_nodes_down_with_the_command_that_fixes_it(ec2, code: str, message: str) -> None:  # type: ignore[no-untyped-def]
+def test_missing_spot_role_sets_nodes_down_with_the_command_that_fixes_it(ec2, code: str, message: str) -> None:
     config, slurm = make_config(ec2), FakeSlurm()
     with Stubber(ec2) as stub:
         stub.add_client_error("create_fleet", service_error_code=code, service_message=message, http_status_code=403)
@@ -175,7 +182,7 @@ def test_missing_spot_role_sets_nodes_down_with_the_command_that_fixes_it(ec2, c
     assert not reason.startswith(reasons.CONFIGURATION)
 
 
-def test_missing_spot_role_in_an_instant_fleets_errors(ec2) -> None:  # type: ignore[no-untyped-def]
+def test_missing_spot_role_in_an_instant_fleets_errors(ec2) -> None:
     """An instant fleet may answer 200 with no instance and the error in Errors: the same reason."""
     config, slurm = make_config(ec2), FakeSlurm()
     ec2.create_fleet = lambda **kw: {"FleetId": "fleet-1", "Instances": [], "Errors": [
@@ -186,21 +193,21 @@ def test_missing_spot_role_in_an_instant_fleets_errors(ec2) -> None:  # type: ig
     assert slurm.updates()[0][3].startswith(f"reason={SPOT_ROLE_DOWN}")
 
 
-def test_unknown_pool_is_refused_not_launched(ec2) -> None:  # type: ignore[no-untyped-def]
+def test_unknown_pool_is_refused_not_launched(ec2) -> None:
     config, slurm = make_config(ec2), FakeSlurm()
     result = resume(config, ec2, slurm, "ghost-1")
     assert "no pool ghost" in result.failed["ghost-1"] and not fleet.cluster_instances(config, ec2)
 
 
 
-def test_resume_logs_nodes_as_a_hostlist(ec2, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+def test_resume_logs_nodes_as_a_hostlist(ec2, caplog: pytest.LogCaptureFixture) -> None:
     config = make_config(ec2)
     with caplog.at_level("INFO", logger="gpucluster-node"):
         resume(config, ec2, FakeSlurm(), ",".join(f"p5-od-{i}" for i in (1, 2, 3, 10)))
     assert "resume p5-od-[1-3,10]: 4 node(s) of pool p5-od" in caplog.text
 
 
-def test_main_survives_a_failing_scontrol_in_its_fallback(ec2, tmp_path: Path,  # type: ignore[no-untyped-def]
+def test_main_survives_a_failing_scontrol_in_its_fallback(ec2, tmp_path: Path,
                                                          caplog: pytest.LogCaptureFixture,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     config = make_config(ec2, scontrol=fake_scontrol(tmp_path, 'echo "Unable to contact slurm controller" >&2; exit 1'))

@@ -9,7 +9,7 @@ from gpucluster.node.resume_fail import resume_fail
 from head_fakes import FakeSlurm, ec2_fixture, make_config  # noqa: F401  (the ec2 fixture)
 
 
-def test_resume_fail_keeps_the_reason_of_nodes_it_never_launched(ec2) -> None:  # type: ignore[no-untyped-def]
+def test_resume_fail_keeps_the_reason_of_nodes_it_never_launched(ec2) -> None:
     """At ResumeTimeout Slurm also calls resume-fail for nodes the resume program set DOWN with EC2's reason (a
     configuration error's fix must stay on them)."""
     config, slurm = make_config(ec2), FakeSlurm()

@@ -47,7 +47,8 @@ def script(role: str) -> str:
     users = " ".join(IMDS_USERS[role])
     return "\n".join([
         "set -eu",
-        # guard TOOL CHAIN PACKETS USERS: the packets go to the chain, which lets the users' through and rejects the rest.
+        # guard TOOL CHAIN PACKETS USERS: the packets go to the chain, which lets the users' through and rejects the
+        # rest.
         "guard() {",
         '  "$1" -w -N "$2" 2>/dev/null || "$1" -w -F "$2"',
         '  "$1" -w -C OUTPUT $3 -j "$2" 2>/dev/null || "$1" -w -I OUTPUT 1 $3 -j "$2"',
@@ -63,10 +64,12 @@ def script(role: str) -> str:
         f'guard ip6tables {chain} "-d {v6}" "{users}" 2>/dev/null || true',
         f"if id -u {LOGIN_USER} >/dev/null 2>&1; then",
         f"  for group in {' '.join(PRIVILEGED_GROUPS)}; do",
-        f'    if id -nG {LOGIN_USER} | tr " " "\\n" | grep -qx "$group"; then gpasswd -d {LOGIN_USER} "$group" >/dev/null; fi',
+        f'    if id -nG {LOGIN_USER} | tr " " "\\n" | grep -qx "$group"; then'
+        f' gpasswd -d {LOGIN_USER} "$group" >/dev/null; fi',
         "  done",
         "  for rules in /etc/sudoers.d/*; do",
-        f'    if [ -f "$rules" ] && grep -q "^{LOGIN_USER}[[:space:]]" "$rules"; then sed -i "/^{LOGIN_USER}[[:space:]]/d" "$rules"; fi',
+        f'    if [ -f "$rules" ] && grep -q "^{LOGIN_USER}[[:space:]]" "$rules"; then'
+        f' sed -i "/^{LOGIN_USER}[[:space:]]/d" "$rules"; fi',
         "  done",
         "fi",
         # What the SSM agent would do for its user (useradd, a sudo rule), with the home off the shared file system.

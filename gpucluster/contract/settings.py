@@ -4,8 +4,8 @@ The head node component writes `ClusterSettings` (as JSON, into the SSM paramete
 fetch_bundle.py, bootstrap.py, the node programs and the budget guardrail read it through `ClusterSettings.load`.
 Paths, ports and program names live here once, for both sides.
 
-Standard library only: the nodes import this file from the bundle (`/opt/gpucluster/lib/gpucluster/contract/settings.py`)
-with the system python3, which has no pydantic.
+Standard library only: the nodes import this file from the bundle
+(`/opt/gpucluster/lib/gpucluster/contract/settings.py`) with the system python3, which has no pydantic.
 """
 
 from __future__ import annotations
@@ -89,10 +89,10 @@ GPU_JOB_MAP_DIR = "/run/gpucluster/gpu-jobs"
 # The dcgm-exporter container as build_image.sh tags it after pulling NVIDIA's image by digest: the boot needs no
 # registry.
 DCGM_EXPORTER_IMAGE = "gpucluster/dcgm-exporter:image"
-GRAFANA_DATASOURCE_UID = "prometheus"
+GRAFANA_DATASOURCE_UID = "prometheus"  # the head's provisioned Prometheus, as every dashboard panel names it
 # NVIDIA XIDs that mean the GPU needs a reset or a replacement (NVIDIA's XID catalogue: double-bit ECC, fallen off
 # the bus, uncontained ECC, GSP errors): the health check drains on them, the GpuXidError alert fires on them.
-FATAL_XIDS = (48, 63, 64, 74, 79, 94, 95, 119, 120)  # the head's provisioned Prometheus, as every dashboard panel names it
+FATAL_XIDS = (48, 63, 64, 74, 79, 94, 95, 119, 120)
 
 # --- the node programs: files of the library's gpucluster/node, run where the bundle unpacks them -----------------
 # Each puts the library it is part of (LIB_DIR) on its path itself: Slurm, systemd and the boot run them by these paths.
@@ -241,7 +241,8 @@ class ClusterSettings:
         index = 0  # the head
         if pool := self.pool_of(node):
             names = list(self.pools)
-            index = 1 + sum(self.pools[p].max_nodes for p in names[:names.index(pool)]) + int(node.rsplit("-", 1)[1]) - 1
+            before = sum(self.pools[p].max_nodes for p in names[:names.index(pool)])
+            index = 1 + before + int(node.rsplit("-", 1)[1]) - 1
         return self.exporter_port_base + index * len(SCRAPE_JOBS) + SCRAPE_JOBS.index(job)
 
     @classmethod
@@ -250,8 +251,9 @@ class ClusterSettings:
         pools = {name: _build(PoolSettings, {"name": name, **{k: v for k, v in spec.items() if k != "name"}},
                               f"pools.{name}") for name, spec in raw.pop("pools", {}).items()}
         budget = raw.pop("budget", None)
-        return _build(cls, {**raw, "pools": pools,
-                            "budget": _build(BudgetSettings, budget, "budget") if budget else None}, "settings")
+        budget_settings = _build(BudgetSettings, budget, "budget") if budget else None
+        settings: ClusterSettings = _build(cls, {**raw, "pools": pools, "budget": budget_settings}, "settings")
+        return settings  # typed here: _build makes whichever settings class it is given
 
     @classmethod
     def from_json(cls, text: str) -> ClusterSettings:

@@ -21,13 +21,17 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Callable, TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this program is part of (the bundle's lib/)
-from gpucluster.contract import lockdown, reasons  # noqa: E402
-from gpucluster.contract import settings as contract  # noqa: E402
-from gpucluster.contract.hostlist import compress_hostlist, expand_hostlist  # noqa: E402
-from gpucluster.contract.scontrol import node_records, state_flags  # noqa: E402
-from gpucluster.contract.settings import ClusterSettings, PoolSettings, read_env_file  # noqa: E402
+from gpucluster.contract import (
+    lockdown,
+    reasons,
+    settings as contract,
+)
+from gpucluster.contract.hostlist import compress_hostlist, expand_hostlist
+from gpucluster.contract.scontrol import node_records, state_flags
+from gpucluster.contract.settings import ClusterSettings, PoolSettings, read_env_file
 
 BUNDLE = Path(contract.BUNDLE_DIR)
 STATE = Path(contract.STATE_DIR)
@@ -49,7 +53,10 @@ def run(*args: str, check: bool = True, env: dict[str, str] | None = None) -> su
     return done
 
 
-def retry(what: str, action, attempts: int = 5, delay: float = 2.0):  # type: ignore[no-untyped-def]
+_Result = TypeVar("_Result")  # what the retried action returns
+
+
+def retry(what: str, action: Callable[[], _Result], attempts: int = 5, delay: float = 2.0) -> _Result:
     """Transient faults at boot (a file system still coming up, a device still attaching) get a few tries."""
     for attempt in range(attempts):
         try:
@@ -60,6 +67,7 @@ def retry(what: str, action, attempts: int = 5, delay: float = 2.0):  # type: ig
             wait = min(delay * 2 ** attempt, MAX_RETRY_WAIT)
             log.warning("%s: %s; again in %.0f s", what, exc, wait)
             time.sleep(wait)
+    raise RuntimeError(f"{what}: not tried ({attempts} attempts)")
 
 
 # --- the node image --------------------------------------------------------------------------------------------------
@@ -148,7 +156,8 @@ def lock_down(role: str) -> None:
 def hosts_entry(head_address: str, hosts: Path = Path("/etc/hosts")) -> None:
     """Compute nodes reach the controller as `head` (SlurmctldHost). The address is the head node's fixed network
     interface, so it holds across a head replacement; rewritten at every boot all the same."""
-    lines = [line for line in hosts.read_text().splitlines() if not line.rstrip().endswith(f" {contract.HEAD_HOSTNAME}")]
+    lines = [line for line in hosts.read_text().splitlines()
+             if not line.rstrip().endswith(f" {contract.HEAD_HOSTNAME}")]
     hosts.write_text("\n".join(lines + [f"{head_address} {contract.HEAD_HOSTNAME}"]) + "\n")
 
 
@@ -219,7 +228,8 @@ def grow_state_volume(volume_id: str, dev: Path = Path("/dev/disk/by-id")) -> No
     run("resize2fs", str(dev / f"nvme-Amazon_Elastic_Block_Store_{volume_id.replace('-', '')}"))
 
 
-def database_dir(data: Path = STATE / "mysql", conf: Path = Path("/etc/mysql/mariadb.conf.d/60-gpucluster.cnf")) -> None:
+def database_dir(data: Path = STATE / "mysql",
+                 conf: Path = Path("/etc/mysql/mariadb.conf.d/60-gpucluster.cnf")) -> None:
     """MariaDB keeps the accounting database on the state volume. Created on first use; owned by `mysql` at every
     boot, because a new head image may give the mysql user another uid, and a root-owned copy does not start."""
     conf.parent.mkdir(parents=True, exist_ok=True)
@@ -359,7 +369,7 @@ def head(s: ClusterSettings) -> None:
     shutil.copytree(BUNDLE / "examples", "/fsx/examples", dirs_exist_ok=True)
 
 
-# --- the head: a changed stack applied in place ------------------------------------------------------------------------
+# --- the head: a changed stack applied in place -----------------------------------------------------------------------
 
 RESTART_PENDING = Path(contract.ETC_DIR) / "slurmctld-restart-pending"  # node definitions changed, not yet restarted
 BUSY = {"ALLOCATED", "MIXED", "COMPLETING", "POWER_UP", "POWERING_UP"}  # a job has it, or it is being launched
@@ -378,7 +388,8 @@ def update_timer(systemd: Path = SYSTEMD) -> None:
         wanted_by="timers.target"))
 
 
-def mark_applied(settings_file: Path = Path(contract.SETTINGS_FILE), marker: Path = Path(contract.APPLIED_FILE)) -> None:
+def mark_applied(settings_file: Path = Path(contract.SETTINGS_FILE),
+                 marker: Path = Path(contract.APPLIED_FILE)) -> None:
     marker.write_text(hashlib.sha256(settings_file.read_bytes()).hexdigest() + "\n")
 
 
@@ -460,8 +471,9 @@ def imds(path: str) -> str:
     token = urllib.request.urlopen(urllib.request.Request(
         f"{base}/latest/api/token", method="PUT",
         headers={"X-aws-ec2-metadata-token-ttl-seconds": "300"}), timeout=5).read().decode()
-    return urllib.request.urlopen(urllib.request.Request(
-        f"{base}/latest/{path}", headers={"X-aws-ec2-metadata-token": token}), timeout=5).read().decode()
+    answer: bytes = urllib.request.urlopen(urllib.request.Request(
+        f"{base}/latest/{path}", headers={"X-aws-ec2-metadata-token": token}), timeout=5).read()
+    return answer.decode()
 
 
 def slurm_client_conf(s: ClusterSettings, path: Path = Path(contract.SLURM_CLIENT_CONF)) -> Path:
@@ -535,7 +547,7 @@ def gpu_metrics(pool: str, region: str, systemd: Path = SYSTEMD) -> str | None:
     return "gpucluster-neuron-metrics.service"
 
 
-# --- monitoring --------------------------------------------------------------------------------------------------------
+# --- monitoring -------------------------------------------------------------------------------------------------------
 
 METRICS_UNIT = "gpucluster-metrics.service"
 
@@ -627,7 +639,8 @@ def head_monitoring(s: ClusterSettings) -> None:
     start("prometheus", "prometheus-alertmanager", *filter(None, [grafana()]))
 
 
-def gpu_exporter(s: ClusterSettings, pool: PoolSettings, node: str, address: str, systemd: Path = SYSTEMD) -> str | None:
+def gpu_exporter(s: ClusterSettings, pool: PoolSettings, node: str, address: str,
+                 systemd: Path = SYSTEMD) -> str | None:
     """dcgm-exporter (the image's container) on NVIDIA nodes, with the Prolog's GPU-to-job files; neuron-monitor's
     Prometheus output on Trainium nodes. Returns the unit to start."""
     job = next((j for j in contract.SCRAPE_JOBS if j.accelerator and j.accelerator == pool.accelerator), None)

@@ -29,13 +29,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this program is part of (the bundle's lib/)
-from gpucluster.contract import reasons  # noqa: E402
-from gpucluster.contract.settings import TEXTFILE_DIR, BudgetSettings, ClusterSettings  # noqa: E402
-from gpucluster.node import sqs_poll  # noqa: E402
-from gpucluster.node.budget import BudgetSpend, GuardrailState, read_spend  # noqa: E402
-from gpucluster.node.program import setup_logging  # noqa: E402
-from gpucluster.node.slurm_control import SlurmControl  # noqa: E402
-from gpucluster.node.textfile import family, sample, write  # noqa: E402
+from gpucluster.contract import reasons
+from gpucluster.contract.settings import TEXTFILE_DIR, BudgetSettings, ClusterSettings
+from gpucluster.node import sqs_poll
+from gpucluster.node.budget import BudgetSpend, GuardrailState, read_spend
+from gpucluster.node.program import setup_logging
+from gpucluster.node.slurm_control import SlurmControl
+from gpucluster.node.textfile import family, sample, write
 
 log = logging.getLogger("gpucluster-budget")
 
@@ -54,9 +54,10 @@ def month(now: float) -> str:
 
 
 class Guardrail:
-    def __init__(self, config: ClusterSettings, guard: BudgetSettings, slurm: SlurmControl, budgets, sns, team: str,  # type: ignore[no-untyped-def]
-                 metrics_dir: Path | None = None):
-        self.config, self.guard, self.slurm, self.budgets, self.sns, self.team = config, guard, slurm, budgets, sns, team
+    def __init__(self, config: ClusterSettings, guard: BudgetSettings, slurm: SlurmControl, budgets: Any,
+                 sns: Any, team: str, metrics_dir: Path | None = None) -> None:
+        self.config, self.guard, self.slurm, self.team = config, guard, slurm, team
+        self.budgets, self.sns = budgets, sns
         self.state_path = Path(config.budget_state_file)
         self.metrics_dir = metrics_dir  # where the spend goes for Prometheus (None: nowhere)
 
@@ -71,7 +72,8 @@ class Guardrail:
             state.save(self.state_path)
 
     def spend(self) -> BudgetSpend:
-        spend = read_spend(self.budgets, self.guard.account_id, self.guard.budget_name, self.guard.act_threshold_percent)
+        spend = read_spend(self.budgets, self.guard.account_id, self.guard.budget_name,
+                           self.guard.act_threshold_percent)
         if self.metrics_dir:
             publish_spend(spend, self.metrics_dir)
         return spend
@@ -187,7 +189,7 @@ class Guardrail:
             log.exception("could not publish to %s", self.guard.topic_arn)
 
 
-def serve(guardrail: Guardrail, sqs, stop: Callable[[], bool] = lambda: False,  # type: ignore[no-untyped-def]
+def serve(guardrail: Guardrail, sqs: Any, stop: Callable[[], bool] = lambda: False,
           wait_seconds: int = sqs_poll.RECEIVE_WAIT_SECONDS, sleep: Callable[[float], None] = time.sleep) -> None:
     """The service: wake on a budget message or every check_seconds, and sweep while closed at every wait's end (so
     the wait is the pace of the sweep over new pending jobs). Messages are deleted only once acted on: a failed check
@@ -218,7 +220,7 @@ def _subject(body: str) -> str:
         return body[:120]
 
 
-def clients(config: ClusterSettings):  # type: ignore[no-untyped-def]
+def clients(config: ClusterSettings) -> tuple[Any, Any, Any]:
     import boto3
 
     # Budgets is a global service answered in us-east-1; SQS and SNS live in the cluster's region.
@@ -254,7 +256,8 @@ def main(argv: list[str]) -> int:
             guardrail.reopen_by_hand(who)
         else:
             state = GuardrailState.load(guardrail.state_path)
-            print(f"{'CLOSED' if state.closed else 'open'}: {state.reason or guardrail.spend().describe(guardrail.team)}"
+            reason = state.reason or guardrail.spend().describe(guardrail.team)
+            print(f"{'CLOSED' if state.closed else 'open'}: {reason}"
                   + (f" (reopened by hand for {state.reopened_by_hand})" if state.reopened_by_hand else ""))
     except Exception:
         log.exception("gpucluster-budget %s failed", command)

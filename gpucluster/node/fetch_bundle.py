@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from typing import Any, Callable
 
 DEADLINE_SECONDS = 900
 RETRIED = {"ThrottlingException", "TooManyUpdates", "InternalServerError", "ServiceUnavailable", "RequestTimeout"}
@@ -34,13 +35,13 @@ class NotYet(Exception):
     """What this boot needs is not there yet (a parameter the head node or `pulumi up` has still to write)."""
 
 
-def boto3_module():  # type: ignore[no-untyped-def]
+def boto3_module() -> Any:
     try:
         import boto3
     except ImportError:  # a stock AMI: the node image would have it
         apt = ["apt-get", "-o", "DPkg::Lock::Timeout=120", "-q"]
         for attempt in range(5):
-            if subprocess.call(apt + ["update"]) == 0 and subprocess.call(apt + ["install", "-y", "python3-boto3"]) == 0:
+            if not subprocess.call(apt + ["update"]) and not subprocess.call(apt + ["install", "-y", "python3-boto3"]):
                 break
             if attempt < 4:
                 time.sleep(2 ** attempt * 5)
@@ -59,7 +60,7 @@ def write_private(path: str, data: bytes, mode: int) -> None:
     os.replace(tmp, path)
 
 
-def settings_and_key(ssm, env: dict) -> tuple:  # type: ignore[no-untyped-def,type-arg]
+def settings_and_key(ssm: Any, env: dict[str, str]) -> tuple[str, bytes]:
     """(settings JSON, munge key bytes) in one GetParameters call; the head creates the key if it is the first."""
     config, munge = env["GPUCLUSTER_CONFIG_PARAMETER"], env["GPUCLUSTER_MUNGE_KEY_PARAMETER"]
     found = {p["Name"]: p["Value"] for p in
@@ -80,7 +81,7 @@ def settings_and_key(ssm, env: dict) -> tuple:  # type: ignore[no-untyped-def,ty
     return found[config], base64.b64decode(found[munge])
 
 
-def fetch_bundle(s3, bucket: str, key: str, target: str, library: tuple = ("lib/",)) -> None:  # type: ignore[type-arg]
+def fetch_bundle(s3: Any, bucket: str, key: str, target: str, library: tuple[str, ...] = ("lib/",)) -> None:
     """Unpack the bundle (of lib/ only `library`) over the last one; files it no longer has are removed."""
     marker, listing = os.path.join(target, ".bundle-key"), os.path.join(target, ".bundle-files")
     if os.path.exists(marker) and open(marker).read() == key:
@@ -93,11 +94,12 @@ def fetch_bundle(s3, bucket: str, key: str, target: str, library: tuple = ("lib/
         if code in ("NoSuchKey", "AccessDenied"):  # `pulumi up` still writing it, or its grant not yet in force
             raise NotYet(f"no bundle s3://{bucket}/{key} yet ({code})") from exc
         raise
-    with tarfile.open(fileobj=io.BytesIO(body)) as bundle:
-        members = [m for m in bundle.getmembers() if m.isfile() and (m.name[:4] != "lib/" or m.name.startswith(library))]
+    with tarfile.open(fileobj=io.BytesIO(body)) as tar:
+        members = [m for m in tar.getmembers() if m.isfile() and (m.name[:4] != "lib/" or m.name.startswith(library))]
         files = [m.name for m in members]
         # The "data" filter refuses links and paths out of the target; Pythons before 3.11.4 (Debian 12) lack it.
-        bundle.extractall(target, members, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+        safe: dict[str, Any] = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+        tar.extractall(target, members, **safe)
     if os.path.exists(listing):
         for stale in set(open(listing).read().split()) - set(files):
             if os.path.isfile(os.path.join(target, stale)):
@@ -107,7 +109,7 @@ def fetch_bundle(s3, bucket: str, key: str, target: str, library: tuple = ("lib/
     log.info("bundle s3://%s/%s unpacked in %s", bucket, key, target)
 
 
-def fetch(env: dict, boto3, sleep=time.sleep) -> bytes:  # type: ignore[no-untyped-def,type-arg]
+def fetch(env: dict[str, str], boto3: Any, sleep: Callable[[float], None] = time.sleep) -> bytes:
     """Settings and munge key into their files, the bundle unpacked; returns the settings as fetched."""
     from botocore.config import Config
     from botocore.exceptions import BotoCoreError, ClientError
@@ -141,7 +143,7 @@ def applied(path: str, settings: bytes) -> bool:
     return os.path.exists(path) and open(path).read().strip() == hashlib.sha256(settings).hexdigest()
 
 
-def main(argv: list) -> int:  # type: ignore[type-arg]
+def main(argv: list[str]) -> int:
     env = dict(line.strip().split("=", 1) for line in open(argv[1]) if "=" in line)
     applied_file = argv[3] if len(argv) == 4 and argv[2] == "--update" else None
     os.makedirs(os.path.dirname(env["GPUCLUSTER_BOOT_LOG"]), exist_ok=True)

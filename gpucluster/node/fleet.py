@@ -33,7 +33,7 @@ SPOT_ROLE_ERROR = "AuthFailure.ServiceLinkedRoleCreationNotPermitted"
 SPOT_ROLE_FIX = "aws iam create-service-linked-role --aws-service-name spot.amazonaws.com"
 
 
-def ec2_client(config: ClusterSettings):  # type: ignore[no-untyped-def]
+def ec2_client(config: ClusterSettings) -> Any:
     import boto3
     from botocore.config import Config as BotoConfig
 
@@ -128,13 +128,14 @@ def launch_groups(config: ClusterSettings, nodes: list[str], jobs: dict[str, lis
     return groups
 
 
-def launch_group(config: ClusterSettings, ec2, pool: PoolSettings, group: LaunchGroup) -> LaunchResult:  # type: ignore[no-untyped-def]
+def launch_group(config: ClusterSettings, ec2: Any, pool: PoolSettings, group: LaunchGroup) -> LaunchResult:
     from botocore.exceptions import ClientError
 
     batch = list(group.nodes)
     try:
         # The token makes botocore's own retries of a timed-out call idempotent: never a second fleet for it.
-        response = ec2.create_fleet(**fleet_request(config, pool, len(batch), group.whole), ClientToken=str(uuid.uuid4()))
+        response = ec2.create_fleet(**fleet_request(config, pool, len(batch), group.whole),
+                                    ClientToken=str(uuid.uuid4()))
     except ClientError as exc:
         error = exc.response.get("Error", {})
         reason = launch_reason(error.get("Code", "Unknown"), error.get("Message", str(exc)))
@@ -146,7 +147,7 @@ def launch_group(config: ClusterSettings, ec2, pool: PoolSettings, group: Launch
                     len(batch))
         terminate(ec2, ids)
         ids = []
-    result = LaunchResult(launched=dict(zip(batch, ids)))
+    result = LaunchResult(launched=dict(zip(batch, ids, strict=False)))  # fewer ids than nodes: a partial launch
     if len(ids) < len(batch):
         errors = response.get("Errors", [])
         first = errors[0] if errors else {"ErrorCode": "UnfulfillableCapacity", "ErrorMessage": "no instance launched"}
@@ -156,7 +157,7 @@ def launch_group(config: ClusterSettings, ec2, pool: PoolSettings, group: Launch
     return result
 
 
-def live_instances(ec2, ids: Iterable[str]) -> dict[str, dict[str, Any]]:  # type: ignore[no-untyped-def]
+def live_instances(ec2: Any, ids: Iterable[str]) -> dict[str, dict[str, Any]]:
     """The pending or running ones among `ids`: id -> DescribeInstances' record. EC2 keeps terminated instances
     visible for a while; an id it no longer knows at all is simply not live."""
     from botocore.exceptions import ClientError
@@ -171,14 +172,14 @@ def live_instances(ec2, ids: Iterable[str]) -> dict[str, dict[str, Any]]:  # typ
     return found
 
 
-def cluster_instances(config: ClusterSettings, ec2) -> dict[str, dict[str, Any]]:  # type: ignore[no-untyped-def]
+def cluster_instances(config: ClusterSettings, ec2: Any) -> dict[str, dict[str, Any]]:
     """Live (pending or running) instances of this cluster's pools: id -> DescribeInstances' record. The head node
     carries the cluster tag too, but no pool tag."""
     return _described(ec2, [{"Name": f"tag:{CLUSTER_TAG}", "Values": [config.cluster]},
                             {"Name": "tag-key", "Values": [POOL_TAG]}])
 
 
-def _described(ec2, filters: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:  # type: ignore[no-untyped-def]
+def _described(ec2: Any, filters: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """The pending or running instances that match the filters: id -> DescribeInstances' record."""
     found: dict[str, dict[str, Any]] = {}
     live = {"Name": "instance-state-name", "Values": ["pending", "running"]}
@@ -188,6 +189,6 @@ def _described(ec2, filters: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return found
 
 
-def terminate(ec2, ids: list[str]) -> None:  # type: ignore[no-untyped-def]
+def terminate(ec2: Any, ids: list[str]) -> None:
     for batch in in_batches(sorted(set(ids)), TERMINATE_BATCH):
         ec2.terminate_instances(InstanceIds=batch)

@@ -26,12 +26,19 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this program is part of (the bundle's lib/)
-from gpucluster.contract import reasons  # noqa: E402
-from gpucluster.contract.settings import (  # noqa: E402
-    FATAL_XIDS, GPU_JOB_MAP_DIR, HOSTS_PROGRAM, NODE_NAME_FILE, SHARED_DIR, SLURM_CLIENT_CONF, ClusterSettings,
-    PoolSettings, read_env_file,
+from gpucluster.contract import reasons
+from gpucluster.contract.settings import (
+    FATAL_XIDS,
+    GPU_JOB_MAP_DIR,
+    HOSTS_PROGRAM,
+    NODE_NAME_FILE,
+    SHARED_DIR,
+    SLURM_CLIENT_CONF,
+    ClusterSettings,
+    PoolSettings,
+    read_env_file,
 )
-from gpucluster.node.slurm_control import SlurmControl  # noqa: E402
+from gpucluster.node.slurm_control import SlurmControl
 
 TOOL_SECONDS = 10  # one tool call; the Prolog makes at most three
 DCGM_SECONDS = 300  # `dcgmi diag -r 1` takes about a minute

@@ -24,12 +24,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this program is part of (the bundle's lib/)
-from gpucluster.contract.hostlist import compress_hostlist, expand_hostlist  # noqa: E402
-from gpucluster.contract.scontrol import node_records, state_flags  # noqa: E402
-from gpucluster.contract.settings import (  # noqa: E402
-    HEAD_HOSTNAME, NODE_HOSTS_FILE, SCRAPE_JOBS, SCRAPE_TARGETS_DIR, ClusterSettings,
+from gpucluster.contract.hostlist import compress_hostlist, expand_hostlist
+from gpucluster.contract.scontrol import node_records, state_flags
+from gpucluster.contract.settings import (
+    HEAD_HOSTNAME,
+    NODE_HOSTS_FILE,
+    SCRAPE_JOBS,
+    SCRAPE_TARGETS_DIR,
+    ClusterSettings,
 )
 
 # The block's markers in /etc/hosts keep the program's former name: the files already written know only it.
@@ -102,7 +107,8 @@ def scrape_targets(entries: dict[str, str], settings: ClusterSettings) -> dict[s
             pool = settings.pool_of(name)
             if job.accelerator and not (pool and settings.pools[pool].accelerator == job.accelerator):
                 continue
-            labels = {"node": name, "cluster": settings.cluster, "team": settings.team} | ({"pool": pool} if pool else {})
+            labels = ({"node": name, "cluster": settings.cluster, "team": settings.team}
+                      | ({"pool": pool} if pool else {}))
             targets.append({"targets": [f"{address}:{settings.exporter_port(job, name)}"], "labels": labels})
         lists[job.targets_file] = json.dumps(targets, indent=1, sort_keys=True) + "\n"
     return lists
@@ -136,7 +142,7 @@ def publish(shared: Path = Path(NODE_HOSTS_FILE), hosts: Path = Path("/etc/hosts
 
 
 def prolog(job_nodes: list[str], shared: Path = Path(NODE_HOSTS_FILE), hosts: Path = Path("/etc/hosts"),
-           wait: float = PROLOG_WAIT_SECONDS, sleep=time.sleep) -> list[str]:  # type: ignore[no-untyped-def]
+           wait: float = PROLOG_WAIT_SECONDS, sleep: Callable[[float], None] = time.sleep) -> list[str]:
     """Returns the job's nodes still missing when it gave up waiting (none, normally)."""
     deadline = time.monotonic() + wait
     while True:

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this program is part of (the bundle's lib/)
-from gpucluster.contract import reasons  # noqa: E402
-from gpucluster.contract.settings import ClusterSettings  # noqa: E402
-from gpucluster.node import log, program, sqs_poll  # noqa: E402
-from gpucluster.node.registry import read_registry  # noqa: E402
-from gpucluster.node.slurm_control import SlurmControl, error_text  # noqa: E402
+from gpucluster.contract import reasons
+from gpucluster.contract.settings import ClusterSettings
+from gpucluster.node import log, program, sqs_poll
+from gpucluster.node.registry import read_registry
+from gpucluster.node.slurm_control import SlurmControl, error_text
 
 SPOT_WARNING = "EC2 Spot Instance Interruption Warning"
 REBALANCE = "EC2 Instance Rebalance Recommendation"
@@ -110,7 +110,7 @@ class Interruptions:
                 log.exception("could not tell the topic about %s", node)
 
 
-def serve(service: Interruptions, sqs, stop: Callable[[], bool] = lambda: False) -> None:  # type: ignore[no-untyped-def]
+def serve(service: Interruptions, sqs: Any, stop: Callable[[], bool] = lambda: False) -> None:
     """Long-poll the stack's queue, act on each event, requeue what is due; until `stop`."""
     sqs_poll.serve(sqs, service.config.interruption_queue_url, service.act, stop, service.wait_seconds)
 

@@ -22,9 +22,9 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this program is part of (the bundle's lib/)
-from gpucluster.contract.scontrol import node_records, state_flags  # noqa: E402
-from gpucluster.contract.settings import TEXTFILE_DIR, ClusterSettings  # noqa: E402
-from gpucluster.node.textfile import family, sample, write  # noqa: E402
+from gpucluster.contract.scontrol import node_records, state_flags
+from gpucluster.contract.settings import TEXTFILE_DIR, ClusterSettings
+from gpucluster.node.textfile import family, sample, write
 
 INTERVAL_SECONDS = 30  # prometheus.SCRAPE_SECONDS
 COMMAND_SECONDS = 30
@@ -90,8 +90,8 @@ def efa_bytes(sys_root: Path = Path("/")) -> str:
         direction = counter.name[:2]
         samples[direction].append(sample(f"gpucluster_efa_{direction}_bytes_total",
                                          float(counter.read_text().strip()), device=device, port=port))
-    return "".join(family(f"gpucluster_efa_{d}_bytes_total", "counter", f"EFA bytes {'received' if d == 'rx' else 'sent'}.",
-                          samples[d]) for d in ("rx", "tx"))
+    return "".join(family(f"gpucluster_efa_{d}_bytes_total", "counter",
+                          f"EFA bytes {'received' if d == 'rx' else 'sent'}.", samples[d]) for d in ("rx", "tx"))
 
 
 def lustre_bytes(lctl_output: str) -> str:
@@ -106,7 +106,8 @@ def lustre_bytes(lctl_output: str) -> str:
             kind = fields[0].split("_")[0]
             totals[kind][mount] = totals[kind].get(mount, 0) + float(fields[-1])
     return "".join(family(f"gpucluster_lustre_{kind}_bytes_total", "counter", f"Bytes the Lustre client {kind}.",
-                          [sample(f"gpucluster_lustre_{kind}_bytes_total", v, fs=m) for m, v in sorted(totals[kind].items())])
+                          [sample(f"gpucluster_lustre_{kind}_bytes_total", v, fs=m)
+                           for m, v in sorted(totals[kind].items())])
                    for kind in ("read", "write"))
 
 

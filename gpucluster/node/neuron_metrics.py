@@ -44,7 +44,8 @@ def memory_used(report: dict[str, Any]) -> float:
                      .get("neuron_device", 0) or 0 for r in report.get("neuron_runtime_data") or []))
 
 
-def publish(lines: Iterable[str], config: dict[str, Any], cloudwatch, clock: Callable[[], float] = time.time) -> int:  # type: ignore[no-untyped-def]
+def publish(lines: Iterable[str], config: dict[str, Any], cloudwatch: Any,
+            clock: Callable[[], float] = time.time) -> int:
     """Average the reports of each period and publish one data point per period. Returns how many it published."""
     dimensions = [{"Name": k, "Value": v} for k, v in sorted(config["dimensions"].items())]
     period = float(config["period_seconds"])
@@ -55,7 +56,7 @@ def publish(lines: Iterable[str], config: dict[str, Any], cloudwatch, clock: Cal
     def flush() -> None:
         nonlocal samples, started, published
         if samples:
-            busy, held = (sum(column) / len(samples) for column in zip(*samples))
+            busy, held = (sum(column) / len(samples) for column in zip(*samples, strict=True))
             try:
                 cloudwatch.put_metric_data(Namespace=config["namespace"], MetricData=[
                     {"MetricName": config["metric_name"], "Dimensions": dimensions, "Value": busy, "Unit": "Percent"},

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this program is part of (the ConfigMap's)
-from gpucluster.node import sqs_poll  # noqa: E402
-from gpucluster.node.budget import read_spend  # noqa: E402
+from gpucluster.node import sqs_poll
+from gpucluster.node.budget import read_spend
 
 SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 KUEUE_PATH = "/apis/kueue.x-k8s.io/v1beta2/clusterqueues/"

@@ -13,19 +13,20 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this program is part of (the bundle's lib/)
-from gpucluster.contract import reasons  # noqa: E402
-from gpucluster.contract.hostlist import compress_hostlist  # noqa: E402
-from gpucluster.contract.scontrol import state_flags  # noqa: E402
-from gpucluster.contract.settings import SLURM_USER, ClusterSettings  # noqa: E402
-from gpucluster.node import log, program  # noqa: E402
-from gpucluster.node.budget import budget_closed  # noqa: E402
-from gpucluster.node.fleet import cluster_instances, ec2_client, terminate  # noqa: E402
-from gpucluster.node.registry import forget, read_registry, registry  # noqa: E402
-from gpucluster.node.slurm_control import SlurmControl  # noqa: E402
+from gpucluster.contract import reasons
+from gpucluster.contract.hostlist import compress_hostlist
+from gpucluster.contract.scontrol import state_flags
+from gpucluster.contract.settings import SLURM_USER, ClusterSettings
+from gpucluster.node import log, program
+from gpucluster.node.budget import budget_closed
+from gpucluster.node.fleet import cluster_instances, ec2_client, terminate
+from gpucluster.node.registry import forget, read_registry, registry
+from gpucluster.node.slurm_control import SlurmControl
 
 MAX_RETRY_SECONDS = 3600  # the backoff of a node that keeps failing stops doubling here
 
@@ -70,7 +71,8 @@ class NodeView:
 
 def retry_delay(failures: int, base: int) -> float:
     """Seconds a node waits, DOWN, before its next return to service: the base, doubled per failure before, capped."""
-    return min(base * 2 ** min(failures, 16), max(base, MAX_RETRY_SECONDS))
+    doubled: int = base * 2 ** min(failures, 16)  # int ** int is typed Any: a negative power would be a float
+    return min(doubled, max(base, MAX_RETRY_SECONDS))
 
 
 def classify(node: NodeView, now: float, retry_base: int) -> Status:
@@ -104,11 +106,12 @@ def orphans(instances: dict[str, dict[str, Any]], owned: set[str], now: float, g
 
 
 def _launch_time(instance: dict[str, Any]) -> float:
-    launched = instance.get("LaunchTime")
-    return launched.timestamp() if hasattr(launched, "timestamp") else time.time()
+    launched = instance.get("LaunchTime")  # botocore parses it into a datetime
+    return launched.timestamp() if isinstance(launched, datetime) else time.time()
 
 
-def reconcile(config: ClusterSettings, ec2, slurm: SlurmControl, now: float | None = None) -> dict[str, list[str]]:  # type: ignore[no-untyped-def]
+def reconcile(config: ClusterSettings, ec2: Any, slurm: SlurmControl,
+              now: float | None = None) -> dict[str, list[str]]:
     """One pass of the timer. Returns what it did, by status. Each action is guarded on its own: one that fails is
     logged and the others still run."""
     now = time.time() if now is None else now
@@ -159,7 +162,7 @@ def reconcile(config: ClusterSettings, ec2, slurm: SlurmControl, now: float | No
     return done
 
 
-def _terminate_orphans(ec2, ids: list[str]) -> None:  # type: ignore[no-untyped-def]
+def _terminate_orphans(ec2: Any, ids: list[str]) -> None:
     if ids:
         log.warning("instance(s) %s belong to no node (past their launch grace): terminating", ",".join(ids))
         terminate(ec2, ids)
@@ -170,7 +173,7 @@ def _set_lost(slurm: SlurmControl, nodes: list[str]) -> None:
     slurm.set_down(nodes, f"{reasons.PREFIX} instance vanished (spot reclaim or terminated outside Slurm)")
 
 
-def _fresh_start(config: ClusterSettings, ec2, slurm: SlurmControl, nodes: list[str],  # type: ignore[no-untyped-def]
+def _fresh_start(config: ClusterSettings, ec2: Any, slurm: SlurmControl, nodes: list[str],
                  seen: dict[str, str], replacing: bool) -> None:
     """Terminate what is left of the nodes' instances and power them down: idle~, the next job gets a fresh instance
     (an always-on node, the next pass's power up). A return to service after a failure counts the attempt, so the

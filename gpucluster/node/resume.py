@@ -18,15 +18,16 @@ import os
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this program is part of (the bundle's lib/)
-from gpucluster.contract import reasons  # noqa: E402
-from gpucluster.contract.hostlist import compress_hostlist, expand_hostlist  # noqa: E402
-from gpucluster.contract.settings import SETTINGS_FILE, ClusterSettings  # noqa: E402
-from gpucluster.node import log, program  # noqa: E402
-from gpucluster.node.fleet import LaunchResult, ec2_client, launch_group, launch_groups, live_instances, terminate  # noqa: E402
-from gpucluster.node.registry import forget, read_registry, record  # noqa: E402
-from gpucluster.node.slurm_control import SlurmControl  # noqa: E402
+from gpucluster.contract import reasons
+from gpucluster.contract.hostlist import compress_hostlist, expand_hostlist
+from gpucluster.contract.settings import SETTINGS_FILE, ClusterSettings
+from gpucluster.node import log, program
+from gpucluster.node.fleet import LaunchResult, ec2_client, launch_group, launch_groups, live_instances, terminate
+from gpucluster.node.registry import forget, read_registry, record
+from gpucluster.node.slurm_control import SlurmControl
 
 
 def job_nodes(config: ClusterSettings, nodes: list[str], resume_file: str | None) -> dict[str, list[str]]:
@@ -39,7 +40,7 @@ def job_nodes(config: ClusterSettings, nodes: list[str], resume_file: str | None
     return {"(this call)": nodes} if config.all_or_nothing else {}
 
 
-def resume(config: ClusterSettings, ec2, slurm: SlurmControl, hostlist: str,  # type: ignore[no-untyped-def]
+def resume(config: ClusterSettings, ec2: Any, slurm: SlurmControl, hostlist: str,
            resume_file: str | None = None) -> LaunchResult:
     nodes = expand_hostlist(hostlist)
     total = LaunchResult()
@@ -67,7 +68,8 @@ def resume(config: ClusterSettings, ec2, slurm: SlurmControl, hostlist: str,  # 
     # A job gets all its nodes or none, across pools too (a partition with a fallback pool).
     for job, members in jobs.items():
         failed = [n for n in members if n in total.failed]
-        doomed = [n for n in members if n in total.launched and n not in kept] if failed and config.all_or_nothing else []
+        doomed = ([n for n in members if n in total.launched and n not in kept]
+                  if failed and config.all_or_nothing else [])
         if doomed:
             log.warning("job %s: %s failed, terminating its other node(s) %s", job, compress_hostlist(failed),
                         compress_hostlist(doomed))

@@ -7,18 +7,19 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this program is part of (the bundle's lib/)
-from gpucluster.contract import reasons  # noqa: E402
-from gpucluster.contract.hostlist import compress_hostlist, expand_hostlist  # noqa: E402
-from gpucluster.contract.settings import ClusterSettings  # noqa: E402
-from gpucluster.node import log, program  # noqa: E402
-from gpucluster.node.fleet import ec2_client, terminate  # noqa: E402
-from gpucluster.node.registry import registry  # noqa: E402
-from gpucluster.node.slurm_control import SlurmControl  # noqa: E402
+from gpucluster.contract import reasons
+from gpucluster.contract.hostlist import compress_hostlist, expand_hostlist
+from gpucluster.contract.settings import ClusterSettings
+from gpucluster.node import log, program
+from gpucluster.node.fleet import ec2_client, terminate
+from gpucluster.node.registry import registry
+from gpucluster.node.slurm_control import SlurmControl
 
 
-def resume_fail(config: ClusterSettings, ec2, slurm: SlurmControl, hostlist: str) -> list[str]:  # type: ignore[no-untyped-def]
+def resume_fail(config: ClusterSettings, ec2: Any, slurm: SlurmControl, hostlist: str) -> list[str]:
     """Only the nodes the resume program launched are set DOWN with this reason: the others were set DOWN by it
     already, with EC2's reason (a configuration error's fix must stay visible)."""
     nodes = expand_hostlist(hostlist)

@@ -15,7 +15,7 @@ Message = dict[str, Any]
 log = logging.getLogger(__name__)
 
 
-def serve(sqs, queue_url: str, act: Callable[[list[Message]], Iterable[Message]],  # type: ignore[no-untyped-def]
+def serve(sqs: Any, queue_url: str, act: Callable[[list[Message]], Iterable[Message]],
           stop: Callable[[], bool] = lambda: False,
           wait_seconds: Callable[[], float] = lambda: RECEIVE_WAIT_SECONDS,
           retry_seconds: float = 5, sleep: Callable[[float], None] = time.sleep) -> None:

@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this program is part of (the bundle's lib/)
-from gpucluster.contract.hostlist import compress_hostlist, expand_hostlist  # noqa: E402
-from gpucluster.contract.settings import ClusterSettings  # noqa: E402
-from gpucluster.node import log, program  # noqa: E402
-from gpucluster.node.fleet import ec2_client, terminate  # noqa: E402
-from gpucluster.node.registry import forget  # noqa: E402
+from gpucluster.contract.hostlist import compress_hostlist, expand_hostlist
+from gpucluster.contract.settings import ClusterSettings
+from gpucluster.node import log, program
+from gpucluster.node.fleet import ec2_client, terminate
+from gpucluster.node.registry import forget
 
 
-def suspend(config: ClusterSettings, ec2, hostlist: str) -> list[str]:  # type: ignore[no-untyped-def]
+def suspend(config: ClusterSettings, ec2: Any, hostlist: str) -> list[str]:
     nodes = expand_hostlist(hostlist)
     ids = forget(config, nodes)
     log.info("suspend %s: terminating %s", compress_hostlist(nodes), ",".join(ids) or "nothing")

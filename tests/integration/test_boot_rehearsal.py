@@ -45,7 +45,7 @@ PROBE = ("import urllib.request\n"
 
 
 @contextlib.contextmanager
-def metadata_on_link_local():  # type: ignore[no-untyped-def]
+def metadata_on_link_local():
     """Instance metadata where EC2 serves it, 169.254.169.254:80, for this test: the rehearsal's nodes share this
     machine's network namespace, where their lockdown's rules (from their user data's bootcmd) are in force. The
     nodes' own stand-ins (tests/local_cluster.py) listen elsewhere, so the boot path is unaffected."""

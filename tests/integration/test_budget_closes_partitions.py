@@ -72,8 +72,8 @@ def test_spent_budget_closes_partitions_lets_running_jobs_finish_and_reopens(clu
         "closed the partitions", "reopened the partitions", "closed the partitions", "reopened the partitions"]
 
 
-def _drain(sqs, queue: str) -> list[dict]:  # type: ignore[no-untyped-def,type-arg]
-    messages: list[dict] = []  # type: ignore[type-arg]
+def _drain(sqs, queue: str) -> list[dict]:
+    messages: list[dict] = []
     while batch := sqs.receive_message(QueueUrl=queue, MaxNumberOfMessages=10).get("Messages", []):
         messages += batch
     return messages

@@ -8,7 +8,6 @@ from __future__ import annotations
 import subprocess
 
 from gpucluster.aws import teardown
-
 from gpucluster.render import userdata
 from local_cluster import LocalCluster
 

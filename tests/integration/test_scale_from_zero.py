@@ -24,7 +24,7 @@ def submit(cluster: LocalCluster, *args: str) -> str:
     return cluster.run("sbatch", "--parsable", "-o", str(cluster.root / "job-%j.out"), *args).strip()
 
 
-def prometheus(path: str) -> dict:  # type: ignore[type-arg]
+def prometheus(path: str) -> dict:
     """The head's Prometheus (it listens on 127.0.0.1, which the rehearsal's nodes share with this machine)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{PROMETHEUS_PORT}/api/v1/{path}", timeout=10) as answer:
         return json.load(answer)["data"]
@@ -137,7 +137,8 @@ def submit_example(cluster: LocalCluster, sbatch_file: str, *args: str, partitio
 def run_example(cluster: LocalCluster, sbatch_file: str, *args: str) -> str:
     """An example job (submit_example) run to its end. Returns its output once it completed."""
     job = submit_example(cluster, sbatch_file, *args)
-    cluster.wait(f"{sbatch_file} job {job}", lambda: cluster.job_state(job) in {"COMPLETED", "FAILED", "CANCELLED"}, 240)
+    cluster.wait(f"{sbatch_file} job {job}",
+                 lambda: cluster.job_state(job) in {"COMPLETED", "FAILED", "CANCELLED"}, 240)
     output = (cluster.root / f"ex-{job}.out").read_text()
     # The whole output when it failed: each rank's first error is near the top, the launcher's summary at the end.
     assert cluster.job_state(job) == "COMPLETED", output[-20000:]
@@ -153,7 +154,8 @@ def test_example_all_reduce_job_measures_bus_bandwidth(cluster: LocalCluster) ->
 
 
 def spot_warning(instance: str) -> str:
-    """EC2's two-minute warning as the stack's EventBridge rule puts it into the head's queue (the event is the body)."""
+    """EC2's two-minute warning as the stack's EventBridge rule puts it into the head's queue (the event is the
+    body)."""
     return json.dumps({"version": "0", "id": "7e5e1b2a-0000-0000-0000-000000000001",
                        "detail-type": "EC2 Spot Instance Interruption Warning", "source": "aws.ec2",
                        "account": "123456789012", "time": "2026-11-30T16:00:00Z", "region": "us-east-1",
@@ -190,7 +192,8 @@ def test_example_ddp_job_survives_a_spot_warning_and_trains_across_two_nodes(clu
     first_run, resumed = text.split("resumed from ", 1)
     # scancel --full reaches the training processes through srun and directly: one checkpoint or two; the newest.
     signalled = [int(n) for n in re.findall(r"checkpoint at step (\d+) \(signalled\)", first_run)]
-    assert signalled and resumed.startswith(f"{checkpoints}/step-{max(signalled)} at step {max(signalled)}"), text[-3000:]
+    newest = max(signalled, default=None)
+    assert signalled and resumed.startswith(f"{checkpoints}/step-{newest} at step {newest}"), text[-3000:]
     assert instance not in cluster.instances().values()
     events = [json.loads(line)["event"] for line in cluster.head.path(EVENTS_LOG).read_text().splitlines()]
     assert events[0] == "spot interruption warning" and "requeued" in events and "replaced" in events, events
@@ -217,4 +220,4 @@ def test_gpu_hour_quota_holds_jobs_that_would_exceed_it(cluster: LocalCluster) -
     assert account == "local"
     # `gpucluster cost` on the head node reads the same figure Slurm enforces: one GPU for a minute and a bit
     # (Slurm counts whole minutes; root sums the accounts under it).
-    assert spend.slurm_gpu_hours(cluster.env) == {"root": pytest.approx(1 / 60), "local": pytest.approx(1 / 60)}
+    assert spend.slurm_gpu_hours(cluster.env) == pytest.approx({"root": 1 / 60, "local": 1 / 60})

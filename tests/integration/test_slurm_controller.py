@@ -16,7 +16,7 @@ from local_cluster import LocalCluster, missing_tools
 
 
 @pytest.fixture(params=STACK_FILES, ids=lambda p: p.name, scope="module")
-def controller(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+def controller(request: pytest.FixtureRequest):
     assert not missing_tools(), f"install Slurm and munge first (make test does): missing {missing_tools()}"
     stack = load_stack(request.param)
     # The daemons run as the munge and slurm users: pytest's own tmp_path (mode 0700, root) is closed to them.
@@ -28,7 +28,7 @@ def controller(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
     shutil.rmtree(root, ignore_errors=True)
 
 
-def test_controller_accepts_the_rendered_config(controller) -> None:  # type: ignore[no-untyped-def]
+def test_controller_accepts_the_rendered_config(controller) -> None:
     stack, ctl = controller
     partitions = ctl.run("sinfo", "--noheader", "--format=%R %D %t %N").split("\n")
     got = {line.split()[0]: line.split() for line in partitions if line}
@@ -41,7 +41,7 @@ def test_controller_accepts_the_rendered_config(controller) -> None:  # type: ig
     assert ctl.run("scontrol", "show", "config").count(f"ClusterName             = {stack.cluster_name}") == 1
 
 
-def test_nodes_carry_cpus_memory_and_accelerators(controller) -> None:  # type: ignore[no-untyped-def]
+def test_nodes_carry_cpus_memory_and_accelerators(controller) -> None:
     stack, ctl = controller
     for pool in stack.spec.pools:
         shown = ctl.run("scontrol", "show", "node", f"{pool.name}-{pool.max_nodes}")
