@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from gpucluster.contract.settings import BUDGET_STATE_FILE
 from local_cluster import LocalCluster
+
+pytestmark = pytest.mark.rehearsal
 
 
 def partition_states(cluster: LocalCluster) -> dict[str, str]:

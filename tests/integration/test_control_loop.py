@@ -8,7 +8,11 @@ from __future__ import annotations
 import subprocess
 import time
 
+import pytest
+
 from local_cluster import LocalCluster
+
+pytestmark = pytest.mark.rehearsal
 
 
 def node_state(cluster: LocalCluster, node: str) -> str:
@@ -73,8 +77,9 @@ def test_always_on_node_comes_back_after_its_instance_vanishes_and_an_unhealthy_
     cluster.wait(f"{node} to be drained by its Prolog", lambda: "nvidia-smi did not answer in 10 s" in cluster.run(
         "sinfo", "--noheader", "-R", "-n", node, "--format=%E"), 60)
     assert time.monotonic() - submitted < 10 + 15  # the tool's limit, then Slurm's own round trips
-    job_record = cluster.run("scontrol", "show", "job", job)
-    assert "JobState=PENDING" in job_record and "Restarts=1" in job_record, job_record  # requeued by the Prolog
+    # Requeued by the Prolog: its start winds down (COMPLETING) and it waits again, with a restart counted.
+    cluster.wait(f"job {job} to be requeued", lambda: all(
+        fact in cluster.run("scontrol", "show", "job", job) for fact in ("JobState=PENDING", "Restarts=1")), 30)
     assert "sleep 600" not in rehearsal.enter("ps", "-eo", "args").stdout  # the hung tool was killed with its session
     cluster.run("scancel", job)
 

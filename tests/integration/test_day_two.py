@@ -6,9 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from conftest import FIXTURES
 from gpucluster.spec.model import load_stack
 from local_cluster import LocalCluster
+
+pytestmark = pytest.mark.rehearsal
 
 EXTRA_POOL = """      - name: extra
         instance_type: g6.xlarge

@@ -15,7 +15,12 @@ from gpucluster.spec.model import load_stack
 from local_cluster import LocalCluster, missing_tools
 
 
-@pytest.fixture(params=STACK_FILES, ids=lambda p: p.name, scope="module")
+pytestmark = pytest.mark.slurm
+
+
+# One controller per stack, which its tests share: under xdist they stay on one worker (--dist loadgroup).
+@pytest.fixture(params=[pytest.param(p, marks=pytest.mark.xdist_group(f"slurm-{p.name}")) for p in STACK_FILES],
+                ids=lambda p: p.name, scope="module")
 def controller(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
     assert not missing_tools(), f"install Slurm and munge first (make test does): missing {missing_tools()}"
     stack = load_stack(request.param)
