@@ -22,12 +22,9 @@ TEST_WORKERS ?= 6
 
 .PHONY: plan test test-fast setup bench system-packages
 
-# pip byte-compiles what it installs one file at a time (most of its time here); compileall uses every core. A file
-# written for another Python (torch ships one for 3.12) does not compile: pip passes over those, and so does this.
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-compile -r requirements-dev.txt
-	$(PY) -m compileall -qq -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" || true
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
 	touch $@
 
 plan: $(VENV)/.installed
