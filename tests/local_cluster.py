@@ -171,7 +171,7 @@ class Network:
         up = f"ip link set lo up && {self.INTERFACE} && echo up && exec sleep infinity"
         self.holder = subprocess.Popen(["unshare", "--net", "--", "sh", "-c", up], stdout=subprocess.PIPE,
                                        start_new_session=True)
-        if self.holder.stdout is None or self.holder.stdout.readline() != b"up\n":
+        if self.holder.stdout.readline() != b"up\n":  # type: ignore[union-attr]
             stop(self.holder)
             raise RuntimeError("no network namespace for the cluster (unshare --net needs root)")
         self.path = f"/proc/{self.holder.pid}/ns/net"
@@ -202,6 +202,7 @@ class Network:
 
     def close(self) -> None:
         stop(self.holder)
+        self.holder.stdout.close()  # type: ignore[union-attr]
         os.close(self.fd)
 
 
@@ -386,9 +387,8 @@ class RehearsalNode:
         clock = ["--time", f"--boottime=-{Path('/proc/uptime').read_text().split('.')[0]}"] if self.own_clock else []
         log = open(self.root / "init.log", "ab")
         self.init = subprocess.Popen([*self.network.prefix(), "unshare", "--mount", "--uts", "--propagation", "private",
-                                      *clock, "--",
-                                      "sh", "-ec", "; ".join(mounts)], stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                      *clock, "--", "sh", "-ec", "; ".join(mounts)], stdout=log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
         wait_for(f"node {self.name}'s namespaces", lambda: self._ready(), [self.init], [self.root / "init.log"], 10)
         if first:
             (self.root / "user-data").write_text(self.user_data)
@@ -567,8 +567,14 @@ class LocalCluster:
         """The cluster's AWS account: a moto server of its own, in a process of its own (moto's backends are shared
         by every server in a process, and another cluster may run in this one)."""
         server = subprocess.Popen([sys.executable, "-c", MOTO_SERVER], stdout=subprocess.PIPE, start_new_session=True)
-        self._closers.append(lambda: stop(server))
-        port = server.stdout.readline().strip() if server.stdout else b""
+        assert server.stdout is not None
+
+        def close() -> None:
+            stop(server)
+            server.stdout.close()  # type: ignore[union-attr]
+
+        self._closers.append(close)
+        port = server.stdout.readline().strip()
         if not port.isdigit():
             raise RuntimeError(f"the moto server did not start (exit {server.poll()})")
         return f"http://127.0.0.1:{int(port)}"
