@@ -868,6 +868,12 @@ class LocalCluster:
             server.server_close()
             address("del")
 
+    def held(self, name: str) -> tuple[str, Path]:
+        """A shell command that runs until the test touches the file returned with it: a job that must be running at
+        some point of a test runs through it, however slow this machine is today, and not a second longer."""
+        release = self.fsx / f"release-{name}"
+        return f"until [ -e /fsx/{release.name} ]; do sleep 0.5; done", release
+
     def run(self, *args: str, check: bool = True) -> str:
         return subprocess.run(list(args), env=self.env, check=check, capture_output=True, text=True, timeout=60).stdout
 

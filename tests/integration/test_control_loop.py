@@ -60,10 +60,12 @@ def test_always_on_node_comes_back_after_its_instance_vanishes_and_an_unhealthy_
     assert (cluster.root / f"health-{job}.out").read_text().splitlines() == ["ran with 1 GPU"]
 
     # The controller restarted under a running job (a recovered or replaced head, a changed stack): the job finishes.
+    hold, release = cluster.held("restart")
     job = cluster.run("sbatch", "--parsable", "-p", "standby", "-o", str(cluster.root / "restart-%j.out"), "--wrap",
-                      "sleep 15; echo finished").strip()
+                      f"{hold}; echo finished").strip()
     cluster.wait(f"job {job} to run", lambda: cluster.job_state(job) == "RUNNING", 180)
     cluster.head.enter("systemctl", "restart", "slurmctld")
+    release.touch()
     cluster.wait(f"job {job} to finish after the restart", lambda: state_if_answering(cluster, job) == "COMPLETED", 120)
     assert (cluster.root / f"restart-{job}.out").read_text() == "finished\n"
 

@@ -44,12 +44,11 @@ def test_two_node_job_scales_from_zero_and_back(cluster: LocalCluster) -> None:
     assert not cluster.instances()
     # Each task's host name is its node's, and it resolves both nodes' names (the job's prolog), the first one as job
     # scripts name it. It holds its GPU until the test has seen it in Prometheus.
-    release = cluster.fsx / "release-monitoring"
+    hold, release = cluster.held("monitoring")
     job = submit(cluster, "-p", "standby", "-N", "2", "--gres=gpu:1", "--wrap",
                  'first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1); '
                  "srun bash -c \"echo ran on \\$SLURMD_NODENAME as \\$(hostname) resolving "
-                 "\\$(getent hosts $first standby-1 standby-2 | wc -l); "
-                 f"until [ -e /fsx/{release.name} ]; do sleep 0.5; done\"")
+                 f"\\$(getent hosts $first standby-1 standby-2 | wc -l); {hold}\"")
 
     def standby() -> set[str]:
         return {i for i, pool in cluster.instances_by_id().items() if pool == "standby"}
