@@ -1,6 +1,7 @@
-# The two commands of the README. Each sets up what it needs on a fresh machine first.
+# The commands of the README. Each sets up what it needs on a fresh machine first.
 #   make plan [STACK=dev]   offline plan of a stack and its cost (no AWS account, no Pulumi CLI)
-#   make test               the whole test suite
+#   make test               the whole test suite: its three lanes (tests/lanes.py) in parallel worker processes
+#   make test-fast          the unit lane alone: no Slurm daemon, no local cluster
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STACK ?= dev
@@ -14,7 +15,12 @@ SYSTEM_PACKAGES := slurmctld slurmd slurm-client slurmdbd munge mariadb-server m
   prometheus prometheus-node-exporter prometheus-alertmanager
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: plan test bench system-packages
+# Test worker processes (pytest-xdist). The unit lane's tests are CPU-bound: one per core. A local cluster's test
+# mostly waits on Slurm's timers: more of them than cores run side by side, each cluster in a network of its own.
+FAST_WORKERS ?= $(shell nproc)
+TEST_WORKERS ?= 6
+
+.PHONY: plan test test-fast setup lanes bench system-packages
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	python3 -m venv $(VENV)
@@ -28,8 +34,20 @@ system-packages:
 	@dpkg -s $(SYSTEM_PACKAGES) >/dev/null 2>&1 || { $(SUDO) apt-get update -q && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q $(SYSTEM_PACKAGES); }
 
-test: lint $(VENV)/.installed system-packages docs
-	$(PY) -m pytest -q
+# The venv and the system packages at once: pip and apt-get wait on nothing of each other's.
+setup:
+	@$(MAKE) --no-print-directory --jobs=2 $(VENV)/.installed system-packages
+
+# Lint, the docs and the three lanes at once (the lanes mostly wait on Slurm's timers); each one's output in one piece,
+# the tests' last.
+test: setup
+	@$(MAKE) --no-print-directory --jobs=3 --output-sync=target lint docs lanes
+
+lanes:
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+
+test-fast: setup
+	$(PY) -m pytest -q -m unit -n $(FAST_WORKERS)
 
 # ruff and mypy as pyproject.toml configures them.
 .PHONY: lint

@@ -14,6 +14,9 @@ sys.path.insert(0, str(ROOT))
 from gpucluster.plan import Declared, run_program  # noqa: E402
 from gpucluster.project import pulumi_program  # noqa: E402
 from gpucluster.spec.model import Stack, load_stack  # noqa: E402
+from lanes import pytest_collection_modifyitems  # noqa: E402,F401  (every test in exactly one lane)
+
+pytest_plugins = ("pytester",)  # tests/test_lanes.py runs pytest on suites of its own
 
 if TYPE_CHECKING:
     from local_cluster import LocalCluster
@@ -44,19 +47,33 @@ def of_type(declared: Sequence[Declared], suffix: str) -> list[Declared]:
 
 
 @pytest.fixture
-def cluster() -> Iterator[LocalCluster]:
-    """A fresh local Slurm cluster of tests/stacks/Pulumi.local.yaml, EC2 and the rest in moto (tests/integration)."""
+def start_cluster() -> Iterator[Callable[[], LocalCluster]]:
+    """Starts fresh local Slurm clusters of tests/stacks/Pulumi.local.yaml, EC2 and the rest in moto
+    (tests/integration), each in a network of its own; all are stopped after the test."""
     import shutil
     import tempfile
 
     from local_cluster import LocalCluster, missing_tools
 
     assert not missing_tools(), f"install Slurm, munge and MariaDB first (make test does): missing {missing_tools()}"
-    root = Path(tempfile.mkdtemp(prefix="gpucluster-cluster-"))
-    local = LocalCluster(load_stack(FIXTURES / "Pulumi.local.yaml"), root).start()
-    yield local
-    local.stop()
-    shutil.rmtree(root, ignore_errors=True)
+    started: list[LocalCluster] = []
+
+    def start() -> LocalCluster:
+        root = Path(tempfile.mkdtemp(prefix="gpucluster-cluster-"))
+        local = LocalCluster(load_stack(FIXTURES / "Pulumi.local.yaml"), root).start()  # stopped itself if it failed
+        started.append(local)
+        return local
+
+    yield start
+    for local in started:
+        local.stop()
+        shutil.rmtree(local.root, ignore_errors=True)
+
+
+@pytest.fixture
+def cluster(start_cluster: Callable[[], LocalCluster]) -> LocalCluster:
+    """A fresh local cluster (start_cluster)."""
+    return start_cluster()
 
 
 @pytest.fixture(scope="module")

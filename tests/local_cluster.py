@@ -16,15 +16,20 @@ What this machine forces, and stands in for it:
   shared by all nodes (mounted before the boot, so the bootstrap finds it mounted);
 - Debian's Slurm 22.05, not the images' 23.11: slurm.conf asks for cloud_reg_addrs (a node's address from its
   registration), which 23.11 always does;
-- one host for all nodes: the Slurm ports differ per node (SlurmLayout.node_port_base), slurmd reports the configured
-  CPUs and GPUs (`config_overrides`, /dev/null as each GPU device), no cgroup plugins (this machine's cgroups are not
-  Slurm's to use), and compute nodes boot in a time namespace of their own (slurmctld ignores a node whose boot time
-  predates its resume request); each node's exporters listen on ports of their own (settings exporter_port_base);
+- no VPC: each cluster has a network namespace of its own (Network), which all its nodes share, so clusters run
+  side by side and each one's lockdown rules are its own;
+- one address for all of a cluster's nodes: the Slurm ports differ per node (SlurmLayout.node_port_base), slurmd
+  reports the configured CPUs and GPUs (`config_overrides`, /dev/null as each GPU device), no cgroup plugins (this
+  machine's cgroups are not Slurm's to use), and compute nodes boot in a time namespace of their own (slurmctld
+  ignores a node whose boot time predates its resume request); each node's exporters listen on ports of their own
+  (settings exporter_port_base);
 - no GPU, DCGM or container runtime: nvidia-smi and `docker` (running dcgm-exporter) are stand-ins on GPU nodes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 import re
@@ -32,13 +37,14 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from gpucluster.contract.settings import CLUSTER_TAG, LOGIN_USER, NODE_REGISTRY, POOL_TAG, SCRAPE_JOBS
 from gpucluster.project import EXAMPLES_DIR
@@ -80,6 +86,9 @@ MOTO_ACCOUNT = "123456789012"
 LOGIN_UID = 1100  # the rehearsal image's login user, when this machine has none of that name
 SPARE_NODE_PORTS = 4  # for nodes of pools that a test's changed stack adds (LocalCluster.apply)
 IMAGE_AMI = "ami-12c6146b"  # one of moto's images
+MOTO_SERVER = ("import threading\nfrom moto.server import ThreadedMotoServer\n"
+               "server = ThreadedMotoServer(ip_address='127.0.0.1', port=0, verbose=False)\nserver.start()\n"
+               "print(server.get_host_and_port()[1], flush=True)\nthreading.Event().wait()\n")
 
 
 def missing_tools() -> list[str]:
@@ -94,7 +103,8 @@ def free_port() -> int:
 
 def free_port_block(count: int) -> int:
     """The first of `count` consecutive free ports, below the kernel's ephemeral range: a slurmd binds its port only
-    when its node boots, and by then any outgoing connection could have taken an ephemeral port as its source."""
+    when its node boots, and by then any outgoing connection could have taken an ephemeral port as its source.
+    In the calling thread's network (Network.entered)."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     for base in range(max(1024, low - 12000), low - count):
         if all(_bindable(base + i) for i in range(count)):
@@ -109,12 +119,6 @@ def _bindable(port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-
-
-
-
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -141,14 +145,75 @@ def wait_for(what: str, ready: Callable[[], bool], watched: list[subprocess.Pope
     raise RuntimeError(f"{what} did not come up in time:\n{tails}")
 
 
+CLONE_NEWNET = 0x40000000
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _setns(fd: int) -> None:
+    if _libc.setns(fd, CLONE_NEWNET) != 0:
+        raise OSError(ctypes.get_errno(), "setns")
+
+
+class Network:
+    """The cluster's own network namespace, as a VPC is its own: its nodes' addresses, their ports and the firewall
+    rules of their lockdown are nobody else's, so local clusters run side by side and one's end takes nothing of
+    another's. It lives while a holder process sleeps in it (and while sockets made in it are open); the kernel drops
+    it, with its rules, after them. Its nodes enter it (`prefix`); the harness makes its servers' sockets in it
+    (`entered`), so the nodes reach them on 127.0.0.1 while the servers' threads talk to moto outside."""
+
+    # An interface besides loopback, as an instance has: where loopback holds the only IPv4 address, getaddrinfo for
+    # IPv4 with AI_ADDRCONFIG (Slurm's, for the address a daemon listens on) finds none. Nothing is sent through it (a
+    # veth pair with both ends here: this machine's kernel has no dummy interfaces).
+    INTERFACE = ("ip link add eth0 type veth peer name eth1 && ip addr add 10.255.0.1/24 dev eth0 && "
+                 "ip link set eth0 up && ip link set eth1 up")
+
+    def __init__(self) -> None:
+        up = f"ip link set lo up && {self.INTERFACE} && echo up && exec sleep infinity"
+        self.holder = subprocess.Popen(["unshare", "--net", "--", "sh", "-c", up], stdout=subprocess.PIPE,
+                                       start_new_session=True)
+        if self.holder.stdout.readline() != b"up\n":  # type: ignore[union-attr]
+            stop(self.holder)
+            raise RuntimeError("no network namespace for the cluster (unshare --net needs root)")
+        self.path = f"/proc/{self.holder.pid}/ns/net"
+        self.fd = os.open(self.path, os.O_RDONLY)
+
+    @contextlib.contextmanager
+    def entered(self) -> Iterator[None]:
+        """The calling thread in this network: the sockets it makes meanwhile belong to it (namespaces are per
+        thread; a socket keeps the one it was made in)."""
+        own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        try:
+            _setns(self.fd)
+            try:
+                yield
+            finally:
+                _setns(own)
+        finally:
+            os.close(own)
+
+    def prefix(self) -> list[str]:
+        """A command line's start that runs the command in this network."""
+        return ["nsenter", f"--net={self.path}", "--"]
+
+    def processes(self, name: str) -> list[str]:
+        """`pgrep -a -x name` among this network's processes (another cluster's are not ours)."""
+        return subprocess.run(["pgrep", "-a", "-x", name, "--ns", str(self.holder.pid), "--nslist", "net"],
+                              capture_output=True, text=True).stdout.splitlines()
+
+    def close(self) -> None:
+        stop(self.holder)
+        self.holder.stdout.close()  # type: ignore[union-attr]
+        os.close(self.fd)
+
+
 class AwsFront:
     """An HTTP front for moto, one per caller (a node, or the tests), so that each AWS call is counted against who made
     it. It can answer CreateFleet with an EC2 error for the markets in `failing_markets`, and the next
     `throttle[action]` calls of an action with ThrottlingException, as AWS does when an account's request rate is
     spent."""
 
-    def __init__(self, upstream: str, who: str, calls: list[tuple[str, str]], failing_markets: dict[str, str],
-                 throttle: dict[str, int]):
+    def __init__(self, network: Network, upstream: str, who: str, calls: list[tuple[str, str]],
+                 failing_markets: dict[str, str], throttle: dict[str, int]):
         self.upstream, self.who = upstream, who
         self.calls = calls  # (who, action), shared by every front of a cluster
         self.failing_markets, self.throttle = failing_markets, throttle
@@ -191,7 +256,8 @@ class AwsFront:
                 if self.command != "HEAD":
                     self.wfile.write(data)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        with network.entered():  # where the nodes are; its threads, made outside, reach moto
+            self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -227,7 +293,7 @@ def _fleet_error(code: str) -> bytes:
 class InstanceMetadata:
     """IMDSv2 for one rehearsal node: a token, the instance id and instance-profile credentials."""
 
-    def __init__(self, instance_id: str):
+    def __init__(self, network: Network, instance_id: str):
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args: object) -> None:
                 pass
@@ -242,7 +308,7 @@ class InstanceMetadata:
                 now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 6 * 3600))
                 answers = {
                     "meta-data/instance-id": instance_id,
-                    # All rehearsal nodes share this machine's network: each node's slurmd registers from 127.0.0.1,
+                    # A cluster's nodes share its network: each node's slurmd registers from 127.0.0.1,
                     # the address Slurm (and so Prometheus) knows it by, so that is its exporters' address too.
                     "meta-data/local-ipv4": "127.0.0.1",
                     "meta-data/iam/security-credentials/": "gpucluster-node",
@@ -259,7 +325,8 @@ class InstanceMetadata:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        with network.entered():
+            self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -282,6 +349,7 @@ class RehearsalNode:
     imds: InstanceMetadata
     fsx: Path
     sdk: Path  # the image's AWS SDK (image_sdk)
+    network: Network  # the cluster's, shared by its nodes
     volume: Path | None = None  # the head's state volume (a loop device behind its EBS by-id name)
     volume_id: str = ""
     own_clock: bool = False  # compute nodes: a boot time of their own
@@ -321,9 +389,9 @@ class RehearsalNode:
                    "exec sleep infinity"]
         clock = ["--time", f"--boottime=-{Path('/proc/uptime').read_text().split('.')[0]}"] if self.own_clock else []
         log = open(self.root / "init.log", "ab")
-        self.init = subprocess.Popen(["unshare", "--mount", "--uts", "--propagation", "private", *clock, "--",
-                                      "sh", "-ec", "; ".join(mounts)], stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.init = subprocess.Popen([*self.network.prefix(), "unshare", "--mount", "--uts", "--propagation", "private",
+                                      *clock, "--", "sh", "-ec", "; ".join(mounts)], stdout=log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
         wait_for(f"node {self.name}'s namespaces", lambda: self._ready(), [self.init], [self.root / "init.log"], 10)
         if first:
             (self.root / "user-data").write_text(self.user_data)
@@ -344,6 +412,12 @@ class RehearsalNode:
         image = self._dir("/opt", "up") / "gpucluster-image"
         image.mkdir(parents=True, exist_ok=True)
         (image / "manifest.json").write_text(json.dumps({"role": "rehearsal", "from": "Debian packages (make test)"}))
+        # MariaDB deletes every #sql* file in its tmpdir when it starts (a crash's leftovers, it assumes): the heads of
+        # clusters side by side would delete each other's temporary tables in this machine's /tmp. An instance has a
+        # /tmp of its own; here the node's own /var/tmp stands in.
+        mariadb = self._dir("/etc", "up") / "mysql" / "mariadb.conf.d" / "70-rehearsal.cnf"
+        mariadb.parent.mkdir(parents=True, exist_ok=True)
+        mariadb.write_text("[mysqld]\ntmpdir = /var/tmp\n")
         venv = image / "venv"
         if not venv.is_symlink():
             venv.symlink_to(Path(SITE_PACKAGES).parents[2])  # the test venv: pydantic for `gpucluster`, torch
@@ -379,7 +453,7 @@ class RehearsalNode:
 
     def prefix(self) -> list[str]:
         assert self.init is not None
-        return ["nsenter", "-t", str(self.init.pid), "-m", "-u"] + (["-T"] if self.own_clock else []) + ["--"]
+        return ["nsenter", "-t", str(self.init.pid), "-m", "-u", "-n"] + (["-T"] if self.own_clock else []) + ["--"]
 
     def enter(self, *args: str, env: dict[str, str] | None = None, check: bool = True,
               timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -427,21 +501,6 @@ class RehearsalNode:
         self.init = None
 
 
-def remove_lockdown_rules() -> None:
-    """The nodes' lockdown (their bootcmd) put its metadata and Alertmanager rules in this machine's network namespace,
-    which every rehearsal node shares: take them out again."""
-    from gpucluster.contract.lockdown import ALERTS_CHAIN, IMDS_ADDRESSES, IMDS_CHAIN
-    from gpucluster.contract.settings import ALERTMANAGER_PORT
-
-    rules = [(tool, ["-d", address], IMDS_CHAIN) for tool, address in IMDS_ADDRESSES.items()]
-    rules.append(("iptables", ["-o", "lo", "-p", "tcp", "--dport", str(ALERTMANAGER_PORT)], ALERTS_CHAIN))
-    for tool, match, chain in rules:
-        while subprocess.run([tool, "-w", "-D", "OUTPUT", *match, "-j", chain], capture_output=True).returncode == 0:
-            pass
-        subprocess.run([tool, "-w", "-F", chain], capture_output=True)
-        subprocess.run([tool, "-w", "-X", chain], capture_output=True)
-
-
 @dataclass
 class LocalCluster:
     stack: Stack
@@ -472,28 +531,24 @@ class LocalCluster:
         self.nodes.clear()
         if hasattr(self, "volume_device"):
             subprocess.run(["losetup", "-d", self.volume_device], capture_output=True)
-        remove_lockdown_rules()
-        for close in reversed(self._closers):
-            close()
+            del self.volume_device  # detached once: by then the device number may be another cluster's
+        # The network last: with it go its lockdown's rules, nobody else's. (Each closed once: stop may run twice.)
+        while self._closers:
+            self._closers.pop()()
 
     def _start(self, boot_head: bool) -> None:
-        from moto.server import ThreadedMotoServer
-
         from gpucluster.render import bundle, userdata
 
         self.root.chmod(0o755)
-        port = free_port()
-        self.moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-        self.moto.start()
-        self._closers.append(self.moto.stop)
-        # moto's backends are shared by every server in this process: each cluster starts from an empty account.
-        urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/moto-api/reset", method="POST"))
-        self.moto_url = f"http://127.0.0.1:{port}"
+        self.network = Network()
+        self._closers.append(self.network.close)
+        self.moto_url = self._moto()
         nodes = sum(p.max_nodes for p in self.stack.spec.pools) + SPARE_NODE_PORTS
         # One block: ports picked one by one could land inside the nodes' range. The nodes' exporters (every node
         # its own ports: they share one address here) after slurmd's.
         exporter_ports = (1 + nodes) * len(SCRAPE_JOBS)
-        ports = free_port_block(nodes + 3 + exporter_ports)
+        with self.network.entered():
+            ports = free_port_block(nodes + 3 + exporter_ports)
         self.exporter_port_base = ports + 3 + nodes
         self.dev_dir = self.root / "dev"
         self.layout = slurm.SlurmLayout(controller_port=ports, node_port=ports + 1, dbd_port=ports + 2,
@@ -512,8 +567,24 @@ class LocalCluster:
             self.boot_head()
             threading.Thread(target=self._boot_loop, daemon=True).start()
 
+    def _moto(self) -> str:
+        """The cluster's AWS account: a moto server of its own, in a process of its own (moto's backends are shared
+        by every server in a process, and another cluster may run in this one)."""
+        server = subprocess.Popen([sys.executable, "-c", MOTO_SERVER], stdout=subprocess.PIPE, start_new_session=True)
+        assert server.stdout is not None
+
+        def close() -> None:
+            stop(server)
+            server.stdout.close()  # type: ignore[union-attr]
+
+        self._closers.append(close)
+        port = server.stdout.readline().strip()
+        if not port.isdigit():
+            raise RuntimeError(f"the moto server did not start (exit {server.poll()})")
+        return f"http://127.0.0.1:{int(port)}"
+
     def front(self, who: str) -> AwsFront:
-        front = AwsFront(self.moto_url, who, self.calls, self.failing_markets, self.throttle)
+        front = AwsFront(self.network, self.moto_url, who, self.calls, self.failing_markets, self.throttle)
         self._closers.append(front.close)
         return front
 
@@ -647,7 +718,7 @@ class LocalCluster:
             # Entering the head's mount namespace moves to its root: go back to the submit directory (shared).
             (bin_dir / name).write_text(
                 f"#!/bin/sh\nPATH=$(echo \"$PATH\" | sed 's#{bin_dir}:##')\n"
-                f"exec nsenter -t \"$(cat {self.root}/head.pid)\" -m -u -- "
+                f"exec nsenter -t \"$(cat {self.root}/head.pid)\" -m -u -n -- "
                 f"sh -c 'cd \"$1\" && shift && exec \"$@\"' sh \"$PWD\" /usr/bin/{name} \"$@\"\n")
             (bin_dir / name).chmod(0o755)
         return bin_dir
@@ -656,10 +727,11 @@ class LocalCluster:
     def boot_head(self, seconds: float = 180, name: str = "head") -> None:
         """A head node instance: the first, or (with another name) its replacement, which comes up on the same state
         volume and the same fixed network interface as `pulumi up` gives it."""
-        imds = InstanceMetadata(self.head_instance)
+        imds = InstanceMetadata(self.network, self.head_instance)
         self._closers.append(imds.close)
         self.head = RehearsalNode(name, self.root / name, self.userdata.head_node(self.stack), self.front("head"),
-                                  imds, self.fsx, self.sdk, volume=Path(self.volume_device), volume_id=self.volume_id)
+                                  imds, self.fsx, self.sdk, self.network, volume=Path(self.volume_device),
+                                  volume_id=self.volume_id)
         self.head.boot()
         (self.root / "head.pid").write_text(str(self.head.init.pid))  # type: ignore[union-attr]  # boot() started it
         self.wait_booted(self.head, seconds)
@@ -716,11 +788,11 @@ class LocalCluster:
 
     def _boot(self, instance: str, pool_name: str) -> None:
         pool = next(p for p in self.stack.spec.pools if p.name == pool_name)
-        imds = InstanceMetadata(instance)
+        imds = InstanceMetadata(self.network, instance)
         self._closers.append(imds.close)
         acc = pool.itype.accelerator
         node = RehearsalNode(instance, self.root / instance, self.userdata.pool_nodes(self.stack, pool),
-                             self.front(instance), imds, self.fsx, self.sdk, own_clock=True,
+                             self.front(instance), imds, self.fsx, self.sdk, self.network, own_clock=True,
                              gpus=acc.count if acc and acc.kind == "nvidia" else 0,
                              gpu_fault=self.gpu_faults.get(pool_name, ""))
         self.nodes[instance] = node
@@ -777,6 +849,40 @@ class LocalCluster:
         return self.head.enter("/usr/local/sbin/gpucluster-budget", command, env=login).stdout
 
     # --- helpers for tests ----------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def link_local_metadata(self) -> Iterator[None]:
+        """Instance metadata where EC2 serves it, 169.254.169.254:80, in the cluster's network, where the nodes'
+        lockdown (their user data's bootcmd) put its rules. It hands out a token to whoever gets through. The nodes'
+        own stand-ins listen elsewhere, so the boot path is unaffected."""
+        class Metadata(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_PUT(self) -> None:
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b"token")
+
+        def address(verb: str) -> None:
+            subprocess.run([*self.network.prefix(), "ip", "addr", verb, "169.254.169.254/32", "dev", "lo"], check=True)
+
+        address("add")
+        with self.network.entered():
+            server = ThreadingHTTPServer(("169.254.169.254", 80), Metadata)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            yield
+        finally:
+            server.shutdown()
+            server.server_close()
+            address("del")
+
+    def held(self, name: str) -> tuple[str, Path]:
+        """A shell command that runs until the test touches the file returned with it: a job that must be running at
+        some point of a test runs through it, however slow this machine is today, and not a second longer."""
+        release = self.fsx / f"release-{name}"
+        return f"until [ -e /fsx/{release.name} ]; do sleep 0.5; done", release
+
     def run(self, *args: str, check: bool = True) -> str:
         return subprocess.run(list(args), env=self.env, check=check, capture_output=True, text=True, timeout=60).stdout
 

@@ -3,15 +3,17 @@ gpucluster-boot.service -> fetch_bundle.py -> bootstrap.py -> packaged units wit
 
 from __future__ import annotations
 
-import contextlib
 import os
-import subprocess
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import pytest
 
 from gpucluster.contract import settings
 from gpucluster.contract.settings import LOGIN_USER
 from local_cluster import LocalCluster
+
+pytestmark = pytest.mark.rehearsal
 
 
 def head_shell(cluster: LocalCluster, command: str) -> str:
@@ -44,31 +46,6 @@ PROBE = ("import urllib.request\n"
          "    except OSError as exc:\n        print('key: refused', key, type(exc).__name__)\n")
 
 
-@contextlib.contextmanager
-def metadata_on_link_local():
-    """Instance metadata where EC2 serves it, 169.254.169.254:80, for this test: the rehearsal's nodes share this
-    machine's network namespace, where their lockdown's rules (from their user data's bootcmd) are in force. The
-    nodes' own stand-ins (tests/local_cluster.py) listen elsewhere, so the boot path is unaffected."""
-    class Metadata(BaseHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:
-            pass
-
-        def do_PUT(self) -> None:
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(b"token")
-
-    subprocess.run(["ip", "addr", "add", "169.254.169.254/32", "dev", "lo"], check=True)
-    server = ThreadingHTTPServer(("169.254.169.254", 80), Metadata)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield
-    finally:
-        server.shutdown()
-        server.server_close()
-        subprocess.run(["ip", "addr", "del", "169.254.169.254/32", "dev", "lo"], check=True)
-
-
 def test_compute_nodes_boot_with_two_aws_calls_through_throttling(cluster: LocalCluster) -> None:
     # Parameter Store's shared rate is spent: more throttles than botocore's own retries absorb.
     cluster.throttle["GetParameters"] = 14
@@ -83,7 +60,7 @@ def test_compute_nodes_boot_with_two_aws_calls_through_throttling(cluster: Local
                       "/usr/bin/python3 probe.py'\n")
     for path in (script, home / "probe.py"):
         os.chown(path, home.stat().st_uid, home.stat().st_gid)
-    with metadata_on_link_local():
+    with cluster.link_local_metadata():
         job = head_shell(cluster, f"runuser -l {LOGIN_USER} -c 'NCCL_DEBUG=INFO sbatch --parsable -p standby -N 2 "
                                   "env.sbatch'").strip()
         cluster.wait(f"job {job} to complete", lambda: cluster.job_state(job) == "COMPLETED", 240)
@@ -134,3 +111,29 @@ def test_head_reboot_and_replacement_keep_queue_and_accounting(cluster: LocalClu
                        "format=GrpTRESMins") == account
     cluster.run("scontrol", "release", held)
     cluster.wait(f"job {held} to complete on the new head", lambda: cluster.job_state(held) == "COMPLETED", 240)
+
+
+def metadata_answer(cluster: LocalCluster, *as_user: str) -> str:
+    """What the head's instance metadata tells a process of the user (root without `as_user`)."""
+    answer = cluster.head.enter(*as_user, "/usr/bin/python3", "-c", PROBE).stdout
+    return next(line for line in answer.splitlines() if line.startswith("metadata:"))
+
+
+def test_two_clusters_run_side_by_side_and_the_lockdown_of_one_outlives_the_other(
+        start_cluster: Callable[[], LocalCluster]) -> None:
+    """Each cluster in a network of its own: two heads of one stack boot at once on the same ports, and when one
+    cluster stops, the other's lockdown (its rules, from its own nodes' bootcmd) still refuses the login user."""
+    with ThreadPoolExecutor(2) as pool:
+        first, second = pool.map(lambda _: start_cluster(), range(2))
+    # The same ports (slurmctld's, slurmd's, the exporters'; Prometheus' 9090): neither network is the other's.
+    assert (first.layout.controller_port, first.exporter_port_base) == (second.layout.controller_port,
+                                                                        second.exporter_port_base)
+    for cluster in (first, second):
+        assert head_shell(cluster, "systemctl is-active prometheus slurmctld").split() == ["active", "active"]
+    login = ("runuser", "-u", LOGIN_USER, "--")
+    with second.link_local_metadata():
+        assert metadata_answer(second, *login) == "metadata: refused URLError"
+        first.stop()
+        assert metadata_answer(second, *login) == "metadata: refused URLError"
+        assert metadata_answer(second) == "metadata: token"  # the stand-in answers whoever the rules let through
+    assert set(second.run("sinfo", "--noheader", "--format=%R").split()) == {p.name for p in second.stack.spec.pools}

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from gpucluster.contract.settings import BUDGET_STATE_FILE
 from local_cluster import LocalCluster
+
+pytestmark = pytest.mark.rehearsal
 
 
 def partition_states(cluster: LocalCluster) -> dict[str, str]:
@@ -29,7 +33,8 @@ def test_spent_budget_closes_partitions_lets_running_jobs_finish_and_reopens(clu
     sns.subscribe(TopicArn=topic, Protocol="sqs", Endpoint=sqs.get_queue_attributes(
         QueueUrl=ear, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"])
 
-    running = submit(cluster, "standby", "sleep 20; echo finished")
+    hold, release = cluster.held("running")
+    running = submit(cluster, "standby", f"{hold}; echo finished")
     cluster.wait(f"job {running} to run", lambda: cluster.job_state(running) == "RUNNING", 120)
 
     # AWS Budgets reports the spend over the act threshold and notifies the topic.
@@ -47,6 +52,8 @@ def test_spent_budget_closes_partitions_lets_running_jobs_finish_and_reopens(clu
     assert "JobState=PENDING" in shown and "Reason=PartitionDown" in shown, shown
     assert "spent $510.00 of its $500.00 monthly budget" in shown, shown
     # The job that was running when the budget ran out finishes normally.
+    assert cluster.job_state(running) == "RUNNING"
+    release.touch()
     cluster.wait(f"job {running} to complete", lambda: cluster.job_state(running) == "COMPLETED", 120)
     assert "finished" in (cluster.root / f"job-{running}.out").read_text()
     # Its node goes back to zero; nothing is launched for the waiting job.

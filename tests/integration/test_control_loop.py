@@ -8,7 +8,11 @@ from __future__ import annotations
 import subprocess
 import time
 
+import pytest
+
 from local_cluster import LocalCluster
+
+pytestmark = pytest.mark.rehearsal
 
 
 def node_state(cluster: LocalCluster, node: str) -> str:
@@ -56,10 +60,12 @@ def test_always_on_node_comes_back_after_its_instance_vanishes_and_an_unhealthy_
     assert (cluster.root / f"health-{job}.out").read_text().splitlines() == ["ran with 1 GPU"]
 
     # The controller restarted under a running job (a recovered or replaced head, a changed stack): the job finishes.
+    hold, release = cluster.held("restart")
     job = cluster.run("sbatch", "--parsable", "-p", "standby", "-o", str(cluster.root / "restart-%j.out"), "--wrap",
-                      "sleep 15; echo finished").strip()
+                      f"{hold}; echo finished").strip()
     cluster.wait(f"job {job} to run", lambda: cluster.job_state(job) == "RUNNING", 180)
     cluster.head.enter("systemctl", "restart", "slurmctld")
+    release.touch()
     cluster.wait(f"job {job} to finish after the restart", lambda: state_if_answering(cluster, job) == "COMPLETED", 120)
     assert (cluster.root / f"restart-{job}.out").read_text() == "finished\n"
 
@@ -73,10 +79,9 @@ def test_always_on_node_comes_back_after_its_instance_vanishes_and_an_unhealthy_
     cluster.wait(f"{node} to be drained by its Prolog", lambda: "nvidia-smi did not answer in 10 s" in cluster.run(
         "sinfo", "--noheader", "-R", "-n", node, "--format=%E"), 60)
     assert time.monotonic() - submitted < 10 + 15  # the tool's limit, then Slurm's own round trips
-    # Requeued by the Prolog: COMPLETING for a moment (the epilog's round trip), then PENDING again.
-    cluster.wait(f"job {job} to be requeued", lambda: cluster.job_state(job) == "PENDING", 30)
-    job_record = cluster.run("scontrol", "show", "job", job)
-    assert "Restarts=1" in job_record, job_record
+    # Requeued by the Prolog: its start winds down (COMPLETING) and it waits again, with a restart counted.
+    cluster.wait(f"job {job} to be requeued", lambda: all(
+        fact in cluster.run("scontrol", "show", "job", job) for fact in ("JobState=PENDING", "Restarts=1")), 30)
     assert "sleep 600" not in rehearsal.enter("ps", "-eo", "args").stdout  # the hung tool was killed with its session
     cluster.run("scancel", job)
 

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from conftest import FIXTURES
 from gpucluster.spec.model import load_stack
 from local_cluster import LocalCluster
+
+pytestmark = pytest.mark.rehearsal
 
 EXTRA_POOL = """      - name: extra
         instance_type: g6.xlarge
@@ -38,7 +42,8 @@ def partitions(cluster: LocalCluster) -> set[str]:
 
 
 def test_a_new_pool_reaches_the_running_head_while_a_job_runs(cluster: LocalCluster, tmp_path: Path) -> None:
-    running = submit(cluster, "-p", "standby", "--wrap", "sleep 25")
+    hold, release = cluster.held("running")
+    running = submit(cluster, "-p", "standby", "--wrap", hold)
     cluster.wait(f"job {running} to run", lambda: cluster.job_state(running) == "RUNNING", 120)
     text = (FIXTURES / "Pulumi.local.yaml").read_text()
     assert ALWAYS_POOL in text
@@ -50,6 +55,8 @@ def test_a_new_pool_reaches_the_running_head_while_a_job_runs(cluster: LocalClus
     assert cluster.job_state(running) == "RUNNING"  # slurmctld restarted under it; the job ran on
     new = submit(cluster, "-p", "extra", "--wrap", "srun hostname")
     cluster.wait(f"job {new} in the new partition", lambda: cluster.job_state(new) == "COMPLETED", 180)
+    assert cluster.job_state(running) == "RUNNING"
+    release.touch()
     cluster.wait(f"job {running} to finish", lambda: cluster.job_state(running) == "COMPLETED", 60)
     assert "Restarts=0" in cluster.run("scontrol", "show", "job", running)  # never requeued
     assert "applying" not in cluster.update()  # applied once; the next tick finds nothing to do
@@ -59,7 +66,8 @@ def test_a_removed_pool_is_drained_before_its_nodes_go(cluster: LocalCluster, tm
     cluster.reconcile()  # powers up always-1
     cluster.wait("always-1 to come up", lambda: "always-1" in cluster.instances() and cluster.run(
         "sinfo", "--noheader", "-n", "always-1", "--format=%t").strip() == "idle", 120)
-    busy = submit(cluster, "-p", "always", "--wrap", "sleep 20")
+    hold, release = cluster.held("busy")
+    busy = submit(cluster, "-p", "always", "--wrap", hold)
     cluster.wait(f"job {busy} to run", lambda: cluster.job_state(busy) == "RUNNING", 60)
     text = (FIXTURES / "Pulumi.local.yaml").read_text()
     cluster.apply(load_stack(changed(tmp_path, text.replace(ALWAYS_POOL, ""))))
@@ -69,6 +77,8 @@ def test_a_removed_pool_is_drained_before_its_nodes_go(cluster: LocalCluster, tm
     assert "always" in partitions(cluster) and cluster.job_state(busy) == "RUNNING"
     reason = cluster.run("sinfo", "--noheader", "-R", "-n", "always-1", "--format=%E")
     assert "removed from the stack" in reason, reason
+    assert "always-1" in cluster.instances()  # kept for the job
+    release.touch()
     cluster.wait(f"job {busy} to finish", lambda: cluster.job_state(busy) == "COMPLETED", 60)
     cluster.wait("always-1's instance to go", lambda: "always-1" not in cluster.instances(), 60)
     cluster.wait("the change to be applied", lambda: "the changed stack is applied" in cluster.update(), 60)

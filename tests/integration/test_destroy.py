@@ -5,11 +5,13 @@ as EC2 would, so no slurmd of the cluster is left; the munge key parameter is go
 
 from __future__ import annotations
 
-import subprocess
+import pytest
 
 from gpucluster.aws import teardown
 from gpucluster.render import userdata
 from local_cluster import LocalCluster
+
+pytestmark = pytest.mark.rehearsal
 
 
 class HeadShell:
@@ -26,16 +28,13 @@ class HeadShell:
         return done.stdout
 
 
-def slurmd_running() -> list[str]:
-    return subprocess.run(["pgrep", "-a", "-x", "slurmd"], capture_output=True, text=True).stdout.splitlines()
-
-
 def test_destroy_while_a_job_runs_terminates_its_nodes_and_leaves_no_slurmd(cluster: LocalCluster) -> None:
     job = cluster.run("sbatch", "--parsable", "-p", "standby", "-N", "2", "-o", "/dev/null", "--wrap",
                       "srun sleep 600").strip()
     cluster.wait(f"job {job} to run on two nodes", lambda: cluster.job_state(job) == "RUNNING", 180)
     nodes = cluster.instances()
-    assert len(nodes) == 2 and len(slurmd_running()) == 2, (nodes, slurmd_running())
+    slurmd = cluster.network.processes("slurmd")  # the cluster's own (another cluster may run beside it)
+    assert len(nodes) == 2 and len(slurmd) == 2, (nodes, slurmd)
 
     fleet = teardown.Fleet(cluster.stack.cluster_name, cluster.head_instance,
                            userdata.munge_key_parameter(cluster.stack), timeout_seconds=60, poll_seconds=1,
@@ -48,10 +47,10 @@ def test_destroy_while_a_job_runs_terminates_its_nodes_and_leaves_no_slurmd(clus
               for i in r["Instances"]}
     assert all(states[i] == "terminated" for i in nodes.values()) and states[cluster.head_instance] == "stopped"
     assert not cluster.instances_by_id(), cluster.instances_by_id()  # nothing of the cluster left in EC2 ...
-    # ... and, as EC2 ends a terminated instance's processes, no slurmd on this machine. (The rehearsal powers off
+    # ... and, as EC2 ends a terminated instance's processes, no slurmd of the cluster. (The rehearsal powers off
     # the compute instances EC2 terminates; the head's stop it leaves to the test, which stops it now.)
-    cluster.wait("the terminated nodes' slurmd to be gone", lambda: not slurmd_running(), 15)
+    cluster.wait("the terminated nodes' slurmd to be gone", lambda: not cluster.network.processes("slurmd"), 15)
     cluster.head.power_off()
     cluster.wait("the stopped head's slurmctld to be gone",
-                 lambda: not subprocess.run(["pgrep", "-x", "slurmctld"], capture_output=True).stdout, 15)
+                 lambda: not cluster.network.processes("slurmctld"), 15)
     assert any(line == f"deleted parameter {fleet.munge_key_parameter}" for line in said), said

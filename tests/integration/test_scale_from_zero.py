@@ -11,6 +11,7 @@ import sys
 import urllib.parse
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,20 +20,24 @@ from gpucluster.aws import spend
 from gpucluster.contract.settings import EVENTS_LOG, POOL_TAG, PROMETHEUS_PORT
 from local_cluster import LocalCluster
 
+pytestmark = pytest.mark.rehearsal
+
 
 def submit(cluster: LocalCluster, *args: str) -> str:
     return cluster.run("sbatch", "--parsable", "-o", str(cluster.root / "job-%j.out"), *args).strip()
 
 
-def prometheus(path: str) -> dict:
-    """The head's Prometheus (it listens on 127.0.0.1, which the rehearsal's nodes share with this machine)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{PROMETHEUS_PORT}/api/v1/{path}", timeout=10) as answer:
+def prometheus(cluster: LocalCluster, path: str) -> dict[str, Any]:
+    """The head's Prometheus (it listens on 127.0.0.1 in the cluster's network, which its nodes share)."""
+    with cluster.network.entered():
+        answer = urllib.request.urlopen(f"http://127.0.0.1:{PROMETHEUS_PORT}/api/v1/{path}", timeout=10)
+    with answer:
         return json.load(answer)["data"]
 
 
-def scraped(job: str) -> dict[str, str]:
+def scraped(cluster: LocalCluster, job: str) -> dict[str, str]:
     """node label -> health of the scrape job's active targets."""
-    return {t["labels"]["node"]: t["health"] for t in prometheus("targets?state=active")["activeTargets"]
+    return {t["labels"]["node"]: t["health"] for t in prometheus(cluster, "targets?state=active")["activeTargets"]
             if t["labels"]["job"] == job}
 
 
@@ -40,12 +45,11 @@ def test_two_node_job_scales_from_zero_and_back(cluster: LocalCluster) -> None:
     assert not cluster.instances()
     # Each task's host name is its node's, and it resolves both nodes' names (the job's prolog), the first one as job
     # scripts name it. It holds its GPU until the test has seen it in Prometheus.
-    release = cluster.fsx / "release-monitoring"
+    hold, release = cluster.held("monitoring")
     job = submit(cluster, "-p", "standby", "-N", "2", "--gres=gpu:1", "--wrap",
                  'first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1); '
                  "srun bash -c \"echo ran on \\$SLURMD_NODENAME as \\$(hostname) resolving "
-                 "\\$(getent hosts $first standby-1 standby-2 | wc -l); "
-                 f"until [ -e /fsx/{release.name} ]; do sleep 0.5; done\"")
+                 f"\\$(getent hosts $first standby-1 standby-2 | wc -l); {hold}\"")
 
     def standby() -> set[str]:
         return {i for i, pool in cluster.instances_by_id().items() if pool == "standby"}
@@ -60,18 +64,20 @@ def test_two_node_job_scales_from_zero_and_back(cluster: LocalCluster) -> None:
     # their real node_exporters and dcgm-exporter's stand-in; each GPU's series carry its node, pool, team and job.
     cluster.wait(f"job {job} to run", lambda: cluster.job_state(job) == "RUNNING", 180)
     cluster.wait("Prometheus to scrape both nodes", lambda: all(
-        scraped(kind).get(node) == "up" for kind in ("node", "dcgm") for node in ("standby-1", "standby-2")), 120)
-    assert scraped("node")["head"] == "up"
+        scraped(cluster, kind).get(node) == "up"
+        for kind in ("node", "dcgm") for node in ("standby-1", "standby-2")), 120)
+    assert scraped(cluster, "node")["head"] == "up"
 
     def job_labelled() -> dict[str, dict[str, str]]:
         """node -> the labels of its GPU's series that name a job (the scrape after the Prolog wrote its file)."""
-        series = prometheus("query?query=" + urllib.parse.quote('DCGM_FI_DEV_GPU_UTIL{pool="standby",hpc_job!=""}'))
+        query = urllib.parse.quote('DCGM_FI_DEV_GPU_UTIL{pool="standby",hpc_job!=""}')
+        series = prometheus(cluster, f"query?query={query}")
         return {s["metric"]["node"]: s["metric"] for s in series["result"]}
 
     cluster.wait("both nodes' GPUs to carry the job", lambda: set(job_labelled()) == {"standby-1", "standby-2"}, 90)
     labels = job_labelled()
     assert all(m["hpc_job"] == job and m["team"] == cluster.stack.spec.team and m["UUID"] for m in labels.values())
-    load = prometheus("query?query=" + urllib.parse.quote('node_load1{pool="standby"}'))["result"]
+    load = prometheus(cluster, "query?query=" + urllib.parse.quote('node_load1{pool="standby"}'))["result"]
     assert {s["metric"]["node"] for s in load} == {"standby-1", "standby-2"}, load  # node_exporter's own figures
     release.touch()
     cluster.wait(f"job {job} to complete", lambda: cluster.job_state(job) == "COMPLETED", 180)
@@ -92,7 +98,7 @@ def test_two_node_job_scales_from_zero_and_back(cluster: LocalCluster) -> None:
     cluster.wait("standby-1's name to go", lambda: cluster.head.enter(
         "getent", "hosts", "standby-1", check=False).returncode == 2, 60)
     cluster.wait("the suspended nodes to leave Prometheus' targets", lambda: not {"standby-1", "standby-2"} & (
-        set(scraped("node")) | set(scraped("dcgm"))), 90)
+        set(scraped(cluster, "node")) | set(scraped(cluster, "dcgm"))), 90)
     ec2 = cluster.ec2()
     launched_by_slurm = ec2.describe_instances(Filters=[{"Name": f"tag:{POOL_TAG}", "Values": ["standby"]}])
     states = {i["State"]["Name"] for r in launched_by_slurm["Reservations"] for i in r["Instances"]}

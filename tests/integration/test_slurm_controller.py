@@ -14,8 +14,12 @@ from gpucluster.render import slurm
 from gpucluster.spec.model import load_stack
 from local_cluster import LocalCluster, missing_tools
 
+pytestmark = pytest.mark.slurm
 
-@pytest.fixture(params=STACK_FILES, ids=lambda p: p.name, scope="module")
+
+# One controller per stack, which its tests share: under xdist they stay on one worker (--dist loadgroup).
+@pytest.fixture(params=[pytest.param(p, marks=pytest.mark.xdist_group(f"slurm-{p.name}")) for p in STACK_FILES],
+                ids=lambda p: p.name, scope="module")
 def controller(request: pytest.FixtureRequest):
     assert not missing_tools(), f"install Slurm and munge first (make test does): missing {missing_tools()}"
     stack = load_stack(request.param)
