@@ -171,7 +171,9 @@ class Network:
         up = f"ip link set lo up && {self.INTERFACE} && echo up && exec sleep infinity"
         self.holder = subprocess.Popen(["unshare", "--net", "--", "sh", "-c", up], stdout=subprocess.PIPE,
                                        start_new_session=True)
-        if self.holder.stdout.readline() != b"up\n":  # type: ignore[union-attr]
+        assert self.holder.stdout is not None
+        self.output = self.holder.stdout
+        if self.output.readline() != b"up\n":
             stop(self.holder)
             raise RuntimeError("no network namespace for the cluster (unshare --net needs root)")
         self.path = f"/proc/{self.holder.pid}/ns/net"
@@ -202,7 +204,7 @@ class Network:
 
     def close(self) -> None:
         stop(self.holder)
-        self.holder.stdout.close()  # type: ignore[union-attr]
+        self.output.close()
         os.close(self.fd)
 
 
@@ -572,10 +574,11 @@ class LocalCluster:
         by every server in a process, and another cluster may run in this one)."""
         server = subprocess.Popen([sys.executable, "-c", MOTO_SERVER], stdout=subprocess.PIPE, start_new_session=True)
         assert server.stdout is not None
+        output = server.stdout
 
         def close() -> None:
             stop(server)
-            server.stdout.close()  # type: ignore[union-attr]
+            output.close()
 
         self._closers.append(close)
         port = server.stdout.readline().strip()
