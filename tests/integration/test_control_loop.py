@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+import uuid
 
 import pytest
 
@@ -73,7 +74,9 @@ def test_always_on_node_comes_back_after_its_instance_vanishes_and_an_unhealthy_
     # fails, so the job is requeued instead of waiting forever on the node (ParallelCluster #6777).
     node = cluster.run("sacct", "-n", "-X", "-j", job, "--format=NodeList%40").strip()
     rehearsal = cluster.nodes[cluster.instances()[node]]
-    rehearsal.path("/usr/local/bin/nvidia-smi").write_text("#!/bin/sh\nexec sleep 600\n")
+    # A duration of this run's own: the rehearsal's nodes share the machine's process table with other clusters.
+    hung = f"sleep 600.{uuid.uuid4().int % 10**6:06d}"
+    rehearsal.path("/usr/local/bin/nvidia-smi").write_text(f"#!/bin/sh\nexec {hung}\n")
     submitted = time.monotonic()
     job = cluster.run("sbatch", "--parsable", "-p", "standby", "-w", node, "-o", "/dev/null", "--wrap", "true").strip()
     cluster.wait(f"{node} to be drained by its Prolog", lambda: "nvidia-smi did not answer in 10 s" in cluster.run(
@@ -82,7 +85,7 @@ def test_always_on_node_comes_back_after_its_instance_vanishes_and_an_unhealthy_
     # Requeued by the Prolog: its start winds down (COMPLETING) and it waits again, with a restart counted.
     cluster.wait(f"job {job} to be requeued", lambda: all(
         fact in cluster.run("scontrol", "show", "job", job) for fact in ("JobState=PENDING", "Restarts=1")), 30)
-    assert "sleep 600" not in rehearsal.enter("ps", "-eo", "args").stdout  # the hung tool was killed with its session
+    assert hung not in rehearsal.enter("ps", "-eo", "args").stdout  # the hung tool was killed with its session
     cluster.run("scancel", job)
 
 
