@@ -22,8 +22,10 @@ TEST_WORKERS ?= 6
 
 .PHONY: plan test test-fast setup lanes bench system-packages
 
+# Debian's and Ubuntu's python3 makes a venv only with python3-venv: installed when the first try fails.
+APT_INSTALL := DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get -o DPkg::Lock::Timeout=300 install -y -q
 $(VENV)/.installed: requirements.txt requirements-dev.txt
-	python3 -m venv $(VENV)
+	python3 -m venv $(VENV) || { $(SUDO) apt-get update -q && $(APT_INSTALL) python3-venv && python3 -m venv --clear $(VENV); }
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
 	touch $@
 
@@ -32,7 +34,7 @@ plan: $(VENV)/.installed
 
 system-packages:
 	@dpkg -s $(SYSTEM_PACKAGES) >/dev/null 2>&1 || { $(SUDO) apt-get update -q && \
-	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q $(SYSTEM_PACKAGES); }
+	  $(APT_INSTALL) $(SYSTEM_PACKAGES); }
 
 # The venv and the system packages at once: pip and apt-get wait on nothing of each other's.
 setup:
