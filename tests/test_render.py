@@ -38,7 +38,7 @@ def test_render_writes_valid_small_user_data_and_slurm_files(path: Path, tmp_pat
     assert done.returncode == 0, done.stderr
     expected = {"head-node.user-data", *(f"{p.name}.user-data" for p in stack.spec.pools),
                 "slurm/slurm.conf", "slurm/gres.conf", "slurm/slurmdbd.conf", "slurm/plugstack.conf",
-                "slurm/cgroup.conf",
+                "slurm/cgroup.conf", "slurm/job_submit.lua",
                 *settings.MONITORING_FILES, "prometheus/prometheus.env", "dcgm-exporter/counters.csv",
                 *dashboards.files(stack)}
     written = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()}

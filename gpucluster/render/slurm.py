@@ -1,14 +1,16 @@
-"""slurm.conf, gres.conf and cgroup.conf rendered from the stack: one partition per pool, cloud nodes that Slurm
-powers up on demand.
+"""slurm.conf, gres.conf, cgroup.conf and job_submit.lua rendered from the stack: one partition per pool, cloud nodes
+that Slurm powers up on demand.
 
 Compatible with Debian bookworm's Slurm 22.05 (the tests start a real slurmctld on it) and with newer releases.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from gpucluster.contract import settings
+from gpucluster.render import job_submit
 from gpucluster.spec import cost
 from gpucluster.spec.catalog import Accelerator
 from gpucluster.spec.model import PoolSpec, Stack
@@ -119,6 +121,17 @@ def job_defaults(members: list[PoolSpec]) -> dict[str, int]:
     return defaults
 
 
+def partitions(stack: Stack) -> dict[str, list[PoolSpec]]:
+    """One partition per pool, named after it: its nodes, then its fallback pool's (spot falling back to on-demand)."""
+    by_name = {p.name: p for p in stack.spec.pools}
+    return {pool.name: [pool] + ([by_name[pool.fallback]] if pool.fallback else []) for pool in stack.spec.pools}
+
+
+def default_partition(stack: Stack) -> str:
+    """Where a job that names no partition goes: the first pool's."""
+    return stack.spec.pools[0].name
+
+
 def _node_line(pool: PoolSpec, first_port: int | None) -> str:
     """One line per pool. Every node is a CLOUD node, the always-on ones too (they are in SuspendExcNodes and the
     reconciler has them powered up): a node without State=CLOUD needs an address Slurm can resolve at its start, which
@@ -177,6 +190,9 @@ def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         "HealthCheckNodeState=ANY,CYCLE",
         "SchedulerType=sched/backfill",
         "SchedulerParameters=nohold_on_prolog_fail",
+        # job_submit.lua beside this file: a job no node of its partition could ever run is refused at submission,
+        # naming the partition's node shape, instead of pending for ever.
+        "JobSubmitPlugins=lua",
         "SelectType=select/cons_tres",
         "SelectTypeParameters=CR_Core_Memory",
         f"GresTypes={','.join(gres_types)}" if gres_types else None,
@@ -239,13 +255,11 @@ def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         lines.append(_node_line(pool, port))
         port = port + pool.max_nodes if port is not None else None
     lines.append("")
-    by_name = {p.name: p for p in pools}
-    for i, pool in enumerate(pools):
-        default = " Default=YES" if i == 0 else ""
-        members = [pool] + ([by_name[pool.fallback]] if pool.fallback else [])
+    for name, members in partitions(stack).items():
+        default = " Default=YES" if name == default_partition(stack) else ""
         nodes = ",".join(hostlist(p.name, 1, p.max_nodes) for p in members)
         defaults = "".join(f" {key}={value}" for key, value in job_defaults(members).items())
-        lines.append(f"PartitionName={pool.name} Nodes={nodes}{default} DefaultTime={DEFAULT_TIME} MaxTime=INFINITE"
+        lines.append(f"PartitionName={name} Nodes={nodes}{default} DefaultTime={DEFAULT_TIME} MaxTime=INFINITE"
                      f"{defaults} State=UP")
     return "\n".join(line for line in lines if line is not None) + "\n"
 
@@ -330,11 +344,41 @@ PLUGSTACK_CONF = ("# Rendered by gpucluster: pyxis for `srun --container-image`.
                   "optional /usr/local/lib/slurm/spank_pyxis.so\n")
 
 
+def _lua_string(text: str) -> str:
+    return json.dumps(text)  # pool names and GPU models are ASCII letters, digits and dashes: JSON's quotes are Lua's
+
+
+def _lua_gres(pool: PoolSpec) -> str:
+    acc = pool.itype.accelerator
+    if acc is None:
+        return "{}"
+    name, kind = _gres_name_type(acc)
+    return f"{{{name} = {{count = {acc.count}{f', type = {_lua_string(kind)}' if kind else ''}}}}}"
+
+
+def job_submit_lua(stack: Stack) -> str:
+    """slurmctld's job_submit.lua: each partition's pools, what one node of each offers jobs (as slurm.conf's node
+    lines say) and how many nodes it has, then the fixed check (job_submit.CHECK) that refuses what none could run."""
+    lines = [f"-- Rendered by gpucluster for stack {stack.name}. "
+             "Change the stack file and run `pulumi up`; edits here are lost.",
+             "",
+             f"local DEFAULT_PARTITION = {_lua_string(default_partition(stack))}",
+             "local PARTITIONS = {"]
+    for name, members in partitions(stack).items():
+        lines.append(f"  [{_lua_string(name)}] = {{")
+        lines += [f"    {{name = {_lua_string(p.name)}, nodes = {p.max_nodes}, cpus = {p.itype.vcpus}, "
+                  f"memory_mib = {real_memory(p)}, gres = {_lua_gres(p)}}}," for p in members]
+        lines.append("  },")
+    lines.append("}")
+    return "\n".join(lines) + "\n" + job_submit.CHECK
+
+
 def all_files(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> dict[str, str]:
     """The files the head node writes to /etc/slurm (compute nodes get them from the controller: configless).
     cgroup.conf only when the cluster uses cgroups."""
     files = {"slurm.conf": slurm_conf(stack, layout), "gres.conf": gres_conf(stack, layout),
-             "slurmdbd.conf": slurmdbd_conf(stack, layout), "plugstack.conf": PLUGSTACK_CONF}
+             "slurmdbd.conf": slurmdbd_conf(stack, layout), "plugstack.conf": PLUGSTACK_CONF,
+             "job_submit.lua": job_submit_lua(stack)}
     if layout.cgroups:
         files["cgroup.conf"] = cgroup_conf(stack)
     return files
