@@ -17,7 +17,7 @@ import pytest
 from conftest import ROOT
 from gpucluster.contract import reasons, settings as contract
 from gpucluster.node import bootstrap
-from gpucluster.render import userdata
+from gpucluster.render import slurm, userdata
 
 PACKAGED_SLURMD = Path("/lib/systemd/system/slurmd.service")  # Debian's slurmd package (make test installs it)
 
@@ -294,6 +294,17 @@ def test_an_update_restarts_the_services_on_the_units_it_wrote(tmp_path: Path, m
     assert {"node_control_units", "budget_guardrail", "node_names"} <= set(steps[:reload])
     restarts = [step for step in steps if step.startswith("systemctl restart")]
     assert len(restarts) == 3 and all(steps.index(step) > reload for step in restarts)
+
+
+def test_plugstack_keeps_only_the_spank_plugins_the_image_has(tmp_path: Path) -> None:
+    """A head without pyxis (this machine, an image that did not build it) names no pyxis: every sbatch and srun
+    would print Slurm's two error lines for it. One that has it keeps the rendered line."""
+    pyxis = tmp_path / "spank_pyxis.so"
+    rendered = slurm.PLUGSTACK_CONF.replace(slurm.PYXIS_PLUGIN, str(pyxis))
+    without = bootstrap.installed_spank_plugins(rendered)
+    assert str(pyxis) not in without and without.startswith("#")
+    pyxis.touch()
+    assert bootstrap.installed_spank_plugins(rendered) == rendered
 
 
 def test_conf_nodes_reads_every_node_of_slurm_conf() -> None:

@@ -339,9 +339,10 @@ def cgroup_conf(stack: Stack) -> str:
     ])
 
 
-# pyxis gives srun --container-image (enroot underneath). Optional: a node without the plugin still runs jobs.
-PLUGSTACK_CONF = ("# Rendered by gpucluster: pyxis for `srun --container-image`.\n"
-                  "optional /usr/local/lib/slurm/spank_pyxis.so\n")
+# pyxis gives srun --container-image (enroot underneath). Optional: a node without the plugin still runs jobs. The
+# head leaves out a plugin its image lacks (bootstrap.installed_spank_plugins); compute nodes take the head's file.
+PYXIS_PLUGIN = "/usr/local/lib/slurm/spank_pyxis.so"
+PLUGSTACK_CONF = f"# Rendered by gpucluster: pyxis for `srun --container-image`.\noptional {PYXIS_PLUGIN}\n"
 
 
 def _lua_string(text: str) -> str:
