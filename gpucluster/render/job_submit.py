@@ -212,6 +212,7 @@ function slurm_job_submit(job_desc, part_list, submit_uid)
   return slurm.ESLURM_REQUESTED_NODE_CONFIG_UNAVAILABLE or slurm.ERROR
 end
 
+-- A queued job changed by `scontrol update` is left to Slurm.
 function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
   return slurm.SUCCESS
 end
