@@ -7,6 +7,8 @@
     python -m gpucluster leftovers STACK         what is still tagged with the stack (after a destroy), per month
     python -m gpucluster dashboard STACK [--run] [--local-port N]   Grafana through a Session Manager port forward
     gpucluster events [--last N]                 on the head node: recent interruptions, drains, requeues, replacements
+    python -m gpucluster image-lock --snapshot ID [--archive URL]   (maintainers, internet) lock the image's Ubuntu
+                                                 packages to what the Ubuntu snapshot ID serves
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from gpucluster.contract.settings import GRAFANA_PORT
 from gpucluster.plan import Declared, run_program
 from gpucluster.spec import catalog, cost, eks
 from gpucluster.spec.model import SpecError, Stack, load_stack, resolve_stack_file
+from gpucluster.spec.ubuntu_lock import LOCK_FILE
 
 EXIT_BAD_INPUT = 2
 
@@ -290,6 +293,35 @@ def events(args: argparse.Namespace) -> int:
     return 0
 
 
+def image_lock(args: argparse.Namespace) -> int:
+    """Read the snapshot's Packages indexes (noble, -updates, -security) and write the newest version of every Ubuntu
+    package of the BOM under the snapshot's id in the committed lock file. Internet, no AWS."""
+    import lzma
+    import re
+    import urllib.request
+
+    from gpucluster.spec import bom, ubuntu_lock
+
+    if not re.fullmatch(ubuntu_lock.SNAPSHOT_RE, args.snapshot):
+        print(f"image-lock: {args.snapshot!r} is not a snapshot id (UTC YYYYMMDDTHHMMSSZ)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    archive = (args.archive or ubuntu_lock.archive_url(args.snapshot)).rstrip("/")
+    indexes = []
+    for path in ubuntu_lock.index_paths():
+        with urllib.request.urlopen(f"{archive}/{path}", timeout=120) as answer:
+            indexes.append(lzma.decompress(answer.read()).decode())
+        print(f"read {archive}/{path}")
+    try:
+        versions = ubuntu_lock.newest(indexes, bom.UBUNTU_PACKAGES)
+    except KeyError as exc:
+        print(f"image-lock: {exc.args[0]}", file=sys.stderr)
+        return 1
+    lock = Path(args.lock)
+    lock.write_text(ubuntu_lock.with_entry(ubuntu_lock.load(lock) if lock.exists() else {}, args.snapshot, versions))
+    print(f"{lock}: {len(versions)} packages under {args.snapshot}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="python -m gpucluster", description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)  # the docstring's table
@@ -323,6 +355,13 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--last", type=int, default=50, help="how many (default 50)")
     e.add_argument("--log", help=argparse.SUPPRESS)  # another events log (tests)
     e.set_defaults(func=events)
+    lock = sub.add_parser("image-lock", help="(maintainers; internet, no AWS) lock the image's Ubuntu packages to the "
+                                             "versions an Ubuntu snapshot serves")
+    lock.add_argument("--snapshot", required=True, help="the snapshot's id: a UTC time, YYYYMMDDTHHMMSSZ")
+    lock.add_argument("--archive", help="read the indexes here instead of https://snapshot.ubuntu.com/ubuntu/ID (an "
+                                        "archive that served the same indexes at that time)")
+    lock.add_argument("--lock", default=str(LOCK_FILE), help=argparse.SUPPRESS)  # another lock file (tests)
+    lock.set_defaults(func=image_lock)
     return top
 
 
