@@ -233,13 +233,8 @@ ROLES: Mapping[str, Role] = MappingProxyType({
 # --- a stack's BOM ----------------------------------------------------------------------------------------------------
 
 def parents(stack: Stack) -> dict[ParentRole, ParentImage]:
-    """The parent of each role the stack needs: the head's unless it names an AMI, and one per accelerator kind of the
-    pools that name none."""
-    spec = stack.spec
-    chosen = spec.image.parent_images
-    needed: list[ParentRole] = [] if spec.head_node.ami_id else ["head"]
-    needed += sorted({parent_role(p.accelerator.kind) for p in spec.pools if not p.ami_id})
-    return {role: chosen.parent(role) for role in needed}
+    """The parent of each role the stack needs (ClusterSpec.parent_roles), as its stack file names it."""
+    return {role: stack.spec.image.parent_images.parent(role) for role in stack.spec.parent_roles}
 
 
 def document(stack: Stack) -> dict[str, Any]:
