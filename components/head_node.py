@@ -87,6 +87,7 @@ class GuardrailWiring:
 
 class HeadNode(pulumi.ComponentResource):
     instance_id: pulumi.Output[str]
+    image_current: pulumi.Output[bool]  # whether the head runs the image the stack now names
     private_ip: pulumi.Output[str]
     role_name: pulumi.Output[str]
     role_arn: pulumi.Output[str]
@@ -147,6 +148,10 @@ class HeadNode(pulumi.ComponentResource):
             opts=child(self, delete_before_replace=True, ignore_changes=["ami"],
                        depends_on=list(args.security_group_rules)),
         )
+        # The head keeps its image across `up`s (above): say so when it runs another than the current one, at every
+        # `up` and in the stack's outputs, instead of never.
+        self.image_current = pulumi.Output.all(instance.ami, image, instance.urn).apply(
+            lambda v: _image_current(running=v[0], current=v[1], urn=v[2], instance=instance))
         # Stop the instance before detaching: slurmctld and MariaDB shut down cleanly and the volume is unmounted.
         aws.ec2.VolumeAttachment(f"{name}-state", device_name=STATE_DEVICE, volume_id=state.id,
                                  instance_id=instance.id, stop_instance_before_detaching=True,
@@ -180,7 +185,24 @@ class HeadNode(pulumi.ComponentResource):
                           description=f"gpucluster {args.cluster_name}: what every node needs to know",
                           opts=child(self))
         self.register_outputs({"instance_id": self.instance_id, "private_ip": self.private_ip,
-                               "role_arn": self.role_arn})
+                               "role_arn": self.role_arn, "image_current": self.image_current})
+
+
+def head_image_warning(running: str, current: str, urn: str) -> str | None:
+    """What `up` says when the head node runs an image other than the current one (a rebaked head image, a newer
+    stock Ubuntu, another ami_id); None when it runs the current one."""
+    if running == current:
+        return None
+    return (f"the head node runs {running}, not the head image this stack now names ({current}): it keeps its image "
+            f"so that an `up` never restarts slurmctld unasked. To move it, at a quiet time: pulumi up --replace "
+            f"'{urn}' (jobs keep running on the compute nodes; the queue and accounting are on the state volume)")
+
+
+def _image_current(running: str, current: str, urn: str, instance: pulumi.Resource) -> bool:
+    warning = head_image_warning(running, current, urn)
+    if warning:
+        pulumi.log.warn(warning, resource=instance)
+    return warning is None
 
 
 def settings_document(args: HeadNodeArgs, learned: dict[str, Any]) -> str:

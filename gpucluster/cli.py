@@ -1,7 +1,8 @@
 """gpucluster's command line.
 
     python -m gpucluster plan [STACK] [--json]   what a stack creates and costs, offline (default stack: dev)
-    python -m gpucluster render STACK --out DIR  the user data EC2 gets, the head's Slurm, Prometheus and Grafana files
+    python -m gpucluster render STACK --out DIR  the user data EC2 gets, the head's Slurm, Prometheus and Grafana files,
+                                                 the node images' bill of materials (image/bom.json)
     python -m gpucluster preflight STACK         the account's quotas, capacity and prices for the stack (0 ok, 1 fail)
     python -m gpucluster cost STACK              this month's spend by the stack's tag, forecast, GPU-hours
     python -m gpucluster leftovers STACK         what is still tagged with the stack (after a destroy), per month
@@ -18,6 +19,7 @@ import json
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 from gpucluster import project
 from gpucluster.contract.settings import GRAFANA_PORT
@@ -27,6 +29,7 @@ from gpucluster.spec.model import SpecError, Stack, load_stack, resolve_stack_fi
 from gpucluster.spec.ubuntu_lock import LOCK_FILE
 
 EXIT_BAD_INPUT = 2
+BOM_PATH = "image/bom.json"  # under render's --out
 
 
 def _load(stack_arg: str) -> Stack:
@@ -53,7 +56,7 @@ def cost_table(stack: Stack, estimate: cost.CostEstimate) -> list[str]:
          f"({stack.spec.head_node.instance_type}, EBS)"),
         *([f"Node images:                     {cost.money(estimate.image_build_usd)} per build "
            f"({len(estimate.images)} x "
-           f"{catalog.IMAGE_BUILD_HOURS:g} h of {catalog.IMAGE_BUILD_INSTANCE_TYPE}), "
+           f"{catalog.IMAGE_BUILD_HOURS:g} h of {' or '.join(catalog.IMAGE_BUILD_INSTANCE_TYPES)}), "
            f"{cost.money(estimate.image_snapshots_monthly)} per month of snapshots"] if estimate.images else []),
         f"NAT and VPC endpoints per month: {cost.money(estimate.network_monthly)}",
         f"Cluster per hour:                {cost.money(estimate.hourly_min)} at min size, "
@@ -103,6 +106,26 @@ def resource_tree(declared: list[Declared]) -> list[str]:
     return lines
 
 
+def image_inputs(stack: Stack) -> dict[str, object] | None:
+    """What the stack's node images are made of (a change here rebakes them); None for a stack that bakes none."""
+    from gpucluster.spec import bom
+
+    if not stack.spec.image_builds:
+        return None
+    text = bom.render(stack)
+    return {"ubuntu_snapshot": stack.spec.image.ubuntu_snapshot, "bom_sha256": bom.digest(text),
+            "parent_images": {role: parent.as_dict() for role, parent in bom.parents(stack).items()}}
+
+
+def image_lines(images: dict[str, Any]) -> list[str]:
+    lines = [f"Image inputs: Ubuntu snapshot {images['ubuntu_snapshot']}, BOM sha256 {images['bom_sha256']} "
+             "(`render --out DIR` writes DIR/image/bom.json); baked on:"]
+    for role, parent in images["parent_images"].items():
+        ids = ", ".join(f"{region} {ami}" for region, ami in parent["region_ids"].items())
+        lines.append(f"  {role:<7} {parent['name']} (owner {parent['owner']}{'; ' + ids if ids else ''})")
+    return lines
+
+
 def plan(args: argparse.Namespace) -> int:
     stack = _load(args.stack)
     if not project.PROGRAM.exists():  # the head node's bundle carries the library, not the Pulumi program
@@ -111,10 +134,12 @@ def plan(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     declared = run_program(stack, project.pulumi_program())
     estimate = cost.estimate(stack)
+    images = image_inputs(stack)
     if args.json:
         doc = {
             "stack": stack.name,
             "region": stack.region,
+            "images": images,
             "resources": [
                 {"type": d.type, "name": d.name, "parent": d.parent_type, "inputs": d.inputs,
                  "retain_on_delete": d.retain_on_delete}
@@ -130,13 +155,17 @@ def plan(args: argparse.Namespace) -> int:
     print()
     print("\n".join(resource_tree(declared)))
     print()
+    if images:
+        print("\n".join(image_lines(images)))
+        print()
     print("\n".join(cost_table(stack, estimate)))
     return 0
 
 
 def render(args: argparse.Namespace) -> int:
-    """The exact user data EC2 gets, and the Slurm files the head node writes."""
+    """The exact user data EC2 gets, the files the head node writes, and the images' bill of materials."""
     from gpucluster.render import dashboards, prometheus, slurm, userdata
+    from gpucluster.spec import bom
 
     stack = _load(args.stack)
     out = Path(args.out)
@@ -145,6 +174,7 @@ def render(args: argparse.Namespace) -> int:
     files = dict(userdata.all_user_data(stack))
     files |= {f"slurm/{name}": text for name, text in slurm.all_files(stack).items()}
     files |= prometheus.files(stack) | dashboards.files(stack)  # byte for byte what the head's bundle carries
+    files[BOM_PATH] = bom.render(stack)  # byte for byte what the image builds get
     for name, text in files.items():
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_text(text)
@@ -331,7 +361,7 @@ def parser() -> argparse.ArgumentParser:
                    help="a stack name under stacks/ or a path to a stack file (default: dev)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=plan)
-    r = sub.add_parser("render", help="write the user data and Slurm files of a stack")
+    r = sub.add_parser("render", help="write the user data, Slurm files and image BOM of a stack")
     r.add_argument("stack", help="a stack name under stacks/ or a path to a stack file")
     r.add_argument("--out", required=True, help="directory to write into")
     r.set_defaults(func=render)
