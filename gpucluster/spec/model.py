@@ -590,7 +590,8 @@ def _parent_roles(spec: dict[str, Any]) -> list[bom.ParentRole]:
     roles: list[bom.ParentRole] = [] if isinstance(head, dict) and head.get("ami_id") else ["head"]
     pools = spec.get("pools")
     for pool in pools if isinstance(pools, list) else []:
-        itype = catalog.ACCELERATED.get(pool.get("instance_type")) if isinstance(pool, dict) else None
+        name = pool.get("instance_type") if isinstance(pool, dict) else None
+        itype = catalog.ACCELERATED.get(name) if isinstance(name, str) else None
         if itype is not None and itype.accelerator is not None and not pool.get("ami_id"):
             roles.append(bom.parent_role(itype.accelerator.kind))
     return sorted(set(roles), key=bom.PARENT_ROLES.index)
