@@ -250,8 +250,9 @@ def test_bundle_object_holds_the_rendered_files(shipped: Shipped) -> None:
     slurm_files = {f"slurm/{n}" for n in ("slurm.conf", "gres.conf", "slurmdbd.conf", "plugstack.conf", "cgroup.conf")}
     library = {f"lib/{source.relative_to(ROOT).as_posix()}" for source in (ROOT / "gpucluster").rglob("*.py")
                if "__pycache__" not in source.parts}
-    # lib/ mirrors the repository for what `gpucluster render` reads there: the stack's file beside the library.
-    library |= {f"lib/stacks/Pulumi.{stack.name}.yaml"}
+    # lib/ mirrors the repository for what `gpucluster render` reads there: the stack's file beside the library, and
+    # the Ubuntu lock its stack file is checked against.
+    library |= {f"lib/stacks/Pulumi.{stack.name}.yaml", "lib/gpucluster/spec/ubuntu-lock.json"}
     assert programs | {"accounting.sql", "accounting.sh"} | slurm_files | {f"examples/{n}" for n in bundle.EXAMPLES} | \
         metrics | library == names
     assert {name for name in names if name.startswith("lib/") and modes[name] == 0o755} == programs
