@@ -115,6 +115,7 @@ def create_slurm_cluster(stack: Stack, examples_dir: Path) -> dict[str, object]:
             interruption_queue_url=events.queue_url if events else None,
             interruption_queue_arn=events.queue_arn if events else None,
             ami_id=spec.head_node.ami_id or baked("head"),
+            parent=spec.image.parent_images.head.image,
             guardrail=guardrail,
         ),
         opts,
@@ -143,8 +144,7 @@ def create_slurm_cluster(stack: Stack, examples_dir: Path) -> dict[str, object]:
         "pools": {name: pool.launch_spec.as_dict() for name, pool in pools.items()},
         "head_node_instance_id": head.instance_id,
         "head_node_private_ip": head.private_ip,
-        # false: the head runs an older image than the stack names (`up` warns with the command that replaces it).
-        "head_node_image_current": head.image_current,
+        "head_node_image": head.image_id,
         # A shell on the head as the login user (no sudo), and the admins' (sudo): each needs its policy attached.
         "connect": pulumi.Output.concat("aws ssm start-session --region ", stack.region, " --target ", head.instance_id,
                                         " --document-name ", team.user_document),

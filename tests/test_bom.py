@@ -1,11 +1,9 @@
 """The bill of materials (gpucluster/spec/bom.py): what `render` writes, the Ubuntu lock and its command, the
-parents the stack file pins and how a change of them shows, and the head node's image once the stack names a newer
-one."""
+parents the stack file pins and how a change of them shows, and the head node's image."""
 
 from __future__ import annotations
 
 import json
-import logging
 import lzma
 import re
 import shutil
@@ -15,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from conftest import ROOT, STACK_FILES, of_type
+from conftest import ROOT, STACK_FILES, of_type, planned
 from gpucluster import cli
 from gpucluster.plan import Declared, planned_ami_id, run_program
 from gpucluster.project import pulumi_program
@@ -221,55 +219,22 @@ def test_plan_json_carries_the_image_inputs(capsys: pytest.CaptureFixture[str]) 
     assert set(images["parent_images"]) == {"head", "gpu"}
 
 
-# --- the head node's image ----------------------------------------------------------------------------------------
+# --- the head node's image ---------------------------------------------------------------------------------------
 
-def test_the_head_warning_names_both_images_and_the_replace_command() -> None:
-    from components.head_node import head_image_warning
-
-    urn = "urn:pulumi:team-a::gpucluster::gpucluster:head:HeadNode$aws:ec2/instance:Instance::gpucluster-team-a-head"
-    assert head_image_warning("ami-0aaaaaaaaaaaaaaaa", "ami-0aaaaaaaaaaaaaaaa", urn) is None
-    warning = head_image_warning("ami-0aaaaaaaaaaaaaaaa", "ami-0bbbbbbbbbbbbbbbb", urn)
-    assert warning is not None
-    assert "runs ami-0aaaaaaaaaaaaaaaa" in warning and "(ami-0bbbbbbbbbbbbbbbb)" in warning
-    assert f"pulumi up --replace '{urn}'" in warning
+def test_the_head_takes_every_new_head_image_as_a_replacement_shown_at_preview() -> None:
+    """Every image the head can take is exact (the bake of the stack's BOM, an ami_id, or the pinned Ubuntu parent):
+    nothing makes Pulumi keep an old one, so a rebaked head image replaces the head at that `up` (delete first)."""
+    _, declared = planned(ROOT / "stacks" / "Pulumi.team-a.yaml")
+    (head,) = of_type(list(declared), "ec2/instance:Instance")
+    assert head.ignore_changes == () and head.delete_before_replace
+    assert head.inputs["ami"] == planned_ami_id("gpucluster-team-a-head")  # the bake's output, so its change too
 
 
-@pytest.mark.parametrize("running", [None, "ami-0aaaaaaaaaaaaaaaa"], ids=["current", "an older bake"])
-def test_up_says_when_the_head_runs_another_image(running: str | None, monkeypatch: pytest.MonkeyPatch,
-                                                   caplog: pytest.LogCaptureFixture) -> None:
-    """The head instance keeps its image (ignore_changes): with state holding an older AMI than the bake, `up` warns
-    and the head's `image_current` (the stack output head_node_image_current) is false; with the current one,
-    neither."""
-    from pulumi.runtime import rpc
-    from pulumi.runtime.mocks import MockMonitor
-
-    from gpucluster import plan
-
-    placeholders = plan._placeholder_outputs
-
-    def state(typ: str, name: str, inputs: dict[str, Any], region: str) -> dict[str, Any]:
-        out = placeholders(typ, name, inputs, region)
-        return {**out, "ami": running} if running and typ == "aws:ec2/instance:Instance" else out
-
-    outputs: dict[str, Any] = {}
-
-    def record(self: MockMonitor, request: Any) -> Any:
-        if request.urn.endswith("gpucluster:head:HeadNode::gpucluster-team-a"):
-            outputs.update(rpc.deserialize_properties(request.outputs))
-        return original(self, request)
-
-    original = MockMonitor.RegisterResourceOutputs
-    monkeypatch.setattr(plan, "_placeholder_outputs", state)
-    monkeypatch.setattr(MockMonitor, "RegisterResourceOutputs", record)
-    stack = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")
-    with caplog.at_level(logging.WARNING):
-        run_program(stack, pulumi_program())
-    warnings = [r.getMessage() for r in caplog.records if "the head node runs" in r.getMessage()]
-    baked = planned_ami_id(f"{stack.cluster_name}-head")
-    if running:
-        assert outputs["image_current"] is False
-        (warning,) = warnings
-        assert f"runs {running}, not the head image this stack now names ({baked})" in warning
-        assert "pulumi up --replace 'urn:pulumi:team-a::gpucluster::" in warning
-    else:
-        assert outputs["image_current"] is True and not warnings
+def test_without_a_bake_the_head_boots_the_pinned_ubuntu_release() -> None:
+    config = _config("team-a")
+    config["gpucluster:cluster"]["image"] = {"build": False, "parent_images": {"head": {
+        "name": "ubuntu/images/hvm-ssd-gp3/ubuntu-noble-24.04-amd64-server-20261015", "owner": "099720109477"}}}
+    stack = validate("team-a", config)
+    (head,) = of_type(run_program(stack, pulumi_program()), "ec2/instance:Instance")
+    name = "ubuntu/images/hvm-ssd-gp3/ubuntu-noble-24.04-amd64-server-20261015"
+    assert head.inputs["ami"] == planned_ami_id(f"{stack.region}/099720109477/{name}")

@@ -658,6 +658,8 @@ def test_a_pinned_pool_beside_a_baked_one_of_the_same_kind() -> None:
 
 
 def test_build_false_declares_no_image_builder_resources() -> None:
+    from gpucluster.plan import planned_ami_id
+
     config = _config(ROOT / "stacks" / "Pulumi.team-b.yaml")
     config["gpucluster:cluster"]["image"] = {"build": False}
     stack = validate("team-b", config)
@@ -666,8 +668,9 @@ def test_build_false_declares_no_image_builder_resources() -> None:
     templates = _templates(declared)
     assert templates["trn1"]["imageId"] == f"<AMI from {catalog.AMI_PARAMETERS['neuron']} at up>"
     assert templates["g6e"]["imageId"] == f"<AMI from {catalog.AMI_PARAMETERS['nvidia']} at up>"
-    (head,) = of_type(declared, "ec2/instance:Instance")
-    assert head.inputs["ami"] == f"<AMI from {catalog.UBUNTU_AMI_PARAMETER} at up>"
+    (head,) = of_type(declared, "ec2/instance:Instance")  # the exact Ubuntu release, as it is
+    parent = stack.spec.image.parent_images.head
+    assert head.inputs["ami"] == planned_ami_id(f"{stack.region}/{parent.owner}/{parent.name}")
 
 
 def test_component_documents_refuse_what_aws_or_awstoe_would_mangle() -> None:

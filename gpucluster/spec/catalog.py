@@ -23,8 +23,6 @@ AMI_PARAMETERS: dict[str, str] = {
     "nvidia": "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id",
     "neuron": "/aws/service/neuron/dlami/multi-framework/ubuntu-24.04/latest/image_id",
 }
-# The head node's image: plain Ubuntu 24.04 (no accelerator), newest at `up`.
-UBUNTU_AMI_PARAMETER = "/aws/service/canonical/ubuntu/server/24.04/stable/current/amd64/hvm/ebs-gp3/ami-id"
 
 # EC2 Image Builder (components/image.py). Nothing in the build uses an accelerator (packages, Slurm's and pyxis's
 # compiles, pip downloads), so a general-purpose x86_64 type boots the DLAMIs and Ubuntu alike: 4 vCPUs for the

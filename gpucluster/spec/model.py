@@ -138,7 +138,8 @@ AmiId = Annotated[str | None, Field(default=None, pattern=r"^ami-[0-9a-f]{8,17}$
 class HeadNodeSpec(_Model):
     # The head node's instance type: it runs slurmctld, slurmdbd with MariaDB, Prometheus, Alertmanager and Grafana.
     instance_type: Annotated[str, _in_catalog(catalog.HEAD_NODE, "head node type")] = "m7i.2xlarge"
-    # The head node's image. Default: the stack's baked head image, or Ubuntu 24.04 with image.build false.
+    # The head node's image. Default: the stack's baked head image, or with image.build false its parent
+    # (image.parent_images.head) as it is. A new image replaces the head at `up` (its queue and accounting are kept).
     ami_id: AmiId = None
 
 
