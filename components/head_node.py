@@ -2,7 +2,7 @@
 with its least-privilege IAM role, its state volume, its fixed network interface, and the SSM parameter that tells
 every node what `pulumi up` learned (bucket, file system, head address, pools).
 
-The head node can be replaced (a new user data or instance type): its address lives on its own network interface and
+The head node can be replaced (a new user data or image): its address lives on its own network interface and
 its Slurm state and accounting on their own volume, so compute nodes and running jobs keep their head.
 """
 
@@ -18,9 +18,10 @@ import pulumi_aws as aws
 from components import child
 from components.gpu_pool import LaunchSpec
 from components.iam import EC2_ASSUME, PARAMETER_READ, SSM_AGENT, policy
+from components.image import parent_ami
 from components.node_access import NodeAccess
 from gpucluster.contract.settings import CLUSTER_TAG, ClusterSettings, head_instance_name
-from gpucluster.spec.catalog import UBUNTU_AMI_PARAMETER
+from gpucluster.spec import bom
 from gpucluster.spec.cost import HEAD_ROOT_GIB, HEAD_STATE_GIB
 from gpucluster.spec.model import SlurmSpec
 
@@ -49,7 +50,10 @@ class HeadNodeArgs:
     fsx_dns_name: pulumi.Input[str]
     fsx_mount_name: pulumi.Input[str]
     node_program_settings: NodeProgramSettings
-    ami_id: pulumi.Input[str] | None = None  # None: the current Ubuntu 24.04 image
+    # The head's image: the stack's ami_id or baked head image; None: the stack's head parent (an exact Ubuntu
+    # release, looked up by name) as it is, the software installed at first boot.
+    ami_id: pulumi.Input[str] | None = None
+    parent: bom.ParentImage = bom.PARENT_IMAGES["head"]
     # The group's rules (Network.security_group_rules): the head's boot mounts /fsx and reaches S3 and SSM through them.
     security_group_rules: Sequence[pulumi.Resource] = ()
     guardrail: GuardrailWiring | None = None  # None: the budget only alerts
@@ -87,6 +91,7 @@ class GuardrailWiring:
 
 class HeadNode(pulumi.ComponentResource):
     instance_id: pulumi.Output[str]
+    image_id: pulumi.Output[str]  # the AMI the head runs
     private_ip: pulumi.Output[str]
     role_name: pulumi.Output[str]
     role_arn: pulumi.Output[str]
@@ -126,8 +131,8 @@ class HeadNode(pulumi.ComponentResource):
         state = aws.ebs.Volume(f"{name}-state", availability_zone=args.availability_zone, size=HEAD_STATE_GIB,
                                type="gp3", encrypted=True, tags={"Name": f"{args.cluster_name}-state"},
                                opts=child(self))
-        image = (pulumi.Output.from_input(args.ami_id) if args.ami_id is not None else aws.ssm.get_parameter_output(
-            name=UBUNTU_AMI_PARAMETER, opts=pulumi.InvokeOutputOptions(parent=self)).value)
+        image = (pulumi.Output.from_input(args.ami_id) if args.ami_id is not None else
+                 parent_ami(args.parent, args.region, pulumi.InvokeOutputOptions(parent=self)))
         instance = aws.ec2.Instance(
             f"{name}-head",
             ami=image,
@@ -143,15 +148,16 @@ class HeadNode(pulumi.ComponentResource):
             user_data_replace_on_change=True,
             tags={"Name": head_instance_name(args.cluster_name)},
             # Delete before replace: two slurmctld must never run at once, and the interface and the state volume
-            # attach to one instance at a time. A newer image must not replace a running head node.
-            opts=child(self, delete_before_replace=True, ignore_changes=["ami"],
-                       depends_on=list(args.security_group_rules)),
+            # attach to one instance at a time. Every image the head can take is an exact one (never "the newest"):
+            # a new one (a rebake from a changed BOM, another parent or ami_id) replaces the head at that `up`, as
+            # `pulumi preview` shows, rather than leaving it on the old image unsaid.
+            opts=child(self, delete_before_replace=True, depends_on=list(args.security_group_rules)),
         )
         # Stop the instance before detaching: slurmctld and MariaDB shut down cleanly and the volume is unmounted.
         aws.ec2.VolumeAttachment(f"{name}-state", device_name=STATE_DEVICE, volume_id=state.id,
                                  instance_id=instance.id, stop_instance_before_detaching=True,
                                  opts=child(self, delete_before_replace=True))
-        self.instance_id = instance.id
+        self.instance_id, self.image_id = instance.id, instance.ami
         # A failed host (EC2's system status check): EC2 recovers the instance onto new hardware with the same id,
         # interface, address and EBS volumes, so slurmctld comes back by its boot unit with the queue and accounting
         # of its state volume. Compute nodes and their jobs go on meanwhile (SlurmdTimeout: 3 minutes).
@@ -180,7 +186,7 @@ class HeadNode(pulumi.ComponentResource):
                           description=f"gpucluster {args.cluster_name}: what every node needs to know",
                           opts=child(self))
         self.register_outputs({"instance_id": self.instance_id, "private_ip": self.private_ip,
-                               "role_arn": self.role_arn})
+                               "role_arn": self.role_arn, "image_id": self.image_id})
 
 
 def settings_document(args: HeadNodeArgs, learned: dict[str, Any]) -> str:

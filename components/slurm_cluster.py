@@ -20,7 +20,7 @@ from components.shared import create_shared_parts, shared_outputs
 from components.team_access import TeamAccess, TeamAccessArgs
 from components.teardown import Teardown, TeardownArgs
 from gpucluster.render import bundle, userdata
-from gpucluster.spec import cost
+from gpucluster.spec import bom, cost
 from gpucluster.spec.model import Stack
 
 
@@ -32,11 +32,14 @@ def create_slurm_cluster(stack: Stack, examples_dir: Path) -> dict[str, object]:
     opts, account, network, storage, budget = (shared.opts, shared.account_id, shared.network, shared.storage,
                                                shared.budget)
     # The build instances need the private subnet's route out (NAT) and its SSM endpoints: the whole network first.
+    bill_of_materials = bom.render(stack)
     images = {
         build.key: NodeImage(
             f"{stack.cluster_name}-{build.key}",
             NodeImageArgs(cluster_name=stack.cluster_name, build=build, region=stack.region,
-                          subnet_id=network.subnet_id, security_group_id=network.security_group_id, tags=stack.tags),
+                          subnet_id=network.subnet_id, security_group_id=network.security_group_id, tags=stack.tags,
+                          bill_of_materials=bill_of_materials,
+                          parent=spec.image.parent_images.parent(bom.parent_role(build.accelerator))),
             pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(depends_on=[network])),
         )
         for build in spec.image_builds
@@ -112,6 +115,7 @@ def create_slurm_cluster(stack: Stack, examples_dir: Path) -> dict[str, object]:
             interruption_queue_url=events.queue_url if events else None,
             interruption_queue_arn=events.queue_arn if events else None,
             ami_id=spec.head_node.ami_id or baked("head"),
+            parent=spec.image.parent_images.head.image,
             guardrail=guardrail,
         ),
         opts,
@@ -140,6 +144,7 @@ def create_slurm_cluster(stack: Stack, examples_dir: Path) -> dict[str, object]:
         "pools": {name: pool.launch_spec.as_dict() for name, pool in pools.items()},
         "head_node_instance_id": head.instance_id,
         "head_node_private_ip": head.private_ip,
+        "head_node_image": head.image_id,
         # A shell on the head as the login user (no sudo), and the admins' (sudo): each needs its policy attached.
         "connect": pulumi.Output.concat("aws ssm start-session --region ", stack.region, " --target ", head.instance_id,
                                         " --document-name ", team.user_document),

@@ -1,12 +1,15 @@
 """gpucluster's command line.
 
     python -m gpucluster plan [STACK] [--json]   what a stack creates and costs, offline (default stack: dev)
-    python -m gpucluster render STACK --out DIR  the user data EC2 gets, the head's Slurm, Prometheus and Grafana files
+    python -m gpucluster render STACK --out DIR  the user data EC2 gets, the head's Slurm, Prometheus and Grafana files,
+                                                 the node images' bill of materials (image/bom.json)
     python -m gpucluster preflight STACK         the account's quotas, capacity and prices for the stack (0 ok, 1 fail)
     python -m gpucluster cost STACK              this month's spend by the stack's tag, forecast, GPU-hours
     python -m gpucluster leftovers STACK         what is still tagged with the stack (after a destroy), per month
     python -m gpucluster dashboard STACK [--run] [--local-port N]   Grafana through a Session Manager port forward
     gpucluster events [--last N]                 on the head node: recent interruptions, drains, requeues, replacements
+    python -m gpucluster image-lock --snapshot ID [--archive URL]   (maintainers, internet) lock the image's Ubuntu
+                                                 packages to what the Ubuntu snapshot ID serves
 """
 
 from __future__ import annotations
@@ -16,14 +19,17 @@ import json
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 from gpucluster import project
 from gpucluster.contract.settings import GRAFANA_PORT
 from gpucluster.plan import Declared, run_program
 from gpucluster.spec import catalog, cost, eks
 from gpucluster.spec.model import SpecError, Stack, load_stack, resolve_stack_file
+from gpucluster.spec.ubuntu_lock import LOCK_FILE
 
 EXIT_BAD_INPUT = 2
+BOM_PATH = "image/bom.json"  # under render's --out
 
 
 def _load(stack_arg: str) -> Stack:
@@ -50,7 +56,7 @@ def cost_table(stack: Stack, estimate: cost.CostEstimate) -> list[str]:
          f"({stack.spec.head_node.instance_type}, EBS)"),
         *([f"Node images:                     {cost.money(estimate.image_build_usd)} per build "
            f"({len(estimate.images)} x "
-           f"{catalog.IMAGE_BUILD_HOURS:g} h of {catalog.IMAGE_BUILD_INSTANCE_TYPE}), "
+           f"{catalog.IMAGE_BUILD_HOURS:g} h of {' or '.join(catalog.IMAGE_BUILD_INSTANCE_TYPES)}), "
            f"{cost.money(estimate.image_snapshots_monthly)} per month of snapshots"] if estimate.images else []),
         f"NAT and VPC endpoints per month: {cost.money(estimate.network_monthly)}",
         f"Cluster per hour:                {cost.money(estimate.hourly_min)} at min size, "
@@ -100,6 +106,26 @@ def resource_tree(declared: list[Declared]) -> list[str]:
     return lines
 
 
+def image_inputs(stack: Stack) -> dict[str, object] | None:
+    """What the stack's node images are made of (a change here rebakes them); None for a stack that bakes none."""
+    from gpucluster.spec import bom
+
+    if not stack.spec.image_builds:
+        return None
+    text = bom.render(stack)
+    return {"ubuntu_snapshot": stack.spec.image.ubuntu_snapshot, "bom_sha256": bom.digest(text),
+            "parent_images": {role: parent.as_dict() for role, parent in bom.parents(stack).items()}}
+
+
+def image_lines(images: dict[str, Any]) -> list[str]:
+    lines = [f"Image inputs: Ubuntu snapshot {images['ubuntu_snapshot']}, BOM sha256 {images['bom_sha256']} "
+             "(`render --out DIR` writes DIR/image/bom.json); baked on:"]
+    for role, parent in images["parent_images"].items():
+        ids = ", ".join(f"{region} {ami}" for region, ami in parent["region_ids"].items())
+        lines.append(f"  {role:<7} {parent['name']} (owner {parent['owner']}{'; ' + ids if ids else ''})")
+    return lines
+
+
 def plan(args: argparse.Namespace) -> int:
     stack = _load(args.stack)
     if not project.PROGRAM.exists():  # the head node's bundle carries the library, not the Pulumi program
@@ -108,10 +134,12 @@ def plan(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     declared = run_program(stack, project.pulumi_program())
     estimate = cost.estimate(stack)
+    images = image_inputs(stack)
     if args.json:
         doc = {
             "stack": stack.name,
             "region": stack.region,
+            "images": images,
             "resources": [
                 {"type": d.type, "name": d.name, "parent": d.parent_type, "inputs": d.inputs,
                  "retain_on_delete": d.retain_on_delete}
@@ -127,13 +155,17 @@ def plan(args: argparse.Namespace) -> int:
     print()
     print("\n".join(resource_tree(declared)))
     print()
+    if images:
+        print("\n".join(image_lines(images)))
+        print()
     print("\n".join(cost_table(stack, estimate)))
     return 0
 
 
 def render(args: argparse.Namespace) -> int:
-    """The exact user data EC2 gets, and the Slurm files the head node writes."""
+    """The exact user data EC2 gets, the files the head node writes, and the images' bill of materials."""
     from gpucluster.render import dashboards, prometheus, slurm, userdata
+    from gpucluster.spec import bom
 
     stack = _load(args.stack)
     out = Path(args.out)
@@ -142,6 +174,7 @@ def render(args: argparse.Namespace) -> int:
     files = dict(userdata.all_user_data(stack))
     files |= {f"slurm/{name}": text for name, text in slurm.all_files(stack).items()}
     files |= prometheus.files(stack) | dashboards.files(stack)  # byte for byte what the head's bundle carries
+    files[BOM_PATH] = bom.render(stack)  # byte for byte what the image builds get
     for name, text in files.items():
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_text(text)
@@ -290,6 +323,35 @@ def events(args: argparse.Namespace) -> int:
     return 0
 
 
+def image_lock(args: argparse.Namespace) -> int:
+    """Read the snapshot's Packages indexes (noble, -updates, -security) and write the newest version of every Ubuntu
+    package of the BOM under the snapshot's id in the committed lock file. Internet, no AWS."""
+    import lzma
+    import re
+    import urllib.request
+
+    from gpucluster.spec import bom, ubuntu_lock
+
+    if not re.fullmatch(ubuntu_lock.SNAPSHOT_RE, args.snapshot):
+        print(f"image-lock: {args.snapshot!r} is not a snapshot id (UTC YYYYMMDDTHHMMSSZ)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    archive = (args.archive or ubuntu_lock.archive_url(args.snapshot)).rstrip("/")
+    indexes = []
+    for path in ubuntu_lock.index_paths():
+        with urllib.request.urlopen(f"{archive}/{path}", timeout=120) as answer:
+            indexes.append(lzma.decompress(answer.read()).decode())
+        print(f"read {archive}/{path}")
+    try:
+        versions = ubuntu_lock.newest(indexes, bom.UBUNTU_PACKAGES)
+    except KeyError as exc:
+        print(f"image-lock: {exc.args[0]}", file=sys.stderr)
+        return 1
+    lock = Path(args.lock)
+    lock.write_text(ubuntu_lock.with_entry(ubuntu_lock.load(lock) if lock.exists() else {}, args.snapshot, versions))
+    print(f"{lock}: {len(versions)} packages under {args.snapshot}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="python -m gpucluster", description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)  # the docstring's table
@@ -299,7 +361,7 @@ def parser() -> argparse.ArgumentParser:
                    help="a stack name under stacks/ or a path to a stack file (default: dev)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=plan)
-    r = sub.add_parser("render", help="write the user data and Slurm files of a stack")
+    r = sub.add_parser("render", help="write the user data, Slurm files and image BOM of a stack")
     r.add_argument("stack", help="a stack name under stacks/ or a path to a stack file")
     r.add_argument("--out", required=True, help="directory to write into")
     r.set_defaults(func=render)
@@ -323,6 +385,13 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--last", type=int, default=50, help="how many (default 50)")
     e.add_argument("--log", help=argparse.SUPPRESS)  # another events log (tests)
     e.set_defaults(func=events)
+    lock = sub.add_parser("image-lock", help="(maintainers; internet, no AWS) lock the image's Ubuntu packages to the "
+                                             "versions an Ubuntu snapshot serves")
+    lock.add_argument("--snapshot", required=True, help="the snapshot's id: a UTC time, YYYYMMDDTHHMMSSZ")
+    lock.add_argument("--archive", help="read the indexes here instead of https://snapshot.ubuntu.com/ubuntu/ID (an "
+                                        "archive that served the same indexes at that time)")
+    lock.add_argument("--lock", default=str(LOCK_FILE), help=argparse.SUPPRESS)  # another lock file (tests)
+    lock.set_defaults(func=image_lock)
     return top
 
 

@@ -226,6 +226,10 @@ def _mocks(region: str) -> Mocks:
             if args.token == "aws:ssm/getParameter:getParameter":
                 name = args.args["name"]
                 return {"name": name, "type": "String", "value": f"<AMI from {name} at up>"}, []
+            if args.token == "aws:ec2/getAmi:getAmi":  # a parent image by exact name and owner
+                (name,) = next(f["values"] for f in args.args["filters"] if f["name"] == "name")
+                ami = planned_ami_id(f"{region}/{args.args['owners'][0]}/{name}")
+                return {"id": ami, "imageId": ami, "name": name, "architecture": "x86_64", "state": "available"}, []
             if args.token == "aws:index/getCallerIdentity:getCallerIdentity":
                 return {"accountId": MOCK_ACCOUNT, "arn": f"arn:aws:iam::{MOCK_ACCOUNT}:user/plan",
                         "userId": "plan"}, []

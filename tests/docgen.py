@@ -90,6 +90,8 @@ def _type_name(annotation: Any) -> str:
         inner = get_args(inner)[0]
     if get_origin(inner) is list:
         name = f"list of {_type_name(get_args(inner)[0])}s"
+    elif get_origin(inner) is dict:
+        name = f"mapping of {_type_name(get_args(inner)[0])}s to {_type_name(get_args(inner)[1])}s"
     elif get_origin(inner) is Literal:
         name = "string"
     elif isinstance(inner, type) and issubclass(inner, BaseModel):
@@ -104,10 +106,13 @@ def _yaml(value: Any) -> str:
         return "null"
     if isinstance(value, bool):
         return str(value).lower()
-    if isinstance(value, BaseModel):
-        return "every key's default"
+    if isinstance(value, BaseModel):  # a section whose keys all have defaults, or a default naming its required keys
+        required = [name for name, field in type(value).model_fields.items() if field.is_required()]
+        return _yaml({name: getattr(value, name) for name in required}) if required else "every key's default"
     if isinstance(value, list):
         return "[" + ", ".join(_yaml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_yaml(v)}" for k, v in value.items()) + "}"
     return str(value)
 
 

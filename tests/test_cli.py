@@ -66,8 +66,8 @@ def test_plan_text_shows_what_the_node_images_cost() -> None:
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith("Head node per month:"))
-    assert lines[head + 1] == ("Node images:                     $0.40 per build (2 x 1 h of m7i.xlarge), "
-                               "$7.00 per month of snapshots")
+    assert lines[head + 1] == ("Node images:                     $0.40 per build (2 x 1 h of m7i.xlarge or "
+                               "m6i.xlarge or m5.xlarge), $7.00 per month of snapshots")
 
 
 def test_no_node_images_line_without_images() -> None:

@@ -20,6 +20,7 @@ from conftest import STACK_FILES
 from gpucluster.contract import settings
 from gpucluster.project import EXAMPLES_DIR
 from gpucluster.render import bundle, dashboards, prometheus, slurm, userdata
+from gpucluster.spec import bom
 from gpucluster.spec.model import load_stack
 
 SYSTEM_PYTHON = "/usr/bin/python3"  # what runs the node programs: no pydantic, no venv
@@ -72,7 +73,7 @@ def test_render_from_the_bundle_gives_the_repositorys_files(path: Path, tmp_path
     out = tmp_path / "out"
     written = {str(p.relative_to(out)): p.read_text() for p in out.rglob("*") if p.is_file()}
     expected = userdata.all_user_data(stack) | {f"slurm/{name}": text for name, text in slurm.all_files(stack).items()}
-    expected |= prometheus.files(stack) | dashboards.files(stack)
+    expected |= prometheus.files(stack) | dashboards.files(stack) | {"image/bom.json": bom.render(stack)}
     assert written.keys() == expected.keys()
     for name, text in expected.items():
         assert written[name] == text, f"{name} rendered on the head node differs from the repository's"

@@ -73,7 +73,7 @@ def test_head_is_replaced_delete_first_and_keeps_its_address_and_state(shipped: 
     head = _one(declared, "ec2/instance:Instance")
     attachment = _one(declared, "ec2/volumeAttachment:VolumeAttachment")
     assert head.delete_before_replace and attachment.delete_before_replace
-    assert head.ignore_changes == ("ami",)  # a newer image does not replace a running head
+    assert head.ignore_changes == ()  # its images are exact: a new one replaces it, as the preview shows
     assert attachment.inputs["stopInstanceBeforeDetaching"] is True  # slurmctld and MariaDB stop cleanly first
     for keeper in (_one(declared, "ebs/volume:Volume"), _one(declared, "ec2/networkInterface:NetworkInterface")):
         assert planned_id(head, stack.region) not in json.dumps(keeper.inputs), keeper.name
@@ -251,8 +251,9 @@ def test_bundle_object_holds_the_rendered_files(shipped: Shipped) -> None:
                                           "job_submit.lua")}
     library = {f"lib/{source.relative_to(ROOT).as_posix()}" for source in (ROOT / "gpucluster").rglob("*.py")
                if "__pycache__" not in source.parts}
-    # lib/ mirrors the repository for what `gpucluster render` reads there: the stack's file beside the library.
-    library |= {f"lib/stacks/Pulumi.{stack.name}.yaml"}
+    # lib/ mirrors the repository for what `gpucluster render` reads there: the stack's file beside the library, and
+    # the Ubuntu lock its stack file is checked against.
+    library |= {f"lib/stacks/Pulumi.{stack.name}.yaml", "lib/gpucluster/spec/ubuntu-lock.json"}
     assert programs | {"accounting.sql", "accounting.sh"} | slurm_files | {f"examples/{n}" for n in bundle.EXAMPLES} | \
         metrics | library == names
     assert {name for name in names if name.startswith("lib/") and modes[name] == 0o755} == programs

@@ -3,6 +3,7 @@ NodeImage component under the mock runtime for every shipped stack."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -20,7 +21,7 @@ from conftest import FIXTURES, ROOT, of_type, planned
 from gpucluster.contract import settings
 from gpucluster.plan import Declared, planned_id, planned_outputs, run_program
 from gpucluster.project import pulumi_program
-from gpucluster.spec import catalog, cost
+from gpucluster.spec import bom, catalog, cost
 from gpucluster.spec.model import Stack, load_stack, stack_config, validate
 
 SCRIPT = ROOT / "gpucluster" / "node" / "build_image.sh"
@@ -507,7 +508,7 @@ def test_one_image_per_role_and_accelerator_kind_needed(shipped: tuple[Stack, tu
     assert set(images) == _expected_keys(stack)
     assert set(images) == {i.key for i in cost.estimate(stack).images}
     for image in images.values():
-        assert 1 <= len(_children(declared, image, "component:Component")) <= 2  # the script's parts
+        assert 2 <= len(_children(declared, image, "component:Component")) <= 3  # the BOM, the script's parts
         for suffix in ("imageRecipe:ImageRecipe", "image:Image", "iam/role:Role",
                        "infrastructureConfiguration:InfrastructureConfiguration", "iam/instanceProfile:InstanceProfile",
                        "distributionConfiguration:DistributionConfiguration"):
@@ -518,21 +519,25 @@ def test_one_image_per_role_and_accelerator_kind_needed(shipped: tuple[Stack, tu
 
 
 def test_recipe_parent_image_and_encrypted_root(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
+    from gpucluster.plan import planned_ami_id
+
     stack, declared = shipped
-    parents = {"head": catalog.UBUNTU_AMI_PARAMETER} | {f"compute-{k}": v for k, v in catalog.AMI_PARAMETERS.items()}
     for key, image in ((d.name.removeprefix(f"{stack.cluster_name}-"), d) for d in declared
                        if d.type == "gpucluster:image:NodeImage"):
         (recipe,) = _children(declared, image, "imageRecipe:ImageRecipe")
-        # The parameter itself, read by Image Builder at build time: an AMI resolved at `up` would replace the recipe
-        # and rebake the image at every DLAMI or Ubuntu release.
-        assert recipe.inputs["parentImage"] == f"ssm:{parents[key]}"
+        # The parent release the stack names, looked up by exact name and owner in the stack's region: an AMI id,
+        # never the floating `ssm:` parameter of the newest release.
+        parent = stack.spec.image.parent_images.parent(bom.parent_role(key.partition("-")[2] or None))
+        assert recipe.inputs["parentImage"] == planned_ami_id(f"{stack.region}/{parent.owner}/{parent.name}")
+        assert re.fullmatch(r"ami-[0-9a-f]{17}", recipe.inputs["parentImage"])
+        assert parent.name in recipe.inputs["description"]
         (root,) = recipe.inputs["blockDeviceMappings"]
         assert root["deviceName"] == "/dev/sda1"
         assert root["ebs"]["encrypted"] == "true" and root["ebs"]["volumeType"] == "gp3"
         assert root["ebs"]["volumeSize"] <= (100 if key == "head" else min(p.root_volume_gib for p in stack.spec.pools))
-        # The script's parts, in the order they write it; the first keeps the image's name.
+        # The BOM first, then the script's parts in the order they write it; the first part keeps the image's name.
         names = [c.name for c in _children(declared, image, "component:Component")]
-        in_order = [image.name, *(f"{image.name}-{i}" for i in range(2, len(names) + 1))]
+        in_order = [f"{image.name}-bom", image.name, *(f"{image.name}-{i}" for i in range(2, len(names)))]
         assert sorted(names) == sorted(in_order)
         assert recipe.inputs["components"] == [{"componentArn": f"arn:aws:imagebuilder:{stack.region}:123456789012:"
                                                                f"component/{name}/1.0.0/1"} for name in in_order]
@@ -549,7 +554,9 @@ def test_build_instance_private_imdsv2_and_least_privilege(shipped: tuple[Stack,
         assert infra.inputs["securityGroupIds"] == [planned_id(sg, stack.region)]
         assert infra.inputs["instanceMetadataOptions"]["httpTokens"] == "required"
         assert infra.inputs["terminateInstanceOnFailure"] is True
-        assert infra.inputs["instanceTypes"] == [catalog.IMAGE_BUILD_INSTANCE_TYPE]
+        # Several types of the one shape: an AZ without one of them (or out of it) still bakes.
+        assert infra.inputs["instanceTypes"] == list(catalog.IMAGE_BUILD_INSTANCE_TYPES)
+        assert len(set(infra.inputs["instanceTypes"])) >= 2
         assert infra.inputs["resourceTags"]["gpucluster:stack"] == stack.name  # the build's cost is the stack's
         (profile,) = _children(declared, image, "iam/instanceProfile:InstanceProfile")
         assert infra.inputs["instanceProfileName"] == profile.name
@@ -563,18 +570,23 @@ def test_build_instance_private_imdsv2_and_least_privilege(shipped: tuple[Stack,
         assert target["region"] == stack.region
         assert ami["name"] == f"{image.name}-{{{{ imagebuilder:buildDate }}}}"
         assert ami["amiTags"]["gpucluster:cluster"] == stack.cluster_name
+        # The image says which bill of materials made it: sha256 of bom.json's bytes as `render` writes them.
+        assert ami["amiTags"]["gpucluster:bom"] == hashlib.sha256(bom.render(stack).encode()).hexdigest()
 
 
-def test_component_documents_carry_exactly_the_build_script(shipped: tuple[Stack, tuple[Declared, ...]],
-                                                             tmp_path: Path) -> None:
-    """Each under Image Builder's inline limit; their write steps, run here in the recipe's order with the path moved
-    into tmp_path, reproduce the script byte for byte; the last one runs it."""
+def test_component_documents_carry_exactly_the_bom_and_the_build_script(
+        shipped: tuple[Stack, tuple[Declared, ...]], tmp_path: Path) -> None:
+    """Each under Image Builder's inline limit; their write steps, run here in the recipe's order with the paths moved
+    into tmp_path, reproduce bom.json (as `render` writes it) and the script byte for byte; the last one runs the
+    script, when the BOM is in place."""
     from components.image import COMPONENT_DATA_LIMIT, SCRIPT_ON_IMAGE
 
     stack, declared = shipped
+    image_dir = str(Path(settings.IMAGE_MANIFEST).parent)
+    assert Path(settings.IMAGE_BOM).parent == Path(SCRIPT_ON_IMAGE).parent == Path(image_dir)
     for image in (d for d in declared if d.type == "gpucluster:image:NodeImage"):
         role = image.name.removeprefix(f"{stack.cluster_name}-").split("-")[0]
-        target = tmp_path / image.name / "build_image.sh"
+        target = tmp_path / image.name
         (recipe,) = _children(declared, image, "imageRecipe:ImageRecipe")
         by_arn = {planned_outputs(c, stack.region)["arn"]: c for c in _children(declared, image, "component:Component")}
         components = [by_arn[c["componentArn"]] for c in recipe.inputs["components"]]  # the recipe's order
@@ -582,14 +594,19 @@ def test_component_documents_carry_exactly_the_build_script(shipped: tuple[Stack
             assert component.inputs["platform"] == "Linux" and len(component.inputs["data"]) <= COMPONENT_DATA_LIMIT
             steps = yaml.safe_load(component.inputs["data"])["phases"][0]["steps"]
             (write,) = steps[0]["inputs"]["commands"]
-            # The path only in the lines before the script: install -d and cat > in the first part, cat >> after.
-            *head, body = write.split("\n", 2 if i == 0 else 1)
-            assert head[-1].startswith(f"cat {'>' if i == 0 else '>>'} {SCRIPT_ON_IMAGE} <<")
-            head = [line.replace(str(Path(SCRIPT_ON_IMAGE).parent), str(target.parent)) for line in head]
+            first = write.startswith("install -d")
+            # The path only in the lines before the file: install -d and cat > in a file's first part, cat >> after.
+            *head, body = write.split("\n", 2 if first else 1)
+            assert re.fullmatch(rf"cat {'>' if first else '>>'} ({SCRIPT_ON_IMAGE}|{settings.IMAGE_BOM}) <<'\w+'",
+                                head[-1]), head
+            head = [line.replace(image_dir, str(target)) for line in head]
             subprocess.run(["bash", "-c", "\n".join([*head, body])], check=True)
             runs = [step["inputs"]["commands"] for step in steps[1:]]
             assert runs == ([[f"bash {SCRIPT_ON_IMAGE} {role}"]] if i == len(components) - 1 else [])
-        assert target.read_bytes() == SCRIPT.read_bytes()
+            if i == len(components) - 1:
+                assert (target / "bom.json").exists()  # written before the script runs
+        assert (target / "build_image.sh").read_bytes() == SCRIPT.read_bytes()
+        assert (target / "bom.json").read_text() == bom.render(stack)
 
 
 def test_a_script_over_the_inline_limit_is_split_between_lines() -> None:
@@ -641,6 +658,8 @@ def test_a_pinned_pool_beside_a_baked_one_of_the_same_kind() -> None:
 
 
 def test_build_false_declares_no_image_builder_resources() -> None:
+    from gpucluster.plan import planned_ami_id
+
     config = _config(ROOT / "stacks" / "Pulumi.team-b.yaml")
     config["gpucluster:cluster"]["image"] = {"build": False}
     stack = validate("team-b", config)
@@ -649,8 +668,9 @@ def test_build_false_declares_no_image_builder_resources() -> None:
     templates = _templates(declared)
     assert templates["trn1"]["imageId"] == f"<AMI from {catalog.AMI_PARAMETERS['neuron']} at up>"
     assert templates["g6e"]["imageId"] == f"<AMI from {catalog.AMI_PARAMETERS['nvidia']} at up>"
-    (head,) = of_type(declared, "ec2/instance:Instance")
-    assert head.inputs["ami"] == f"<AMI from {catalog.UBUNTU_AMI_PARAMETER} at up>"
+    (head,) = of_type(declared, "ec2/instance:Instance")  # the exact Ubuntu release, as it is
+    parent = stack.spec.image.parent_images.head
+    assert head.inputs["ami"] == planned_ami_id(f"{stack.region}/{parent.owner}/{parent.name}")
 
 
 def test_component_documents_refuse_what_aws_or_awstoe_would_mangle() -> None:

@@ -16,6 +16,7 @@ from conftest import ROOT, STACK_FILES
 from gpucluster import node
 from gpucluster.contract import settings
 from gpucluster.render import dashboards, slurm, userdata
+from gpucluster.spec import bom
 from gpucluster.spec.model import load_stack
 
 GOLDEN = ROOT / "tests" / "golden"
@@ -40,7 +41,7 @@ def test_render_writes_valid_small_user_data_and_slurm_files(path: Path, tmp_pat
                 "slurm/slurm.conf", "slurm/gres.conf", "slurm/slurmdbd.conf", "slurm/plugstack.conf",
                 "slurm/cgroup.conf", "slurm/job_submit.lua",
                 *settings.MONITORING_FILES, "prometheus/prometheus.env", "dcgm-exporter/counters.csv",
-                *dashboards.files(stack)}
+                *dashboards.files(stack), "image/bom.json"}
     written = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()}
     assert written == expected
     for name in {n for n in expected if n.endswith(".user-data")}:
@@ -53,6 +54,7 @@ def test_render_writes_valid_small_user_data_and_slurm_files(path: Path, tmp_pat
         assert checked.returncode == 0, checked.stdout + checked.stderr
         assert f"GPUCLUSTER_CONFIG_PARAMETER={userdata.config_parameter(stack)}" in data.decode()
     assert (tmp_path / "slurm" / "slurm.conf").read_text() == slurm.slurm_conf(stack)
+    assert (tmp_path / "image" / "bom.json").read_text() == bom.render(stack)  # what the image builds get
 
 
 def test_schema_checker_rejects_a_broken_file(tmp_path: Path) -> None:

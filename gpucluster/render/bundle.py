@@ -39,7 +39,9 @@ def contents(stack: Stack, examples_dir: Path,
     # The library: the node programs (executable) and what they import, and the command line for the admins on the
     # head node (`gpucluster cost|render|preflight`) with this stack's file beside it, as gpucluster.project expects.
     programs = {Path(program).relative_to(settings.LIB_DIR) for program in settings.NODE_PROGRAMS}
-    modules = {source.relative_to(node.LIBRARY_DIR) for source in node.LIBRARY_DIR.joinpath("gpucluster").rglob("*.py")
+    # Its data too: the spec reads the Ubuntu lock (ubuntu-lock.json) to check a stack file.
+    modules = {source.relative_to(node.LIBRARY_DIR) for pattern in ("*.py", "*.json")
+               for source in node.LIBRARY_DIR.joinpath("gpucluster").rglob(pattern)
                if "__pycache__" not in source.parts}
     files |= {f"{LIB}/{name.as_posix()}": ((node.LIBRARY_DIR / name).read_bytes(), 0o755 if name in programs else 0o644)
               for name in sorted(modules | programs)}

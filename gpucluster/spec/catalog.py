@@ -23,13 +23,13 @@ AMI_PARAMETERS: dict[str, str] = {
     "nvidia": "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id",
     "neuron": "/aws/service/neuron/dlami/multi-framework/ubuntu-24.04/latest/image_id",
 }
-# The head node's image: plain Ubuntu 24.04 (no accelerator), newest at `up`.
-UBUNTU_AMI_PARAMETER = "/aws/service/canonical/ubuntu/server/24.04/stable/current/amd64/hvm/ebs-gp3/ami-id"
 
-# EC2 Image Builder (components/image.py). Nothing in the build uses an accelerator (packages, a small C plugin, pip
-# downloads), so a general-purpose x86_64 type boots the DLAMIs and Ubuntu alike: 4 vCPUs for the pyxis compile and
-# the unpacking of the torch wheels, 16 GiB for pip, and the cheapest such type in this catalog.
-IMAGE_BUILD_INSTANCE_TYPE = "m7i.xlarge"
+# EC2 Image Builder (components/image.py). Nothing in the build uses an accelerator (packages, Slurm's and pyxis's
+# compiles, pip downloads), so a general-purpose x86_64 type boots the DLAMIs and Ubuntu alike: 4 vCPUs for the
+# compiles and the unpacking of the torch wheels, 16 GiB for pip. Three generations of the same shape, so that an AZ
+# out of one (or without it) does not fail the bake: Image Builder launches whichever of them has capacity. The first
+# is the dearest of the three (m6i.xlarge and m5.xlarge are $0.192/h in the reference region): the estimates use it.
+IMAGE_BUILD_INSTANCE_TYPES = ("m7i.xlarge", "m6i.xlarge", "m5.xlarge")
 # Expected build-instance time per image: launch, apt, enroot, pyxis, the torch wheels (~3 GB), then Image Builder
 # stops the instance to snapshot it. An estimate, rounded up; EC2 bills by the second.
 IMAGE_BUILD_HOURS = 1.0

@@ -194,7 +194,7 @@ def kubernetes_monthly() -> float:
 
 
 def _image_cost(build: ImageBuild) -> ImageCost:
-    hourly = catalog.lookup(catalog.IMAGE_BUILD_INSTANCE_TYPE).on_demand_usd_per_hour or 0.0
+    hourly = catalog.lookup(catalog.IMAGE_BUILD_INSTANCE_TYPES[0]).on_demand_usd_per_hour or 0.0
     root_gib = IMAGE_ROOT_GIB[build.role]
     return ImageCost(build.key, root_gib, hourly * catalog.IMAGE_BUILD_HOURS,
                      catalog.EBS_SNAPSHOT_USD_PER_GB_MONTH * root_gib)

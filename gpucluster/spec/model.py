@@ -11,6 +11,7 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import date
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -19,7 +20,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
 
 from gpucluster.contract import settings
-from gpucluster.spec import catalog, eks
+from gpucluster.spec import bom, catalog, eks, ubuntu_lock
 
 CONFIG_KEY = "gpucluster:cluster"
 REGION_KEY = "aws:region"
@@ -137,7 +138,8 @@ AmiId = Annotated[str | None, Field(default=None, pattern=r"^ami-[0-9a-f]{8,17}$
 class HeadNodeSpec(_Model):
     # The head node's instance type: it runs slurmctld, slurmdbd with MariaDB, Prometheus, Alertmanager and Grafana.
     instance_type: Annotated[str, _in_catalog(catalog.HEAD_NODE, "head node type")] = "m7i.2xlarge"
-    # The head node's image. Default: the stack's baked head image, or Ubuntu 24.04 with image.build false.
+    # The head node's image. Default: the stack's baked head image, or with image.build false its parent
+    # (image.parent_images.head) as it is. A new image replaces the head at `up` (its queue and accounting are kept).
     ami_id: AmiId = None
 
 
@@ -379,10 +381,73 @@ class SlurmSpec(_Model):
     drain_on_rebalance: bool = True
 
 
+class ParentImageSpec(_Model):
+    # The image's exact name, ending in its release date YYYYMMDD (AWS's and Canonical's names do): the same in every
+    # region (`aws ec2 describe-images --owners OWNER --filters Name=name,Values=NAME`).
+    name: str = Field(min_length=3, max_length=128)
+    # Who publishes it: `amazon` (AWS's own images) or an account id (Canonical's is 099720109477).
+    owner: str = Field(pattern=r"^(amazon|[0-9]{12})$")
+    # Its id in given regions, taken instead of looking the name up there (an image copied into your account, say).
+    region_ids: dict[str, Annotated[str, Field(pattern=r"^ami-[0-9a-f]{8,17}$")]] = {}
+
+    @field_validator("name")
+    @classmethod
+    def _dated(cls, value: str) -> str:
+        if bom.release_date(value) is None:
+            raise ValueError(f"{value!r} does not end in its release date YYYYMMDD: name an exact release (the Ubuntu "
+                             "snapshot is checked against the date)")
+        return value
+
+    @field_validator("region_ids")
+    @classmethod
+    def _regions(cls, value: dict[str, str]) -> dict[str, str]:
+        problems = [((region,), f"{region!r} is not an AWS region (known: {catalog.REGIONS_SOURCE})")
+                    for region in value if region not in catalog.AWS_REGIONS]
+        if problems:
+            raise _rule_errors("region_ids", problems, value)
+        return value
+
+    @classmethod
+    def of(cls, parent: bom.ParentImage) -> ParentImageSpec:
+        return cls(name=parent.name, owner=parent.owner, region_ids=dict(parent.region_ids))
+
+    @property
+    def image(self) -> bom.ParentImage:
+        return bom.ParentImage(self.name, self.owner, self.region_ids)
+
+
+class ParentImagesSpec(_Model):
+    # The head node image's parent: Canonical's Ubuntu 24.04 server image.
+    head: ParentImageSpec = ParentImageSpec.of(bom.PARENT_IMAGES["head"])
+    # The NVIDIA pools' image's parent: AWS's Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 24.04).
+    gpu: ParentImageSpec = ParentImageSpec.of(bom.PARENT_IMAGES["gpu"])
+    # The Trainium pools' image's parent: AWS's Neuron multi-framework Deep Learning AMI (Ubuntu 24.04).
+    neuron: ParentImageSpec = ParentImageSpec.of(bom.PARENT_IMAGES["neuron"])
+
+    def parent(self, role: bom.ParentRole) -> bom.ParentImage:
+        spec: ParentImageSpec = getattr(self, role)
+        return spec.image
+
+
 class ImageSpec(_Model):
     # Bake the nodes' software into AMIs with EC2 Image Builder at `up` (about an hour per image when it changes), so
     # that a node starts in seconds. false: stock AMIs, and every node installs its software at first boot (minutes).
     build: bool = True
+    # The Ubuntu archive snapshot (a UTC time, YYYYMMDDTHHMMSSZ) every Ubuntu package of the images comes from, at the
+    # versions gpucluster/spec/ubuntu-lock.json records for it. Not before any parent image's release date.
+    ubuntu_snapshot: str = Field(default=ubuntu_lock.latest_snapshot(), pattern=ubuntu_lock.SNAPSHOT_RE)
+    # The exact releases the images are baked on, per role (moving one rebakes that image). Default: the releases
+    # gpucluster/spec/bom.py names.
+    parent_images: ParentImagesSpec = ParentImagesSpec()
+
+    @field_validator("ubuntu_snapshot")
+    @classmethod
+    def _locked(cls, value: str) -> str:
+        locked = ubuntu_lock.load()
+        if value not in locked:
+            raise ValueError(f"no versions are locked for snapshot {value}: run `{ubuntu_lock.LOCK_COMMAND} {value}` "
+                             f"and commit gpucluster/spec/{ubuntu_lock.LOCK_FILE.name} (locked: {', '.join(locked)})")
+        return value
 
 
 ROLE_ARN_RE = r"^arn:aws:iam::[0-9]{12}:role/[A-Za-z0-9+=,.@_/-]{1,512}$"
@@ -474,6 +539,11 @@ class ClusterSpec(_Model):
         return ([] if self.head_node.ami_id else [ImageBuild("head")]) + [ImageBuild("compute", k) for k in kinds]
 
     @property
+    def parent_roles(self) -> list[bom.ParentRole]:
+        """The parent images the stack's images need (whether baked or installed at first boot)."""
+        return _parent_roles(self.model_dump())
+
+    @property
     def eks(self) -> KubernetesSpec:
         """The Kubernetes section, defaults filled in (a kubernetes stack may leave it out)."""
         return self.kubernetes or KubernetesSpec()
@@ -482,6 +552,7 @@ class ClusterSpec(_Model):
     def _unique_pools(self) -> ClusterSpec:
         problems = _pool_set_problems([p.model_dump() for p in self.pools])
         problems += _scheduler_problems({**self.model_dump(exclude_unset=True), "scheduler": self.scheduler})
+        problems += _image_problems(self.image, self.parent_roles)
         if problems:
             raise _rule_errors("cluster", problems, None)
         return self
@@ -509,6 +580,47 @@ def _pool_set_problems(pools: list[Any]) -> list[tuple[tuple[str | int, ...], st
             names = [p.get("name") for p in pools if p.get("capacity", "on-demand") != "spot"]
             problems.append((("pools", i, "fallback"), f"must name an on-demand or capacity-block pool: {names}"))
     return problems
+
+
+def _parent_roles(spec: dict[str, Any]) -> list[bom.ParentRole]:
+    """The parent images a stack's mapping needs: the head's unless it names an AMI, and one per accelerator kind of
+    the pools that name none (on the raw mapping too, when a field error stops pydantic)."""
+    if spec.get("scheduler", "slurm") != "slurm":
+        return []
+    head = spec.get("head_node")
+    roles: list[bom.ParentRole] = [] if isinstance(head, dict) and head.get("ami_id") else ["head"]
+    pools = spec.get("pools")
+    for pool in pools if isinstance(pools, list) else []:
+        name = pool.get("instance_type") if isinstance(pool, dict) else None
+        itype = catalog.ACCELERATED.get(name) if isinstance(name, str) else None
+        if itype is not None and itype.accelerator is not None and not pool.get("ami_id"):
+            roles.append(bom.parent_role(itype.accelerator.kind))
+    return sorted(set(roles), key=bom.PARENT_ROLES.index)
+
+
+def _image_problems(image: ImageSpec, roles: Sequence[bom.ParentRole]) -> list[tuple[tuple[str | int, ...], str]]:
+    """A snapshot older than a parent the stack uses: that image's own packages (its python3, say) are newer than the
+    snapshot's, which then cannot install beside them (python3-venv depends on exactly one python3)."""
+    taken = date(int(image.ubuntu_snapshot[:4]), int(image.ubuntu_snapshot[4:6]), int(image.ubuntu_snapshot[6:8]))
+    problems: list[tuple[tuple[str | int, ...], str]] = []
+    for role in roles:
+        parent = image.parent_images.parent(role)
+        if taken < parent.released:
+            problems.append((("image", "ubuntu_snapshot"), (
+                f"{image.ubuntu_snapshot} predates the {role} parent image {parent.name!r} (released "
+                f"{parent.released}): its packages are newer than the snapshot's; take a snapshot from "
+                f"{parent.released:%Y%m%d} on (`{ubuntu_lock.LOCK_COMMAND} ID`)")))
+    return problems
+
+
+def _raw_image_problems(spec: dict[str, Any]) -> list[tuple[tuple[str | int, ...], str]]:
+    """The image rules on the raw mapping, when a field error elsewhere stopped pydantic before ClusterSpec's rules;
+    an image section with errors of its own is left to them."""
+    try:
+        image = ImageSpec.model_validate(spec.get("image", {}))
+    except ValidationError:
+        return []
+    return _image_problems(image, _parent_roles(spec))
 
 
 # Namespaces Kubernetes, EKS and the Kubernetes flavour's charts use (gpucluster/spec/eks.py): no team may be named so.
@@ -618,6 +730,8 @@ PATTERN_HELP = {
     "admin_role_arns": "an IAM role ARN such as arn:aws:iam::123456789012:role/platform-admins",
     "control_plane_subnet_id": "a subnet id such as subnet-0123456789abcdef0",
     "control_plane_availability_zone": "an availability zone such as us-east-1b",
+    "ubuntu_snapshot": "a UTC time YYYYMMDDTHHMMSSZ such as 20261201T171259Z (an Ubuntu snapshot's id)",
+    "owner": "amazon or a 12-digit account id",
 }
 
 
@@ -687,7 +801,8 @@ def validate(stack: str, config: dict[str, Any], source: str = "") -> Stack:
                 found += [(p, m) for p, m in dict.fromkeys((_path(loc), msg) for loc, msg in
                                                            rules + _pool_set_problems(raw["pools"]))
                           if (p, m) not in found]
-            found += [(p, m) for p, m in ((_path(loc), msg) for loc, msg in _scheduler_problems(raw))
+            found += [(p, m) for p, m in ((_path(loc), msg) for loc, msg in
+                                          _scheduler_problems(raw) + _raw_image_problems(raw))
                       if (p, m) not in found]
             problems += found
         az = raw.get("availability_zone")
