@@ -212,7 +212,10 @@ def head_statements(args: HeadNodeArgs, account: str, config_arn: str, munge_arn
                            for p in pools.values() if p["capacity_reservation_id"]})
     created = [f"{ec2}:{kind}/*" for kind in ("fleet", "network-interface", "volume")]
     return [
-        # The resume program's CreateFleet tags every instance with the cluster (TagSpecifications): no other.
+        # The resume program's CreateFleet tags every instance with the cluster (TagSpecifications, the same tags as
+        # the pool's template): no other. Karpenter's published controller policy holds CreateFleet's instances to
+        # its request tags the same way; the template's own resource is held to none (a fleet's launch does not show
+        # it the request's tags).
         {"Sid": "LaunchClusterInstancesOnly", "Effect": "Allow", "Action": ["ec2:RunInstances", "ec2:CreateFleet"],
          "Resource": f"{ec2}:instance/*",
          "Condition": {"StringEquals": {f"aws:RequestTag/{CLUSTER_TAG}": args.cluster_name}}},
