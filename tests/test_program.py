@@ -262,7 +262,8 @@ def test_budget_reaches_the_head_node_and_the_launch_deny(shipped: tuple[Stack, 
     guard = role_policies[f"{name}-head-guardrail"]
     grants = {s["Sid"]: (s["Action"], s["Resource"]) for s in guard["Statement"]}
     budget_arn = _arn(stack, "budgets", f"budget/{stack.budget_name}")
-    assert grants["BudgetQueue"][1] == queue and grants["TellSubscribers"] == ("sns:Publish", topic)
+    tell = {s["Sid"]: (s["Action"], s["Resource"]) for s in role_policies[f"{name}-head"]["Statement"]}
+    assert grants["BudgetQueue"][1] == queue and tell["TellTheTeam"] == ("sns:Publish", topic)
     assert grants["ReadBudget"][1] == budget_arn and grants["ReverseBudgetActions"][1] == f"{budget_arn}/action/*"
     (config,) = [p for p in of_type(declared, "ssm/parameter:Parameter") if p.name == f"{name}-config"]
     settings = json.loads(config.inputs["insecureValue"])["budget"]
