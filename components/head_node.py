@@ -20,6 +20,7 @@ from components.gpu_pool import LaunchSpec
 from components.iam import EC2_ASSUME, PARAMETER_READ, SSM_AGENT, policy
 from components.node_access import NodeAccess
 from gpucluster.contract.settings import CLUSTER_TAG, ClusterSettings, head_instance_name
+from gpucluster.spec.account import CALLER_KEY_ACTIONS
 from gpucluster.spec.catalog import UBUNTU_AMI_PARAMETER
 from gpucluster.spec.cost import HEAD_ROOT_GIB, HEAD_STATE_GIB
 from gpucluster.spec.model import SlurmSpec
@@ -58,6 +59,8 @@ class HeadNodeArgs:
     guardrail: GuardrailWiring | None = None  # None: the budget only alerts
     interruption_queue_url: pulumi.Input[str] | None = None  # EC2's spot warnings (InterruptionEvents); None: no spot
     interruption_queue_arn: pulumi.Input[str] | None = None
+    # The account's default EBS key when it is customer managed (components.launch_access.default_ebs_key), else None.
+    ebs_key_arn: str | None = None
 
 
 @dataclass(frozen=True)
@@ -258,6 +261,20 @@ def head_statements(args: HeadNodeArgs, account: str, config_arn: str, munge_arn
         # team: the stack's topic only, whatever pools and budget the stack has.
         {"Sid": "TellTheTeam", "Effect": "Allow", "Action": "sns:Publish", "Resource": topic_arn},
         SSM_AGENT,
+        *([] if args.ebs_key_arn is None else ebs_key_statements(args.ebs_key_arn, region)),
+    ]
+
+
+def ebs_key_statements(key_arn: str, region: str) -> list[dict[str, object]]:
+    """A customer managed default EBS key: the head's on-demand and capacity-block launches (an instant fleet launches
+    as its caller) have EC2 encrypt the nodes' volumes with it. Through EC2 only, as AWS's own aws/ebs key policy
+    allows, and grants only for AWS resources (the volumes)."""
+    through_ec2 = {"kms:ViaService": f"ec2.{region}.amazonaws.com"}
+    return [
+        {"Sid": "UseDefaultEbsKey", "Effect": "Allow", "Action": list(CALLER_KEY_ACTIONS), "Resource": key_arn,
+         "Condition": {"StringEquals": through_ec2}},
+        {"Sid": "GrantDefaultEbsKeyToVolumes", "Effect": "Allow", "Action": "kms:CreateGrant", "Resource": key_arn,
+         "Condition": {"StringEquals": through_ec2, "Bool": {"kms:GrantIsForAWSResource": "true"}}},
     ]
 
 
