@@ -26,9 +26,10 @@ CAPACITY_ERRORS = {
 # EC2 answers that say the request itself is wrong (a template, subnet or instance type the stack names): retrying
 # cannot help. UnauthorizedOperation is not among them: the budget's deny action causes it, and reopening lifts it.
 CONFIGURATION_ERRORS = re.compile(r"^(Invalid|MissingParameter|Unsupported|OptInRequired)")
-# A new account has no spot service-linked role until someone allowed to (iam:CreateServiceLinkedRole) makes it; the
-# head role may not, so EC2 refuses every spot launch. The DOWN reason carries the fix (sinfo -R shows it); the
-# reconciler retries with backoff, so the nodes come back once the role exists.
+# `pulumi up` makes the account's spot service-linked role when it has none (components/launch_access.py); should it
+# be deleted later, EC2 refuses every spot launch, since the head role may not make it (iam:CreateServiceLinkedRole).
+# The DOWN reason carries the fix (sinfo -R shows it); the reconciler retries with backoff, so the nodes come back once
+# the role exists.
 SPOT_ROLE_ERROR = "AuthFailure.ServiceLinkedRoleCreationNotPermitted"
 SPOT_ROLE_FIX = "aws iam create-service-linked-role --aws-service-name spot.amazonaws.com"
 
