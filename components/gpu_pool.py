@@ -102,7 +102,7 @@ def launch_template(name: str, pool: PoolSpec, *, description: str, subnet_id: p
     profile: aws.ec2.LaunchTemplateIamInstanceProfileArgsDict | None = (
         {"arn": instance_profile_arn} if instance_profile_arn else None)
     tag_specifications: list[aws.ec2.LaunchTemplateTagSpecificationArgsDict] = [
-        {"resource_type": kind, "tags": node_tags} for kind in ("instance", "volume", "network-interface")
+        {"resource_type": kind, "tags": node_tags} for kind in settings.LAUNCH_TAGGED
     ]
     return aws.ec2.LaunchTemplate(
         f"{name}-lt",
@@ -141,6 +141,7 @@ class LaunchSpec:
     accelerator: str
     accelerators: int
     node_hour_usd: float
+    tags: dict[str, str]  # what the template tags its instances with: the resume program's CreateFleet sends them too
 
     def as_dict(self) -> dict[str, object]:
         """The fields by name, for Pulumi to resolve (`Output.all`, component and stack outputs)."""
@@ -170,10 +171,11 @@ class GpuPool(pulumi.ComponentResource):
             ).value
 
         self.placement_group = placement_group(name, pool, child(self))
+        node_tags = {**args.instance_tags, settings.POOL_TAG: pool.name}
         template = launch_template(
             name, pool, description=f"{args.cluster_name} pool {pool.name}: {pool.instance_type}",
             subnet_id=args.subnet_id, security_group_ids=[args.security_group_id], group_name=self.placement_group,
-            node_tags={**args.instance_tags, settings.POOL_TAG: pool.name}, root_device=ROOT_DEVICE,
+            node_tags=node_tags, root_device=ROOT_DEVICE,
             opts=child(self), image_id=self.image_id, instance_profile_arn=args.instance_profile_arn,
             user_data=args.user_data)
         self.launch_template_id = template.id
@@ -192,5 +194,6 @@ class GpuPool(pulumi.ComponentResource):
             accelerator=accelerator.kind,
             accelerators=accelerator.count,
             node_hour_usd=pool.itype.on_demand_usd_per_hour or 0.0,
+            tags=node_tags,
         )
         self.register_outputs(self.launch_spec.as_dict())

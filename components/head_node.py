@@ -22,6 +22,7 @@ from components.image import parent_ami
 from components.node_access import NodeAccess
 from gpucluster.contract.settings import CLUSTER_TAG, ClusterSettings, head_instance_name
 from gpucluster.spec import bom
+from gpucluster.spec.account import CALLER_KEY_ACTIONS
 from gpucluster.spec.cost import HEAD_ROOT_GIB, HEAD_STATE_GIB
 from gpucluster.spec.model import SlurmSpec
 
@@ -45,6 +46,9 @@ class HeadNodeArgs:
     munge_key_parameter: str
     # Pool name -> GpuPool.launch_spec, published to every node through the config parameter.
     pools: dict[str, LaunchSpec]
+    # The stack's topic: Alertmanager (GpuIdle, XID errors and the rest), the interruptions service and the budget
+    # guardrail tell the team there.
+    alerts_topic_arn: pulumi.Input[str]
     launch_template_ids: list[pulumi.Input[str]]
     image_ids: list[pulumi.Input[str]]  # the AMIs of those templates: the only images the head may launch
     fsx_dns_name: pulumi.Input[str]
@@ -57,9 +61,10 @@ class HeadNodeArgs:
     # The group's rules (Network.security_group_rules): the head's boot mounts /fsx and reaches S3 and SSM through them.
     security_group_rules: Sequence[pulumi.Resource] = ()
     guardrail: GuardrailWiring | None = None  # None: the budget only alerts
-    alerts_topic_arn: pulumi.Input[str] | None = None  # what the head's programs tell the team
     interruption_queue_url: pulumi.Input[str] | None = None  # EC2's spot warnings (InterruptionEvents); None: no spot
     interruption_queue_arn: pulumi.Input[str] | None = None
+    # The account's default EBS key when it is customer managed (components.launch_access.default_ebs_key), else None.
+    ebs_key_arn: str | None = None
 
 
 @dataclass(frozen=True)
@@ -105,17 +110,17 @@ class HeadNode(pulumi.ComponentResource):
             account=args.account_id, config_arn=access.config_parameter_arn, munge_arn=access.munge_key_parameter_arn,
             bundle_arn=access.bundle_arn, compute_role_arn=access.compute_role_arn,
             template_ids=args.launch_template_ids, image_ids=args.image_ids, subnet_id=args.subnet_id,
-            security_group_id=args.security_group_id, pools=pools).apply(
+            security_group_id=args.security_group_id, pools=pools, topic_arn=args.alerts_topic_arn).apply(
                 lambda v: policy(head_statements(args, **v))),
             opts=child(self))
         if args.interruption_queue_arn is not None:
-            aws.iam.RolePolicy(f"{name}-head-interruptions", role=head_role.id, policy=pulumi.Output.all(
-                queue_arn=args.interruption_queue_arn, topic_arn=args.alerts_topic_arn).apply(
-                lambda v: policy(interruption_statements(**v))), opts=child(self))
+            aws.iam.RolePolicy(f"{name}-head-interruptions", role=head_role.id,
+                               policy=pulumi.Output.from_input(args.interruption_queue_arn).apply(
+                                   lambda arn: policy(interruption_statements(arn))), opts=child(self))
         guard = args.guardrail
         if guard is not None:
             aws.iam.RolePolicy(f"{name}-head-guardrail", role=head_role.id, policy=pulumi.Output.all(
-                queue_arn=guard.queue_arn, topic_arn=guard.topic_arn, budget_arn=guard.budget_arn).apply(
+                queue_arn=guard.queue_arn, budget_arn=guard.budget_arn).apply(
                 lambda v: policy(guardrail_statements(**v))), opts=child(self))
         self.role_name, self.role_arn = head_role.name, head_role.arn
         head_profile = aws.iam.InstanceProfile(f"{name}-head", role=head_role.name, opts=child(self))
@@ -167,8 +172,7 @@ class HeadNode(pulumi.ComponentResource):
             namespace="AWS/EC2", metric_name="StatusCheckFailed_System", dimensions={"InstanceId": instance.id},
             statistic="Maximum", period=60, evaluation_periods=2, threshold=1,
             comparison_operator="GreaterThanOrEqualToThreshold",
-            alarm_actions=[f"arn:aws:automate:{args.region}:ec2:recover",
-                           *([args.alerts_topic_arn] if args.alerts_topic_arn is not None else [])],
+            alarm_actions=[f"arn:aws:automate:{args.region}:ec2:recover", args.alerts_topic_arn],
             opts=child(self))
         self.private_ip = interface.private_ip
 
@@ -178,7 +182,7 @@ class HeadNode(pulumi.ComponentResource):
         settings = pulumi.Output.all(
             bundle_bucket=access.bucket, head_address=interface.private_ip, state_volume_id=state.id,
             fsx_dns_name=args.fsx_dns_name, fsx_mount_name=args.fsx_mount_name, pools=pools,
-            budget=budget, alerts_topic_arn=args.alerts_topic_arn or "",
+            budget=budget, alerts_topic_arn=args.alerts_topic_arn,
             interruption_queue_url=args.interruption_queue_url or "").apply(lambda v: settings_document(args, v))
         # insecure_value: these settings are not secret (pulumi-aws would otherwise encrypt them in state and hide
         # them).
@@ -203,7 +207,8 @@ def settings_document(args: HeadNodeArgs, learned: dict[str, Any]) -> str:
 
 def head_statements(args: HeadNodeArgs, account: str, config_arn: str, munge_arn: str, bundle_arn: str,
                     compute_role_arn: str, template_ids: list[str], image_ids: list[str], subnet_id: str,
-                    security_group_id: str, pools: dict[str, dict[str, Any]]) -> list[dict[str, object]]:
+                    security_group_id: str, pools: dict[str, dict[str, Any]],
+                    topic_arn: str) -> list[dict[str, object]]:
     """Launch only from this cluster's templates, images, subnet, security group, placement groups and reservations,
     and only instances tagged with this cluster (ParallelCluster's explicit-resource form: every resource a
     CreateFleet/RunInstances call touches is named); terminate only this cluster's instances, pass only the
@@ -218,7 +223,10 @@ def head_statements(args: HeadNodeArgs, account: str, config_arn: str, munge_arn
                            for p in pools.values() if p["capacity_reservation_id"]})
     created = [f"{ec2}:{kind}/*" for kind in ("fleet", "network-interface", "volume")]
     return [
-        # The resume program's CreateFleet tags every instance with the cluster (TagSpecifications): no other.
+        # The resume program's CreateFleet tags every instance with the cluster (TagSpecifications, the same tags as
+        # the pool's template): no other. Karpenter's published controller policy holds CreateFleet's instances to
+        # its request tags the same way; the template's own resource is held to none (a fleet's launch does not show
+        # it the request's tags).
         {"Sid": "LaunchClusterInstancesOnly", "Effect": "Allow", "Action": ["ec2:RunInstances", "ec2:CreateFleet"],
          "Resource": f"{ec2}:instance/*",
          "Condition": {"StringEquals": {f"aws:RequestTag/{CLUSTER_TAG}": args.cluster_name}}},
@@ -255,29 +263,44 @@ def head_statements(args: HeadNodeArgs, account: str, config_arn: str, munge_arn
          "Condition": {"StringEquals": {"ssm:Overwrite": "false"}}},
         # The Slurm files and node programs: this stack's bundle object only.
         {"Sid": "Bundle", "Effect": "Allow", "Action": "s3:GetObject", "Resource": bundle_arn},
+        # Alertmanager (GpuIdle, GPU XID errors, ...), the interruptions service and the budget guardrail tell the
+        # team: the stack's topic only, whatever pools and budget the stack has.
+        {"Sid": "TellTheTeam", "Effect": "Allow", "Action": "sns:Publish", "Resource": topic_arn},
         SSM_AGENT,
+        *([] if args.ebs_key_arn is None else ebs_key_statements(args.ebs_key_arn, region)),
     ]
 
 
-def interruption_statements(queue_arn: str, topic_arn: str) -> list[dict[str, object]]:
-    """The interruptions service (as the slurm user): EC2's warnings from its own queue, and a word to the team."""
+def ebs_key_statements(key_arn: str, region: str) -> list[dict[str, object]]:
+    """A customer managed default EBS key: the head's on-demand and capacity-block launches (an instant fleet launches
+    as its caller) have EC2 encrypt the nodes' volumes with it. Through EC2 only, as AWS's own aws/ebs key policy
+    allows, and grants only for AWS resources (the volumes)."""
+    through_ec2 = {"kms:ViaService": f"ec2.{region}.amazonaws.com"}
+    return [
+        {"Sid": "UseDefaultEbsKey", "Effect": "Allow", "Action": list(CALLER_KEY_ACTIONS), "Resource": key_arn,
+         "Condition": {"StringEquals": through_ec2}},
+        {"Sid": "GrantDefaultEbsKeyToVolumes", "Effect": "Allow", "Action": "kms:CreateGrant", "Resource": key_arn,
+         "Condition": {"StringEquals": through_ec2, "Bool": {"kms:GrantIsForAWSResource": "true"}}},
+    ]
+
+
+def interruption_statements(queue_arn: str) -> list[dict[str, object]]:
+    """The interruptions service (as the slurm user): EC2's warnings from its own queue (it tells the team of each
+    drain and requeue through the head's TellTheTeam statement)."""
     return [
         {"Sid": "InterruptionQueue", "Effect": "Allow", "Action": ["sqs:ReceiveMessage", "sqs:DeleteMessage",
                                                                   "sqs:GetQueueAttributes"], "Resource": queue_arn},
-        # Each drain and requeue is told to the stack's topic (the budget's subscribers): this topic only.
-        {"Sid": "TellTheTeam", "Effect": "Allow", "Action": "sns:Publish", "Resource": topic_arn},
     ]
 
 
-def guardrail_statements(queue_arn: str, topic_arn: str, budget_arn: str) -> list[dict[str, object]]:
-    """Read the budget and its queue, tell the subscribers, reverse this budget's actions: nothing else. The guardrail
-    runs as root; the slurm user's programs share the role but not this need."""
+def guardrail_statements(queue_arn: str, budget_arn: str) -> list[dict[str, object]]:
+    """Read the budget and its queue, reverse this budget's actions: nothing else (it tells the subscribers through
+    the head's TellTheTeam statement). The guardrail runs as root; the slurm user's programs share the role but not
+    this need."""
     return [
         # Budget notifications arrive through the stack's own queue (SNS -> SQS).
         {"Sid": "BudgetQueue", "Effect": "Allow", "Action": ["sqs:ReceiveMessage", "sqs:DeleteMessage",
                                                             "sqs:GetQueueAttributes"], "Resource": queue_arn},
-        # The guardrail tells the budget's subscribers when it closes or reopens the partitions: this topic only.
-        {"Sid": "TellSubscribers", "Effect": "Allow", "Action": "sns:Publish", "Resource": topic_arn},
         # The spend it compares with the act threshold, and whether the backstop action has fired: this budget only.
         {"Sid": "ReadBudget", "Effect": "Allow",
          "Action": ["budgets:ViewBudget", "budgets:DescribeBudgetActionsForBudget"],

@@ -22,7 +22,7 @@ from components.gpu_pool import ROOT_DEVICE
 from components.iam import EC2_ASSUME, MANAGED_POLICY, SSM_CORE
 from gpucluster import node
 from gpucluster.contract import settings
-from gpucluster.spec import bom, catalog, cost
+from gpucluster.spec import account, bom, catalog, cost
 from gpucluster.spec.model import ImageBuild
 
 BUILD_SCRIPT = "build_image.sh"  # a node program (gpucluster.node)
@@ -48,6 +48,9 @@ class NodeImageArgs:
     tags: dict[str, str]
     bill_of_materials: str  # bom.json's text (gpucluster.spec.bom.render)
     parent: bom.ParentImage
+    account_id: pulumi.Input[str]  # components.iam.account_id
+    # The account's default EBS key when it is customer managed (components.launch_access.default_ebs_key), else None.
+    ebs_key_arn: str | None = None
 
 
 def parent_ami(parent: bom.ParentImage, region: str, opts: pulumi.InvokeOutputOptions) -> pulumi.Output[str]:
@@ -207,9 +210,19 @@ class NodeImage(pulumi.ComponentResource):
         # policy may write there only.
         build_log = aws.cloudwatch.LogGroup(f"{name}-build-log", name=f"/aws/imagebuilder/{name}",
                                             retention_in_days=BUILD_LOG_DAYS, opts=child(self))
+        key_grants: list[pulumi.Resource] = []
+        if args.ebs_key_arn is not None:
+            # Image Builder launches the build instance and snapshots its volume (encrypted with the default key)
+            # through its service-linked role, which it makes with the account's first Image Builder resource: after
+            # this image's components.
+            builder_role = pulumi.Output.from_input(args.account_id).apply(lambda acct: account.service_role_arn(
+                acct, account.IMAGE_BUILDER_SERVICE, account.IMAGE_BUILDER_ROLE))
+            key_grants.append(aws.kms.Grant(
+                f"{name}-ebs-key", key_id=args.ebs_key_arn, grantee_principal=builder_role,
+                operations=list(account.SERVICE_GRANT_OPERATIONS), opts=child(self, depends_on=components)))
         image = aws.imagebuilder.Image(
             name, image_recipe_arn=recipe.arn, infrastructure_configuration_arn=infrastructure.arn,
             distribution_configuration_arn=distribution.arn, logging_configuration={"log_group_name": build_log.name},
-            opts=child(self, custom_timeouts=pulumi.CustomTimeouts(create=BUILD_TIMEOUT)))
+            opts=child(self, depends_on=key_grants, custom_timeouts=pulumi.CustomTimeouts(create=BUILD_TIMEOUT)))
         self.image_id = image.output_resources.apply(built_ami)
         self.register_outputs({"image_id": self.image_id, "parent_image": self.parent_image})

@@ -14,6 +14,7 @@ from components.gpu_pool import GpuPool, GpuPoolArgs
 from components.head_node import GuardrailWiring, HeadNode, HeadNodeArgs, NodeProgramSettings
 from components.image import NodeImage, NodeImageArgs
 from components.interruptions import InterruptionEvents, InterruptionEventsArgs
+from components.launch_access import SpotLaunchAccess, SpotLaunchAccessArgs, default_ebs_key
 from components.monitoring import IdleGpuAlarms, IdleGpuAlarmsArgs
 from components.node_access import NodeAccess, NodeAccessArgs
 from components.shared import create_shared_parts, shared_outputs
@@ -31,6 +32,11 @@ def create_slurm_cluster(stack: Stack, examples_dir: Path) -> dict[str, object]:
     shared = create_shared_parts(stack)
     opts, account, network, storage, budget = (shared.opts, shared.account_id, shared.network, shared.storage,
                                                shared.budget)
+    ebs_key = default_ebs_key(opts)
+    # Spot nodes launch through the account's spot service-linked role (made here when the account has none).
+    spot = SpotLaunchAccess(stack.cluster_name, SpotLaunchAccessArgs(
+        region=stack.region, account_id=account, ebs_key_arn=ebs_key), opts) \
+        if any(pool.capacity == "spot" for pool in spec.pools) else None
     # The build instances need the private subnet's route out (NAT) and its SSM endpoints: the whole network first.
     bill_of_materials = bom.render(stack)
     images = {
@@ -39,7 +45,8 @@ def create_slurm_cluster(stack: Stack, examples_dir: Path) -> dict[str, object]:
             NodeImageArgs(cluster_name=stack.cluster_name, build=build, region=stack.region,
                           subnet_id=network.subnet_id, security_group_id=network.security_group_id, tags=stack.tags,
                           bill_of_materials=bill_of_materials,
-                          parent=spec.image.parent_images.parent(bom.parent_role(build.accelerator))),
+                          parent=spec.image.parent_images.parent(bom.parent_role(build.accelerator)),
+                          account_id=account, ebs_key_arn=ebs_key),
             pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(depends_on=[network])),
         )
         for build in spec.image_builds
@@ -117,8 +124,10 @@ def create_slurm_cluster(stack: Stack, examples_dir: Path) -> dict[str, object]:
             ami_id=spec.head_node.ami_id or baked("head"),
             parent=spec.image.parent_images.head.image,
             guardrail=guardrail,
+            ebs_key_arn=ebs_key,
         ),
-        opts,
+        # No spot node launches before the account's role (and its key grant) exists.
+        pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(depends_on=[spot] if spot else [])),
     )
     team = TeamAccess(stack.cluster_name, TeamAccessArgs(cluster_name=stack.cluster_name, region=stack.region,
                                                          account_id=account, head_instance_id=head.instance_id), opts)
@@ -136,7 +145,7 @@ def create_slurm_cluster(stack: Stack, examples_dir: Path) -> dict[str, object]:
         cluster_name=stack.cluster_name, region=stack.region, head_instance_id=head.instance_id,
         munge_key_parameter=userdata.munge_key_parameter(stack),
         cluster_resources=[network, storage, access, *pools.values(), *images.values(), head, budget,
-                           *([events] if events else []),
+                           *([events] if events else []), *([spot] if spot else []),
                            *([deny] if deny else [])],
         kept=kept), opts)
     return {

@@ -23,7 +23,7 @@ from typing import Any
 
 from gpucluster import project
 from gpucluster.contract.settings import GRAFANA_PORT
-from gpucluster.plan import Declared, run_program
+from gpucluster.plan import NEW_ACCOUNT, Declared, run_program
 from gpucluster.spec import catalog, cost, eks
 from gpucluster.spec.model import SpecError, Stack, load_stack, resolve_stack_file
 from gpucluster.spec.ubuntu_lock import LOCK_FILE
@@ -152,6 +152,7 @@ def plan(args: argparse.Namespace) -> int:
         return 0
     print(f"Stack {stack.name}: team {stack.spec.team}, {stack.region} / {stack.spec.availability_zone}, "
           f"{len(declared)} resources (offline plan, mock runtime; '<... at up>' marks values AWS computes)")
+    print(f"Assumed, as a plan cannot ask AWS (`preflight` reads the account): {NEW_ACCOUNT.describe()}.")
     print()
     print("\n".join(resource_tree(declared)))
     print()

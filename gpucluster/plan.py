@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from gpucluster.spec import account
 from gpucluster.spec.model import CONFIG_KEY, REGION_KEY, Stack, stack_config
 
 if TYPE_CHECKING:  # pulumi is imported where the plan runs: the head node's command line has no pulumi
@@ -21,6 +22,31 @@ if TYPE_CHECKING:  # pulumi is imported where the plan runs: the head node's com
 MOCK_ACCOUNT = "123456789012"
 # An interface's private IP as AWS gives it, from the documentation range (RFC 5737): never a real address.
 PLAN_INTERFACE_IP = "192.0.2.10"
+
+
+@dataclass(frozen=True)
+class AccountFacts:
+    """What the program looks up in the account to decide what it declares, which an offline plan cannot ask: by
+    default a new account (no spot service-linked role yet) whose default EBS key is AWS's own. Tests plan other
+    accounts with it; `preflight` reads the real one."""
+
+    spot_role: bool = False  # AWSServiceRoleForEC2Spot exists
+    customer_managed_ebs_key: bool = False  # the default EBS key is a customer managed key
+
+    def describe(self) -> str:
+        role = "has the spot service-linked role" if self.spot_role else "has no spot service-linked role yet"
+        key = "customer managed" if self.customer_managed_ebs_key else "AWS managed (aws/ebs)"
+        return f"the account {role}; its default EBS key is {key}"
+
+    def ebs_key(self, region: str) -> tuple[str, str]:
+        """(default key id as EC2 gives it, key ARN) of this account."""
+        if self.customer_managed_ebs_key:
+            arn = f"arn:aws:kms:{region}:{MOCK_ACCOUNT}:key/{_uuid('customer-managed-ebs-key')}"
+            return arn, arn
+        return account.AWS_EBS_KEY_ALIAS, f"arn:aws:kms:{region}:{MOCK_ACCOUNT}:key/{_uuid('aws-ebs')}"
+
+
+NEW_ACCOUNT = AccountFacts()  # what `plan` assumes
 
 
 @dataclass(frozen=True)
@@ -69,6 +95,12 @@ def planned_ami_id(name: str) -> str:
 
 def _hex(typ: str, name: str, length: int) -> str:
     return hashlib.sha256(f"{typ}::{name}".encode()).hexdigest()[:length]
+
+
+def _uuid(seed: str) -> str:
+    """A UUID-shaped id (KMS keys, grants' tokens), stable per seed."""
+    h = hashlib.sha256(seed.encode()).hexdigest()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
 # EC2 and FSx ids by resource type: AWS's prefix, then 17 hex digits (the ARN's resource kind where it has one).
@@ -183,9 +215,14 @@ def _placeholder_outputs(typ: str, name: str, inputs: dict[str, Any], region: st
         # EKS names the group's Auto Scaling group eks-<node group>-<uuid>.
         out["resources"] = [{"autoscalingGroups": [{"name": f"eks-{group}-<uuid at up>"}]}]
     elif typ == "aws:kms/key:Key":
-        h = _hex(typ, name, 32)
-        out["keyId"] = out["id"] = f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+        out["keyId"] = out["id"] = _uuid(f"{typ}::{name}")
         out["arn"] = f"arn:aws:kms:{region}:{acct}:key/{out['id']}"
+    elif typ == "aws:kms/grant:Grant":
+        out["grantId"] = _hex(typ, name, 64)
+        out["id"] = f"{inputs['keyId']}:{out['grantId']}"
+    elif typ == "aws:iam/serviceLinkedRole:ServiceLinkedRole" and inputs["awsServiceName"] == account.SPOT_SERVICE:
+        out["id"] = out["arn"] = account.service_role_arn(acct, account.SPOT_SERVICE, account.SPOT_ROLE)
+        out["name"], out["path"] = account.SPOT_ROLE, account.service_role_path(account.SPOT_SERVICE)
     else:
         out["id"] = f"{name}-id"  # not an AWS resource (the provider), or one the plan has no format for yet
 
@@ -214,7 +251,7 @@ def planned_outputs(declared: Declared, region: str) -> dict[str, Any]:
     return _placeholder_outputs(declared.type, declared.name, declared.inputs, region)
 
 
-def _mocks(region: str) -> Mocks:
+def _mocks(region: str, facts: AccountFacts) -> Mocks:
     from pulumi.runtime import MockCallArgs, MockResourceArgs, Mocks
 
     class PlanMocks(Mocks):
@@ -233,6 +270,22 @@ def _mocks(region: str) -> Mocks:
             if args.token == "aws:index/getCallerIdentity:getCallerIdentity":
                 return {"accountId": MOCK_ACCOUNT, "arn": f"arn:aws:iam::{MOCK_ACCOUNT}:user/plan",
                         "userId": "plan"}, []
+            if args.token == "aws:iam/getRoles:getRoles":
+                # ListRoles by path: the spot service-linked role's, when the account has it.
+                path = account.service_role_path(account.SPOT_SERVICE)
+                names = [account.SPOT_ROLE] if args.args.get("pathPrefix") == path and facts.spot_role else []
+                arns = [account.service_role_arn(MOCK_ACCOUNT, account.SPOT_SERVICE, n) for n in names]
+                return {**args.args, "id": region, "names": names, "arns": arns}, []
+            if args.token == "aws:ebs/getDefaultKmsKey:getDefaultKmsKey":
+                return {"id": region, "region": region, "keyArn": facts.ebs_key(region)[0]}, []
+            if args.token == "aws:kms/getKey:getKey":
+                key_id, key_arn = facts.ebs_key(region)
+                if args.args["keyId"] not in (key_id, key_arn):
+                    raise NotImplementedError(f"the offline plan knows no KMS key {args.args['keyId']}")
+                return {"id": key_arn.rsplit("/", 1)[1], "keyId": args.args["keyId"], "arn": key_arn,
+                        "keyManager": "CUSTOMER" if facts.customer_managed_ebs_key else "AWS",
+                        "keyState": "Enabled", "enabled": True, "keyUsage": "ENCRYPT_DECRYPT",
+                        "keySpec": "SYMMETRIC_DEFAULT", "origin": "AWS_KMS", "awsAccountId": MOCK_ACCOUNT}, []
             raise NotImplementedError(f"the offline plan has no answer for {args.token}")
 
     return PlanMocks()
@@ -272,17 +325,19 @@ def pulumi_config(stack: Stack) -> dict[str, str]:
     return {REGION_KEY: config[REGION_KEY], CONFIG_KEY: json.dumps(config[CONFIG_KEY])}
 
 
-def run_program(stack: Stack, program: Callable[[], None], config: dict[str, str] | None = None) -> list[Declared]:
+def run_program(stack: Stack, program: Callable[[], None], config: dict[str, str] | None = None,
+                facts: AccountFacts = NEW_ACCOUNT) -> list[Declared]:
     """Run the Pulumi `program` for `stack` under the mock runtime. Returns what it declared, in declaration order.
 
-    `config` replaces the stack's own config, as `pulumi up` would read it from the stack file."""
+    `config` replaces the stack's own config, as `pulumi up` would read it from the stack file; `facts` is the
+    account the program's look-ups see."""
     import pulumi
     from pulumi.runtime import settings
     from pulumi.runtime.stack import run_pulumi_func
     from pulumi.runtime.sync_await import _sync_await
 
     declared: list[Declared] = []
-    monitor = _recording_monitor(_mocks(stack.region), declared)
+    monitor = _recording_monitor(_mocks(stack.region, facts), declared)
     settings.ROOT.set(None)  # a fresh stack on every run, also when one process plans several stacks
     pulumi.runtime.set_all_config(config or pulumi_config(stack))
     pulumi.runtime.set_mocks(monitor.mocks, project="gpucluster", stack=stack.name, preview=False, monitor=monitor)

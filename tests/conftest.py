@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gpucluster.plan import Declared, run_program  # noqa: E402
+from gpucluster.plan import NEW_ACCOUNT, AccountFacts, Declared, run_program  # noqa: E402
 from gpucluster.project import pulumi_program  # noqa: E402
 from gpucluster.spec.model import Stack, load_stack  # noqa: E402
 from lanes import pytest_collection_modifyitems  # noqa: E402,F401  (every test in exactly one lane)
@@ -31,10 +31,11 @@ ClientFactory = Callable[[str], Any]
 
 
 @functools.cache
-def planned(path: Path) -> tuple[Stack, tuple[Declared, ...]]:
-    """The stack and what its Pulumi program declares under the mock runtime (once per file per session)."""
+def planned(path: Path, facts: AccountFacts = NEW_ACCOUNT) -> tuple[Stack, tuple[Declared, ...]]:
+    """The stack and what its Pulumi program declares under the mock runtime, in an account of these `facts` (once
+    per file and facts per session)."""
     stack = load_stack(path)
-    return stack, tuple(run_program(stack, pulumi_program()))
+    return stack, tuple(run_program(stack, pulumi_program(), facts=facts))
 
 
 @pytest.fixture(params=STACK_FILES, ids=lambda p: p.name)

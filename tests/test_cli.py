@@ -46,6 +46,10 @@ def test_plan_by_path_and_text_output() -> None:
     assert "  aws:ec2/launchTemplate:LaunchTemplate  gpucluster-dev-g6-spot-lt" in out.stdout
     assert "g6-spot  g6.xlarge  spot" in out.stdout
     assert "WARNING: at full size the cluster crosses its budget" in out.stdout
+    # What the program looked up in the account, as the plan assumed it, and what it then declares (a new account).
+    assert "Assumed, as a plan cannot ask AWS (`preflight` reads the account): the account has no spot " \
+        "service-linked role yet; its default EBS key is AWS managed (aws/ebs)." in out.stdout
+    assert "aws:iam/serviceLinkedRole:ServiceLinkedRole  gpucluster-dev-spot-role" in out.stdout
 
 
 @pytest.mark.parametrize("stack,message", [

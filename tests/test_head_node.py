@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from conftest import ROOT, of_type
+from conftest import ALL_STACK_FILES, FIXTURES, ROOT, of_type, planned
 from gpucluster.contract.settings import ClusterSettings
 from gpucluster.plan import Declared, planned_id, planned_outputs
 from gpucluster.project import EXAMPLES_DIR
 from gpucluster.render import bundle, dashboards, prometheus, userdata
-from gpucluster.spec.model import Stack
+from gpucluster.spec.model import Stack, load_stack
 
 Shipped = tuple[Stack, tuple[Declared, ...]]
 
@@ -299,13 +299,13 @@ ROLE_ACTIONS = {
         "ec2:RunInstances", "ec2:CreateFleet", "ec2:CreateTags", "ec2:TerminateInstances", "ec2:DescribeInstances",
         "ec2:DescribeInstanceStatus", "ec2:DescribeLaunchTemplates", "ec2:DescribeLaunchTemplateVersions",
         "sts:DecodeAuthorizationMessage", "iam:PassRole", "ssm:GetParameter", "ssm:GetParameters", "ssm:PutParameter",
-        "s3:GetObject"},
+        "s3:GetObject", "sns:Publish"},
     "-compute": SSM_AGENT_ACTIONS | {"ssm:GetParameter", "ssm:GetParameters", "s3:GetObject",
                                      "cloudwatch:PutMetricData"},
     "-budget-action": {"iam:AttachRolePolicy", "iam:DetachRolePolicy"},
 }
-INTERRUPTION_ACTIONS = {"sqs:ReceiveMessage", "sqs:DeleteMessage", "sqs:GetQueueAttributes", "sns:Publish"}
-GUARDRAIL_ACTIONS = {"sqs:ReceiveMessage", "sqs:DeleteMessage", "sqs:GetQueueAttributes", "sns:Publish",
+INTERRUPTION_ACTIONS = {"sqs:ReceiveMessage", "sqs:DeleteMessage", "sqs:GetQueueAttributes"}
+GUARDRAIL_ACTIONS = {"sqs:ReceiveMessage", "sqs:DeleteMessage", "sqs:GetQueueAttributes",
                      "budgets:ViewBudget", "budgets:DescribeBudgetActionsForBudget", "budgets:ExecuteBudgetAction"}
 IMAGE_BUILD_MANAGED = {"arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore",
                        "arn:aws:iam::aws:policy/EC2InstanceProfileForImageBuilder"}
@@ -353,3 +353,26 @@ def test_a_failed_host_brings_the_head_back_by_ec2_recovery(shipped: Shipped) ->
     assert alarm.inputs["dimensions"] == {"InstanceId": planned_id(head, stack.region)}
     assert alarm.inputs["alarmActions"][0] == f"arn:aws:automate:{stack.region}:ec2:recover"
     assert alarm.inputs["alarmActions"][1].startswith("arn:aws:sns:")  # and the team hears of it
+
+
+EVERY_SLURM_STACK = [p for p in sorted([*ALL_STACK_FILES, *FIXTURES.glob("Pulumi.*.yaml")])
+                     if load_stack(p).spec.scheduler == "slurm"]
+
+
+@pytest.mark.parametrize("path", EVERY_SLURM_STACK, ids=lambda p: p.name)
+def test_the_head_may_publish_to_the_alerts_topic_whatever_the_stack(path: Path) -> None:
+    """Alertmanager on the head sends GpuIdle and XID alerts with the head role: every stack shape (on-demand only,
+    no act threshold, capacity blocks) lets it publish to the stack's topic, and to that topic only."""
+    stack, declared = planned(path)
+    topic = planned_outputs(_one(declared, "sns/topic:Topic", "-alerts"), stack.region)["arn"]
+    head = _statements(_one(declared, "iam/rolePolicy:RolePolicy", "-head"))
+    assert head["TellTheTeam"] == {"Sid": "TellTheTeam", "Effect": "Allow", "Action": "sns:Publish",
+                                   "Resource": topic}
+    settings = json.loads(_one(declared, "ssm/parameter:Parameter", "-config").inputs["insecureValue"])
+    assert settings["alerts_topic_arn"] == topic  # where Alertmanager's receiver sends (bootstrap.alertmanager_config)
+    # One grant (the interruptions service and the guardrail use it too), on the head role only.
+    publishing = [(rp.name, statement["Resource"]) for rp in of_type(declared, "iam/rolePolicy:RolePolicy")
+                  for statement in json.loads(rp.inputs["policy"])["Statement"]
+                  if "sns:Publish" in (statement["Action"] if isinstance(statement["Action"], list)
+                                       else [statement["Action"]])]
+    assert publishing == [(f"{stack.cluster_name}-head", topic)]

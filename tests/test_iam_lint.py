@@ -8,8 +8,8 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from conftest import ALL_STACK_FILES as STACK_FILES, planned
-from gpucluster.plan import Declared, planned_outputs
+from conftest import ALL_STACK_FILES as STACK_FILES, ROOT, planned
+from gpucluster.plan import AccountFacts, Declared, planned_outputs
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # parliament imports pkg_resources, which warns of its own deprecation
@@ -38,6 +38,10 @@ SUPPRESSED = {
     ("PERMISSIONS_MANAGEMENT_ACTIONS", "head", "iam:passrole"):
         "the head node passes the compute role (that role's ARN only, to ec2.amazonaws.com only) to the nodes it "
         "launches",
+    ("PERMISSIONS_MANAGEMENT_ACTIONS", "head", "kms:creategrant"):
+        "with a customer managed default EBS key, EC2 creates a grant on it for each volume of a node the head "
+        "launches: that key only, through EC2 only (kms:ViaService), for AWS resources only "
+        "(kms:GrantIsForAWSResource), as AWS's own aws/ebs key policy allows any principal of the account",
     ("PRIVILEGE_ESCALATION", "head", "CreateEC2WithExistingIP"):
         "the same PassRole: the one role it can pass is the compute role, which has less than the head's own",
     ("UNKNOWN_CONDITION_FOR_ACTION", "user-access", SESSION_DOCUMENT_CHECK):
@@ -87,9 +91,15 @@ def _documents(stack_name: str, declared: tuple[Declared, ...], region: str) -> 
                 yield f"{d.name} ({d.type})", d.name.removeprefix(prefix), d.inputs[key]
 
 
+# Every shipped stack in a new account, and a stack with spot pools where the default EBS key is customer managed (the
+# head role's key statements, the key grants).
+PLANS = [*((path, AccountFacts()) for path in STACK_FILES),
+         (ROOT / "stacks" / "Pulumi.team-a.yaml", AccountFacts(customer_managed_ebs_key=True))]
+
+
 def _findings() -> Iterator[tuple[str, str, str, Any]]:
-    for path in STACK_FILES:
-        stack, declared = planned(path)
+    for path, facts in PLANS:
+        stack, declared = planned(path, facts)
         for what, short, document in _documents(stack.name, declared, stack.region):
             for finding in analyze_policy_string(document, include_community_auditors=True).findings:
                 yield path.name, what, short, finding

@@ -66,6 +66,9 @@ def test_preflight_against_moto(moto_url: str, tmp_path: Path) -> None:
     assert "PASS spot price" in out and "live spot" in out
     assert "PASS spot role   arn:aws:iam::123456789012:role/aws-service-role/spot.amazonaws.com/" \
         "AWSServiceRoleForEC2Spot exists (spot pools: p4d-spot)" in out
+    # moto serves no GetEbsDefaultKmsKeyId: a warning that names what was not read.
+    assert "WARN ebs key     not checked, ec2:GetEbsEncryptionByDefault, ec2:GetEbsDefaultKmsKeyId, kms:DescribeKey " \
+        "unavailable" in out
     assert "0 fail" in out
 
 
@@ -184,12 +187,23 @@ class Session:
         return self.clients.get(service) or client(service)
 
 
-def test_missing_spot_role_fails_with_the_command_to_create_it() -> None:
+def test_missing_spot_role_is_made_by_a_slurm_stack() -> None:
     stack = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")
     with mock_aws():
         check = preflight.check_spot_role(boto3.client("iam", region_name="us-east-1"), stack)
+    assert check.status == "pass" and check.pool is None and not check.fix
+    assert check.detail.startswith("no AWSServiceRoleForEC2Spot in this account yet: `pulumi up` creates it for the "
+                                   "spot pools (p5-spot) and never deletes it")
+    assert "iam:CreateServiceLinkedRole for spot.amazonaws.com" in check.detail
+
+
+def test_missing_spot_role_fails_a_kubernetes_stack_with_the_command_to_create_it() -> None:
+    stack = load_stack(ROOT / "stacks" / "Pulumi.team-k8s.yaml")
+    spot = ", ".join(p.name for p in stack.spec.pools if p.capacity == "spot")
+    with mock_aws():
+        check = preflight.check_spot_role(boto3.client("iam", region_name="us-east-1"), stack)
     assert check.status == "fail" and check.pool is None
-    assert "no AWSServiceRoleForEC2Spot in this account: spot launches (p5-spot) fail" in check.detail
+    assert f"no AWSServiceRoleForEC2Spot in this account: spot launches ({spot}) fail" in check.detail
     assert check.fix == "once per account: aws iam create-service-linked-role --aws-service-name spot.amazonaws.com"
 
 
@@ -231,7 +245,68 @@ def test_run_asks_iam_only_for_a_stack_with_spot_pools() -> None:
     for stack, asks in ((load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml"), True),
                         (load_stack(FIXTURES / "Pulumi.existing.yaml"), False)):  # capacity-block only
         assert any(p.capacity == "spot" for p in stack.spec.pools) is asks
-        session = Session(**{s: _all_denied(s) for s in ("ec2", "ssm", "service-quotas", "iam")})
+        session = Session(**{s: _all_denied(s) for s in ("ec2", "ssm", "service-quotas", "iam", "kms")})
         report = preflight.run(stack, session)
         assert ("iam" in session.asked) is asks
         assert [c for c in report.checks if c.name == "spot role"] == ([denied] if asks else [])
+
+
+# --- the default EBS key: moto has no GetEbsDefaultKmsKeyId, and marks every key customer managed ------------------
+
+def _ebs_default(ec2: Any, key_id: str, by_default: bool = True) -> Stubber:
+    """EC2's answers on the default EBS key, recorded."""
+    stub = Stubber(ec2)
+    stub.add_response("get_ebs_encryption_by_default", {"EbsEncryptionByDefault": by_default}, {})
+    stub.add_response("get_ebs_default_kms_key_id", {"KmsKeyId": key_id}, {})
+    return stub
+
+
+def _ebs_key_check(stack_file: Path, enabled: bool = True) -> tuple[preflight.Check, str]:
+    """The check in an account whose default EBS key is a customer managed key (moto's KMS), and that key's ARN."""
+    stack = load_stack(stack_file)
+    with mock_aws():
+        kms = boto3.client("kms", region_name="us-east-1")
+        key = kms.create_key(Description="the team's EBS key")["KeyMetadata"]
+        if not enabled:
+            kms.disable_key(KeyId=key["KeyId"])
+        ec2 = client("ec2")
+        with _ebs_default(ec2, key["Arn"]):
+            return preflight.check_ebs_key(ec2, kms, stack), key["Arn"]
+
+
+def test_a_customer_managed_default_ebs_key_says_what_the_stack_grants() -> None:
+    check, key = _ebs_key_check(ROOT / "stacks" / "Pulumi.team-a.yaml")  # a spot pool
+    assert check.status == "warn" and check.pool is None
+    assert check.detail == (
+        f"the default EBS key {key} is customer managed (encryption by default on): `pulumi up` grants it to "
+        "AWSServiceRoleForImageBuilder (image builds) and AWSServiceRoleForEC2Spot (spot nodes) and lets the head role "
+        "use it through EC2 (on-demand nodes); the head node's volumes are made with your credentials")
+    assert "kms:CreateGrant" in check.fix and "key policy" in check.fix
+
+
+def test_without_spot_pools_no_spot_role_is_granted_the_key() -> None:
+    check, _ = _ebs_key_check(FIXTURES / "Pulumi.existing.yaml")
+    assert check.status == "warn" and "AWSServiceRoleForEC2Spot" not in check.detail
+
+
+def test_a_customer_managed_key_fails_the_kubernetes_flavour() -> None:
+    check, key = _ebs_key_check(ROOT / "stacks" / "Pulumi.team-k8s.yaml")
+    assert check.status == "fail" and key in check.detail and "AWSServiceRoleForAutoScaling" in check.fix
+
+
+def test_a_disabled_default_ebs_key_fails() -> None:
+    check, key = _ebs_key_check(ROOT / "stacks" / "Pulumi.team-a.yaml", enabled=False)
+    assert check.status == "fail" and check.detail.startswith(f"the default EBS key {key} is Disabled")
+    assert check.fix.endswith("aws ec2 modify-ebs-default-kms-key-id --kms-key-id KEY")
+
+
+def test_aws_own_default_ebs_key_needs_nothing() -> None:
+    ec2, kms = client("ec2"), client("kms")
+    arn = "arn:aws:kms:us-east-1:123456789012:key/0a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9"
+    with _ebs_default(ec2, "alias/aws/ebs", by_default=False), Stubber(kms) as stub:
+        stub.add_response("describe_key", {"KeyMetadata": {"KeyId": arn.rsplit("/", 1)[1], "Arn": arn,
+                                                           "KeyManager": "AWS", "KeyState": "Enabled"}},
+                          {"KeyId": "alias/aws/ebs"})
+        check = preflight.check_ebs_key(ec2, kms, load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml"))
+    assert check == preflight.Check(None, "ebs key", "pass", "the default EBS key is AWS managed (encryption by "
+                                                             "default off): nothing to grant")

@@ -75,13 +75,19 @@ def test_placement_group_on_every_efa_pool(shipped: tuple[Stack, tuple[Declared,
 
 def test_tags_come_from_the_one_provider(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
     stack, declared = shipped
-    (provider,) = [d for d in declared if d.type == PROVIDER]
+    (provider,) = [d for d in declared if d.type == PROVIDER and d.name == "aws"]
     # Provider configuration reaches the engine JSON-encoded.
     assert json.loads(provider.inputs["defaultTags"]) == {"tags": stack.tags}
     assert provider.inputs["region"] == stack.region
+    # The account's spot service-linked role is no stack's: on a provider of its own, without the stack's tags.
+    account_wide = {d.urn for d in of_type(declared, "iam/serviceLinkedRole:ServiceLinkedRole")}
     for d in declared:
-        if d.type.startswith("aws:"):
+        if d.type.startswith("aws:") and d.urn not in account_wide:
             assert d.provider.startswith(provider.urn + "::"), f"{d.type} {d.name} is not on the tagged provider"
+    for other in [d for d in declared if d.type == PROVIDER and d.name != "aws"]:
+        assert "defaultTags" not in other.inputs
+        on_it = {d.type for d in declared if d.provider.startswith(other.urn + "::")}
+        assert on_it <= {"aws:iam/serviceLinkedRole:ServiceLinkedRole"}, on_it
     # Instances launched from a template are tagged by the template, not by the provider.
     for pool, lt in _pool_templates(declared).items():
         kinds = {s["resourceType"] for s in lt["tagSpecifications"]}
@@ -262,7 +268,8 @@ def test_budget_reaches_the_head_node_and_the_launch_deny(shipped: tuple[Stack, 
     guard = role_policies[f"{name}-head-guardrail"]
     grants = {s["Sid"]: (s["Action"], s["Resource"]) for s in guard["Statement"]}
     budget_arn = _arn(stack, "budgets", f"budget/{stack.budget_name}")
-    assert grants["BudgetQueue"][1] == queue and grants["TellSubscribers"] == ("sns:Publish", topic)
+    tell = {s["Sid"]: (s["Action"], s["Resource"]) for s in role_policies[f"{name}-head"]["Statement"]}
+    assert grants["BudgetQueue"][1] == queue and tell["TellTheTeam"] == ("sns:Publish", topic)
     assert grants["ReadBudget"][1] == budget_arn and grants["ReverseBudgetActions"][1] == f"{budget_arn}/action/*"
     (config,) = [p for p in of_type(declared, "ssm/parameter:Parameter") if p.name == f"{name}-config"]
     settings = json.loads(config.inputs["insecureValue"])["budget"]

@@ -3,8 +3,9 @@
 Uses the caller's AWS credentials (boto3's usual chain: AWS_PROFILE, environment, SSO; AWS_ENDPOINT_URL is honoured).
 Per pool: offered in the AZ, EFA, the vCPU quota of its family and market, its capacity reservation, the spot
 placement score, the AMI parameter, and live spot prices, which then update the cost table. Every check says pass, warn
-or fail, and how to fix a failure. Per account, for a stack with a spot pool: the spot service-linked role. An API
-that is denied or unavailable is a warning naming the permission.
+or fail, and how to fix a failure. Per account: the spot service-linked role (a stack with a spot pool) and the default
+EBS key (gpucluster.spec.account says why both matter). An API that is denied or unavailable is a warning naming the
+permission.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Literal
 
-from gpucluster.spec import catalog, eks
+from gpucluster.spec import account, catalog, eks
 from gpucluster.spec.model import PoolSpec, Stack
 
 Status = Literal["pass", "warn", "fail"]
@@ -28,12 +29,7 @@ QUOTAS = {
     ("trn", "on-demand"): ("L-2C3B7624", "Running On-Demand Trn instances"),
     ("trn", "spot"): ("L-6B0D517C", "All Trn Spot Instance Requests"),
 }
-# EC2 launches spot instances (CreateFleet included) through this service-linked role, one per account. A caller without
-# iam:CreateServiceLinkedRole cannot make EC2 create it on first use: CreateFleet then fails with
-# AuthFailure.ServiceLinkedRoleCreationNotPermitted. (AWS EC2 User Guide, "Service-linked role for Spot Instance
-# requests")
-SPOT_ROLE = "AWSServiceRoleForEC2Spot"
-SPOT_ROLE_FIX = "aws iam create-service-linked-role --aws-service-name spot.amazonaws.com"
+SPOT_ROLE = account.SPOT_ROLE
 DENIED = {"AccessDenied", "AccessDeniedException", "UnauthorizedOperation", "UnauthorizedException"}
 LOW_SPOT_SCORE = 3  # of 10: "unlikely to succeed" in AWS's own scale
 
@@ -225,15 +221,51 @@ def check_ami(ssm: Any, ec2: Any, pool: PoolSpec, parameter: str) -> Check:
 
 
 def check_spot_role(iam: Any, stack: Stack) -> Check:
-    """One per account, so one check for the stack, naming the pools that need it."""
+    """One per account, so one check for the stack, naming the pools that need it. A Slurm stack makes the role when
+    the account has none (components/launch_access.py); the Kubernetes flavour's node groups do not."""
     pools = ", ".join(p.name for p in stack.spec.pools if p.capacity == "spot")
     try:
         role = iam.get_role(RoleName=SPOT_ROLE)["Role"]
     except iam.exceptions.NoSuchEntityException:
+        if stack.spec.scheduler == "slurm":
+            return Check(None, "spot role", "pass",
+                         f"no {SPOT_ROLE} in this account yet: `pulumi up` creates it for the spot pools ({pools}) "
+                         "and never deletes it (other stacks of the account launch spot through it); the caller "
+                         f"needs iam:CreateServiceLinkedRole for {account.SPOT_SERVICE}")
         return Check(None, "spot role", "fail",
                      f"no {SPOT_ROLE} in this account: spot launches ({pools}) fail with "
-                     "AuthFailure.ServiceLinkedRoleCreationNotPermitted", f"once per account: {SPOT_ROLE_FIX}")
+                     "AuthFailure.ServiceLinkedRoleCreationNotPermitted", f"once per account: {account.SPOT_ROLE_FIX}")
     return Check(None, "spot role", "pass", f"{role['Arn']} exists (spot pools: {pools})")
+
+
+def check_ebs_key(ec2: Any, kms: Any, stack: Stack) -> Check:
+    """The key EBS encrypts the stack's volumes with: none of them names one, so the account's default EBS key, whether
+    encryption by default is on or not. A customer managed key serves only whom its policy or a grant lets in."""
+    by_default = ec2.get_ebs_encryption_by_default()["EbsEncryptionByDefault"]
+    key_id = ec2.get_ebs_default_kms_key_id()["KmsKeyId"]
+    key = kms.describe_key(KeyId=key_id)["KeyMetadata"]
+    default = f"encryption by default {'on' if by_default else 'off'}"
+    if key["KeyState"] != "Enabled":
+        return Check(None, "ebs key", "fail",
+                     f"the default EBS key {key['Arn']} is {key['KeyState']}: no volume of the stack can be made",
+                     "enable the key, or point EBS at another: aws ec2 modify-ebs-default-kms-key-id --kms-key-id KEY")
+    if key["KeyManager"] == "AWS":
+        return Check(None, "ebs key", "pass", f"the default EBS key is AWS managed ({default}): nothing to grant")
+    if stack.spec.scheduler == "kubernetes":
+        return Check(None, "ebs key", "fail",
+                     f"the default EBS key {key['Arn']} is customer managed ({default}) and the Kubernetes flavour "
+                     "grants it to no one: managed node groups cannot launch",
+                     "let AWSServiceRoleForAutoScaling use the key and create grants for AWS resources in its key "
+                     "policy (EC2 Auto Scaling User Guide, \"Required AWS KMS key policy for use with encrypted "
+                     "volumes\")")
+    return Check(None, "ebs key", "warn",
+                 f"the default EBS key {key['Arn']} is customer managed ({default}): `pulumi up` grants it to "
+                 f"{account.IMAGE_BUILDER_ROLE} (image builds)"
+                 + (f" and {SPOT_ROLE} (spot nodes)" if any(p.capacity == "spot" for p in stack.spec.pools) else "")
+                 + " and lets the head role use it through EC2 (on-demand nodes); the head node's volumes are made "
+                 "with your credentials",
+                 "the key policy must let IAM policies grant its use (the default key policy's account statement), "
+                 "and the caller of `pulumi up` needs kms:CreateGrant and kms:DescribeKey on it")
 
 
 def spot_price(ec2: Any, pool: PoolSpec, az: str) -> tuple[Check, float | None]:
@@ -270,6 +302,9 @@ def run(stack: Stack, session: Any) -> Report:
     if any(p.capacity == "spot" for p in stack.spec.pools):
         iam = session.client("iam", region_name=region)
         checks += guarded(None, "spot role", "iam:GetRole", lambda: check_spot_role(iam, stack))
+    kms = session.client("kms", region_name=region)
+    checks += guarded(None, "ebs key", "ec2:GetEbsEncryptionByDefault, ec2:GetEbsDefaultKmsKeyId, kms:DescribeKey",
+                      lambda: check_ebs_key(ec2, kms, stack))
     prices: dict[str, float] = {}
     zone_ids: dict[str, str] = {}
     checks += guarded(None, "zone", "ec2:DescribeAvailabilityZones", lambda: _zone(ec2, az, zone_ids))

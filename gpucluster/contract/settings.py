@@ -11,7 +11,7 @@ Standard library only: the nodes import this file from the bundle
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,8 @@ CLUSTER_TAG = "gpucluster:cluster"
 TEAM_TAG = "gpucluster:team"
 STACK_TAG = "gpucluster:stack"
 POOL_TAG = "gpucluster:pool"  # on the instances, volumes and interfaces of a pool (its launch template)
+# What a pool's launch template and the resume program's CreateFleet tag at launch (an instant fleet may tag these).
+LAUNCH_TAGGED = ("instance", "volume", "network-interface")
 
 # --- the cluster's network names and ports ---------------------------------------------------------------------------
 HEAD_HOSTNAME = "head"
@@ -171,6 +173,9 @@ class PoolSettings:
     accelerator: str = ""  # nvidia | neuron | "": what the health check counts
     accelerators: int = 0  # GPUs or Neuron devices per node
     node_hour_usd: float = 0.0  # the plan's price of a node-hour (on-demand; a spot pool's upper bound): the cost board
+    # The tags the pool's launch template puts on its instances, volumes and interfaces: the resume program's
+    # CreateFleet sends them too.
+    tags: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

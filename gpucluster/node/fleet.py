@@ -12,7 +12,7 @@ from typing import Any, Iterable
 
 from gpucluster.contract import reasons
 from gpucluster.contract.hostlist import compress_hostlist, in_batches
-from gpucluster.contract.settings import CLUSTER_TAG, POOL_TAG, ClusterSettings, PoolSettings, named_pool
+from gpucluster.contract.settings import CLUSTER_TAG, LAUNCH_TAGGED, POOL_TAG, ClusterSettings, PoolSettings, named_pool
 from gpucluster.node import log
 
 DESCRIBE_BATCH = 200  # instance ids per DescribeInstances filter (EC2 takes at most 200 values per filter)
@@ -26,9 +26,10 @@ CAPACITY_ERRORS = {
 # EC2 answers that say the request itself is wrong (a template, subnet or instance type the stack names): retrying
 # cannot help. UnauthorizedOperation is not among them: the budget's deny action causes it, and reopening lifts it.
 CONFIGURATION_ERRORS = re.compile(r"^(Invalid|MissingParameter|Unsupported|OptInRequired)")
-# A new account has no spot service-linked role until someone allowed to (iam:CreateServiceLinkedRole) makes it; the
-# head role may not, so EC2 refuses every spot launch. The DOWN reason carries the fix (sinfo -R shows it); the
-# reconciler retries with backoff, so the nodes come back once the role exists.
+# `pulumi up` makes the account's spot service-linked role when it has none (components/launch_access.py); should it
+# be deleted later, EC2 refuses every spot launch, since the head role may not make it (iam:CreateServiceLinkedRole).
+# The DOWN reason carries the fix (sinfo -R shows it); the reconciler retries with backoff, so the nodes come back once
+# the role exists.
 SPOT_ROLE_ERROR = "AuthFailure.ServiceLinkedRoleCreationNotPermitted"
 SPOT_ROLE_FIX = "aws iam create-service-linked-role --aws-service-name spot.amazonaws.com"
 
@@ -59,7 +60,17 @@ class LaunchGroup:
     job: str = ""
 
 
+def launch_tags(config: ClusterSettings, pool: PoolSettings) -> list[dict[str, str]]:
+    """The tags CreateFleet puts on what it launches: every tag the pool's launch template carries, the two the
+    programs find nodes by (cluster, pool) among them. Sent in the request as well, because no AWS document says
+    that an instant fleet adds the template's tags to the request's; if it did not, a node without its pool tag
+    would be an orphan to the reconciler."""
+    tags = {**pool.tags, CLUSTER_TAG: config.cluster, POOL_TAG: pool.name}
+    return [{"Key": key, "Value": tags[key]} for key in sorted(tags)]
+
+
 def fleet_request(config: ClusterSettings, pool: PoolSettings, count: int, all_or_nothing: bool) -> dict[str, Any]:
+    tags = launch_tags(config, pool)
     override: dict[str, Any] = {"InstanceType": pool.instance_type, "SubnetId": pool.subnet_id}
     if pool.placement_group:
         override["Placement"] = {"GroupName": pool.placement_group}
@@ -70,7 +81,7 @@ def fleet_request(config: ClusterSettings, pool: PoolSettings, count: int, all_o
              "Overrides": [override]}
         ],
         "TargetCapacitySpecification": {"TotalTargetCapacity": count, "DefaultTargetCapacityType": pool.market},
-        "TagSpecifications": [{"ResourceType": "instance", "Tags": [{"Key": CLUSTER_TAG, "Value": config.cluster}]}],
+        "TagSpecifications": [{"ResourceType": kind, "Tags": tags} for kind in LAUNCH_TAGGED],
     }
     # MinTargetCapacity makes EC2 launch the whole request or nothing; it needs one type in one AZ.
     whole = {"MinTargetCapacity": count, "SingleInstanceType": True, "SingleAvailabilityZone": True} \
