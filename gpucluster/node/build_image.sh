@@ -193,12 +193,18 @@ apt_packages() {  # the role's apt packages at the BOM's versions, then checked 
   retry apt_get update --error-on=any
   local pin missing=()
   for pin in "${APT_PINS[@]}"; do
-    apt-cache show "$pin" >/dev/null 2>&1 || missing+=("$pin")
+    available "${pin%%=*}" "${pin#*=}" || missing+=("$pin")
   done
   ((${#missing[@]} == 0)) ||
     die "not in Ubuntu's snapshot $SNAPSHOT nor in a pinned third-party repository: ${missing[*]}"
   apt_install "${APT_PINS[@]}"
   verify_apt
+}
+
+# available NAME VERSION: apt's indexes list this exact version (`apt-cache show NAME=VERSION` exits 0 without it).
+available() {
+  apt-cache madison "$1" 2>/dev/null | awk -F' [|] ' -v want="$2" '{gsub(/ /, "", $2)} $2 == want {found = 1}
+    END {exit !found}'
 }
 
 verify_apt() {  # every package of the role's list installed at the BOM's version, or the build fails naming it
