@@ -1,5 +1,5 @@
-"""The bake rehearsal: build_image.sh's package steps run for real, as root in a chroot of the rehearsal's Debian 13 root
-file system, against a stand-in Ubuntu archive served on 127.0.0.1 with a dated snapshot beside it.
+"""The bake rehearsal: build_image.sh's package steps run for real, as root in a chroot of the rehearsal's Debian 13
+root file system, against a stand-in Ubuntu archive served on 127.0.0.1 with a dated snapshot beside it.
 
 The stand-in archive is the seam this machine forces (no Ubuntu archive, no snapshot service here). It behaves as
 Ubuntu's does where the build depends on it: its live pocket lists only the newest version of each package (as
@@ -90,7 +90,7 @@ def archive(base: Path, packages: dict[str, str], port: int) -> None:
 class _Handler(SimpleHTTPRequestHandler):
     requested: list[str]
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (the base class's name)
+    def log_message(self, format: str, *args: object) -> None:
         self.requested.append(self.path)
 
 
@@ -98,7 +98,7 @@ class _Handler(SimpleHTTPRequestHandler):
 def standin_archive(tmp_path: Path) -> Iterator[tuple[int, list[str]]]:
     """The stand-in Ubuntu archive: live at /ubuntu/, the snapshot SNAPSHOT at /snapshot/SNAPSHOT/. Yields the port and
     the paths requested so far."""
-    served, requested = tmp_path / "archive", []
+    served, requested = tmp_path / "archive", list[str]()
     handler = type("Handler", (_Handler,), {"requested": requested})
     server = ThreadingHTTPServer(("127.0.0.1", 0), partial(handler, directory=str(served)))
     port = server.server_address[1]
@@ -150,8 +150,9 @@ def bake(tmp_path: Path, port: int, packages: dict[str, str]) -> tuple[subproces
     (image / "bom.json").write_text(json.dumps(bom(packages)))
     inside = (f"mount -t overlay overlay -o lowerdir={REHEARSAL_ROOTFS},upperdir={upper},workdir={work} {merged} && "
               f"mount -t proc proc {merged}/proc && mount --bind /dev {merged}/dev && "
-              f"exec chroot {merged} /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin GPUCLUSTER_BUILD_STEPS='{STEPS}' "
-              "GPUCLUSTER_RETRY_BASE_MS=10 bash /opt/gpucluster-image/build_image.sh compute")
+              f"exec chroot {merged} /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin "
+              f"GPUCLUSTER_BUILD_STEPS='{STEPS}' GPUCLUSTER_RETRY_BASE_MS=10 "
+              "bash /opt/gpucluster-image/build_image.sh compute")
     done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", inside],
                           capture_output=True, text=True, timeout=600)
     return done, upper
