@@ -43,7 +43,7 @@ PMIX_DIR=/usr/lib/x86_64-linux-gnu/pmix2
 SLURM_CONFIGURE=(--prefix=/usr --sysconfdir=/etc/slurm --localstatedir=/var "--with-pmix=$PMIX_DIR" --with-lua
   --enable-cgroupv2 --with-systemdsystemunitdir=/usr/lib/systemd/system)
 SLURM_PLUGIN_DIR=/usr/lib/slurm
-SLURM_PLUGINS=(mpi_pmix.so job_submit_lua.so cgroup_v2.so proctrack_cgroup.so task_cgroup.so)
+SLURM_PLUGINS=(auth_munge.so mpi_pmix.so job_submit_lua.so cgroup_v2.so proctrack_cgroup.so task_cgroup.so)
 SLURM_HEAD_PLUGINS=(accounting_storage_mysql.so)  # slurmdbd's store: MariaDB on the head
 SLURM_UNITS=(slurmctld.service slurmd.service slurmdbd.service)
 # SlurmUser must have the same uid on every node, and the head and compute images are baked from different parents.
@@ -85,22 +85,22 @@ apt_get() { apt-get -o DPkg::Lock::Timeout=120 -q -y "$@"; }
 apt_install() { retry apt_get install --no-install-recommends "$@"; }
 fetch() { curl -fsSL -o "$2" "$1"; }  # fetch URL FILE
 
-# --- the bill of materials ---------------------------------------------------------------------------------------------
+# --- the bill of materials -------------------------------------------------------------------------------------------
 # The role's part of bom.json as bash declarations, read with the system python3's json module: every problem with the
 # file at once. APT_PINS: name=version; PIP_PINS: name==version (and a --require-hashes requirements file);
 # PACKAGES: every pinned package; SOURCE_URL, SOURCE_SHA256, SOURCE_VERSION: the role's sources by name.
 read_bom() {
   [[ -f $BOM ]] || die "no bill of materials at $BOM (build_image.sh ROLE [BOM])"
-  python3 - "$BOM" "$ROLE" "$WORK/requirements.txt" >"$WORK/bom.sh" <<'PYTHON' || die "bill of materials $BOM: see above"
+  python3 - "$BOM" "$ROLE" "$WORK/requirements.txt" >"$WORK/bom.sh" <<'PYTHON' || die "bill of materials $BOM (above)"
 import json, re, shlex, sys
 
 path, role, requirements = sys.argv[1:]
 bom = json.load(open(path))
 problems = []
-def get(where, key, kind, path=""):
+def get(where, key, kind, prefix=""):
     value = where.get(key) if isinstance(where, dict) else None
     if not isinstance(value, kind):
-        problems.append(f"{path}{key}: missing or not a {kind.__name__}")
+        problems.append(f"{prefix}{key}: missing or not a {kind.__name__}")
         return kind()
     return value
 snapshot, slurm = get(bom, "ubuntu_snapshot", str), get(bom, "slurm_version", str)
@@ -141,7 +141,8 @@ source_file() {
   retry fetch "${SOURCE_URL[$1]}" "$2"
   local sum
   sum=$(sha256sum "$2")
-  [[ ${sum%% *} == "${SOURCE_SHA256[$1]}" ]] || die "$1 from ${SOURCE_URL[$1]} has sha256 ${sum%% *}, not ${SOURCE_SHA256[$1]}"
+  [[ ${sum%% *} == "${SOURCE_SHA256[$1]}" ]] ||
+    die "$1 from ${SOURCE_URL[$1]} has sha256 ${sum%% *}, not ${SOURCE_SHA256[$1]}"
 }
 
 # source_tree NAME DIR: a source archive (a GitHub tag archive: one top directory) unpacked into DIR.
@@ -191,9 +192,12 @@ apt_packages() {  # the role's apt packages at the BOM's versions, then checked 
   # has a snapshot server from it.
   retry apt_get update --error-on=any
   retry apt_get update --error-on=any
-  local pin missing=()
+  local pin listed missing=()
+  # Every version apt's indexes list for these packages, as name=version lines (`apt-cache show NAME=VERSION` exits 0
+  # for a version it does not know).
+  listed=$(apt-cache madison "${APT_PINS[@]%%=*}" 2>/dev/null | awk -F' *[|] *' '{sub(/^ +/, "", $1); print $1 "=" $2}')
   for pin in "${APT_PINS[@]}"; do
-    available "${pin%%=*}" "${pin#*=}" || missing+=("$pin")
+    grep -qxF -- "$pin" <<<"$listed" || missing+=("$pin")
   done
   ((${#missing[@]} == 0)) ||
     die "not in Ubuntu's snapshot $SNAPSHOT nor in a pinned third-party repository: ${missing[*]}"
@@ -201,19 +205,16 @@ apt_packages() {  # the role's apt packages at the BOM's versions, then checked 
   verify_apt
 }
 
-# available NAME VERSION: apt's indexes list this exact version (`apt-cache show NAME=VERSION` exits 0 without it).
-available() {
-  apt-cache madison "$1" 2>/dev/null | awk -F' [|] ' -v want="$2" '{gsub(/ /, "", $2)} $2 == want {found = 1}
-    END {exit !found}'
-}
-
 verify_apt() {  # every package of the role's list installed at the BOM's version, or the build fails naming it
-  local pin name want got differ=()
+  local pin name want status differ=()
+  local -A got=()
+  # shellcheck disable=SC2016  # dpkg-query's own ${field} syntax
+  while IFS=$'\t' read -r name status; do got[$name]=$status; done < <(
+    dpkg-query -W -f '${Package}\t${db:Status-Abbrev}${Version}\n' "${APT_PINS[@]%%=*}" 2>/dev/null || true)
   for pin in "${APT_PINS[@]}"; do
     name=${pin%%=*} want=${pin#*=}
-    # shellcheck disable=SC2016  # dpkg-query's own ${field} syntax
-    got=$(dpkg-query -W -f '${db:Status-Abbrev}${Version}' "$name" 2>/dev/null) || got=
-    [[ $got == "ii $want" ]] || differ+=("$name ${got#ii } (the BOM: $want)")
+    status=${got[$name]:-not installed}
+    [[ $status == "ii $want" ]] || differ+=("$name ${status#ii } (the BOM: $want)")
   done
   ((${#differ[@]} == 0)) || die "installed packages differ from the bill of materials: ${differ[*]}"
 }
