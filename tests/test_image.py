@@ -109,6 +109,8 @@ elif name == "apt-cache" and args[0] == "show":
     print(f"Package: {args[1]}\nVersion: {archive[args[1]][-1]}\n")
 elif name == "apt-get" and "install" in args:  # STANDIN_DPKG_DRIFT: what dpkg ends up with instead of the pin
     files, drift = json.loads(env["STANDIN_PACKAGE_FILES"]), json.loads(env["STANDIN_DPKG_DRIFT"])
+    if any(a.startswith("lustre-client-modules-") for a in args):  # STANDIN_LATE_DRIFT: what this install moves
+        installed.update(json.loads(env["STANDIN_LATE_DRIFT"]))
     for arg in args[args.index("install") + 2:]:
         package, _, version = arg.partition("=")
         if package.endswith(".deb"):
@@ -295,14 +297,15 @@ def build(tmp_path: Path) -> Build:
     """Run the build script with stand-ins. Seams, each forced by this machine: the commands above (no internet,
     a shared machine), GPUCLUSTER_IMAGE_ROOT (the script writes system paths, as root) and GPUCLUSTER_RETRY_BASE_MS
     (real back-off waits add up to minutes). `edits` changes the script's NAME=value lines; `archive` replaces what
-    apt's indexes list (None: not at all); `drift` and `pip_drift` what
-    dpkg and the venv end up with; `downloads` what a URL serves."""
+    apt's indexes list (None: not at all); `drift` and `pip_drift` what dpkg and the venv end up with (`late_drift`:
+    what installing the Lustre module changes); `downloads` what a URL serves."""
 
     def run(role: str, *, bom: Callable[[dict[str, Any]], None] | None = None, fail: Sequence[tuple[str, int]] = (),
             gpu_tools: tuple[str, ...] = GPU_TOOLS, agent_present: bool = False, apparmor: bool = True,
             neuron_tools: tuple[str, ...] | None = None, keys: dict[str, list[str]] | None = None,
             archive: dict[str, list[str] | None] | None = None, drift: dict[str, str] | None = None,
-            pip_drift: dict[str, Any] | None = None, downloads: dict[str, bytes] | None = None,
+            pip_drift: dict[str, Any] | None = None, late_drift: dict[str, str] | None = None,
+            downloads: dict[str, bytes] | None = None,
             slurm_without: Sequence[str] = (), slurm_built: str = bom_spec.SLURM_VERSION, slurm_uid: str = "",
             dcgm_unit: bool = True, nccl_dir: str | None = "/opt/amazon/ofi-nccl/lib/x86_64-linux-gnu",
             kernel_packages: dict[str, str] = KERNEL_PACKAGES, enroot_profile: bool = True,
@@ -351,7 +354,8 @@ def build(tmp_path: Path) -> Build:
                                               if versions is not None}),
                "STANDIN_PACKAGE_FILES": json.dumps({"libpmix-dev": [PMIX_LIB], "enroot": (
                    ["/usr/share/enroot/apparmor.profile"] if enroot_profile else [])}),
-               "STANDIN_DPKG_DRIFT": json.dumps(drift or {}), "STANDIN_PIP_DRIFT": json.dumps(pip_drift or {}),
+               "STANDIN_DPKG_DRIFT": json.dumps(drift or {}), "STANDIN_LATE_DRIFT": json.dumps(late_drift or {}),
+               "STANDIN_PIP_DRIFT": json.dumps(pip_drift or {}),
                "STANDIN_SLURM_WITHOUT": json.dumps(list(slurm_without)), "STANDIN_SLURM_BUILT": slurm_built,
                "STANDIN_SLURM_UID": slurm_uid, "STANDIN_DCGM_UNIT": "yes" if dcgm_unit else "no",
                "STANDIN_KERNEL_PACKAGES": json.dumps(kernel_packages)}
@@ -521,6 +525,12 @@ def test_an_installed_version_other_than_the_boms_fails_naming_the_package(build
     assert run.returncode != 0 and not run.manifest.exists()
     assert f"installed packages differ from the bill of materials: {name} {got} (the BOM: {APT[name]})" in run.stderr
     assert not run.commands("make")  # nothing built on it
+
+
+def test_a_package_a_later_step_moves_fails_the_build_before_the_manifest(build: Build) -> None:
+    run = build("head", late_drift={"python3-yaml": "6.0.2-1"})
+    assert run.returncode != 0 and not run.manifest.exists()
+    assert f"python3-yaml 6.0.2-1 (the BOM: {APT['python3-yaml']})" in run.stderr
 
 
 @pytest.mark.parametrize("drift, named", [({"sympy": "1.15.0"}, "sympy 1.15.0 (the BOM: 1.14.0)"),

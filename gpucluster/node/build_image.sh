@@ -377,6 +377,7 @@ services() {  # the boot configures and starts them (bootstrap.py); the image le
 }
 
 manifest() {  # the last step: its presence means the image is complete; the BOM it was built from beside it
+  verify_apt  # again: no later step's packages (the Lustre module, enroot, the agent) may have moved one of the BOM's
   [[ $BOM -ef $ROOT$IMAGE_BOM ]] || install -m 644 "$BOM" "$ROOT$IMAGE_BOM"
   local bom_sum lustre_module
   bom_sum=$(sha256sum "$BOM")
