@@ -126,6 +126,21 @@ def test_boot_unit_is_one_systemd_accepts(tmp_path: Path) -> None:
     assert done.returncode == 0 and contract.BOOT_UNIT not in said, said
 
 
+def test_dcgm_exporter_starts_with_the_dcgm_host_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ordered after nvidia-dcgm alone, the exporter would start against no host engine where the image leaves it
+    off; Wants= starts it."""
+    monkeypatch.setattr(bootstrap, "in_image", lambda tool: True)
+    monkeypatch.setattr(contract, "GPU_JOB_MAP_DIR", str(tmp_path / "gpu-jobs"))
+    pool = contract.PoolSettings(name="g6e", launch_template_id="lt-1", subnet_id="subnet-1",
+                                 instance_type="g6e.xlarge", market="on-demand", max_nodes=2, accelerator="nvidia",
+                                 accelerators=1)
+    settings = contract.ClusterSettings(cluster="c1", region="us-east-1", pools={"g6e": pool})
+    unit = bootstrap.gpu_exporter(settings, pool, "g6e-1", "10.0.0.5", systemd=tmp_path)
+    assert unit == "gpucluster-gpu-exporter.service"
+    lines = (tmp_path / unit).read_text().splitlines()
+    assert {"Wants=nvidia-dcgm.service", "After=nvidia-dcgm.service", "After=docker.service"} <= set(lines)
+
+
 def test_start_insists_that_each_unit_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """`systemctl enable --now` exits 0 for a unit whose condition fails; the boot must fail instead."""
     ran: list[tuple[str, ...]] = []

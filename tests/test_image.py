@@ -1,18 +1,22 @@
 """The node image: gpucluster/node/build_image.sh, run here with stand-ins for what needs the internet, and the
-NodeImage component under the mock runtime for every shipped stack."""
+NodeImage component under the mock runtime for every shipped stack. (tests/integration/test_bake_rehearsal.py runs the
+package steps for real, with apt, in a chroot.)"""
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -21,41 +25,52 @@ from conftest import FIXTURES, ROOT, of_type, planned
 from gpucluster.contract import settings
 from gpucluster.plan import Declared, planned_id, planned_outputs, run_program
 from gpucluster.project import pulumi_program
-from gpucluster.spec import bom, catalog, cost
+from gpucluster.spec import bom as bom_spec, catalog, cost
 from gpucluster.spec.model import Stack, load_stack, stack_config, validate
 
 SCRIPT = ROOT / "gpucluster" / "node" / "build_image.sh"
 KERNEL = "6.8.0-1021-aws"
 GPU_TOOLS = ("nvidia-smi", "dcgmi", "docker", "nvidia-ctk")  # the NVIDIA Deep Learning AMI's
-STANDIN_NAMES = ("apt-get", "curl", "git", "make", "gpg", "systemctl", "uname", "python3", "aa-enabled",
-                 "apparmor_parser", *GPU_TOOLS)
-ENROOT_CPPFLAGS = "-DALLOW_SPECULATION -DINHERIT_FDS"  # the standard flavour, as NVIDIA builds its enroot .deb
+STANDIN_NAMES = ("apt-get", "apt-cache", "apt-mark", "dpkg-query", "curl", "gpg", "systemctl", "uname", "python3",
+                 "aa-enabled", "apparmor_parser", "make", "tar", "ldconfig", "getent", "groupadd", "useradd", "id",
+                 *GPU_TOOLS)
+# Installed kernel packages and their sources, as dpkg-query lists them on an Ubuntu image: the meta packages come from
+# linux-meta*, the kernel itself from its versioned sources.
+KERNEL_PACKAGES = {"linux-aws": "linux-meta-aws", "linux-image-aws": "linux-meta-aws",
+                   "linux-headers-aws": "linux-meta-aws", f"linux-image-{KERNEL}": "linux-signed-aws",
+                   f"linux-modules-{KERNEL}": "linux-aws", "linux-base": "linux-base"}
+PMIX_LIB = "/usr/lib/x86_64-linux-gnu/pmix2/lib/libpmix.so"
 
 # One program behind every stand-in command; it records each call (with what it saw) as a JSON line.
-STANDIN = r'''#!{python}
-"""Stand-in for a command this machine cannot run for real: it has no internet (apt, downloads, git, pip), and
-a package manager, systemd or a kernel module here would change a machine others share."""
+STANDIN = r'''
+"""Stand-in for a command this machine cannot run for real: it has no internet (apt, downloads, pip), and a package
+manager, systemd, a compiler run over sources it cannot fetch or a kernel module here would change a machine others
+share."""
 import json, os, sys
 from pathlib import Path
 
 name, args = Path(sys.argv[0]).name, sys.argv[1:]
 env = os.environ
+if name == "python3" and args[:2] != ["-m", "venv"]:  # the script's BOM reader and manifest writer: the real one
+    os.execv(sys.executable, [sys.executable, *args])
 call = " ".join([name, *args])
 root = env["GPUCLUSTER_IMAGE_ROOT"]
-record = {{"cmd": [name, *args], "manifest_existed": Path(root + "{manifest}").exists(),
-          "debian_frontend": env.get("DEBIAN_FRONTEND")}}
-if name == "pip" and "--constraint" in args:
-    record["constraints"] = Path(args[args.index("--constraint") + 1]).read_text().split()
-if name == "make":
-    record["cppflags"] = env.get("CPPFLAGS")
+snapshot = Path(root + env["STANDIN_SNAPSHOT_CONF"])
+record = {"cmd": [name, *args], "manifest_existed": Path(root + env["STANDIN_MANIFEST"]).exists(),
+          "debian_frontend": env.get("DEBIAN_FRONTEND"),
+          "snapshot": snapshot.read_text() if snapshot.exists() else None}
 state = Path(env["STANDIN_STATE"])
 for i, (pattern, times) in enumerate(json.loads(env.get("STANDIN_FAIL", "[]"))):
     if pattern in call:
-        seen = state / f"fail-{{i}}"
+        seen = state / f"fail-{i}"
         count = int(seen.read_text()) if seen.exists() else 0
         if count < times:
             seen.write_text(str(count + 1))
             record["failed"] = True
+if name == "pip" and "-r" in args:
+    record["requirements"] = Path(args[args.index("-r") + 1]).read_text().splitlines()
+if name in ("make", "configure"):
+    record["cwd"] = os.getcwd()
 with open(env["STANDIN_LOG"], "a") as log:
     log.write(json.dumps(record) + "\n")
 if record.get("failed"):
@@ -64,51 +79,178 @@ if record.get("failed"):
 def arg_after(flag):
     return args[args.index(flag) + 1]
 
-if name == "curl":
-    Path(arg_after("-o")).write_text(f"stand-in download of {{args[-1]}}\n")
+dpkg = state / "installed.json"  # what the stand-in apt-get installed: package -> version
+installed = json.loads(dpkg.read_text()) if dpkg.exists() else {}
+archive = json.loads(env["STANDIN_ARCHIVE"])  # what apt's indexes list: package -> versions
+
+if name == "curl":  # STANDIN_DOWNLOADS: URL -> a file with its bytes; any other URL serves a line naming it
+    url, downloads = args[-1], json.loads(env["STANDIN_DOWNLOADS"])
+    data = Path(downloads[url]).read_bytes() if url in downloads else f"stand-in download of {url}\n".encode()
+    Path(arg_after("-o")).write_bytes(data)
 elif name == "uname":
     print(env["STANDIN_KERNEL"])
 elif name == "gpg" and "--dearmor" in args:
     Path(arg_after("-o")).write_bytes(Path(args[-1]).read_bytes())
 elif name == "gpg" and "--fingerprint" in args:
-    print(f"pub:-:4096:1:D58167303B789C72:::::::\nfpr:::::::::{{env['STANDIN_GPG_FINGERPRINT']}}:")
+    print(f"pub:-:4096:1:D58167303B789C72:::::::\nfpr:::::::::{env['STANDIN_GPG_FINGERPRINT']}:")
 elif name == "gpg" and "--show-keys" in args:  # STANDIN_KEYS: the URL a key came from -> its primary keys
     url = Path(args[-1]).read_text().split()[-1]
     for i, fpr in enumerate(json.loads(env["STANDIN_KEYS"])[url]):
-        print(f"pub:-:4096:1:{{fpr[-16:]}}:::::::\nfpr:::::::::{{fpr}}:\nsub:-:4096:1:{{i:016X}}:::::::\n"
-              f"fpr:::::::::{{i:040X}}:")
-elif name == "git" and "clone" in args:  # the remote: STANDIN_GIT_TAGS, "REPO TAG" -> the commit the tag names
-    tag = f"{{args[-2]}} {{arg_after('--branch')}}"
-    if tag not in json.loads(env["STANDIN_GIT_TAGS"]):
-        sys.exit(f"fatal: Remote branch {{tag}} not found in upstream origin")
-    Path(args[-1]).mkdir(parents=True)
-    (Path(args[-1]) / ".standin-tag").write_text(tag)
-elif name == "git" and "rev-parse" in args:
-    print(json.loads(env["STANDIN_GIT_TAGS"])[(Path(arg_after("-C")) / ".standin-tag").read_text()])
+        print(f"pub:-:4096:1:{fpr[-16:]}:::::::\nfpr:::::::::{fpr}:\nsub:-:4096:1:{i:016X}:::::::\n"
+              f"fpr:::::::::{i:040X}:")
+elif name == "apt-cache" and args[0] == "madison":
+    for package in args[1:]:
+        for version in archive.get(package, []):
+            print(f"{package:>12} | {version:>10} | https://snapshot.ubuntu.com/ubuntu/20250601T000000Z noble/main "
+                  "amd64 Packages")
+elif name == "apt-cache" and args[0] == "show":
+    if args[1] not in archive:
+        sys.exit(100)
+    print(f"Package: {args[1]}\nVersion: {archive[args[1]][-1]}\n")
+elif name == "apt-get" and "install" in args:  # STANDIN_DPKG_DRIFT: what dpkg ends up with instead of the pin
+    files, drift = json.loads(env["STANDIN_PACKAGE_FILES"]), json.loads(env["STANDIN_DPKG_DRIFT"])
+    if any(a.startswith("lustre-client-modules-") for a in args):  # STANDIN_LATE_DRIFT: what this install moves
+        installed.update(json.loads(env["STANDIN_LATE_DRIFT"]))
+    for arg in args[args.index("install") + 2:]:
+        package, _, version = arg.partition("=")
+        if package.endswith(".deb"):
+            package, version = Path(package).stem, "from a file"
+        installed[package] = drift.get(package, version or archive[package][-1])
+        if not installed[package]:  # a drift to "": dpkg does not have it after all
+            del installed[package]
+        for path in files.get(package, []):
+            Path(root + path).parent.mkdir(parents=True, exist_ok=True)
+            Path(root + path).touch()
+    dpkg.write_text(json.dumps(installed))
+elif name == "dpkg-query":  # the formats build_image.sh asks for
+    fmt, packages = arg_after("-f"), args[args.index("-f") + 2:]
+    if "source:Package" in fmt:
+        for package, source in json.loads(env["STANDIN_KERNEL_PACKAGES"]).items():
+            print(f"ii  {package} {source}")
+    elif fmt == "${Version}":
+        if packages[0] not in installed:
+            sys.exit(1)
+        print(installed[packages[0]], end="")
+    else:
+        assert fmt == "${Package}\\t${db:Status-Abbrev}${Version}\\n", fmt
+        for package in packages:
+            if package in installed:
+                print(f"{package}\tii {installed[package]}")
+        sys.exit(0 if set(packages) <= set(installed) else 1)
+elif name == "tar":  # a GitHub tag archive: the tree of a configure script (Slurm) or a Makefile (pyxis)
+    tree = Path(arg_after("-C"))
+    tree.mkdir(parents=True, exist_ok=True)
+    if tree.name == "slurm":
+        (tree / "configure").symlink_to(sys.argv[0])
 elif name == "make" and "install" in args:  # where the real Makefiles put what the script checks afterwards
-    make = {{k: v for k, v in (a.split("=", 1) for a in args if "=" in a)}}
-    destdir = make.get("DESTDIR", "")
+    destdir = arg_after("install").removeprefix("DESTDIR=")
     if not destdir.startswith(root):
-        sys.exit(f"stand-in make: DESTDIR {{destdir!r}} is outside {{root}}")
+        sys.exit(f"stand-in make: DESTDIR {destdir!r} is outside {root}")
     if Path(arg_after("-C")).name == "pyxis":
-        made = [destdir + "/usr/local/lib/slurm/spank_pyxis.so"]
-    else:  # enroot's Makefile: its defaults for what the command line leaves out
-        prefix = make.get("prefix", "/usr/local")
-        exec_prefix = make.get("exec_prefix", prefix)
-        datadir = make.get("datadir", make.get("datarootdir", prefix + "/share"))
-        made = [destdir + make.get("bindir", exec_prefix + "/bin") + "/enroot",
-                destdir + make.get("sysconfdir", prefix + "/etc") + "/enroot/enroot.conf",
-                destdir + datadir + "/enroot/apparmor.profile"]
-    for path in map(Path, made):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.touch(mode=0o755)
+        made = ["/usr/local/lib/slurm/spank_pyxis.so"]
+    else:  # Slurm, with the plugins its build dependencies allow (STANDIN_SLURM_WITHOUT: those it lacked)
+        without = json.loads(env["STANDIN_SLURM_WITHOUT"])
+        made = [f"/usr/lib/slurm/{p}" for p in ("mpi_pmix.so", "mpi_pmix_v5.so", "job_submit_lua.so", "cgroup_v2.so",
+                                                "proctrack_cgroup.so", "task_cgroup.so", "auth_munge.so",
+                                                "accounting_storage_mysql.so") if p not in without]
+        made += [f"/usr/lib/systemd/system/{u}" for u in ("slurmctld.service", "slurmd.service", "slurmdbd.service",
+                                                          "sackd.service")]
+        Path(destdir + "/usr/sbin").mkdir(parents=True, exist_ok=True)
+        Path(destdir + "/usr/sbin/slurmd").symlink_to(sys.argv[0])
+    for path in made:
+        Path(destdir + path).parent.mkdir(parents=True, exist_ok=True)
+        Path(destdir + path).touch()
+elif name == "slurmd" and args == ["-V"]:
+    print(f"slurm {env['STANDIN_SLURM_BUILT']}")
+elif name == "getent":  # STANDIN_SLURM_UID: the uid of a slurm user the parent image already has
+    sys.exit(0 if env["STANDIN_SLURM_UID"] else 2)
+elif name == "useradd":
+    (state / "slurm-uid").write_text(arg_after("--uid"))
+elif name == "id":
+    print(env["STANDIN_SLURM_UID"] or (state / "slurm-uid").read_text())
+elif name == "systemctl" and args[0] == "cat":
+    sys.exit(0 if env["STANDIN_DCGM_UNIT"] == "yes" else 1)
 elif name == "aa-enabled":
     sys.exit(0 if env["STANDIN_APPARMOR"] == "yes" else 1)
-elif name == "python3" and args[:2] == ["-m", "venv"]:
-    bin_dir = Path(args[-1]) / "bin"
-    bin_dir.mkdir(parents=True, exist_ok=True)
-    (bin_dir / "pip").symlink_to(sys.argv[0])
+elif name == "python3":  # -m venv: a real venv, whose python runs the BOM's pip wheel and the script's check
+    os.execv(sys.executable, [sys.executable, *args])
+elif name == "pip":  # the venv's pip: installs the requirements as distributions of the venv, none fetched
+    drift = json.loads(env["STANDIN_PIP_DRIFT"])
+    (site,) = Path(sys.argv[0]).parent.parent.glob("lib/python*/site-packages")
+    pins = [line.split()[0].split("==") for line in record["requirements"]]
+    for distribution, version in pins + [p.split("==") for p in drift.get("extra", [])]:
+        version = drift.get(distribution, version)
+        info = site / f"{distribution}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: {version}\n")
 '''
+
+# The BOM's pip wheel, standing in for pip's: run from the wheel (`python pip.whl/pip install pip.whl`), it installs a
+# pip (the stand-in) into the venv that runs it, as pip's own bootstrap does.
+PIP_WHEEL_MAIN = '''import json, os, sys
+from pathlib import Path
+bin_dir = Path(sys.executable).parent
+(bin_dir / "pip").symlink_to(os.environ["STANDIN_PROGRAM"])
+(site,) = bin_dir.parent.glob("lib/python*/site-packages")
+(site / "pip-25.0.dist-info").mkdir()
+(site / "pip-25.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\\nName: pip\\nVersion: 25.0\\n")
+with open(os.environ["STANDIN_LOG"], "a") as log:
+    log.write(json.dumps({"cmd": ["pip-wheel", *sys.argv[1:]], "manifest_existed": False}) + "\\n")
+'''
+
+
+def pip_wheel() -> bytes:
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as wheel:
+        wheel.writestr(zipfile.ZipInfo("pip/__main__.py", date_time=(2025, 1, 1, 0, 0, 0)), PIP_WHEEL_MAIN)
+    return out.getvalue()
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def served(url: str) -> bytes:
+    """What the stand-in curl serves for a URL it has no file for."""
+    return f"stand-in download of {url}\n".encode()
+
+
+# A bill of materials in bom.json's shape (gpucluster/spec/bom.py renders the real one): names and versions with
+# Ubuntu's and PyPI's shapes, the sources' sha256 those of what the stand-in curl serves.
+PIP_URL = "https://files.pythonhosted.org/packages/pip-25.0-py3-none-any.whl"
+SOURCE_URLS = {"slurm": "https://github.com/SchedMD/slurm/archive/refs/tags/slurm-24-11-5-1.tar.gz",
+               "pyxis": "https://github.com/NVIDIA/pyxis/archive/refs/tags/v0.24.0.tar.gz",
+               "enroot": "https://github.com/NVIDIA/enroot/releases/download/v4.2.1/enroot_4.2.1-1_amd64.deb",
+               "enroot+caps": "https://github.com/NVIDIA/enroot/releases/download/v4.2.1/enroot+caps_4.2.1-1_amd64.deb"}
+APT = {"munge": "0.5.15-4ubuntu0.1", "libpmix-dev": "5.0.1-4.1build1", "liblua5.4-dev": "5.4.6-3build2",
+       "libdbus-1-dev": "1.14.10-4ubuntu4.1", "libmunge-dev": "0.5.15-4ubuntu0.1", "gcc": "4:13.2.0-7ubuntu1",
+       "make": "4.3-4.1build2", "iptables": "1.8.10-3ubuntu2", "prometheus-node-exporter": "1.7.0-1ubuntu0.3",
+       "mariadb-server": "1:10.11.13-0ubuntu0.24.04.1", "libmariadb-dev": "1:10.11.13-0ubuntu0.24.04.1",
+       "python3-boto3": "1.34.46+dfsg-1ubuntu1", "python3-yaml": "6.0.1-2build2",
+       "prometheus": "2.45.3+ds-2ubuntu0.3", "prometheus-alertmanager": "0.26.0+ds-1ubuntu0.3", "grafana": "11.6.14"}
+HEAD_ONLY = ("mariadb-server", "libmariadb-dev", "python3-yaml", "prometheus", "prometheus-alertmanager", "grafana")
+PIP = {"head": {"pydantic": "2.14.4", "pydantic-core": "2.50.5", "annotated-types": "0.8.0",
+                "typing-extensions": "4.16.0", "typing-inspection": "0.4.5",
+                "grafana-foundation-sdk": "1769699379!11.6.0"},
+       "compute": {"torch": "2.13.0", "filelock": "4.3.1", "sympy": "1.14.0", "mpmath": "1.3.0"}}
+
+
+def standin_bom(edit: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    sources = {name: {"url": url, "sha256": sha256(served(url)), "version": re.findall(r"\d+[.-]\d+[.-]\d+", url)[0]}
+               for name, url in SOURCE_URLS.items()}
+    sources["pip"] = {"url": PIP_URL, "sha256": sha256(pip_wheel()), "version": "25.0"}
+    packages = {**APT, **PIP["head"], **PIP["compute"]}
+    bom = {"parent_image": {"name": "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 24.04) 20260915",
+                            "owner": "amazon", "region_ids": {}},
+           "ubuntu_snapshot": "20250601T000000Z", "slurm_version": bom_spec.SLURM_VERSION, "packages": packages,
+           "sources": sources,
+           "pip_hashes": {name: [f"sha256:{sha256(name.encode())}"] for role in PIP.values() for name in role},
+           "roles": {"head": {"apt": list(APT), "pip": list(PIP["head"]), "sources": ["slurm", "pyxis", "pip"]},
+                     "compute": {"apt": [n for n in APT if n not in HEAD_ONLY], "pip": list(PIP["compute"]),
+                                 "sources": ["slurm", "pyxis", "enroot", "enroot+caps", "pip"]}}}
+    if edit:
+        edit(bom)
+    return bom
 
 
 def pins() -> dict[str, str]:
@@ -119,11 +261,12 @@ def pins() -> dict[str, str]:
     return values
 
 
-def upstream_tags() -> dict[str, str]:
-    """What the stand-in git's remotes answer: each pinned tag names the pinned commit."""
-    p = pins()
-    return {f"{p['ENROOT_REPO']} {p['ENROOT_TAG']}": p["ENROOT_COMMIT"],
-            f"{p['PYXIS_REPO']} {p['PYXIS_TAG']}": p["PYXIS_COMMIT"]}
+def array(name: str) -> list[str]:
+    """A top-level bash array of the script (NAME=(...), possibly over several lines), its words unquoted."""
+    m = re.search(rf"^{name}=\((.*?)\)$", SCRIPT.read_text(), flags=re.M | re.S)
+    assert m, name
+    values = pins()
+    return [re.sub(r"\$\{?([A-Z][A-Z0-9_]*)\}?", lambda v: values[v[1]], w.strip('"')) for w in m[1].split()]
 
 
 @dataclass
@@ -132,6 +275,7 @@ class Run:
     stderr: str
     calls: list[dict]
     root: Path
+    bom: dict[str, Any]
 
     def commands(self, name: str) -> list[list[str]]:
         return [c["cmd"][1:] for c in self.calls if c["cmd"][0] == name]
@@ -139,6 +283,9 @@ class Run:
     @property
     def manifest(self) -> Path:
         return self.root / settings.IMAGE_MANIFEST.lstrip("/")
+
+    def installs(self) -> list[list[str]]:
+        return [c[c.index("install") + 2:] for c in self.commands("apt-get") if "install" in c]
 
 
 # The fixture below: runs the build script for a role, with the stand-ins' keyword arguments.
@@ -149,18 +296,26 @@ Build = Callable[..., Run]
 def build(tmp_path: Path) -> Build:
     """Run the build script with stand-ins. Seams, each forced by this machine: the commands above (no internet,
     a shared machine), GPUCLUSTER_IMAGE_ROOT (the script writes system paths, as root) and GPUCLUSTER_RETRY_BASE_MS
-    (real back-off waits add up to minutes). `tags` changes what a remote's tag names (upstream_tags)."""
+    (real back-off waits add up to minutes). `edits` changes the script's NAME=value lines; `archive` replaces what
+    apt's indexes list (None: not at all); `drift` and `pip_drift` what dpkg and the venv end up with (`late_drift`:
+    what installing the Lustre module changes); `downloads` what a URL serves."""
 
-    def run(role: str, *, fail: Sequence[tuple[str, int]] = (), gpu_tools: tuple[str, ...] = GPU_TOOLS,
-            edits: dict[str, str] | None = None, agent_present: bool = False, tags: dict[str, str] | None = None,
-            apparmor: bool = True, neuron_tools: tuple[str, ...] | None = None,
-            keys: dict[str, list[str]] | None = None) -> Run:
-        bin_dir, root, state = tmp_path / "bin", tmp_path / "root", tmp_path / "state"
-        for d in (bin_dir, root, state):
+    def run(role: str, *, bom: Callable[[dict[str, Any]], None] | None = None, fail: Sequence[tuple[str, int]] = (),
+            gpu_tools: tuple[str, ...] = GPU_TOOLS, agent_present: bool = False, apparmor: bool = True,
+            neuron_tools: tuple[str, ...] | None = None, keys: dict[str, list[str]] | None = None,
+            archive: dict[str, list[str] | None] | None = None, drift: dict[str, str] | None = None,
+            pip_drift: dict[str, Any] | None = None, late_drift: dict[str, str] | None = None,
+            downloads: dict[str, bytes] | None = None,
+            slurm_without: Sequence[str] = (), slurm_built: str = bom_spec.SLURM_VERSION, slurm_uid: str = "",
+            dcgm_unit: bool = True, nccl_dir: str | None = "/opt/amazon/ofi-nccl/lib/x86_64-linux-gnu",
+            kernel_packages: dict[str, str] = KERNEL_PACKAGES, enroot_profile: bool = True,
+            steps: str | None = None, edits: dict[str, str] | None = None) -> Run:
+        bin_dir, root, state, files = (tmp_path / d for d in ("bin", "root", "state", "files"))
+        for d in (bin_dir, root, state, files):
             shutil.rmtree(d, ignore_errors=True)
             d.mkdir()
         standin = bin_dir / "standin"
-        standin.write_text(STANDIN.format(python=sys.executable, manifest=settings.IMAGE_MANIFEST))
+        standin.write_text(f"#!{sys.executable}" + STANDIN)
         standin.chmod(0o755)
         for name in STANDIN_NAMES:
             if name in gpu_tools or name not in GPU_TOOLS:
@@ -174,24 +329,49 @@ def build(tmp_path: Path) -> Build:
             ctl = root / "opt/aws/amazon-cloudwatch-agent/bin/amazon-cloudwatch-agent-ctl"
             ctl.parent.mkdir(parents=True)
             ctl.touch(mode=0o755)
+        if nccl_dir and "nvidia-smi" in gpu_tools:  # the DLAMI's aws-ofi-nccl
+            (root / nccl_dir.lstrip("/")).mkdir(parents=True)
+            (root / nccl_dir.lstrip("/") / "libnccl-net.so").touch()
+        bill = standin_bom(bom)
+        (tmp_path / "bom.json").write_text(json.dumps(bill))
+        served_files = {}
+        for i, (url, data) in enumerate({PIP_URL: pip_wheel(), **(downloads or {})}.items()):
+            served_files[url] = str(files / f"download-{i}")
+            Path(served_files[url]).write_bytes(data)
+        packages = bill["packages"]
+        available = {name: [version] for name, version in packages.items()} | {f"lustre-client-modules-{KERNEL}":
+                                                                               ["2.15.6-1fsx1"]}
         p = pins()
+        env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "GPUCLUSTER_IMAGE_ROOT": str(root),
+               "GPUCLUSTER_RETRY_BASE_MS": "10", "STANDIN_LOG": str(tmp_path / "calls.jsonl"),
+               "STANDIN_PROGRAM": str(standin), "STANDIN_MANIFEST": settings.IMAGE_MANIFEST,
+               "STANDIN_SNAPSHOT_CONF": p["SNAPSHOT_CONF"], "STANDIN_STATE": str(state),
+               "STANDIN_FAIL": json.dumps(list(fail)), "STANDIN_KERNEL": KERNEL,
+               "STANDIN_GPG_FINGERPRINT": p["CWAGENT_KEY_FINGERPRINT"],
+               "STANDIN_KEYS": json.dumps(keys or {f"{p['GRAFANA_REPO']}/gpg.key": [p["GRAFANA_KEY_FINGERPRINT"]]}),
+               "STANDIN_APPARMOR": "yes" if apparmor else "no", "STANDIN_DOWNLOADS": json.dumps(served_files),
+               "STANDIN_ARCHIVE": json.dumps({name: versions for name, versions in (available | (archive or {})).items()
+                                              if versions is not None}),
+               "STANDIN_PACKAGE_FILES": json.dumps({"libpmix-dev": [PMIX_LIB], "enroot": (
+                   ["/usr/share/enroot/apparmor.profile"] if enroot_profile else [])}),
+               "STANDIN_DPKG_DRIFT": json.dumps(drift or {}), "STANDIN_LATE_DRIFT": json.dumps(late_drift or {}),
+               "STANDIN_PIP_DRIFT": json.dumps(pip_drift or {}),
+               "STANDIN_SLURM_WITHOUT": json.dumps(list(slurm_without)), "STANDIN_SLURM_BUILT": slurm_built,
+               "STANDIN_SLURM_UID": slurm_uid, "STANDIN_DCGM_UNIT": "yes" if dcgm_unit else "no",
+               "STANDIN_KERNEL_PACKAGES": json.dumps(kernel_packages)}
+        if steps is not None:
+            env["GPUCLUSTER_BUILD_STEPS"] = steps
         text = SCRIPT.read_text()
         for name, value in (edits or {}).items():
             text, n = re.subn(rf"^{name}=\S*", f"{name}={value}", text, flags=re.M)
             assert n == 1, name
         script = tmp_path / "build_image.sh"
         script.write_text(text)
-        env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "GPUCLUSTER_IMAGE_ROOT": str(root),
-               "GPUCLUSTER_RETRY_BASE_MS": "10", "STANDIN_LOG": str(tmp_path / "calls.jsonl"),
-               "STANDIN_STATE": str(state), "STANDIN_FAIL": json.dumps(list(fail)), "STANDIN_KERNEL": KERNEL,
-               "STANDIN_GPG_FINGERPRINT": p["CWAGENT_KEY_FINGERPRINT"],
-               "STANDIN_KEYS": json.dumps(keys or {f"{p['GRAFANA_REPO']}/gpg.key": [p["GRAFANA_KEY_FINGERPRINT"]]}),
-               "STANDIN_GIT_TAGS": json.dumps({**upstream_tags(), **(tags or {})}),
-               "STANDIN_APPARMOR": "yes" if apparmor else "no"}
         (tmp_path / "calls.jsonl").write_text("")
-        done = subprocess.run(["bash", str(script), role], env=env, capture_output=True, text=True, timeout=60)
+        done = subprocess.run(["bash", str(script), role, str(tmp_path / "bom.json")], env=env, capture_output=True,
+                              text=True, timeout=120)
         calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
-        return Run(done.returncode, done.stderr, calls, root)
+        return Run(done.returncode, done.stderr, calls, root, bill)
 
     return run
 
@@ -205,8 +385,9 @@ def test_shellcheck_is_clean() -> None:
     assert done.returncode == 0, done.stdout
 
 
-def test_manifest_path_is_the_settings_contract() -> None:
+def test_paths_are_the_settings_contract() -> None:
     assert pins()["MANIFEST"] == settings.IMAGE_MANIFEST
+    assert pins()["IMAGE_BOM"] == settings.IMAGE_BOM
     assert pins()["VENV"] == str(Path(settings.IMAGE_MANIFEST).parent / "venv")
 
 
@@ -215,60 +396,78 @@ def test_usage_without_a_role(build: Build) -> None:
     assert run.returncode == 2 and "usage" in run.stderr and run.calls == []
 
 
+def test_slurm_is_configured_for_the_paths_the_nodes_use() -> None:
+    """slurm.conf and plugstack.conf in /etc/slurm (bootstrap.py writes them there), daemons in /usr/sbin, the units
+    Slurm generates in systemd's directory; PMIx from Ubuntu's libpmix-dev, lua for JobSubmitPlugins=lua."""
+    configure = array("SLURM_CONFIGURE")
+    assert {"--prefix=/usr", "--sysconfdir=/etc/slurm", "--with-lua", "--enable-cgroupv2",
+            "--with-systemdsystemunitdir=/usr/lib/systemd/system",
+            f"--with-pmix={pins()['PMIX_DIR']}"} <= set(configure)
+    assert PMIX_LIB.startswith(pins()["PMIX_DIR"] + "/")
+    from gpucluster.node import bootstrap
+    from gpucluster.render import slurm
+
+    assert str(bootstrap.SLURM_ETC) == "/etc/slurm"
+    plugstack = slurm.PLUGSTACK_CONF.split()[-1]
+    assert plugstack == "/usr/local/lib/slurm/spank_pyxis.so" and f"[[ -f $ROOT{plugstack} ]]" in SCRIPT.read_text()
+
+
 # --- head -------------------------------------------------------------------------------------------------------------
 
-def test_head_build_installs_pinned_packages_once_and_writes_the_manifest_last(build: Build) -> None:
+def test_head_build_installs_the_bom_from_the_snapshot_and_writes_the_manifest_last(build: Build) -> None:
     p = pins()
     run = build("head")
     assert run.returncode == 0, run.stderr
+    bom = run.bom
     apt = run.commands("apt-get")
     assert all(c[:2] == ["-o", "DPkg::Lock::Timeout=120"] for c in apt), apt
     assert all(c["debian_frontend"] == "noninteractive" for c in run.calls if c["cmd"][0] == "apt-get")
+    # Every apt call under the BOM's snapshot (APT::Snapshot), which the image does not keep.
+    assert {c["snapshot"] for c in run.calls if c["cmd"][0] in ("apt-get", "apt-cache")} == {
+        f'APT::Snapshot "{bom["ubuntu_snapshot"]}";\n'}
+    assert not (run.root / p["SNAPSHOT_CONF"].lstrip("/")).exists()
+    # Two index refreshes: the second takes from its snapshot a source whose server the first one learnt.
     assert [c for c in apt if "update" in c] == [["-o", "DPkg::Lock::Timeout=120", "-q", "-y", "update",
-                                                 "--error-on=any"]]
-    installs = [c[c.index("install") + 1:] for c in apt if "install" in c]
-    assert installs[0] == ["--no-install-recommends", f"munge={p['MUNGE_VERSION']}",
-                           f"slurmctld={p['SLURM_VERSION']}", f"slurmdbd={p['SLURM_VERSION']}",
-                           f"slurm-client={p['SLURM_VERSION']}", f"mariadb-server={p['MARIADB_VERSION']}",
-                           f"python3-boto3={p['BOTO3_VERSION']}", f"python3-venv={p['PYTHON3_VENV_VERSION']}",
-                           f"python3-yaml={p['PYYAML_VERSION']}", "iptables",  # the lockdown's
-                           f"prometheus={p['PROMETHEUS_VERSION']}",
-                           f"prometheus-alertmanager={p['ALERTMANAGER_VERSION']}",
-                           f"prometheus-node-exporter={p['NODE_EXPORTER_VERSION']}", f"grafana={p['GRAFANA_VERSION']}"]
-    assert installs[1] == ["--no-install-recommends", f"lustre-client-modules-{KERNEL}"]  # no kernel-following meta
+                                                 "--error-on=any"]] * 2
+    installs = run.installs()
+    assert installs[0] == [f"{name}={bom['packages'][name]}" for name in bom["roles"]["head"]["apt"]]
+    assert installs[1] == [f"lustre-client-modules-{KERNEL}"]  # no kernel-following meta package
     assert len(installs) == 2
-    prefs = (run.root / "etc/apt/preferences.d/gpucluster-slurm").read_text()
-    assert prefs == f"Package: src:slurm-wlm\nPin: version {p['SLURM_VERSION']}\nPin-Priority: 1001\n"
+    # Availability of every pin was asked before the install, in one call.
+    madison = [c[1:] for c in run.commands("apt-cache") if c[0] == "madison"]
+    assert madison == [bom["roles"]["head"]["apt"]]
+    assert [c["cmd"][-len(madison[0]):] for c in run.calls if c["cmd"][:2] == ["dpkg-query", "-W"]][0] == madison[0]
     lustre = (run.root / "etc/apt/sources.list.d/fsxlustreclientrepo.list").read_text()
     assert lustre == (f"deb [signed-by=/usr/share/keyrings/fsx-ubuntu-public-key.gpg] {p['LUSTRE_REPO']} noble main\n")
-    # Grafana's repository, signed by the pinned key, known to apt before its one index refresh; Grafana kept pinned.
+    # Grafana's repository, signed by the pinned key, known to apt before its index refreshes; Grafana kept pinned.
     grafana_key = f"{p['GRAFANA_REPO']}/gpg.key"
-    assert [c[-1] for c in run.commands("curl")] == [p["LUSTRE_KEY_URL"], grafana_key]
-    assert p["GRAFANA_REPO"] == "https://apt.grafana.com" and re.fullmatch(r"11\.6\.\d+", p["GRAFANA_VERSION"])
+    assert p["GRAFANA_REPO"] == "https://apt.grafana.com"
     grafana = (run.root / "etc/apt/sources.list.d/grafana.list").read_text()
     assert grafana == f"deb [signed-by=/usr/share/keyrings/grafana.gpg] {p['GRAFANA_REPO']} stable main\n"
-    assert (run.root / "usr/share/keyrings/grafana.gpg").read_text() == f"stand-in download of {grafana_key}\n"
+    assert (run.root / "usr/share/keyrings/grafana.gpg").read_bytes() == served(grafana_key)
     prefs = (run.root / "etc/apt/preferences.d/gpucluster-grafana").read_text()
-    assert prefs == f"Package: grafana\nPin: version {p['GRAFANA_VERSION']}\nPin-Priority: 1001\n"
+    assert prefs == f"Package: grafana\nPin: version {bom['packages']['grafana']}\nPin-Priority: 1001\n"
     order = [c["cmd"] for c in run.calls if c["cmd"][0] in ("gpg", "apt-get")]
     checked, updated = (next(i for i, c in enumerate(order) if word in c) for word in ("--show-keys", "update"))
     assert checked < updated
+    # The venv: pip from the BOM's wheel, then exactly the BOM's distributions, each by its hashes, nothing else.
+    (bootstrap,) = run.commands("pip-wheel")
+    assert bootstrap[0] == "install" and "--no-index" in bootstrap
+    assert bootstrap[-1].endswith("/pip-25.0-py3-none-any.whl")
     (pip,) = [c for c in run.calls if c["cmd"][0] == "pip"]
-    # The SDK's epoch (its PyPI versions start at 1769699379!) reaches pip whole; it depends on nothing to constrain.
-    assert pip["cmd"][-2:] == [f"pydantic=={p['PYDANTIC_VERSION']}", "grafana-foundation-sdk==1769699379!11.6.0"]
-    assert "--only-binary=:all:" in pip["cmd"]
-    assert all(re.fullmatch(r"[a-z0-9-]+==[0-9][\w.]*", c) for c in pip["constraints"]), pip["constraints"]
+    assert {"--require-hashes", "--no-deps", "--only-binary=:all:"} <= set(pip["cmd"])
+    assert pip["requirements"] == [f"{n}=={bom['packages'][n]} --hash={bom['pip_hashes'][n][0]}"
+                                   for n in bom["roles"]["head"]["pip"]]
     assert run.commands("systemctl") == [["disable", "--now", "munge", "slurmctld", "slurmdbd", "mariadb", "prometheus",
                                           "prometheus-alertmanager", "prometheus-node-exporter", "grafana-server"]]
     assert not any(c["manifest_existed"] for c in run.calls)
     manifest = json.loads(run.manifest.read_text())
     assert manifest["role"] == "head" and manifest["kernel"] == KERNEL and manifest["built_at"].endswith("Z")
-    assert manifest["versions"]["slurm"] == p["SLURM_VERSION"]
-    assert manifest["versions"]["pydantic"] == p["PYDANTIC_VERSION"]
-    for name, pin in (("prometheus", "PROMETHEUS_VERSION"), ("alertmanager", "ALERTMANAGER_VERSION"),
-                      ("node_exporter", "NODE_EXPORTER_VERSION"), ("grafana", "GRAFANA_VERSION"),
-                      ("grafana_foundation_sdk", "GRAFANA_SDK_VERSION")):
-        assert manifest["versions"][name] == p[pin], name
+    bom_file = run.root / settings.IMAGE_BOM.lstrip("/")
+    assert json.loads(bom_file.read_text()) == bom  # the image carries its BOM, and the manifest its digest
+    assert manifest["bom_sha256"] == sha256(bom_file.read_bytes())
+    assert manifest["versions"]["slurm"] == bom["slurm_version"] == bom_spec.SLURM_VERSION
+    assert manifest["versions"]["lustre_client_modules"] == "2.15.6-1fsx1"
 
 
 @pytest.mark.parametrize("fingerprints", [["0" * 40], [], ["B53AE77BADB630A683046005963FA27710458545", "1" * 40]],
@@ -286,13 +485,13 @@ def test_grafana_repository_with_any_key_but_the_pinned_one_is_not_added(build: 
 def test_a_step_that_fails_twice_is_retried_with_doubling_waits(build: Build) -> None:
     run = build("head", fail=[("apt-get -o DPkg::Lock::Timeout=120 -q -y update", 2)])
     assert run.returncode == 0, run.stderr
-    assert sum("update" in c for c in run.commands("apt-get")) == 3
+    assert sum("update" in c for c in run.commands("apt-get")) == 4  # the first refresh twice more
     assert re.findall(r"attempt (\d) of 5 failed, next in ([\d.]+)s", run.stderr) == [("1", "0.010"), ("2", "0.020")]
     assert run.manifest.exists()
 
 
 def test_a_step_that_keeps_failing_stops_the_build_without_a_manifest(build: Build) -> None:
-    run = build("head", fail=[("lustre-client-modules-", 99)])
+    run = build("head", fail=[("--no-install-recommends lustre-client-modules-", 99)])
     assert run.returncode != 0
     assert sum(f"lustre-client-modules-{KERNEL}" in c for c in run.commands("apt-get")) == 5
     waits = re.findall(r"next in ([\d.]+)s: apt_get install --no-install-recommends lustre", run.stderr)
@@ -301,42 +500,222 @@ def test_a_step_that_keeps_failing_stops_the_build_without_a_manifest(build: Bui
     assert not run.manifest.exists() and not run.commands("systemctl")
 
 
-def test_an_old_manifest_does_not_survive_a_failed_rebuild(build: Build, tmp_path: Path) -> None:
+def test_an_old_manifest_does_not_survive_a_failed_rebuild(build: Build) -> None:
     assert build("head").manifest.exists()
     run = build("head", fail=[("mariadb-server", 99)])
     assert run.returncode != 0 and not run.manifest.exists()
 
 
-# --- compute ----------------------------------------------------------------------------------------------------------
+# --- the bill of materials, and what got installed against it ---------------------------------------------------------
+
+def test_a_version_apt_does_not_list_fails_naming_it_before_anything_is_installed(build: Build) -> None:
+    run = build("compute", archive={"munge": ["0.5.15-4ubuntu0.2"], "libpmix-dev": []})
+    assert run.returncode != 0 and not run.manifest.exists()
+    (failed,) = [line for line in run.stderr.splitlines() if "FAILED" in line]
+    assert f"not in Ubuntu's snapshot {run.bom['ubuntu_snapshot']}" in failed
+    assert failed.endswith(f"munge={APT['munge']} libpmix-dev={APT['libpmix-dev']}")
+    assert not run.installs()
+
+
+@pytest.mark.parametrize("drift", [{"munge": "0.5.16-1"}, {"iptables": "1.8.10-3ubuntu2+local"}, {"make": ""}])
+def test_an_installed_version_other_than_the_boms_fails_naming_the_package(build: Build, drift: dict[str, str]) -> None:
+    ((name, got),) = drift.items()
+    run = build("compute", drift=drift)
+    got = got or "not installed"
+    assert run.returncode != 0 and not run.manifest.exists()
+    assert f"installed packages differ from the bill of materials: {name} {got} (the BOM: {APT[name]})" in run.stderr
+    assert not run.commands("make")  # nothing built on it
+
+
+def test_a_package_a_later_step_moves_fails_the_build_before_the_manifest(build: Build) -> None:
+    run = build("head", late_drift={"python3-yaml": "6.0.2-1"})
+    assert run.returncode != 0 and not run.manifest.exists()
+    assert f"python3-yaml 6.0.2-1 (the BOM: {APT['python3-yaml']})" in run.stderr
+
+
+@pytest.mark.parametrize("drift, named", [({"sympy": "1.15.0"}, "sympy 1.15.0 (the BOM: 1.14.0)"),
+                                          ({"extra": ["networkx==3.6.1"]}, "networkx 3.6.1 (not in the BOM)")],
+                         ids=["another version", "one the BOM does not list"])
+def test_a_venv_other_than_the_boms_fails_naming_the_distribution(build: Build, drift: dict[str, Any],
+                                                                   named: str) -> None:
+    run = build("compute", pip_drift=drift)
+    assert run.returncode != 0 and named in run.stderr and not run.manifest.exists()
+
+
+def test_every_problem_of_the_bom_at_once(build: Build) -> None:
+    def broken(bom: dict[str, Any]) -> None:
+        bom["ubuntu_snapshot"] = "2025-06-01"
+        bom["roles"]["compute"]["apt"].append("nccl-tests")
+        del bom["pip_hashes"]["torch"]
+        bom["sources"]["pyxis"]["sha256"] = "0"
+
+    run = build("compute", bom=broken)
+    assert run.returncode != 0 and not run.calls
+    for problem in ("ubuntu_snapshot: '2025-06-01' is not YYYYMMDDTHHMMSSZ", "roles.compute: nccl-tests is not in "
+                    "packages", "pip_hashes: no sha256 hash for torch", "sources.pyxis: no url and sha256"):
+        assert problem in run.stderr, problem
+
+
+def test_a_missing_bom_stops_the_build_before_anything(build: Build, tmp_path: Path) -> None:
+    run = build("head", steps="snapshot")
+    assert run.returncode == 0  # the file given is read
+    done = subprocess.run(["bash", str(SCRIPT), "head", str(tmp_path / "absent.json")], capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "GPUCLUSTER_IMAGE_ROOT": str(tmp_path / "root")})
+    assert done.returncode != 0 and f"no bill of materials at {tmp_path / 'absent.json'}" in done.stderr
+
+
+@pytest.mark.parametrize("name", ["slurm", "pyxis", "enroot+caps", "pip"])
+def test_a_source_that_is_not_what_the_bom_pins_stops_the_build(build: Build, name: str) -> None:
+    url = PIP_URL if name == "pip" else SOURCE_URLS[name]
+    run = build("compute", downloads={url: b"another release\n"})
+    assert run.returncode != 0 and not run.manifest.exists()
+    assert f"{name} from {url} has sha256 {sha256(b'another release' + bytes([10]))}, not " in run.stderr
+
+
+def test_the_step_seam_runs_only_named_steps_and_never_the_manifest(build: Build) -> None:
+    run = build("compute", steps="snapshot apt_packages")
+    assert run.returncode == 0, run.stderr
+    assert run.installs() == [[f"{n}={APT[n]}" for n in run.bom["roles"]["compute"]["apt"]]]
+    assert not run.manifest.exists() and not run.commands("make") and not run.commands("curl")
+    for steps in ("snapshot manifest", "snapshot rm"):
+        run = build("compute", steps=steps)
+        assert run.returncode != 0 and "is not a step of this script" in run.stderr and not run.calls
+
+
+# --- Slurm, pyxis, enroot ---------------------------------------------------------------------------------------------
+
+def test_slurm_is_built_from_the_boms_source_the_same_on_head_and_compute(build: Build) -> None:
+    def built(role: str) -> tuple[list[list[str]], list[list[str]]]:
+        run = build(role)
+        assert run.returncode == 0, run.stderr
+        assert SOURCE_URLS["slurm"] in [c[-1] for c in run.commands("curl")]
+        configure = [c for c in run.calls if c["cmd"][0] == "configure"]
+        assert [Path(c["cwd"]).name for c in configure] == ["slurm"]
+        makes = [c[2:] for c in run.commands("make") if c[1].endswith("/slurm")]
+        assert makes[-1] == ["install", f"DESTDIR={run.root}"]
+        assert run.commands("slurmd") == [["-V"]]  # the installed daemon says its version
+        return [c["cmd"][1:] for c in configure], makes[:-1]
+
+    head, compute = built("head"), built("compute")
+    assert head == compute and head[0] == [array("SLURM_CONFIGURE")]
+
+
+def test_the_built_slurm_must_say_the_boms_version(build: Build) -> None:
+    run = build("compute", slurm_built="24.11.4")
+    assert run.returncode != 0 and not run.manifest.exists()
+    assert f"the built Slurm says 'slurm 24.11.4', the BOM slurm {bom_spec.SLURM_VERSION}" in run.stderr
+
+
+@pytest.mark.parametrize("role, plugin", [("compute", "mpi_pmix.so"), ("compute", "job_submit_lua.so"),
+                                          ("head", "auth_munge.so"),
+                                          ("head", "job_submit_lua.so"), ("compute", "cgroup_v2.so"),
+                                          ("head", "accounting_storage_mysql.so")])
+def test_slurm_without_a_plugin_the_cluster_uses_stops_the_build(build: Build, role: str, plugin: str) -> None:
+    run = build(role, slurm_without=[plugin])
+    assert run.returncode != 0 and f"Slurm was built without {plugin}" in run.stderr and not run.manifest.exists()
+
+
+def test_compute_slurm_needs_no_mysql_plugin(build: Build) -> None:
+    assert build("compute", slurm_without=["accounting_storage_mysql.so"]).returncode == 0
+
+
+def test_slurm_needs_pmix_from_the_boms_apt_list(build: Build) -> None:
+    def without_pmix(bom: dict[str, Any]) -> None:
+        bom["roles"]["compute"]["apt"].remove("libpmix-dev")
+
+    run = build("compute", bom=without_pmix)
+    assert run.returncode != 0 and f"no {PMIX_LIB}" in run.stderr and not run.commands("make")
+
+
+def test_the_slurm_user_has_one_uid_on_every_image(build: Build) -> None:
+    run = build("compute")
+    uid = pins()["SLURM_UID"]
+    assert run.commands("groupadd") == [["--system", "--gid", uid, "slurm"]]
+    (useradd,) = run.commands("useradd")
+    assert useradd[useradd.index("--uid") + 1] == uid and useradd[-1] == "slurm"
+    assert build("compute", slurm_uid=uid).returncode == 0  # the parent's own, when it is that one
+    run = build("compute", slurm_uid="999")
+    assert run.returncode != 0 and f"the parent image's slurm user has uid 999, not {uid}" in run.stderr
+
+
+@pytest.mark.parametrize("role", ["head", "compute"])
+def test_pyxis_is_built_against_the_slurm_just_installed_on_both_roles(build: Build, role: str) -> None:
+    run = build(role)
+    assert run.returncode == 0, run.stderr
+    makes = [c for c in run.commands("make") if c[1].endswith("/pyxis")]
+    assert makes == [["-C", makes[0][1], "install", f"DESTDIR={run.root}"]]
+    order = [c["cmd"][2] for c in run.calls if c["cmd"][0] == "make" and "install" in c["cmd"]]
+    assert [Path(d).name for d in order] == ["slurm", "pyxis"]
+    assert (run.root / "usr/local/lib/slurm/spank_pyxis.so").is_file()
+    assert run.bom["sources"]["pyxis"]["url"] in [c[-1] for c in run.commands("curl")]
+
+
+def test_enroot_is_the_boms_release_packages_with_its_apparmor_profile(build: Build) -> None:
+    run = build("compute")
+    assert run.returncode == 0, run.stderr
+    (debs,) = [i for i in run.installs() if any(a.endswith(".deb") and "enroot" in a for a in i)]
+    assert [Path(a).name for a in debs] == ["enroot.deb", "enroot+caps.deb"]
+    assert (run.root / "etc/apparmor.d/enroot").is_file()
+    assert run.commands("apparmor_parser") == [["-r", "-T", "-W", f"{run.root}/etc/apparmor.d/enroot"]]
+    assert "enroot" not in [c[-1] for c in build("head").commands("curl")]
+
+
+def test_enroot_profile_is_installed_but_not_loaded_without_apparmor(build: Build) -> None:
+    run = build("compute", apparmor=False)
+    assert run.returncode == 0, run.stderr
+    assert (run.root / "etc/apparmor.d/enroot").is_file() and not run.commands("apparmor_parser")
+
+
+def test_enroot_without_an_apparmor_profile_stops_the_build(build: Build) -> None:
+    run = build("compute", enroot_profile=False)
+    assert run.returncode != 0 and "enroot brought no AppArmor profile" in run.stderr and not run.manifest.exists()
+
+
+# --- Lustre and the kernel ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("role", ["head", "compute"])
+def test_the_kernel_meta_packages_are_held_after_the_lustre_module(build: Build, role: str) -> None:
+    run = build(role)
+    assert run.returncode == 0, run.stderr
+    assert run.commands("apt-mark") == [["hold", "linux-aws", "linux-image-aws", "linux-headers-aws"]]
+    order = [c["cmd"] for c in run.calls if c["cmd"][0] in ("apt-get", "apt-mark")]
+    held = next(i for i, c in enumerate(order) if c[0] == "apt-mark")
+    assert order[held - 1][-1] == f"lustre-client-modules-{KERNEL}"  # right after the module, in the same build
+    assert build(role, kernel_packages={"linux-base": "linux-base"}).commands("apt-mark") == []
+
+
+@pytest.mark.parametrize("role", ["head", "compute"])
+def test_a_kernel_without_a_lustre_module_stops_the_build_naming_it(build: Build, role: str) -> None:
+    run = build(role, archive={f"lustre-client-modules-{KERNEL}": None})
+    assert run.returncode != 0 and not run.manifest.exists()
+    assert f"no lustre-client-modules-{KERNEL}: no Lustre client for kernel {KERNEL}" in run.stderr
+    assert not any("lustre-client-modules" in a for i in run.installs() for a in i) and not run.commands("apt-mark")
+
+
+def test_a_pinned_lustre_module_is_installed_at_its_pin(build: Build) -> None:
+    def pin(bom: dict[str, Any]) -> None:
+        bom["packages"][f"lustre-client-modules-{KERNEL}"] = "2.15.6-1fsx1"
+
+    run = build("compute", bom=pin)
+    assert run.returncode == 0, run.stderr
+    assert [f"lustre-client-modules-{KERNEL}=2.15.6-1fsx1"] in run.installs()
+
+
+# --- NVIDIA: DCGM's host engine, NCCL's EFA plugin, dcgm-exporter --------------------------------------------------
 
 def test_compute_build_fetches_only_pinned_and_verified_artifacts(build: Build) -> None:
     p = pins()
     run = build("compute")
     assert run.returncode == 0, run.stderr
     cw = f"{p['CWAGENT_URL']}/ubuntu/amd64/{p['CWAGENT_VERSION']}/amazon-cloudwatch-agent.deb"
+    sources = run.bom["sources"]
     assert [c[-1] for c in run.commands("curl")] == [
-        p["LUSTRE_KEY_URL"], f"{p['CWAGENT_URL']}/assets/amazon-cloudwatch-agent.gpg", cw, f"{cw}.sig"]
-    installs = [c[c.index("install") + 1:] for c in run.commands("apt-get") if "install" in c]
-    assert installs[0] == ["--no-install-recommends", f"munge={p['MUNGE_VERSION']}", f"slurmd={p['SLURM_VERSION']}",
-                           f"slurm-client={p['SLURM_VERSION']}", f"libslurm-dev={p['SLURM_VERSION']}",
-                           f"python3-boto3={p['BOTO3_VERSION']}", f"python3-venv={p['PYTHON3_VENV_VERSION']}",
-                           "iptables", f"prometheus-node-exporter={p['NODE_EXPORTER_VERSION']}"]
-    assert installs[1][1:] == [f"lustre-client-modules-{KERNEL}"]
-    assert sum("update" in c for c in run.commands("apt-get")) == 1
-    assert installs[2][1:] == ["git", "gcc", "make", "libcap2-bin", "patch",  # enroot's build and run time
-                               "curl", "gawk", "jq", "parallel", "squashfs-tools", "zstd", "bsdmainutils"]
-    assert [Path(a).name for a in installs[3][1:]] == ["amazon-cloudwatch-agent.deb"]
-    assert len(installs) == 4
-    pyxis = next(c for c in run.commands("git") if "clone" in c and p["PYXIS_REPO"] in c)
-    assert pyxis[pyxis.index("--branch") + 1] == p["PYXIS_TAG"]
-    pyxis_make = [c for c in run.commands("make") if c[1] == pyxis[-1]]
-    assert pyxis_make == [["-C", pyxis[-1], "install", f"DESTDIR={run.root}"]]
-    gpg = run.commands("gpg")
-    assert any("--verify" in c for c in gpg)
-    (pip,) = [c for c in run.calls if c["cmd"][0] == "pip"]
-    assert pip["cmd"][-1] == f"torch=={p['TORCH_VERSION']}"
+        p["LUSTRE_KEY_URL"], sources["slurm"]["url"], sources["pyxis"]["url"], sources["enroot"]["url"],
+        sources["enroot+caps"]["url"], f"{p['CWAGENT_URL']}/assets/amazon-cloudwatch-agent.gpg", cw, f"{cw}.sig",
+        PIP_URL]
+    assert any("--verify" in c for c in run.commands("gpg"))
     assert os.readlink(run.root / "usr/local/bin/torchrun") == f"{p['VENV']}/bin/torchrun"
-    assert run.commands("systemctl") == [["disable", "--now", "munge", "slurmd", "prometheus-node-exporter"]]
+    assert run.commands("systemctl")[-1] == ["disable", "--now", "munge", "slurmd", "prometheus-node-exporter"]
     assert not any(c["manifest_existed"] for c in run.calls)
     # dcgm-exporter's image by its digest (a tag can move), pulled at the build: the boot needs no registry.
     dcgm_exporter = f"{p['DCGM_EXPORTER_IMAGE']}@{p['DCGM_EXPORTER_DIGEST']}"
@@ -346,90 +725,43 @@ def test_compute_build_fetches_only_pinned_and_verified_artifacts(build: Build) 
     assert run.commands("docker") == [["pull", "-q", dcgm_exporter],
                                       ["tag", dcgm_exporter, "gpucluster/dcgm-exporter:image"]]
     manifest = json.loads(run.manifest.read_text())
-    assert manifest["versions"]["dcgm_exporter"] == dcgm_exporter
-    assert manifest["versions"]["node_exporter"] == p["NODE_EXPORTER_VERSION"]
-    assert manifest["versions"]["neuron_monitor"] == "none (no Neuron tools)"
     assert manifest["role"] == "compute"
-    assert manifest["versions"]["slurm"] == p["SLURM_VERSION"]
-    assert manifest["versions"]["dcgm"] == "from the parent image"
-    assert manifest["versions"]["enroot"] == f"{p['ENROOT_VERSION']} {p['ENROOT_COMMIT']}"
-    assert manifest["versions"]["pyxis"] == f"{p['PYXIS_TAG']} {p['PYXIS_COMMIT']}"
+    versions = manifest["versions"]
+    assert versions["dcgm_exporter"] == dcgm_exporter and versions["neuron_monitor"] == "none (no Neuron tools)"
+    assert versions["slurm"] == bom_spec.SLURM_VERSION and versions["dcgm"] == "from the parent image"
+    assert versions["pyxis"] == sources["pyxis"]["version"] and versions["enroot"] == sources["enroot"]["version"]
+    assert versions["cloudwatch_agent"] == p["CWAGENT_VERSION"]
 
 
-def test_same_slurm_version_on_head_and_compute(build: Build) -> None:
-    def slurm_pins(run: Run) -> set[str]:
-        return {a.split("=", 1)[1] for c in run.commands("apt-get") for a in c if re.match(r"slurm|libslurm", a)}
-
-    assert slurm_pins(build("head")) == slurm_pins(build("compute")) == {pins()["SLURM_VERSION"]}
-
-
-def test_enroot_pin_is_a_release_tag_and_a_full_commit() -> None:
-    p = pins()
-    assert p["ENROOT_REPO"] == "https://github.com/NVIDIA/enroot.git"
-    assert p["ENROOT_TAG"] == f"v{p['ENROOT_VERSION']}" and re.fullmatch(r"[0-9a-f]{40}", p["ENROOT_COMMIT"])
-
-
-def test_enroot_is_built_from_the_pinned_commit_with_its_submodules(build: Build) -> None:
-    p = pins()
+def test_dcgm_host_engine_is_enabled_when_the_parent_has_it(build: Build) -> None:
     run = build("compute")
     assert run.returncode == 0, run.stderr
-    git = run.commands("git")
-    clone = next(c for c in git if "clone" in c and p["ENROOT_REPO"] in c)
-    src = clone[-1]
-    # The tag's tree pins the submodules; they come whole (no shallow fetch of a commit by id from musl's server).
-    assert clone[clone.index("--branch") + 1] == p["ENROOT_TAG"] and "--recurse-submodules" in clone
-    assert not any(a.startswith("--shallow-submodules") for a in clone)
-    make = [(c["cmd"][1:], c["cppflags"]) for c in run.calls if c["cmd"][:3] == ["make", "-C", src]]
-    layout = ["prefix=/usr", "sysconfdir=/etc"]  # the .deb's: /usr/bin, /usr/lib/enroot, /etc/enroot
-    assert make == [(["-C", src, *layout, "all"], ENROOT_CPPFLAGS),  # built without DESTDIR, so none is written in
-                    (["-C", src, *layout, "install", f"DESTDIR={run.root}"], ENROOT_CPPFLAGS),
-                    (["-C", src, *layout, "setcap", f"DESTDIR={run.root}"], ENROOT_CPPFLAGS)]
-    # HEAD is checked after the clone and before the first make.
-    order = [c["cmd"] for c in run.calls if c["cmd"][0] in ("git", "make") and src in c["cmd"]]
-    assert order[:3] == [["git", *clone], ["git", "-C", src, "rev-parse", "HEAD"], ["make", *make[0][0]]]
-    # Where bootstrap.py adds its enroot.conf.d, and the AppArmor profile the .deb installed and loaded.
-    assert (run.root / "etc/enroot/enroot.conf").is_file() and os.access(run.root / "usr/bin/enroot", os.X_OK)
-    assert (run.root / "etc/apparmor.d/enroot").is_file()
-    assert run.commands("apparmor_parser") == [["-r", "-T", "-W", f"{run.root}/etc/apparmor.d/enroot"]]
-
-
-def test_enroot_profile_is_installed_but_not_loaded_without_apparmor(build: Build) -> None:
-    run = build("compute", apparmor=False)
+    systemctl = run.commands("systemctl")
+    assert systemctl[:2] == [["cat", "nvidia-dcgm.service"], ["enable", "--now", "nvidia-dcgm.service"]]
+    assert json.loads(run.manifest.read_text())["versions"]["dcgm_engine"] == "enabled"
+    run = build("compute", dcgm_unit=False)
     assert run.returncode == 0, run.stderr
-    assert (run.root / "etc/apparmor.d/enroot").is_file() and not run.commands("apparmor_parser")
+    assert ["enable", "--now", "nvidia-dcgm.service"] not in run.commands("systemctl")
+    assert json.loads(run.manifest.read_text())["versions"]["dcgm_engine"] == "none"
 
 
-def _stopped_at_enroot(run: Run) -> None:
-    assert run.returncode != 0 and not run.manifest.exists()
-    assert not run.commands("make") and not (run.root / "usr/bin/enroot").exists()
-    assert not any("clone" in c and pins()["PYXIS_REPO"] in c for c in run.commands("git"))
-    assert not run.commands("pip") and not run.commands("systemctl")
-
-
-def test_enroot_tag_that_names_another_commit_stops_the_build(build: Build) -> None:
-    p = pins()
-    run = build("compute", tags={f"{p['ENROOT_REPO']} {p['ENROOT_TAG']}": "1" * 40})
-    _stopped_at_enroot(run)
-    assert f"enroot {p['ENROOT_TAG']} is not {p['ENROOT_COMMIT']}" in run.stderr
-
-
-def test_enroot_commit_pin_is_what_head_is_checked_against(build: Build) -> None:
-    _stopped_at_enroot(build("compute", edits={"ENROOT_COMMIT": "0" * 40}))
-
-
-def test_enroot_clone_is_retried_and_a_missing_tag_stops_the_build(build: Build) -> None:
-    run = build("compute", fail=[("--recurse-submodules", 2)])
+@pytest.mark.parametrize("directory", ["/opt/amazon/ofi-nccl/lib/x86_64-linux-gnu", "/opt/amazon/ofi-nccl/lib"])
+def test_nccls_efa_plugin_is_on_the_loaders_path(build: Build, directory: str) -> None:
+    run = build("compute", nccl_dir=directory)
     assert run.returncode == 0, run.stderr
-    assert sum("--recurse-submodules" in c for c in run.commands("git")) == 3
-    run = build("compute", edits={"ENROOT_TAG": "v0.0.0-not-upstream"})
-    _stopped_at_enroot(run)
-    assert "giving up after 5 attempts" in run.stderr
+    conf = run.root / pins()["OFI_NCCL_CONF"].lstrip("/")
+    assert conf.parent.as_posix().endswith("/etc/ld.so.conf.d") and conf.read_text() == f"{directory}\n"
+    assert run.commands("ldconfig")  # the cache rebuilt after
+    assert json.loads(run.manifest.read_text())["versions"]["nccl_net_plugin"] == directory
 
 
-def test_pyxis_at_another_commit_stops_the_build(build: Build) -> None:
-    run = build("compute", edits={"PYXIS_COMMIT": "0" * 40})
-    assert run.returncode != 0 and not run.manifest.exists()
-    assert not any(c[1].endswith("/pyxis") for c in run.commands("make"))
+def test_an_nvidia_image_without_nccls_efa_plugin_fails(build: Build) -> None:
+    run = build("compute", nccl_dir=None)
+    assert run.returncode != 0 and "the parent image lacks aws-ofi-nccl" in run.stderr and not run.manifest.exists()
+    run = build("compute", gpu_tools=(), neuron_tools=("neuron-monitor", "neuron-monitor-prometheus.py"),
+                nccl_dir=None)
+    assert run.returncode == 0, run.stderr  # a Trainium image has no NCCL
+    assert not (run.root / pins()["OFI_NCCL_CONF"].lstrip("/")).exists()
 
 
 def test_cloudwatch_agent_with_another_signing_key_is_not_installed(build: Build) -> None:
@@ -443,6 +775,7 @@ def test_cloudwatch_agent_already_in_the_image_is_kept(build: Build) -> None:
     run = build("compute", agent_present=True)
     assert run.returncode == 0, run.stderr
     assert not any("amazoncloudwatch-agent" in c[-1] for c in run.commands("curl"))
+    assert json.loads(run.manifest.read_text())["versions"]["cloudwatch_agent"] == "from the parent image"
 
 
 def test_nvidia_image_without_dcgm_fails_and_neuron_image_needs_none(build: Build) -> None:
@@ -453,7 +786,7 @@ def test_nvidia_image_without_dcgm_fails_and_neuron_image_needs_none(build: Buil
     versions = json.loads(run.manifest.read_text())["versions"]
     assert versions["dcgm"] == "none (no NVIDIA driver)" and versions["dcgm_exporter"] == "none"
     assert versions["neuron_monitor"] == "from the parent image"
-    assert not run.commands("docker")
+    assert not run.commands("docker") and ["cat", "nvidia-dcgm.service"] not in run.commands("systemctl")
 
 
 @pytest.mark.parametrize("missing", ["docker", "nvidia-ctk"])
@@ -477,7 +810,8 @@ def test_dcgm_exporter_pull_is_retried_and_its_failure_stops_the_build(build: Bu
     assert run.returncode == 0, run.stderr
     assert [c[0] for c in run.commands("docker")] == ["pull", "pull", "pull", "tag"]
     run = build("compute", fail=[("docker pull", 99)])
-    assert run.returncode != 0 and not run.manifest.exists() and not run.commands("systemctl")
+    assert run.returncode != 0 and not run.manifest.exists()
+    assert not [c for c in run.commands("systemctl") if c[0] == "disable"]
 
 
 # --- the NodeImage component under the mock runtime ---------------------------------------------------------------
@@ -527,7 +861,7 @@ def test_recipe_parent_image_and_encrypted_root(shipped: tuple[Stack, tuple[Decl
         (recipe,) = _children(declared, image, "imageRecipe:ImageRecipe")
         # The parent release the stack names, looked up by exact name and owner in the stack's region: an AMI id,
         # never the floating `ssm:` parameter of the newest release.
-        parent = stack.spec.image.parent_images.parent(bom.parent_role(key.partition("-")[2] or None))
+        parent = stack.spec.image.parent_images.parent(bom_spec.parent_role(key.partition("-")[2] or None))
         assert recipe.inputs["parentImage"] == planned_ami_id(f"{stack.region}/{parent.owner}/{parent.name}")
         assert re.fullmatch(r"ami-[0-9a-f]{17}", recipe.inputs["parentImage"])
         assert parent.name in recipe.inputs["description"]
@@ -571,7 +905,7 @@ def test_build_instance_private_imdsv2_and_least_privilege(shipped: tuple[Stack,
         assert ami["name"] == f"{image.name}-{{{{ imagebuilder:buildDate }}}}"
         assert ami["amiTags"]["gpucluster:cluster"] == stack.cluster_name
         # The image says which bill of materials made it: sha256 of bom.json's bytes as `render` writes them.
-        assert ami["amiTags"]["gpucluster:bom"] == hashlib.sha256(bom.render(stack).encode()).hexdigest()
+        assert ami["amiTags"]["gpucluster:bom"] == hashlib.sha256(bom_spec.render(stack).encode()).hexdigest()
 
 
 def test_component_documents_carry_exactly_the_bom_and_the_build_script(
@@ -606,7 +940,7 @@ def test_component_documents_carry_exactly_the_bom_and_the_build_script(
             if i == len(components) - 1:
                 assert (target / "bom.json").exists()  # written before the script runs
         assert (target / "build_image.sh").read_bytes() == SCRIPT.read_bytes()
-        assert (target / "bom.json").read_text() == bom.render(stack)
+        assert (target / "bom.json").read_text() == bom_spec.render(stack)
 
 
 def test_a_script_over_the_inline_limit_is_split_between_lines() -> None:

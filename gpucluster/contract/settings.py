@@ -42,7 +42,9 @@ NODE_NAME_FILE = f"{ETC_DIR}/node-name"  # a compute instance's Slurm node name,
 SLURM_CLIENT_CONF = f"{ETC_DIR}/slurm-client.conf"  # enough for scontrol to reach the controller before slurmd runs
 NCCL_ENV_FILE = f"{ETC_DIR}/nccl.env"  # a compute node's NCCL/EFA settings (NAME=value), for every job step
 IMAGE_MANIFEST = "/opt/gpucluster-image/manifest.json"  # written last by build_image.sh: the image is complete
-IMAGE_BOM = "/opt/gpucluster-image/bom.json"  # the stack's bill of materials, which build_image.sh installs
+# The bill of materials build_image.sh installs (gpucluster/spec/bom.py, rendered as image/bom.json): the image
+# component writes it here before the build runs, and the image keeps it beside the manifest.
+IMAGE_BOM = "/opt/gpucluster-image/bom.json"
 BOOT_UNIT = "gpucluster-boot.service"
 # The head's units that may launch or keep nodes, besides slurmctld: stopped first when the cluster is torn down.
 RECONCILE_UNIT = "gpucluster-reconcile"  # a service and its timer

@@ -676,9 +676,11 @@ def gpu_exporter(s: ClusterSettings, pool: PoolSettings, node: str, address: str
     else:
         neuron = "/opt/aws/neuron/bin"
         body = [f'ExecStart=/bin/sh -c "{neuron}/neuron-monitor | {neuron}/neuron-monitor-prometheus.py --port {port}"']
+    # dcgm-exporter reads the host engine: started with it (Wants=), not only after it when something else starts it.
+    nvidia = pool.accelerator == "nvidia"
     (systemd / "gpucluster-gpu-exporter.service").write_text(unit(
         f"gpucluster: {pool.accelerator} metrics for Prometheus", "Service", body + ["Restart=always", "RestartSec=10"],
-        ordered_after="docker.service nvidia-dcgm.service"))
+        after="nvidia-dcgm.service" if nvidia else "", ordered_after="docker.service" if nvidia else ""))
     return "gpucluster-gpu-exporter.service"
 
 

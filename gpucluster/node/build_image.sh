@@ -1,72 +1,23 @@
 #!/usr/bin/env bash
-# build_image.sh ROLE (head | compute): install what a gpucluster node of ROLE runs, at pinned versions, and write
-# the image manifest as the very last step. The one build script: EC2 Image Builder runs it while baking the node
-# image (components/image.py), and a node booted on a stock AMI runs it first (bootstrap.py, when the manifest is
-# missing). Exit 0: the manifest lists what was installed. Any other exit: there is no manifest.
+# build_image.sh ROLE [BOM] (ROLE: head | compute): install exactly what the bill of materials lists for a node of ROLE,
+# fail naming the package if what got installed differs from it, and write the image manifest as the very last step.
+# BOM: the bom.json `gpucluster render` writes (gpucluster/spec/bom.py); by default where the image component puts it
+# (IMAGE_BOM). The one build script: EC2 Image Builder runs it while baking the node image (components/image.py), and a
+# node booted on a stock AMI runs it first (bootstrap.py, when the manifest is missing). Exit 0: the manifest lists
+# what was installed. Any other exit: there is no manifest.
 set -euo pipefail
 
-# --- pinned versions -------------------------------------------------------------------------------------------------
-# Ubuntu 24.04 (noble) amd64 archive, as packages.ubuntu.com listed them when pinned (slurm-wlm, python-boto3 and
-# pyyaml have nothing beyond the release pocket). Ubuntu drops a superseded version from its index: the install
-# then fails here, and the variable takes the new version.
-SLURM_VERSION=23.11.4-1.2ubuntu5             # src:slurm-wlm, noble/universe: one version on head and compute
-MUNGE_VERSION=0.5.15-4ubuntu0.1              # noble-security
-MARIADB_VERSION=1:10.11.14-0ubuntu0.24.04.1  # noble-updates
-BOTO3_VERSION=1.34.46+dfsg-1ubuntu1
-PYTHON3_VENV_VERSION=3.12.3-0ubuntu2.1       # noble-updates; depends on exactly this python3
-PYYAML_VERSION=6.0.1-2build2
-ENROOT_VERSION=3.5.0
-ENROOT_TAG=v$ENROOT_VERSION
-ENROOT_COMMIT=c7dc4a6b66e817af5ceb7d5315850696067b3f80  # what the tag named when pinned; it fixes the submodules too
-PYXIS_TAG=v0.20.1                                     # the pyxis line paired with enroot 3.5.0
-PYXIS_COMMIT=d3ff5b87de45e0cb23dfe626c5edba1238e980e0  # what the tag named when pinned
+# --- what the bill of materials does not hold: signing keys and an image by digest -----------------------------------
 CWAGENT_VERSION=1.300072.0b1766
 CWAGENT_KEY_FINGERPRINT=937616F3450B7D806CBD9725D58167303B789C72  # AWS's CloudWatch agent signing key
-# Monitoring: Ubuntu's Prometheus packages (noble-updates, as packages.ubuntu.com listed them when pinned); Grafana OSS
-# from Grafana's signed repository, its key checked against the fingerprint Grafana publishes (since its 2023 rotation).
-PROMETHEUS_VERSION=2.45.3+ds-2ubuntu0.3
-ALERTMANAGER_VERSION=0.26.0+ds-1ubuntu0.3
-NODE_EXPORTER_VERSION=1.7.0-1ubuntu0.3
-GRAFANA_VERSION=11.6.14
-GRAFANA_KEY_FINGERPRINT=B53AE77BADB630A683046005963FA27710458545
-GRAFANA_SDK_VERSION=1769699379!11.6.0  # grafana-foundation-sdk (`gpucluster render`'s dashboards): no dependencies
+GRAFANA_KEY_FINGERPRINT=B53AE77BADB630A683046005963FA27710458545  # what Grafana publishes since its 2023 rotation
 # NVIDIA images: dcgm-exporter, pulled into the image so that a boot needs no registry; by its linux/amd64 digest, as a
-# tag can move. Its DCGM (4.5) is its own, embedded: not the parent image's dcgmi and nv-hostengine.
+# tag can move. Its DCGM (4.5) is its own, embedded; it talks to the parent image's host engine (nvidia-dcgm).
 DCGM_EXPORTER_IMAGE=nvcr.io/nvidia/k8s/dcgm-exporter:4.5.2-4.8.1-ubuntu22.04
 DCGM_EXPORTER_DIGEST=sha256:a7ad6547d4546eaf4dd5d6b4c0b4db4101e63ef7dc3cdff7f42b767d2c60b706
 DCGM_EXPORTER_LOCAL=gpucluster/dcgm-exporter:image  # DCGM_EXPORTER_IMAGE in gpucluster/contract/settings.py
-TORCH_VERSION=2.13.0     # the examples' version (requirements-dev.txt)
-PYDANTIC_VERSION=2.14.4  # for the head's `gpucluster` command (requirements.txt: pydantic 2)
-# Every other distribution pip installs; torch pins its own CUDA wheels and triton exactly.
-PIP_CONSTRAINTS=(filelock==4.3.1 fsspec==2026.9.0 jinja2==3.1.6 markupsafe==3.0.4 mpmath==1.3.0 networkx==3.6.1
-  setuptools==84.2.1 sympy==1.14.0 typing-extensions==4.16.0 pydantic-core==2.50.5 annotated-types==0.8.0
-  typing-inspection==0.4.5)
-
-# iptables: every boot's lockdown (gpucluster/contract/lockdown.py) keeps instance metadata from users with it; Ubuntu's
-# images carry it, named here so that no parent image can lack it. Unversioned, from the noble archive, like the tools.
-HEAD_PACKAGES=("munge=$MUNGE_VERSION" "slurmctld=$SLURM_VERSION" "slurmdbd=$SLURM_VERSION"
-  "slurm-client=$SLURM_VERSION" "mariadb-server=$MARIADB_VERSION" "python3-boto3=$BOTO3_VERSION"
-  "python3-venv=$PYTHON3_VENV_VERSION" "python3-yaml=$PYYAML_VERSION" iptables "prometheus=$PROMETHEUS_VERSION"
-  "prometheus-alertmanager=$ALERTMANAGER_VERSION" "prometheus-node-exporter=$NODE_EXPORTER_VERSION"
-  "grafana=$GRAFANA_VERSION")
-# libslurm-dev: pyxis compiles against this Slurm; python3-venv: the torch venv.
-COMPUTE_PACKAGES=("munge=$MUNGE_VERSION" "slurmd=$SLURM_VERSION" "slurm-client=$SLURM_VERSION"
-  "libslurm-dev=$SLURM_VERSION" "python3-boto3=$BOTO3_VERSION" "python3-venv=$PYTHON3_VENV_VERSION" iptables
-  "prometheus-node-exporter=$NODE_EXPORTER_VERSION")
-# enroot from source (its doc/installation.md): git, gcc, make, setcap (libcap2-bin) and patch (for musl) build it;
-# the doc's libtool, automake and libmd-dev served a libbsd that 3.5.0 vendors and builds without them. At run time
-# it needs what its .deb depended on. Unversioned, from the noble archive: the tools only build a source pinned by
-# commit, and the .deb left these dependencies to the archive too.
-ENROOT_BUILD_PACKAGES=(git gcc make libcap2-bin patch)
-ENROOT_RUNTIME_PACKAGES=(curl gawk jq parallel squashfs-tools zstd bsdmainutils)
-# The boot configures and starts these (bootstrap.py); the image leaves them off.
-HEAD_SERVICES=(munge slurmctld slurmdbd mariadb prometheus prometheus-alertmanager prometheus-node-exporter
-  grafana-server)
-COMPUTE_SERVICES=(munge slurmd prometheus-node-exporter)
 
 # --- where things come from and go ---------------------------------------------------------------------------------
-ENROOT_REPO=https://github.com/NVIDIA/enroot.git
-PYXIS_REPO=https://github.com/NVIDIA/pyxis.git
 CWAGENT_URL=https://amazoncloudwatch-agent.s3.amazonaws.com
 CWAGENT_CTL=/opt/aws/amazon-cloudwatch-agent/bin/amazon-cloudwatch-agent-ctl
 # AWS's signed apt repository for the FSx Lustre client (FSx for Lustre user guide, Ubuntu): apt checks every package
@@ -77,9 +28,33 @@ GRAFANA_REPO=https://apt.grafana.com
 NEURON_BIN=/opt/aws/neuron/bin  # the Neuron Deep Learning AMI's tools
 PYPI=https://pypi.org/simple
 MANIFEST=/opt/gpucluster-image/manifest.json  # IMAGE_MANIFEST in gpucluster/contract/settings.py
+IMAGE_BOM=/opt/gpucluster-image/bom.json      # IMAGE_BOM in gpucluster/contract/settings.py
 VENV=/opt/gpucluster-image/venv
+# APT::Snapshot (apt.conf(5)) for the whole build: every apt call resolves Ubuntu's pockets from the dated snapshot.
+SNAPSHOT_CONF=/etc/apt/apt.conf.d/50gpucluster-snapshot
+# Ubuntu's libpmix-dev (openpmix): headers and libpmix.so here, as Debian's own Slurm is configured against it. Slurm's
+# mpi/pmix plugin loads libpmix.so from this directory at run time: `srun --mpi=pmix` needs it on every node.
+PMIX_DIR=/usr/lib/x86_64-linux-gnu/pmix2
+# Slurm's configure as ParallelCluster runs it (PMIx, then make and make install), with the layout bootstrap.py and the
+# rendered files expect: daemons in /usr/sbin, slurm.conf and plugstack.conf in /etc/slurm, plugins in /usr/lib/slurm
+# (slurm.conf names no PluginDir), the units Slurm generates in systemd's directory. A named feature whose library is
+# missing stops configure (--with-pmix=DIR, --enable-cgroupv2: task/cgroup on Ubuntu's cgroup v2 needs dbus); lua
+# (JobSubmitPlugins=lua) it skips silently, so the plugins are checked after the install.
+SLURM_CONFIGURE=(--prefix=/usr --sysconfdir=/etc/slurm --localstatedir=/var "--with-pmix=$PMIX_DIR" --with-lua
+  --enable-cgroupv2 --with-systemdsystemunitdir=/usr/lib/systemd/system)
+SLURM_PLUGIN_DIR=/usr/lib/slurm
+SLURM_PLUGINS=(auth_munge.so mpi_pmix.so job_submit_lua.so cgroup_v2.so proctrack_cgroup.so task_cgroup.so)
+SLURM_HEAD_PLUGINS=(accounting_storage_mysql.so)  # slurmdbd's store: MariaDB on the head
+SLURM_UNITS=(slurmctld.service slurmd.service slurmdbd.service)
+# SlurmUser must have the same uid on every node, and the head and compute images are baked from different parents.
+SLURM_UID=401
+# aws-ofi-nccl, NCCL's EFA plugin, as the Deep Learning AMIs install it: which of the two directories is not settled
+# (the EFA installer's layout, or Ubuntu's multiarch one below it), so the loader gets whichever holds the plugin.
+OFI_NCCL_DIRS=(/opt/amazon/ofi-nccl/lib/x86_64-linux-gnu /opt/amazon/ofi-nccl/lib)
+OFI_NCCL_CONF=/etc/ld.so.conf.d/gpucluster-ofi-nccl.conf
 
 ROLE=${1:-}
+BOM=${2:-$IMAGE_BOM}
 # For tests only: they run this script as root on a shared machine, so every file it writes goes under this prefix.
 ROOT=${GPUCLUSTER_IMAGE_ROOT:-}
 # For tests only: the first wait between two attempts in milliseconds; it doubles after each failure.
@@ -110,22 +85,87 @@ apt_get() { apt-get -o DPkg::Lock::Timeout=120 -q -y "$@"; }
 apt_install() { retry apt_get install --no-install-recommends "$@"; }
 fetch() { curl -fsSL -o "$2" "$1"; }  # fetch URL FILE
 
-packages() {  # packages PACKAGE=VERSION...
+# --- the bill of materials -------------------------------------------------------------------------------------------
+# The role's part of bom.json as bash declarations, read with the system python3's json module: every problem with the
+# file at once. APT_PINS: name=version; PIP_PINS: name==version (and a --require-hashes requirements file);
+# PACKAGES: every pinned package; SOURCE_URL, SOURCE_SHA256, SOURCE_VERSION: the role's sources by name.
+read_bom() {
+  [[ -f $BOM ]] || die "no bill of materials at $BOM (build_image.sh ROLE [BOM])"
+  python3 - "$BOM" "$ROLE" "$WORK/requirements.txt" >"$WORK/bom.sh" <<'PYTHON' || die "bill of materials $BOM (above)"
+import json, re, shlex, sys
+
+path, role, requirements = sys.argv[1:]
+bom = json.load(open(path))
+problems = []
+def get(where, key, kind, prefix=""):
+    value = where.get(key) if isinstance(where, dict) else None
+    if not isinstance(value, kind):
+        problems.append(f"{prefix}{key}: missing or not a {kind.__name__}")
+        return kind()
+    return value
+snapshot, slurm = get(bom, "ubuntu_snapshot", str), get(bom, "slurm_version", str)
+if snapshot and not re.fullmatch(r"\d{8}T\d{6}Z", snapshot):
+    problems.append(f"ubuntu_snapshot: {snapshot!r} is not YYYYMMDDTHHMMSSZ")
+packages, sources, hashes = get(bom, "packages", dict), get(bom, "sources", dict), bom.get("pip_hashes", {})
+mine = get(get(bom, "roles", dict), role, dict, "roles.")
+apt, pip, wanted = mine.get("apt", []), mine.get("pip", []), mine.get("sources", [])
+problems += [f"roles.{role}: {name} is not in packages" for name in apt + pip if name not in packages]
+problems += [f"pip_hashes: no sha256 hash for {name}" for name in pip
+             if not hashes.get(name) or not all(re.fullmatch(r"sha256:[0-9a-f]{64}", h) for h in hashes[name])]
+for name in wanted:
+    source = sources.get(name, {})
+    if not isinstance(source.get("url"), str) or not re.fullmatch(r"[0-9a-f]{64}", str(source.get("sha256"))):
+        problems.append(f"sources.{name}: no url and sha256")
+if problems:
+    sys.exit("\n".join(problems))
+def array(name, values):
+    print(f"declare -ga {name}=({' '.join(map(shlex.quote, values))})")
+def table(name, pairs):
+    print(f"declare -gA {name}=({' '.join(f'[{shlex.quote(k)}]={shlex.quote(str(v))}' for k, v in pairs)})")
+print(f"SNAPSHOT={shlex.quote(snapshot)} SLURM_VERSION={shlex.quote(slurm)}")
+array("APT_PINS", [f"{name}={packages[name]}" for name in apt])
+array("PIP_PINS", [f"{name}=={packages[name]}" for name in pip])
+table("PACKAGES", packages.items())
+for field in ("url", "sha256", "version"):
+    table(f"SOURCE_{field.upper()}", ((name, sources[name].get(field, "")) for name in wanted))
+with open(requirements, "w") as out:
+    out.writelines(f"{name}=={packages[name]} {' '.join('--hash=' + h for h in hashes[name])}\n" for name in pip)
+PYTHON
+  # shellcheck source=/dev/null
+  source "$WORK/bom.sh"
+}
+
+# source_file NAME FILE: the BOM's source NAME, downloaded and checked against its sha256.
+source_file() {
+  [[ -n ${SOURCE_URL[$1]:-} ]] || die "the bill of materials lists no source $1 for the $ROLE image"
+  retry fetch "${SOURCE_URL[$1]}" "$2"
+  local sum
+  sum=$(sha256sum "$2")
+  [[ ${sum%% *} == "${SOURCE_SHA256[$1]}" ]] ||
+    die "$1 from ${SOURCE_URL[$1]} has sha256 ${sum%% *}, not ${SOURCE_SHA256[$1]}"
+}
+
+# source_tree NAME DIR: a source archive (a GitHub tag archive: one top directory) unpacked into DIR.
+source_tree() {
+  source_file "$1" "$WORK/$1.tar.gz"
+  install -d "$2"
+  tar -xzf "$WORK/$1.tar.gz" -C "$2" --strip-components=1
+}
+
+# --- the steps, in the order main runs them ------------------------------------------------------------------------
+
+snapshot() {  # Ubuntu's pockets as they were at the BOM's date (apt.conf(5): APT::Snapshot), for every apt call
+  install -d "$ROOT${SNAPSHOT_CONF%/*}"
+  printf 'APT::Snapshot "%s";\n' "$SNAPSHOT" >"$ROOT$SNAPSHOT_CONF"
+}
+
+repositories() {  # third-party repositories: not in Ubuntu's snapshot, so the BOM pins each of their packages
   install -d "$ROOT/etc/apt/preferences.d" "$ROOT/etc/apt/sources.list.d" "$ROOT/usr/share/keyrings"
-  # Every binary of Slurm's source follows the pin, also as a dependency and on a later apt upgrade.
-  printf 'Package: src:slurm-wlm\nPin: version %s\nPin-Priority: 1001\n' "$SLURM_VERSION" \
-    >"$ROOT/etc/apt/preferences.d/gpucluster-slurm"
   retry fetch "$LUSTRE_KEY_URL" "$WORK/fsx-ubuntu-public-key.asc"
   gpg --batch --yes --dearmor -o "$ROOT/usr/share/keyrings/fsx-ubuntu-public-key.gpg" "$WORK/fsx-ubuntu-public-key.asc"
   echo "deb [signed-by=/usr/share/keyrings/fsx-ubuntu-public-key.gpg] $LUSTRE_REPO noble main" \
     >"$ROOT/etc/apt/sources.list.d/fsxlustreclientrepo.list"
   [[ $ROLE == compute ]] || grafana_repository
-  retry apt_get update --error-on=any  # the one index refresh of this run: Ubuntu's, Lustre's and (head) Grafana's
-  apt_install "$@"
-  # Built for the running kernel, so not versioned apart from it. Not the lustre-client-modules-aws meta package the
-  # FSx guide adds for kernel upgrades: it may pull a newer kernel into the image, one the parent AMI's NVIDIA and EFA
-  # modules were not built for. A baked image keeps its kernel; a new parent AMI is a new bake.
-  apt_install "lustre-client-modules-$(uname -r)"
 }
 
 grafana_repository() {
@@ -139,44 +179,148 @@ grafana_repository() {
   gpg --batch --yes --dearmor -o "$ROOT/usr/share/keyrings/grafana.gpg" "$key"
   echo "deb [signed-by=/usr/share/keyrings/grafana.gpg] $GRAFANA_REPO stable main" \
     >"$ROOT/etc/apt/sources.list.d/grafana.list"
-  # A later apt upgrade keeps this Grafana: the repository carries every newer major.
-  printf 'Package: grafana\nPin: version %s\nPin-Priority: 1001\n' "$GRAFANA_VERSION" \
+  # A later apt upgrade keeps the BOM's Grafana: the repository carries every newer major.
+  [[ -n ${PACKAGES[grafana]:-} ]] || die "the bill of materials pins no grafana version"
+  printf 'Package: grafana\nPin: version %s\nPin-Priority: 1001\n' "${PACKAGES[grafana]}" \
     >"$ROOT/etc/apt/preferences.d/gpucluster-grafana"
 }
 
-clone_pyxis() { rm -rf "$1" && git clone -q --depth 1 --branch "$PYXIS_TAG" "$PYXIS_REPO" "$1"; }
-# The submodules (makeself, musl, linux-headers) at the commits the pinned tree names, cloned whole: a shallow fetch of
-# a commit no branch points at needs a server that hands out commits by id. musl's is git://git.musl-libc.org (port
-# 9418, unencrypted): what it sends must still hash to the commit named.
-clone_enroot() {
-  rm -rf "$1" && git clone -q --depth 1 --branch "$ENROOT_TAG" --recurse-submodules "$ENROOT_REPO" "$1"
+apt_packages() {  # the role's apt packages at the BOM's versions, then checked one by one
+  # Twice: apt finds a source's snapshot server in its built-in table (Ubuntu's archive and security hosts, the EC2
+  # mirrors among them) or in the Snapshots: field of the Release file an earlier update fetched; a source it cannot
+  # place stays live, silently (a mirror the parent image might name). The second update takes every source that
+  # has a snapshot server from it.
+  retry apt_get update --error-on=any
+  retry apt_get update --error-on=any
+  local pin listed missing=()
+  # Every version apt's indexes list for these packages, as name=version lines (`apt-cache show NAME=VERSION` exits 0
+  # for a version it does not know).
+  listed=$(apt-cache madison "${APT_PINS[@]%%=*}" 2>/dev/null | awk -F' *[|] *' '{sub(/^ +/, "", $1); print $1 "=" $2}')
+  for pin in "${APT_PINS[@]}"; do
+    grep -qxF -- "$pin" <<<"$listed" || missing+=("$pin")
+  done
+  ((${#missing[@]} == 0)) ||
+    die "not in Ubuntu's snapshot $SNAPSHOT nor in a pinned third-party repository: ${missing[*]}"
+  apt_install "${APT_PINS[@]}"
+  verify_apt
 }
-# The layout of enroot's .deb (/usr/bin, /usr/lib/enroot, /etc/enroot: the boot adds to /etc/enroot/enroot.conf.d) and
-# its standard flavour, which NVIDIA builds with these flags (pkg/debbuild), in the environment: on make's command
-# line they would replace the Makefile's own CPPFLAGS.
-enroot_make() { CPPFLAGS="-DALLOW_SPECULATION -DINHERIT_FDS" make -C "$WORK/enroot" prefix=/usr sysconfdir=/etc "$@"; }
 
-containers() {  # enroot and pyxis: `srun --container-image=...`
-  apt_install "${ENROOT_BUILD_PACKAGES[@]}" "${ENROOT_RUNTIME_PACKAGES[@]}"
-  retry clone_enroot "$WORK/enroot"
-  [[ $(git -C "$WORK/enroot" rev-parse HEAD) == "$ENROOT_COMMIT" ]] || die "enroot $ENROOT_TAG is not $ENROOT_COMMIT"
-  enroot_make all  # before the install: one that builds writes its DESTDIR into bin/enroot and enroot.conf
-  enroot_make install DESTDIR="$ROOT"
-  [[ -x $ROOT/usr/bin/enroot && -f $ROOT/etc/enroot/enroot.conf ]] || die "enroot is not in /usr/bin and /etc/enroot"
-  enroot_make setcap DESTDIR="$ROOT"  # as the enroot+caps package: unprivileged users import images
-  # As the .deb: Ubuntu 24.04 lets a program create user namespaces only under an AppArmor profile that allows it.
-  install -D -m 644 "$ROOT/usr/share/enroot/apparmor.profile" "$ROOT/etc/apparmor.d/enroot"
-  if aa-enabled --quiet 2>/dev/null; then apparmor_parser -r -T -W "$ROOT/etc/apparmor.d/enroot"; fi
-  retry clone_pyxis "$WORK/pyxis"
-  [[ $(git -C "$WORK/pyxis" rev-parse HEAD) == "$PYXIS_COMMIT" ]] || die "pyxis $PYXIS_TAG is not $PYXIS_COMMIT"
-  # Against /usr/include/slurm from libslurm-dev; installs /usr/local/lib/slurm/spank_pyxis.so (plugstack.conf).
+verify_apt() {  # every package of the role's list installed at the BOM's version, or the build fails naming it
+  local pin name want status differ=()
+  local -A got=()
+  # shellcheck disable=SC2016  # dpkg-query's own ${field} syntax
+  while IFS=$'\t' read -r name status; do got[$name]=$status; done < <(
+    dpkg-query -W -f '${Package}\t${db:Status-Abbrev}${Version}\n' "${APT_PINS[@]%%=*}" 2>/dev/null || true)
+  for pin in "${APT_PINS[@]}"; do
+    name=${pin%%=*} want=${pin#*=}
+    status=${got[$name]:-not installed}
+    [[ $status == "ii $want" ]] || differ+=("$name ${status#ii } (the BOM: $want)")
+  done
+  ((${#differ[@]} == 0)) || die "installed packages differ from the bill of materials: ${differ[*]}"
+}
+
+lustre() {  # the FSx Lustre client's kernel module, for the kernel this image boots and for no other
+  local kernel module
+  kernel=$(uname -r)
+  module=lustre-client-modules-$kernel
+  [[ -n $(apt-cache show "$module" 2>/dev/null) ]] ||
+    die "AWS's FSx Lustre repository has no $module: no Lustre client for kernel $kernel (the parent image's)"
+  # Not lustre-client-modules-aws, the meta package the FSx guide adds so that kernel upgrades bring their module: it
+  # follows the linux-aws flavour, which on a parent with a newer (HWE) kernel would pull in a second kernel. The
+  # kernel stays the parent image's instead (held below): a new kernel comes with a new parent image, a new bake.
+  apt_install "$module${PACKAGES[$module]:+=${PACKAGES[$module]}}"
+  hold_kernel
+}
+
+hold_kernel() {  # unattended-upgrades must never install a kernel this image has no Lustre module for
+  local metas
+  # Ubuntu's kernel meta packages (linux-aws, linux-image-aws, an HWE flavour's...) all come from linux-meta* sources;
+  # held, no newer kernel package is ever pulled in. The kernel's own package, named by its version, never moves.
+  # shellcheck disable=SC2016  # dpkg-query's own ${field} syntax
+  metas=$(dpkg-query -W -f '${db:Status-Abbrev} ${Package} ${source:Package}\n' 'linux-*' 2>/dev/null |
+    awk '$1 == "ii" && $3 ~ /^linux-meta/ {print $2}') || true
+  if [[ -z $metas ]]; then
+    log "no kernel meta package installed: nothing to hold"
+    return
+  fi
+  # shellcheck disable=SC2086  # one package name a line
+  apt-mark hold $metas
+}
+
+slurm() {  # SchedMD's release, built here with PMIx and lua: the same Slurm on the head and on compute nodes
+  local src=$WORK/slurm version plugin unit plugins=("${SLURM_PLUGINS[@]}")
+  if [[ $ROLE == head ]]; then plugins+=("${SLURM_HEAD_PLUGINS[@]}"); fi
+  [[ -e $ROOT$PMIX_DIR/lib/libpmix.so ]] || die "no $PMIX_DIR/lib/libpmix.so: the BOM's apt list lacks libpmix-dev"
+  source_tree slurm "$src"
+  (cd "$src" && ./configure "${SLURM_CONFIGURE[@]}")
+  make -C "$src" -j "$(nproc)"
+  make -C "$src" install DESTDIR="$ROOT"
+  ldconfig
+  version=$("$ROOT/usr/sbin/slurmd" -V)
+  [[ $version == "slurm $SLURM_VERSION" ]] || die "the built Slurm says '$version', the BOM slurm $SLURM_VERSION"
+  for plugin in "${plugins[@]}"; do
+    [[ -f $ROOT$SLURM_PLUGIN_DIR/$plugin ]] || die "Slurm was built without $plugin (a build dependency missing)"
+  done
+  for unit in "${SLURM_UNITS[@]}"; do
+    [[ -f $ROOT/usr/lib/systemd/system/$unit ]] || die "Slurm installed no $unit"
+  done
+  slurm_user
+}
+
+slurm_user() {
+  if ! getent passwd slurm >/dev/null; then
+    groupadd --system --gid "$SLURM_UID" slurm
+    useradd --system --uid "$SLURM_UID" --gid slurm --home-dir /var/lib/slurm --no-create-home \
+      --shell /usr/sbin/nologin slurm
+  fi
+  [[ $(id -u slurm) == "$SLURM_UID" ]] || die "the parent image's slurm user has uid $(id -u slurm), not $SLURM_UID"
+}
+
+pyxis() {  # `srun --container-image`: on compute nodes, and on the head for srun from a login shell
+  source_tree pyxis "$WORK/pyxis"
+  # Against /usr/include/slurm of the Slurm just installed; installs /usr/local/lib/slurm/spank_pyxis.so
+  # (plugstack.conf).
   make -C "$WORK/pyxis" install DESTDIR="$ROOT"
   [[ -f $ROOT/usr/local/lib/slurm/spank_pyxis.so ]] || die "pyxis installed no spank_pyxis.so"
+}
+
+enroot() {  # NVIDIA's release packages (enroot and its capabilities flavour, so users import images unprivileged)
+  source_file enroot "$WORK/enroot.deb"
+  source_file enroot+caps "$WORK/enroot+caps.deb"
+  apt_install "$WORK/enroot.deb" "$WORK/enroot+caps.deb"
+  # Ubuntu 24.04 lets a program create user namespaces only under an AppArmor profile that allows it.
+  local profile=$ROOT/etc/apparmor.d/enroot shipped=$ROOT/usr/share/enroot/apparmor.profile
+  if [[ ! -f $profile && -f $shipped ]]; then install -D -m 644 "$shipped" "$profile"; fi
+  [[ -f $profile ]] || die "enroot brought no AppArmor profile ($profile or $shipped)"
+  if aa-enabled --quiet 2>/dev/null; then apparmor_parser -r -T -W "$profile"; fi
+}
+
+gpu() {  # NVIDIA images: the DCGM host engine, NCCL's EFA plugin on the loader's path, dcgm-exporter's image
+  [[ $DCGM != none* ]] || return 0
+  # The health check's dcgmi and dcgm-exporter use the parent image's host engine: on at every boot.
+  if systemctl cat nvidia-dcgm.service >/dev/null 2>&1; then
+    systemctl enable --now nvidia-dcgm.service
+    DCGM_ENGINE=enabled
+  else
+    log "no nvidia-dcgm.service in the parent image: dcgmi starts an embedded host engine"
+  fi
+  local dir
+  for dir in "${OFI_NCCL_DIRS[@]}"; do
+    if compgen -G "$ROOT$dir/libnccl-net*.so" >/dev/null; then NCCL_PLUGIN_DIR=$dir; break; fi
+  done
+  [[ -n ${NCCL_PLUGIN_DIR:-} ]] || die "no libnccl-net*.so in ${OFI_NCCL_DIRS[*]}: the parent image lacks aws-ofi-nccl"
+  install -d "$ROOT${OFI_NCCL_CONF%/*}"
+  echo "$NCCL_PLUGIN_DIR" >"$ROOT$OFI_NCCL_CONF"
+  ldconfig
+  DCGM_EXPORTER=$DCGM_EXPORTER_IMAGE@$DCGM_EXPORTER_DIGEST
+  retry docker pull -q "$DCGM_EXPORTER"
+  docker tag "$DCGM_EXPORTER" "$DCGM_EXPORTER_LOCAL"  # the name the boot's unit runs
 }
 
 cloudwatch_agent() {  # the idle-GPU alarms read its metrics; the Deep Learning AMIs usually carry it
   if [[ -x $ROOT$CWAGENT_CTL ]]; then
     log "CloudWatch agent already in the image"
+    CWAGENT="from the parent image"
     return
   fi
   local deb=$WORK/amazon-cloudwatch-agent.deb home=$WORK/gnupg fingerprint
@@ -189,7 +333,73 @@ cloudwatch_agent() {  # the idle-GPU alarms read its metrics; the Deep Learning 
   [[ $fingerprint == "$CWAGENT_KEY_FINGERPRINT" ]] || die "CloudWatch agent key is $fingerprint, not the pinned one"
   gpg --batch --homedir "$home" --verify "$deb.sig" "$deb" || die "CloudWatch agent package signature does not verify"
   apt_install "$deb"
+  CWAGENT=$CWAGENT_VERSION
 }
+
+python_venv() {  # the one venv of the image: exactly the BOM's distributions, each checked against its hashes
+  ((${#PIP_PINS[@]})) || return 0
+  [[ -n ${SOURCE_URL[pip]:-} ]] || die "the bill of materials lists no pip wheel (source pip) for the $ROLE venv"
+  local wheel=$WORK/${SOURCE_URL[pip]##*/}
+  # Without pip: Ubuntu's ensurepip is python3-venv, which depends on exactly one python3 and so breaks on a parent
+  # with a newer one. pip comes from the BOM's wheel, run from the wheel itself to install itself (pip's bootstrap).
+  source_file pip "$wheel"
+  python3 -m venv --system-site-packages --without-pip "$ROOT$VENV"
+  "$ROOT$VENV/bin/python" "$wheel/pip" install -q --no-index --no-cache-dir "$wheel"
+  # --no-deps: the BOM lists every distribution; --require-hashes: each must hash to what it pins.
+  retry "$ROOT$VENV/bin/pip" install -q --no-cache-dir --require-hashes --no-deps --only-binary=:all: \
+    --index-url "$PYPI" -r "$WORK/requirements.txt"
+  printf '%s\n' "${PIP_PINS[@]}" >"$WORK/pip-pins.txt"
+  "$ROOT$VENV/bin/python" - "$WORK/pip-pins.txt" <<'PYTHON' || die "the venv differs from the bill of materials"
+import importlib.metadata, re, sys, sysconfig
+
+def norm(name):
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+want = {norm(n): v for n, v in (line.split("==", 1) for line in open(sys.argv[1]).read().split())}
+paths = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})  # the venv's, not the system's
+have = {norm(d.metadata["Name"]): d.version for d in importlib.metadata.distributions(path=paths)}
+have.pop("pip", None)  # the BOM's wheel, by its sha256
+wrong = [f"{n} {have.get(n, 'not installed')} (the BOM: {want[n]})" for n in sorted(want) if have.get(n) != want[n]]
+wrong += [f"{n} {have[n]} (not in the BOM)" for n in sorted(set(have) - set(want))]
+sys.exit("; ".join(wrong) or None)
+PYTHON
+  if [[ $ROLE == compute ]]; then ln -sf "$VENV/bin/torchrun" "$ROOT/usr/local/bin/torchrun"; fi
+}
+
+services() {  # the boot configures and starts them (bootstrap.py); the image leaves them off
+  if [[ $ROLE == head ]]; then
+    systemctl disable --now munge slurmctld slurmdbd mariadb prometheus prometheus-alertmanager \
+      prometheus-node-exporter grafana-server
+  else
+    systemctl disable --now munge slurmd prometheus-node-exporter
+  fi
+  rm -f "$ROOT/etc/munge/munge.key"  # the package's own key: each cluster's comes from SSM at boot
+}
+
+manifest() {  # the last step: its presence means the image is complete; the BOM it was built from beside it
+  verify_apt  # again: no later step's packages (the Lustre module, enroot, the agent) may have moved one of the BOM's
+  [[ $BOM -ef $ROOT$IMAGE_BOM ]] || install -m 644 "$BOM" "$ROOT$IMAGE_BOM"
+  local bom_sum lustre_module
+  bom_sum=$(sha256sum "$BOM")
+  # shellcheck disable=SC2016  # dpkg-query's own ${field} syntax
+  lustre_module=$(dpkg-query -W -f '${Version}' "lustre-client-modules-$(uname -r)")
+  python3 - "$ROOT$MANIFEST.tmp" role="$ROLE" built_at="$(date -u +%FT%TZ)" kernel="$(uname -r)" \
+    bom_sha256="${bom_sum%% *}" slurm="$SLURM_VERSION" pyxis="${SOURCE_VERSION[pyxis]:-}" \
+    lustre_client_modules="$lustre_module" cloudwatch_agent="$CWAGENT" dcgm="$DCGM" dcgm_engine="$DCGM_ENGINE" \
+    dcgm_exporter="$DCGM_EXPORTER" nccl_net_plugin="$NCCL_PLUGIN_DIR" neuron_monitor="$NEURON" \
+    enroot="${SOURCE_VERSION[enroot]:-none}" <<'PYTHON'
+import json, sys
+
+fields = dict(arg.split("=", 1) for arg in sys.argv[2:])
+top = {key: fields.pop(key) for key in ("role", "built_at", "kernel", "bom_sha256")}
+with open(sys.argv[1], "w") as out:
+    json.dump({**top, "versions": fields}, out)
+    out.write("\n")
+PYTHON
+  mv "$ROOT$MANIFEST.tmp" "$ROOT$MANIFEST"
+}
+
+# --- what the parent image must carry: checked before anything is installed ------------------------------------------
 
 dcgm() {  # on the NVIDIA Deep Learning AMIs: check, never install (docker and nvidia-ctk run dcgm-exporter)
   if ! command -v nvidia-smi >/dev/null; then
@@ -212,61 +422,39 @@ neuron() {  # on the Neuron Deep Learning AMIs: neuron-monitor and its Prometheu
   echo "from the parent image"
 }
 
-python_venv() {  # python_venv REQUIREMENT...: the one venv of the image, every distribution pinned
-  printf '%s\n' "${PIP_CONSTRAINTS[@]}" >"$WORK/constraints.txt"
-  python3 -m venv --system-site-packages "$ROOT$VENV"
-  retry "$ROOT$VENV/bin/pip" install -q --no-cache-dir --only-binary=:all: --index-url "$PYPI" \
-    --constraint "$WORK/constraints.txt" "$@"
-}
-
-write_manifest() {  # the last step: its presence means the image is complete
-  local versions=("\"slurm\": \"$SLURM_VERSION\"" "\"munge\": \"$MUNGE_VERSION\"" "\"boto3\": \"$BOTO3_VERSION\"")
-  if [[ $ROLE == head ]]; then
-    versions+=("\"mariadb\": \"$MARIADB_VERSION\"" "\"pyyaml\": \"$PYYAML_VERSION\"" "\"pydantic\": \"$PYDANTIC_VERSION\""
-      "\"prometheus\": \"$PROMETHEUS_VERSION\"" "\"alertmanager\": \"$ALERTMANAGER_VERSION\""
-      "\"grafana\": \"$GRAFANA_VERSION\"" "\"grafana_foundation_sdk\": \"$GRAFANA_SDK_VERSION\"")
-  else
-    versions+=("\"enroot\": \"$ENROOT_VERSION $ENROOT_COMMIT\"" "\"pyxis\": \"$PYXIS_TAG $PYXIS_COMMIT\""
-      "\"cloudwatch_agent\": \"$CWAGENT_VERSION\"" "\"torch\": \"$TORCH_VERSION\"" "\"dcgm\": \"$DCGM\""
-      "\"dcgm_exporter\": \"$DCGM_EXPORTER\"" "\"neuron_monitor\": \"$NEURON\"")
-  fi
-  versions+=("\"node_exporter\": \"$NODE_EXPORTER_VERSION\"")
-  local IFS=,
-  printf '{"role": "%s", "built_at": "%s", "kernel": "%s", "versions": {%s}}\n' \
-    "$ROLE" "$(date -u +%FT%TZ)" "$(uname -r)" "${versions[*]}" >"$ROOT$MANIFEST.tmp"
-  mv "$ROOT$MANIFEST.tmp" "$ROOT$MANIFEST"
-}
+HEAD_STEPS=(snapshot repositories apt_packages lustre slurm pyxis python_venv services manifest)
+COMPUTE_STEPS=(snapshot repositories apt_packages lustre slurm pyxis enroot gpu cloudwatch_agent python_venv services
+  manifest)
 
 main() {
-  [[ $ROLE == head || $ROLE == compute ]] || { echo "usage: build_image.sh head|compute" >&2; exit 2; }
+  [[ $ROLE == head || $ROLE == compute ]] || { echo "usage: build_image.sh head|compute [BOM]" >&2; exit 2; }
+  local steps step
+  if [[ $ROLE == head ]]; then steps=("${HEAD_STEPS[@]}"); else steps=("${COMPUTE_STEPS[@]}"); fi
+  # For tests only, a seam this machine forces: the bake rehearsal (tests/integration/test_bake_rehearsal.py) runs
+  # the package steps for real, as root in a Debian chroot against a stand-in archive; the others need GitHub,
+  # AWS's repositories, NVIDIA's registry or a Deep Learning AMI. A subset of the steps never writes the manifest.
+  if [[ -n ${GPUCLUSTER_BUILD_STEPS:-} ]]; then
+    read -r -a steps <<<"$GPUCLUSTER_BUILD_STEPS"
+    for step in "${steps[@]}"; do
+      [[ " ${HEAD_STEPS[*]} ${COMPUTE_STEPS[*]} " == *" $step "* && $step != manifest ]] ||
+        die "GPUCLUSTER_BUILD_STEPS: $step is not a step of this script that a subset may run"
+    done
+  fi
+  DCGM=$(if [[ $ROLE == compute ]]; then dcgm; else echo none; fi)
+  NEURON=$(if [[ $ROLE == compute ]]; then neuron; else echo none; fi)
+  DCGM_ENGINE=none DCGM_EXPORTER=none NCCL_PLUGIN_DIR='' CWAGENT=none
   WORK=$(mktemp -d)
-  trap 'rm -rf "$WORK"' EXIT
+  # The snapshot is the build's: the image's own apt (unattended-upgrades' security fixes) reads the live archive.
+  trap 'rm -rf "$WORK" "$ROOT$SNAPSHOT_CONF"' EXIT
   install -d "$ROOT${MANIFEST%/*}" "$ROOT/usr/local/bin"
   rm -f "$ROOT$MANIFEST"  # a manifest from an earlier run must not vouch for this one
-  log "building the $ROLE image"
-  if [[ $ROLE == head ]]; then
-    packages "${HEAD_PACKAGES[@]}"
-    python_venv "pydantic==$PYDANTIC_VERSION" "grafana-foundation-sdk==$GRAFANA_SDK_VERSION"
-    systemctl disable --now "${HEAD_SERVICES[@]}"
-  else
-    DCGM=$(dcgm)
-    NEURON=$(neuron)
-    DCGM_EXPORTER=none
-    packages "${COMPUTE_PACKAGES[@]}"
-    containers
-    if [[ $DCGM != none* ]]; then
-      DCGM_EXPORTER=$DCGM_EXPORTER_IMAGE@$DCGM_EXPORTER_DIGEST
-      retry docker pull -q "$DCGM_EXPORTER"
-      docker tag "$DCGM_EXPORTER" "$DCGM_EXPORTER_LOCAL"  # the name the boot's unit runs
-    fi
-    cloudwatch_agent
-    python_venv "torch==$TORCH_VERSION"
-    ln -sf "$VENV/bin/torchrun" "$ROOT/usr/local/bin/torchrun"
-    systemctl disable --now "${COMPUTE_SERVICES[@]}"
-  fi
-  rm -f "$ROOT/etc/munge/munge.key"  # the package's own key: each cluster's comes from SSM at boot
-  write_manifest
-  log "done: $MANIFEST"
+  read_bom
+  log "building the $ROLE image: ${steps[*]}"
+  for step in "${steps[@]}"; do
+    log "step $step"
+    "$step"
+  done
+  log "done${GPUCLUSTER_BUILD_STEPS:+ (steps $GPUCLUSTER_BUILD_STEPS only, no manifest)}"
 }
 
 main
