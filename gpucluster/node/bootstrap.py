@@ -505,12 +505,19 @@ def node_name(s: ClusterSettings, saved: Path = Path(contract.NODE_NAME_FILE), a
     return name
 
 
-def nccl_environment(efa: bool) -> str:
+def nccl_environment(pool: PoolSettings) -> str:
     """NCCL/EFA settings for jobs (aws-ofi-nccl >= 1.7, libfabric >= 1.18 as on the DLAMIs), as NAME=value lines for
-    the TaskProlog (task_prolog.sh), which gives them to every task that does not set them itself."""
+    the TaskProlog (task_prolog.sh), which gives them to every task that does not set them itself (LD_LIBRARY_PATH:
+    added to the task's own). NVIDIA nodes: aws-ofi-nccl on the loader's path and named, so that the job's own NCCL
+    (a torch wheel's) loads it instead of falling back to TCP sockets unseen. EFA pools: NCCL_NET names the plugin's
+    network, so that a plugin that does not load fails the job (NCCL then initialises no other network; every
+    aws-ofi-nccl release answers to "AWS Libfabric", the newer ones also to "Libfabric")."""
     lines = ["NCCL_SOCKET_IFNAME=^docker,lo,veth", "NCCL_DEBUG=WARN"]
-    if efa:
-        lines += ["FI_PROVIDER=efa", "FI_EFA_USE_HUGE_PAGE=0"]
+    nvidia = pool.accelerator == "nvidia"
+    if nvidia:
+        lines += [f"LD_LIBRARY_PATH={contract.AWS_OFI_NCCL_LIB_DIR}", f"NCCL_NET_PLUGIN={contract.NCCL_NET_PLUGIN}"]
+    if pool.efa_interfaces:
+        lines += ["FI_PROVIDER=efa", "FI_EFA_USE_HUGE_PAGE=0"] + (["NCCL_NET=AWS Libfabric"] if nvidia else [])
     return "\n".join(lines) + "\n"
 
 
@@ -684,7 +691,7 @@ def compute(s: ClusterSettings, env: dict[str, str]) -> None:
     name = node_name(s)
     set_hostname(name)
     pool = s.pools[env["GPUCLUSTER_POOL"]]
-    Path(contract.NCCL_ENV_FILE).write_text(nccl_environment(pool.efa_interfaces > 0))
+    Path(contract.NCCL_ENV_FILE).write_text(nccl_environment(pool))
     # NCCL keeps its buffers in /dev/shm: allow most of the node's memory.
     run("mount", "-o", "remount,size=90%", "/dev/shm", check=False)
     mount_lustre(s.fsx_dns_name, s.fsx_mount_name)
