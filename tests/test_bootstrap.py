@@ -418,3 +418,41 @@ def test_grafana_listens_on_localhost_with_prometheus_and_our_boards(tmp_path: P
     first = password.read_text()
     bootstrap.grafana(systemd, provisioning, home, password)
     assert password.read_text() == first  # kept across boots
+
+
+def test_dcgm_exporter_wants_the_host_engine_and_starts_after_it(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review item 2: After= alone orders, it starts nothing; with a disabled nvidia-dcgm the exporter had no engine."""
+    monkeypatch.setattr(bootstrap, "in_image", lambda tool: True)
+    settings = contract.ClusterSettings(cluster="c", region="us-east-1", pools={"p": pool()})
+    for accelerator, wanted in (("nvidia", ["nvidia-dcgm.service"]), ("neuron", [])):
+        name = bootstrap.gpu_exporter(settings, pool(accelerator), "p-1", "10.0.0.5", systemd=tmp_path)
+        assert name is not None
+        text = (tmp_path / name).read_text()
+        unit = [line.split("=", 1) for line in text.splitlines() if line.startswith(("After=", "Wants="))]
+        assert [v for k, v in unit if k == "Wants"] == wanted, text
+        assert set(wanted) | {"docker.service"} <= {u for k, v in unit if k == "After" for u in v.split()}, text
+
+
+def test_a_configuration_fault_ends_the_compute_boot_before_mounts_and_slurmd(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checks run before anything needs what they check (/fsx needs the Lustre module); a fault leaves slurmd
+    stopped: a node that registers is returned to service (ReturnToService=2)."""
+    steps: list[str] = []
+
+    def recorded(*args: str, check: bool = True, env: dict[str, str] | None = None):
+        steps.append(" ".join(args))
+        failed = args[-1] == "--configuration"
+        return subprocess.CompletedProcess(args, 1 if failed else 0, "",
+                                           "gpucluster health (configuration) on p-1: no Lustre client module" * failed)
+
+    for name in ("hosts_entry", "install_munge_key", "wait_for_port", "set_hostname", "start", "mount_lustre"):
+        monkeypatch.setattr(bootstrap, name, lambda *a, _n=name, **k: steps.append(_n))
+    monkeypatch.setattr(bootstrap, "run", recorded)
+    monkeypatch.setattr(bootstrap, "node_name", lambda s: "p-1")
+    monkeypatch.setattr(contract, "NCCL_ENV_FILE", str(tmp_path / "nccl.env"))
+    settings = contract.ClusterSettings(cluster="c", region="us-east-1", pools={"p": pool()})
+    bootstrap.compute(settings, {"GPUCLUSTER_POOL": "p"})
+    assert steps[-1] == f"/usr/bin/python3 {contract.HEALTH_PROGRAM} --configuration", steps
+    assert "mount_lustre" not in steps and steps.count("start") == 1  # munge only
+    assert (tmp_path / "nccl.env").exists()

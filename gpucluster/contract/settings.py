@@ -45,7 +45,7 @@ NCCL_ENV_FILE = f"{ETC_DIR}/nccl.env"  # a compute node's NCCL/EFA settings (NAM
 # loader's path (build_image.sh, ld.so.conf.d), nccl.env puts it on each task's LD_LIBRARY_PATH and names the plugin,
 # and an EFA node's first boot checks that the plugin is there.
 AWS_OFI_NCCL_LIB_DIR = "/opt/amazon/ofi-nccl/lib"
-NCCL_NET_PLUGIN = "ofi"  # NCCL_NET_PLUGIN=ofi: NCCL loads libnccl-net-ofi.so from the loader's path (every NCCL release)
+NCCL_NET_PLUGIN = "ofi"  # NCCL_NET_PLUGIN=ofi: NCCL loads libnccl-net-ofi.so from the loader path (any release)
 NCCL_NET_PLUGIN_FILE = f"libnccl-net-{NCCL_NET_PLUGIN}.so"  # aws-ofi-nccl always installs it (src/Makefile.am)
 IMAGE_MANIFEST = "/opt/gpucluster-image/manifest.json"  # written last by build_image.sh: the image is complete
 BOOT_UNIT = "gpucluster-boot.service"

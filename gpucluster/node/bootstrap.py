@@ -19,7 +19,6 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Callable, TypeVar
 
@@ -32,6 +31,7 @@ from gpucluster.contract import (
 from gpucluster.contract.hostlist import compress_hostlist, expand_hostlist
 from gpucluster.contract.scontrol import node_records, state_flags
 from gpucluster.contract.settings import ClusterSettings, PoolSettings, read_env_file
+from gpucluster.node.metadata import imds
 
 BUNDLE = Path(contract.BUNDLE_DIR)
 STATE = Path(contract.STATE_DIR)
@@ -465,17 +465,6 @@ def update(s: ClusterSettings) -> bool:
 
 # --- compute ---------------------------------------------------------------------------------------------------------
 
-def imds(path: str) -> str:
-    """Instance metadata (IMDSv2). AWS_EC2_METADATA_SERVICE_ENDPOINT is the AWS SDKs' own override."""
-    base = os.environ.get("AWS_EC2_METADATA_SERVICE_ENDPOINT", "http://169.254.169.254").rstrip("/")
-    token = urllib.request.urlopen(urllib.request.Request(
-        f"{base}/latest/api/token", method="PUT",
-        headers={"X-aws-ec2-metadata-token-ttl-seconds": "300"}), timeout=5).read().decode()
-    answer: bytes = urllib.request.urlopen(urllib.request.Request(
-        f"{base}/latest/{path}", headers={"X-aws-ec2-metadata-token": token}), timeout=5).read()
-    return answer.decode()
-
-
 def slurm_client_conf(s: ClusterSettings, path: Path = Path(contract.SLURM_CLIENT_CONF)) -> Path:
     """What scontrol needs to ask the controller before slurmd has fetched the cluster's configuration."""
     path.write_text(f"ClusterName={s.cluster}\nSlurmctldHost={contract.HEAD_HOSTNAME}\nSlurmctldPort={s.slurmctld_port}\n"
@@ -673,7 +662,8 @@ def gpu_exporter(s: ClusterSettings, pool: PoolSettings, node: str, address: str
         body = [f'ExecStart=/bin/sh -c "{neuron}/neuron-monitor | {neuron}/neuron-monitor-prometheus.py --port {port}"']
     (systemd / "gpucluster-gpu-exporter.service").write_text(unit(
         f"gpucluster: {pool.accelerator} metrics for Prometheus", "Service", body + ["Restart=always", "RestartSec=10"],
-        ordered_after="docker.service nvidia-dcgm.service"))
+        # Wants= too: the host engine is started with the exporter wherever something left it stopped.
+        after="nvidia-dcgm.service" if pool.accelerator == "nvidia" else "", ordered_after="docker.service"))
     return "gpucluster-gpu-exporter.service"
 
 
@@ -681,6 +671,19 @@ def set_hostname(name: str) -> None:
     """The Slurm node name, kept across reboots (user data sets preserve_hostname)."""
     Path("/etc/hostname").write_text(name + "\n")
     run("hostname", name)
+
+
+def configuration_holds() -> bool:
+    """The first boot's checks of what only this instance can tell (HEALTH_PROGRAM --configuration: DCGM's host
+    engine, the kernel's Lustre module, the pool tag, NCCL's EFA plugin), before anything needs them. A fault leaves
+    the node DOWN with its fix as the reason and the boot ends here: slurmd stays stopped, for a node that registers
+    is returned to service (ReturnToService=2), and a fresh instance would meet the same fault."""
+    checked = run("/usr/bin/python3", contract.HEALTH_PROGRAM, "--configuration", check=False)
+    for line in checked.stderr.splitlines():
+        log.warning("%s", line)
+    if checked.returncode:
+        log.error("configuration fault: the node is DOWN (sinfo -R says what to fix); slurmd not started")
+    return checked.returncode == 0
 
 
 def compute(s: ClusterSettings, env: dict[str, str]) -> None:
@@ -692,6 +695,8 @@ def compute(s: ClusterSettings, env: dict[str, str]) -> None:
     set_hostname(name)
     pool = s.pools[env["GPUCLUSTER_POOL"]]
     Path(contract.NCCL_ENV_FILE).write_text(nccl_environment(pool))
+    if not configuration_holds():
+        return
     # NCCL keeps its buffers in /dev/shm: allow most of the node's memory.
     run("mount", "-o", "remount,size=90%", "/dev/shm", check=False)
     mount_lustre(s.fsx_dns_name, s.fsx_mount_name)
