@@ -520,21 +520,24 @@ class RehearsalNode:
         return "\n".join(parts)
 
     def power_off(self) -> None:
-        """Every process of the node ends at once, as when EC2 stops or terminates the instance."""
-        if self.init is None:
+        """Every process of the node ends at once, as when EC2 stops or terminates the instance. The boot loop's
+        thread and the cluster's stop may both power a node off: each works on the init it found (seen: the other
+        one's `init = None` midway failed the stop and left the cluster's daemons running)."""
+        init = self.init
+        if init is None:
             return
         try:
-            ns = os.readlink(f"/proc/{self.init.pid}/ns/mnt")
+            ns = os.readlink(f"/proc/{init.pid}/ns/mnt")
         except OSError:  # its init is gone: nothing of the node runs any more
             ns = os.readlink("/proc/self/ns/mnt")
         for proc in (Path("/proc").iterdir() if ns != os.readlink("/proc/self/ns/mnt") else ()):
-            if proc.name.isdigit() and int(proc.name) != self.init.pid:
+            if proc.name.isdigit() and int(proc.name) != init.pid:
                 try:
                     if os.readlink(proc / "ns" / "mnt") == ns:
                         os.kill(int(proc.name), signal.SIGKILL)
                 except OSError:
                     continue
-        stop(self.init)
+        stop(init)
         self.init = None
 
 
