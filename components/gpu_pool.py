@@ -64,9 +64,13 @@ def launch_template(name: str, pool: PoolSpec, *, description: str, subnet_id: p
                     security_group_ids: Sequence[pulumi.Input[str]], group_name: pulumi.Input[str] | None,
                     node_tags: dict[str, str], root_device: str, opts: pulumi.ResourceOptions,
                     image_id: pulumi.Input[str] | None = None, instance_profile_arn: pulumi.Input[str] | None = None,
-                    user_data: pulumi.Input[str] | None = None) -> aws.ec2.LaunchTemplate:
+                    user_data: pulumi.Input[str] | None = None,
+                    tags_in_metadata: bool = False) -> aws.ec2.LaunchTemplate:
     """A pool's launch template, the same for both schedulers: EFA layout, placement group, IMDSv2 with one hop,
-    encrypted gp3 root, capacity-block targeting and tags on what EC2 launches."""
+    encrypted gp3 root, capacity-block targeting and tags on what EC2 launches. `tags_in_metadata`: the instance's
+    tags in its metadata, where a Slurm node's first boot reads its pool tag (no AWS call, no permission). EC2 then
+    refuses to launch an instance with a tag key that has '/' or a space (EKS puts such keys on its nodes: off there);
+    gpucluster's keys have neither (settings.POOL_TAG and the others, tested)."""
     # Typed one by one: the resource's overloads of unions are too many for mypy to match literals against.
     metadata_options: aws.ec2.LaunchTemplateMetadataOptionsArgsDict = {
         "http_endpoint": "enabled",
@@ -77,6 +81,8 @@ def launch_template(name: str, pool: PoolSpec, *, description: str, subnet_id: p
         # The node's lockdown guards IPv4 metadata; the IPv6 endpoint stays off.
         "http_protocol_ipv6": "disabled",
     }
+    if tags_in_metadata:
+        metadata_options["instance_metadata_tags"] = "enabled"
     block_device_mappings: list[aws.ec2.LaunchTemplateBlockDeviceMappingArgsDict] = [
         {
             "device_name": root_device,
@@ -177,7 +183,7 @@ class GpuPool(pulumi.ComponentResource):
             subnet_id=args.subnet_id, security_group_ids=[args.security_group_id], group_name=self.placement_group,
             node_tags=node_tags, root_device=ROOT_DEVICE,
             opts=child(self), image_id=self.image_id, instance_profile_arn=args.instance_profile_arn,
-            user_data=args.user_data)
+            user_data=args.user_data, tags_in_metadata=True)
         self.launch_template_id = template.id
         self.launch_template_version = template.latest_version
         self.launch_spec = LaunchSpec(

@@ -60,6 +60,17 @@ def save(directory: Path, step: int, rank: int, state: dict) -> None:
     dist.barrier()
 
 
+def nccl_network_plugin() -> str:
+    """Where this process's NCCL finds its network plugin (on the cluster's GPU nodes EFA's aws-ofi-nccl, which the
+    node's settings put on LD_LIBRARY_PATH and name in NCCL_NET_PLUGIN): a rank without it would fall back to TCP
+    sockets, unseen but for this line. NCCL opens libnccl-net-<NCCL_NET_PLUGIN>.so, or libnccl-net.so unnamed."""
+    name = os.environ.get("NCCL_NET_PLUGIN", "")
+    library = f"libnccl-net-{name}.so" if name else "libnccl-net.so"
+    path = os.environ.get("LD_LIBRARY_PATH", "")
+    found = next((d for d in path.split(":") if d and os.path.exists(os.path.join(d, library))), "")
+    return f"nccl-net {library} {'in ' + found if found else 'not found'} LD_LIBRARY_PATH={path}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=200)
@@ -131,8 +142,8 @@ def main() -> None:
     weights = torch.cat([p.detach().flatten().cpu() for p in model.parameters()])
     digest = hashlib.sha256(repr(weights.double().tolist()).encode()).hexdigest()[:16]
     host = os.environ.get("SLURMD_NODENAME", os.uname().nodename)
-    print(f"rank {rank}/{world} on {host} backend {dist.get_backend()} loss {first:.4f} -> {last:.4f} weights {digest}",
-          flush=True)
+    print(f"rank {rank}/{world} on {host} backend {dist.get_backend()} loss {first:.4f} -> {last:.4f} weights {digest} "
+          f"{nccl_network_plugin()}", flush=True)
     # Every rank done with the group before any tears it down: gloo aborts a process whose peer closed first
     # ("terminate called without an active exception", seen on the rehearsal once in a few runs).
     dist.barrier()

@@ -23,7 +23,10 @@ What this machine forces, and stands in for it:
   machine's cgroups are not Slurm's to use), and compute nodes boot in a time namespace of their own (slurmctld
   ignores a node whose boot time predates its resume request); each node's exporters listen on ports of their own
   (settings exporter_port_base);
-- no GPU, DCGM or container runtime: nvidia-smi and `docker` (running dcgm-exporter) are stand-ins on GPU nodes.
+- no GPU, DCGM or container runtime: nvidia-smi and `docker` (running dcgm-exporter) are stand-ins on GPU nodes;
+  so are DCGM's host engine unit (installed, stopped), nv-hostengine and dcgmi (first_boot_stand_ins);
+- no Lustre module for this machine's kernel: `modinfo` is a stand-in on compute nodes; the metadata server serves
+  the instance's tags from moto (the pools' launch templates put tags in the metadata).
 """
 
 from __future__ import annotations
@@ -83,6 +86,9 @@ def image_sdk(target: Path) -> Path:
             _link_or_copy(str(source), str(target / name))
     return target
 MOTO_ACCOUNT = "123456789012"
+# LocalCluster.first_boot_faults: what a pool's next instances get wrong.
+NO_LUSTRE_MODULE = "a kernel without a Lustre module"
+UNTAGGED = "no pool tag on the instance"
 LOGIN_UID = 1100  # the rehearsal image's login user, when this machine has none of that name
 SPARE_NODE_PORTS = 4  # for nodes of pools that a test's changed stack adds (LocalCluster.apply)
 IMAGE_AMI = "ami-12c6146b"  # one of moto's images
@@ -293,9 +299,11 @@ def _fleet_error(code: str) -> bytes:
 
 
 class InstanceMetadata:
-    """IMDSv2 for one rehearsal node: a token, the instance id and instance-profile credentials."""
+    """IMDSv2 for one rehearsal node: a token, the instance id and instance-profile credentials; with `tags` (a
+    compute node's: its instance's tags in moto, read at each request), the tags as EC2 serves them where the launch
+    template puts them in the metadata. Without: 404, as for the head, whose template does not."""
 
-    def __init__(self, network: Network, instance_id: str):
+    def __init__(self, network: Network, instance_id: str, tags: Callable[[], dict[str, str]] | None = None):
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args: object) -> None:
                 pass
@@ -318,6 +326,8 @@ class InstanceMetadata:
                         "Code": "Success", "Type": "AWS-HMAC", "AccessKeyId": "testing", "SecretAccessKey": "testing",
                         "Token": "testing", "Expiration": now, "LastUpdated": now}),
                 }
+                if tags is not None and path.startswith("meta-data/tags/instance"):
+                    answers.update(instance_tags(tags()))
                 self._reply(200, answers[path]) if path in answers else self._reply(404, "")
 
             def _reply(self, status: int, text: str) -> None:
@@ -335,6 +345,11 @@ class InstanceMetadata:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def instance_tags(tags: dict[str, str]) -> dict[str, str]:
+    """The metadata's tags category: the keys, one a line, at meta-data/tags/instance; each value under its key."""
+    return {"meta-data/tags/instance": "\n".join(tags), **{f"meta-data/tags/instance/{k}": v for k, v in tags.items()}}
 
 
 OVERLAID = ("/etc", "/var", "/opt", "/usr/local")  # the node's own copies of the image's directories
@@ -357,6 +372,7 @@ class RehearsalNode:
     own_clock: bool = False  # compute nodes: a boot time of their own
     gpus: int = 0  # compute nodes: the GPUs its stand-in nvidia-smi reports
     gpu_fault: str = ""  # shell for the stand-in instead of healthy GPUs (LocalCluster.gpu_faults)
+    first_boot_fault: str = ""  # LocalCluster.first_boot_faults
     init: subprocess.Popen[bytes] | None = None
 
     def boot(self) -> None:
@@ -442,11 +458,30 @@ class RehearsalNode:
             # No container runtime or DCGM either: `docker run` of dcgm-exporter serves its metrics from a stand-in.
             shutil.copy(REHEARSAL / "docker", tool.parent / "docker")
             (tool.parent / "rehearsal-gpus").write_text(str(self.gpus))
+            self.first_boot_stand_ins(tool.parent)
+        if self.own_clock:  # a compute node
+            self.kernel_modules(self._dir("/usr/local", "up") / "bin")
         dist = self._dir("/usr/local", "up") / "lib" / "python3.11" / "dist-packages"
         dist.mkdir(parents=True, exist_ok=True)
         (dist / "rehearsal.pth").write_text(
             f"{self.sdk}\nimport os; os.environ.setdefault('AWS_ENDPOINT_URL', '{self.aws.url}'); "
             f"os.environ.setdefault('AWS_EC2_METADATA_SERVICE_ENDPOINT', '{self.imds.url}')\n")
+
+    def first_boot_stand_ins(self, bin_dir: Path) -> None:
+        """A GPU node's DCGM as the image may have it: installed, its host engine's unit not enabled (stopped at
+        boot); the first boot starts it (tests/rehearsal's nvidia-dcgm.service, nv-hostengine, dcgmi)."""
+        for name in ("nv-hostengine", "dcgmi"):
+            shutil.copy(REHEARSAL / name, bin_dir / name)
+        units = self._dir("/etc", "up") / "systemd" / "system"
+        units.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REHEARSAL / "nvidia-dcgm.service", units / "nvidia-dcgm.service")
+
+    def kernel_modules(self, bin_dir: Path) -> None:
+        """The running kernel's modules as `modinfo` (a stand-in) reports them: Lustre's client, unless this node's
+        fault is a kernel without it."""
+        bin_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REHEARSAL / "modinfo", bin_dir / "modinfo")
+        (bin_dir / "rehearsal-modules").write_text("" if self.first_boot_fault == NO_LUSTRE_MODULE else "lustre\n")
 
     def _ready(self) -> bool:
         return self.init is not None and self.init.poll() is None and \
@@ -485,21 +520,24 @@ class RehearsalNode:
         return "\n".join(parts)
 
     def power_off(self) -> None:
-        """Every process of the node ends at once, as when EC2 stops or terminates the instance."""
-        if self.init is None:
+        """Every process of the node ends at once, as when EC2 stops or terminates the instance. The boot loop's
+        thread and the cluster's stop may both power a node off: each works on the init it found (seen: the other
+        one's `init = None` midway failed the stop and left the cluster's daemons running)."""
+        init = self.init
+        if init is None:
             return
         try:
-            ns = os.readlink(f"/proc/{self.init.pid}/ns/mnt")
+            ns = os.readlink(f"/proc/{init.pid}/ns/mnt")
         except OSError:  # its init is gone: nothing of the node runs any more
             ns = os.readlink("/proc/self/ns/mnt")
         for proc in (Path("/proc").iterdir() if ns != os.readlink("/proc/self/ns/mnt") else ()):
-            if proc.name.isdigit() and int(proc.name) != self.init.pid:
+            if proc.name.isdigit() and int(proc.name) != init.pid:
                 try:
                     if os.readlink(proc / "ns" / "mnt") == ns:
                         os.kill(int(proc.name), signal.SIGKILL)
                 except OSError:
                     continue
-        stop(self.init)
+        stop(init)
         self.init = None
 
 
@@ -513,6 +551,8 @@ class LocalCluster:
     failing_markets: dict[str, str] = field(default_factory=dict)
     throttle: dict[str, int] = field(default_factory=dict)
     gpu_faults: dict[str, str] = field(default_factory=dict)  # pool -> its next nodes' nvidia-smi (a broken GPU)
+    # pool -> what its next instances get wrong that only their first boot can find: NO_LUSTRE_MODULE, UNTAGGED
+    first_boot_faults: dict[str, str] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
     _closers: list[Callable[[], None]] = field(default_factory=list)
@@ -791,13 +831,16 @@ class LocalCluster:
 
     def _boot(self, instance: str, pool_name: str) -> None:
         pool = next(p for p in self.stack.spec.pools if p.name == pool_name)
-        imds = InstanceMetadata(self.network, instance)
+        fault = self.first_boot_faults.get(pool_name, "")
+        if fault == UNTAGGED:  # as EC2 launches it if it does not add the launch template's tags to the request's
+            self.ec2().delete_tags(Resources=[instance], Tags=[{"Key": POOL_TAG}])
+        imds = InstanceMetadata(self.network, instance, tags=lambda: self._live().get(instance, {}))
         self._closers.append(imds.close)
         acc = pool.itype.accelerator
         node = RehearsalNode(instance, self.root / instance, self.userdata.pool_nodes(self.stack, pool),
                              self.front(instance), imds, self.fsx, self.sdk, self.network, own_clock=True,
                              gpus=acc.count if acc and acc.kind == "nvidia" else 0,
-                             gpu_fault=self.gpu_faults.get(pool_name, ""))
+                             gpu_fault=self.gpu_faults.get(pool_name, ""), first_boot_fault=fault)
         self.nodes[instance] = node
         node.boot()
         self.boots.append((self.registry().get(instance, instance), time.time()))

@@ -44,10 +44,30 @@ def test_hosts_entry_replaces_an_old_head_address(tmp_path: Path) -> None:
     assert hosts.read_text() == "127.0.0.1 localhost\n10.0.0.17 head\n"
 
 
+def pool(accelerator: str = "nvidia", efa: int = 0) -> contract.PoolSettings:
+    return contract.PoolSettings("p", "lt-1", "subnet-1", "p5.48xlarge", "on-demand", efa_interfaces=efa,
+                                 accelerator=accelerator, accelerators=8 if accelerator else 0)
+
+
 def test_nccl_environment_turns_on_efa_only_where_the_pool_has_it() -> None:  # NAME=value lines for the TaskProlog
-    assert "FI_PROVIDER=efa" in bootstrap.nccl_environment(efa=True)
-    assert "FI_EFA_USE_HUGE_PAGE=0" in bootstrap.nccl_environment(efa=True)
-    assert "FI_PROVIDER" not in bootstrap.nccl_environment(efa=False)
+    efa = bootstrap.nccl_environment(pool(efa=32)).splitlines()
+    assert {"FI_PROVIDER=efa", "FI_EFA_USE_HUGE_PAGE=0"} <= set(efa)
+    assert "FI_PROVIDER" not in bootstrap.nccl_environment(pool(efa=0))
+
+
+def test_nccl_environment_puts_the_efa_plugin_on_the_loader_path_names_it_and_makes_it_required() -> None:
+    """NCCL finds aws-ofi-nccl (review item 5): its directory on LD_LIBRARY_PATH and NCCL_NET_PLUGIN naming the file
+    there on every NVIDIA pool; on EFA pools NCCL_NET names the plugin's network, which every aws-ofi-nccl release
+    answers to (NCCL then fails rather than use sockets). Nothing of it on Trainium or CPU pools."""
+    plugin = {f"LD_LIBRARY_PATH={contract.AWS_OFI_NCCL_LIB_DIR}", "NCCL_NET_PLUGIN=ofi"}
+    assert contract.NCCL_NET_PLUGIN_FILE == "libnccl-net-ofi.so"  # what NCCL opens for NCCL_NET_PLUGIN=ofi
+    efa = set(bootstrap.nccl_environment(pool(efa=32)).splitlines())
+    assert plugin | {"NCCL_NET=AWS Libfabric"} <= efa
+    no_efa = set(bootstrap.nccl_environment(pool(efa=0)).splitlines())
+    assert plugin <= no_efa and not any(line.startswith("NCCL_NET=") for line in no_efa)
+    for other in (pool("neuron", efa=16), pool("", efa=0)):
+        assert not any(line.startswith(("LD_LIBRARY_PATH", "NCCL_NET")) for line in
+                       bootstrap.nccl_environment(other).splitlines())
 
 
 def test_usage_error_exits_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -342,11 +362,29 @@ def task_prolog(tmp_path: Path, env_text: str, environment: dict[str, str]) -> s
 
 
 def test_task_prolog_gives_each_task_the_nccl_settings_and_the_users_win(tmp_path: Path) -> None:
-    text = bootstrap.nccl_environment(efa=True)
+    text = bootstrap.nccl_environment(pool(efa=32))
     printed = task_prolog(tmp_path, text, {"NCCL_DEBUG": "INFO"})
-    assert printed.splitlines() == ["export NCCL_SOCKET_IFNAME=^docker,lo,veth", "export FI_PROVIDER=efa",
-                                    "export FI_EFA_USE_HUGE_PAGE=0"]  # NCCL_DEBUG is the user's
+    plugin_dir = contract.AWS_OFI_NCCL_LIB_DIR
+    assert printed.splitlines() == ["export NCCL_SOCKET_IFNAME=^docker,lo,veth", f"export LD_LIBRARY_PATH={plugin_dir}",
+                                    "export NCCL_NET_PLUGIN=ofi", "export FI_PROVIDER=efa",
+                                    "export FI_EFA_USE_HUGE_PAGE=0",
+                                    "export NCCL_NET=AWS Libfabric"]  # NCCL_DEBUG is the user's
     assert task_prolog(tmp_path, text, {"NCCL_DEBUG": ""}).count("NCCL_DEBUG") == 0  # set, even empty: theirs
+
+
+def test_task_prolog_adds_the_plugin_directory_after_the_jobs_own_library_path_once(tmp_path: Path) -> None:
+    text = bootstrap.nccl_environment(pool())
+    plugin_dir = contract.AWS_OFI_NCCL_LIB_DIR
+
+    def library_path(environment: dict[str, str]) -> list[str]:
+        return [line for line in task_prolog(tmp_path, text, environment).splitlines()
+                if line.startswith("export LD_LIBRARY_PATH=")]
+
+    assert library_path({"LD_LIBRARY_PATH": "/home/u/venv/lib"}) == [
+        f"export LD_LIBRARY_PATH=/home/u/venv/lib:{plugin_dir}"]  # the user's own libraries first
+    assert library_path({"LD_LIBRARY_PATH": ""}) == [f"export LD_LIBRARY_PATH={plugin_dir}"]
+    # An srun task inside a batch job inherits the batch step's path, which has it already: not twice.
+    assert library_path({"LD_LIBRARY_PATH": f"/x:{plugin_dir}"}) == []
 
 
 def test_shared_home_makes_the_login_users_home_once_and_binds_it(tmp_path: Path,
@@ -406,3 +444,43 @@ def test_grafana_listens_on_localhost_with_prometheus_and_our_boards(tmp_path: P
     first = password.read_text()
     bootstrap.grafana(systemd, provisioning, home, password)
     assert password.read_text() == first  # kept across boots
+
+
+def test_dcgm_exporter_wants_the_host_engine_and_starts_after_it(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review item 2: After= alone orders, it starts nothing; with a disabled nvidia-dcgm the exporter had no engine."""
+    monkeypatch.setattr(bootstrap, "in_image", lambda tool: True)
+    settings = contract.ClusterSettings(cluster="c", region="us-east-1", pools={"p": pool()})
+    for accelerator, wanted in (("nvidia", ["nvidia-dcgm.service"]), ("neuron", [])):
+        name = bootstrap.gpu_exporter(settings, pool(accelerator), "p-1", "10.0.0.5", systemd=tmp_path)
+        assert name is not None
+        text = (tmp_path / name).read_text()
+        unit = [line.split("=", 1) for line in text.splitlines() if line.startswith(("After=", "Wants="))]
+        assert [v for k, v in unit if k == "Wants"] == wanted, text
+        ordered = {u for k, v in unit if k == "After" for u in v.split()}
+        # dcgm-exporter runs in docker; neuron-monitor does not.
+        assert ordered == (set(wanted) | {"docker.service"} if accelerator == "nvidia" else set()), text
+
+
+def test_a_configuration_fault_ends_the_compute_boot_before_mounts_and_slurmd(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checks run before anything needs what they check (/fsx needs the Lustre module); a fault leaves slurmd
+    stopped: a node that registers is returned to service (ReturnToService=2)."""
+    steps: list[str] = []
+
+    def recorded(*args: str, check: bool = True, env: dict[str, str] | None = None):
+        steps.append(" ".join(args))
+        failed = args[-1] == "--configuration"
+        return subprocess.CompletedProcess(args, 1 if failed else 0, "",
+                                           "gpucluster health (configuration) on p-1: no Lustre client module" * failed)
+
+    for name in ("hosts_entry", "install_munge_key", "wait_for_port", "set_hostname", "start", "mount_lustre"):
+        monkeypatch.setattr(bootstrap, name, lambda *a, _n=name, **k: steps.append(_n))
+    monkeypatch.setattr(bootstrap, "run", recorded)
+    monkeypatch.setattr(bootstrap, "node_name", lambda s: "p-1")
+    monkeypatch.setattr(contract, "NCCL_ENV_FILE", str(tmp_path / "nccl.env"))
+    settings = contract.ClusterSettings(cluster="c", region="us-east-1", pools={"p": pool()})
+    bootstrap.compute(settings, {"GPUCLUSTER_POOL": "p"})
+    assert steps[-1] == f"/usr/bin/python3 {contract.HEALTH_PROGRAM} --configuration", steps
+    assert "mount_lustre" not in steps and steps.count("start") == 1  # munge only
+    assert (tmp_path / "nccl.env").exists()

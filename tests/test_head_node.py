@@ -6,6 +6,7 @@ import base64
 import gzip
 import io
 import json
+import re
 import tarfile
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 
 from conftest import ALL_STACK_FILES, FIXTURES, ROOT, of_type, planned
-from gpucluster.contract.settings import ClusterSettings
+from gpucluster.contract.settings import CLUSTER_TAG, POOL_TAG, STACK_TAG, TEAM_TAG, ClusterSettings
 from gpucluster.plan import Declared, planned_id, planned_outputs
 from gpucluster.project import EXAMPLES_DIR
 from gpucluster.render import bundle, dashboards, prometheus, userdata
@@ -376,3 +377,24 @@ def test_the_head_may_publish_to_the_alerts_topic_whatever_the_stack(path: Path)
                   if "sns:Publish" in (statement["Action"] if isinstance(statement["Action"], list)
                                        else [statement["Action"]])]
     assert publishing == [(f"{stack.cluster_name}-head", topic)]
+
+
+# EC2's rule for tag keys once an instance's tags are in its metadata (EC2 User Guide, "View tags for your EC2
+# instances using instance metadata"): any other key fails the launch.
+METADATA_TAG_KEY = re.compile(r"(?!\.{1,2}$|_index$)[A-Za-z0-9+\-=.,_:@]+")
+
+
+def test_pool_instances_carry_their_tags_in_metadata_under_keys_ec2_allows_there(shipped: Shipped) -> None:
+    """A node's first boot reads its pool tag from its metadata (health.pool_tag): every pool's template turns tags
+    in metadata on, and then every key EC2 puts on the instance must be one EC2 accepts there, ours included."""
+    stack, declared = shipped
+    pools = [lt for lt in of_type(declared, "ec2/launchTemplate:LaunchTemplate")
+             if any(POOL_TAG in spec["tags"] for spec in lt.inputs.get("tagSpecifications", []))]
+    assert len(pools) == len(stack.spec.pools)
+    for lt in pools:
+        assert lt.inputs["metadataOptions"]["instanceMetadataTags"] == "enabled"
+        for spec in lt.inputs["tagSpecifications"]:
+            assert all(METADATA_TAG_KEY.fullmatch(key) for key in spec["tags"]), spec["tags"]
+    for key in (CLUSTER_TAG, TEAM_TAG, STACK_TAG, POOL_TAG):  # what the resume program adds in its request too
+        assert METADATA_TAG_KEY.fullmatch(key), key
+    assert not METADATA_TAG_KEY.fullmatch("kubernetes.io/cluster/x") and not METADATA_TAG_KEY.fullmatch("..")

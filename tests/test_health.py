@@ -1,15 +1,20 @@
 """A compute node's health check (gpucluster/node/health.py) against stand-ins for nvidia-smi, neuron-ls,
 fi_info and dmesg on PATH: this machine has no GPU, no Neuron device and no EFA. Each stand-in prints what the real
-tool prints in the cases that matter (its documented CSV or JSON)."""
+tool prints in the cases that matter (its documented CSV or JSON). The first boot's configuration checks also meet a
+stand-in systemctl (no systemd as PID 1 here) and instance metadata served from this process (no EC2)."""
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
-from gpucluster.contract.settings import PoolSettings
+from gpucluster.contract import reasons
+from gpucluster.contract.settings import NCCL_NET_PLUGIN_FILE, POOL_TAG, ClusterSettings, PoolSettings
 from gpucluster.node import health
 
 P5 = PoolSettings("p5", "lt-1", "subnet-1", "p5.48xlarge", "spot", efa_interfaces=32, accelerator="nvidia",
@@ -100,3 +105,145 @@ def test_the_prolog_labels_a_jobs_gpus_for_dcgm_exporter_and_the_epilog_unlabels
     assert {p.name: p.read_text() for p in tmp_path.iterdir()} == {"1": "42\n", "3": "42\n"}
     health.label_gpus("43", "", epilog=False, mapping=tmp_path)  # a job without GPUs labels nothing
     assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "3"]
+
+
+# --- the first boot's configuration checks ---------------------------------------------------------------------------
+G6 = PoolSettings("g6", "lt-3", "subnet-1", "g6.xlarge", "on-demand", accelerator="nvidia", accelerators=1)
+
+
+def systemctl(state: Path, starts: bool = True) -> str:
+    """A stand-in systemctl: `is-active` answers from a state file, `start` writes it (or fails, as a unit whose
+    service exits at once does)."""
+    start = f'touch {state}' if starts else 'echo "Job for nvidia-dcgm.service failed." >&2; exit 1'
+    return (f'case "$1" in is-active) [ -e {state} ] && echo active && exit 0; echo inactive; exit 3;; '
+            f'start) {start};; esac')
+
+
+def test_a_stopped_dcgm_host_engine_is_started_and_passes(tools, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    units = tmp_path / "units"
+    units.mkdir()
+    (units / health.DCGM_UNIT).write_text("[Service]\nExecStart=/usr/bin/nv-hostengine -n\n")
+    tools("systemctl", systemctl(tmp_path / "dcgm-active"))
+    assert health.dcgm_host_engine(P5, (str(units),)) == []
+    assert (tmp_path / "dcgm-active").exists()  # started
+    assert "nvidia-dcgm.service was stopped: started it" in capsys.readouterr().err
+    assert health.dcgm_host_engine(P5, (str(units),)) == []  # running: nothing to do, nothing said
+    assert capsys.readouterr().err == ""
+    assert health.dcgm_host_engine(TRN, ()) == []  # no DCGM on Trainium
+
+
+def test_dcgm_missing_or_not_starting_is_a_configuration_fault(tools, tmp_path: Path) -> None:
+    assert health.dcgm_host_engine(P5, (str(tmp_path),)) == [
+        "DCGM is not installed (no nvidia-dcgm.service): rebake the image (build_image.sh installs it)"]
+    (tmp_path / health.DCGM_UNIT).write_text("[Service]\n")
+    tools("systemctl", systemctl(tmp_path / "dcgm-active", starts=False))
+    (problem,) = health.dcgm_host_engine(P5, (str(tmp_path),))
+    assert problem.startswith("nvidia-dcgm.service does not start (systemctl exited 1: Job for") and "rebake" in problem
+
+
+def test_a_kernel_without_a_lustre_module_is_a_configuration_fault(tools) -> None:
+    tools("modinfo", '[ "$*" = "-k 6.8.0-1029-aws -F filename lustre" ] || exit 1; '
+                     'echo /lib/modules/6.8.0-1029-aws/updates/lustre.ko')
+    assert health.lustre_module("6.8.0-1029-aws") == []
+    assert health.lustre_module("7.0.0-1012-aws") == [
+        "no Lustre client module for kernel 7.0.0-1012-aws (the kernel changed without one): rebake the image, "
+        "or hold the kernel it was baked with"]
+
+
+def test_lustre_module_undecided_without_modinfo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no modinfo: no answer, so no fault
+    assert health.lustre_module("7.0.0-1012-aws") == []
+    said = capsys.readouterr().err
+    assert "cannot tell whether kernel 7.0.0-1012-aws has a Lustre module (modinfo not found)" in said
+
+
+@pytest.fixture
+def metadata(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[dict[str, str] | None], None]]:
+    """Instance metadata (IMDSv2) serving the instance's tags as EC2 does with tags in metadata allowed: the keys at
+    meta-data/tags/instance, each value under its key. None: tags not allowed (every tags path answers 404)."""
+    served: dict[str, dict[str, str] | None] = {"tags": {}}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_PUT(self) -> None:
+            self.reply(200, "token")
+
+        def do_GET(self) -> None:
+            tags = served["tags"]
+            path = self.path.removeprefix("/latest/meta-data/tags/instance")
+            if self.headers.get("X-aws-ec2-metadata-token") != "token":
+                return self.reply(401, "")
+            if tags is None or (path and path.lstrip("/") not in tags):
+                return self.reply(404, "")
+            self.reply(200, tags[path.lstrip("/")] if path else "\n".join(tags))
+
+        def reply(self, status: int, text: str) -> None:
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(text.encode())))
+            self.end_headers()
+            self.wfile.write(text.encode())
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+    yield lambda tags: served.update(tags=tags)
+    server.shutdown()
+    server.server_close()
+
+
+def test_the_instance_must_carry_the_pool_its_node_name_claims(metadata) -> None:
+    metadata({POOL_TAG: "p5-od", "gpucluster:cluster": "c1", "aws:ec2:fleet-id": "fleet-1"})
+    assert health.pool_tag("p5-od-3") == []
+    assert health.pool_tag("p5-spot-1") == [
+        f"instance tagged {POOL_TAG}=p5-od, not {POOL_TAG}=p5-spot: EC2 did not give it the launch template's tags"]
+    metadata({"gpucluster:cluster": "c1"})  # CreateFleet's tags instead of the launch template's, not with them
+    assert health.pool_tag("p5-od-3") == [
+        f"instance not tagged, not {POOL_TAG}=p5-od: EC2 did not give it the launch template's tags"]
+
+
+def test_a_pool_tag_that_cannot_be_read_downs_no_node(metadata, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    metadata(None)  # a launch template (an older version) without tags in the metadata
+    assert health.pool_tag("p5-od-3") == []
+    assert "cannot read the instance's tags from its metadata (HTTP 404): pool tag not checked" in \
+        capsys.readouterr().err
+    monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", "http://127.0.0.1:9")  # nothing answers
+    assert health.pool_tag("p5-od-3") == []
+    assert "the instance metadata does not answer" in capsys.readouterr().err
+
+
+def test_an_efa_pool_needs_ncclS_efa_plugin(tmp_path: Path) -> None:
+    assert health.nccl_plugin(P5, str(tmp_path)) == [
+        f"no {NCCL_NET_PLUGIN_FILE} in {tmp_path} (aws-ofi-nccl, NCCL's EFA plugin): rebake the image"]
+    (tmp_path / NCCL_NET_PLUGIN_FILE).write_bytes(b"")
+    assert health.nccl_plugin(P5, str(tmp_path)) == []
+    assert health.nccl_plugin(G6, str(tmp_path / "none")) == []  # no EFA: sockets are all NCCL has anyway
+
+
+def test_configuration_faults_set_the_node_down_with_their_fix(tools, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                metadata) -> None:
+    """`health.py --configuration` as the bootstrap runs it: DOWN (not drained) with reasons.CONFIGURATION, the
+    class the reconciler never relaunches, and exit status 1 (the boot then leaves slurmd stopped)."""
+    calls = tmp_path / "scontrol.calls"
+    tools("scontrol", f'echo "$@" >> {calls}')
+    settings = tmp_path / "cluster.json"
+    settings.write_text(ClusterSettings(cluster="c1", region="us-east-1", pools={"g6": G6}).to_json())
+    monkeypatch.setattr(ClusterSettings, "load", classmethod(lambda cls: cls.from_json(settings.read_text())))
+    monkeypatch.setattr(health, "read_env_file", lambda: {"GPUCLUSTER_POOL": "g6"})
+    monkeypatch.setattr(health, "NODE_NAME_FILE", str(tmp_path / "node-name"))
+    (tmp_path / "node-name").write_text("g6-2\n")
+    monkeypatch.setattr(health, "dcgm_host_engine", lambda pool: [])
+    tools("modinfo", "exit 1")  # this kernel has no Lustre module
+    metadata({POOL_TAG: "g6"})
+    assert health.main(["health.py", "--configuration"]) == 1
+    (update,) = calls.read_text().splitlines()
+    assert update.startswith("update nodename=g6-2 state=down reason=gpucluster: configuration: no Lustre client "
+                             "module for kernel "), update
+    assert update.split("reason=")[1].startswith(reasons.CONFIGURATION)
+    calls.unlink()
+    tools("modinfo", "echo /lib/modules/x/lustre.ko")
+    assert health.main(["health.py", "--configuration"]) == 0 and not calls.exists()

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from gpucluster.contract.settings import CLUSTER_TAG, ClusterSettings, PoolSettings
+from gpucluster.contract.settings import CLUSTER_TAG, POOL_TAG, ClusterSettings, PoolSettings
 from gpucluster.node import fleet
 from gpucluster.node.reconcile import NodeView, Status, classify, reconcile
 from gpucluster.node.registry import read_registry
@@ -48,7 +48,13 @@ S = Status
     # slurmctld appends its own reason to one already there ("old : new"): the configuration error still shows.
     (view("DOWN+CLOUD", "Not responding : gpucluster: configuration: fix the stack and pulumi up: X", ago=9999),
      S.NEEDS_FIX),
+    # A node's own first-boot check (as root): DOWN while it was being launched; Slurm's ResumeTimeout then appends.
+    (view("DOWN+CLOUD+POWERING_UP", "gpucluster: configuration: no Lustre client module for kernel 7.0.0-1012-aws",
+          user="root", has_instance=True), S.NEEDS_FIX),
+    (view("DOWN+CLOUD+POWERED_DOWN", "gpucluster: configuration: instance not tagged : ResumeTimeout reached",
+          ago=9999), S.NEEDS_FIX),
     (view("DOWN+CLOUD", "bad GPU, RMA", user="root", ago=9999), S.HELD),  # an admin's
+    (view("IDLE+DRAIN+CLOUD", "gpucluster: configuration: x", user="root", has_instance=True), S.HELD),  # drained
     (view("IDLE+DRAIN+CLOUD", "Kill task failed", ago=9999, has_instance=True), S.HELD),
     (view("IDLE+CLOUD+FUTURE"), S.HEALTHY),
     # Drained by the cluster for a new instance (a spot warning, a rebalance recommendation): replaced once idle or
@@ -180,3 +186,26 @@ def test_reconcile_replaces_a_drained_node_once_idle(ec2, tmp_path) -> None:
     assert set(live(config, ec2)) == {"p5-od-1"}
     assert ("update", "nodename=p5-spot-1", "state=power_down_force") in slurm.calls
     assert launched["p5-spot-1"] in (tmp_path / "events.jsonl").read_text()
+
+
+def test_a_node_down_for_a_configuration_fault_loses_its_instance_and_is_never_relaunched(ec2) -> None:
+    """Its first boot found a fault (no Lustre module, no pool tag...) and set it DOWN: the instance is terminated at
+    the next pass (found by the registry, even without its pool tag), and no later pass, however late, brings the node
+    back or launches anything for it."""
+    config = make_config(ec2, capacity_retry_seconds=600)
+    launched = resume(config, ec2, FakeSlurm(), "p5-od-[1-2]").launched
+    ec2.delete_tags(Resources=[launched["p5-od-1"]], Tags=[{"Key": POOL_TAG}])  # one of the faults it can find
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time()))
+    faulty = {"NodeName": "p5-od-1", "State": "DOWN+CLOUD+POWERING_UP+NOT_RESPONDING",
+              "Reason": f"gpucluster: configuration: instance not tagged, not {POOL_TAG}=p5-od [root@{stamp}]"}
+    slurm = FakeSlurm([faulty, {"NodeName": "p5-od-2", "State": "IDLE+CLOUD"}])
+    assert reconcile(config, ec2, slurm) == {"ended": ["p5-od-1"]}
+    state = ec2.describe_instances(InstanceIds=[launched["p5-od-1"]])["Reservations"][0]["Instances"][0]["State"]
+    assert state["Name"] in ("shutting-down", "terminated")
+    assert slurm.updates() == [] and "p5-od-1" not in read_registry(config).instances
+    # At ResumeTimeout Slurm powers it down and appends its own reason; an hour on, it is still left DOWN.
+    later = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() + 3600))
+    faulty.update(State="DOWN+CLOUD+POWERED_DOWN", Reason=faulty["Reason"].split(" [")[0]
+                  + f" : ResumeTimeout reached [slurm@{later}]")
+    assert reconcile(config, ec2, slurm, now=time.time() + 7200) == {}
+    assert slurm.updates() == [] and set(live(config, ec2)) == {"p5-od-2"}

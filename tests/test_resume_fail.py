@@ -17,3 +17,19 @@ def test_resume_fail_keeps_the_reason_of_nodes_it_never_launched(ec2) -> None:
     assert resume_fail(config, ec2, slurm, "p5-od-[1-2]") == [launched["p5-od-1"]]
     (down,) = slurm.updates()
     assert down[1] == "nodename=p5-od-1" and not fleet.cluster_instances(config, ec2)
+
+
+def test_resume_fail_keeps_the_configuration_fault_a_node_found_at_its_first_boot(ec2) -> None:
+    """A launched node whose first-boot check set it DOWN for a configuration fault never registers: at ResumeTimeout
+    its instance goes, and its reason (slurmctld appends its own) stays, so the reconciler does not retry it."""
+    config, slurm = make_config(ec2), FakeSlurm()
+    launched = resume(config, ec2, FakeSlurm(), "p5-od-[1-2]").launched
+    slurm.table = [{"NodeName": "p5-od-1", "State": "DOWN+CLOUD+POWERED_DOWN",
+                    "Reason": "gpucluster: configuration: no Lustre client module for kernel 7.0.0-1012-aws (...) : "
+                              "ResumeTimeout reached [slurm@2026-12-01T10:00:00]"},
+                   {"NodeName": "p5-od-2", "State": "DOWN+CLOUD+POWERED_DOWN",
+                    "Reason": "ResumeTimeout reached [slurm@2026-12-01T10:00:00]"}]
+    assert sorted(resume_fail(config, ec2, slurm, "p5-od-[1-2]")) == sorted(launched.values())
+    assert not fleet.cluster_instances(config, ec2)
+    (down,) = slurm.updates()
+    assert down[1] == "nodename=p5-od-2"  # only the one that merely failed to register is retried later

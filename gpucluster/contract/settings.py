@@ -41,6 +41,12 @@ NODE_REGISTRY = f"{NODE_REGISTRY_DIR}/instances.json"
 NODE_NAME_FILE = f"{ETC_DIR}/node-name"  # a compute instance's Slurm node name, learned at its first boot
 SLURM_CLIENT_CONF = f"{ETC_DIR}/slurm-client.conf"  # enough for scontrol to reach the controller before slurmd runs
 NCCL_ENV_FILE = f"{ETC_DIR}/nccl.env"  # a compute node's NCCL/EFA settings (NAME=value), for every job step
+# aws-ofi-nccl, NCCL's network plugin for EFA, where the EFA installer puts it: the image adds the directory to the
+# loader's path (build_image.sh, ld.so.conf.d), nccl.env puts it on each task's LD_LIBRARY_PATH and names the plugin,
+# and an EFA node's first boot checks that the plugin is there.
+AWS_OFI_NCCL_LIB_DIR = "/opt/amazon/ofi-nccl/lib"
+NCCL_NET_PLUGIN = "ofi"  # NCCL_NET_PLUGIN=ofi: NCCL loads libnccl-net-ofi.so from the loader path (any release)
+NCCL_NET_PLUGIN_FILE = f"libnccl-net-{NCCL_NET_PLUGIN}.so"  # aws-ofi-nccl always installs it (src/Makefile.am)
 IMAGE_MANIFEST = "/opt/gpucluster-image/manifest.json"  # written last by build_image.sh: the image is complete
 # The bill of materials build_image.sh installs (gpucluster/spec/bom.py, rendered as image/bom.json): the image
 # component writes it here before the build runs, and the image keeps it beside the manifest.

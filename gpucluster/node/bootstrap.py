@@ -19,7 +19,6 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Callable, TypeVar
 
@@ -32,6 +31,7 @@ from gpucluster.contract import (
 from gpucluster.contract.hostlist import compress_hostlist, expand_hostlist
 from gpucluster.contract.scontrol import node_records, state_flags
 from gpucluster.contract.settings import ClusterSettings, PoolSettings, read_env_file
+from gpucluster.node.metadata import imds
 
 BUNDLE = Path(contract.BUNDLE_DIR)
 STATE = Path(contract.STATE_DIR)
@@ -477,17 +477,6 @@ def update(s: ClusterSettings) -> bool:
 
 # --- compute ---------------------------------------------------------------------------------------------------------
 
-def imds(path: str) -> str:
-    """Instance metadata (IMDSv2). AWS_EC2_METADATA_SERVICE_ENDPOINT is the AWS SDKs' own override."""
-    base = os.environ.get("AWS_EC2_METADATA_SERVICE_ENDPOINT", "http://169.254.169.254").rstrip("/")
-    token = urllib.request.urlopen(urllib.request.Request(
-        f"{base}/latest/api/token", method="PUT",
-        headers={"X-aws-ec2-metadata-token-ttl-seconds": "300"}), timeout=5).read().decode()
-    answer: bytes = urllib.request.urlopen(urllib.request.Request(
-        f"{base}/latest/{path}", headers={"X-aws-ec2-metadata-token": token}), timeout=5).read()
-    return answer.decode()
-
-
 def slurm_client_conf(s: ClusterSettings, path: Path = Path(contract.SLURM_CLIENT_CONF)) -> Path:
     """What scontrol needs to ask the controller before slurmd has fetched the cluster's configuration."""
     path.write_text(f"ClusterName={s.cluster}\nSlurmctldHost={contract.HEAD_HOSTNAME}\nSlurmctldPort={s.slurmctld_port}\n"
@@ -517,12 +506,19 @@ def node_name(s: ClusterSettings, saved: Path = Path(contract.NODE_NAME_FILE), a
     return name
 
 
-def nccl_environment(efa: bool) -> str:
+def nccl_environment(pool: PoolSettings) -> str:
     """NCCL/EFA settings for jobs (aws-ofi-nccl >= 1.7, libfabric >= 1.18 as on the DLAMIs), as NAME=value lines for
-    the TaskProlog (task_prolog.sh), which gives them to every task that does not set them itself."""
+    the TaskProlog (task_prolog.sh), which gives them to every task that does not set them itself (LD_LIBRARY_PATH:
+    added to the task's own). NVIDIA nodes: aws-ofi-nccl on the loader's path and named, so that the job's own NCCL
+    (a torch wheel's) loads it instead of falling back to TCP sockets unseen. EFA pools: NCCL_NET names the plugin's
+    network, so that a plugin that does not load fails the job (NCCL then initialises no other network; every
+    aws-ofi-nccl release answers to "AWS Libfabric", the newer ones also to "Libfabric")."""
     lines = ["NCCL_SOCKET_IFNAME=^docker,lo,veth", "NCCL_DEBUG=WARN"]
-    if efa:
-        lines += ["FI_PROVIDER=efa", "FI_EFA_USE_HUGE_PAGE=0"]
+    nvidia = pool.accelerator == "nvidia"
+    if nvidia:
+        lines += [f"LD_LIBRARY_PATH={contract.AWS_OFI_NCCL_LIB_DIR}", f"NCCL_NET_PLUGIN={contract.NCCL_NET_PLUGIN}"]
+    if pool.efa_interfaces:
+        lines += ["FI_PROVIDER=efa", "FI_EFA_USE_HUGE_PAGE=0"] + (["NCCL_NET=AWS Libfabric"] if nvidia else [])
     return "\n".join(lines) + "\n"
 
 
@@ -690,6 +686,19 @@ def set_hostname(name: str) -> None:
     run("hostname", name)
 
 
+def configuration_holds() -> bool:
+    """The first boot's checks of what only this instance can tell (HEALTH_PROGRAM --configuration: DCGM's host
+    engine, the kernel's Lustre module, the pool tag, NCCL's EFA plugin), before anything needs them. A fault leaves
+    the node DOWN with its fix as the reason and the boot ends here: slurmd stays stopped, for a node that registers
+    is returned to service (ReturnToService=2), and a fresh instance would meet the same fault."""
+    checked = run("/usr/bin/python3", contract.HEALTH_PROGRAM, "--configuration", check=False)
+    for line in checked.stderr.splitlines():
+        log.warning("%s", line)
+    if checked.returncode:
+        log.error("configuration fault: the node is DOWN (sinfo -R says what to fix); slurmd not started")
+    return checked.returncode == 0
+
+
 def compute(s: ClusterSettings, env: dict[str, str]) -> None:
     hosts_entry(s.head_address)
     install_munge_key()
@@ -698,7 +707,9 @@ def compute(s: ClusterSettings, env: dict[str, str]) -> None:
     name = node_name(s)
     set_hostname(name)
     pool = s.pools[env["GPUCLUSTER_POOL"]]
-    Path(contract.NCCL_ENV_FILE).write_text(nccl_environment(pool.efa_interfaces > 0))
+    Path(contract.NCCL_ENV_FILE).write_text(nccl_environment(pool))
+    if not configuration_holds():
+        return
     # NCCL keeps its buffers in /dev/shm: allow most of the node's memory.
     run("mount", "-o", "remount,size=90%", "/dev/shm", check=False)
     mount_lustre(s.fsx_dns_name, s.fsx_mount_name)

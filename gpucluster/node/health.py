@@ -11,6 +11,14 @@ with the reason `gpucluster: replace: health: ...` (`sinfo -R`); the reconciler 
 idle. In the Prolog the exit status is 1, so Slurm requeues the job (SchedulerParameters=nohold_on_prolog_fail) and it
 never starts here.
 
+`--configuration`, run by the bootstrap at every boot before it mounts anything or starts slurmd: what only the
+instance itself can tell of the image and of EC2 as they really are (the DCGM host engine running, which it starts
+where the image left it stopped; a Lustre module for the running kernel; the pool tag on the instance; on EFA pools
+NCCL's EFA plugin). A fault is no passing state: a fresh instance would meet it again, so the node is set DOWN with
+`gpucluster: configuration: <what, and the fix>` (the reconciler's needs-a-fix class: no relaunch) and the exit status
+is 1, and the bootstrap then leaves slurmd stopped (a node that registered would be returned to service). A check
+that cannot decide (the metadata service not answering, a tool missing) says so in the boot log and passes.
+
 Standard library only. What a node should have comes from the cluster settings and the node's pool.
 """
 
@@ -23,21 +31,27 @@ import shutil
 import signal
 import subprocess
 import sys
+import urllib.error
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this program is part of (the bundle's lib/)
 from gpucluster.contract import reasons
 from gpucluster.contract.settings import (
+    AWS_OFI_NCCL_LIB_DIR,
     FATAL_XIDS,
     GPU_JOB_MAP_DIR,
     HOSTS_PROGRAM,
+    NCCL_NET_PLUGIN_FILE,
     NODE_NAME_FILE,
+    POOL_TAG,
     SHARED_DIR,
     SLURM_CLIENT_CONF,
     ClusterSettings,
     PoolSettings,
+    named_pool,
     read_env_file,
 )
+from gpucluster.node.metadata import imds
 from gpucluster.node.slurm_control import SlurmControl
 
 TOOL_SECONDS = 10  # one tool call; the Prolog makes at most three
@@ -131,6 +145,85 @@ def check(pool: PoolSettings, mode: str) -> list[str]:
     return problems
 
 
+# --- the first boot's configuration checks ----------------------------------------------------------------------------
+DCGM_UNIT = "nvidia-dcgm.service"  # NVIDIA's host engine (nv-hostengine), as DCGM's packages install it
+UNIT_DIRS = ("/etc/systemd/system", "/run/systemd/system", "/usr/lib/systemd/system", "/lib/systemd/system")
+
+
+def note(text: str) -> None:
+    """A line for the boot log (the bootstrap logs what this program says)."""
+    print(f"gpucluster health: {text}", file=sys.stderr)
+
+
+def dcgm_host_engine(pool: PoolSettings, unit_dirs: tuple[str, ...] = UNIT_DIRS) -> list[str]:
+    """NVIDIA nodes: the boot's `dcgmi diag` and dcgm-exporter need the host engine. Started here where the image has
+    it stopped (nothing else would: every node would fail its diagnostic and be replaced, in a loop)."""
+    if pool.accelerator != "nvidia":
+        return []
+    if not any(Path(d, DCGM_UNIT).exists() for d in unit_dirs):
+        return [f"DCGM is not installed (no {DCGM_UNIT}): rebake the image (build_image.sh installs it)"]
+    if tool("systemctl", "is-active", "--quiet", DCGM_UNIT)[0] is not None:
+        return []
+    _, why = tool("systemctl", "start", DCGM_UNIT, seconds=60)
+    if tool("systemctl", "is-active", "--quiet", DCGM_UNIT)[0] is None:
+        return [f"{DCGM_UNIT} does not start ({why or 'inactive after its start'}): see its journal; "
+                "rebake the image"]
+    note(f"{DCGM_UNIT} was stopped: started it")
+    return []
+
+
+def lustre_module(release: str = "") -> list[str]:
+    """/fsx and /home need a Lustre client module built for the running kernel: one a kernel update brought in
+    without its module (a reboot onto it) cannot mount them."""
+    release = release or os.uname().release
+    out, why = tool("modinfo", "-k", release, "-F", "filename", "lustre")
+    if out is not None and out.strip():
+        return []
+    if out is None and not why.startswith("modinfo exited"):  # no modinfo, or it hung: no answer either way
+        note(f"cannot tell whether kernel {release} has a Lustre module ({why})")
+        return []
+    return [f"no Lustre client module for kernel {release} (the kernel changed without one): "
+            "rebake the image, or hold the kernel it was baked with"]
+
+
+def pool_tag(node: str) -> list[str]:
+    """The instance carries its pool's tag (POOL_TAG) with the pool its Slurm name claims: the reconciler finds its
+    pool's instances by that tag (without it, each would be taken for a vanished node's). Read from the instance's
+    metadata tags, which the pools' launch templates turn on (no AWS call, no permission)."""
+    claimed = named_pool(node)
+    try:
+        keys = imds("meta-data/tags/instance").split()
+        value = imds(f"meta-data/tags/instance/{POOL_TAG}").strip() if POOL_TAG in keys else None
+    except urllib.error.HTTPError as exc:  # 404: the launch template does not put tags in the metadata
+        note(f"cannot read the instance's tags from its metadata (HTTP {exc.code}): pool tag not checked")
+        return []
+    except OSError as exc:
+        note(f"the instance metadata does not answer ({exc}): pool tag not checked")
+        return []
+    if value == claimed:
+        return []
+    found = "not tagged" if value is None else f"tagged {POOL_TAG}={value}"
+    return [f"instance {found}, not {POOL_TAG}={claimed}: EC2 did not give it the launch template's tags"]
+
+
+def nccl_plugin(pool: PoolSettings, directory: str = AWS_OFI_NCCL_LIB_DIR) -> list[str]:
+    """EFA pools' jobs require NCCL's EFA plugin (nccl.env: NCCL_NET): without it every multi-node job would fail."""
+    if pool.accelerator != "nvidia" or not pool.efa_interfaces:
+        return []
+    if Path(directory, NCCL_NET_PLUGIN_FILE).exists():
+        return []
+    return [f"no {NCCL_NET_PLUGIN_FILE} in {directory} (aws-ofi-nccl, NCCL's EFA plugin): rebake the image"]
+
+
+def configuration(pool: PoolSettings, node: str) -> list[str]:
+    return dcgm_host_engine(pool) + lustre_module() + pool_tag(node) + nccl_plugin(pool)
+
+
+def set_down(node: str, problems: list[str], scontrol: str = "scontrol") -> None:
+    """reasons.CONFIGURATION: the reconciler leaves the node DOWN, its reason saying what to fix."""
+    SlurmControl(scontrol, timeout=TOOL_SECONDS).set_down([node], f"{reasons.CONFIGURATION}: {'; '.join(problems)}")
+
+
 def drain(node: str, problems: list[str], scontrol: str = "scontrol") -> None:
     """For a fresh instance (reasons.REPLACE). A controller that does not answer leaves the node as it is: the next
     check tries again."""
@@ -163,15 +256,19 @@ def main(argv: list[str]) -> int:
     if os.environ.get("SLURM_SCRIPT_CONTEXT") == "epilog_slurmd":  # as Slurm's Epilog: no check after a job
         label_gpus(os.environ.get("SLURM_JOB_ID", ""), os.environ.get("SLURM_JOB_GPUS", ""), epilog=True)
         return 0
-    mode = "boot" if argv[1:] == ["--boot"] else "prolog" if os.environ.get("SLURM_JOB_ID") else "periodic"
+    modes = {"--boot": "boot", "--configuration": "configuration"}
+    mode = modes.get(argv[1] if argv[1:] else "") or ("prolog" if os.environ.get("SLURM_JOB_ID") else "periodic")
     settings = ClusterSettings.load()
     pool = settings.pools[read_env_file()["GPUCLUSTER_POOL"]]
-    problems = check(pool, mode)
+    node = Path(NODE_NAME_FILE).read_text().strip() if Path(NODE_NAME_FILE).exists() else os.uname().nodename
+    problems = configuration(pool, node) if mode == "configuration" else check(pool, mode)
     if problems:
-        node = Path(NODE_NAME_FILE).read_text().strip() if Path(NODE_NAME_FILE).exists() else os.uname().nodename
         print(f"gpucluster health ({mode}) on {node}: {'; '.join(problems)}", file=sys.stderr)
         if "SLURM_CONF" not in os.environ and Path(SLURM_CLIENT_CONF).exists():  # at boot, before slurmd
             os.environ["SLURM_CONF"] = SLURM_CLIENT_CONF
+        if mode == "configuration":
+            set_down(node, problems)  # a controller that does not answer fails the boot (retried at ResumeTimeout)
+            return 1
         drain(node, problems)
         return 1 if mode == "prolog" else 0
     if mode == "prolog":

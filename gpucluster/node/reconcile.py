@@ -2,7 +2,8 @@
 """The reconciler on the head node (settings.RECONCILE_PROGRAM, run by its timer every minute): classify every node
 (its Slurm state and its instance) and every unowned instance into a status, then act per status: power up always-on
 nodes, set DOWN nodes whose instance vanished, return nodes DOWN for a passing cause to service with backoff, replace
-the instance of a node drained for it once idle, terminate instances nothing owns once their launch grace is over.
+the instance of a node drained for it once idle, terminate instances nothing owns once their launch grace is over and
+those of nodes DOWN for a configuration fault (never relaunched).
 Standard library and boto3."""
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ class Status(enum.Enum):
     LOST = "lost"  # Slurm counts on it, its instance is gone (spot reclaim, terminated outside Slurm): set DOWN
     RETRY = "retry"  # DOWN for a passing cause and its backoff is over: terminate what is left, back to service
     BACKING_OFF = "backing off"  # DOWN for a passing cause, waiting for its next try
-    NEEDS_FIX = "needs a fix"  # DOWN for a configuration error: stays DOWN, its reason says what to fix
+    # DOWN for a configuration error: stays DOWN, its reason says what to fix; an instance it has is terminated
+    NEEDS_FIX = "needs a fix"
     HELD = "held by an admin"  # DOWN or DRAIN set by a person (or drained by Slurm): left alone
     LEFTOVER = "leftover"  # Slurm has it off but its instance runs: terminate
     DRAINING = "draining for a new instance"  # drained by the cluster (reasons.REPLACE), jobs still on it: wait
@@ -86,10 +88,12 @@ def classify(node: NodeView, now: float, retry_base: int) -> Status:
         busy = flags & {"ALLOCATED", "MIXED", "COMPLETING"}
         return Status.DRAINING if busy and node.has_instance else Status.REPLACE
     if "DOWN" in flags or "DRAIN" in flags:
+        # The cluster's programs (as slurm) and a node's own first-boot checks (as root) set it. slurmctld appends its
+        # own reasons to one already there: "old : new".
+        if "DOWN" in flags and node.reason_user in (SLURM_USER, "root") and reasons.CONFIGURATION in node.reason:
+            return Status.NEEDS_FIX
         if node.reason_user != SLURM_USER or "DOWN" not in flags:
             return Status.HELD  # an admin's hold; drained nodes finish their jobs first (health checks drain)
-        if reasons.CONFIGURATION in node.reason:  # slurmctld appends its own reasons to one already there: "old : new"
-            return Status.NEEDS_FIX
         return Status.RETRY if now - node.reason_time >= retry_delay(node.failures, retry_base) else Status.BACKING_OFF
     if flags & {"POWERING_UP", "POWERING_DOWN", "POWER_DOWN", "POWER_UP"}:  # asked for, or under way
         return Status.CHANGING
@@ -149,6 +153,9 @@ def reconcile(config: ClusterSettings, ec2: Any, slurm: SlurmControl,
     act("forgotten", gone, lambda nodes: _terminate_orphans(ec2, forget(config, nodes, seen)))
     act("leftover", by_status[Status.LEFTOVER], lambda nodes: terminate(ec2, forget(config, nodes, seen)))
     act("down", by_status[Status.LOST], lambda nodes: _set_lost(slurm, nodes))
+    # By the registry, not by tags: an instance that lacks its pool tag (one of the faults) is not among `instances`.
+    act("ended", [n for n in by_status[Status.NEEDS_FIX] if n in seen],
+        lambda nodes: _end_faulty(config, ec2, nodes, seen))
     act("retried", by_status[Status.RETRY],
         lambda nodes: _fresh_start(config, ec2, slurm, nodes, seen, replacing=False))
     act("replaced", by_status[Status.REPLACE],
@@ -166,6 +173,15 @@ def _terminate_orphans(ec2: Any, ids: list[str]) -> None:
     if ids:
         log.warning("instance(s) %s belong to no node (past their launch grace): terminating", ",".join(ids))
         terminate(ec2, ids)
+
+
+def _end_faulty(config: ClusterSettings, ec2: Any, nodes: list[str], seen: dict[str, str]) -> None:
+    """A node DOWN for a configuration fault that its instance found at boot: no job can use the instance, and
+    another would meet the same fault. It goes now, not at ResumeTimeout; the node stays DOWN, never relaunched."""
+    ids = forget(config, nodes, seen)
+    log.error("node(s) %s are DOWN for a configuration fault (sinfo -R says what to fix): terminating %s; they stay "
+              "DOWN until it is fixed", compress_hostlist(nodes), ",".join(ids))
+    terminate(ec2, ids)
 
 
 def _set_lost(slurm: SlurmControl, nodes: list[str]) -> None:

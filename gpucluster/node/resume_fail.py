@@ -21,14 +21,18 @@ from gpucluster.node.slurm_control import SlurmControl
 
 def resume_fail(config: ClusterSettings, ec2: Any, slurm: SlurmControl, hostlist: str) -> list[str]:
     """Only the nodes the resume program launched are set DOWN with this reason: the others were set DOWN by it
-    already, with EC2's reason (a configuration error's fix must stay visible)."""
+    already, with EC2's reason (a configuration error's fix must stay visible). So are launched nodes whose first boot
+    found a configuration fault (they set themselves DOWN, and never registered): retried, they would meet it again."""
     nodes = expand_hostlist(hostlist)
     with registry(config) as state:
         launched = {n: state.instances.pop(n)["instance"] for n in nodes if n in state.instances}
     log.error("resume failed for %s (never registered): terminating %s", compress_hostlist(nodes),
               ",".join(launched.values()) or "nothing")
     terminate(ec2, list(launched.values()))
-    slurm.set_down(sorted(launched), f"{reasons.LAUNCH_FAILED}: node did not register before ResumeTimeout")
+    records = slurm.nodes() if launched else []
+    faulty = {r["NodeName"] for r in records if reasons.CONFIGURATION in r.get("Reason", "")}
+    slurm.set_down(sorted(set(launched) - faulty),
+                   f"{reasons.LAUNCH_FAILED}: node did not register before ResumeTimeout")
     return list(launched.values())
 
 

@@ -17,7 +17,13 @@ import pytest
 
 from conftest import ROOT
 from gpucluster.aws import spend
-from gpucluster.contract.settings import EVENTS_LOG, POOL_TAG, PROMETHEUS_PORT
+from gpucluster.contract.settings import (
+    AWS_OFI_NCCL_LIB_DIR,
+    EVENTS_LOG,
+    NCCL_NET_PLUGIN_FILE,
+    POOL_TAG,
+    PROMETHEUS_PORT,
+)
 from local_cluster import LocalCluster
 
 pytestmark = pytest.mark.rehearsal
@@ -204,10 +210,15 @@ def test_example_ddp_job_survives_a_spot_warning_and_trains_across_two_nodes(clu
     events = [json.loads(line)["event"] for line in cluster.head.path(EVENTS_LOG).read_text().splitlines()]
     assert events[0] == "spot interruption warning" and "requeued" in events and "replaced" in events, events
 
-    ranks = re.findall(r"rank (\d)/2 on (\S+) backend gloo loss ([\d.]+) -> ([\d.]+) weights (\w{16})", resumed)
+    ranks = re.findall(r"rank (\d)/2 on (\S+) backend gloo loss ([\d.]+) -> ([\d.]+) weights (\w{16}) "
+                       r"nccl-net (\S+) (?:in \S+|not found) LD_LIBRARY_PATH=(\S*)", resumed)
     assert sorted(r[0] for r in ranks) == ["0", "1"], text[-3000:]
     assert node not in {r[1] for r in ranks}  # the warned node took no part in the rest
     assert len({r[4] for r in ranks}) == 1  # replicas agree
+    # Every task's NCCL would load EFA's plugin (review item 5), as each training process itself sees its environment
+    # (the TaskProlog's, through srun and torchrun): named, and its directory on the loader's path.
+    assert {r[5] for r in ranks} == {NCCL_NET_PLUGIN_FILE}, text[-3000:]
+    assert all(AWS_OFI_NCCL_LIB_DIR in r[6].split(":") for r in ranks), text[-3000:]
 
 
 def test_gpu_hour_quota_holds_jobs_that_would_exceed_it(cluster: LocalCluster) -> None:
