@@ -217,15 +217,16 @@ class Network:
 
 class AwsFront:
     """An HTTP front for moto, one per caller (a node, or the tests), so that each AWS call is counted against who made
-    it. It can answer CreateFleet with an EC2 error for the markets in `failing_markets`, and the next
+    it. It can answer CreateFleet with an EC2 error for the markets in `failing_markets`, or for a fleet of more
+    instances than `capacity[market]` has left (EC2 out of room for a fleet that must be launched whole), and the next
     `throttle[action]` calls of an action with ThrottlingException, as AWS does when an account's request rate is
     spent."""
 
     def __init__(self, network: Network, upstream: str, who: str, calls: list[tuple[str, str]],
-                 failing_markets: dict[str, str], throttle: dict[str, int]):
+                 failing_markets: dict[str, str], throttle: dict[str, int], capacity: dict[str, int]):
         self.upstream, self.who = upstream, who
         self.calls = calls  # (who, action), shared by every front of a cluster
-        self.failing_markets, self.throttle = failing_markets, throttle
+        self.failing_markets, self.throttle, self.capacity = failing_markets, throttle, capacity
         front = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -246,6 +247,9 @@ class AwsFront:
                     if market:
                         front.calls[-1] = (front.who, f"CreateFleet {market} refused")
                         return self._reply(200, _fleet_error(front.failing_markets[market]))
+                    if refused := front.out_of_capacity(text):
+                        front.calls[-1] = (front.who, refused)
+                        return self._reply(200, _fleet_error("InsufficientInstanceCapacity"))
                 request = urllib.request.Request(front.upstream + self.path, data=body if body else None,
                                                  method=self.command,
                                                  headers={k: v for k, v in self.headers.items() if k.lower() != "host"})
@@ -269,6 +273,18 @@ class AwsFront:
             self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def out_of_capacity(self, request: str) -> str:
+        """What was refused, if a CreateFleet asks for more instances than its market has left; else the instances are
+        taken from what is left."""
+        market = re.search(r"DefaultTargetCapacityType=([\w-]+)", request)
+        count = re.search(r"TotalTargetCapacity=(\d+)", request)
+        if not market or not count or market.group(1) not in self.capacity:
+            return ""
+        if int(count.group(1)) > self.capacity[market.group(1)]:
+            return f"CreateFleet {market.group(1)} x{count.group(1)} refused"
+        self.capacity[market.group(1)] -= int(count.group(1))
+        return ""
 
     @staticmethod
     def action(method: str, path: str, headers, body: bytes) -> str:
@@ -525,6 +541,7 @@ class LocalCluster:
     boots: list[tuple[str, float]] = field(default_factory=list)  # (node name, when its instance booted)
     calls: list[tuple[str, str]] = field(default_factory=list)  # (who, AWS action) through the fronts
     failing_markets: dict[str, str] = field(default_factory=dict)
+    capacity: dict[str, int] = field(default_factory=dict)  # market -> instances EC2 can still launch (AwsFront)
     throttle: dict[str, int] = field(default_factory=dict)
     gpu_faults: dict[str, str] = field(default_factory=dict)  # pool -> its next nodes' nvidia-smi (a broken GPU)
     env: dict[str, str] = field(default_factory=dict)
@@ -603,7 +620,8 @@ class LocalCluster:
         return f"http://127.0.0.1:{int(port)}"
 
     def front(self, who: str) -> AwsFront:
-        front = AwsFront(self.network, self.moto_url, who, self.calls, self.failing_markets, self.throttle)
+        front = AwsFront(self.network, self.moto_url, who, self.calls, self.failing_markets, self.throttle,
+                         self.capacity)
         self._closers.append(front.close)
         return front
 
