@@ -6,13 +6,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STACK ?= dev
 
-# What the tests run for real: Slurm's daemons with munge and MariaDB, cloud-init's schema checker, shellcheck for
-# build_image.sh, PyYAML for /usr/bin/python3 (the boot rehearsal's cloud-init stand-in; cloud-init brings it too),
-# iptables, iproute2 and sudo for the nodes' lockdown (tests/test_lockdown.py); Prometheus, its node exporter and
-# Alertmanager, which the head and nodes run and whose promtool and amtool check what we render.
-SYSTEM_PACKAGES := slurmctld slurmd slurm-client slurmdbd munge mariadb-server mariadb-client cloud-init \
-  shellcheck python3-yaml systemd util-linux mount e2fsprogs iptables iproute2 sudo \
-  prometheus prometheus-node-exporter prometheus-alertmanager
+# What the tests run on this machine: cloud-init's schema checker, shellcheck for build_image.sh, systemd-analyze
+# (tests/test_bootstrap.py), Slurm's scontrol (tests/test_bootstrap.py; it brings the slurm user), iptables, iproute2,
+# util-linux and sudo for the nodes' lockdown (tests/test_lockdown.py, which needs the prometheus user too), promtool
+# and amtool, which check what we render; mmdebstrap builds the rehearsal's node image. The Slurm daemons, munge,
+# MariaDB and the exporters run only inside the rehearsal's nodes, from that image.
+SYSTEM_PACKAGES := slurm-client cloud-init shellcheck systemd util-linux mount iptables iproute2 sudo \
+  prometheus prometheus-alertmanager mmdebstrap
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 # Test worker processes (pytest-xdist). The unit lane's tests are CPU-bound: one per core. A local cluster's test
@@ -20,7 +20,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 FAST_WORKERS ?= $(shell nproc)
 TEST_WORKERS ?= 6
 
-.PHONY: plan test test-fast setup lanes bench system-packages
+.PHONY: plan test test-fast setup lanes bench system-packages rehearsal-rootfs
 
 # Debian's and Ubuntu's python3 makes a venv only with python3-venv: installed when the first try fails.
 APT_INSTALL := DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get -o DPkg::Lock::Timeout=300 install -y -q
@@ -36,9 +36,24 @@ system-packages:
 	@dpkg -s $(SYSTEM_PACKAGES) >/dev/null 2>&1 || { $(SUDO) apt-get update -q && \
 	  $(APT_INSTALL) $(SYSTEM_PACKAGES); }
 
-# The venv and the system packages at once: pip and apt-get wait on nothing of each other's.
+# The boot rehearsal's node image (tests/rehearsal_image.py): Debian 13 with the node image's Slurm, from Debian's
+# registry, rebuilt when the package list changed (it keeps a copy of the list it was built from); ~1.5 min, mostly
+# download. Built beside the old one, which is swapped out only once the new one is complete.
+REHEARSAL_ROOTFS ?= $(shell python3 tests/rehearsal_image.py)
+export GPUCLUSTER_REHEARSAL_ROOTFS := $(REHEARSAL_ROOTFS)
+REHEARSAL_LIST := tests/rehearsal/image-packages
+rehearsal-rootfs: system-packages
+	@cmp -s $(REHEARSAL_LIST) $(REHEARSAL_ROOTFS)/.gpucluster-image-packages || { \
+	  $(SUDO) rm -rf $(REHEARSAL_ROOTFS).new && $(SUDO) mkdir -p $(dir $(REHEARSAL_ROOTFS)) && \
+	  $(SUDO) mmdebstrap --quiet --variant=apt --include=$$(grep -v '^#' $(REHEARSAL_LIST) | paste -sd, -) \
+	    trixie $(REHEARSAL_ROOTFS).new http://deb.debian.org/debian && \
+	  $(SUDO) cp $(REHEARSAL_LIST) $(REHEARSAL_ROOTFS).new/.gpucluster-image-packages && \
+	  $(SUDO) rm -rf $(REHEARSAL_ROOTFS) && $(SUDO) mv $(REHEARSAL_ROOTFS).new $(REHEARSAL_ROOTFS); }
+
+# The venv beside the system packages and the rehearsal's image (after them: it needs mmdebstrap): pip, apt-get and
+# mmdebstrap wait on nothing of each other's.
 setup:
-	@$(MAKE) --no-print-directory --jobs=2 $(VENV)/.installed system-packages
+	@$(MAKE) --no-print-directory --jobs=2 $(VENV)/.installed rehearsal-rootfs
 
 # Lint, the docs and the three lanes at once (the lanes mostly wait on Slurm's timers); each one's output in one piece,
 # the tests' last.
@@ -63,7 +78,7 @@ lint: $(VENV)/.installed
 docs: $(VENV)/.installed
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
-bench: $(VENV)/.installed system-packages
+bench: $(VENV)/.installed rehearsal-rootfs
 	$(PY) benchmarks/plan_speed.py
 	$(PY) benchmarks/resume_scale.py
 	$(PY) benchmarks/interruption.py

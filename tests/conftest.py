@@ -48,20 +48,21 @@ def of_type(declared: Sequence[Declared], suffix: str) -> list[Declared]:
 
 
 @pytest.fixture
-def start_cluster() -> Iterator[Callable[[], LocalCluster]]:
-    """Starts fresh local Slurm clusters of tests/stacks/Pulumi.local.yaml, EC2 and the rest in moto
-    (tests/integration), each in a network of its own; all are stopped after the test."""
+def start_cluster() -> Iterator[Callable[..., LocalCluster]]:
+    """Starts fresh local Slurm clusters of tests/stacks/Pulumi.local.yaml (or of the stack given), EC2 and the rest
+    in moto (tests/integration), each in a network of its own; all are stopped after the test."""
     import shutil
     import tempfile
 
     from local_cluster import LocalCluster, missing_tools
 
-    assert not missing_tools(), f"install Slurm, munge and MariaDB first (make test does): missing {missing_tools()}"
+    assert not missing_tools(), f"make setup first (make test does): missing {missing_tools()}"
     started: list[LocalCluster] = []
 
-    def start() -> LocalCluster:
+    def start(stack: Stack | None = None) -> LocalCluster:
         root = Path(tempfile.mkdtemp(prefix="gpucluster-cluster-"))
-        local = LocalCluster(load_stack(FIXTURES / "Pulumi.local.yaml"), root).start()  # stopped itself if it failed
+        stack = stack or load_stack(FIXTURES / "Pulumi.local.yaml")
+        local = LocalCluster(stack, root).start()  # stopped itself if it failed
         started.append(local)
         return local
 

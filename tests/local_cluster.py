@@ -1,28 +1,30 @@
 """A real Slurm cluster on this machine, booted the way EC2 boots gpucluster's nodes, with AWS served by moto.
 
-The boot rehearsal: every node, the head and each launched instance, is a set of Linux namespaces on this machine with
-its own /etc, /var, /opt, /usr/local and /run (overlays on this machine's, which plays the node image: Debian's Slurm,
-munge and MariaDB) and its own host name. Each boots as EC2 would boot it: its user data, rendered by gpucluster,
+The boot rehearsal: every node, the head and each launched instance, is a set of Linux namespaces on this machine
+whose root is an overlay over the rehearsal image (tests/rehearsal_image.py: Debian 13 with the node image's Slurm
+release, PMIx, Open MPI, munge, MariaDB and Prometheus, from Debian's packages), with its own /run and /tmp, its own
+host name and its own changes to the image. Each boots as EC2 would boot it: its user data, rendered by gpucluster,
 goes through cloud-init's steps, which enable gpucluster-boot.service; that unit runs fetch_bundle.py (settings and
 munge key from SSM, the bundle from S3, all in moto) and bootstrap.py in the node's role, which starts munge, MariaDB,
-slurmdbd, slurmctld or slurmd from the packaged unit files and our drop-ins. Nothing here starts a Slurm daemon.
+slurmdbd, slurmctld or slurmd from the packaged unit files and our drop-ins. Nothing here starts a Slurm daemon; the
+tests' Slurm commands run on the head, inside its root (HEAD_COMMANDS).
 
 What this machine forces, and stands in for it:
 - no systemd as PID 1 and no cloud-init datasource: tests/rehearsal/systemctl and tests/rehearsal/cloud_init
   (their docstrings say what they do);
 - no EC2: instances are moto's; a small instance-metadata server per node answers IMDSv2 (instance id and
   instance-profile credentials); the node image's Python finds boto3 and the AWS endpoints through one .pth file;
+- no node image of Ubuntu's: the rehearsal image plays it, with the test venv as the image's venv (it and the Python
+  it runs on are bound into every node at their paths here, as are the repository and the cluster's directory);
 - no block device or Lustre: the head's state volume is a loop device behind its EBS by-id name, /fsx a directory
   shared by all nodes (mounted before the boot, so the bootstrap finds it mounted);
-- Debian's Slurm 22.05, not the images' 23.11: slurm.conf asks for cloud_reg_addrs (a node's address from its
-  registration), which 23.11 always does;
 - no VPC: each cluster has a network namespace of its own (Network), which all its nodes share, so clusters run
   side by side and each one's lockdown rules are its own;
 - one address for all of a cluster's nodes: the Slurm ports differ per node (SlurmLayout.node_port_base), slurmd
-  reports the configured CPUs and GPUs (`config_overrides`, /dev/null as each GPU device), no cgroup plugins (this
-  machine's cgroups are not Slurm's to use), and compute nodes boot in a time namespace of their own (slurmctld
-  ignores a node whose boot time predates its resume request); each node's exporters listen on ports of their own
-  (settings exporter_port_base);
+  reports the configured CPUs and GPUs (`config_overrides`, /dev/null as each GPU device), no cgroup plugin (this
+  machine's cgroups are not Slurm's to use: cgroup.conf says CgroupPlugin=disabled), and compute nodes boot in a time
+  namespace of their own (slurmctld ignores a node whose boot time predates its resume request); each node's
+  exporters listen on ports of their own (settings exporter_port_base);
 - no GPU, DCGM or container runtime: nvidia-smi and `docker` (running dcgm-exporter) are stand-ins on GPU nodes;
   so are DCGM's host engine unit (installed, stopped), nv-hostengine and dcgmi (first_boot_stand_ins);
 - no Lustre module for this machine's kernel: `modinfo` is a stand-in on compute nodes; the metadata server serves
@@ -36,6 +38,7 @@ import ctypes
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -53,16 +56,19 @@ from gpucluster.contract.settings import CLUSTER_TAG, LOGIN_USER, NODE_REGISTRY,
 from gpucluster.project import EXAMPLES_DIR
 from gpucluster.render import slurm
 from gpucluster.spec.model import Stack
+from rehearsal_image import REHEARSAL_ROOTFS, python_version, stale
 
 ROOT = Path(__file__).resolve().parent.parent
 REHEARSAL = Path(__file__).resolve().parent / "rehearsal"
-REQUIRED = ("/usr/bin/python3", "munged", "slurmctld", "slurmd", "slurmdbd", "sinfo", "scontrol", "sbatch", "mariadbd",
-            "mariadb-install-db", "unshare", "nsenter", "losetup", "mkfs.ext4", "systemd-analyze", "systemd-tmpfiles",
-            "iptables", "prometheus", "prometheus-node-exporter", "prometheus-alertmanager")
+# What the harness runs on this machine; the nodes run the rehearsal image's programs.
+REQUIRED = ("unshare", "nsenter", "chroot", "losetup", "ip", "pgrep")
 # What a user or a test runs on the head node: these commands enter its namespaces (a login on the head).
 HEAD_COMMANDS = ("sbatch", "squeue", "scontrol", "sinfo", "sacctmgr", "sshare", "sacct", "scancel", "srun", "sreport")
 BOOT_SECONDS = 2.0
 SITE_PACKAGES = Path(__import__("boto3").__path__[0]).resolve().parent
+# The test venv, the node image's venv here, and the Python installation it runs on (outside the venv: this machine's).
+TEST_VENV = SITE_PACKAGES.parents[2]
+TEST_PYTHON = Path(sys.base_prefix).resolve()
 # What the node image's python3-boto3 gives the system Python (Debian's is too old for AWS_ENDPOINT_URL): copied out
 # of the test venv, whose directory the slurm user running the resume program may not be allowed to enter.
 AWS_SDK = ("boto3", "botocore", "s3transfer", "jmespath", "dateutil", "urllib3", "six.py")
@@ -98,7 +104,8 @@ MOTO_SERVER = ("import threading\nfrom moto.server import ThreadedMotoServer\n"
 
 
 def missing_tools() -> list[str]:
-    return [tool for tool in REQUIRED if not shutil.which(tool)]
+    """What keeps the rehearsal from running here: tools of this machine's, or the rehearsal image."""
+    return [tool for tool in REQUIRED if not shutil.which(tool)] + ([why] if (why := stale()) else [])
 
 
 def free_port() -> int:
@@ -216,15 +223,16 @@ class Network:
 
 class AwsFront:
     """An HTTP front for moto, one per caller (a node, or the tests), so that each AWS call is counted against who made
-    it. It can answer CreateFleet with an EC2 error for the markets in `failing_markets`, and the next
+    it. It can answer CreateFleet with an EC2 error for the markets in `failing_markets`, or for a fleet of more
+    instances than `capacity[market]` has left (EC2 out of room for a fleet that must be launched whole), and the next
     `throttle[action]` calls of an action with ThrottlingException, as AWS does when an account's request rate is
     spent."""
 
     def __init__(self, network: Network, upstream: str, who: str, calls: list[tuple[str, str]],
-                 failing_markets: dict[str, str], throttle: dict[str, int]):
+                 failing_markets: dict[str, str], throttle: dict[str, int], capacity: dict[str, int]):
         self.upstream, self.who = upstream, who
         self.calls = calls  # (who, action), shared by every front of a cluster
-        self.failing_markets, self.throttle = failing_markets, throttle
+        self.failing_markets, self.throttle, self.capacity = failing_markets, throttle, capacity
         front = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -245,6 +253,9 @@ class AwsFront:
                     if market:
                         front.calls[-1] = (front.who, f"CreateFleet {market} refused")
                         return self._reply(200, _fleet_error(front.failing_markets[market]))
+                    if refused := front.out_of_capacity(text):
+                        front.calls[-1] = (front.who, refused)
+                        return self._reply(200, _fleet_error("InsufficientInstanceCapacity"))
                 request = urllib.request.Request(front.upstream + self.path, data=body if body else None,
                                                  method=self.command,
                                                  headers={k: v for k, v in self.headers.items() if k.lower() != "host"})
@@ -268,6 +279,18 @@ class AwsFront:
             self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def out_of_capacity(self, request: str) -> str:
+        """What was refused, if a CreateFleet asks for more instances than its market has left; else the instances are
+        taken from what is left."""
+        market = re.search(r"DefaultTargetCapacityType=([\w-]+)", request)
+        count = re.search(r"TotalTargetCapacity=(\d+)", request)
+        if not market or not count or market.group(1) not in self.capacity:
+            return ""
+        if int(count.group(1)) > self.capacity[market.group(1)]:
+            return f"CreateFleet {market.group(1)} x{count.group(1)} refused"
+        self.capacity[market.group(1)] -= int(count.group(1))
+        return ""
 
     @staticmethod
     def action(method: str, path: str, headers, body: bytes) -> str:
@@ -352,12 +375,11 @@ def instance_tags(tags: dict[str, str]) -> dict[str, str]:
     return {"meta-data/tags/instance": "\n".join(tags), **{f"meta-data/tags/instance/{k}": v for k, v in tags.items()}}
 
 
-OVERLAID = ("/etc", "/var", "/opt", "/usr/local")  # the node's own copies of the image's directories
-
 
 @dataclass
 class RehearsalNode:
-    """One EC2 instance of the cluster as a set of namespaces; `boot` runs its user data as EC2 and cloud-init would."""
+    """One EC2 instance of the cluster as a set of namespaces over the rehearsal image (tests/rehearsal_image.py);
+    `boot` runs its user data as EC2 and cloud-init would."""
 
     name: str  # for the harness's logs; the node learns its Slurm name itself
     root: Path
@@ -367,6 +389,9 @@ class RehearsalNode:
     fsx: Path
     sdk: Path  # the image's AWS SDK (image_sdk)
     network: Network  # the cluster's, shared by its nodes
+    # Paths of this machine the node sees at the same paths: the repository (the stand-ins, the examples), the
+    # cluster's directory (job output, the SDK) and the test venv with the Python it runs on.
+    shared: tuple[Path, ...] = ()
     volume: Path | None = None  # the head's state volume (a loop device behind its EBS by-id name)
     volume_id: str = ""
     own_clock: bool = False  # compute nodes: a boot time of their own
@@ -376,15 +401,19 @@ class RehearsalNode:
     init: subprocess.Popen[bytes] | None = None
 
     def boot(self) -> None:
-        """Power on: fresh /run, the image's directories overlaid, then cloud-init's first-boot steps (a reboot skips
-        them: cloud-init runs write_files and runcmd once per instance) and the units enabled for multi-user.target."""
-        first = not (self.root / "etc.up").exists()
-        for d in OVERLAID:
-            for part in ("up", "work"):
-                (self.root / f"{d.strip('/').replace('/', '-')}.{part}").mkdir(parents=True, exist_ok=True)
-        run_dir = self.root / "run"
-        shutil.rmtree(run_dir, ignore_errors=True)  # /run is a tmpfs: empty at every boot
+        """Power on: fresh /run and /tmp, the image with the node's own changes over it as its root, then cloud-init's
+        first-boot steps (a reboot skips them: cloud-init runs write_files and runcmd once per instance) and the units
+        enabled for multi-user.target."""
+        upper, merged = self.root / "up", self.root / "root"
+        first = not upper.exists()
+        for d in (upper, self.root / "work", merged):
+            d.mkdir(parents=True, exist_ok=True)
+        run_dir, tmp_dir = self.root / "run", self.root / "tmp"
+        for d in (run_dir, tmp_dir):  # tmpfs on an instance: empty at every boot
+            shutil.rmtree(d, ignore_errors=True)
         (run_dir / "rehearsal-systemd").mkdir(parents=True)
+        tmp_dir.mkdir(mode=0o1777)
+        tmp_dir.chmod(0o1777)  # past the umask
         self._image()
         (run_dir / "rehearsal-systemd" / "environment.json").write_text(json.dumps(
             {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}))
@@ -394,17 +423,22 @@ class RehearsalNode:
             link = disk / f"nvme-Amazon_Elastic_Block_Store_{self.volume_id.replace('-', '')}"
             link.unlink(missing_ok=True)
             link.symlink_to(self.volume)
-        for where in ("/dev/disk/by-id", "/fsx"):
-            Path(where).mkdir(parents=True, exist_ok=True)  # mount points on this machine; empty
-        mounts = [f"mount -t overlay overlay -o lowerdir={d},upperdir={self._dir(d, 'up')},"
-                  f"workdir={self._dir(d, 'work')} {d}" for d in OVERLAID]
-        mounts += [f"mount --bind {run_dir} /run", "mount -t tmpfs tmpfs /dev/shm",
-                   f"mount --bind {disk} /dev/disk/by-id",
-                   f"mount --bind {self.fsx} /fsx", f"mount --bind {REHEARSAL / 'systemctl'} /usr/bin/systemctl",
-                   # A new instance has EC2's name; a rebooted one the name in its /etc/hostname, as systemd sets it.
-                   f"hostname ip-{self.name}" if first else "hostname -F /etc/hostname",
-                   "systemd-tmpfiles --create --prefix=/run --prefix=/var/lib >/dev/null 2>&1 || true",
-                   "exec sleep infinity"]
+        Path("/dev/disk/by-id").mkdir(parents=True, exist_ok=True)  # the mount point, in this machine's /dev; empty
+        binds = [(run_dir, "/run"), (tmp_dir, "/tmp"), (disk, "/dev/disk/by-id"), (self.fsx, "/fsx"),
+                 *((path, str(path)) for path in sorted(self.shared, key=lambda p: len(p.parts))),
+                 (REHEARSAL / "systemctl", "/usr/bin/systemctl")]
+        mounts = [f"mount -t overlay overlay -o lowerdir={REHEARSAL_ROOTFS},upperdir={upper},"
+                  f"workdir={self.root / 'work'} {merged}",
+                  f"mount -t proc proc {merged}/proc", f"mount --rbind /sys {merged}/sys",
+                  f"mount --rbind /dev {merged}/dev", f"mount -t tmpfs tmpfs {merged}/dev/shm"]
+        for source, target in binds:
+            mounts += [f"mkdir -p {merged}{target}" if source.is_dir() else f"touch {merged}{target}",
+                       f"mount --bind {source} {merged}{target}"]
+        # A new instance has EC2's name; a rebooted one the name in its /etc/hostname, as systemd sets it.
+        inside = [f"hostname ip-{self.name}" if first else "hostname -F /etc/hostname",
+                  "systemd-tmpfiles --create --prefix=/run --prefix=/var/lib >/dev/null 2>&1 || true",
+                  "cd / && exec sleep infinity"]
+        mounts.append(f"exec chroot {merged} sh -ec {shlex.quote('; '.join(inside))}")
         clock = ["--time", f"--boottime=-{Path('/proc/uptime').read_text().split('.')[0]}"] if self.own_clock else []
         log = open(self.root / "init.log", "ab")
         self.init = subprocess.Popen([*self.network.prefix(), "unshare", "--mount", "--uts", "--propagation", "private",
@@ -416,41 +450,36 @@ class RehearsalNode:
             self.enter("/usr/bin/python3", str(REHEARSAL / "cloud_init"), str(self.root / "user-data"))
         else:
             self.enter("/usr/bin/python3", str(REHEARSAL / "cloud_init"), str(self.root / "user-data"), "--every-boot")
-            wants = self.root / "etc.up" / "systemd" / "system" / "multi-user.target.wants"
+            wants = self.upper("/etc/systemd/system/multi-user.target.wants")
             for unit in sorted(p.name for p in wants.iterdir()) if wants.is_dir() else []:
                 self.enter("systemctl", "start", "--no-block", unit)
 
-    def _dir(self, d: str, part: str) -> Path:
-        return self.root / f"{d.strip('/').replace('/', '-')}.{part}"
+    def upper(self, inside: str) -> Path:
+        """Where the node's own change to a path of the image is kept (its overlay's upper layer)."""
+        return self.root / "up" / inside.lstrip("/")
 
     def _image(self) -> None:
-        """What the node image adds to this machine's packages: its manifest, its venv, boto3 for the system Python,
-        its login user.
+        """What the node image adds to the rehearsal image's packages: its manifest, its venv, boto3 for the system
+        Python, its login user.
         The .pth file also points the AWS SDK at this node's moto front and metadata server (the seam for EC2)."""
-        image = self._dir("/opt", "up") / "gpucluster-image"
+        image = self.upper("/opt/gpucluster-image")
         image.mkdir(parents=True, exist_ok=True)
         (image / "manifest.json").write_text(json.dumps({"role": "rehearsal", "from": "Debian packages (make test)"}))
-        # MariaDB deletes every #sql* file in its tmpdir when it starts (a crash's leftovers, it assumes): the heads of
-        # clusters side by side would delete each other's temporary tables in this machine's /tmp. An instance has a
-        # /tmp of its own; here the node's own /var/tmp stands in.
-        mariadb = self._dir("/etc", "up") / "mysql" / "mariadb.conf.d" / "70-rehearsal.cnf"
-        mariadb.parent.mkdir(parents=True, exist_ok=True)
-        mariadb.write_text("[mysqld]\ntmpdir = /var/tmp\n")
         venv = image / "venv"
         if not venv.is_symlink():
-            venv.symlink_to(Path(SITE_PACKAGES).parents[2])  # the test venv: pydantic for `gpucluster`, torch
-        # The images' login user, which this machine may lack (a uid of its own here; Ubuntu's is 1000).
+            venv.symlink_to(TEST_VENV)  # pydantic for `gpucluster`, torch
+        # The images' login user, which the rehearsal image lacks (a uid of its own here; Ubuntu's is 1000).
         for name, entry in (("passwd", f"{LOGIN_USER}:x:{LOGIN_UID}:{LOGIN_UID}::/home/{LOGIN_USER}:/bin/bash"),
                             ("group", f"{LOGIN_USER}:x:{LOGIN_UID}:")):
-            target = self._dir("/etc", "up") / name
-            host = Path("/etc") / name
+            target, image_file = self.upper(f"/etc/{name}"), REHEARSAL_ROOTFS / "etc" / name
             if not target.exists() and not any(line.split(":")[0] == LOGIN_USER
-                                               for line in host.read_text().splitlines()):
-                target.write_text(host.read_text() + entry + "\n")
+                                               for line in image_file.read_text().splitlines()):
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(image_file.read_text() + entry + "\n")
         if self.gpus:
             # No GPU on this machine: nvidia-smi as the health check asks it (index, uncorrected ECC errors), one
             # healthy GPU per configured GPU, or the fault a test gave this node (fewer GPUs, ECC errors, a hang).
-            tool = self._dir("/usr/local", "up") / "bin" / "nvidia-smi"
+            tool = self.upper("/usr/local/bin/nvidia-smi")
             tool.parent.mkdir(parents=True, exist_ok=True)
             tool.write_text("#!/bin/sh\n" + (self.gpu_fault or
                             f"for i in $(seq 0 {self.gpus - 1}); do echo \"$i, 0\"; done") + "\n")
@@ -460,8 +489,8 @@ class RehearsalNode:
             (tool.parent / "rehearsal-gpus").write_text(str(self.gpus))
             self.first_boot_stand_ins(tool.parent)
         if self.own_clock:  # a compute node
-            self.kernel_modules(self._dir("/usr/local", "up") / "bin")
-        dist = self._dir("/usr/local", "up") / "lib" / "python3.11" / "dist-packages"
+            self.kernel_modules(self.upper("/usr/local/bin"))
+        dist = self.upper(f"/usr/local/lib/{python_version()}/dist-packages")
         dist.mkdir(parents=True, exist_ok=True)
         (dist / "rehearsal.pth").write_text(
             f"{self.sdk}\nimport os; os.environ.setdefault('AWS_ENDPOINT_URL', '{self.aws.url}'); "
@@ -472,7 +501,7 @@ class RehearsalNode:
         boot); the first boot starts it (tests/rehearsal's nvidia-dcgm.service, nv-hostengine, dcgmi)."""
         for name in ("nv-hostengine", "dcgmi"):
             shutil.copy(REHEARSAL / name, bin_dir / name)
-        units = self._dir("/etc", "up") / "systemd" / "system"
+        units = self.upper("/etc/systemd/system")
         units.mkdir(parents=True, exist_ok=True)
         shutil.copy(REHEARSAL / "nvidia-dcgm.service", units / "nvidia-dcgm.service")
 
@@ -489,8 +518,10 @@ class RehearsalNode:
             subprocess.run(self.prefix() + ["mountpoint", "-q", "/fsx"], capture_output=True).returncode == 0
 
     def prefix(self) -> list[str]:
+        """A command line's start that runs the command on the node: its namespaces, its root, at its root."""
         assert self.init is not None
-        return ["nsenter", "-t", str(self.init.pid), "-m", "-u", "-n"] + (["-T"] if self.own_clock else []) + ["--"]
+        return ["nsenter", "-t", str(self.init.pid), "-m", "-u", "-n", "-r", "-w"] + (
+            ["-T"] if self.own_clock else []) + ["--"]
 
     def enter(self, *args: str, env: dict[str, str] | None = None, check: bool = True,
               timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -510,12 +541,12 @@ class RehearsalNode:
 
     def logs(self) -> str:
         parts = []
-        for name in ("var.up/log/gpucluster/boot.log", "var.up/log/rehearsal/gpucluster-boot.service.log"):
-            f = self.root / name
+        for name in ("/var/log/gpucluster/boot.log", "/var/log/rehearsal/gpucluster-boot.service.log"):
+            f = self.upper(name)
             if f.exists():
                 parts.append(f"--- {self.name}: {name}\n{f.read_text(errors='replace')[-3000:]}")
-        for f in sorted((self.root / "var.up" / "log").glob("slurm/*.log")) + sorted(
-                (self.root / "var.up" / "log" / "rehearsal").glob("*.log")):
+        for f in sorted(self.upper("/var/log").glob("slurm/*.log")) + sorted(
+                self.upper("/var/log/rehearsal").glob("*.log")):
             parts.append(f"--- {self.name}: {f.name}\n{f.read_text(errors='replace')[-1500:]}")
         return "\n".join(parts)
 
@@ -549,6 +580,7 @@ class LocalCluster:
     boots: list[tuple[str, float]] = field(default_factory=list)  # (node name, when its instance booted)
     calls: list[tuple[str, str]] = field(default_factory=list)  # (who, AWS action) through the fronts
     failing_markets: dict[str, str] = field(default_factory=dict)
+    capacity: dict[str, int] = field(default_factory=dict)  # market -> instances EC2 can still launch (AwsFront)
     throttle: dict[str, int] = field(default_factory=dict)
     gpu_faults: dict[str, str] = field(default_factory=dict)  # pool -> its next nodes' nvidia-smi (a broken GPU)
     # pool -> what its next instances get wrong that only their first boot can find: NO_LUSTRE_MODULE, UNTAGGED
@@ -596,11 +628,13 @@ class LocalCluster:
         self.layout = slurm.SlurmLayout(controller_port=ports, node_port=ports + 1, dbd_port=ports + 2,
                                         node_port_base=ports + 3, dev_dir=str(self.dev_dir), simulated_hardware=True,
                                         cgroups=False, power_save_min_interval=0,
-                                        suspend_timeout=5, cloud_reg_addrs=True, cred_expire=10)
+                                        suspend_timeout=5, cred_expire=10)
         self._devices()
         self.fsx = self.root / "fsx"
         self.fsx.mkdir()
         self.sdk = image_sdk(self.root / "image-python")
+        # What of this machine the nodes see (RehearsalNode.shared): this directory holds the SDK and job output.
+        self.shared = (ROOT, self.root, TEST_VENV, TEST_PYTHON)
         self.bundle = bundle.build(self.stack, EXAMPLES_DIR, self.layout)
         self._aws_world(bundle.key(self.bundle), userdata)
         self.env = {**os.environ, "PATH": f"{self._login_commands()}:{os.environ['PATH']}"}
@@ -627,7 +661,8 @@ class LocalCluster:
         return f"http://127.0.0.1:{int(port)}"
 
     def front(self, who: str) -> AwsFront:
-        front = AwsFront(self.network, self.moto_url, who, self.calls, self.failing_markets, self.throttle)
+        front = AwsFront(self.network, self.moto_url, who, self.calls, self.failing_markets, self.throttle,
+                         self.capacity)
         self._closers.append(front.close)
         return front
 
@@ -758,10 +793,10 @@ class LocalCluster:
         bin_dir.mkdir(exist_ok=True)
         for name in HEAD_COMMANDS:
             # Off the PATH a job inherits (sbatch exports it): inside a job, srun is the node's own.
-            # Entering the head's mount namespace moves to its root: go back to the submit directory (shared).
+            # Entering the head's root moves there: go back to the submit directory (shared with the nodes).
             (bin_dir / name).write_text(
                 f"#!/bin/sh\nPATH=$(echo \"$PATH\" | sed 's#{bin_dir}:##')\n"
-                f"exec nsenter -t \"$(cat {self.root}/head.pid)\" -m -u -n -- "
+                f"exec nsenter -t \"$(cat {self.root}/head.pid)\" -m -u -n -r -- "
                 f"sh -c 'cd \"$1\" && shift && exec \"$@\"' sh \"$PWD\" /usr/bin/{name} \"$@\"\n")
             (bin_dir / name).chmod(0o755)
         return bin_dir
@@ -773,7 +808,7 @@ class LocalCluster:
         imds = InstanceMetadata(self.network, self.head_instance)
         self._closers.append(imds.close)
         self.head = RehearsalNode(name, self.root / name, self.userdata.head_node(self.stack), self.front("head"),
-                                  imds, self.fsx, self.sdk, self.network, volume=Path(self.volume_device),
+                                  imds, self.fsx, self.sdk, self.network, self.shared, volume=Path(self.volume_device),
                                   volume_id=self.volume_id)
         self.head.boot()
         (self.root / "head.pid").write_text(str(self.head.init.pid))  # type: ignore[union-attr]  # boot() started it
@@ -838,7 +873,7 @@ class LocalCluster:
         self._closers.append(imds.close)
         acc = pool.itype.accelerator
         node = RehearsalNode(instance, self.root / instance, self.userdata.pool_nodes(self.stack, pool),
-                             self.front(instance), imds, self.fsx, self.sdk, self.network, own_clock=True,
+                             self.front(instance), imds, self.fsx, self.sdk, self.network, self.shared, own_clock=True,
                              gpus=acc.count if acc and acc.kind == "nvidia" else 0,
                              gpu_fault=self.gpu_faults.get(pool_name, ""), first_boot_fault=fault)
         self.nodes[instance] = node

@@ -219,7 +219,7 @@ def test_database_dir_on_a_new_volume_is_created(tmp_path: Path, monkeypatch: py
 
 
 SCONTROL_NODES = "\n".join([
-    "NodeName=p5-od-1 Arch=x86_64 CoresPerSocket=1 NodeAddr=p5-od-1 NodeHostName=i-0aaaaaaaaaaaaaaa1 Version=23.11.4 "
+    "NodeName=p5-od-1 Arch=x86_64 CoresPerSocket=1 NodeAddr=p5-od-1 NodeHostName=i-0aaaaaaaaaaaaaaa1 Version=24.11.5 "
     "State=IDLE+CLOUD+POWERING_UP Reason=(null)",
     "NodeName=p5-od-2 Arch=x86_64 NodeAddr=10.0.0.7 NodeHostName=p5-od-2 State=IDLE+CLOUD",
     "NodeName=p5-od-3 Arch=x86_64 NodeAddr=p5-od-3 NodeHostName=i-0aaaaaaaaaaaaaaa3 State=ALLOCATED+CLOUD+POWERING_UP",

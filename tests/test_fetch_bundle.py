@@ -20,7 +20,7 @@ import botocore.retries.bucket
 import botocore.retries.standard
 import pytest
 from botocore.awsrequest import AWSResponse
-from botocore.exceptions import ClientError
+from botocore.exceptions import ClientError, NoCredentialsError
 from moto import mock_aws
 
 from conftest import ROOT
@@ -43,21 +43,30 @@ BOOTSTRAP = Path(contract.BOOTSTRAP_PROGRAM).relative_to(contract.BUNDLE_DIR)  #
 
 class Boto3:
     """boto3 as fetch() uses it, with every API call and every HTTP attempt counted, and faults injected in front of
-    moto: `faults[operation]` lists error codes the next attempts get instead of an answer."""
+    moto: `faults[operation]` lists error codes the next attempts get instead of an answer; the next client of a
+    service in `no_credentials` has none (as when instance metadata did not answer in time while it was made)."""
 
     def __init__(self) -> None:
         self.calls: Counter[str] = Counter()  # operations, as the program calls them
         self.sends: Counter[str] = Counter()  # HTTP attempts, botocore's own retries included
         self.faults: dict[str, list[str]] = {}
         self.clients: list[Any] = []
+        self.no_credentials: set[str] = set()
         self.wrap = lambda client: client
 
     def client(self, service: str, config: Any = None) -> Any:
         client = boto3.client(service, config=config)
         client.meta.events.register("before-call", self._call)
         client.meta.events.register_first("before-send", self._send)
+        if service in self.no_credentials:
+            self.no_credentials.discard(service)
+            client.meta.events.register("before-call", self._no_credentials)
         self.clients.append(client)
         return self.wrap(client)
+
+    @staticmethod
+    def _no_credentials(**kwargs: Any) -> None:
+        raise NoCredentialsError()
 
     def _call(self, event_name: str, **kwargs: Any) -> None:
         self.calls[event_name.split(".")[-1]] += 1
@@ -288,6 +297,24 @@ def test_throttling_past_botocores_retries_is_retried_and_the_boot_completes(aws
     assert api.sends["GetParameters"] == 26  # 11 + 11 + (3 throttled and the answer)
     assert api.calls["GetParameters"] == 3 and len(slept) == 2  # fetch()'s own loop: two more tries
     assert Path(env["GPUCLUSTER_MUNGE_KEY_FILE"]).read_bytes() == KEY
+    assert (Path(env["GPUCLUSTER_BUNDLE_DIR"]) / BOOTSTRAP).exists()
+
+
+def test_a_client_made_without_credentials_is_made_anew(aws: Any, tmp_path: Path) -> None:
+    """Instance metadata slow to answer while the S3 client was made (a busy boot): the next attempt's client has
+    credentials, and the boot completes instead of failing every attempt until the deadline."""
+    put_key(aws)
+    api = Boto3()
+    api.no_credentials.add("s3")
+    slept: list[float] = []
+
+    def once(seconds: float) -> None:
+        assert not slept, "a second wait: the attempt after the first had no credentials either"
+        slept.append(seconds)
+
+    env = node_env(tmp_path, "compute")
+    fetcher.fetch(env, api, sleep=once)
+    assert len(slept) == 1
     assert (Path(env["GPUCLUSTER_BUNDLE_DIR"]) / BOOTSTRAP).exists()
 
 

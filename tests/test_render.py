@@ -187,7 +187,8 @@ def test_always_on_nodes_are_cloud_nodes_that_are_never_suspended() -> None:
 
 
 def test_cloud_parameters_and_timeouts() -> None:
-    """What cloud nodes need from the controller (ParallelCluster's values), checked on Slurm 22.05 and 23.11."""
+    """What cloud nodes need from the controller (ParallelCluster's values), loaded by the rehearsal's slurmctld of
+    the node image's release (tests/integration/test_slurm_controller.py)."""
     settings = conf_settings(slurm.slurm_conf(load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")))
     assert set(settings["SlurmctldParameters"].split(",")) == {
         "enable_configless", "idle_on_node_suspend", "node_reg_mem_percent=75", "power_save_min_interval=30"}
@@ -211,9 +212,10 @@ def test_cgroup_conf_confines_jobs_when_cgroups_are_on(path: Path) -> None:
     assert settings["TaskPlugin"] == "task/affinity,task/cgroup"
 
 
-def test_no_cgroup_conf_when_cgroups_are_off() -> None:
-    """The test harness's sandbox cannot use cgroups: no cgroup.conf, and no cgroup plugin that would need one."""
+def test_no_cgroup_plugin_when_cgroups_are_off() -> None:
+    """The test harness's sandbox cannot use cgroups: no cgroup plugin, and no confinement that would need one (Slurm
+    24.11's slurmd loads a cgroup plugin unless cgroup.conf disables it)."""
     stack = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")
     files = slurm.all_files(stack, slurm.SlurmLayout(cgroups=False))
-    assert "cgroup.conf" not in files
+    assert files["cgroup.conf"] == "CgroupPlugin=disabled\n"
     assert "cgroup" not in files["slurm.conf"]

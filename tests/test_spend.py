@@ -56,12 +56,16 @@ def test_denied_and_missing_forecast_are_said_not_crashed() -> None:
 
 
 def test_gpu_hours_from_sshare_account_rows() -> None:
-    # As Slurm 22.05's sshare prints it (checked against the real one in tests/integration): minutes per TRES.
-    out = (" root|root|cpu=0,mem=0,energy=0,node=0,billing=0,fs/disk=0,vmem=0,pages=0,gres/gpu=0|\n"
-           "  vision||cpu=7200,mem=9000,node=60,billing=7200,gres/gpu=91230|\n"
-           "   vision|alice|cpu=7200,mem=9000,node=60,billing=7200,gres/gpu=90000|\n"
-           "  speech||cpu=3,mem=0|\n")
-    assert spend.gpu_hours_by_account(out) == {"vision": 1520.5, "speech": 0.0}
+    # As the node image's Slurm (24.11) prints it, seen in the rehearsal (and checked against the real one in
+    # tests/integration): minutes per TRES, gres/gpumem and gres/gpuutil beside gres/gpu, no trailing separator.
+    out = ("root||cpu=0,mem=0,energy=0,node=0,billing=0,fs/disk=0,vmem=0,pages=0,gres/gpu=0,gres/gpumem=0,"
+           "gres/gpuutil=0\n"
+           " root|root|cpu=0,mem=0,energy=0,node=0,billing=0,fs/disk=0,vmem=0,pages=0,gres/gpu=0,gres/gpumem=0,"
+           "gres/gpuutil=0\n"
+           " vision||cpu=7200,mem=9000,node=60,billing=7200,gres/gpu=91230,gres/gpumem=5000,gres/gpuutil=40\n"
+           "  vision|alice|cpu=7200,mem=9000,node=60,billing=7200,gres/gpu=90000,gres/gpumem=5000,gres/gpuutil=40\n"
+           " speech||cpu=3,mem=0,gres/gpumem=0\n")
+    assert spend.gpu_hours_by_account(out) == {"root": 0.0, "vision": 1520.5, "speech": 0.0}
 
 
 def test_month_bounds() -> None:

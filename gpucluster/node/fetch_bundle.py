@@ -115,10 +115,12 @@ def fetch(env: dict[str, str], boto3: Any, sleep: Callable[[float], None] = time
     from botocore.exceptions import BotoCoreError, ClientError
 
     config = Config(region_name=env["GPUCLUSTER_REGION"], retries={"mode": "adaptive", "max_attempts": 10})
-    ssm, s3 = boto3.client("ssm", config=config), boto3.client("s3", config=config)
     deadline = time.monotonic() + DEADLINE_SECONDS
     for attempt in itertools.count():
         try:
+            # New clients each time: one made while instance metadata did not answer in time has no credentials and
+            # would fail every attempt (seen in the rehearsal on a loaded machine: NoCredentialsError for 2 minutes).
+            ssm, s3 = boto3.client("ssm", config=config), boto3.client("s3", config=config)
             raw, key = settings_and_key(ssm, env)
             settings = json.loads(raw)
             fetch_bundle(s3, settings["bundle_bucket"], settings["bundle_key"], env["GPUCLUSTER_BUNDLE_DIR"],

@@ -2,7 +2,7 @@
 """Node names that resolve (settings.HOSTS_PROGRAM): every node's Slurm name in /etc/hosts on the head and on the
 nodes of each job.
 
-Slurm knows each node's address once the node registers (Slurm 23.11 takes it from the registration). Two modes:
+Slurm knows each node's address once the node registers (it takes it from the registration). Two modes:
 - `hosts.py publish` (the head's gpucluster-hosts.service, every PUBLISH_SECONDS): the names and addresses
   of the registered nodes into a hosts file on the shared file system, written by rename, and into the head's own
   /etc/hosts; and Prometheus' target lists (settings.SCRAPE_JOBS), each node labelled with its name, pool, team and

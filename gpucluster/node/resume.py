@@ -31,8 +31,8 @@ from gpucluster.node.slurm_control import SlurmControl
 
 
 def job_nodes(config: ClusterSettings, nodes: list[str], resume_file: str | None) -> dict[str, list[str]]:
-    """Job id -> its nodes being resumed, from SLURM_RESUME_FILE (Slurm 23.02 and later). Slurm 22.05 writes none: the
-    call's nodes then count as one job when all-or-nothing holds, since no one can tell them apart."""
+    """Job id -> its nodes being resumed, from SLURM_RESUME_FILE (Slurm 23.02 and later). Without the file (a call by
+    hand) the call's nodes count as one job when all-or-nothing holds, since no one can tell them apart."""
     if resume_file and Path(resume_file).exists():
         doc = json.loads(Path(resume_file).read_text())
         # Slurm writes null for a field without a value; a manual power_up has no job at all.

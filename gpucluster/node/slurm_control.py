@@ -47,8 +47,8 @@ class SlurmControl:
 
     def set_instances(self, instances: dict[str, str]) -> None:
         """Each node's instance id as its NodeHostName, many nodes per call (scontrol takes matching lists): the
-        instance finds its node by it. When the node registers, Slurm sets NodeAddr and NodeHostName from it
-        (cloud_reg_addrs), and back to the node name when it powers down."""
+        instance finds its node by it. When the node registers, Slurm sets NodeAddr and NodeHostName from it (as it
+        does for every cloud node), and back to the node name when it powers down."""
         for batch in in_batches(sorted(instances), SCONTROL_BATCH):
             self._run("update", f"nodename={','.join(batch)}", f"nodehostname={','.join(instances[n] for n in batch)}")
 

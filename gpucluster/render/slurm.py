@@ -1,7 +1,7 @@
 """slurm.conf, gres.conf, cgroup.conf and job_submit.lua rendered from the stack: one partition per pool, cloud nodes
 that Slurm powers up on demand.
 
-Compatible with Debian bookworm's Slurm 22.05 (the tests start a real slurmctld on it) and with newer releases.
+For the Slurm release the node image runs (gpucluster.spec.bom.SLURM_VERSION); the tests start the same release.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ MEMORY_FRACTION = 0.95
 class SlurmLayout:
     """Where things live on the head node (names and paths the nodes share come from the settings contract). The boot
     rehearsal changes only ports and the fields whose comments name them (simulated_hardware, cgroups,
-    power_save_min_interval, suspend_timeout, cloud_reg_addrs, cred_expire, dev_dir)."""
+    power_save_min_interval, suspend_timeout, cred_expire, dev_dir)."""
 
     controller_host: str = settings.HEAD_HOSTNAME
     controller_port: int = settings.SLURMCTLD_PORT
@@ -49,9 +49,6 @@ class SlurmLayout:
     # Seconds slurmctld gathers resume and suspend requests before acting on them (batched EC2 calls, as
     # ParallelCluster does). The tests shorten it: they wait on Slurm's timers, they do not sleep through them.
     power_save_min_interval: int = 30
-    # Slurm 22.05 (the tests' Slurm) sets a cloud node's address from its registration only with cloud_reg_addrs;
-    # 23.11 (the node images') always does, and logs an error for the option it calls defunct. Never set on a cluster.
-    cloud_reg_addrs: bool = False
     # Seconds a node takes to power down (the suspend program terminates its instance): no job lands on it meanwhile.
     # EC2 needs a minute or two; the tests' instances are gone at once.
     suspend_timeout: int = 120
@@ -107,8 +104,7 @@ def job_defaults(members: list[PoolSpec]) -> dict[str, int]:
       they get the CPUs and memory that come with their share of the node (1 of 8 GPUs: 1/8 of the CPUs and memory).
       A job that asks for GPUs and no memory takes DefMemPerGPU, not DefMemPerCPU (select/cons_tres); --mem and
       --mem-per-* replace the memory default, --cpus-per-task and --cpus-per-gpu the CPU one. Slurm's manual calls
-      the DefMem settings mutually exclusive, but 22.05 and 23.11 only refuse DefMemPerCPU next to DefMemPerNode
-      (seen on 22.05: a 1-GPU job on p5 gets 24 CPUs and 249036 MiB, a CPU job 1 CPU and 10376 MiB, on one node).
+      the DefMem settings mutually exclusive, but Slurm only refuses DefMemPerCPU next to DefMemPerNode.
     Rounded down, so that N shares never exceed the node; the smallest over the partition's pools (a spot pool with
     an on-demand fallback of another type), so the default fits any node of the partition. slurm-gcp takes the same
     minimum of memory / CPUs per partition; ParallelCluster sets none (it schedules memory only when asked to).
@@ -135,7 +131,7 @@ def default_partition(stack: Stack) -> str:
 def _node_line(pool: PoolSpec, first_port: int | None) -> str:
     """One line per pool. Every node is a CLOUD node, the always-on ones too (they are in SuspendExcNodes and the
     reconciler has them powered up): a node without State=CLOUD needs an address Slurm can resolve at its start, which
-    an instance that does not exist yet has not (Slurm 23.11 hides such a node as FUTURE, 22.05 drops it)."""
+    an instance that does not exist yet has not (Slurm hides such a node as FUTURE)."""
     itype = pool.itype
     features = [pool.name, itype.name, pool.capacity] + (["efa"] if pool.uses_efa else [])
     line = f"NodeName={hostlist(pool.name, 1, pool.max_nodes)} CPUs={itype.vcpus} RealMemory={real_memory(pool)}" \
@@ -219,13 +215,12 @@ def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         "MailProg=/bin/true",
         # Compute nodes fetch slurm.conf, gres.conf, cgroup.conf and plugstack.conf from the controller
         # (slurmd --conf-server), so they never drift. A cloud node's address is the one it registers from (Slurm
-        # 23.11 does this for every cloud node): the resume program need not ask EC2 for it. A node whose memory reads
-        # up to a quarter under RealMemory still
-        # registers instead of being drained (the CLOUD default is 90%, a node outside power saving 100%). The power
-        # saving thread acts at most every 30 s: nodes asked for in a burst of jobs resume in one call, one CreateFleet
-        # (ParallelCluster's settings).
+        # does this for every cloud node): the resume program need not ask EC2 for it. A node whose memory reads up
+        # to a quarter under RealMemory still registers instead of being drained (the CLOUD default is 90%, a node
+        # outside power saving 100%). The power saving thread acts at most every 30 s: nodes asked for in a burst of
+        # jobs resume in one call, one CreateFleet (ParallelCluster's settings).
         "SlurmctldParameters=enable_configless,idle_on_node_suspend,"
-        f"{'cloud_reg_addrs,' if layout.cloud_reg_addrs else ''}node_reg_mem_percent=75,"
+        "node_reg_mem_percent=75,"
         f"power_save_min_interval={layout.power_save_min_interval}",
         # ParallelCluster's timeouts. Messages may wait a minute for a controller busy with a burst of registrations
         # (default 10 s); a node that stopped answering, such as a reclaimed spot instance, is set DOWN after 3 minutes
@@ -285,8 +280,11 @@ def gres_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
 
 ACCOUNTING_DB = "slurm_acct_db"
 # MariaDB authenticates slurmdbd by its Unix user over the local socket: there is no database password to generate,
-# store or leak. Run once by the head node (and by the tests) as the database's root.
+# store or leak. Run once by the head node (and by the tests) as the database's root. The database is made here, not
+# by slurmdbd: slurmdbd 24.11 then reconnects on the handle whose connection failed, and MariaDB 11.8's client library
+# fails every query of that handle ("Number of columns in result (=1) ... exceeds maximum allowed (=0)", seen).
 ACCOUNTING_DB_SQL = (
+    f"CREATE DATABASE IF NOT EXISTS {ACCOUNTING_DB}; "
     "CREATE USER IF NOT EXISTS 'slurm'@'localhost' IDENTIFIED VIA unix_socket; "
     f"GRANT ALL ON {ACCOUNTING_DB}.* TO 'slurm'@'localhost';"
 )
@@ -375,11 +373,9 @@ def job_submit_lua(stack: Stack) -> str:
 
 
 def all_files(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> dict[str, str]:
-    """The files the head node writes to /etc/slurm (compute nodes get them from the controller: configless).
-    cgroup.conf only when the cluster uses cgroups."""
-    files = {"slurm.conf": slurm_conf(stack, layout), "gres.conf": gres_conf(stack, layout),
-             "slurmdbd.conf": slurmdbd_conf(stack, layout), "plugstack.conf": PLUGSTACK_CONF,
-             "job_submit.lua": job_submit_lua(stack)}
-    if layout.cgroups:
-        files["cgroup.conf"] = cgroup_conf(stack)
-    return files
+    """The files the head node writes to /etc/slurm (compute nodes get them from the controller: configless)."""
+    # Without cgroups (the tests' sandbox), slurmd still loads a cgroup plugin unless told there is none.
+    cgroups = cgroup_conf(stack) if layout.cgroups else "CgroupPlugin=disabled\n"
+    return {"slurm.conf": slurm_conf(stack, layout), "gres.conf": gres_conf(stack, layout),
+            "slurmdbd.conf": slurmdbd_conf(stack, layout), "plugstack.conf": PLUGSTACK_CONF,
+            "job_submit.lua": job_submit_lua(stack), "cgroup.conf": cgroups}

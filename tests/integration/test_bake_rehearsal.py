@@ -28,12 +28,12 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
+from rehearsal_image import REHEARSAL_ROOTFS
 
 pytestmark = pytest.mark.rehearsal
 
-# The rehearsal's Debian 13 root file system (its apt is apt 3.0, its python3 the system one build_image.sh reads the
-# BOM with). The one constant to move when the rehearsal's own (tests/rehearsal_image.py REHEARSAL_ROOTFS) is in.
-REHEARSAL_ROOTFS = Path("/var/cache/gpucluster/try-rootfs")
+# The bake runs in the rehearsal's Debian 13 root file system: its apt is apt 3.0, its python3 the system one
+# build_image.sh reads the BOM with.
 SCRIPT = ROOT / "gpucluster" / "node" / "build_image.sh"
 SNAPSHOT = "20250601T000000Z"
 STEPS = "snapshot apt_packages"

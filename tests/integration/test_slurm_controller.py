@@ -1,4 +1,5 @@
-"""The rendered slurm.conf and gres.conf, loaded by a real slurmctld (Debian's Slurm 22.05) for every shipped stack."""
+"""The rendered slurm.conf and gres.conf, loaded by a real slurmctld (the node image's release, on the rehearsal's head
+node: tests/rehearsal_image.py) for every shipped stack."""
 
 from __future__ import annotations
 
