@@ -14,7 +14,7 @@ import pulumi_aws as aws
 
 from components import child
 from gpucluster.contract import settings
-from gpucluster.spec import catalog
+from gpucluster.spec import bom, catalog
 from gpucluster.spec.model import PoolSpec
 
 ROOT_DEVICE = "/dev/sda1"  # Ubuntu-based DLAMIs
@@ -32,6 +32,9 @@ class GpuPoolArgs:
     user_data: pulumi.Input[str] | None = None  # base64, as EC2 takes it
     # The node image baked for the pool's accelerator kind (components/image.py); the pool's own ami_id wins.
     image_id: pulumi.Input[str] | None = None
+    # Without either (image.build false): the pinned parent release of the pool's kind, looked up in the region.
+    parent: bom.ParentImage | None = None
+    region: str | None = None
 
 
 def network_interfaces(
@@ -170,11 +173,13 @@ class GpuPool(pulumi.ComponentResource):
         if image_id is not None:
             self.image_id = pulumi.Output.from_input(image_id)
         else:
-            # No baked image (image.build false): the stock DLAMI, resolved at `pulumi up`, so every node of a pool
-            # boots the same image until the next `up`; nodes install their software at first boot.
-            self.image_id = aws.ssm.get_parameter_output(
-                name=catalog.AMI_PARAMETERS[accelerator.kind], opts=pulumi.InvokeOutputOptions(parent=self)
-            ).value
+            # No baked image (image.build false): the bill of materials' parent release, the exact DLAMI a bake would
+            # start from (never the newest one); nodes install their software at first boot from the bundle's BOM.
+            if args.parent is None or args.region is None:
+                raise ValueError(f"pool {pool.name}: no image (ami_id, a baked image, or a parent and its region)")
+            from components.image import parent_ami  # here: components.image imports this module
+
+            self.image_id = parent_ami(args.parent, args.region, pulumi.InvokeOutputOptions(parent=self))
 
         self.placement_group = placement_group(name, pool, child(self))
         node_tags = {**args.instance_tags, settings.POOL_TAG: pool.name}

@@ -82,6 +82,7 @@ def create_slurm_cluster(stack: Stack, examples_dir: Path) -> dict[str, object]:
                 user_data=base64.b64encode(userdata.pool_nodes(stack, pool).encode()).decode(),
                 instance_profile_arn=access.compute_instance_profile_arn,
                 image_id=baked(f"compute-{pool.accelerator.kind}"),
+                parent=spec.image.parent_images.parent(bom.parent_role(pool.accelerator.kind)), region=stack.region,
             ),
             opts,
         )

@@ -484,3 +484,40 @@ def test_a_configuration_fault_ends_the_compute_boot_before_mounts_and_slurmd(tm
     assert steps[-1] == f"/usr/bin/python3 {contract.HEALTH_PROGRAM} --configuration", steps
     assert "mount_lustre" not in steps and steps.count("start") == 1  # munge only
     assert (tmp_path / "nccl.env").exists()
+
+
+def test_a_stock_ami_builds_its_image_from_the_bundles_bill_of_materials(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """With image.build false nothing bakes an image: the boot runs build_image.sh ROLE with the bom.json the bundle
+    carries. Here the bundle is unpacked into tmp_path and the script from it reads that BOM for real (its steps cut to
+    the snapshot by the script's test seam: the package steps are tests/test_image.py's)."""
+    from gpucluster.project import EXAMPLES_DIR
+    from gpucluster.render import bundle
+    from gpucluster.spec import bom
+    from gpucluster.spec.model import load_stack
+
+    stack = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")
+    unpacked, root = tmp_path / "bundle", tmp_path / "root"
+    for name, (data, _) in bundle.contents(stack, EXAMPLES_DIR).items():
+        (unpacked / name).parent.mkdir(parents=True, exist_ok=True)
+        (unpacked / name).write_bytes(data)
+
+    def in_bundle(arg: str) -> str:
+        inside = arg.startswith(contract.BUNDLE_DIR)
+        return str(unpacked / Path(arg).relative_to(contract.BUNDLE_DIR)) if inside else arg
+
+    assert Path(in_bundle(contract.BUNDLE_BOM)).read_text() == bom.render(stack)  # what the bake would get
+    ran: list[tuple[str, ...]] = []
+
+    def run(*args: str, **_: object) -> subprocess.CompletedProcess[str]:
+        ran.append(args)
+        return subprocess.run([in_bundle(a) for a in args], check=True, text=True, capture_output=True,
+                              env={"PATH": os.environ["PATH"], "GPUCLUSTER_IMAGE_ROOT": str(root),
+                                   "GPUCLUSTER_BUILD_STEPS": "snapshot"})
+
+    monkeypatch.setattr(bootstrap, "run", run)
+    with pytest.raises(RuntimeError, match="finished without writing"):  # a cut build writes no manifest
+        bootstrap.ensure_image("head", tmp_path / "manifest.json")
+    assert ran == [("bash", contract.BUILD_IMAGE_SCRIPT, "head", contract.BUNDLE_BOM)]
+    assert contract.BUILD_IMAGE_SCRIPT in contract.NODE_PROGRAMS  # in the bundle, where a compute node unpacks it
+    assert contract.BUNDLE_BOM.startswith(contract.BUNDLE_DIR + "/") and "/lib/" not in contract.BUNDLE_BOM

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from conftest import ALL_STACK_FILES, FIXTURES, ROOT, of_type, planned
+from gpucluster.contract import settings as contract
 from gpucluster.contract.settings import CLUSTER_TAG, POOL_TAG, STACK_TAG, TEAM_TAG, ClusterSettings
 from gpucluster.plan import Declared, planned_id, planned_outputs
 from gpucluster.project import EXAMPLES_DIR
@@ -255,8 +256,12 @@ def test_bundle_object_holds_the_rendered_files(shipped: Shipped) -> None:
     # lib/ mirrors the repository for what `gpucluster render` reads there: the stack's file beside the library, and
     # the Ubuntu lock its stack file is checked against.
     library |= {f"lib/stacks/Pulumi.{stack.name}.yaml", "lib/gpucluster/spec/ubuntu-lock.json"}
+    # The images' bill of materials, for a node booted on a stock AMI (image.build false): outside lib/, so a compute
+    # node unpacks it.
+    image = {str(Path(contract.BUNDLE_BOM).relative_to(contract.BUNDLE_DIR))}
+    assert image == {"image/bom.json"}
     assert programs | {"accounting.sql", "accounting.sh"} | slurm_files | {f"examples/{n}" for n in bundle.EXAMPLES} | \
-        metrics | library == names
+        metrics | library | image == names
     assert {name for name in names if name.startswith("lib/") and modes[name] == 0o755} == programs
 
 

@@ -4,6 +4,7 @@ package steps for real, with apt, in a chroot.)"""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -21,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import FIXTURES, ROOT, of_type, planned
+from conftest import FIXTURES, ROOT, STACK_FILES, of_type, planned
 from gpucluster.contract import settings
 from gpucluster.plan import Declared, planned_id, planned_outputs, run_program
 from gpucluster.project import pulumi_program
@@ -31,9 +32,9 @@ from gpucluster.spec.model import Stack, load_stack, stack_config, validate
 SCRIPT = ROOT / "gpucluster" / "node" / "build_image.sh"
 KERNEL = "6.8.0-1021-aws"
 GPU_TOOLS = ("nvidia-smi", "dcgmi", "docker", "nvidia-ctk")  # the NVIDIA Deep Learning AMI's
-STANDIN_NAMES = ("apt-get", "apt-cache", "apt-mark", "dpkg-query", "curl", "gpg", "systemctl", "uname", "python3",
-                 "aa-enabled", "apparmor_parser", "make", "tar", "ldconfig", "getent", "groupadd", "useradd", "id",
-                 *GPU_TOOLS)
+STANDIN_NAMES = ("apt-get", "apt-cache", "apt-mark", "dpkg-query", "curl", "sha256sum", "git", "gpg", "systemctl",
+                 "uname", "python3", "aa-enabled", "apparmor_parser", "make", "tar", "ldconfig", "getent", "groupadd",
+                 "useradd", "id", *GPU_TOOLS)
 # Installed kernel packages and their sources, as dpkg-query lists them on an Ubuntu image: the meta packages come from
 # linux-meta*, the kernel itself from its versioned sources.
 KERNEL_PACKAGES = {"linux-aws": "linux-meta-aws", "linux-image-aws": "linux-meta-aws",
@@ -83,10 +84,23 @@ dpkg = state / "installed.json"  # what the stand-in apt-get installed: package 
 installed = json.loads(dpkg.read_text()) if dpkg.exists() else {}
 archive = json.loads(env["STANDIN_ARCHIVE"])  # what apt's indexes list: package -> versions
 
+fetched = state / "fetched.json"  # what the stand-in curl wrote: file -> URL
 if name == "curl":  # STANDIN_DOWNLOADS: URL -> a file with its bytes; any other URL serves a line naming it
     url, downloads = args[-1], json.loads(env["STANDIN_DOWNLOADS"])
     data = Path(downloads[url]).read_bytes() if url in downloads else f"stand-in download of {url}\n".encode()
     Path(arg_after("-o")).write_bytes(data)
+    fetched.write_text(json.dumps({**(json.loads(fetched.read_text()) if fetched.exists() else {}),
+                                   str(Path(arg_after("-o")).resolve()): url}))
+elif name == "sha256sum":  # STANDIN_GENUINE: URL -> the sha256 of the real bytes there, which this machine cannot fetch
+    import hashlib
+    urls = json.loads(fetched.read_text()) if fetched.exists() else {}
+    url = urls.get(str(Path(args[0]).resolve()))
+    genuine = json.loads(env["STANDIN_GENUINE"])
+    print(f"{genuine[url] if url in genuine else hashlib.sha256(Path(args[0]).read_bytes()).hexdigest()}  {args[0]}")
+elif name == "git" and args[0] == "clone":
+    Path(args[-1]).mkdir(parents=True)
+elif name == "git" and args[2:] == ["rev-parse", "HEAD"]:  # STANDIN_ENROOT_COMMIT: what the tag's clone names
+    print(env["STANDIN_ENROOT_COMMIT"])
 elif name == "uname":
     print(env["STANDIN_KERNEL"])
 elif name == "gpg" and "--dearmor" in args:
@@ -111,10 +125,11 @@ elif name == "apt-get" and "install" in args:  # STANDIN_DPKG_DRIFT: what dpkg e
     files, drift = json.loads(env["STANDIN_PACKAGE_FILES"]), json.loads(env["STANDIN_DPKG_DRIFT"])
     if any(a.startswith("lustre-client-modules-") for a in args):  # STANDIN_LATE_DRIFT: what this install moves
         installed.update(json.loads(env["STANDIN_LATE_DRIFT"]))
-    for arg in args[args.index("install") + 2:]:
+    for arg in [a for a in args[args.index("install") + 1:] if not a.startswith("-")]:
         package, _, version = arg.partition("=")
-        if package.endswith(".deb"):
-            package, version = Path(package).stem, "from a file"
+        if package.endswith(".deb"):  # AWS's .deb URLs name the version: .../<version>/<package>.deb
+            url = json.loads(fetched.read_text())[str(Path(package).resolve())]
+            package, version = Path(package).stem, url.split("/")[-2]
         installed[package] = drift.get(package, version or archive[package][-1])
         if not installed[package]:  # a drift to "": dpkg does not have it after all
             del installed[package]
@@ -148,6 +163,9 @@ elif name == "make" and "install" in args:  # where the real Makefiles put what 
         sys.exit(f"stand-in make: DESTDIR {destdir!r} is outside {root}")
     if Path(arg_after("-C")).name == "pyxis":
         made = ["/usr/local/lib/slurm/spank_pyxis.so"]
+    elif Path(arg_after("-C")).name == "enroot":  # STANDIN_ENROOT_PROFILE: whether its tree ships the AppArmor profile
+        made = ["/usr/bin/enroot", "/etc/enroot/enroot.conf"]
+        made += ["/usr/share/enroot/apparmor.profile"] if env["STANDIN_ENROOT_PROFILE"] == "yes" else []
     else:  # Slurm, with the plugins its build dependencies allow (STANDIN_SLURM_WITHOUT: those it lacked)
         without = json.loads(env["STANDIN_SLURM_WITHOUT"])
         made = [f"/usr/lib/slurm/{p}" for p in ("mpi_pmix.so", "mpi_pmix_v5.so", "job_submit_lua.so", "cgroup_v2.so",
@@ -159,7 +177,7 @@ elif name == "make" and "install" in args:  # where the real Makefiles put what 
         Path(destdir + "/usr/sbin/slurmd").symlink_to(sys.argv[0])
     for path in made:
         Path(destdir + path).parent.mkdir(parents=True, exist_ok=True)
-        Path(destdir + path).touch()
+        Path(destdir + path).touch(mode=0o755 if "/bin/" in path else 0o644)
 elif name == "slurmd" and args == ["-V"]:
     print(f"slurm {env['STANDIN_SLURM_BUILT']}")
 elif name == "getent":  # STANDIN_SLURM_UID: the uid of a slurm user the parent image already has
@@ -215,42 +233,33 @@ def served(url: str) -> bytes:
     return f"stand-in download of {url}\n".encode()
 
 
-# A bill of materials in bom.json's shape (gpucluster/spec/bom.py renders the real one): names and versions with
-# Ubuntu's and PyPI's shapes, the sources' sha256 those of what the stand-in curl serves.
-PIP_URL = "https://files.pythonhosted.org/packages/pip-25.0-py3-none-any.whl"
-SOURCE_URLS = {"slurm": "https://github.com/SchedMD/slurm/archive/refs/tags/slurm-24-11-5-1.tar.gz",
-               "pyxis": "https://github.com/NVIDIA/pyxis/archive/refs/tags/v0.24.0.tar.gz",
-               "enroot": "https://github.com/NVIDIA/enroot/releases/download/v4.2.1/enroot_4.2.1-1_amd64.deb",
-               "enroot+caps": "https://github.com/NVIDIA/enroot/releases/download/v4.2.1/enroot+caps_4.2.1-1_amd64.deb"}
-APT = {"munge": "0.5.15-4ubuntu0.1", "libpmix-dev": "5.0.1-4.1build1", "liblua5.4-dev": "5.4.6-3build2",
-       "libdbus-1-dev": "1.14.10-4ubuntu4.1", "libmunge-dev": "0.5.15-4ubuntu0.1", "gcc": "4:13.2.0-7ubuntu1",
-       "make": "4.3-4.1build2", "iptables": "1.8.10-3ubuntu2", "prometheus-node-exporter": "1.7.0-1ubuntu0.3",
-       "mariadb-server": "1:10.11.13-0ubuntu0.24.04.1", "libmariadb-dev": "1:10.11.13-0ubuntu0.24.04.1",
-       "python3-boto3": "1.34.46+dfsg-1ubuntu1", "python3-yaml": "6.0.1-2build2",
-       "prometheus": "2.45.3+ds-2ubuntu0.3", "prometheus-alertmanager": "0.26.0+ds-1ubuntu0.3", "grafana": "11.6.14"}
-HEAD_ONLY = ("mariadb-server", "libmariadb-dev", "python3-yaml", "prometheus", "prometheus-alertmanager", "grafana")
-PIP = {"head": {"pydantic": "2.14.4", "pydantic-core": "2.50.5", "annotated-types": "0.8.0",
-                "typing-extensions": "4.16.0", "typing-inspection": "0.4.5",
-                "grafana-foundation-sdk": "1769699379!11.6.0"},
-       "compute": {"torch": "2.13.0", "filelock": "4.3.1", "sympy": "1.14.0", "mpmath": "1.3.0"}}
+# The bill of materials the script builds from in these tests: the real one, rendered for a shipped stack, so that a
+# name the script reads and the BOM lacks (or one the BOM lists and the script ignores) fails here. Its sources'
+# sha256s are of archives this machine cannot fetch: the stand-in sha256sum reports them for the stand-in downloads of
+# those URLs, unless a test serves other bytes there (`downloads`).
+BOM_STACK = ROOT / "stacks" / "Pulumi.team-a.yaml"
 
 
-def standin_bom(edit: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    sources = {name: {"url": url, "sha256": sha256(served(url)), "version": re.findall(r"\d+[.-]\d+[.-]\d+", url)[0]}
-               for name, url in SOURCE_URLS.items()}
-    sources["pip"] = {"url": PIP_URL, "sha256": sha256(pip_wheel()), "version": "25.0"}
-    packages = {**APT, **PIP["head"], **PIP["compute"]}
-    bom = {"parent_image": {"name": "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 24.04) 20260915",
-                            "owner": "amazon", "region_ids": {}},
-           "ubuntu_snapshot": "20250601T000000Z", "slurm_version": bom_spec.SLURM_VERSION, "packages": packages,
-           "sources": sources,
-           "pip_hashes": {name: [f"sha256:{sha256(name.encode())}"] for role in PIP.values() for name in role},
-           "roles": {"head": {"apt": list(APT), "pip": list(PIP["head"]), "sources": ["slurm", "pyxis", "pip"]},
-                     "compute": {"apt": [n for n in APT if n not in HEAD_ONLY], "pip": list(PIP["compute"]),
-                                 "sources": ["slurm", "pyxis", "enroot", "enroot+caps", "pip"]}}}
+@functools.cache
+def _rendered_bom(path: Path) -> str:
+    return bom_spec.render(load_stack(path))
+
+
+def real_bom(edit: Callable[[dict[str, Any]], None] | None = None, stack: Path = BOM_STACK) -> dict[str, Any]:
+    """bom.json as `render` writes it for the stack; `edit` breaks a copy of it where a test needs a bad BOM."""
+    bom: dict[str, Any] = json.loads(_rendered_bom(stack))
     if edit:
         edit(bom)
     return bom
+
+
+BOM = real_bom()
+PIP_URL = BOM["sources"]["pip"]["url"]
+
+
+def genuine_digests(bom: dict[str, Any]) -> dict[str, str]:
+    """URL -> the sha256 its real bytes have: the BOM's pins of its downloaded sources (not git's or docker's)."""
+    return {s["url"]: s["sha256"] for s in bom["sources"].values() if s.get("sha256") and s["url"].startswith("https:")}
 
 
 def pins() -> dict[str, str]:
@@ -285,23 +294,24 @@ class Run:
         return self.root / settings.IMAGE_MANIFEST.lstrip("/")
 
     def installs(self) -> list[list[str]]:
-        return [c[c.index("install") + 2:] for c in self.commands("apt-get") if "install" in c]
+        return [[a for a in c[c.index("install") + 1:] if not a.startswith("-")]
+                for c in self.commands("apt-get") if "install" in c]
 
 
 # The fixture below: runs the build script for a role, with the stand-ins' keyword arguments.
 Build = Callable[..., Run]
 
 
-@pytest.fixture
-def build(tmp_path: Path) -> Build:
+def runner(tmp_path: Path) -> Build:
     """Run the build script with stand-ins. Seams, each forced by this machine: the commands above (no internet,
     a shared machine), GPUCLUSTER_IMAGE_ROOT (the script writes system paths, as root) and GPUCLUSTER_RETRY_BASE_MS
-    (real back-off waits add up to minutes). `edits` changes the script's NAME=value lines; `archive` replaces what
-    apt's indexes list (None: not at all); `drift` and `pip_drift` what dpkg and the venv end up with (`late_drift`:
-    what installing the Lustre module changes); `downloads` what a URL serves."""
+    (real back-off waits add up to minutes). `bom` edits the real BOM; `edits` changes the script's NAME=value lines;
+    `archive` replaces what apt's indexes list (None: not at all); `drift` and `pip_drift` what dpkg and the venv end
+    up with (`late_drift`: what installing the Lustre module changes); `downloads` what a URL serves; `agent`: the
+    CloudWatch agent's version the parent image has; `enroot_commit`: what enroot's tag names (default the BOM's)."""
 
     def run(role: str, *, bom: Callable[[dict[str, Any]], None] | None = None, fail: Sequence[tuple[str, int]] = (),
-            gpu_tools: tuple[str, ...] = GPU_TOOLS, agent_present: bool = False, apparmor: bool = True,
+            gpu_tools: tuple[str, ...] = GPU_TOOLS, agent: str | None = None, apparmor: bool = True,
             neuron_tools: tuple[str, ...] | None = None, keys: dict[str, list[str]] | None = None,
             archive: dict[str, list[str] | None] | None = None, drift: dict[str, str] | None = None,
             pip_drift: dict[str, Any] | None = None, late_drift: dict[str, str] | None = None,
@@ -309,7 +319,9 @@ def build(tmp_path: Path) -> Build:
             slurm_without: Sequence[str] = (), slurm_built: str = bom_spec.SLURM_VERSION, slurm_uid: str = "",
             dcgm_unit: bool = True, nccl_dir: str | None = "/opt/amazon/ofi-nccl/lib/x86_64-linux-gnu",
             kernel_packages: dict[str, str] = KERNEL_PACKAGES, enroot_profile: bool = True,
-            steps: str | None = None, edits: dict[str, str] | None = None) -> Run:
+            enroot_commit: str | None = None, pmix_lib: bool = True, steps: str | None = None,
+            edits: dict[str, str] | None = None,
+            stack: Path = BOM_STACK) -> Run:
         bin_dir, root, state, files = (tmp_path / d for d in ("bin", "root", "state", "files"))
         for d in (bin_dir, root, state, files):
             shutil.rmtree(d, ignore_errors=True)
@@ -325,14 +337,12 @@ def build(tmp_path: Path) -> Build:
             tools.mkdir(parents=True)
             for tool in neuron_tools:
                 (tools / tool).touch(mode=0o755)
-        if agent_present:
-            ctl = root / "opt/aws/amazon-cloudwatch-agent/bin/amazon-cloudwatch-agent-ctl"
-            ctl.parent.mkdir(parents=True)
-            ctl.touch(mode=0o755)
+        if agent:  # the parent image's package, as dpkg knows it
+            (state / "installed.json").write_text(json.dumps({"amazon-cloudwatch-agent": agent}))
         if nccl_dir and "nvidia-smi" in gpu_tools:  # the DLAMI's aws-ofi-nccl
             (root / nccl_dir.lstrip("/")).mkdir(parents=True)
             (root / nccl_dir.lstrip("/") / "libnccl-net.so").touch()
-        bill = standin_bom(bom)
+        bill = real_bom(bom, stack)
         (tmp_path / "bom.json").write_text(json.dumps(bill))
         served_files = {}
         for i, (url, data) in enumerate({PIP_URL: pip_wheel(), **(downloads or {})}.items()):
@@ -352,8 +362,11 @@ def build(tmp_path: Path) -> Build:
                "STANDIN_APPARMOR": "yes" if apparmor else "no", "STANDIN_DOWNLOADS": json.dumps(served_files),
                "STANDIN_ARCHIVE": json.dumps({name: versions for name, versions in (available | (archive or {})).items()
                                               if versions is not None}),
-               "STANDIN_PACKAGE_FILES": json.dumps({"libpmix-dev": [PMIX_LIB], "enroot": (
-                   ["/usr/share/enroot/apparmor.profile"] if enroot_profile else [])}),
+               "STANDIN_PACKAGE_FILES": json.dumps({"libpmix-dev": [PMIX_LIB] if pmix_lib else []}),
+               "STANDIN_ENROOT_PROFILE": "yes" if enroot_profile else "no",
+               "STANDIN_ENROOT_COMMIT": enroot_commit or bill["sources"]["enroot"].get("commit", ""),
+               "STANDIN_GENUINE": json.dumps({url: digest for url, digest in genuine_digests(bill).items()
+                                              if url not in (downloads or {})}),
                "STANDIN_DPKG_DRIFT": json.dumps(drift or {}), "STANDIN_LATE_DRIFT": json.dumps(late_drift or {}),
                "STANDIN_PIP_DRIFT": json.dumps(pip_drift or {}),
                "STANDIN_SLURM_WITHOUT": json.dumps(list(slurm_without)), "STANDIN_SLURM_BUILT": slurm_built,
@@ -374,6 +387,22 @@ def build(tmp_path: Path) -> Build:
         return Run(done.returncode, done.stderr, calls, root, bill)
 
     return run
+
+
+@pytest.fixture
+def build(tmp_path: Path) -> Build:
+    return runner(tmp_path)
+
+
+# One build of each role from the real BOM with every default, shared by the tests that only read it.
+@pytest.fixture(scope="module")
+def head(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return runner(tmp_path_factory.mktemp("head"))("head")
+
+
+@pytest.fixture(scope="module")
+def compute(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return runner(tmp_path_factory.mktemp("compute"))("compute")
 
 
 # --- the script as text ----------------------------------------------------------------------------------------------
@@ -414,9 +443,9 @@ def test_slurm_is_configured_for_the_paths_the_nodes_use() -> None:
 
 # --- head -------------------------------------------------------------------------------------------------------------
 
-def test_head_build_installs_the_bom_from_the_snapshot_and_writes_the_manifest_last(build: Build) -> None:
+def test_head_build_installs_the_bom_from_the_snapshot_and_writes_the_manifest_last(head: Run) -> None:
     p = pins()
-    run = build("head")
+    run = head
     assert run.returncode == 0, run.stderr
     bom = run.bom
     apt = run.commands("apt-get")
@@ -453,7 +482,7 @@ def test_head_build_installs_the_bom_from_the_snapshot_and_writes_the_manifest_l
     # The venv: pip from the BOM's wheel, then exactly the BOM's distributions, each by its hashes, nothing else.
     (bootstrap,) = run.commands("pip-wheel")
     assert bootstrap[0] == "install" and "--no-index" in bootstrap
-    assert bootstrap[-1].endswith("/pip-25.0-py3-none-any.whl")
+    assert bootstrap[-1].endswith("/" + PIP_URL.rsplit("/", 1)[-1])
     (pip,) = [c for c in run.calls if c["cmd"][0] == "pip"]
     assert {"--require-hashes", "--no-deps", "--only-binary=:all:"} <= set(pip["cmd"])
     assert pip["requirements"] == [f"{n}=={bom['packages'][n]} --hash={bom['pip_hashes'][n][0]}"
@@ -468,6 +497,9 @@ def test_head_build_installs_the_bom_from_the_snapshot_and_writes_the_manifest_l
     assert manifest["bom_sha256"] == sha256(bom_file.read_bytes())
     assert manifest["versions"]["slurm"] == bom["slurm_version"] == bom_spec.SLURM_VERSION
     assert manifest["versions"]["lustre_client_modules"] == "2.15.6-1fsx1"
+    # The installed set is the BOM's, checked once more, whole, before the manifest.
+    queries = [c["cmd"][4:] for c in run.calls if c["cmd"][:2] == ["dpkg-query", "-W"] and "${Package}" in c["cmd"][3]]
+    assert queries[-1] == bom["roles"]["head"]["apt"]
 
 
 @pytest.mark.parametrize("fingerprints", [["0" * 40], [], ["B53AE77BADB630A683046005963FA27710458545", "1" * 40]],
@@ -513,28 +545,31 @@ def test_a_version_apt_does_not_list_fails_naming_it_before_anything_is_installe
     assert run.returncode != 0 and not run.manifest.exists()
     (failed,) = [line for line in run.stderr.splitlines() if "FAILED" in line]
     assert f"not in Ubuntu's snapshot {run.bom['ubuntu_snapshot']}" in failed
-    assert failed.endswith(f"munge={APT['munge']} libpmix-dev={APT['libpmix-dev']}")
+    absent = [f"{n}={BOM['packages'][n]}" for n in run.bom["roles"]["compute"]["apt"] if n in ("munge", "libpmix-dev")]
+    assert len(absent) == 2 and failed.endswith(" ".join(absent))
     assert not run.installs()
 
 
-@pytest.mark.parametrize("drift", [{"munge": "0.5.16-1"}, {"iptables": "1.8.10-3ubuntu2+local"}, {"make": ""}])
+@pytest.mark.parametrize("drift", [{"munge": "0.5.16-1"}, {"iptables": "1.8.10-3ubuntu2+local"},
+                                   {"build-essential": ""}])
 def test_an_installed_version_other_than_the_boms_fails_naming_the_package(build: Build, drift: dict[str, str]) -> None:
     ((name, got),) = drift.items()
     run = build("compute", drift=drift)
     got = got or "not installed"
     assert run.returncode != 0 and not run.manifest.exists()
-    assert f"installed packages differ from the bill of materials: {name} {got} (the BOM: {APT[name]})" in run.stderr
+    differ = f"installed packages differ from the bill of materials: {name} {got} (the BOM: {BOM['packages'][name]})"
+    assert differ in run.stderr
     assert not run.commands("make")  # nothing built on it
 
 
 def test_a_package_a_later_step_moves_fails_the_build_before_the_manifest(build: Build) -> None:
     run = build("head", late_drift={"python3-yaml": "6.0.2-1"})
     assert run.returncode != 0 and not run.manifest.exists()
-    assert f"python3-yaml 6.0.2-1 (the BOM: {APT['python3-yaml']})" in run.stderr
+    assert f"python3-yaml 6.0.2-1 (the BOM: {BOM['packages']['python3-yaml']})" in run.stderr
 
 
 @pytest.mark.parametrize("drift, named", [({"sympy": "1.15.0"}, "sympy 1.15.0 (the BOM: 1.14.0)"),
-                                          ({"extra": ["networkx==3.6.1"]}, "networkx 3.6.1 (not in the BOM)")],
+                                          ({"extra": ["numpy==2.3.5"]}, "numpy 2.3.5 (not in the BOM)")],
                          ids=["another version", "one the BOM does not list"])
 def test_a_venv_other_than_the_boms_fails_naming_the_distribution(build: Build, drift: dict[str, Any],
                                                                    named: str) -> None:
@@ -548,12 +583,46 @@ def test_every_problem_of_the_bom_at_once(build: Build) -> None:
         bom["roles"]["compute"]["apt"].append("nccl-tests")
         del bom["pip_hashes"]["torch"]
         bom["sources"]["pyxis"]["sha256"] = "0"
+        bom["sources"]["enroot"]["commit"] = "v4.2.1"
+        bom["roles"]["compute"]["sources"].remove("dcgm-exporter")
+        bom["roles"]["compute"]["sources"].append("nccl-tests")
+        bom["sources"]["nccl-tests"] = {**bom["sources"]["pyxis"], "sha256": "1" * 64}
+        bom["roles"]["compute"]["apt"].remove("liblua5.4-dev")
 
     run = build("compute", bom=broken)
     assert run.returncode != 0 and not run.calls
     for problem in ("ubuntu_snapshot: '2025-06-01' is not YYYYMMDDTHHMMSSZ", "roles.compute: nccl-tests is not in "
-                    "packages", "pip_hashes: no sha256 hash for torch", "sources.pyxis: no url and sha256"):
+                    "packages", "pip_hashes: no sha256 hash for torch", "sources.pyxis: no url and sha256",
+                    "sources.enroot: commit 'v4.2.1' is not a 40-hex commit",
+                    "roles.compute.sources: no dcgm-exporter, which build_image.sh installs",
+                    "roles.compute.sources: nccl-tests is not a source build_image.sh installs",
+                    r"roles.compute.apt: no package named liblua5\.[1-4]-dev, which build_image.sh needs"):
         assert problem in run.stderr, problem
+
+
+@pytest.mark.parametrize("stack", STACK_FILES, ids=lambda p: p.name)
+def test_every_shipped_stacks_bom_builds_both_roles(build: Build, head: Run, compute: Run, stack: Path) -> None:
+    """The whole build of each role on the BOM `render` writes for the stack: the script finds every source, apt
+    package and pip distribution it names, and each source the BOM gives a role is one it installs (read_bom fails
+    otherwise; the tests of the shared builds check that the role's apt and pip lists are installed whole). The script
+    reads nothing of the parent images: a stack whose BOM differs from team-a's only there shares team-a's builds."""
+    def without_parents(bom: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in bom.items() if k not in ("parent_image", "parent_images")}
+
+    same = without_parents(real_bom(stack=stack)) == without_parents(BOM)
+    for run in (head, compute) if same else (build("head", stack=stack), build("compute", stack=stack)):
+        assert run.returncode == 0, run.stderr
+        assert run.manifest.exists()
+        assert without_parents(run.bom) == without_parents(real_bom(stack=stack))
+
+
+def test_the_boms_lua_is_one_slurms_configure_finds() -> None:
+    """Slurm's configure (auxdir/x_ac_lua.m4) asks pkg-config for lua 5.4, 5.3, 5.2, 5.1 in turn, and builds
+    job_submit/lua only with one; the role lists carry exactly one Lua's headers, on both roles."""
+    for role in ("head", "compute"):
+        (lua,) = [n for n in BOM["roles"][role]["apt"] if n.startswith("liblua")]
+        assert re.fullmatch(r"liblua5\.[1-4]-dev", lua)
+    assert "job_submit_lua.so" in array("SLURM_PLUGINS")
 
 
 def test_a_missing_bom_stops_the_build_before_anything(build: Build, tmp_path: Path) -> None:
@@ -564,9 +633,9 @@ def test_a_missing_bom_stops_the_build_before_anything(build: Build, tmp_path: P
     assert done.returncode != 0 and f"no bill of materials at {tmp_path / 'absent.json'}" in done.stderr
 
 
-@pytest.mark.parametrize("name", ["slurm", "pyxis", "enroot+caps", "pip"])
+@pytest.mark.parametrize("name", ["slurm", "pyxis", "pip"])
 def test_a_source_that_is_not_what_the_bom_pins_stops_the_build(build: Build, name: str) -> None:
-    url = PIP_URL if name == "pip" else SOURCE_URLS[name]
+    url = BOM["sources"][name]["url"]
     run = build("compute", downloads={url: b"another release\n"})
     assert run.returncode != 0 and not run.manifest.exists()
     assert f"{name} from {url} has sha256 {sha256(b'another release' + bytes([10]))}, not " in run.stderr
@@ -575,7 +644,9 @@ def test_a_source_that_is_not_what_the_bom_pins_stops_the_build(build: Build, na
 def test_the_step_seam_runs_only_named_steps_and_never_the_manifest(build: Build) -> None:
     run = build("compute", steps="snapshot apt_packages")
     assert run.returncode == 0, run.stderr
-    assert run.installs() == [[f"{n}={APT[n]}" for n in run.bom["roles"]["compute"]["apt"]]]
+    signed = array("SIGNED_DEBS")
+    assert run.installs() == [[f"{n}={BOM['packages'][n]}" for n in run.bom["roles"]["compute"]["apt"]
+                               if n not in signed]]
     assert not run.manifest.exists() and not run.commands("make") and not run.commands("curl")
     for steps in ("snapshot manifest", "snapshot rm"):
         run = build("compute", steps=steps)
@@ -584,11 +655,10 @@ def test_the_step_seam_runs_only_named_steps_and_never_the_manifest(build: Build
 
 # --- Slurm, pyxis, enroot ---------------------------------------------------------------------------------------------
 
-def test_slurm_is_built_from_the_boms_source_the_same_on_head_and_compute(build: Build) -> None:
-    def built(role: str) -> tuple[list[list[str]], list[list[str]]]:
-        run = build(role)
+def test_slurm_is_built_from_the_boms_source_the_same_on_head_and_compute(head: Run, compute: Run) -> None:
+    def built(run: Run) -> tuple[list[list[str]], list[list[str]]]:
         assert run.returncode == 0, run.stderr
-        assert SOURCE_URLS["slurm"] in [c[-1] for c in run.commands("curl")]
+        assert BOM["sources"]["slurm"]["url"] in [c[-1] for c in run.commands("curl")]
         configure = [c for c in run.calls if c["cmd"][0] == "configure"]
         assert [Path(c["cwd"]).name for c in configure] == ["slurm"]
         makes = [c[2:] for c in run.commands("make") if c[1].endswith("/slurm")]
@@ -596,8 +666,8 @@ def test_slurm_is_built_from_the_boms_source_the_same_on_head_and_compute(build:
         assert run.commands("slurmd") == [["-V"]]  # the installed daemon says its version
         return [c["cmd"][1:] for c in configure], makes[:-1]
 
-    head, compute = built("head"), built("compute")
-    assert head == compute and head[0] == [array("SLURM_CONFIGURE")]
+    on_head, on_compute = built(head), built(compute)
+    assert on_head == on_compute and on_head[0] == [array("SLURM_CONFIGURE")]
 
 
 def test_the_built_slurm_must_say_the_boms_version(build: Build) -> None:
@@ -624,40 +694,64 @@ def test_slurm_needs_pmix_from_the_boms_apt_list(build: Build) -> None:
         bom["roles"]["compute"]["apt"].remove("libpmix-dev")
 
     run = build("compute", bom=without_pmix)
+    assert run.returncode != 0 and "roles.compute.apt: no package named libpmix-dev" in run.stderr and not run.calls
+    run = build("compute", pmix_lib=False)  # a libpmix-dev without the library where Slurm's configure is pointed
     assert run.returncode != 0 and f"no {PMIX_LIB}" in run.stderr and not run.commands("make")
 
 
-def test_the_slurm_user_has_one_uid_on_every_image(build: Build) -> None:
-    run = build("compute")
+def test_the_slurm_user_has_one_uid_on_every_image(build: Build, compute: Run) -> None:
+    run = compute
     uid = pins()["SLURM_UID"]
     assert run.commands("groupadd") == [["--system", "--gid", uid, "slurm"]]
     (useradd,) = run.commands("useradd")
     assert useradd[useradd.index("--uid") + 1] == uid and useradd[-1] == "slurm"
-    assert build("compute", slurm_uid=uid).returncode == 0  # the parent's own, when it is that one
-    run = build("compute", slurm_uid="999")
+    slurm_only = "snapshot apt_packages slurm"
+    assert build("compute", slurm_uid=uid, steps=slurm_only).returncode == 0  # the parent's own, when it is that one
+    run = build("compute", slurm_uid="999", steps=slurm_only)
     assert run.returncode != 0 and f"the parent image's slurm user has uid 999, not {uid}" in run.stderr
 
 
 @pytest.mark.parametrize("role", ["head", "compute"])
-def test_pyxis_is_built_against_the_slurm_just_installed_on_both_roles(build: Build, role: str) -> None:
-    run = build(role)
+def test_pyxis_is_built_against_the_slurm_just_installed_on_both_roles(role: str,
+                                                                       request: pytest.FixtureRequest) -> None:
+    run: Run = request.getfixturevalue(role)
     assert run.returncode == 0, run.stderr
     makes = [c for c in run.commands("make") if c[1].endswith("/pyxis")]
     assert makes == [["-C", makes[0][1], "install", f"DESTDIR={run.root}"]]
     order = [c["cmd"][2] for c in run.calls if c["cmd"][0] == "make" and "install" in c["cmd"]]
-    assert [Path(d).name for d in order] == ["slurm", "pyxis"]
+    assert [Path(d).name for d in order][:2] == ["slurm", "pyxis"]  # (enroot's after, on compute nodes)
     assert (run.root / "usr/local/lib/slurm/spank_pyxis.so").is_file()
     assert run.bom["sources"]["pyxis"]["url"] in [c[-1] for c in run.commands("curl")]
 
 
-def test_enroot_is_the_boms_release_packages_with_its_apparmor_profile(build: Build) -> None:
-    run = build("compute")
+def test_enroot_is_built_from_the_boms_commit_with_its_apparmor_profile(head: Run, compute: Run) -> None:
+    """enroot's BOM pin is a commit (no archive's digest could be had): its tag cloned with its submodules, HEAD checked
+    against the commit before anything is built, then built and installed as its .deb and enroot+caps are."""
+    run, enroot = compute, compute.bom["sources"]["enroot"]
     assert run.returncode == 0, run.stderr
-    (debs,) = [i for i in run.installs() if any(a.endswith(".deb") and "enroot" in a for a in i)]
-    assert [Path(a).name for a in debs] == ["enroot.deb", "enroot+caps.deb"]
+    assert re.fullmatch(r"[0-9a-f]{40}", enroot["commit"]) and enroot["sha256"] is None
+    (clone,) = [c for c in run.commands("git") if c[0] == "clone"]
+    assert clone[:-1] == ["clone", "-q", "--depth", "1", "--branch", f"v{enroot['version']}", "--recurse-submodules",
+                          enroot["url"]]
+    checked = next(i for i, c in enumerate(run.calls) if c["cmd"][-2:] == ["rev-parse", "HEAD"])
+    makes = [(i, c["cmd"][1:]) for i, c in enumerate(run.calls) if c["cmd"][0] == "make" and c["cmd"][2] == clone[-1]]
+    assert checked < makes[0][0]
+    assert [c[c.index("sysconfdir=/etc") + 1:] for _, c in makes] == [["all"], ["install", f"DESTDIR={run.root}"],
+                                                                       ["setcap", f"DESTDIR={run.root}"]]
+    assert os.access(run.root / "usr/bin/enroot", os.F_OK) and (run.root / "etc/enroot/enroot.conf").is_file()
     assert (run.root / "etc/apparmor.d/enroot").is_file()
     assert run.commands("apparmor_parser") == [["-r", "-T", "-W", f"{run.root}/etc/apparmor.d/enroot"]]
-    assert "enroot" not in [c[-1] for c in build("head").commands("curl")]
+    assert json.loads(run.manifest.read_text())["versions"]["enroot"] == f"{enroot['version']} {enroot['commit']}"
+    assert not head.commands("git") and "enroot" not in json.dumps(head.commands("make"))
+
+
+def test_enroot_at_another_commit_than_the_boms_stops_the_build(build: Build) -> None:
+    run = build("compute", enroot_commit="0" * 40)
+    enroot = run.bom["sources"]["enroot"]
+    assert run.returncode != 0 and not run.manifest.exists()
+    assert (f"enroot's tag v{enroot['version']} at {enroot['url']} is commit {'0' * 40}, not the BOM's "
+            f"{enroot['commit']}") in run.stderr
+    assert not [c for c in run.commands("make") if c[1].endswith("/enroot")]
 
 
 def test_enroot_profile_is_installed_but_not_loaded_without_apparmor(build: Build) -> None:
@@ -674,14 +768,16 @@ def test_enroot_without_an_apparmor_profile_stops_the_build(build: Build) -> Non
 # --- Lustre and the kernel ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("role", ["head", "compute"])
-def test_the_kernel_meta_packages_are_held_after_the_lustre_module(build: Build, role: str) -> None:
-    run = build(role)
+def test_the_kernel_meta_packages_are_held_after_the_lustre_module(build: Build, role: str,
+                                                                   request: pytest.FixtureRequest) -> None:
+    run: Run = request.getfixturevalue(role)
     assert run.returncode == 0, run.stderr
     assert run.commands("apt-mark") == [["hold", "linux-aws", "linux-image-aws", "linux-headers-aws"]]
     order = [c["cmd"] for c in run.calls if c["cmd"][0] in ("apt-get", "apt-mark")]
     held = next(i for i, c in enumerate(order) if c[0] == "apt-mark")
     assert order[held - 1][-1] == f"lustre-client-modules-{KERNEL}"  # right after the module, in the same build
-    assert build(role, kernel_packages={"linux-base": "linux-base"}).commands("apt-mark") == []
+    run = build(role, kernel_packages={"linux-base": "linux-base"}, steps="snapshot apt_packages lustre")
+    assert run.returncode == 0 and run.commands("apt-mark") == []
 
 
 @pytest.mark.parametrize("role", ["head", "compute"])
@@ -703,22 +799,26 @@ def test_a_pinned_lustre_module_is_installed_at_its_pin(build: Build) -> None:
 
 # --- NVIDIA: DCGM's host engine, NCCL's EFA plugin, dcgm-exporter --------------------------------------------------
 
-def test_compute_build_fetches_only_pinned_and_verified_artifacts(build: Build) -> None:
+def test_compute_build_fetches_only_pinned_and_verified_artifacts(compute: Run) -> None:
     p = pins()
-    run = build("compute")
+    run = compute
     assert run.returncode == 0, run.stderr
-    cw = f"{p['CWAGENT_URL']}/ubuntu/amd64/{p['CWAGENT_VERSION']}/amazon-cloudwatch-agent.deb"
+    agent = run.bom["packages"]["amazon-cloudwatch-agent"]
+    cw = f"{p['CWAGENT_URL']}/ubuntu/amd64/{agent}/amazon-cloudwatch-agent.deb"
     sources = run.bom["sources"]
     assert [c[-1] for c in run.commands("curl")] == [
-        p["LUSTRE_KEY_URL"], sources["slurm"]["url"], sources["pyxis"]["url"], sources["enroot"]["url"],
-        sources["enroot+caps"]["url"], f"{p['CWAGENT_URL']}/assets/amazon-cloudwatch-agent.gpg", cw, f"{cw}.sig",
-        PIP_URL]
+        p["LUSTRE_KEY_URL"], sources["slurm"]["url"], sources["pyxis"]["url"],
+        f"{p['CWAGENT_URL']}/assets/amazon-cloudwatch-agent.gpg", cw, f"{cw}.sig", sources["pip"]["url"]]
     assert any("--verify" in c for c in run.commands("gpg"))
+    # The agent's signed .deb at the BOM's version, beside the apt list's other packages.
+    assert [c for c in run.installs() if any(a.endswith(".deb") for a in c)] == [[c for c in run.installs()
+                                                                                  if "amazon" in str(c)][-1]]
+    assert ["--allow-downgrades"] in [[a for a in c if a == "--allow-downgrades"] for c in run.commands("apt-get")]
     assert os.readlink(run.root / "usr/local/bin/torchrun") == f"{p['VENV']}/bin/torchrun"
     assert run.commands("systemctl")[-1] == ["disable", "--now", "munge", "slurmd", "prometheus-node-exporter"]
     assert not any(c["manifest_existed"] for c in run.calls)
     # dcgm-exporter's image by its digest (a tag can move), pulled at the build: the boot needs no registry.
-    dcgm_exporter = f"{p['DCGM_EXPORTER_IMAGE']}@{p['DCGM_EXPORTER_DIGEST']}"
+    dcgm_exporter = f"{sources['dcgm-exporter']['url']}@sha256:{sources['dcgm-exporter']['sha256']}"
     assert re.fullmatch(r"nvcr\.io/nvidia/k8s/dcgm-exporter:[34]\.\d+\.\d+-\d+\.\d+\.\d+-ubuntu\d\d\.04"
                         r"@sha256:[0-9a-f]{64}", dcgm_exporter)
     # Pulled by digest, then tagged with the name the boot's unit runs (settings.DCGM_EXPORTER_IMAGE).
@@ -729,12 +829,17 @@ def test_compute_build_fetches_only_pinned_and_verified_artifacts(build: Build) 
     versions = manifest["versions"]
     assert versions["dcgm_exporter"] == dcgm_exporter and versions["neuron_monitor"] == "none (no Neuron tools)"
     assert versions["slurm"] == bom_spec.SLURM_VERSION and versions["dcgm"] == "from the parent image"
-    assert versions["pyxis"] == sources["pyxis"]["version"] and versions["enroot"] == sources["enroot"]["version"]
-    assert versions["cloudwatch_agent"] == p["CWAGENT_VERSION"]
+    assert versions["pyxis"] == sources["pyxis"]["version"]
+    assert versions["cloudwatch_agent"] == agent
+    # Every apt package and pip distribution of the role's lists installed at its version, and nothing else fetched.
+    queries = [c["cmd"][4:] for c in run.calls if c["cmd"][:2] == ["dpkg-query", "-W"] and "${Package}" in c["cmd"][3]]
+    assert queries[-1] == run.bom["roles"]["compute"]["apt"]
+    (pip,) = [c for c in run.calls if c["cmd"][0] == "pip"]
+    assert [line.split("==")[0] for line in pip["requirements"]] == run.bom["roles"]["compute"]["pip"]
 
 
-def test_dcgm_host_engine_is_enabled_when_the_parent_has_it(build: Build) -> None:
-    run = build("compute")
+def test_dcgm_host_engine_is_enabled_when_the_parent_has_it(build: Build, compute: Run) -> None:
+    run = compute
     assert run.returncode == 0, run.stderr
     systemctl = run.commands("systemctl")
     assert systemctl[:2] == [["cat", "nvidia-dcgm.service"], ["enable", "--now", "nvidia-dcgm.service"]]
@@ -771,11 +876,17 @@ def test_cloudwatch_agent_with_another_signing_key_is_not_installed(build: Build
     assert not run.manifest.exists()
 
 
-def test_cloudwatch_agent_already_in_the_image_is_kept(build: Build) -> None:
-    run = build("compute", agent_present=True)
+def test_cloudwatch_agent_already_in_the_image_is_kept_at_the_boms_version_only(build: Build) -> None:
+    version = BOM["packages"]["amazon-cloudwatch-agent"]
+    run = build("compute", agent=version)
     assert run.returncode == 0, run.stderr
     assert not any("amazoncloudwatch-agent" in c[-1] for c in run.commands("curl"))
-    assert json.loads(run.manifest.read_text())["versions"]["cloudwatch_agent"] == "from the parent image"
+    assert json.loads(run.manifest.read_text())["versions"]["cloudwatch_agent"] == f"{version} from the parent image"
+    run = build("compute", agent="1.300050.0b1000")  # another release in the parent: the BOM's replaces it
+    assert run.returncode == 0, run.stderr
+    assert f"{pins()['CWAGENT_URL']}/ubuntu/amd64/{version}/amazon-cloudwatch-agent.deb" in [
+        c[-1] for c in run.commands("curl")]
+    assert json.loads(run.manifest.read_text())["versions"]["cloudwatch_agent"] == version
 
 
 def test_nvidia_image_without_dcgm_fails_and_neuron_image_needs_none(build: Build) -> None:
@@ -836,13 +947,17 @@ def _templates(declared: Sequence[Declared]) -> dict[str, dict]:
 
 
 def test_one_image_per_role_and_accelerator_kind_needed(shipped: tuple[Stack, tuple[Declared, ...]]) -> None:
+    from components.image import component_documents
+
     stack, declared = shipped
     images = {d.name.removeprefix(f"{stack.cluster_name}-"): d
               for d in declared if d.type == "gpucluster:image:NodeImage"}
     assert set(images) == _expected_keys(stack)
     assert set(images) == {i.key for i in cost.estimate(stack).images}
     for image in images.values():
-        assert 2 <= len(_children(declared, image, "component:Component")) <= 3  # the BOM, the script's parts
+        role = image.name.removeprefix(f"{stack.cluster_name}-").split("-")[0]
+        parts = len(component_documents(role, SCRIPT.read_text()))
+        assert len(_children(declared, image, "component:Component")) == 1 + parts  # the BOM, the script's parts
         for suffix in ("imageRecipe:ImageRecipe", "image:Image", "iam/role:Role",
                        "infrastructureConfiguration:InfrastructureConfiguration", "iam/instanceProfile:InstanceProfile",
                        "distributionConfiguration:DistributionConfiguration"):
@@ -1000,11 +1115,14 @@ def test_build_false_declares_no_image_builder_resources() -> None:
     declared = run_program(stack, pulumi_program())
     assert not [d for d in declared if "imagebuilder" in d.type or d.type == "gpucluster:image:NodeImage"]
     templates = _templates(declared)
-    assert templates["trn1"]["imageId"] == f"<AMI from {catalog.AMI_PARAMETERS['neuron']} at up>"
-    assert templates["g6e"]["imageId"] == f"<AMI from {catalog.AMI_PARAMETERS['nvidia']} at up>"
+    # Every node boots the exact parent release the BOM pins (never the newest one through an SSM parameter) and
+    # builds its software from the bundle's bom.json at first boot (tests/test_bootstrap.py).
+    parents = stack.spec.image.parent_images
+    for pool, parent in (("trn1", parents.neuron), ("g6e", parents.gpu)):
+        assert templates[pool]["imageId"] == planned_ami_id(f"{stack.region}/{parent.owner}/{parent.name}")
+        assert re.fullmatch(r"ami-[0-9a-f]{17}", templates[pool]["imageId"])
     (head,) = of_type(declared, "ec2/instance:Instance")  # the exact Ubuntu release, as it is
-    parent = stack.spec.image.parent_images.head
-    assert head.inputs["ami"] == planned_ami_id(f"{stack.region}/{parent.owner}/{parent.name}")
+    assert head.inputs["ami"] == planned_ami_id(f"{stack.region}/{parents.head.owner}/{parents.head.name}")
 
 
 def test_component_documents_refuse_what_aws_or_awstoe_would_mangle() -> None:

@@ -1,16 +1,18 @@
-"""The head's job_submit.lua, run by Lua 5.1 (the Lua Debian's and Ubuntu's Slurm link job_submit/lua against) with a
-stand-in for the `slurm` table Slurm gives the script: its data agree with slurm.conf, and its check refuses what no
-node of a partition could run and accepts the rest. tests/integration/test_submit_check.py has a real slurmctld run
-it."""
+"""The head's job_submit.lua, run by Lua 5.1 (the Lua Debian's and Ubuntu's Slurm link job_submit/lua against) and by
+Lua 5.4 (the image's Slurm, built against the BOM's liblua5.4-dev: configure takes the newest Lua pkg-config finds),
+with a stand-in for the `slurm` table Slurm gives the script: its data agree with slurm.conf, and its check refuses
+what no node of a partition could run and accepts the rest. tests/integration/test_submit_check.py has a real
+slurmctld run it."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
-from lupa import lua51
+from lupa import lua51, lua54
 
 from conftest import FIXTURES, STACK_FILES
 from gpucluster.render import job_submit, slurm
@@ -28,8 +30,8 @@ UNSET = {"cpus_per_task": NO_VAL16, "ntasks_per_node": NO_VAL16, "pn_min_cpus": 
 class Controller:
     """slurmctld's side of job_submit/lua: the script loaded into a fresh Lua state with a `slurm` table."""
 
-    def __init__(self, stack: Stack, error_codes: bool = True):
-        self.lua = lua51.LuaRuntime(unpack_returned_tuples=True)
+    def __init__(self, stack: Stack, error_codes: bool = True, lua: ModuleType = lua51):
+        self.lua = lua.LuaRuntime(unpack_returned_tuples=True)
         self.messages: list[str] = []
         table: dict[str, Any] = {"SUCCESS": 0, "ERROR": ERROR, "NO_VAL": NO_VAL, "NO_VAL16": NO_VAL16,
                                  "NO_VAL64": NO_VAL64}
@@ -47,16 +49,21 @@ class Controller:
         return int(self.lua.globals().slurm_job_submit(job_desc, self.lua.table(), 0))
 
 
-@pytest.fixture
-def ctld() -> Controller:
-    return Controller(load_stack(FIXTURES / "Pulumi.local.yaml"))
+# Each check runs in both Luas: the script is written for 5.1's semantics, and 5.3 and later differ (an integer
+# subtype of number, unpack and setfenv gone from the globals).
+LUAS = pytest.mark.parametrize("lua", [lua51, lua54], ids=["lua5.1", "lua5.4"])
+
+
+@pytest.fixture(params=[lua51, lua54], ids=["lua5.1", "lua5.4"])
+def ctld(request: pytest.FixtureRequest) -> Controller:
+    return Controller(load_stack(FIXTURES / "Pulumi.local.yaml"), lua=request.param)
 
 
 def data(stack: Stack) -> tuple[str, dict[str, list[dict[str, Any]]]]:
     """The rendered DEFAULT_PARTITION and PARTITIONS, read by Lua."""
     script = slurm.job_submit_lua(stack)
     assert script.endswith(job_submit.CHECK)
-    lua = lua51.LuaRuntime()
+    lua = lua51.LuaRuntime()  # the data only: plain tables of strings and numbers
     default, partitions = lua.execute(script[:-len(job_submit.CHECK)] + "\nreturn DEFAULT_PARTITION, PARTITIONS")
 
     def plain(value: Any) -> Any:
@@ -146,7 +153,8 @@ def test_what_the_check_cannot_read_is_left_to_slurm(ctld: Controller) -> None:
     assert ctld.submit(tres_per_node="gres/gpu:1k") == 0
 
 
-def test_slurm_22_05_refuses_with_its_general_error() -> None:
+@LUAS
+def test_slurm_22_05_refuses_with_its_general_error(lua: ModuleType) -> None:
     """Slurm 22.05 gives scripts no ESLURM_REQUESTED_NODE_CONFIG_UNAVAILABLE: nil must not read as success."""
-    ctld = Controller(load_stack(FIXTURES / "Pulumi.local.yaml"), error_codes=False)
+    ctld = Controller(load_stack(FIXTURES / "Pulumi.local.yaml"), error_codes=False, lua=lua)
     assert ctld.submit(tres_per_node="gres:gpu:8") == ERROR

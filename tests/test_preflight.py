@@ -16,18 +16,22 @@ import yaml
 from botocore.stub import Stubber
 from moto import mock_aws
 
-from conftest import FIXTURES, ROOT
+from conftest import FIXTURES, ROOT, reset_moto
 from gpucluster.aws import preflight
+from gpucluster.spec import bom
 from gpucluster.spec.model import load_stack
 
 TEAM_B = ROOT / "stacks" / "Pulumi.team-b.yaml"
+MOTO_ACCOUNT = "123456789012"
 
 
-def stack_file(tmp_path: Path, ami: str | None) -> Path:
-    """team-b with every pool pinned to `ami` (moto reserves the public /aws/... AMI parameters)."""
+def stack_file(tmp_path: Path, ami: str | None, parents: dict[str, dict[str, str]] | None = None) -> Path:
+    """team-b with every pool pinned to `ami`, and image.parent_images set to `parents`."""
     doc = yaml.safe_load(TEAM_B.read_text())
     for pool in doc["config"]["gpucluster:cluster"]["pools"]:
         pool["ami_id"] = ami
+    if parents:
+        doc["config"]["gpucluster:cluster"].setdefault("image", {})["parent_images"] = parents
     path = tmp_path / "Pulumi.team-b.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path
@@ -47,15 +51,31 @@ def spot_role(iam: Any) -> None:
                     '"Principal": {"Service": "spot.amazonaws.com"}, "Action": "sts:AssumeRole"}]}')
 
 
+def register_parents(url: str, roles: tuple[bom.ParentRole, ...] = bom.PARENT_ROLES) -> dict[str, dict[str, str]]:
+    """In a fresh moto account, the BOM's parent releases of `roles` under their exact names, and image.parent_images
+    naming every role's release with that account as owner (moto makes images as the caller's own only, and keeps an
+    architecture only for one made from an instance: register_image drops it)."""
+    reset_moto(url)
+    ec2 = boto3.client("ec2", region_name="us-west-2", endpoint_url=url, aws_access_key_id="t",
+                       aws_secret_access_key="t")
+    base = ec2.describe_images(Owners=["amazon"], Filters=[{"Name": "architecture", "Values": ["x86_64"]}])["Images"][0]
+    instance = ec2.run_instances(ImageId=base["ImageId"], MinCount=1, MaxCount=1)["Instances"][0]["InstanceId"]
+    for role in roles:
+        ec2.create_image(InstanceId=instance, Name=bom.PARENT_IMAGES[role].name)
+    return {role: {"name": parent.name, "owner": MOTO_ACCOUNT} for role, parent in bom.PARENT_IMAGES.items()}
+
+
 def test_preflight_against_moto(moto_url: str, tmp_path: Path) -> None:
+    parents = register_parents(moto_url)
     ec2 = boto3.client("ec2", region_name="us-west-2", endpoint_url=moto_url, aws_access_key_id="t",
                        aws_secret_access_key="t")
     spot_role(boto3.client("iam", region_name="us-west-2", endpoint_url=moto_url, aws_access_key_id="t",
                            aws_secret_access_key="t"))
     image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
-    done = run_cli(stack_file(tmp_path, image), moto_url)
+    done = run_cli(stack_file(tmp_path, image, parents), moto_url)
     out = done.stdout
     assert done.returncode == 0, out + done.stderr
+    assert f"PASS head ami    {bom.PARENT_IMAGES['head'].name} ({MOTO_ACCOUNT}): ami-" in out
     assert "PASS offered     p4d.24xlarge is offered in us-west-2b" in out
     assert "PASS efa         4 EFA interface(s)" in out and "PASS efa         8 EFA interface(s)" in out
     assert f"PASS ami         {image} exists" in out
@@ -76,7 +96,39 @@ def test_a_failing_check_exits_1_with_its_fix(moto_url: str, tmp_path: Path) -> 
     done = run_cli(stack_file(tmp_path, "ami-0000000000000dead"), moto_url)
     assert done.returncode == 1
     assert "FAIL ami         ami-0000000000000dead not found in this region" in done.stdout
-    assert "fix: fix ami_id, or remove it to use the newest Deep Learning AMI" in done.stdout
+    assert "fix: fix ami_id, or remove it to boot the stack's own image" in done.stdout
+
+
+def test_pinned_parent_releases_are_looked_up_by_exact_name_and_owner(moto_url: str, tmp_path: Path) -> None:
+    """Pools without ami_id boot their image baked on the pinned parent, or with image.build false the parent itself:
+    it must exist in the region under its exact name and owner (never the newest DLAMI through SSM)."""
+    parents = register_parents(moto_url, roles=("head", "gpu"))  # the Neuron release is not in this region
+    done = run_cli(stack_file(tmp_path, None, parents), moto_url)
+    out = done.stdout
+    assert done.returncode == 1, out + done.stderr
+    assert f"PASS head ami    {bom.PARENT_IMAGES['head'].name} ({MOTO_ACCOUNT}): ami-" in out
+    assert f"PASS ami         {bom.PARENT_IMAGES['gpu'].name} ({MOTO_ACCOUNT}): ami-" in out  # g6e
+    assert (f"FAIL ami         no x86_64 image {bom.PARENT_IMAGES['neuron'].name!r} of owner {MOTO_ACCOUNT} in this "
+            "region") in out  # trn1
+    assert "fix: set image.parent_images.neuron to a release this region has" in out
+    assert "/aws/service/" not in out
+
+
+def test_a_parent_by_its_region_id_and_a_name_two_images_carry() -> None:
+    parent = bom.ParentImage(bom.PARENT_IMAGES["gpu"].name, "amazon", {"us-east-1": "ami-0123456789abcdef0"})
+    ec2 = client("ec2")
+    with Stubber(ec2) as stub:
+        stub.add_response("describe_images", {"Images": [{"ImageId": "ami-0123456789abcdef0"}]},
+                          {"ImageIds": ["ami-0123456789abcdef0"]})
+        check = preflight.check_parent(ec2, "p5", "gpu", parent, "us-east-1")
+    assert check.status == "pass" and "ami-0123456789abcdef0 (region_ids) exists" in check.detail
+    ec2 = client("ec2")
+    with Stubber(ec2) as stub:
+        stub.add_response("describe_images", {"Images": [{"ImageId": "ami-0000000000000000a"},
+                                                         {"ImageId": "ami-0000000000000000b"}]})
+        check = preflight.check_parent(ec2, "p5", "gpu", parent, "us-west-2")
+    assert check.status == "fail" and "ami-0000000000000000a, ami-0000000000000000b" in check.detail
+    assert check.fix == "name the one in image.parent_images.gpu.region_ids"
 
 
 def test_bad_stack_exits_2(tmp_path: Path) -> None:
@@ -164,7 +216,7 @@ def test_type_not_offered_in_the_zone_fails_with_the_zones_that_offer_it() -> No
 
 
 def test_unresolvable_ami_parameter_fails() -> None:
-    stack = load_stack(ROOT / "stacks" / "Pulumi.dev.yaml")
+    stack = load_stack(ROOT / "stacks" / "Pulumi.team-k8s.yaml")  # a Slurm stack's pools: check_parent
     pool = stack.spec.pools[0]
     ssm = client("ssm")
     with Stubber(ssm) as stub:

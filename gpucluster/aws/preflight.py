@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Literal
 
-from gpucluster.spec import account, catalog, eks
+from gpucluster.spec import account, bom, eks
 from gpucluster.spec.model import PoolSpec, Stack
 
 Status = Literal["pass", "warn", "fail"]
@@ -157,12 +157,9 @@ def check_spot_score(ec2: Any, pool: PoolSpec, region: str, az_id: str) -> Check
 
 
 def ami_parameter(stack: Stack, pool: PoolSpec) -> str:
-    """The public parameter naming the image a pool boots: EKS's accelerated AL2023 AMI of the cluster's version on
-    Kubernetes, the newest Deep Learning AMI on Slurm."""
-    accelerator = pool.accelerator
-    if stack.spec.scheduler == "kubernetes":
-        return eks.ami_parameter(stack.spec.eks.version, accelerator.kind)
-    return catalog.AMI_PARAMETERS[accelerator.kind]
+    """The public parameter naming the image a Kubernetes pool boots: EKS's accelerated AL2023 AMI of the cluster's
+    version. (A Slurm pool boots its image baked on, or with image.build false, its pinned parent: check_parent.)"""
+    return eks.ami_parameter(stack.spec.eks.version, pool.accelerator.kind)
 
 
 def check_eks_version(client: Any, version: str) -> Check:
@@ -210,7 +207,7 @@ def check_ami(ssm: Any, ec2: Any, pool: PoolSpec, parameter: str) -> Check:
         if images:
             return Check(pool.name, "ami", "pass", f"{pool.ami_id} exists")
         return Check(pool.name, "ami", "fail", f"{pool.ami_id} not found in this region",
-                     "fix ami_id, or remove it to use the newest Deep Learning AMI")
+                     "fix ami_id, or remove it to boot the stack's own image")
     name = parameter
     try:
         value = ssm.get_parameter(Name=name)["Parameter"]["Value"]
@@ -218,6 +215,39 @@ def check_ami(ssm: Any, ec2: Any, pool: PoolSpec, parameter: str) -> Check:
         return Check(pool.name, "ami", "fail", f"{name} does not resolve in this region",
                      "set the pool's ami_id to a Deep Learning AMI of this region")
     return Check(pool.name, "ami", "pass", f"{name} -> {value}")
+
+
+def check_parent(ec2: Any, pool: str | None, role: bom.ParentRole, parent: bom.ParentImage, region: str) -> Check:
+    """A pinned parent release (image.parent_images) is in the region, as the Pulumi program looks it up
+    (components/image.py parent_ami): its region_ids entry, else the one x86_64 image of that exact name and owner,
+    deprecated ones included (AWS and Canonical deprecate releases after a time; a pinned one must keep resolving).
+    The bake starts from it, and with image.build false the nodes boot it."""
+    from botocore.exceptions import ClientError
+
+    what = "ami" if pool else "head ami"
+    fix = (f"set image.parent_images.{role} to a release this region has (or its id here in region_ids): "
+           f"aws ec2 describe-images --region {region} --owners {parent.owner} --filters 'Name=name,Values=...'")
+    if region in parent.region_ids:
+        image_id = parent.region_ids[region]
+        try:
+            found = ec2.describe_images(ImageIds=[image_id])["Images"]
+        except ClientError as exc:
+            if not exc.response.get("Error", {}).get("Code", "").startswith("InvalidAMIID"):
+                raise
+            found = []
+        if found:
+            return Check(pool, what, "pass", f"{parent.name}: {image_id} (region_ids) exists")
+        return Check(pool, what, "fail", f"{parent.name}: {image_id} (region_ids) not found in this region", fix)
+    images = ec2.describe_images(Owners=[parent.owner], IncludeDeprecated=True, Filters=[
+        {"Name": "name", "Values": [parent.name]}, {"Name": "architecture", "Values": ["x86_64"]}])["Images"]
+    if len(images) == 1:
+        return Check(pool, what, "pass", f"{parent.name} ({parent.owner}): {images[0]['ImageId']}")
+    if not images:
+        return Check(pool, what, "fail", f"no x86_64 image {parent.name!r} of owner {parent.owner} in this region",
+                     fix)
+    ids = ", ".join(sorted(i["ImageId"] for i in images))
+    return Check(pool, what, "fail", f"{len(images)} images {parent.name!r} of owner {parent.owner}: {ids}",
+                 f"name the one in image.parent_images.{role}.region_ids")
 
 
 def check_spot_role(iam: Any, stack: Stack) -> Check:
@@ -308,6 +338,9 @@ def run(stack: Stack, session: Any) -> Report:
     prices: dict[str, float] = {}
     zone_ids: dict[str, str] = {}
     checks += guarded(None, "zone", "ec2:DescribeAvailabilityZones", lambda: _zone(ec2, az, zone_ids))
+    if stack.spec.scheduler == "slurm" and not stack.spec.head_node.ami_id:
+        head = stack.spec.image.parent_images.parent("head")
+        checks += guarded(None, "head ami", "ec2:DescribeImages", lambda: check_parent(ec2, None, "head", head, region))
     for pool in stack.spec.pools:
         checks += _pool_checks(stack, pool, ec2, ssm, zone_ids, prices)
     checks += check_quotas(quotas, stack, region)
@@ -339,8 +372,14 @@ def _pool_checks(stack: Stack, pool: PoolSpec, ec2: Any, ssm: Any, zone_ids: dic
                           lambda: _record(spot_price(ec2, pool, az), found))
         if found and found[0] is not None:
             prices[pool.name] = found[0]
-    checks += guarded(pool.name, "ami", "ssm:GetParameter / ec2:DescribeImages",
-                      lambda: check_ami(ssm, ec2, pool, ami_parameter(stack, pool)))
+    if stack.spec.scheduler == "slurm" and not pool.ami_id:
+        role = bom.parent_role(pool.accelerator.kind)
+        parent = stack.spec.image.parent_images.parent(role)
+        checks += guarded(pool.name, "ami", "ec2:DescribeImages",
+                          lambda: check_parent(ec2, pool.name, role, parent, region))
+    else:
+        checks += guarded(pool.name, "ami", "ssm:GetParameter / ec2:DescribeImages",
+                          lambda: check_ami(ssm, ec2, pool, ami_parameter(stack, pool)))
     return checks
 
 

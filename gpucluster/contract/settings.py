@@ -51,6 +51,9 @@ IMAGE_MANIFEST = "/opt/gpucluster-image/manifest.json"  # written last by build_
 # The bill of materials build_image.sh installs (gpucluster/spec/bom.py, rendered as image/bom.json): the image
 # component writes it here before the build runs, and the image keeps it beside the manifest.
 IMAGE_BOM = "/opt/gpucluster-image/bom.json"
+# The same bytes in the bundle, for a node booted on a stock AMI (image.build false): its boot runs build_image.sh
+# with this bill of materials.
+BUNDLE_BOM = f"{BUNDLE_DIR}/image/bom.json"
 BOOT_UNIT = "gpucluster-boot.service"
 # The head's units that may launch or keep nodes, besides slurmctld: stopped first when the cluster is torn down.
 RECONCILE_UNIT = "gpucluster-reconcile"  # a service and its timer

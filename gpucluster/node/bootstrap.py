@@ -78,7 +78,7 @@ def ensure_image(role: str, manifest: Path = Path(contract.IMAGE_MANIFEST)) -> N
         log.info("node image: %s", json.loads(manifest.read_text()).get("role", "?"))
         return
     log.warning("no %s: this is not a gpucluster node image; installing the software now (minutes)", manifest)
-    run("bash", contract.BUILD_IMAGE_SCRIPT, role)
+    run("bash", contract.BUILD_IMAGE_SCRIPT, role, contract.BUNDLE_BOM)  # the bundle's bill of materials
     if not manifest.exists():
         raise RuntimeError(f"build_image.sh {role} finished without writing {manifest}")
 

@@ -7,19 +7,31 @@
 # what was installed. Any other exit: there is no manifest.
 set -euo pipefail
 
-# --- what the bill of materials does not hold: signing keys and an image by digest -----------------------------------
-CWAGENT_VERSION=1.300072.0b1766
+# --- what the steps take from the bill of materials, by name ---------------------------------------------------------
+# read_bom fails naming any the role's lists lack for the steps that run, and any source the BOM gives the role that no
+# step of the role installs: nothing in a role goes unbuilt. The sources each step builds or fetches
+# (gpucluster/spec/bom.py's SOURCES):
+declare -A STEP_SOURCES=([slurm]=slurm [pyxis]=pyxis [enroot]=enroot [gpu]=dcgm-exporter [python_venv]=pip)
+# The apt packages each step needs from the role's list (whole names, as extended regular expressions): Slurm's
+# configure for the plugins SLURM_PLUGINS names (gcc and make from build-essential, pkg-config from pkgconf, munge,
+# PMIx, dbus for cgroup v2, and a Lua: configure asks pkg-config for lua 5.4 down to 5.1); enroot's build (git, patch,
+# setcap); AWS's agent. On the head also MariaDB's client library (SLURM_HEAD_PLUGINS) and Grafana, which its
+# repository's pin holds.
+declare -A STEP_APT=([slurm]='build-essential pkgconf libmunge-dev libpmix-dev libdbus-1-dev liblua5\.[1-4]-dev'
+  [enroot]='git patch libcap2-bin' [cloudwatch_agent]=amazon-cloudwatch-agent)
+declare -A HEAD_STEP_APT=([slurm]=libmariadb-dev [repositories]=grafana)
+# Pinned packages no apt repository serves: AWS's signed .deb (cloudwatch_agent installs it at the BOM's version).
+SIGNED_DEBS=(amazon-cloudwatch-agent)
+
+# --- what the bill of materials does not hold: signing keys ----------------------------------------------------------
 CWAGENT_KEY_FINGERPRINT=937616F3450B7D806CBD9725D58167303B789C72  # AWS's CloudWatch agent signing key
 GRAFANA_KEY_FINGERPRINT=B53AE77BADB630A683046005963FA27710458545  # what Grafana publishes since its 2023 rotation
-# NVIDIA images: dcgm-exporter, pulled into the image so that a boot needs no registry; by its linux/amd64 digest, as a
-# tag can move. Its DCGM (4.5) is its own, embedded; it talks to the parent image's host engine (nvidia-dcgm).
-DCGM_EXPORTER_IMAGE=nvcr.io/nvidia/k8s/dcgm-exporter:4.5.2-4.8.1-ubuntu22.04
-DCGM_EXPORTER_DIGEST=sha256:a7ad6547d4546eaf4dd5d6b4c0b4db4101e63ef7dc3cdff7f42b767d2c60b706
+# NVIDIA images: dcgm-exporter (the BOM's source: its image and linux/amd64 digest), pulled into the image so that a
+# boot needs no registry. Its DCGM is its own, embedded; it talks to the parent image's host engine (nvidia-dcgm).
 DCGM_EXPORTER_LOCAL=gpucluster/dcgm-exporter:image  # DCGM_EXPORTER_IMAGE in gpucluster/contract/settings.py
 
 # --- where things come from and go ---------------------------------------------------------------------------------
 CWAGENT_URL=https://amazoncloudwatch-agent.s3.amazonaws.com
-CWAGENT_CTL=/opt/aws/amazon-cloudwatch-agent/bin/amazon-cloudwatch-agent-ctl
 # AWS's signed apt repository for the FSx Lustre client (FSx for Lustre user guide, Ubuntu): apt checks every package
 # against this key, which AWS publishes unversioned.
 LUSTRE_KEY_URL=https://fsx-lustre-client-repo-public-keys.s3.amazonaws.com/fsx-ubuntu-public-key.asc
@@ -88,13 +100,20 @@ fetch() { curl -fsSL -o "$2" "$1"; }  # fetch URL FILE
 # --- the bill of materials -------------------------------------------------------------------------------------------
 # The role's part of bom.json as bash declarations, read with the system python3's json module: every problem with the
 # file at once. APT_PINS: name=version; PIP_PINS: name==version (and a --require-hashes requirements file);
-# PACKAGES: every pinned package; SOURCE_URL, SOURCE_SHA256, SOURCE_VERSION: the role's sources by name.
-read_bom() {
+# PACKAGES: every pinned package; SOURCE_URL, SOURCE_SHA256, SOURCE_COMMIT, SOURCE_VERSION: the role's sources by name.
+read_bom() {  # read_bom STEP...: the steps that will run
   [[ -f $BOM ]] || die "no bill of materials at $BOM (build_image.sh ROLE [BOM])"
-  python3 - "$BOM" "$ROLE" "$WORK/requirements.txt" >"$WORK/bom.sh" <<'PYTHON' || die "bill of materials $BOM (above)"
+  local step installed='' sources='' apt='' all=("${COMPUTE_STEPS[@]}")
+  if [[ $ROLE == head ]]; then all=("${HEAD_STEPS[@]}"); fi
+  for step in "${all[@]}"; do installed+=" ${STEP_SOURCES[$step]:-}"; done
+  for step in "$@"; do
+    sources+=" ${STEP_SOURCES[$step]:-}" apt+=" ${STEP_APT[$step]:-}"
+    if [[ $ROLE == head ]]; then apt+=" ${HEAD_STEP_APT[$step]:-}"; fi
+  done
+  python3 - "$BOM" "$ROLE" "$WORK/requirements.txt" "$installed" "$sources" "$apt" >"$WORK/bom.sh" <<'PYTHON' ||
 import json, re, shlex, sys
 
-path, role, requirements = sys.argv[1:]
+path, role, requirements, installed, needed_sources, needed_apt = sys.argv[1:]
 bom = json.load(open(path))
 problems = []
 def get(where, key, kind, prefix=""):
@@ -110,11 +129,21 @@ packages, sources, hashes = get(bom, "packages", dict), get(bom, "sources", dict
 mine = get(get(bom, "roles", dict), role, dict, "roles.")
 apt, pip, wanted = mine.get("apt", []), mine.get("pip", []), mine.get("sources", [])
 problems += [f"roles.{role}: {name} is not in packages" for name in apt + pip if name not in packages]
+problems += [f"roles.{role}.sources: no {name}, which build_image.sh installs" for name in needed_sources.split()
+             if name not in wanted]
+problems += [f"roles.{role}.sources: {name} is not a source build_image.sh installs" for name in wanted
+             if name not in installed.split()]
+problems += [f"roles.{role}.apt: no package named {pattern}, which build_image.sh needs" for pattern in needed_apt.split()
+             if not any(re.fullmatch(pattern, name) for name in apt)]
 problems += [f"pip_hashes: no sha256 hash for {name}" for name in pip
              if not hashes.get(name) or not all(re.fullmatch(r"sha256:[0-9a-f]{64}", h) for h in hashes[name])]
-for name in wanted:
+for name in wanted:  # pinned by the sha256 of the url's bytes, or a git repository's by its commit
     source = sources.get(name, {})
-    if not isinstance(source.get("url"), str) or not re.fullmatch(r"[0-9a-f]{64}", str(source.get("sha256"))):
+    if not isinstance(source.get("url"), str) or not isinstance(source.get("version"), str):
+        problems.append(f"sources.{name}: no url and version")
+    elif "commit" in source and not re.fullmatch(r"[0-9a-f]{40}", str(source["commit"])):
+        problems.append(f"sources.{name}: commit {source['commit']!r} is not a 40-hex commit")
+    elif "commit" not in source and not re.fullmatch(r"[0-9a-f]{64}", str(source.get("sha256"))):
         problems.append(f"sources.{name}: no url and sha256")
 if problems:
     sys.exit("\n".join(problems))
@@ -126,11 +155,12 @@ print(f"SNAPSHOT={shlex.quote(snapshot)} SLURM_VERSION={shlex.quote(slurm)}")
 array("APT_PINS", [f"{name}={packages[name]}" for name in apt])
 array("PIP_PINS", [f"{name}=={packages[name]}" for name in pip])
 table("PACKAGES", packages.items())
-for field in ("url", "sha256", "version"):
-    table(f"SOURCE_{field.upper()}", ((name, sources[name].get(field, "")) for name in wanted))
+for field in ("url", "sha256", "commit", "version"):
+    table(f"SOURCE_{field.upper()}", ((name, sources[name].get(field) or "") for name in wanted))
 with open(requirements, "w") as out:
     out.writelines(f"{name}=={packages[name]} {' '.join('--hash=' + h for h in hashes[name])}\n" for name in pip)
 PYTHON
+    die "bill of materials $BOM (above)"
   # shellcheck source=/dev/null
   source "$WORK/bom.sh"
 }
@@ -180,7 +210,6 @@ grafana_repository() {
   echo "deb [signed-by=/usr/share/keyrings/grafana.gpg] $GRAFANA_REPO stable main" \
     >"$ROOT/etc/apt/sources.list.d/grafana.list"
   # A later apt upgrade keeps the BOM's Grafana: the repository carries every newer major.
-  [[ -n ${PACKAGES[grafana]:-} ]] || die "the bill of materials pins no grafana version"
   printf 'Package: grafana\nPin: version %s\nPin-Priority: 1001\n' "${PACKAGES[grafana]}" \
     >"$ROOT/etc/apt/preferences.d/gpucluster-grafana"
 }
@@ -192,26 +221,30 @@ apt_packages() {  # the role's apt packages at the BOM's versions, then checked 
   # has a snapshot server from it.
   retry apt_get update --error-on=any
   retry apt_get update --error-on=any
-  local pin listed missing=()
+  local pin listed missing=() from_archives=()
+  for pin in "${APT_PINS[@]}"; do
+    [[ " ${SIGNED_DEBS[*]} " == *" ${pin%%=*} "* ]] || from_archives+=("$pin")
+  done
   # Every version apt's indexes list for these packages, as name=version lines (`apt-cache show NAME=VERSION` exits 0
   # for a version it does not know).
-  listed=$(apt-cache madison "${APT_PINS[@]%%=*}" 2>/dev/null | awk -F' *[|] *' '{sub(/^ +/, "", $1); print $1 "=" $2}')
-  for pin in "${APT_PINS[@]}"; do
+  listed=$(apt-cache madison "${from_archives[@]%%=*}" 2>/dev/null |
+    awk -F' *[|] *' '{sub(/^ +/, "", $1); print $1 "=" $2}')
+  for pin in "${from_archives[@]}"; do
     grep -qxF -- "$pin" <<<"$listed" || missing+=("$pin")
   done
   ((${#missing[@]} == 0)) ||
     die "not in Ubuntu's snapshot $SNAPSHOT nor in a pinned third-party repository: ${missing[*]}"
-  apt_install "${APT_PINS[@]}"
-  verify_apt
+  apt_install "${from_archives[@]}"
+  verify_apt "${from_archives[@]}"
 }
 
-verify_apt() {  # every package of the role's list installed at the BOM's version, or the build fails naming it
+verify_apt() {  # verify_apt NAME=VERSION...: each installed at that version, or the build fails naming it
   local pin name want status differ=()
   local -A got=()
   # shellcheck disable=SC2016  # dpkg-query's own ${field} syntax
   while IFS=$'\t' read -r name status; do got[$name]=$status; done < <(
-    dpkg-query -W -f '${Package}\t${db:Status-Abbrev}${Version}\n' "${APT_PINS[@]%%=*}" 2>/dev/null || true)
-  for pin in "${APT_PINS[@]}"; do
+    dpkg-query -W -f '${Package}\t${db:Status-Abbrev}${Version}\n' "${@%%=*}" 2>/dev/null || true)
+  for pin in "$@"; do
     name=${pin%%=*} want=${pin#*=}
     status=${got[$name]:-not installed}
     [[ $status == "ii $want" ]] || differ+=("$name ${status#ii } (the BOM: $want)")
@@ -284,10 +317,27 @@ pyxis() {  # `srun --container-image`: on compute nodes, and on the head for sru
   [[ -f $ROOT/usr/local/lib/slurm/spank_pyxis.so ]] || die "pyxis installed no spank_pyxis.so"
 }
 
-enroot() {  # NVIDIA's release packages (enroot and its capabilities flavour, so users import images unprivileged)
-  source_file enroot "$WORK/enroot.deb"
-  source_file enroot+caps "$WORK/enroot+caps.deb"
-  apt_install "$WORK/enroot.deb" "$WORK/enroot+caps.deb"
+# enroot's release tag with its submodules (makeself, musl, linux-headers) at the commits that tag's tree pins, cloned
+# whole: a shallow fetch of a commit no branch points at needs a server that hands out commits by id.
+clone_enroot() {
+  rm -rf "$1" && git clone -q --depth 1 --branch "v${SOURCE_VERSION[enroot]}" --recurse-submodules \
+    "${SOURCE_URL[enroot]}" "$1"
+}
+# The layout of enroot's .deb (/usr/bin, /usr/lib/enroot, /etc/enroot: the boot adds to /etc/enroot/enroot.conf.d) and
+# its standard flavour, which NVIDIA builds with these flags (pkg/debbuild), in the environment: on make's command
+# line they would replace the Makefile's own CPPFLAGS.
+enroot_make() { CPPFLAGS="-DALLOW_SPECULATION -DINHERIT_FDS" make -C "$WORK/enroot" prefix=/usr sysconfdir=/etc "$@"; }
+
+enroot() {  # NVIDIA's enroot from its source at the BOM's commit (no digest of a release archive could be pinned)
+  local commit
+  retry clone_enroot "$WORK/enroot"
+  commit=$(git -C "$WORK/enroot" rev-parse HEAD)
+  [[ $commit == "${SOURCE_COMMIT[enroot]}" ]] || die "enroot's tag v${SOURCE_VERSION[enroot]} at \
+${SOURCE_URL[enroot]} is commit $commit, not the BOM's ${SOURCE_COMMIT[enroot]}"
+  enroot_make all  # before the install: one that builds writes its DESTDIR into bin/enroot and enroot.conf
+  enroot_make install DESTDIR="$ROOT"
+  [[ -x $ROOT/usr/bin/enroot && -f $ROOT/etc/enroot/enroot.conf ]] || die "enroot is not in /usr/bin and /etc/enroot"
+  enroot_make setcap DESTDIR="$ROOT"  # as the enroot+caps package: unprivileged users import images
   # Ubuntu 24.04 lets a program create user namespaces only under an AppArmor profile that allows it.
   local profile=$ROOT/etc/apparmor.d/enroot shipped=$ROOT/usr/share/enroot/apparmor.profile
   if [[ ! -f $profile && -f $shipped ]]; then install -D -m 644 "$shipped" "$profile"; fi
@@ -312,33 +362,34 @@ gpu() {  # NVIDIA images: the DCGM host engine, NCCL's EFA plugin on the loader'
   install -d "$ROOT${OFI_NCCL_CONF%/*}"
   echo "$NCCL_PLUGIN_DIR" >"$ROOT$OFI_NCCL_CONF"
   ldconfig
-  DCGM_EXPORTER=$DCGM_EXPORTER_IMAGE@$DCGM_EXPORTER_DIGEST
+  DCGM_EXPORTER=${SOURCE_URL[dcgm-exporter]}@sha256:${SOURCE_SHA256[dcgm-exporter]}
   retry docker pull -q "$DCGM_EXPORTER"
   docker tag "$DCGM_EXPORTER" "$DCGM_EXPORTER_LOCAL"  # the name the boot's unit runs
 }
 
-cloudwatch_agent() {  # the idle-GPU alarms read its metrics; the Deep Learning AMIs usually carry it
-  if [[ -x $ROOT$CWAGENT_CTL ]]; then
-    log "CloudWatch agent already in the image"
-    CWAGENT="from the parent image"
+cloudwatch_agent() {  # the idle-GPU alarms read its metrics: AWS's signed .deb at the BOM's version
+  local version=${PACKAGES[amazon-cloudwatch-agent]} deb=$WORK/amazon-cloudwatch-agent.deb home=$WORK/gnupg fingerprint
+  # The Deep Learning AMIs usually carry an agent: kept when it is the BOM's, replaced (up or down) when it is not.
+  # shellcheck disable=SC2016  # dpkg-query's own ${field} syntax
+  if [[ $(dpkg-query -W -f '${Version}' amazon-cloudwatch-agent 2>/dev/null) == "$version" ]]; then
+    log "CloudWatch agent $version already in the image"
+    CWAGENT="$version from the parent image"
     return
   fi
-  local deb=$WORK/amazon-cloudwatch-agent.deb home=$WORK/gnupg fingerprint
   retry fetch "$CWAGENT_URL/assets/amazon-cloudwatch-agent.gpg" "$WORK/cwagent.gpg"
-  retry fetch "$CWAGENT_URL/ubuntu/amd64/$CWAGENT_VERSION/amazon-cloudwatch-agent.deb" "$deb"
-  retry fetch "$CWAGENT_URL/ubuntu/amd64/$CWAGENT_VERSION/amazon-cloudwatch-agent.deb.sig" "$deb.sig"
+  retry fetch "$CWAGENT_URL/ubuntu/amd64/$version/amazon-cloudwatch-agent.deb" "$deb"
+  retry fetch "$CWAGENT_URL/ubuntu/amd64/$version/amazon-cloudwatch-agent.deb.sig" "$deb.sig"
   install -d -m 700 "$home"
   gpg --batch --homedir "$home" --import "$WORK/cwagent.gpg"
   fingerprint=$(gpg --batch --homedir "$home" --with-colons --fingerprint | awk -F: '$1 == "fpr" {print $10; exit}')
   [[ $fingerprint == "$CWAGENT_KEY_FINGERPRINT" ]] || die "CloudWatch agent key is $fingerprint, not the pinned one"
   gpg --batch --homedir "$home" --verify "$deb.sig" "$deb" || die "CloudWatch agent package signature does not verify"
-  apt_install "$deb"
-  CWAGENT=$CWAGENT_VERSION
+  apt_install --allow-downgrades "$deb"
+  CWAGENT=$version
 }
 
 python_venv() {  # the one venv of the image: exactly the BOM's distributions, each checked against its hashes
   ((${#PIP_PINS[@]})) || return 0
-  [[ -n ${SOURCE_URL[pip]:-} ]] || die "the bill of materials lists no pip wheel (source pip) for the $ROLE venv"
   local wheel=$WORK/${SOURCE_URL[pip]##*/}
   # Without pip: Ubuntu's ensurepip is python3-venv, which depends on exactly one python3 and so breaks on a parent
   # with a newer one. pip comes from the BOM's wheel, run from the wheel itself to install itself (pip's bootstrap).
@@ -377,7 +428,8 @@ services() {  # the boot configures and starts them (bootstrap.py); the image le
 }
 
 manifest() {  # the last step: its presence means the image is complete; the BOM it was built from beside it
-  verify_apt  # again: no later step's packages (the Lustre module, enroot, the agent) may have moved one of the BOM's
+  # Again, the whole list: no later step's packages (the Lustre module, the agent) may have moved one of the BOM's.
+  verify_apt "${APT_PINS[@]}"
   [[ $BOM -ef $ROOT$IMAGE_BOM ]] || install -m 644 "$BOM" "$ROOT$IMAGE_BOM"
   local bom_sum lustre_module
   bom_sum=$(sha256sum "$BOM")
@@ -387,7 +439,7 @@ manifest() {  # the last step: its presence means the image is complete; the BOM
     bom_sha256="${bom_sum%% *}" slurm="$SLURM_VERSION" pyxis="${SOURCE_VERSION[pyxis]:-}" \
     lustre_client_modules="$lustre_module" cloudwatch_agent="$CWAGENT" dcgm="$DCGM" dcgm_engine="$DCGM_ENGINE" \
     dcgm_exporter="$DCGM_EXPORTER" nccl_net_plugin="$NCCL_PLUGIN_DIR" neuron_monitor="$NEURON" \
-    enroot="${SOURCE_VERSION[enroot]:-none}" <<'PYTHON'
+    enroot="${SOURCE_VERSION[enroot]:-none}${SOURCE_COMMIT[enroot]:+ ${SOURCE_COMMIT[enroot]}}" <<'PYTHON'
 import json, sys
 
 fields = dict(arg.split("=", 1) for arg in sys.argv[2:])
@@ -448,7 +500,7 @@ main() {
   trap 'rm -rf "$WORK" "$ROOT$SNAPSHOT_CONF"' EXIT
   install -d "$ROOT${MANIFEST%/*}" "$ROOT/usr/local/bin"
   rm -f "$ROOT$MANIFEST"  # a manifest from an earlier run must not vouch for this one
-  read_bom
+  read_bom "${steps[@]}"
   log "building the $ROLE image: ${steps[*]}"
   for step in "${steps[@]}"; do
     log "step $step"

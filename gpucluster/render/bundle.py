@@ -18,6 +18,7 @@ from pathlib import Path
 from gpucluster import node
 from gpucluster.contract import settings
 from gpucluster.render import dashboards, monitoring, prometheus, slurm
+from gpucluster.spec import bom
 from gpucluster.spec.model import Stack, stack_file
 
 # Who submits jobs on the head node: the image's login user (Ubuntu). Add others with `sacctmgr add user`.
@@ -46,6 +47,8 @@ def contents(stack: Stack, examples_dir: Path,
     files |= {f"{LIB}/{name.as_posix()}": ((node.LIBRARY_DIR / name).read_bytes(), 0o755 if name in programs else 0o644)
               for name in sorted(modules | programs)}
     files[f"{STACKS_IN_LIB}/Pulumi.{stack.name}.yaml"] = (stack_file(stack).encode(), 0o644)
+    # The node images' bill of materials, byte for byte what a bake gets: a node booted on a stock AMI builds from it.
+    files[str(Path(settings.BUNDLE_BOM).relative_to(settings.BUNDLE_DIR))] = (bom.render(stack).encode(), 0o644)
     files["accounting.sql"] = (slurm.ACCOUNTING_DB_SQL.encode(), 0o644)
     files["accounting.sh"] = (slurm.accounting_script(stack, CLUSTER_USERS).encode(), 0o755)
     files |= {name: (text.encode(), 0o644)

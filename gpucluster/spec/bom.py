@@ -206,10 +206,15 @@ SOURCES: Mapping[str, Source] = MappingProxyType({
     # NVIDIA's dcgm-exporter image by its linux/amd64 digest, pulled into the compute image (a tag can move).
     "dcgm-exporter": Source("nvcr.io/nvidia/k8s/dcgm-exporter:4.5.2-4.8.1-ubuntu22.04", "4.5.2-4.8.1",
                             "a7ad6547d4546eaf4dd5d6b4c0b4db4101e63ef7dc3cdff7f42b767d2c60b706"),
+    # pip itself, for the venvs: the bake runs it from its wheel to install itself (no ensurepip, which is Ubuntu's
+    # python3-venv and depends on exactly one python3). PyPI's wheel and its sha256 as PyPI's index lists them.
+    "pip": Source("https://files.pythonhosted.org/packages/07/25/"
+                  "ee8c38ae72d66b844ce8eb9711ba905dba21ca1a8a0c960057c41cd23337/pip-26.3-py3-none-any.whl", "26.3",
+                  "f3b60b20ffaadd4415ed7957212a38ac63fa4c5fa375bd0f4a797777940fad13"),
 })
 # pyxis on the head too: srun reads its options (--container-image) from a login shell there.
-HEAD_SOURCES = ("slurm", "pyxis")
-COMPUTE_SOURCES = ("slurm", "pyxis", "enroot", "dcgm-exporter")
+HEAD_SOURCES = ("slurm", "pyxis", "pip")
+COMPUTE_SOURCES = ("slurm", "pyxis", "enroot", "dcgm-exporter", "pip")
 
 
 @dataclass(frozen=True)

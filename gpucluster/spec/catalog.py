@@ -18,12 +18,6 @@ PRICE_SOURCE = "AWS EC2 On-Demand pricing page, Linux, us-east-1 (rates after th
 
 AcceleratorKind = Literal["nvidia", "neuron"]
 
-# Public SSM parameters that always name the newest AMI of each accelerator kind (Ubuntu 24.04 Deep Learning AMIs).
-AMI_PARAMETERS: dict[str, str] = {
-    "nvidia": "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id",
-    "neuron": "/aws/service/neuron/dlami/multi-framework/ubuntu-24.04/latest/image_id",
-}
-
 # EC2 Image Builder (components/image.py). Nothing in the build uses an accelerator (packages, Slurm's and pyxis's
 # compiles, pip downloads), so a general-purpose x86_64 type boots the DLAMIs and Ubuntu alike: 4 vCPUs for the
 # compiles and the unpacking of the torch wheels, 16 GiB for pip. Three generations of the same shape, so that an AZ

@@ -160,9 +160,9 @@ class PoolSpec(_Model):
     efa: bool | None = None
     # The capacity block's reservation: required with capacity: capacity-block, and only allowed there.
     capacity_reservation_id: str | None = Field(default=None, pattern=r"^cr-[0-9a-f]{8,17}$")
-    # The nodes' image. Default: the stack's baked image of the pool's accelerator kind; with image.build false, the
-    # newest Deep Learning Base AMI (the Neuron DLAMI for trn types). It may name an image another stack of the
-    # account baked. Not allowed with scheduler: kubernetes.
+    # The nodes' image. Default: the stack's baked image of the pool's accelerator kind; with image.build false, its
+    # pinned parent release (image.parent_images: the Deep Learning Base AMI, the Neuron DLAMI for trn types). It may
+    # name an image another stack of the account baked. Not allowed with scheduler: kubernetes.
     ami_id: AmiId = None
     # A spot pool's partition also lists this pool's nodes: when spot capacity runs out, jobs run there.
     fallback: str | None = None

@@ -28,6 +28,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
+from gpucluster.spec import bom as bom_spec
+from gpucluster.spec.model import load_stack
 from rehearsal_image import REHEARSAL_ROOTFS
 
 pytestmark = pytest.mark.rehearsal
@@ -113,11 +115,13 @@ def standin_archive(tmp_path: Path) -> Iterator[tuple[int, list[str]]]:
 
 
 def bom(packages: dict[str, str]) -> dict:
-    """A bill of materials in bom.json's shape (gpucluster/spec/bom.py) whose compute role installs `packages`."""
-    return {"parent_image": {"name": "stand-in", "owner": "amazon", "region_ids": {}}, "ubuntu_snapshot": SNAPSHOT,
-            "slurm_version": "24.11.5", "packages": packages, "sources": {}, "pip_hashes": {},
-            "roles": {"compute": {"apt": list(packages), "pip": [], "sources": []},
-                      "head": {"apt": [], "pip": [], "sources": []}}}
+    """team-a's bill of materials as `render` writes it, with the stand-in archive's snapshot and the compute role's
+    apt list replaced by `packages` (the steps run here need nothing else of it)."""
+    real = json.loads(bom_spec.render(load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")))
+    real["ubuntu_snapshot"] = SNAPSHOT
+    real["packages"] |= packages
+    real["roles"]["compute"]["apt"] = list(packages)
+    return real
 
 
 def installed(upper: Path) -> dict[str, str]:
