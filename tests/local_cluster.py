@@ -796,7 +796,7 @@ class LocalCluster:
             # Entering the head's root moves there: go back to the submit directory (shared with the nodes).
             (bin_dir / name).write_text(
                 f"#!/bin/sh\nPATH=$(echo \"$PATH\" | sed 's#{bin_dir}:##')\n"
-                f"exec nsenter -t \"$(cat {self.root}/head.pid)\" -m -u -n -r -- "
+                f"exec nsenter -t \"$(cat {self.root}/head.pid)\" -m -u -n -r -w -- "
                 f"sh -c 'cd \"$1\" && shift && exec \"$@\"' sh \"$PWD\" /usr/bin/{name} \"$@\"\n")
             (bin_dir / name).chmod(0o755)
         return bin_dir
