@@ -118,8 +118,6 @@ def fetch(env: dict[str, str], boto3: Any, sleep: Callable[[float], None] = time
     deadline = time.monotonic() + DEADLINE_SECONDS
     for attempt in itertools.count():
         try:
-            # New clients each time: one made while instance metadata did not answer in time has no credentials and
-            # would fail every attempt (seen in the rehearsal on a loaded machine: NoCredentialsError for 2 minutes).
             ssm, s3 = boto3.client("ssm", config=config), boto3.client("s3", config=config)
             raw, key = settings_and_key(ssm, env)
             settings = json.loads(raw)
