@@ -30,13 +30,12 @@ UNSET = {"cpus_per_task": NO_VAL16, "ntasks_per_node": NO_VAL16, "pn_min_cpus": 
 class Controller:
     """slurmctld's side of job_submit/lua: the script loaded into a fresh Lua state with a `slurm` table."""
 
-    def __init__(self, stack: Stack, error_codes: bool = True, lua: ModuleType = lua51):
+    def __init__(self, stack: Stack, lua: ModuleType = lua51):
         self.lua = lua.LuaRuntime(unpack_returned_tuples=True)
         self.messages: list[str] = []
         table: dict[str, Any] = {"SUCCESS": 0, "ERROR": ERROR, "NO_VAL": NO_VAL, "NO_VAL16": NO_VAL16,
-                                 "NO_VAL64": NO_VAL64}
-        if error_codes:  # Slurm 24.11 names every error code; 22.05 only a few, not this one
-            table["ESLURM_REQUESTED_NODE_CONFIG_UNAVAILABLE"] = REQUESTED_NODE_CONFIG_UNAVAILABLE
+                                 "NO_VAL64": NO_VAL64,
+                                 "ESLURM_REQUESTED_NODE_CONFIG_UNAVAILABLE": REQUESTED_NODE_CONFIG_UNAVAILABLE}
         self.lua.globals().slurm = self.lua.table_from(table)
         # As job_submit_lua.c defines it: slurm.user_msg(string.format(...)), the lines sbatch prints.
         self.lua.globals().user_msg = self.messages.append
@@ -95,11 +94,10 @@ def test_data_are_what_slurm_conf_gives_each_partition(path: Path) -> None:
 
 
 def test_more_gpus_per_node_than_a_node_has_are_refused_naming_the_shape(ctld: Controller) -> None:
-    for tres in ("gres/gpu:8", "gres:gpu:8"):  # Slurm 24.11's form; 22.05's
-        assert ctld.submit(tres_per_node=tres) == REQUESTED_NODE_CONFIG_UNAVAILABLE
-        assert ctld.messages == [
-            "partition spot: a node has 1 GPU (l4), 4 CPUs, 15.2 GiB (pool spot, up to 2 nodes) or "
-            "1 GPU (l4), 4 CPUs, 15.2 GiB (pool standby, up to 2 nodes); the job asks 8 GPUs per node"]
+    assert ctld.submit(tres_per_node="gres/gpu:8") == REQUESTED_NODE_CONFIG_UNAVAILABLE
+    assert ctld.messages == [
+        "partition spot: a node has 1 GPU (l4), 4 CPUs, 15.2 GiB (pool spot, up to 2 nodes) or "
+        "1 GPU (l4), 4 CPUs, 15.2 GiB (pool standby, up to 2 nodes); the job asks 8 GPUs per node"]
     assert ctld.submit(tres_per_node="gres/gpu:2", partition="standby") == REQUESTED_NODE_CONFIG_UNAVAILABLE
     assert ctld.messages == ["partition standby: a node has 1 GPU (l4), 4 CPUs, 15.2 GiB, up to 2 nodes; "
                              "the job asks 2 GPUs per node"]
@@ -151,10 +149,3 @@ def test_a_job_fits_if_one_of_its_partitions_can_run_it(ctld: Controller) -> Non
 def test_what_the_check_cannot_read_is_left_to_slurm(ctld: Controller) -> None:
     assert ctld.submit(partition="nosuch", tres_per_node="gres/gpu:8") == 0  # Slurm refuses the partition itself
     assert ctld.submit(tres_per_node="gres/gpu:1k") == 0
-
-
-@LUAS
-def test_slurm_22_05_refuses_with_its_general_error(lua: ModuleType) -> None:
-    """Slurm 22.05 gives scripts no ESLURM_REQUESTED_NODE_CONFIG_UNAVAILABLE: nil must not read as success."""
-    ctld = Controller(load_stack(FIXTURES / "Pulumi.local.yaml"), error_codes=False, lua=lua)
-    assert ctld.submit(tres_per_node="gres:gpu:8") == ERROR

@@ -6,10 +6,9 @@ pending for ever: the pools' nodes are powered-down cloud nodes, which it does n
 slurm.py renders the stack's data (each partition's pools: nodes, CPUs, memory, accelerators per node) above the
 fixed check below; slurm.conf names it with JobSubmitPlugins=lua.
 
-The fields are those Slurm's job_submit/lua plugin gives a script (src/plugins/job_submit/lua/job_submit_lua.c, the
-same names in 22.05 and 24.11): numbers not given by the user are Slurm's NO_VAL sentinels, min_mem_per_node and
-min_mem_per_cpu are nil unless given; generic resources are strings, "gres/gpu:8" and "gres/gpu:h100:8" (24.11; 22.05
-writes "gres:gpu:8"), per task "gres/gpu=2" next to "cpu=4" (24.11).
+The fields are those Slurm 24.11's job_submit/lua plugin gives a script (src/plugins/job_submit/lua/job_submit_lua.c):
+numbers not given by the user are Slurm's NO_VAL sentinels, min_mem_per_node and min_mem_per_cpu are nil unless
+given; generic resources are strings, "gres/gpu:8" and "gres/gpu:h100:8", per task "gres/gpu=2" next to "cpu=4".
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ local function given(value)
   return value
 end
 
--- Generic resources asked for: "gres/gpu:8", "gres/gpu:h100:8", "gres/gpu=2", "gres:gpu:8" (Slurm 22.05),
+-- Generic resources asked for: "gres/gpu:8", "gres/gpu:h100:8", "gres/gpu=2",
 -- comma-separated; entries that are not generic resources ("cpu=4") are skipped. Returns name -> {count, type},
 -- or nil when a count cannot be read (the job is then left to Slurm).
 local function gres_asked(tres)
@@ -34,7 +33,7 @@ local function gres_asked(tres)
     return asked
   end
   for entry in string.gmatch(tres, "[^,]+") do
-    local spec = string.match(entry, "^gres[/:](.+)$")
+    local spec = string.match(entry, "^gres/(.+)$")
     if spec then
       local fields = {}
       for field in string.gmatch(spec, "[^:=]+") do
@@ -208,8 +207,7 @@ function slurm_job_submit(job_desc, part_list, submit_uid)
   for _, reason in ipairs(reasons) do
     slurm.log_user("%s", reason)
   end
-  -- Slurm's own words for such a job. Slurm 22.05 gives scripts only a few error codes, not this one.
-  return slurm.ESLURM_REQUESTED_NODE_CONFIG_UNAVAILABLE or slurm.ERROR
+  return slurm.ESLURM_REQUESTED_NODE_CONFIG_UNAVAILABLE  -- Slurm's own words for such a job
 end
 
 -- A queued job changed by `scontrol update` is left to Slurm.

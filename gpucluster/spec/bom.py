@@ -100,9 +100,9 @@ SLURM_BUILD = ("build-essential", "pkgconf", "libmunge-dev", "libpmix-dev", "lib
 ENROOT_BUILD = ("git", "patch", "libcap2-bin")
 ENROOT_RUNTIME = ("curl", "gawk", "jq", "parallel", "squashfs-tools", "zstd", "bsdmainutils")
 # iptables: every boot's lockdown keeps instance metadata from users with it (gpucluster/contract/lockdown.py).
-HEAD_APT = ("munge", *SLURM_BUILD, "libmariadb-dev", "mariadb-server", "python3-boto3", "python3-venv",
-            "python3-yaml", "iptables", "prometheus", "prometheus-alertmanager", "prometheus-node-exporter")
-COMPUTE_APT = ("munge", *SLURM_BUILD, *ENROOT_BUILD, *ENROOT_RUNTIME, "python3-boto3", "python3-venv", "iptables",
+HEAD_APT = ("munge", *SLURM_BUILD, "libmariadb-dev", "mariadb-server", "python3-boto3", "python3-yaml",
+            "iptables", "prometheus", "prometheus-alertmanager", "prometheus-node-exporter")
+COMPUTE_APT = ("munge", *SLURM_BUILD, *ENROOT_BUILD, *ENROOT_RUNTIME, "python3-boto3", "iptables",
                "prometheus-node-exporter")
 # Every Ubuntu package the bake names: their versions come from the stack's snapshot (ubuntu-lock.json).
 UBUNTU_PACKAGES = tuple(sorted({*HEAD_APT, *COMPUTE_APT}))

@@ -20,7 +20,7 @@ local function given(value)
   return value
 end
 
--- Generic resources asked for: "gres/gpu:8", "gres/gpu:h100:8", "gres/gpu=2", "gres:gpu:8" (Slurm 22.05),
+-- Generic resources asked for: "gres/gpu:8", "gres/gpu:h100:8", "gres/gpu=2",
 -- comma-separated; entries that are not generic resources ("cpu=4") are skipped. Returns name -> {count, type},
 -- or nil when a count cannot be read (the job is then left to Slurm).
 local function gres_asked(tres)
@@ -29,7 +29,7 @@ local function gres_asked(tres)
     return asked
   end
   for entry in string.gmatch(tres, "[^,]+") do
-    local spec = string.match(entry, "^gres[/:](.+)$")
+    local spec = string.match(entry, "^gres/(.+)$")
     if spec then
       local fields = {}
       for field in string.gmatch(spec, "[^:=]+") do
@@ -203,8 +203,7 @@ function slurm_job_submit(job_desc, part_list, submit_uid)
   for _, reason in ipairs(reasons) do
     slurm.log_user("%s", reason)
   end
-  -- Slurm's own words for such a job. Slurm 22.05 gives scripts only a few error codes, not this one.
-  return slurm.ESLURM_REQUESTED_NODE_CONFIG_UNAVAILABLE or slurm.ERROR
+  return slurm.ESLURM_REQUESTED_NODE_CONFIG_UNAVAILABLE  -- Slurm's own words for such a job
 end
 
 -- A queued job changed by `scontrol update` is left to Slurm.
