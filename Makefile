@@ -25,7 +25,7 @@ TEST_WORKERS ?= 6
 # Debian's and Ubuntu's python3 makes a venv only with python3-venv: installed when the first try fails.
 APT_INSTALL := DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get -o DPkg::Lock::Timeout=300 install -y -q
 $(VENV)/.installed: requirements.txt requirements-dev.txt
-	python3 -m venv $(VENV) || { $(SUDO) apt-get update -q && $(APT_INSTALL) python3-venv && python3 -m venv --clear $(VENV); }
+	python3 -m venv $(VENV) || { $(SUDO) apt-get update -q && $(APT_INSTALL) python3-venv && python3 -m venv $(VENV); }
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
 	touch $@
 
