@@ -1,10 +1,14 @@
-"""A compute node's health check (gpucluster/node/health.py) against stand-ins for nvidia-smi, neuron-ls,
-fi_info and dmesg on PATH: this machine has no GPU, no Neuron device and no EFA. Each stand-in prints what the real
-tool prints in the cases that matter (its documented CSV or JSON). The first boot's configuration checks also meet a
-stand-in systemctl (no systemd as PID 1 here) and instance metadata served from this process (no EC2)."""
+"""A compute node's health check (gpucluster/node/health.py) against stand-ins for nvidia-smi, dcgmi, neuron-ls,
+fi_info and dmesg on PATH: this machine has no GPU, no DCGM, no Neuron device and no EFA. Each stand-in prints what the
+real tool prints in the cases that matter (its documented CSV, or the JSON DCGM's source writes). The first boot's
+configuration checks also meet a stand-in systemctl (no systemd as PID 1 here) and instance metadata served from this
+process (no EC2)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import shlex
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -39,11 +43,33 @@ def gpus(n: int, ecc: dict[int, int] | None = None) -> str:
     return "; ".join(f'echo "{i}, {(ecc or {}).get(i, 0)}"' for i in range(n))
 
 
+def dcgm_report(failures: dict[int, dict[str, tuple[str, list[str]]]] | None = None) -> str:
+    """`dcgmi health -c -j` as DCGM writes it (dcgmi/Health.cpp through DcgmiOutputJson: jsoncpp's styled writer):
+    GPU id -> health system -> (its verdict, its message in the parts dcgmi splits it into)."""
+    body: dict[str, object] = {}
+    worst = "Healthy"
+    for gpu, systems in (failures or {}).items():
+        verdicts = {verdict for verdict, _ in systems.values()}
+        entity = "Failure" if "Failure" in verdicts else "Warning"
+        worst = "Failure" if "Failure" in (worst, entity) else entity
+        body.setdefault("GPU", {"children": {}})["children"][str(gpu)] = {  # type: ignore[index]
+            "children": {"Errors": {"children": {
+                system: {"overflow": parts, "value": verdict} for system, (verdict, parts) in systems.items()}}},
+            "value": entity}
+    body["Overall Health"] = {"value": worst}
+    return json.dumps({"body": body, "header": ["Health Monitor Report"]}, indent=3, sort_keys=True)
+
+
+def dcgmi(report: str) -> str:
+    """A stand-in dcgmi whose `health -c -j` answers `report`."""
+    return f"[ \"$*\" = \"health -c -j\" ] || exit 9; cat <<'EOF'\n{report}\nEOF"
+
+
 def test_a_healthy_node_passes(tools) -> None:
     tools("nvidia-smi", gpus(8))
     tools("fi_info", "; ".join(f'echo "provider: efa"; echo "    domain: rdmap{i}s0-rdm"' for i in range(32)))
-    tools("dmesg", 'echo "[  1.0] usual boot noise"')
-    assert health.accelerators(P5) == [] and health.efa(P5) == [] and health.fatal_xids() == []
+    tools("dcgmi", dcgmi(dcgm_report()))
+    assert health.accelerators(P5) == [] and health.efa(P5) == [] and health.gpu_faults(P5) == []
 
 
 @pytest.mark.parametrize(("stand_in", "problem"), [
@@ -69,10 +95,70 @@ def test_a_hung_tool_costs_its_time_limit_and_no_more(tools, monkeypatch: pytest
     assert "nvidia-smi did not answer in 1 s" in problems and time.monotonic() - start < 3
 
 
-def test_fatal_xids_and_missing_efa_devices(tools) -> None:
-    tools("dmesg", 'echo "[ 99.1] NVRM: Xid (PCI:0000:53:00): 79, pid=1234, GPU has fallen off the bus."; '
-                   'echo "[ 99.2] NVRM: Xid (PCI:0000:64:00): 13, Graphics Exception"')
-    assert health.fatal_xids() == ["fatal GPU XID(s) 79 in the kernel log"]  # 13 is an application's fault
+# What a process can write into the kernel log: the NULL-argv warning of a program whose file name is an XID line
+# (Linux 5.18 and later, once a boot), and a line written to /dev/kmsg where that is allowed.
+FORGED_KERNEL_LOG = (
+    "[ 99.1] process 'python3' launched '/tmp/x/NVRM: Xid (PCI:0000:53:00): 79, pid=1, GPU has fallen off the bus.' "
+    "with NULL argv: empty string added",
+    "[ 99.2] NVRM: Xid (PCI:0000:64:00): 48, pid=1234, An uncorrectable double bit error (DBE) has been detected")
+
+
+@pytest.mark.parametrize(("report", "problem"), [
+    # The kernel log says XID 79 and 48 (forged); the driver's counters, through DCGM, say nothing: nothing drains.
+    (dcgm_report(), None),
+    # DCGM's verdicts from the driver's own events and counters: a devastating XID, a double-bit ECC count.
+    (dcgm_report({3: {"Internal error": ("Failure", ["Detected XID 79 for GPU 3 (triggered by XID 79: GPU has",
+                                                     "fallen off the bus)"])}}),
+     "DCGM health: GPU 3: Detected XID 79 for GPU 3 (triggered by XID 79: GPU has fallen off the bus)"),
+    (dcgm_report({0: {"Memory system": ("Failure", ["Detected 2 volatile double-bit ECC error(s) in GPU 0."])},
+                  5: {"Driver": ("Failure", ["GPU 5 requires a reset"])}}),
+     "DCGM health: GPU 0: Detected 2 volatile double-bit ECC error(s) in GPU 0.; GPU 5: GPU 5 requires a reset"),
+    # Warnings (a pending page retirement, XID 63 or 94, thermal events) drain nothing; a failure beside one does.
+    (dcgm_report({1: {"Memory system": ("Warning", ["Detected XID 63 for GPU 1"])}}), None),
+    (dcgm_report({1: {"Thermal system": ("Warning", ["Thermal violations"]),
+                      "PCIe system": ("Failure", ["GPU 1 has fallen off the bus"])}}),
+     "DCGM health: GPU 1: GPU 1 has fallen off the bus"),
+])
+def test_gpu_faults_come_from_dcgm_never_from_the_kernel_log(tools, report: str, problem: str | None) -> None:
+    tools("dmesg", "; ".join(f"echo {shlex.quote(line)}" for line in FORGED_KERNEL_LOG))
+    tools("dcgmi", dcgmi(report))
+    tools("nvidia-smi", gpus(8))
+    tools("fi_info", "; ".join(f'echo "    domain: rdmap{i}s0-rdm"' for i in range(32)))
+    assert health.gpu_faults(P5) == ([problem] if problem else [])
+    assert [p for p in health.check(P5, "periodic") if "DCGM" in p or "XID" in p or "Xid" in p] == \
+        ([problem] if problem else [])
+
+
+def test_a_host_engine_without_watches_gets_them_and_the_driver_counters_decide(tools, tmp_path: Path,
+                                                                               capsys) -> None:
+    """A host engine restarted since the boot has no watches: they are set again, and meanwhile nvidia-smi's row
+    remapper counts decide. Without dcgmi at all, the same counters."""
+    calls = tmp_path / "dcgmi.calls"
+    tools("dcgmi", f'echo "$*" >> {calls}; [ "$1 $2" = "health -s" ] && '
+                   'echo "Health monitor systems set successfully." && exit 0; '
+                   'echo "Error: Health watches not enabled. Please enable watches. "; exit 253')
+    tools("nvidia-smi", '[ "$*" = "--query-remapped-rows=gpu_bus_id,remapped_rows.failure --format=csv,noheader" ] '
+                        '|| exit 9; echo "00000000:53:00.0, No"; echo "00000000:64:00.0, Yes"')
+    assert health.gpu_faults(P5) == ["GPU 00000000:64:00.0: row remapping failed"]
+    assert calls.read_text().splitlines() == ["health -c -j", f"health -s {health.DCGM_WATCHES}"]
+    assert "DCGM had no health watches: set them" in capsys.readouterr().err
+    (tmp_path / "bin" / "dcgmi").unlink()
+    assert health.gpu_faults(P5) == ["GPU 00000000:64:00.0: row remapping failed"]
+    tools("nvidia-smi", 'echo "Field remapped_rows.failure is not a valid field to query." >&2; exit 2')  # no remapper
+    assert health.gpu_faults(P5) == [] and "row remapper not read" in capsys.readouterr().err
+    assert health.gpu_faults(TRN) == [] and health.gpu_faults(dataclasses.replace(P5, accelerators=0)) == []
+
+
+def test_a_host_engine_that_does_not_answer_is_a_finding(tools) -> None:
+    tools("dcgmi", 'echo "Error: Unable to connect to host engine. Host engine connection invalid/disconnected."; '
+                   "exit 255")
+    assert health.gpu_faults(P5) == ["DCGM health check: dcgmi exited 255: Error: Unable to connect to host engine. "
+                                     "Host engine connection invalid/disconnected."]
+    tools("dcgmi", "echo 'not json'")
+    assert health.gpu_faults(P5) == ["DCGM health check: not the JSON dcgmi writes: not json"]
+
+
+def test_missing_efa_devices(tools) -> None:
     tools("fi_info", "; ".join(f'echo "    domain: rdmap{i}s0-rdm"' for i in range(31)))
     assert health.efa(P5) == ["31 of 32 EFA devices"]
 
@@ -85,7 +171,7 @@ def test_neuron_devices_are_counted(tools) -> None:
 def test_the_prolog_runs_only_the_fast_checks(tools, monkeypatch: pytest.MonkeyPatch) -> None:
     tools("nvidia-smi", gpus(8))
     tools("fi_info", "exit 1")  # would be a finding in the periodic check
-    tools("dmesg", "exit 1")
+    tools("dcgmi", "exit 1")
     monkeypatch.setattr(health, "storage", lambda: [])
     assert health.check(P5, "prolog") == []
     assert "fi_info exited 1: " in health.check(P5, "periodic")
@@ -125,8 +211,12 @@ def test_a_stopped_dcgm_host_engine_is_started_and_passes(tools, tmp_path: Path,
     units.mkdir()
     (units / health.DCGM_UNIT).write_text("[Service]\nExecStart=/usr/bin/nv-hostengine -n\n")
     tools("systemctl", systemctl(tmp_path / "dcgm-active"))
+    watches = tmp_path / "watches"
+    tools("dcgmi", f'[ "$*" = "health -s a" ] && echo "$*" >> {watches} && '
+                   'echo "Health monitor systems set successfully."')
     assert health.dcgm_host_engine(P5, (str(units),)) == []
     assert (tmp_path / "dcgm-active").exists()  # started
+    assert watches.read_text() == "health -s a\n"  # and its health watches set, for gpu_faults
     assert "nvidia-dcgm.service was stopped: started it" in capsys.readouterr().err
     assert health.dcgm_host_engine(P5, (str(units),)) == []  # running: nothing to do, nothing said
     assert capsys.readouterr().err == ""

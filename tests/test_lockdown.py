@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from gpucluster.contract import lockdown
-from gpucluster.contract.settings import ALERTMANAGER_PORT, LOGIN_USER, SLURM_USER
+from gpucluster.contract.settings import ALERTMANAGER_PORT, DCGM_HOSTENGINE_PORT, LOGIN_USER, SLURM_USER
 
 METADATA = textwrap.dedent('''
     from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -87,19 +87,22 @@ DRIVER = textwrap.dedent('''
              "try:\\n    print(urllib.request.urlopen(request, timeout=5).read().decode())\\n"
              "except OSError as exc:\\n    print(type(exc).__name__, exc)\\n")
     import socket
-    alertmanager = socket.create_server(("127.0.0.1", ALERTMANAGER_PORT))  # a stand-in: the port is what counts
-    connect = ("import socket\\ntry:\\n"
-               "    socket.create_connection(('127.0.0.1', ALERTMANAGER_PORT), timeout=5).close()"
+    # Stand-ins for Alertmanager (head) and DCGM's host engine (compute): the port is what counts.
+    listeners = [socket.create_server(("127.0.0.1", port)) for port in (ALERTMANAGER_PORT, DCGM_PORT)]
+    connect = ("import socket, sys\\ntry:\\n"
+               "    socket.create_connection(('127.0.0.1', int(sys.argv[1])), timeout=5).close()"
                "\\n    print('connected')\\nexcept OSError as exc:\\n    print(type(exc).__name__, exc)\\n")
-    answers, alerts = {}, {}
+    answers, alerts, dcgm = {}, {}, {}
     for user in ("root", "SLURM", "LOGIN", "nobody", "prometheus"):
         entry = pwd.getpwnam(user)
         as_user = ["setpriv", f"--reuid={entry.pw_uid}", f"--regid={entry.pw_gid}", "--clear-groups",
                    "/usr/bin/python3"]
         answers[user] = subprocess.run(as_user + ["-c", probe], capture_output=True, text=True).stdout.strip()
-        alerts[user] = subprocess.run(as_user + ["-c", connect], capture_output=True, text=True).stdout.strip()
-    alertmanager.close()
-    print(json.dumps({"rc": done.returncode, "stderr": done.stderr, "answers": answers, "alerts": alerts,
+        alerts[user], dcgm[user] = (subprocess.run(as_user + ["-c", connect, str(port)], capture_output=True,
+                                                   text=True).stdout.strip() for port in (ALERTMANAGER_PORT, DCGM_PORT))
+    for listener in listeners:
+        listener.close()
+    print(json.dumps({"rc": done.returncode, "stderr": done.stderr, "answers": answers, "alerts": alerts, "dcgm": dcgm,
                       "groups": subprocess.run(["id", "-nG", "LOGIN"], capture_output=True, text=True).stdout.split(),
                       "sudoers": open("/etc/sudoers.d/90-cloud-init-users").read(),
                       "sudo": subprocess.run(["sudo", "-n", "-l", "-U", "LOGIN"], capture_output=True,
@@ -111,7 +114,7 @@ DRIVER = textwrap.dedent('''
                                               text=True).stdout}))
     server.kill()
 ''').replace("LOGIN", LOGIN_USER).replace("SLURM", SLURM_USER).replace("SERVER", repr(METADATA)).replace(
-    "ALERTMANAGER_PORT", str(ALERTMANAGER_PORT))
+    "ALERTMANAGER_PORT", str(ALERTMANAGER_PORT)).replace("DCGM_PORT", str(DCGM_HOSTENGINE_PORT))
 
 
 def run_in_namespaces(tmp_path: Path, role: str, times: int = 1, extra_rule: str = "") -> dict[str, Any]:
@@ -153,6 +156,15 @@ def test_only_root_and_the_daemons_get_instance_metadata(tmp_path: Path, role: s
                    for u in (LOGIN_USER, SLURM_USER, "nobody")), alerts
     else:
         assert all(answer == "connected" for answer in alerts.values()), alerts
+    # DCGM's host engine on compute nodes: root only (a user could inject a fake XID into its cache); nothing on the
+    # head listens there.
+    dcgm = result["dcgm"]
+    if role == "compute":
+        assert dcgm["root"] == "connected", dcgm
+        assert all(dcgm[u].startswith(("ConnectionRefusedError", "ConnectionResetError"))
+                   for u in (LOGIN_USER, SLURM_USER, "nobody", "prometheus")), dcgm
+    else:
+        assert all(answer == "connected" for answer in dcgm.values()), dcgm
 
 
 def test_the_login_user_loses_every_way_to_root(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ in-process moto and a recording stand-in for scontrol."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -10,10 +11,11 @@ from typing import Any
 
 import pytest
 
+from gpucluster.contract import reasons
 from gpucluster.contract.settings import CLUSTER_TAG, POOL_TAG, ClusterSettings, PoolSettings
 from gpucluster.node import fleet
 from gpucluster.node.reconcile import NodeView, Status, classify, reconcile
-from gpucluster.node.registry import read_registry
+from gpucluster.node.registry import read_registry, registry
 from gpucluster.node.resume import resume
 from head_fakes import NOW, FakeSlurm, ec2_fixture, live, make_config  # noqa: F401  (the ec2 fixture)
 
@@ -209,3 +211,74 @@ def test_a_node_down_for_a_configuration_fault_loses_its_instance_and_is_never_r
                   + f" : ResumeTimeout reached [slurm@{later}]")
     assert reconcile(config, ec2, slurm, now=time.time() + 7200) == {}
     assert slurm.updates() == [] and set(live(config, ec2)) == {"p5-od-2"}
+
+
+# --- a health fault that follows fresh instances: replacements stop at a bound ---------------------------------------
+def health_drained(node: str, problem: str = "DCGM health: GPU 0: Detected XID 79 for GPU 0") -> dict[str, str]:
+    """A node its own health check drained (as root), idle: the reconciler's REPLACE."""
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+    return {"NodeName": node, "State": "IDLE+DRAIN+CLOUD",
+            "Reason": f"{reasons.HEALTH}: {problem} [root@{stamp}]"}
+
+
+DAY = 86400
+
+
+@pytest.mark.parametrize("earlier,replaced", [
+    ([], True),  # the pool's first in the window
+    ([-60, -3600], True),  # two before it: the third is still replaced
+    ([-60, -3600, -7200], False),  # three within the window: no fourth
+    ([-DAY - 1, -DAY - 60, -DAY - 3600], True),  # three, all older than the window: forgotten
+    ([-60, -DAY - 60, -DAY - 3600], True),  # one within the window
+])
+def test_health_replacements_stop_at_the_bound_and_the_bound_resets_after_the_window(
+        ec2, tmp_path: Path, earlier: list[int], replaced: bool) -> None:
+    config = make_config(ec2, events_log=str(tmp_path / "events.jsonl"), health_replacements=3,
+                         health_replacement_window_seconds=DAY)
+    launched = resume(config, ec2, FakeSlurm(), "p5-od-1").launched
+    now = time.time()
+    with registry(config) as state:
+        state.health_replacements["p5-od"] = [now + t for t in earlier]
+        state.health_replacements["p5-spot"] = [now - 60] * 3  # another pool's count is its own
+    slurm = FakeSlurm([health_drained("p5-od-1")])
+    done = reconcile(config, ec2, slurm, now=now)
+    counted = read_registry(config).health_replacements["p5-od"]
+    if replaced:
+        assert done == {"replaced": ["p5-od-1"]} and "p5-od-1" not in live(config, ec2)
+        assert counted == [now + t for t in earlier if t > -DAY] + [now]
+        return
+    assert done == {"not replaced": ["p5-od-1"]}
+    assert set(live(config, ec2)) == {"p5-od-1"} and counted == [now + t for t in earlier]  # not counted again
+    (down,) = slurm.updates()
+    assert down[:3] == ("update", "nodename=p5-od-1", "state=down"), down
+    reason = down[3].removeprefix("reason=")
+    assert reason == (f"{reasons.HEALTH_REPEATS} in pool p5-od (3 replaced in 24 h): not replaced again; find the "
+                      "cause (image, driver, a job), then resume the node (scontrol update ... state resume)"), reason
+    assert len(reason) < 200  # what Slurm keeps of it
+    (event,) = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert (event["event"], event["nodes"], event["pool"], event["health"]) == (
+        "replacement stopped", ["p5-od-1"], "p5-od", ["DCGM health: GPU 0: Detected XID 79 for GPU 0"])
+    # DOWN under CONFIGURATION (as Slurm then shows it): the next pass ends the instance and relaunches nothing.
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+    later = FakeSlurm([{"NodeName": "p5-od-1", "State": "DOWN+CLOUD", "Reason": f"{reason} [slurm@{stamp}]"}])
+    assert reconcile(config, ec2, later, now=now + 60) == {"ended": ["p5-od-1"]}
+    assert not live(config, ec2) and later.updates() == []
+    assert launched["p5-od-1"] not in fleet.cluster_instances(config, ec2)
+
+
+def test_only_health_drains_count_toward_the_bound(ec2) -> None:
+    """Three health replacements in a row, then a spot warning's replacement (no health fault: never bounded), then a
+    fourth health fault: refused."""
+    config = make_config(ec2, health_replacements=3)
+    for node in ("p5-od-1", "p5-od-2", "p5-od-3"):
+        resume(config, ec2, FakeSlurm(), node)
+        assert reconcile(config, ec2, FakeSlurm([health_drained(node)])) == {"replaced": [node]}
+    resume(config, ec2, FakeSlurm(), "p5-od-4")
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+    warned = {"NodeName": "p5-od-4", "State": "IDLE+DRAIN+CLOUD",
+              "Reason": f"{reasons.REPLACE}: spot interruption warning [slurm@{stamp}]"}
+    assert reconcile(config, ec2, FakeSlurm([warned])) == {"replaced": ["p5-od-4"]}
+    resume(config, ec2, FakeSlurm(), "p5-od-1")
+    assert reconcile(config, ec2, FakeSlurm([health_drained("p5-od-1", "2 of 8 GPUs")])) == {
+        "not replaced": ["p5-od-1"]}
+    assert len(read_registry(config).health_replacements["p5-od"]) == 3

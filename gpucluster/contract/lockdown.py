@@ -3,6 +3,7 @@
 - Instance metadata, which hands out the instance role's credentials, answers root and the daemon users that call
   AWS, nobody else: a job or a login shell gets no credentials (so neither the munge key parameter nor the head's
   launch and terminate rights). iptables' owner match on the OUTPUT chain, as ParallelCluster secures its head node.
+- DCGM's host engine on compute nodes answers root only: its health verdict drains nodes (DCGM_CHAIN).
 - The images' login user has no way to root: no sudo rule, no privileged group (docker and lxd start root
   containers; sudo and admin grant sudo; adm reads the system logs). cloud-init's own user set-up, which runs after
   bootcmd, gives it none either (userdata: `users`).
@@ -16,7 +17,7 @@ from the bundle with the system python3.
 
 from __future__ import annotations
 
-from gpucluster.contract.settings import ALERTMANAGER_PORT, LOGIN_USER, ROLES, SLURM_USER
+from gpucluster.contract.settings import ALERTMANAGER_PORT, DCGM_HOSTENGINE_PORT, LOGIN_USER, ROLES, SLURM_USER
 
 IMDS_ADDRESSES = {"iptables": "169.254.169.254", "ip6tables": "fd00:ec2::254"}  # IPv4, and IPv6 where enabled
 IMDS_CHAIN = "GPUCLUSTER-IMDS"
@@ -29,6 +30,11 @@ IMDS_USERS = {"head": ("root", SLURM_USER, "prometheus"), "compute": ("root",)}
 # with the head's role, and may silence alerts. Prometheus sends the alerts; root administers.
 ALERTS_CHAIN = "GPUCLUSTER-ALERTS"
 ALERTS_USERS = ("root", "prometheus")
+# DCGM's host engine on compute nodes (127.0.0.1, no authentication): whoever talks to it can inject a field value
+# into its cache (a fake XID, which its health check would fail the GPU for, and the node would be drained and
+# replaced), clear its health watches or pause it. The health check (root) and dcgm-exporter (a root container on the
+# host's network) use it.
+DCGM_CHAIN = "GPUCLUSTER-DCGM"
 # The groups Ubuntu's default user gets that reach root (sudo, admin, wheel: sudo; lxd, docker: root containers) or
 # other users' secrets (adm: the system logs, auth.log among them).
 PRIVILEGED_GROUPS = ("sudo", "admin", "wheel", "lxd", "docker", "adm")
@@ -60,6 +66,9 @@ def script(role: str) -> str:
         f'guard iptables {chain} "-d {v4}" "{users}"',
         *([f'guard iptables {ALERTS_CHAIN} "-o lo -p tcp --dport {ALERTMANAGER_PORT}" "{" ".join(ALERTS_USERS)}"']
           if role == "head" else []),
+        *([f'guard iptables {DCGM_CHAIN} "-o lo -p tcp --dport {DCGM_HOSTENGINE_PORT}" root',
+           f'guard ip6tables {DCGM_CHAIN} "-o lo -p tcp --dport {DCGM_HOSTENGINE_PORT}" root 2>/dev/null || true']
+          if role == "compute" else []),
         # IPv6 metadata answers only where a launch template enables it; a kernel without IPv6 tables is no failure.
         f'guard ip6tables {chain} "-d {v6}" "{users}" 2>/dev/null || true',
         f"if id -u {LOGIN_USER} >/dev/null 2>&1; then",

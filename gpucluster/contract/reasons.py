@@ -17,5 +17,10 @@ REMOVED = f"{CONFIGURATION}: removed from the stack by pulumi up"
 # Drained by the cluster for a fresh instance (a spot warning, a rebalance recommendation, a failed health check): the
 # reconciler replaces the node's instance once it is idle.
 REPLACE = f"{PREFIX} replace"
+# A node's own health check (as root) drains it so: a fault of this instance, cured by a fresh one.
+HEALTH = f"{REPLACE}: health"
+# The reconciler's word for a pool whose fresh instances keep failing their health check: no more replacements (a
+# fault that follows fresh instances is the image's, the driver's or a job's); under CONFIGURATION, no relaunch.
+HEALTH_REPEATS = f"{CONFIGURATION}: health faults repeat"
 # The AdminComment the budget guardrail gives the pending jobs of the partitions it closed.
 BUDGET = f"{PREFIX} budget"

@@ -103,9 +103,13 @@ GPU_JOB_MAP_DIR = "/run/gpucluster/gpu-jobs"
 # The dcgm-exporter container as build_image.sh tags it after pulling NVIDIA's image by digest: the boot needs no
 # registry.
 DCGM_EXPORTER_IMAGE = "gpucluster/dcgm-exporter:image"
+# DCGM's host engine (nv-hostengine) on NVIDIA compute nodes: TCP on 127.0.0.1, no authentication (the lockdown
+# keeps everyone but root off it).
+DCGM_HOSTENGINE_PORT = 5555
 GRAFANA_DATASOURCE_UID = "prometheus"  # the head's provisioned Prometheus, as every dashboard panel names it
 # NVIDIA XIDs that mean the GPU needs a reset or a replacement (NVIDIA's XID catalogue: double-bit ECC, fallen off
-# the bus, uncontained ECC, GSP errors): the health check drains on them, the GpuXidError alert fires on them.
+# the bus, uncontained ECC, GSP errors): the GpuXidError alert fires on them (dcgm-exporter's count, from the driver's
+# events). The health check drains on DCGM's own verdict (health.gpu_faults), never on the kernel log.
 FATAL_XIDS = (48, 63, 64, 74, 79, 94, 95, 119, 120)
 
 # --- the node programs: files of the library's gpucluster/node, run where the bundle unpacks them -----------------
@@ -225,6 +229,10 @@ class ClusterSettings:
     # An instance no node owns is left alone this long after its launch (ParallelCluster: 300 s): the resume program
     # records it a moment after CreateFleet answers, and a reconciler pass may fall in between.
     orphan_grace_seconds: int = 300
+    # A pool whose nodes were replaced for a failed health check this many times within the window gets no more
+    # replacements: a fault that follows fresh instances is not the instances' (reconcile: HEALTH_REPEATS).
+    health_replacements: int = 3
+    health_replacement_window_seconds: int = 86400
     registry_file: str = NODE_REGISTRY
     log_file: str = NODE_LOG
     scontrol: str = "scontrol"

@@ -1,5 +1,6 @@
 #!/usr/bin/python3
-"""A compute node's health (settings.HEALTH_PROGRAM): the accelerators its pool has, no fatal GPU error, its EFA
+"""A compute node's health (settings.HEALTH_PROGRAM): the accelerators its pool has, no fatal GPU fault (from the
+driver's and DCGM's own counters, never from the kernel log, which any process can write into: gpu_faults), its EFA
 devices, /fsx, local disk.
 
 Run as root by slurmd: as Slurm's HealthCheckProgram (every HealthCheckInterval), as its Epilog (which only takes the
@@ -38,7 +39,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this
 from gpucluster.contract import reasons
 from gpucluster.contract.settings import (
     AWS_OFI_NCCL_LIB_DIR,
-    FATAL_XIDS,
     GPU_JOB_MAP_DIR,
     HOSTS_PROGRAM,
     NCCL_NET_PLUGIN_FILE,
@@ -82,6 +82,9 @@ def tool(*args: str, seconds: float | None = None) -> tuple[str | None, str]:
 
 
 def accelerators(pool: PoolSettings) -> list[str]:
+    """The accelerators the driver sees, as its tools report them (no text a user can write reaches them): NVIDIA's
+    count and uncorrected ECC errors since the driver loaded (nvidia-smi); Neuron's device count (neuron-ls). Neuron
+    devices' own error counters (neuron-monitor's) are not checked."""
     if pool.accelerator == "nvidia" and pool.accelerators:
         out, why = tool("nvidia-smi", "--query-gpu=index,ecc.errors.uncorrected.volatile.total",
                         "--format=csv,noheader,nounits")
@@ -101,10 +104,77 @@ def accelerators(pool: PoolSettings) -> list[str]:
     return []
 
 
-def fatal_xids() -> list[str]:
-    out, _ = tool("dmesg", "--level=err,warn")
-    xids = sorted({int(x) for x in re.findall(r"NVRM: Xid \([^)]*\): (\d+),", out or "")} & set(FATAL_XIDS))
-    return [f"fatal GPU XID(s) {', '.join(map(str, xids))} in the kernel log"] if xids else []
+# DCGM's health watches, set by `--configuration` at every boot (the host engine forgets them when it restarts): every
+# system (PCIe, memory, InfoROM, thermal and power, NVLink, NVSwitch, the driver's recovery action, ConnectX).
+DCGM_WATCHES = "a"
+WATCHES_OFF = "Health watches not enabled"  # dcgmi health -c of a host engine without watches (dcgmi/Health.cpp)
+
+
+def gpu_faults(pool: PoolSettings) -> list[str]:
+    """GPU faults as the driver counts them, never as text: the kernel log is no source, since any process can put
+    an `NVRM: Xid` line there (a program whose file name is one, run with an empty argv, is logged by the kernel).
+
+    DCGM's health watches (`dcgmi health -c -j`) fail a GPU on the driver's own events and counters: the XIDs DCGM
+    always treats as fatal (48 double-bit ECC, 74 NVLink, 79 fallen off the bus, 95 uncontained ECC, 119 and 120 GSP,
+    140 unrecovered ECC; DCGM 4.4 and later), XID 64 (row remapping failed), volatile double-bit ECC errors, a failed
+    row remap, unrepairable memory, pending page retirements past their limit, the driver asking for a reset or a
+    reboot (its GPU recovery action), NVLink and fabric manager failures, InfoROM corruption. A warning (XID 63 or 94,
+    a pending page retirement, thermal or power events, PCIe replays) drains nothing. Without dcgmi, or while DCGM
+    has no watches, the driver's counters through nvidia-smi: a failed row remap (uncorrected ECC errors are
+    accelerators()'s). Application XIDs (13, 31, 43: a job's own fault) never count.
+
+    Only root may ask the host engine (the lockdown rejects anyone else's connection to its port): a user cannot
+    inject a field value into DCGM's cache, clear its watches or pause it."""
+    if pool.accelerator != "nvidia" or not pool.accelerators:
+        return []
+    if shutil.which("dcgmi"):
+        out, why = tool("dcgmi", "health", "-c", "-j")
+        if out is not None:
+            return dcgm_failures(out)
+        if WATCHES_OFF not in why:
+            return [f"DCGM health check: {why}"]  # the host engine does not answer: DCGM cannot vouch for the GPUs
+        # The host engine was restarted since the boot: set them again; DCGM answers from the next check on.
+        note(f"DCGM had no health watches: {dcgm_watches() or 'set them'}")
+    return remapped_rows()
+
+
+def dcgm_failures(report: str) -> list[str]:
+    """The GPUs `dcgmi health -c -j` fails, with DCGM's words. Its JSON (dcgmi/Health.cpp, DcgmiOutputJson):
+    {"body": {"Overall Health": {"value": ...}, "GPU": {"children": {"<id>": {"value": "Failure", "children":
+    {"Errors": {"children": {"<system>": {"value": "Failure", "overflow": [message parts]}}}}}}}}}."""
+    try:
+        body = json.loads(report)["body"]
+    except (ValueError, KeyError, TypeError):
+        return [f"DCGM health check: not the JSON dcgmi writes: {report.strip()[:100]}"]
+    found = []
+    for group, entities in body.items():
+        for entity, entry in (entities.get("children") or {}).items() if isinstance(entities, dict) else ():
+            if entry.get("value") != "Failure":
+                continue
+            systems = ((entry.get("children") or {}).get("Errors") or {}).get("children") or {}
+            said = [" ".join(s.get("overflow") or []) or name for name, s in systems.items()
+                    if s.get("value") == "Failure"]
+            found.append(f"{group} {entity}: {'; '.join(said) or 'failure'}")
+    if not found and (body.get("Overall Health") or {}).get("value") == "Failure":
+        found.append("failure")
+    return [f"DCGM health: {'; '.join(found)}"[:300]] if found else []
+
+
+def dcgm_watches() -> str:
+    """Set DCGM's health watches on every GPU; "" or why not."""
+    return tool("dcgmi", "health", "-s", DCGM_WATCHES)[1]
+
+
+def remapped_rows() -> list[str]:
+    """The driver's row remapper (HBM GPUs): a failed remap means memory that can no longer be spared. A GPU without
+    one (GDDR) or a query this driver lacks answers nothing here: its ECC count is accelerators()'s."""
+    out, why = tool("nvidia-smi", "--query-remapped-rows=gpu_bus_id,remapped_rows.failure", "--format=csv,noheader")
+    if out is None:
+        note(f"row remapper not read: {why}")
+        return []
+    rows = [[cell.strip() for cell in line.split(",")] for line in out.splitlines() if line.strip()]
+    failed = [row[0] for row in rows if len(row) > 1 and row[1] == "Yes"]
+    return [f"GPU {', '.join(failed)}: row remapping failed"] if failed else []
 
 
 def efa(pool: PoolSettings) -> list[str]:
@@ -134,7 +204,7 @@ def check(pool: PoolSettings, mode: str) -> list[str]:
     """Problems found; `prolog` runs only what takes a moment."""
     problems = accelerators(pool) + storage()
     if mode != "prolog":
-        problems += fatal_xids() + efa(pool)
+        problems += gpu_faults(pool) + efa(pool)
     if mode == "boot" and pool.accelerator == "nvidia" and shutil.which("dcgmi"):
         out, why = tool("dcgmi", "diag", "-r", "1", seconds=DCGM_SECONDS)
         if out is None:
@@ -156,19 +226,22 @@ def note(text: str) -> None:
 
 
 def dcgm_host_engine(pool: PoolSettings, unit_dirs: tuple[str, ...] = UNIT_DIRS) -> list[str]:
-    """NVIDIA nodes: the boot's `dcgmi diag` and dcgm-exporter need the host engine. Started here where the image has
-    it stopped (nothing else would: every node would fail its diagnostic and be replaced, in a loop)."""
+    """NVIDIA nodes: the boot's `dcgmi diag`, the health watches and dcgm-exporter need the host engine. Started here
+    where the image has it stopped (nothing else would: every node would fail its diagnostic and be replaced, in a
+    loop); then its health watches are set (gpu_faults: a host engine that refuses them leaves the checks to the
+    driver's counters, said in the boot log)."""
     if pool.accelerator != "nvidia":
         return []
     if not any(Path(d, DCGM_UNIT).exists() for d in unit_dirs):
         return [f"DCGM is not installed (no {DCGM_UNIT}): rebake the image (build_image.sh installs it)"]
-    if tool("systemctl", "is-active", "--quiet", DCGM_UNIT)[0] is not None:
-        return []
-    _, why = tool("systemctl", "start", DCGM_UNIT, seconds=60)
     if tool("systemctl", "is-active", "--quiet", DCGM_UNIT)[0] is None:
-        return [f"{DCGM_UNIT} does not start ({why or 'inactive after its start'}): see its journal; "
-                "rebake the image"]
-    note(f"{DCGM_UNIT} was stopped: started it")
+        _, why = tool("systemctl", "start", DCGM_UNIT, seconds=60)
+        if tool("systemctl", "is-active", "--quiet", DCGM_UNIT)[0] is None:
+            return [f"{DCGM_UNIT} does not start ({why or 'inactive after its start'}): see its journal; "
+                    "rebake the image"]
+        note(f"{DCGM_UNIT} was stopped: started it")
+    if why := dcgm_watches():
+        note(f"DCGM's health watches not set ({why}): the GPUs' driver counters only")
     return []
 
 
@@ -228,7 +301,7 @@ def drain(node: str, problems: list[str], scontrol: str = "scontrol") -> None:
     """For a fresh instance (reasons.REPLACE). A controller that does not answer leaves the node as it is: the next
     check tries again."""
     try:
-        SlurmControl(scontrol, timeout=TOOL_SECONDS).drain([node], f"{reasons.REPLACE}: health: {'; '.join(problems)}")
+        SlurmControl(scontrol, timeout=TOOL_SECONDS).drain([node], f"{reasons.HEALTH}: {'; '.join(problems)}")
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired):  # SlurmControl logged it
         pass
 

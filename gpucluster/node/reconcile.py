@@ -2,8 +2,9 @@
 """The reconciler on the head node (settings.RECONCILE_PROGRAM, run by its timer every minute): classify every node
 (its Slurm state and its instance) and every unowned instance into a status, then act per status: power up always-on
 nodes, set DOWN nodes whose instance vanished, return nodes DOWN for a passing cause to service with backoff, replace
-the instance of a node drained for it once idle, terminate instances nothing owns once their launch grace is over and
-those of nodes DOWN for a configuration fault (never relaunched).
+the instance of a node drained for it once idle (a pool whose fresh instances keep failing their health check, only up
+to a bound: then DOWN, needing a fix), terminate instances nothing owns once their launch grace is over and those of
+nodes DOWN for a configuration fault (never relaunched).
 Standard library and boto3."""
 
 from __future__ import annotations
@@ -158,7 +159,11 @@ def reconcile(config: ClusterSettings, ec2: Any, slurm: SlurmControl,
         lambda nodes: _end_faulty(config, ec2, nodes, seen))
     act("retried", by_status[Status.RETRY],
         lambda nodes: _fresh_start(config, ec2, slurm, nodes, seen, replacing=False))
-    act("replaced", by_status[Status.REPLACE],
+    # A pool whose fresh instances keep failing their health check: no more fresh instances past the bound.
+    sick = [v for v in views if statuses[v.name] is Status.REPLACE and v.reason.startswith(reasons.HEALTH)]
+    refused = _health_bound(config, sick, now)
+    act("not replaced", refused, lambda nodes: _stop_replacing(config, slurm, nodes, sick))
+    act("replaced", [n for n in by_status[Status.REPLACE] if n not in refused],
         lambda nodes: _fresh_start(config, ec2, slurm, nodes, seen, replacing=True))
     act("powered up", by_status[Status.POWER_UP], lambda nodes: _power_up(config, slurm, nodes))
     healthy_up = [v.name for v in views if statuses[v.name] is Status.HEALTHY and v.has_instance and v.failures]
@@ -205,6 +210,52 @@ def _fresh_start(config: ClusterSettings, ec2: Any, slurm: SlurmControl, nodes: 
     slurm.power_down(nodes)
     if replacing:
         program.record_event(config, "replaced", nodes=nodes, instances=ids)
+
+
+def _health_bound(config: ClusterSettings, sick: list[NodeView], now: float) -> list[str]:
+    """The nodes drained by their health check that their pool may not replace: it replaced
+    config.health_replacements within the window already. Each one it may replace is counted now (under the
+    registry's lock, in the head's state: the count outlives the pass and the head's reboot); the count of a pool
+    forgets what is older than the window."""
+    window = config.health_replacement_window_seconds
+    refused = []
+    with registry(config) as state:
+        for pool in list(state.health_replacements):
+            recent = [t for t in state.health_replacements[pool] if now - t < window]
+            state.health_replacements[pool] = recent
+            if not recent:
+                del state.health_replacements[pool]
+        for view in sorted(sick, key=lambda v: v.name):
+            pool = config.pool_of(view.name)
+            times = state.health_replacements.setdefault(pool, [])
+            if len(times) >= config.health_replacements:
+                refused.append(view.name)
+            else:
+                times.append(now)
+    return refused
+
+
+def _stop_replacing(config: ClusterSettings, slurm: SlurmControl, nodes: list[str], sick: list[NodeView]) -> None:
+    """DOWN under reasons.CONFIGURATION, saying why and what to do: the next pass ends the instance (NEEDS_FIX) and
+    nothing relaunches the node until someone returns it to service. The NodeDown alert follows in 10 minutes."""
+    window_hours = config.health_replacement_window_seconds / 3600
+    found = {v.name: re.sub(r" \[[^\]]*\]$", "", v.reason).removeprefix(f"{reasons.HEALTH}: ") for v in sick}
+    by_pool: dict[str, list[str]] = defaultdict(list)
+    for node in nodes:
+        by_pool[config.pool_of(node)].append(node)
+    for pool, members in sorted(by_pool.items()):
+        log.error("pool %s: %d instances replaced for their health within %g h; not replacing %s (%s)", pool,
+                  config.health_replacements, window_hours, compress_hostlist(members), found[members[0]])
+        for node in members:
+            # Slurm keeps 200 characters (what this node failed is in the log and the event), and no "=": readers
+            # of Slurm's key=value text would take it for a field.
+            slurm.set_down([node], f"{reasons.HEALTH_REPEATS} in pool {pool} ({config.health_replacements} replaced "
+                                   f"in {window_hours:g} h): not replaced again; find the cause (image, driver, a "
+                                   "job), then resume the node (scontrol update ... state resume)")
+        program.record_event(config, "replacement stopped", nodes=members, pool=pool,
+                             replaced=config.health_replacements,
+                             window_seconds=config.health_replacement_window_seconds,
+                             health=[found[n] for n in members])
 
 
 def _power_up(config: ClusterSettings, slurm: SlurmControl, nodes: list[str]) -> bool:

@@ -18,10 +18,12 @@ from gpucluster.contract.settings import ClusterSettings
 
 @dataclass
 class RegistryState:
-    """node -> {"instance": id, "launched": epoch seconds}, and node -> consecutive failed returns to service."""
+    """node -> {"instance": id, "launched": epoch seconds}, node -> consecutive failed returns to service, and pool ->
+    when its nodes' instances were replaced for a failed health check (epoch seconds, the reconciler's bound)."""
 
     instances: dict[str, dict[str, Any]] = field(default_factory=dict)
     failures: dict[str, int] = field(default_factory=dict)
+    health_replacements: dict[str, list[float]] = field(default_factory=dict)
 
     def owner(self) -> dict[str, str]:
         """instance id -> node."""
@@ -37,11 +39,12 @@ def registry(config: ClusterSettings, write: bool = True) -> Iterator[RegistrySt
     with open(path.with_suffix(".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         raw = json.loads(path.read_text()) if path.exists() else {}
-        state = RegistryState(raw.get("instances", {}), raw.get("failures", {}))
+        state = RegistryState(raw.get("instances", {}), raw.get("failures", {}), raw.get("health_replacements", {}))
         yield state
         if write:
             temporary = path.with_suffix(".tmp")
-            temporary.write_text(json.dumps({"instances": state.instances, "failures": state.failures}, sort_keys=True))
+            temporary.write_text(json.dumps({"instances": state.instances, "failures": state.failures,
+                                             "health_replacements": state.health_replacements}, sort_keys=True))
             os.replace(temporary, path)
 
 
