@@ -26,7 +26,8 @@ What this machine forces, and stands in for it:
   namespace of their own (slurmctld ignores a node whose boot time predates its resume request); each node's
   exporters listen on ports of their own (settings exporter_port_base);
 - no GPU, DCGM or container runtime: nvidia-smi and `docker` (running dcgm-exporter) are stand-ins on GPU nodes;
-  so are DCGM's host engine unit (installed, stopped), nv-hostengine and dcgmi (first_boot_stand_ins);
+  so are DCGM's host engine unit (installed, stopped), nv-hostengine and dcgmi (first_boot_stand_ins), which keeps
+  health watches and injected fields (inject_gpu_fault: a GPU fault as the driver reports it);
 - no Lustre module for this machine's kernel: `modinfo` is a stand-in on compute nodes; the metadata server serves
   the instance's tags from moto (the pools' launch templates put tags in the metadata).
 """
@@ -52,7 +53,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable, Iterator
 
-from gpucluster.contract.settings import CLUSTER_TAG, LOGIN_USER, NODE_REGISTRY, POOL_TAG, SCRAPE_JOBS
+from gpucluster.contract.settings import CLUSTER_TAG, HEALTH_PROGRAM, LOGIN_USER, NODE_REGISTRY, POOL_TAG, SCRAPE_JOBS
 from gpucluster.project import EXAMPLES_DIR
 from gpucluster.render import slurm
 from gpucluster.spec.model import Stack
@@ -957,6 +958,21 @@ class LocalCluster:
             server.shutdown()
             server.server_close()
             address("del")
+
+    def node(self, name: str) -> RehearsalNode:
+        """The booted instance a Slurm node runs on."""
+        return self.nodes[self.instances()[name]]
+
+    def health_check(self, name: str) -> subprocess.CompletedProcess[str]:
+        """The node's periodic health check, as slurmd runs its HealthCheckProgram (root, no job), at once: the
+        rehearsal's HealthCheckInterval is Slurm's 5 minutes."""
+        return self.node(name).enter("/usr/bin/python3", HEALTH_PROGRAM, env={"PATH": "/usr/bin:/bin"}, check=False)
+
+    def inject_gpu_fault(self, name: str, field: int, value: int, gpu: int = 0) -> None:
+        """A GPU fault as the driver reports it, through DCGM's own field injection (`dcgmi test --inject`, root on
+        the node, as DCGM's tests inject faults; the stand-in dcgmi keeps it in its host engine's state): e.g. field
+        230 (DCGM_FI_DEV_XID_ERROR) value 79, a GPU fallen off the bus."""
+        self.node(name).enter("dcgmi", "test", "--inject", "--gpuid", str(gpu), "-f", str(field), "-v", str(value))
 
     def held(self, name: str) -> tuple[str, Path]:
         """A shell command that runs until the test touches the file returned with it: a job that must be running at
