@@ -46,17 +46,16 @@ def gpus(n: int, ecc: dict[int, int] | None = None) -> str:
 def dcgm_report(failures: dict[int, dict[str, tuple[str, list[str]]]] | None = None) -> str:
     """`dcgmi health -c -j` as DCGM writes it (dcgmi/Health.cpp through DcgmiOutputJson: jsoncpp's styled writer):
     GPU id -> health system -> (its verdict, its message in the parts dcgmi splits it into)."""
-    body: dict[str, object] = {}
+    gpus: dict[str, object] = {}
     worst = "Healthy"
     for gpu, systems in (failures or {}).items():
         verdicts = {verdict for verdict, _ in systems.values()}
         entity = "Failure" if "Failure" in verdicts else "Warning"
         worst = "Failure" if "Failure" in (worst, entity) else entity
-        body.setdefault("GPU", {"children": {}})["children"][str(gpu)] = {  # type: ignore[index]
-            "children": {"Errors": {"children": {
-                system: {"overflow": parts, "value": verdict} for system, (verdict, parts) in systems.items()}}},
+        gpus[str(gpu)] = {"children": {"Errors": {"children": {
+            system: {"overflow": parts, "value": verdict} for system, (verdict, parts) in systems.items()}}},
             "value": entity}
-    body["Overall Health"] = {"value": worst}
+    body: dict[str, object] = {"Overall Health": {"value": worst}, **({"GPU": {"children": gpus}} if gpus else {})}
     return json.dumps({"body": body, "header": ["Health Monitor Report"]}, indent=3, sort_keys=True)
 
 

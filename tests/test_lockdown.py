@@ -165,6 +165,8 @@ def test_only_root_and_the_daemons_get_instance_metadata(tmp_path: Path, role: s
                    for u in (LOGIN_USER, SLURM_USER, "nobody", "prometheus")), dcgm
     else:
         assert all(answer == "connected" for answer in dcgm.values()), dcgm
+    # Its guard comes with the bootstrap's run, before slurmd: the user data's bootcmd (16 KiB in all) goes without.
+    assert lockdown.DCGM_CHAIN not in lockdown.script(role, packages=False)
 
 
 def test_the_login_user_loses_every_way_to_root(tmp_path: Path) -> None:

@@ -45,8 +45,10 @@ SSM_USER = "ssm-user"
 SSM_USER_HOME = "/var/lib/ssm-user"
 
 
-def script(role: str) -> str:
-    """The POSIX shell script for a node of `role` (head or compute)."""
+def script(role: str, packages: bool = True) -> str:
+    """The POSIX shell script for a node of `role` (head or compute). `packages`: the bootstrap's run, once the
+    image's packages are there, which also guards the daemons they bring (DCGM's host engine) before slurmd starts
+    any job; cloud-init's bootcmd runs it without (the user data's 16 KiB are counted)."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     chain, v4, v6 = IMDS_CHAIN, IMDS_ADDRESSES["iptables"], IMDS_ADDRESSES["ip6tables"]
@@ -66,9 +68,9 @@ def script(role: str) -> str:
         f'guard iptables {chain} "-d {v4}" "{users}"',
         *([f'guard iptables {ALERTS_CHAIN} "-o lo -p tcp --dport {ALERTMANAGER_PORT}" "{" ".join(ALERTS_USERS)}"']
           if role == "head" else []),
-        *([f'guard iptables {DCGM_CHAIN} "-o lo -p tcp --dport {DCGM_HOSTENGINE_PORT}" root',
-           f'guard ip6tables {DCGM_CHAIN} "-o lo -p tcp --dport {DCGM_HOSTENGINE_PORT}" root 2>/dev/null || true']
-          if role == "compute" else []),
+        # The host engine listens on 127.0.0.1 only (nv-hostengine's default).
+        *([f'guard iptables {DCGM_CHAIN} "-o lo -p tcp --dport {DCGM_HOSTENGINE_PORT}" root']
+          if role == "compute" and packages else []),
         # IPv6 metadata answers only where a launch template enables it; a kernel without IPv6 tables is no failure.
         f'guard ip6tables {chain} "-d {v6}" "{users}" 2>/dev/null || true',
         f"if id -u {LOGIN_USER} >/dev/null 2>&1; then",

@@ -93,7 +93,7 @@ def _cloud_config(stack: Stack, role: str, hostname: str | None, pool: PoolSpec 
     doc |= {
         # bootcmd runs at every boot, early (cloud-init's init stage, before network-online.target): before Session
         # Manager's agent or slurmd can start anything a user asked for.
-        "bootcmd": [["sh", "-c", lockdown.script(role)]],
+        "bootcmd": [["sh", "-c", lockdown.script(role, packages=False)]],
         # cloud-init sets users up after bootcmd: the login user as Ubuntu's default would be, but without sudo or
         # groups (Ubuntu's default user has sudo, adm, lxd...), so its first boot does not give back what the lockdown
         # took. Password login stays locked (Session Manager only).
