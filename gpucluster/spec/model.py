@@ -39,9 +39,11 @@ HEAD_STATE_GIB = 200
 # slurm.conf's MaxJobCount (Slurm's default, named): the jobs slurmctld holds, finished ones too until MinJobAge (5
 # minutes) purges them. The team's cap on queued jobs leaves room under it for the admins' jobs and for finished ones.
 MAX_JOB_COUNT = 10000
-# What slurmctld writes to the state volume for each job it holds (hash.N/job.N/ in its StateSaveLocation): the batch
-# script, at most max_batch_script_kib, and the environment sbatch sends, which Slurm does not bound: counted at what a
-# user's sbatch can carry (Linux caps argv and environment of one exec at 6 MiB, a quarter of an 8 MiB stack limit).
+# What slurmctld writes to the state volume for each job it holds (hash.N/job.N/ in its StateSaveLocation, kept until
+# the job is purged, minutes after it ended): the batch script, at most max_batch_script_kib, and the environment
+# sbatch sends. Slurm does not bound the environment: counted at what sbatch carries under Linux's default 8 MiB stack
+# limit (a quarter of it for arguments and environment). A user who raises the limit or uses --export-file can send
+# more; the StateVolumeFilling alert watches for that (docs/explanation/security.md).
 JOB_ENVIRONMENT_KIB = 2 * 1024
 # The share of the state volume those files may take at worst: Prometheus keeps to half of it
 # (render/prometheus.RETENTION_SHARE), the rest holds MariaDB and the margin the StateVolumeFilling alert watches.
@@ -392,8 +394,8 @@ class SlurmSpec(_Model):
     # job starts there, and the node gets a fresh instance once idle. false: recommendations are only logged.
     drain_on_rebalance: bool = True
     # Jobs one user may have queued and running at once (each array task counts). More are refused at submission
-    # ("job submit limit"), so one user's flood of held jobs cannot fill the head or crowd out the team. The admins
-    # (root) are outside the team's account and keep submitting.
+    # (AssocMaxSubmitJobLimit), so one user's flood of held jobs cannot fill the head or crowd out the team. The
+    # admins (root) are outside the team's account and keep submitting.
     max_submitted_jobs_per_user: int = Field(default=1000, ge=1, le=MAX_JOB_COUNT // 2)
     # Jobs one user may have running at once; the rest wait in the queue (reason AssocMaxJobsLimit).
     max_running_jobs_per_user: int = Field(default=500, ge=1, le=MAX_JOB_COUNT // 2)
@@ -403,7 +405,8 @@ class SlurmSpec(_Model):
     # Jobs the whole team may have running at once; the rest wait (reason AssocGrpJobsLimit).
     max_running_jobs: int = Field(default=2000, ge=1, le=MAX_JOB_COUNT // 2)
     # The largest batch script sbatch may submit, in KiB (Slurm's own default is 4 MiB). Scripts are small: data and
-    # code belong on /fsx. slurmctld keeps each queued job's script on the head's state volume.
+    # code belong on /fsx. slurmctld keeps each job's script and environment on the head's state volume: a bound
+    # whose worst case (10000 jobs, Slurm's MaxJobCount) does not fit in a quarter of it (over 3194 KiB) is refused.
     max_batch_script_kib: int = Field(default=512, ge=16, le=64 * 1024)
 
     @model_validator(mode="after")
