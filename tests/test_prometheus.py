@@ -309,3 +309,39 @@ def test_gpu_idle_selects_only_on_what_dcgm_exporter_always_sets() -> None:
     assert expr.startswith("avg_over_time(DCGM_FI_DEV_GPU_UTIL{")
     matchers = re.findall(r'([A-Za-z_]+)\s*(?:=|!=|=~|!~)\s*"', expr.split("{", 1)[1].split("}", 1)[0])
     assert matchers and set(matchers) <= set(prometheus.DCGM_LABELS), matchers
+
+
+def test_the_state_volume_alert_fires_before_the_volume_is_full(tmp_path: Path) -> None:
+    """`promtool test rules`: the head's state volume falling under its free share for 5 minutes fires
+    StateVolumeFilling; a dip shorter than that, the volume with room, or another filesystem as full (a compute node's
+    root) never does."""
+    write_rendered(STACK_FILES[0], tmp_path)
+    size = 200 << 30
+    low = int(size * prometheus.STATE_VOLUME_ALERT_FREE_SHARE) - (1 << 30)  # just under the share
+    roomy = size // 2
+
+    def volume(node: str, mountpoint: str, avail: str) -> list[dict[str, str]]:
+        labels = f'job="node",node="{node}",device="/dev/nvme1n1",fstype="ext4",mountpoint="{mountpoint}"'
+        return [{"series": f"node_filesystem_avail_bytes{{{labels}}}", "values": avail},
+                {"series": f"node_filesystem_size_bytes{{{labels}}}", "values": f"{size}x40"}]
+
+    tests = {"rule_files": [str(tmp_path / settings.MONITORING_FILES[1])], "evaluation_interval": "30s", "tests": [
+        {"interval": "30s",
+         "input_series": volume("head", settings.STATE_DIR, f"{roomy}x4 {low}x36")
+         + volume("p5-od-1", "/", f"{low // 10}x40"),
+         "alert_rule_test": [
+             {"eval_time": "4m", "alertname": "StateVolumeFilling", "exp_alerts": []},  # under the share 2 minutes
+             {"eval_time": "8m", "alertname": "StateVolumeFilling", "exp_alerts": [{
+                 "exp_labels": {"severity": "critical", "job": "node", "node": "head", "device": "/dev/nvme1n1",
+                                "fstype": "ext4", "mountpoint": settings.STATE_DIR},
+                 "exp_annotations": {
+                     "summary": f"The head's state volume ({settings.STATE_DIR}) is 19.5% free",
+                     "description": "Slurm's queue, the accounting database and Prometheus live there: when it is "
+                                    f"full, every sbatch fails. `sudo du -sh {settings.STATE_DIR}/*` says what grew; "
+                                    "`sudo squeue -h -t PD -o %u | sort | uniq -c` who queues most."}}]}]},
+        {"interval": "30s", "input_series": volume("head", settings.STATE_DIR, f"{roomy}x40"),
+         "alert_rule_test": [{"eval_time": "15m", "alertname": "StateVolumeFilling", "exp_alerts": []}]},
+    ]}
+    (tmp_path / "tests.yml").write_text(yaml.safe_dump(tests, sort_keys=False))
+    done = promtool("test", "rules", str(tmp_path / "tests.yml"))
+    assert done.returncode == 0 and "SUCCESS" in done.stdout, done.stdout + done.stderr

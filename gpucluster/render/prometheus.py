@@ -99,6 +99,9 @@ def gpu_idle_expr() -> str:
 
 
 QUOTA_WARN_SHARE = 0.9
+# The head's state volume (slurmctld's queue, MariaDB, Prometheus): the alert fires while this share is still free,
+# well before slurmctld fails to write a job's files and every submission fails with it.
+STATE_VOLUME_ALERT_FREE_SHARE = 0.2
 IDLE_FOR = f"{monitoring.IDLE_MINUTES}m"
 
 RECORDING_RULES = (
@@ -134,6 +137,17 @@ def alert_rules() -> list[dict[str, object]]:
          "labels": {"severity": "warning"},
          "annotations": {"summary": "Slurm node {{ $labels.node }} ({{ $labels.pool }}) DOWN for 10 minutes",
                          "description": "`sinfo -R -n {{ $labels.node }}` says why."}},
+        {"alert": "StateVolumeFilling",
+         "expr": f'node_filesystem_avail_bytes{{job="node",mountpoint="{settings.STATE_DIR}"}} / '
+                 f'node_filesystem_size_bytes{{job="node",mountpoint="{settings.STATE_DIR}"}} '
+                 f"< {STATE_VOLUME_ALERT_FREE_SHARE}",
+         "for": "5m", "labels": {"severity": "critical"},
+         "annotations": {
+             "summary": f"The head's state volume ({settings.STATE_DIR}) is {{{{ $value | humanizePercentage }}}} "
+                        "free",
+             "description": "Slurm's queue, the accounting database and Prometheus live there: when it is full, "
+                            f"every sbatch fails. `sudo du -sh {settings.STATE_DIR}/*` says what grew; `sudo squeue "
+                            "-h -t PD -o %u | sort | uniq -c` who queues most."}},
         {"alert": "NodeExporterDown", "expr": 'up{job="node"} == 0', "for": "5m", "labels": {"severity": "warning"},
          "annotations": {"summary": "{{ $labels.node }} registered with Slurm but its metrics do not answer"}},
     ]

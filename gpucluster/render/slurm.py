@@ -13,7 +13,7 @@ from gpucluster.contract import settings
 from gpucluster.render import job_submit
 from gpucluster.spec import cost
 from gpucluster.spec.catalog import Accelerator
-from gpucluster.spec.model import PoolSpec, Stack
+from gpucluster.spec.model import MAX_JOB_COUNT, PoolSpec, Stack
 
 # Slurm must not hand out memory the kernel, the CUDA driver and the EFA stack keep. EC2's figure is the nominal size;
 # keep 5% back. (A node that reads a little under RealMemory still registers: node_reg_mem_percent below.)
@@ -145,6 +145,13 @@ def _node_line(pool: PoolSpec, first_port: int | None) -> str:
     return line + " State=CLOUD"
 
 
+# What a user sees of others (slurm.conf and slurmdbd.conf): nothing of their jobs (squeue, scontrol show job, sacct
+# -a), usage (sshare, sreport), user and account records, reservations or node events. Root and SlurmUser see all, so
+# the head's programs (the metrics writer and guardrails as root; reconciler, interruptions, resume and suspend as
+# slurm) still see every job. `cloud`: sinfo shows powered-down nodes to every user.
+PRIVATE_DATA = "cloud,jobs,usage,users,accounts,reservations,events"
+
+
 def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
     spec = stack.spec
     pools = spec.pools
@@ -185,7 +192,11 @@ def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         "HealthCheckInterval=300",
         "HealthCheckNodeState=ANY,CYCLE",
         "SchedulerType=sched/backfill",
-        "SchedulerParameters=nohold_on_prolog_fail",
+        # A batch script over the stack's bound is refused at submission: slurmctld keeps every queued job's script
+        # on the head's state volume.
+        f"SchedulerParameters=nohold_on_prolog_fail,max_script_size={timers.max_batch_script_kib * 1024}",
+        # Slurm's default, named: the stack's caps on the team's jobs stay under it (spec.model.MAX_JOB_COUNT).
+        f"MaxJobCount={MAX_JOB_COUNT}",
         # job_submit.lua beside this file: a job no node of its partition could ever run is refused at submission,
         # naming the partition's node shape, instead of pending for ever.
         "JobSubmitPlugins=lua",
@@ -208,9 +219,9 @@ def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         f"SuspendExcNodes={','.join(always_on)}" if always_on else None,
         # Nodes that may not exist yet cannot forward messages for others: the controller talks to each directly.
         "TreeWidth=65533",
-        # Cloud nodes change address on every launch; sinfo shows powered-down nodes to every user.
+        # Cloud nodes change address on every launch.
         "CommunicationParameters=NoAddrCache",
-        "PrivateData=cloud",
+        f"PrivateData={PRIVATE_DATA}",
         # slurmctld runs MailProg as the slurm user with text from --mail-user: the head sends no mail.
         "MailProg=/bin/true",
         # Compute nodes fetch slurm.conf, gres.conf, cgroup.conf and plugstack.conf from the controller
@@ -290,19 +301,35 @@ ACCOUNTING_DB_SQL = (
 )
 
 
+def job_limits(stack: Stack) -> dict[str, int]:
+    """The team account's association limits on jobs. Grp*: the whole team; Max*: each user, because a user's
+    association takes its account's Max* limits (sacctmgr copies them when the user is added and passes a changed one
+    on to the users who have none of their own)."""
+    limits = stack.spec.slurm
+    return {"GrpSubmitJobs": limits.max_submitted_jobs, "GrpJobs": limits.max_running_jobs,
+            "MaxSubmitJobs": limits.max_submitted_jobs_per_user, "MaxJobs": limits.max_running_jobs_per_user}
+
+
 def accounting_script(stack: Stack, users: tuple[str, ...]) -> str:
-    """sacctmgr commands the head node runs once slurmctld is up: the team's account with its monthly GPU-minutes,
-    and the users who submit under it. Idempotent: `add` of what exists is a no-op, `modify` sets the limit anew."""
+    """sacctmgr commands the head node runs once slurmctld is up (and again at each `pulumi up`): the team's account
+    with its monthly GPU-minutes and its caps on jobs, and the users who submit under it. Idempotent: `add` of what
+    exists is a no-op, `modify` sets the limits anew. Root is not in the account: the team's caps never stop an
+    admin's job."""
     team = stack.spec.team
     quota = cost.gpu_hour_quota(stack)
-    lines = ["#!/bin/sh", "# Rendered by gpucluster: the team's Slurm account and its GPU-hour quota.",
+    lines = ["#!/bin/sh", "# Rendered by gpucluster: the team's Slurm account, GPU-hour quota and caps on jobs.",
              f"sacctmgr -i add cluster {stack.cluster_name} >/dev/null 2>&1 || true",
              f"sacctmgr -i add account {team} Description='team {team}' Organization={team} >/dev/null 2>&1 || true"]
     limit = f"gres/gpu={quota * 60}" if quota is not None else "gres/gpu=-1"
-    lines.append(f"sacctmgr -i modify account where name={team} set GrpTRESMins={limit}")
+    caps = " ".join(f"{key}={value}" for key, value in job_limits(stack).items())
+    lines.append(f"sacctmgr -i modify account where name={team} set GrpTRESMins={limit} {caps}")
     lines += [f"sacctmgr -i add user {user} Account={team} DefaultAccount={team} >/dev/null 2>&1 || true"
               for user in users]
     return "\n".join(lines) + "\n"
+
+
+# sacct and sreport ask slurmdbd, which has its own PrivateData (no `cloud`: nodes are slurmctld's).
+SLURMDBD_PRIVATE_DATA = PRIVATE_DATA.removeprefix("cloud,")
 
 
 def slurmdbd_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
@@ -316,6 +343,7 @@ def slurmdbd_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         f"SlurmUser={layout.slurm_user}",
         f"LogFile={layout.log_dir}/slurmdbd.log",
         f"PidFile={layout.run_dir}/slurmdbd.pid",
+        f"PrivateData={SLURMDBD_PRIVATE_DATA}",
         "StorageType=accounting_storage/mysql",
         "StorageHost=localhost",
         f"StorageLoc={ACCOUNTING_DB}",

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gpucluster.spec import catalog, eks
-from gpucluster.spec.model import MIN_POOL_ROOT_GIB, ImageBuild, Stack
+from gpucluster.spec.model import HEAD_STATE_GIB, MIN_POOL_ROOT_GIB, ImageBuild, Stack
 
 COST_TAG = "gpucluster:stack"  # the cost-allocation tag that budgets and spend reports filter on
 HOURS_PER_MONTH = 730  # AWS's own convention in its pricing calculator
@@ -32,7 +32,7 @@ LUSTRE_USD_PER_GIB_MONTH = {
 SSM_ENDPOINTS = ("ssm", "ssmmessages", "ec2messages")
 # The head node's disks, as components/head_node.py creates them (gp3, encrypted).
 HEAD_ROOT_GIB = 100
-HEAD_STATE_GIB = 200  # slurmctld state, MariaDB and Prometheus (half of it: benchmarks/prometheus_scale.py)
+# HEAD_STATE_GIB (model.py): slurmctld state, MariaDB and Prometheus (half of it: benchmarks/prometheus_scale.py)
 # The root volume of each baked node image (components/image.py), within what its nodes launch with: Ubuntu's 8 GiB
 # plus the head's packages; for compute the DLAMI's volume plus torch, and no more than a pool's smallest root.
 IMAGE_ROOT_GIB = {"head": 20, "compute": MIN_POOL_ROOT_GIB}

@@ -34,6 +34,20 @@ LUSTRE_STEP_GIB = 2400
 LUSTRE_THROUGHPUTS = {"PERSISTENT_2": (125, 250, 500, 1000)}
 # A pool's smallest root volume; the compute node images are baked at this size, so every pool's template holds them.
 MIN_POOL_ROOT_GIB = 120
+# The head node's state volume (components/head_node.py): slurmctld's state, MariaDB and Prometheus' history.
+HEAD_STATE_GIB = 200
+# slurm.conf's MaxJobCount (Slurm's default, named): the jobs slurmctld holds, finished ones too until MinJobAge (5
+# minutes) purges them. The team's cap on queued jobs leaves room under it for the admins' jobs and for finished ones.
+MAX_JOB_COUNT = 10000
+# What slurmctld writes to the state volume for each job it holds (hash.N/job.N/ in its StateSaveLocation, kept until
+# the job is purged, minutes after it ended): the batch script, at most max_batch_script_kib, and the environment
+# sbatch sends. Slurm does not bound the environment: counted at what sbatch carries under Linux's default 8 MiB stack
+# limit (a quarter of it for arguments and environment). A user who raises the limit or uses --export-file can send
+# more; the StateVolumeFilling alert watches for that (docs/explanation/security.md).
+JOB_ENVIRONMENT_KIB = 2 * 1024
+# The share of the state volume those files may take at worst: Prometheus keeps to half of it
+# (render/prometheus.RETENTION_SHARE), the rest holds MariaDB and the margin the StateVolumeFilling alert watches.
+JOB_FILES_SHARE = 0.25
 
 
 # Slurm words a pool name may not take. slurm.conf's PartitionName=DEFAULT line sets defaults for the partitions after
@@ -379,6 +393,61 @@ class SlurmSpec(_Model):
     # A rebalance recommendation (the spot instance is at higher risk) drains its node: running jobs go on, no new
     # job starts there, and the node gets a fresh instance once idle. false: recommendations are only logged.
     drain_on_rebalance: bool = True
+    # Jobs one user may have queued and running at once (each array task counts). More are refused at submission
+    # (AssocMaxSubmitJobLimit), so one user's flood of held jobs cannot fill the head or crowd out the team. The
+    # admins (root) are outside the team's account and keep submitting.
+    max_submitted_jobs_per_user: int = Field(default=1000, ge=1, le=MAX_JOB_COUNT // 2)
+    # Jobs one user may have running at once; the rest wait in the queue (reason AssocMaxJobsLimit).
+    max_running_jobs_per_user: int = Field(default=500, ge=1, le=MAX_JOB_COUNT // 2)
+    # Jobs the whole team may have queued and running at once; at most half of Slurm's MaxJobCount (10000), the rest
+    # is room for the admins' jobs and for finished jobs Slurm keeps for a few minutes.
+    max_submitted_jobs: int = Field(default=5000, ge=1, le=MAX_JOB_COUNT // 2)
+    # Jobs the whole team may have running at once; the rest wait (reason AssocGrpJobsLimit).
+    max_running_jobs: int = Field(default=2000, ge=1, le=MAX_JOB_COUNT // 2)
+    # The largest batch script sbatch may submit, in KiB (Slurm's own default is 4 MiB). Scripts are small: data and
+    # code belong on /fsx. slurmctld keeps each job's script and environment on the head's state volume: a bound
+    # whose worst case (10000 jobs, Slurm's MaxJobCount) does not fit in a quarter of it (over 3194 KiB) is refused.
+    max_batch_script_kib: int = Field(default=512, ge=16, le=64 * 1024)
+
+    @model_validator(mode="after")
+    def _limits(self) -> SlurmSpec:
+        problems = _job_limit_problems(self)
+        if problems:
+            raise _rule_errors("slurm", problems, None)
+        return self
+
+
+def job_files_worst_case_gib(slurm: SlurmSpec) -> float:
+    """The most the queue's job files can take on the head's state volume: every job slurmctld may hold (MaxJobCount,
+    finished ones not yet purged included: a user who submits and cancels in a loop is bounded by it, not by the
+    cap on queued jobs) with the largest script and environment."""
+    return MAX_JOB_COUNT * (slurm.max_batch_script_kib + JOB_ENVIRONMENT_KIB) / (1 << 20)
+
+
+def job_files_room_gib() -> float:
+    return HEAD_STATE_GIB * JOB_FILES_SHARE
+
+
+def _job_limit_problems(slurm: SlurmSpec) -> list[tuple[tuple[str | int, ...], str]]:
+    problems: list[tuple[tuple[str | int, ...], str]] = []
+    for per_user, team in (("max_submitted_jobs_per_user", "max_submitted_jobs"),
+                           ("max_running_jobs_per_user", "max_running_jobs")):
+        if getattr(slurm, per_user) > getattr(slurm, team):
+            problems.append(((per_user,), f"must be <= {team} ({getattr(slurm, team)}): one user cannot have more "
+                                          "than the whole team"))
+    for running, submitted in (("max_running_jobs_per_user", "max_submitted_jobs_per_user"),
+                               ("max_running_jobs", "max_submitted_jobs")):
+        if getattr(slurm, running) > getattr(slurm, submitted):
+            problems.append(((running,), f"must be <= {submitted} ({getattr(slurm, submitted)}): a running job is "
+                                         "a submitted one"))
+    worst, room = job_files_worst_case_gib(slurm), job_files_room_gib()
+    if worst > room:
+        problems.append((("max_batch_script_kib",),
+                         f"{MAX_JOB_COUNT} jobs (Slurm's MaxJobCount) with scripts of {slurm.max_batch_script_kib} KiB "
+                         f"and their environments can take {worst:.0f} GiB of the head's state volume, more than the "
+                         f"{room:.0f} GiB kept for them: at most "
+                         f"{int(room * (1 << 20) / MAX_JOB_COUNT) - JOB_ENVIRONMENT_KIB} KiB"))
+    return problems
 
 
 class ParentImageSpec(_Model):

@@ -4,6 +4,7 @@ leaves no job of its own behind). Root's commands stand for the admin's; the log
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 import tempfile
@@ -12,20 +13,26 @@ from pathlib import Path
 
 import pytest
 
-from gpucluster.contract.settings import LOGIN_USER
-from gpucluster.spec.model import load_stack
+from gpucluster.contract.settings import BUNDLE_DIR, LOGIN_USER, STATE_DIR
+from gpucluster.spec.model import SlurmSpec, load_stack
 from local_cluster import LocalCluster
 
 # One cluster for the module: under xdist its tests stay on one worker (--dist loadgroup).
 pytestmark = [pytest.mark.rehearsal, pytest.mark.xdist_group("user-isolation")]
 
 STACK = Path(__file__).resolve().parents[1] / "stacks" / "Pulumi.local.yaml"
+# Caps small enough for a flood to reach in a test, large enough for the other tests' few jobs of the login user.
+CAPS = {"max_submitted_jobs_per_user": 10, "max_running_jobs_per_user": 10, "max_submitted_jobs": 20,
+        "max_running_jobs": 20, "max_batch_script_kib": 64}
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
     root = Path(tempfile.mkdtemp(prefix="gpucluster-cluster-"))
-    local = LocalCluster(load_stack(STACK), root).start()  # stopped itself if it failed
+    stack = load_stack(STACK)
+    stack = dataclasses.replace(stack, spec=stack.spec.model_copy(update={"slurm": SlurmSpec(
+        **{**stack.spec.slurm.model_dump(), **CAPS})}))
+    local = LocalCluster(stack, root).start()  # stopped itself if it failed
     try:
         yield local
     finally:
@@ -104,3 +111,110 @@ def test_a_forged_kernel_log_xid_drains_nothing_and_a_driver_counted_fault_does(
                      120)
         release.unlink(missing_ok=True)
         forge.unlink(missing_ok=True)
+
+
+REFUSED = "sbatch: error: Batch job submission failed: "
+
+
+def login_jobs(cluster: LocalCluster) -> list[str]:
+    """The login user's jobs, as root sees them."""
+    return cluster.run("squeue", "--noheader", "--user", LOGIN_USER, "--format=%i").split()
+
+
+def cancel_login_jobs(cluster: LocalCluster) -> None:
+    cluster.run("scancel", "--user", LOGIN_USER)
+    cluster.wait("the login user's jobs to leave the queue", lambda: not login_jobs(cluster), 60)
+
+
+def test_a_flood_of_held_jobs_stops_at_the_users_cap_and_root_still_submits(cluster: LocalCluster) -> None:
+    cap = CAPS["max_submitted_jobs_per_user"]
+    try:
+        flood = as_login_user(cluster, f"for i in $(seq {cap + 5}); do sbatch --hold --parsable --wrap true "
+                                       "|| exit 1; done")
+        assert flood.returncode == 1, flood.stdout + flood.stderr
+        assert len(flood.stdout.split()) == cap == len(login_jobs(cluster)), flood.stdout
+        # Slurm's own reason, as the user reads it.
+        assert flood.stderr.splitlines() == [
+            "sbatch: error: AssocMaxSubmitJobLimit",
+            f"{REFUSED}Job violates accounting/QOS policy (job submit limit, user's size and/or time limits)"], \
+            flood.stderr
+        # Root under its own account, as on a cluster (here root is in the team's account too, for other tests).
+        admin = cluster.run("sbatch", "--account=root", "--hold", "--parsable", "--wrap", "true").strip()
+        assert admin.isdigit()
+        cluster.run("scancel", admin)
+    finally:
+        cancel_login_jobs(cluster)
+
+
+def test_a_batch_script_over_the_bound_is_refused(cluster: LocalCluster) -> None:
+    limit = CAPS["max_batch_script_kib"] * 1024
+    scripts = {}
+    for name, size in (("fits", limit), ("too-big", limit + 1)):
+        # A comment line fills the script to its size: at the bound the job is taken; a byte more, refused.
+        head, tail = "#!/bin/sh\n#", "\ntrue\n"
+        scripts[name] = cluster.fsx / f"limit-{name}.sh"
+        scripts[name].write_text(head + "x" * (size - len(head) - len(tail)) + tail)
+        assert scripts[name].stat().st_size == size
+    try:
+        fits = as_login_user(cluster, f"sbatch --hold --parsable /fsx/{scripts['fits'].name}")
+        assert fits.returncode == 0 and fits.stdout.strip().isdigit(), fits.stdout + fits.stderr
+        too_big = as_login_user(cluster, f"sbatch --hold --parsable /fsx/{scripts['too-big'].name}")
+        assert too_big.returncode != 0 and too_big.stderr.startswith(REFUSED), too_big.stdout + too_big.stderr
+        assert login_jobs(cluster) == [fits.stdout.strip()]
+    finally:
+        cancel_login_jobs(cluster)
+        for script in scripts.values():
+            script.unlink()
+
+
+def test_users_see_only_their_own_jobs_and_admins_see_all(cluster: LocalCluster) -> None:
+    secret = "root-secret"
+    admin = cluster.run("sbatch", "--hold", "--parsable", f"--job-name={secret}", f"--comment={secret}",
+                        "--wrap", "true").strip()
+    try:
+        mine = as_login_user(cluster, "sbatch --hold --parsable --job-name=mine --wrap true").stdout.strip()
+        assert mine.isdigit()
+        shown = as_login_user(cluster, f"scontrol show job {admin}")
+        assert shown.returncode != 0 and secret not in shown.stdout + shown.stderr, shown.stdout
+        assert secret in cluster.run("scontrol", "show", "job", admin)  # the check above can fail
+        queue = as_login_user(cluster, "squeue --all --noheader --format='%i %j'")
+        assert queue.returncode == 0 and queue.stdout.split() == [mine, "mine"], queue.stdout
+        assert "JobName=mine" in cluster.run("scontrol", "show", "job", mine)  # the admin sees the user's job
+    finally:
+        cluster.run("scancel", admin)
+        cancel_login_jobs(cluster)
+    # Held jobs reach accounting when they end: both are there for root before the user asks, so an answer without
+    # root's job is privacy, not a record still on its way.
+    accounted = ("sacct", "-a", "-X", "-n", "-P", f"--jobs={admin},{mine}", "-o", "JobID,JobName")
+    cluster.wait("accounting to record both jobs", lambda: {f"{admin}|{secret}", f"{mine}|mine"} <= set(
+        cluster.run(*accounted).split()), 60)
+    seen = as_login_user(cluster, " ".join(accounted))
+    assert seen.returncode == 0 and secret not in seen.stdout and f"{mine}|mine" in seen.stdout.split(), seen.stdout
+
+
+def test_a_changed_cap_reaches_the_users_at_the_next_update(cluster: LocalCluster) -> None:
+    """The head runs accounting.sh again at each `pulumi up`: it sets the account's caps, and the users' associations
+    (which have none of their own) take them."""
+    team, cap = cluster.stack.spec.team, CAPS["max_submitted_jobs_per_user"]
+    user_cap = ("sacctmgr", "-n", "-P", "show", "assoc", "where", f"account={team}", f"user={LOGIN_USER}",
+                "format=MaxSubmit")
+    cluster.run("sacctmgr", "-i", "modify", "account", "where", f"name={team}", "set", "MaxSubmitJobs=3")
+    try:
+        assert cluster.run(*user_cap).strip() == "3"  # an earlier stack's cap, as the user has it
+    finally:
+        cluster.head.enter("sh", f"{BUNDLE_DIR}/accounting.sh")
+    assert cluster.run(*user_cap).strip() == str(cap)
+
+
+def test_slurms_state_is_on_the_state_volume_apart_from_what_users_fill(cluster: LocalCluster) -> None:
+    """slurmctld's state directory is on the head's state volume (what the StateVolumeFilling alert watches); homes,
+    /tmp, logs and /fsx are elsewhere, and no user can write onto the volume directly: what users put there is what
+    Slurm keeps of their jobs, within the stack's bounds."""
+    def mount_of(path: str) -> str:
+        return cluster.head.enter("findmnt", "-n", "-o", "TARGET", "-T", path).stdout.strip()
+
+    assert mount_of(f"{STATE_DIR}/slurmctld") == STATE_DIR
+    assert all(mount_of(path) != STATE_DIR for path in ("/tmp", "/var/tmp", "/home", "/var/log", "/fsx", "/dev/shm"))
+    writable = as_login_user(cluster, f"for d in $(find {STATE_DIR} -maxdepth 2 -type d); do "
+                                      "test -w $d && echo $d; done; true")
+    assert writable.returncode == 0 and writable.stdout == "", writable.stdout
