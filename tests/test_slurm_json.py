@@ -39,9 +39,10 @@ def cluster(job_field: str = "", node_field: str = "", text: str = "") -> dict[s
     """scontrol's three answers for one cluster: root's job 1 runs on spot-1; the user's job 2 pends, job 3 runs on
     spot-2; the hostile text in `job_field` of jobs 2 and 3, or in `node_field` of standby-1."""
     user: dict[str, Any] = {job_field: text} if job_field else {}
+    admin: dict[str, Any] = {node_field: text} if node_field else {}
     nodes = [node("spot-1", "MIXED+CLOUD", address="10.0.0.11", hostname="i-0aaaaaaaaaaaaaaa1"),
              node("spot-2", "ALLOCATED+CLOUD", address="10.0.0.12", hostname="i-0aaaaaaaaaaaaaaa2"),
-             node("standby-1", "IDLE+CLOUD+POWERED_DOWN", **({node_field: text} if node_field else {}))]
+             node("standby-1", "IDLE+CLOUD+POWERED_DOWN", **admin)]
     jobs = [job(1, "RUNNING", "spot-1", user_name="root"),
             job(2, "PENDING", partition="standby", user_name="ubuntu", **user),
             job(3, "RUNNING", "spot-2", user_name="ubuntu", **user)]
@@ -55,8 +56,10 @@ class Slurm(SlurmControl):
         self.answers = answers
 
     def _run(self, *args: str) -> str:
-        return {slurm_json.SHOW_NODES: self.answers["nodes"], slurm_json.SHOW_JOBS: self.answers["jobs"],
-                slurm_json.SHOW_PARTITIONS: self.answers["partitions"]}[args]
+        shown: dict[tuple[str, ...], str] = {slurm_json.SHOW_NODES: self.answers["nodes"],
+                                             slurm_json.SHOW_JOBS: self.answers["jobs"],
+                                             slurm_json.SHOW_PARTITIONS: self.answers["partitions"]}
+        return shown[args]
 
 
 def readings(answers: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
