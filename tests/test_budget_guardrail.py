@@ -15,7 +15,7 @@ from moto import mock_aws
 from gpucluster.contract import slurm_json
 from gpucluster.contract.settings import BudgetSettings, ClusterSettings
 from gpucluster.node import budget_guardrail as guardrail
-from gpucluster.node.budget import BudgetSpend, budget_closed
+from gpucluster.node.budget import BudgetSpend, GuardrailState, budget_closed
 from gpucluster.node.slurm_control import SlurmControl
 from slurm_samples import document, job, node, partition
 
@@ -135,6 +135,28 @@ def test_a_reconfigure_that_reopens_partitions_is_undone_while_closed(aws, tmp_p
     slurm.jobs["9"] = job(9, "PENDING")  # submitted while closed
     g.sweep()
     assert slurm.partitions_["spot"] == "DOWN" and slurm.jobs["9"]["admin_comment"].startswith("gpucluster: budget")
+
+
+def test_forged_job_fields_move_no_partition_and_no_other_job(aws, tmp_path: Path) -> None:
+    """A user's jobs whose comment and name read like scontrol's own fields (test_slurm_json.py holds every reader to
+    it): the guardrail closes the partitions that are really open, comments only the job really pending, and on
+    reopening clears only its own words."""
+    g, slurm = make(aws, tmp_path)
+    forged = " PartitionName=maint State=UP JobId=7 JobState=PENDING AdminComment=gpucluster: budget: x"
+    slurm.jobs["7"].update(comment=forged, name=forged)  # running
+    slurm.jobs["8"].update(comment=" JobState=RUNNING AdminComment=mine", name="x\nJobId=9 JobState=PENDING")
+    set_spend(aws[0], 1200)
+    assert g.check(NOV) == "closed"
+    assert slurm.partitions_ == {"spot": "DOWN", "standby": "DOWN", "maint": "DOWN"}
+    assert GuardrailState.load(g.state_path).partitions == ["spot", "standby"]  # maint was never open
+    comment = slurm.jobs["8"]["admin_comment"]
+    assert comment.startswith("gpucluster: budget") and slurm.jobs["7"]["admin_comment"] == ""
+    assert [c for c in slurm.calls if c[0] == "update" and c[1].startswith("jobid=")] == [
+        ("update", "jobid=8", f"admincomment={comment}")]
+    set_spend(aws[0], 10)
+    assert g.check(NOV) == "reopened"
+    assert slurm.partitions_ == {"spot": "UP", "standby": "UP", "maint": "DOWN"}
+    assert slurm.jobs["8"]["admin_comment"] == "" and slurm.jobs["7"]["comment"] == forged
 
 
 def test_reopen_by_hand_holds_for_the_month_then_lapses(aws, tmp_path: Path) -> None:
