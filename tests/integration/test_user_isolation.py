@@ -17,7 +17,7 @@ import pytest
 
 from gpucluster.contract.settings import EVENTS_LOG, LOGIN_USER
 from gpucluster.spec.model import load_stack
-from local_cluster import LocalCluster
+from local_cluster import LocalCluster, spot_warning
 
 # One cluster for the module: under xdist its tests stay on one worker (--dist loadgroup).
 pytestmark = [pytest.mark.rehearsal, pytest.mark.xdist_group("user-isolation")]
@@ -45,15 +45,6 @@ def job_record(cluster: LocalCluster, job: str) -> dict[str, Any]:
     """The job as Slurm's JSON has it (never scontrol's text, which the job's own fields can forge)."""
     record: dict[str, Any] = json.loads(cluster.run("scontrol", "show", "job", job, "--json"))["jobs"][0]
     return record
-
-
-def spot_warning(instance: str) -> str:
-    """EC2's two-minute warning as the stack's EventBridge rule puts it into the head's queue."""
-    return json.dumps({"version": "0", "id": "7e5e1b2a-0000-0000-0000-000000000023",
-                       "detail-type": "EC2 Spot Instance Interruption Warning", "source": "aws.ec2",
-                       "account": "123456789012", "time": "2026-11-30T16:00:00Z", "region": "us-east-1",
-                       "resources": [f"arn:aws:ec2:us-east-1:123456789012:instance/{instance}"],
-                       "detail": {"instance-id": instance, "instance-action": "terminate"}})
 
 
 def test_a_forged_job_comment_makes_no_program_act_on_another_users_job(cluster: LocalCluster) -> None:
