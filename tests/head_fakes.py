@@ -11,23 +11,25 @@ import boto3
 import pytest
 from moto import mock_aws
 
+from gpucluster.contract import slurm_json
 from gpucluster.contract.settings import POOL_TAG, ClusterSettings, PoolSettings
 from gpucluster.node import fleet
 from gpucluster.node.registry import read_registry
 from gpucluster.node.slurm_control import SlurmControl
+from slurm_samples import document
 
 
 class FakeSlurm(SlurmControl):
-    """Records what the programs ask of Slurm; serves a node table for the reconciler."""
+    """Records what the programs ask of Slurm; serves a node table (slurm_samples.node records) for the reconciler."""
 
-    def __init__(self, table: list[dict[str, str]] | None = None):
+    def __init__(self, table: list[dict[str, Any]] | None = None):
         self.calls: list[tuple[str, ...]] = []
         self.table = table or []
 
     def _run(self, *args: str) -> str:
         self.calls.append(args)
-        if args[:2] == ("show", "nodes"):
-            return "\n".join(" ".join(f"{k}={v}" for k, v in n.items()) for n in self.table)
+        if args == slurm_json.SHOW_NODES:
+            return document("nodes", self.table)
         return ""
 
     def updates(self) -> list[tuple[str, ...]]:

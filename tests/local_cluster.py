@@ -376,6 +376,15 @@ def instance_tags(tags: dict[str, str]) -> dict[str, str]:
     return {"meta-data/tags/instance": "\n".join(tags), **{f"meta-data/tags/instance/{k}": v for k, v in tags.items()}}
 
 
+def spot_warning(instance: str) -> str:
+    """EC2's two-minute warning as the stack's EventBridge rule puts it into the head's queue (the event is the
+    body)."""
+    return json.dumps({"version": "0", "id": "7e5e1b2a-0000-0000-0000-000000000001",
+                       "detail-type": "EC2 Spot Instance Interruption Warning", "source": "aws.ec2",
+                       "account": MOTO_ACCOUNT, "time": "2026-11-30T16:00:00Z", "region": "us-east-1",
+                       "resources": [f"arn:aws:ec2:us-east-1:{MOTO_ACCOUNT}:instance/{instance}"],
+                       "detail": {"instance-id": instance, "instance-action": "terminate"}})
+
 
 @dataclass
 class RehearsalNode:

@@ -18,6 +18,7 @@ from conftest import ROOT
 from gpucluster.contract import reasons, settings as contract
 from gpucluster.node import bootstrap
 from gpucluster.render import slurm, userdata
+from slurm_samples import document, node
 
 PACKAGED_SLURMD = Path("/lib/systemd/system/slurmd.service")  # Debian's slurmd package (make test installs it)
 
@@ -218,11 +219,10 @@ def test_database_dir_on_a_new_volume_is_created(tmp_path: Path, monkeypatch: py
     assert ran[-1] == ("chown", "-R", "mysql:mysql", str(data))
 
 
-SCONTROL_NODES = "\n".join([
-    "NodeName=p5-od-1 Arch=x86_64 CoresPerSocket=1 NodeAddr=p5-od-1 NodeHostName=i-0aaaaaaaaaaaaaaa1 Version=24.11.5 "
-    "State=IDLE+CLOUD+POWERING_UP Reason=(null)",
-    "NodeName=p5-od-2 Arch=x86_64 NodeAddr=10.0.0.7 NodeHostName=p5-od-2 State=IDLE+CLOUD",
-    "NodeName=p5-od-3 Arch=x86_64 NodeAddr=p5-od-3 NodeHostName=i-0aaaaaaaaaaaaaaa3 State=ALLOCATED+CLOUD+POWERING_UP",
+SCONTROL_NODES = document("nodes", [
+    node("p5-od-1", "IDLE+CLOUD+POWERING_UP", hostname="i-0aaaaaaaaaaaaaaa1"),
+    node("p5-od-2", "IDLE+CLOUD", address="10.0.0.7"),
+    node("p5-od-3", "ALLOCATED+CLOUD+POWERING_UP", hostname="i-0aaaaaaaaaaaaaaa3"),
 ])
 
 
@@ -302,7 +302,7 @@ def test_nodes_a_stack_drops_are_retired_before_they_go(states: dict[str, set[st
                                                         waiting: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     ran: list[tuple[str, ...]] = []
     monkeypatch.setattr(bootstrap, "run", lambda *args, **kw: ran.append(args))
-    assert bootstrap.retire(sorted(states), states) == waiting
+    assert bootstrap.retire(sorted(states), {n: frozenset(flags) for n, flags in states.items()}) == waiting
     assert [call[2:4] for call in ran] == commands
     assert all(call[-1] == f"reason={reasons.REMOVED}" for call in ran if "state=power_down_force" not in call)
     assert reasons.REMOVED.startswith(reasons.CONFIGURATION)  # the reconciler leaves such a node DOWN

@@ -12,10 +12,12 @@ import pytest
 from botocore.stub import Stubber
 from moto import mock_aws
 
+from gpucluster.contract import slurm_json
 from gpucluster.contract.settings import BudgetSettings, ClusterSettings
 from gpucluster.node import budget_guardrail as guardrail
-from gpucluster.node.budget import BudgetSpend, budget_closed
+from gpucluster.node.budget import BudgetSpend, GuardrailState, budget_closed
 from gpucluster.node.slurm_control import SlurmControl
+from slurm_samples import document, job, node, partition
 
 ACCOUNT = "123456789012"
 BUDGET = "gpucluster-t-monthly"
@@ -24,36 +26,34 @@ DEC = time.mktime((2026, 12, 2, 12, 0, 0, 0, 0, 0))
 
 
 class FakeSlurm(SlurmControl):
-    """Partitions, jobs and nodes as scontrol shows them; updates change them as slurmctld would."""
+    """Partitions, jobs and nodes as scontrol shows them (slurm_samples' records); updates change them as slurmctld
+    would."""
 
     def __init__(self) -> None:
         self.partitions_ = {"spot": "UP", "standby": "UP", "maint": "DOWN"}
-        self.jobs = {"7": {"JobState": "RUNNING"}, "8": {"JobState": "PENDING"}}
-        self.node_table = [{"NodeName": "spot-1", "State": "IDLE+CLOUD"},
-                           {"NodeName": "spot-2", "State": "ALLOCATED+CLOUD"},
-                           {"NodeName": "standby-1", "State": "IDLE+CLOUD+POWERED_DOWN"},
-                           {"NodeName": "standby-2", "State": "IDLE"},  # always-on: left running
-                           {"NodeName": "spot-3", "State": "DOWN+CLOUD+POWERED_DOWN",  # launched while denied
-                            "Reason": "gpucluster: launch failed: UnauthorizedOperation: explicit deny "
-                                      "[slurm@2026-11-29T10:00:00]"}]
+        self.jobs = {"7": job(7, "RUNNING", "spot-2"), "8": job(8, "PENDING")}
+        self.node_table = [node("spot-1", "IDLE+CLOUD"), node("spot-2", "ALLOCATED+CLOUD"),
+                           node("standby-1", "IDLE+CLOUD+POWERED_DOWN"),
+                           node("standby-2", "IDLE"),  # always-on: left running
+                           node("spot-3", "DOWN+CLOUD+POWERED_DOWN", user="slurm", at=NOV,  # launched while denied
+                                reason="gpucluster: launch failed: UnauthorizedOperation: explicit deny")]
         self.calls: list[tuple[str, ...]] = []
 
     def _run(self, *args: str) -> str:
         self.calls.append(args)
-        if args[:2] == ("show", "partitions"):
-            return "\n".join(f"PartitionName={p} AllowGroups=ALL State={s} TotalCPUs=8"
-                             for p, s in self.partitions_.items())
-        if args[:2] == ("show", "jobs"):
-            return "\n".join(f"JobId={j} " + " ".join(f"{k}={v}" for k, v in f.items()) for j, f in self.jobs.items())
-        if args[:2] == ("show", "nodes"):
-            return "\n".join(" ".join(f"{k}={v}" for k, v in n.items()) for n in self.node_table)
+        if args == slurm_json.SHOW_PARTITIONS:
+            return document("partitions", [partition(p, s) for p, s in self.partitions_.items()])
+        if args == slurm_json.SHOW_JOBS:
+            return document("jobs", list(self.jobs.values()))
+        if args == slurm_json.SHOW_NODES:
+            return document("nodes", self.node_table)
         if args[0] == "update":
             key, value = args[1].split("=", 1)
             field, new = args[2].split("=", 1)
             if key == "partitionname":
                 self.partitions_[value] = new
             elif key == "jobid":
-                self.jobs[value]["AdminComment"] = new
+                self.jobs[value]["admin_comment"] = new
         return ""
 
 
@@ -108,8 +108,8 @@ def test_spend_over_the_act_threshold_closes_and_under_it_reopens(aws, tmp_path:
     assert g.check(NOV) == "closed"
     # Only the partitions that were open are closed, and only those will reopen.
     assert slurm.partitions_ == {"spot": "DOWN", "standby": "DOWN", "maint": "DOWN"}
-    assert "gpucluster: budget: partitions closed: team vision spent $905.00" in slurm.jobs["8"]["AdminComment"]
-    assert "AdminComment" not in slurm.jobs["7"]  # running jobs are left alone
+    assert "gpucluster: budget: partitions closed: team vision spent $905.00" in slurm.jobs["8"]["admin_comment"]
+    assert slurm.jobs["7"]["admin_comment"] == ""  # running jobs are left alone
     # The idle cloud node is released now; the busy one, the powered-down one and the always-on one are not touched.
     assert ("update", "nodename=spot-1", "state=power_down") in slurm.calls
     assert not [c for c in slurm.calls
@@ -122,7 +122,7 @@ def test_spend_over_the_act_threshold_closes_and_under_it_reopens(aws, tmp_path:
     set_spend(aws[0], 905, limit=2000)  # the team raised its budget
     assert g.check(NOV) == "reopened"
     assert slurm.partitions_ == {"spot": "UP", "standby": "UP", "maint": "DOWN"}
-    assert slurm.jobs["8"]["AdminComment"] == ""
+    assert slurm.jobs["8"]["admin_comment"] == ""
     assert not budget_closed(g.config.budget_state_file)
     assert heard(aws) == ["gpucluster gpucluster-t: budget guardrail reopened the partitions"]
 
@@ -132,9 +132,31 @@ def test_a_reconfigure_that_reopens_partitions_is_undone_while_closed(aws, tmp_p
     set_spend(aws[0], 1200)
     g.check(NOV)
     slurm.partitions_["spot"] = "UP"  # `scontrol reconfigure` brings slurm.conf's State=UP back
-    slurm.jobs["9"] = {"JobState": "PENDING"}  # submitted while closed
+    slurm.jobs["9"] = job(9, "PENDING")  # submitted while closed
     g.sweep()
-    assert slurm.partitions_["spot"] == "DOWN" and slurm.jobs["9"]["AdminComment"].startswith("gpucluster: budget")
+    assert slurm.partitions_["spot"] == "DOWN" and slurm.jobs["9"]["admin_comment"].startswith("gpucluster: budget")
+
+
+def test_forged_job_fields_move_no_partition_and_no_other_job(aws, tmp_path: Path) -> None:
+    """A user's jobs whose comment and name read like scontrol's own fields (test_slurm_json.py holds every reader to
+    it): the guardrail closes the partitions that are really open, comments only the job really pending, and on
+    reopening clears only its own words."""
+    g, slurm = make(aws, tmp_path)
+    forged = " PartitionName=maint State=UP JobId=7 JobState=PENDING AdminComment=gpucluster: budget: x"
+    slurm.jobs["7"].update(comment=forged, name=forged)  # running
+    slurm.jobs["8"].update(comment=" JobState=RUNNING AdminComment=mine", name="x\nJobId=9 JobState=PENDING")
+    set_spend(aws[0], 1200)
+    assert g.check(NOV) == "closed"
+    assert slurm.partitions_ == {"spot": "DOWN", "standby": "DOWN", "maint": "DOWN"}
+    assert GuardrailState.load(g.state_path).partitions == ["spot", "standby"]  # maint was never open
+    comment = slurm.jobs["8"]["admin_comment"]
+    assert comment.startswith("gpucluster: budget") and slurm.jobs["7"]["admin_comment"] == ""
+    assert [c for c in slurm.calls if c[0] == "update" and c[1].startswith("jobid=")] == [
+        ("update", "jobid=8", f"admincomment={comment}")]
+    set_spend(aws[0], 10)
+    assert g.check(NOV) == "reopened"
+    assert slurm.partitions_ == {"spot": "UP", "standby": "UP", "maint": "DOWN"}
+    assert slurm.jobs["8"]["admin_comment"] == "" and slurm.jobs["7"]["comment"] == forged
 
 
 def test_reopen_by_hand_holds_for_the_month_then_lapses(aws, tmp_path: Path) -> None:

@@ -9,13 +9,14 @@ from pathlib import Path
 
 from gpucluster.contract.settings import ClusterSettings
 from gpucluster.node import hosts
+from slurm_samples import document, node
 
-NODES = "\n".join([
-    "NodeName=p5-od-1 Arch=x86_64 NodeAddr=10.0.0.11 NodeHostName=p5-od-1 State=ALLOCATED+CLOUD Reason=(null)",
-    "NodeName=p5-od-2 NodeAddr=p5-od-2 NodeHostName=i-0abc State=IDLE+CLOUD+POWERING_UP",  # not registered yet
-    "NodeName=p5-od-3 NodeAddr=10.0.0.13 NodeHostName=p5-od-3 State=IDLE+CLOUD+POWERING_DOWN",  # on its way out
-    "NodeName=p5-od-4 NodeAddr=p5-od-4 NodeHostName=p5-od-4 State=IDLE+CLOUD+POWERED_DOWN",
-    "NodeName=p5-od-5 NodeAddr=10.0.0.15 NodeHostName=p5-od-5 State=MIXED+CLOUD",
+NODES = document("nodes", [
+    node("p5-od-1", "ALLOCATED+CLOUD", address="10.0.0.11"),
+    node("p5-od-2", "IDLE+CLOUD+POWERING_UP", hostname="i-0abc"),  # not registered yet
+    node("p5-od-3", "IDLE+CLOUD+POWERING_DOWN", address="10.0.0.13"),  # on its way out
+    node("p5-od-4", "IDLE+CLOUD+POWERED_DOWN"),
+    node("p5-od-5", "MIXED+CLOUD", address="10.0.0.15"),
 ])
 
 

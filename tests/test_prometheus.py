@@ -21,6 +21,7 @@ from gpucluster.node import bootstrap, budget_guardrail, hosts, metrics
 from gpucluster.node.budget import BudgetSpend
 from gpucluster.render import monitoring, prometheus
 from gpucluster.spec.model import load_stack
+from slurm_samples import document, job, node
 
 
 def tool(name: str) -> str:
@@ -179,8 +180,8 @@ def test_the_target_lists_follow_the_registered_nodes_with_their_labels() -> Non
 
 
 def test_a_node_that_leaves_slurm_leaves_the_target_lists(tmp_path: Path) -> None:
-    up = "NodeName=p5-od-1 NodeAddr=10.0.0.11 State=ALLOCATED+CLOUD"
-    gone = "NodeName=p5-od-1 NodeAddr=p5-od-1 State=IDLE+CLOUD+POWERED_DOWN"
+    up = document("nodes", [node("p5-od-1", "ALLOCATED+CLOUD", address="10.0.0.11")])
+    gone = document("nodes", [node("p5-od-1", "IDLE+CLOUD+POWERED_DOWN")])
     (tmp_path / "etc-hosts").write_text("127.0.0.1 localhost\n")
     for scontrol, expected in ((up, ["10.0.0.11:9400"]), (gone, [])):
         hosts.publish_once(tmp_path / "hosts", tmp_path / "etc-hosts", scontrol, cluster_settings(),
@@ -200,17 +201,23 @@ def test_rehearsal_ports_are_distinct_per_node_and_exporter() -> None:
 
 def test_the_head_figures_parse_and_say_what_slurm_says() -> None:
     s = cluster_settings()
-    nodes = "\n".join(["NodeName=p5-od-1 State=ALLOCATED+CLOUD", "NodeName=p5-od-2 State=IDLE+DRAIN+CLOUD",
-                       "NodeName=p5-od-3 State=IDLE+CLOUD+POWERED_DOWN", "NodeName=trn-1 State=DOWN+CLOUD",
-                       "NodeName=trn-2 State=MIXED+DRAIN+CLOUD"])
-    text = (metrics.pool_prices(s) + metrics.slurm_nodes(nodes, s) + metrics.slurm_jobs("p5-od RUNNING\np5-od PENDING\n"
-            "p5-od PENDING\ntrn RUNNING\n") + metrics.gpu_hours(
+    nodes = document("nodes", [node("p5-od-1", "ALLOCATED+CLOUD"), node("p5-od-2", "IDLE+DRAIN+CLOUD"),
+                               node("p5-od-3", "IDLE+CLOUD+POWERED_DOWN"), node("trn-1", "DOWN+CLOUD"),
+                               node("trn-2", "MIXED+DRAIN+CLOUD")])
+    jobs = document("jobs", [job(1, "RUNNING", "p5-od-1", "p5-od"), job(2, "PENDING", partition="p5-od"),
+                             job(3, "PENDING+REQUEUED", partition="p5-od"), job(4, "RUNNING", "trn-2", "trn"),
+                             job(5, "COMPLETED", "trn-2", "trn"),  # ended: squeue would not list it
+                             job(6, "COMPLETED+COMPLETING", "trn-2", "trn")])
+    text = (metrics.pool_prices(s) + metrics.slurm_nodes(nodes, s) + metrics.slurm_jobs(jobs) + metrics.gpu_hours(
         "vision||cpu=5000,mem=1000,gres/gpu=2700|gres/gpu=6000\nvision|ubuntu|cpu=5000,gres/gpu=2700|\n", "vision"))
     assert 'gpucluster_slurm_node_state{node="p5-od-2",pool="p5-od",state="drained"} 1' in text
     assert 'gpucluster_slurm_node_state{node="trn-2",pool="trn",state="draining"} 1' in text
     assert 'gpucluster_slurm_node_state{node="p5-od-3",pool="p5-od",state="powered_down"} 1' in text
     assert 'gpucluster_slurm_node_state{node="trn-1",pool="trn",state="down"} 1' in text
     assert 'gpucluster_slurm_jobs{partition="p5-od",state="pending"} 2' in text
+    assert 'gpucluster_slurm_jobs{partition="trn",state="running"} 1' in text
+    assert 'gpucluster_slurm_jobs{partition="trn",state="completing"} 1' in text
+    assert 'state="completed"' not in text
     # 45 h, 100 h
     assert "gpucluster_gpu_used_seconds 162000\n" in text and "gpucluster_gpu_quota_seconds 360000\n" in text
     assert 'gpucluster_pool_gpu_hour_usd{pool="p5-od"} 12.29\n' in text and 'pool="cpu"' not in text
@@ -295,7 +302,8 @@ def test_the_gpucluster_metrics_we_name_are_what_our_programs_write(tmp_path: Pa
         (counters / name).write_text("1\n")
     written = "".join([
         (tmp_path / "gpucluster-budget.prom").read_text(), metrics.pool_prices(s),
-        metrics.slurm_nodes("NodeName=p5-od-1 State=IDLE+CLOUD", s), metrics.slurm_jobs("p5-od RUNNING\n"),
+        metrics.slurm_nodes(document("nodes", [node("p5-od-1")]), s),
+        metrics.slurm_jobs(document("jobs", [job(1, "RUNNING", "p5-od-1", "p5-od")])),
         metrics.gpu_hours("vision||gres/gpu=1|gres/gpu=2\n", "vision"), metrics.efa_bytes(tmp_path),
         metrics.lustre_bytes("llite.fsx-1.stats=\n"
                              "read_bytes 1 samples [bytes] 1 1 1\nwrite_bytes 1 samples [bytes] 1 1 1\n")])

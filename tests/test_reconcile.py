@@ -11,19 +11,19 @@ from typing import Any
 
 import pytest
 
-from gpucluster.contract import reasons
+from gpucluster.contract import reasons, slurm_json
 from gpucluster.contract.settings import CLUSTER_TAG, POOL_TAG, ClusterSettings, PoolSettings
 from gpucluster.node import fleet
 from gpucluster.node.reconcile import NodeView, Status, classify, reconcile
 from gpucluster.node.registry import read_registry, registry
 from gpucluster.node.resume import resume
 from head_fakes import NOW, FakeSlurm, ec2_fixture, live, make_config  # noqa: F401  (the ec2 fixture)
+from slurm_samples import document, node
 
 
 def view(state: str, reason: str = "", user: str = "slurm", ago: float = 0, **known: object) -> NodeView:
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(NOW - ago))
-    record = {"NodeName": "p5-od-1", "State": state, **({"Reason": f"{reason} [{user}@{stamp}]"} if reason else {})}
-    return NodeView.from_slurm(record, **known)
+    record = node("p5-od-1", state, reason, user if reason else "", NOW - ago if reason else 0)
+    return NodeView.from_slurm(slurm_json.nodes(document("nodes", [record]))[0], **known)
 
 
 S = Status
@@ -78,17 +78,15 @@ def test_reconcile_acts_per_status(ec2) -> None:
     config = make_config(ec2, capacity_retry_seconds=600)
     launched = resume(config, ec2, FakeSlurm(), "p5-od-1,p5-od-2,p5-od-4").launched
     ec2.terminate_instances(InstanceIds=[launched["p5-od-4"]])  # a spot reclaim, say
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 700))
     table = [
-        {"NodeName": "p5-od-1", "State": "IDLE+CLOUD+POWERED_DOWN"},  # Slurm thinks it is off: instance is leftover
-        {"NodeName": "p5-od-2", "State": "ALLOCATED+CLOUD"},  # healthy
-        {"NodeName": "p5-od-4", "State": "MIXED+CLOUD"},  # up in Slurm, but its instance is gone
-        {"NodeName": "p5-spot-1", "State": "DOWN+CLOUD+POWERED_DOWN",
-         "Reason": f"gpucluster: capacity: InsufficientInstanceCapacity: x [slurm@{stamp}]"},
-        {"NodeName": "p5-spot-2", "State": "DOWN+CLOUD+POWERED_DOWN",
-         "Reason": "gpucluster: capacity: InsufficientInstanceCapacity: x "
-                   f"[slurm@{time.strftime('%Y-%m-%dT%H:%M:%S')}]"},
-        {"NodeName": "other-1", "State": "IDLE+CLOUD"},  # not one of this cluster's pools: not ours to judge
+        node("p5-od-1", "IDLE+CLOUD+POWERED_DOWN"),  # Slurm thinks it is off: instance is leftover
+        node("p5-od-2", "ALLOCATED+CLOUD"),  # healthy
+        node("p5-od-4", "MIXED+CLOUD"),  # up in Slurm, but its instance is gone
+        node("p5-spot-1", "DOWN+CLOUD+POWERED_DOWN", "gpucluster: capacity: InsufficientInstanceCapacity: x", "slurm",
+             time.time() - 700),
+        node("p5-spot-2", "DOWN+CLOUD+POWERED_DOWN", "gpucluster: capacity: InsufficientInstanceCapacity: x", "slurm",
+             time.time()),
+        node("other-1", "IDLE+CLOUD"),  # not one of this cluster's pools: not ours to judge
     ]
     slurm = FakeSlurm(table)
     done = reconcile(config, ec2, slurm)
@@ -104,7 +102,7 @@ def test_a_reconcile_during_a_resume_terminates_nothing(ec2) -> None:
     config = make_config(ec2, orphan_grace_seconds=300)
     request = fleet.fleet_request(config, config.pools["p5-od"], 1, False)
     fresh = ec2.create_fleet(**request)["Instances"][0]["InstanceIds"]
-    assert reconcile(config, ec2, FakeSlurm([{"NodeName": "p5-od-1", "State": "IDLE+CLOUD+POWERING_UP"}])) == {}
+    assert reconcile(config, ec2, FakeSlurm([node("p5-od-1", "IDLE+CLOUD+POWERING_UP")])) == {}
     assert set(fleet.cluster_instances(config, ec2)) == set(fresh)
     done = reconcile(config, ec2, FakeSlurm(), now=time.time() + 301)
     assert done == {"terminated": fresh} and not fleet.cluster_instances(config, ec2)
@@ -126,8 +124,8 @@ def test_one_failing_action_does_not_stop_the_others(ec2, caplog: pytest.LogCapt
         def set_down(self, nodes: list[str], reason: str) -> None:
             raise subprocess.CalledProcessError(1, "scontrol")
 
-    done = reconcile(config, ec2, RefusingSlurm([{"NodeName": "p5-od-3", "State": "IDLE+CLOUD"},
-                                                      {"NodeName": "p5-od-4", "State": "IDLE+CLOUD+POWERED_DOWN"}]))
+    done = reconcile(config, ec2, RefusingSlurm([node("p5-od-3", "IDLE+CLOUD"),
+                                                      node("p5-od-4", "IDLE+CLOUD+POWERED_DOWN")]))
     assert done == {"terminated": stray}  # setting p5-od-3 DOWN failed; the orphan went all the same
     assert "reconcile: down p5-od-3 failed" in caplog.text
 
@@ -144,9 +142,9 @@ def always_on_config(ec2, budget_state: Path | None = None) -> ClusterSettings:
 def test_reconcile_powers_up_always_on_nodes_through_slurm(ec2) -> None:
     """Slurm powers them up (and runs the resume program): it then counts on them and never suspends them."""
     config = always_on_config(ec2)
-    table = [{"NodeName": "p5-od-1", "State": "IDLE+CLOUD+POWERED_DOWN"},
-             {"NodeName": "p5-od-2", "State": "IDLE+CLOUD+POWERED_DOWN"},
-             {"NodeName": "p5-od-3", "State": "IDLE+CLOUD+POWERED_DOWN"}]
+    table = [node("p5-od-1", "IDLE+CLOUD+POWERED_DOWN"),
+             node("p5-od-2", "IDLE+CLOUD+POWERED_DOWN"),
+             node("p5-od-3", "IDLE+CLOUD+POWERED_DOWN")]
     slurm = FakeSlurm(table)
     assert reconcile(config, ec2, slurm) == {"powered up": ["p5-od-1", "p5-od-2"]}
     assert slurm.updates() == [("update", "nodename=p5-od-1,p5-od-2", "state=power_up")]
@@ -157,7 +155,7 @@ def test_reconcile_powers_up_no_always_on_node_while_the_budget_is_closed(ec2, t
     state = tmp_path / "budget.json"
     config = always_on_config(ec2, state)
     state.write_text('{"closed": true}')  # as the budget guardrail writes it
-    table = [{"NodeName": "p5-od-1", "State": "IDLE+CLOUD+POWERED_DOWN"}]
+    table = [node("p5-od-1", "IDLE+CLOUD+POWERED_DOWN")]
     slurm = FakeSlurm(table)
     assert reconcile(config, ec2, slurm) == {} and not slurm.updates()
     state.write_text('{"closed": false}')
@@ -169,7 +167,7 @@ def test_instances_of_nodes_slurm_no_longer_has_are_terminated_after_the_grace(e
     list the nodes. A node Slurm still lists (a dropped pool draining) keeps its instance."""
     config = make_config(ec2, orphan_grace_seconds=300)
     launched = resume(config, ec2, FakeSlurm(), "p5-od-[1-2]").launched
-    draining = FakeSlurm([{"NodeName": "p5-od-2", "State": "ALLOCATED+CLOUD"}])  # p5-od-1 is gone from slurm.conf
+    draining = FakeSlurm([node("p5-od-2", "ALLOCATED+CLOUD")])  # p5-od-1 is gone from slurm.conf
     assert "forgotten" not in reconcile(config, ec2, draining)  # within the grace: perhaps a resume under way
     done = reconcile(config, ec2, draining, now=time.time() + 301)
     assert done.get("forgotten") == ["p5-od-1"]
@@ -179,10 +177,9 @@ def test_instances_of_nodes_slurm_no_longer_has_are_terminated_after_the_grace(e
 def test_reconcile_replaces_a_drained_node_once_idle(ec2, tmp_path) -> None:
     config = make_config(ec2, events_log=str(tmp_path / "events.jsonl"))
     launched = resume(config, ec2, FakeSlurm(), "p5-spot-1,p5-od-1").launched
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
-    reason = f"gpucluster: replace: spot interruption warning [slurm@{stamp}]"
-    slurm = FakeSlurm([{"NodeName": "p5-spot-1", "State": "IDLE+DRAIN+CLOUD", "Reason": reason},
-                       {"NodeName": "p5-od-1", "State": "ALLOCATED+DRAIN+CLOUD", "Reason": reason}])
+    reason = "gpucluster: replace: spot interruption warning"
+    slurm = FakeSlurm([node("p5-spot-1", "IDLE+DRAIN+CLOUD", reason, "slurm", time.time()),
+                       node("p5-od-1", "ALLOCATED+DRAIN+CLOUD", reason, "slurm", time.time())])
     done = reconcile(config, ec2, slurm)
     assert done["replaced"] == ["p5-spot-1"] and "p5-od-1" not in str(done)  # the busy one finishes its jobs
     assert set(live(config, ec2)) == {"p5-od-1"}
@@ -197,28 +194,24 @@ def test_a_node_down_for_a_configuration_fault_loses_its_instance_and_is_never_r
     config = make_config(ec2, capacity_retry_seconds=600)
     launched = resume(config, ec2, FakeSlurm(), "p5-od-[1-2]").launched
     ec2.delete_tags(Resources=[launched["p5-od-1"]], Tags=[{"Key": POOL_TAG}])  # one of the faults it can find
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time()))
-    faulty = {"NodeName": "p5-od-1", "State": "DOWN+CLOUD+POWERING_UP+NOT_RESPONDING",
-              "Reason": f"gpucluster: configuration: instance not tagged, not {POOL_TAG}=p5-od [root@{stamp}]"}
-    slurm = FakeSlurm([faulty, {"NodeName": "p5-od-2", "State": "IDLE+CLOUD"}])
+    faulty = node("p5-od-1", "DOWN+CLOUD+POWERING_UP+NOT_RESPONDING",
+                  f"gpucluster: configuration: instance not tagged, not {POOL_TAG}=p5-od", "root", time.time())
+    slurm = FakeSlurm([faulty, node("p5-od-2", "IDLE+CLOUD")])
     assert reconcile(config, ec2, slurm) == {"ended": ["p5-od-1"]}
     state = ec2.describe_instances(InstanceIds=[launched["p5-od-1"]])["Reservations"][0]["Instances"][0]["State"]
     assert state["Name"] in ("shutting-down", "terminated")
     assert slurm.updates() == [] and "p5-od-1" not in read_registry(config).instances
     # At ResumeTimeout Slurm powers it down and appends its own reason; an hour on, it is still left DOWN.
-    later = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() + 3600))
-    faulty.update(State="DOWN+CLOUD+POWERED_DOWN", Reason=faulty["Reason"].split(" [")[0]
-                  + f" : ResumeTimeout reached [slurm@{later}]")
+    faulty.update(node("p5-od-1", "DOWN+CLOUD+POWERED_DOWN", faulty["reason"] + " : ResumeTimeout reached", "slurm",
+                       time.time() + 3600))
     assert reconcile(config, ec2, slurm, now=time.time() + 7200) == {}
     assert slurm.updates() == [] and set(live(config, ec2)) == {"p5-od-2"}
 
 
 # --- a health fault that follows fresh instances: replacements stop at a bound ---------------------------------------
-def health_drained(node: str, problem: str = "DCGM health: GPU 0: Detected XID 79 for GPU 0") -> dict[str, str]:
+def health_drained(name: str, problem: str = "DCGM health: GPU 0: Detected XID 79 for GPU 0") -> dict[str, Any]:
     """A node its own health check drained (as root), idle: the reconciler's REPLACE."""
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
-    return {"NodeName": node, "State": "IDLE+DRAIN+CLOUD",
-            "Reason": f"{reasons.HEALTH}: {problem} [root@{stamp}]"}
+    return node(name, "IDLE+DRAIN+CLOUD", f"{reasons.HEALTH}: {problem}", "root", time.time())
 
 
 DAY = 86400
@@ -259,8 +252,7 @@ def test_health_replacements_stop_at_the_bound_and_the_bound_resets_after_the_wi
     assert (event["event"], event["nodes"], event["pool"], event["health"]) == (
         "replacement stopped", ["p5-od-1"], "p5-od", ["DCGM health: GPU 0: Detected XID 79 for GPU 0"])
     # DOWN under CONFIGURATION (as Slurm then shows it): the next pass ends the instance and relaunches nothing.
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
-    later = FakeSlurm([{"NodeName": "p5-od-1", "State": "DOWN+CLOUD", "Reason": f"{reason} [slurm@{stamp}]"}])
+    later = FakeSlurm([node("p5-od-1", "DOWN+CLOUD", reason, "slurm", time.time())])
     assert reconcile(config, ec2, later, now=now + 60) == {"ended": ["p5-od-1"]}
     assert not live(config, ec2) and later.updates() == []
     assert launched["p5-od-1"] not in fleet.cluster_instances(config, ec2)
@@ -270,13 +262,11 @@ def test_only_health_drains_count_toward_the_bound(ec2) -> None:
     """Three health replacements in a row, then a spot warning's replacement (no health fault: never bounded), then a
     fourth health fault: refused."""
     config = make_config(ec2, health_replacements=3)
-    for node in ("p5-od-1", "p5-od-2", "p5-od-3"):
-        resume(config, ec2, FakeSlurm(), node)
-        assert reconcile(config, ec2, FakeSlurm([health_drained(node)])) == {"replaced": [node]}
+    for name in ("p5-od-1", "p5-od-2", "p5-od-3"):
+        resume(config, ec2, FakeSlurm(), name)
+        assert reconcile(config, ec2, FakeSlurm([health_drained(name)])) == {"replaced": [name]}
     resume(config, ec2, FakeSlurm(), "p5-od-4")
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
-    warned = {"NodeName": "p5-od-4", "State": "IDLE+DRAIN+CLOUD",
-              "Reason": f"{reasons.REPLACE}: spot interruption warning [slurm@{stamp}]"}
+    warned = node("p5-od-4", "IDLE+DRAIN+CLOUD", f"{reasons.REPLACE}: spot interruption warning", "slurm", time.time())
     assert reconcile(config, ec2, FakeSlurm([warned])) == {"replaced": ["p5-od-4"]}
     resume(config, ec2, FakeSlurm(), "p5-od-1")
     assert reconcile(config, ec2, FakeSlurm([health_drained("p5-od-1", "2 of 8 GPUs")])) == {

@@ -6,7 +6,8 @@ from __future__ import annotations
 from gpucluster.node import fleet
 from gpucluster.node.resume import resume
 from gpucluster.node.resume_fail import resume_fail
-from head_fakes import FakeSlurm, ec2_fixture, make_config  # noqa: F401  (the ec2 fixture)
+from head_fakes import NOW, FakeSlurm, ec2_fixture, make_config  # noqa: F401  (the ec2 fixture)
+from slurm_samples import node
 
 
 def test_resume_fail_keeps_the_reason_of_nodes_it_never_launched(ec2) -> None:
@@ -24,11 +25,9 @@ def test_resume_fail_keeps_the_configuration_fault_a_node_found_at_its_first_boo
     its instance goes, and its reason (slurmctld appends its own) stays, so the reconciler does not retry it."""
     config, slurm = make_config(ec2), FakeSlurm()
     launched = resume(config, ec2, FakeSlurm(), "p5-od-[1-2]").launched
-    slurm.table = [{"NodeName": "p5-od-1", "State": "DOWN+CLOUD+POWERED_DOWN",
-                    "Reason": "gpucluster: configuration: no Lustre client module for kernel 7.0.0-1012-aws (...) : "
-                              "ResumeTimeout reached [slurm@2026-12-01T10:00:00]"},
-                   {"NodeName": "p5-od-2", "State": "DOWN+CLOUD+POWERED_DOWN",
-                    "Reason": "ResumeTimeout reached [slurm@2026-12-01T10:00:00]"}]
+    slurm.table = [node("p5-od-1", "DOWN+CLOUD+POWERED_DOWN", "gpucluster: configuration: no Lustre client module "
+                        "for kernel 7.0.0-1012-aws (...) : ResumeTimeout reached", "slurm", NOW),
+                   node("p5-od-2", "DOWN+CLOUD+POWERED_DOWN", "ResumeTimeout reached", "slurm", NOW)]
     assert sorted(resume_fail(config, ec2, slurm, "p5-od-[1-2]")) == sorted(launched.values())
     assert not fleet.cluster_instances(config, ec2)
     (down,) = slurm.updates()

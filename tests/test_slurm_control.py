@@ -1,5 +1,6 @@
-"""What the programs ask of Slurm (SlurmControl, over scontrol) and read from it (contract.scontrol, contract.hostlist,
-and a node's pool by its name), against stand-ins for scontrol."""
+"""What the programs ask of Slurm (SlurmControl, over scontrol) and read from it (contract.slurm_json,
+contract.hostlist, and a node's pool by its name), against stand-ins for scontrol. Hostile job and node fields:
+test_slurm_json.py."""
 
 from __future__ import annotations
 
@@ -9,18 +10,24 @@ from pathlib import Path
 
 import pytest
 
-from gpucluster.contract import hostlist, scontrol
+from gpucluster.contract import hostlist, slurm_json
 from gpucluster.contract.settings import ClusterSettings, PoolSettings, named_pool
 from gpucluster.node.slurm_control import SlurmControl
 from head_fakes import fake_scontrol
+from slurm_samples import document, job, node
 
 
-def test_parse_oneliner_keeps_reasons_with_spaces() -> None:
-    line = ("NodeName=a-1 Arch=x86_64 State=DOWN+CLOUD Reason=gpucluster: capacity: ICE: no room "
-            "[slurm@2026-01-01T00:00:00] Comment=(null)")
-    parsed = scontrol.parse_oneliner(line)
-    assert parsed["Reason"] == "gpucluster: capacity: ICE: no room [slurm@2026-01-01T00:00:00]"
-    assert parsed["State"] == "DOWN+CLOUD"
+def test_a_node_reason_comes_with_who_set_it_and_when() -> None:
+    record = node("a-1", "DOWN+CLOUD", "gpucluster: capacity: ICE: no room", "slurm", 1_796_156_183)
+    (read,) = slurm_json.nodes(document("nodes", [record]))
+    assert (read.name, read.state) == ("a-1", frozenset({"DOWN", "CLOUD"}))
+    assert (read.reason, read.reason_user, read.reason_time) == (record["reason"], "slurm", 1_796_156_183)
+
+
+@pytest.mark.parametrize("text", ["", "JobId=1 JobState=RUNNING", '{"jobs": 3}', '{"errors": ["x"]}'])
+def test_what_is_not_slurms_json_is_an_error(text: str) -> None:
+    with pytest.raises(ValueError):
+        slurm_json.jobs(text)
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -67,12 +74,12 @@ def test_a_hung_scontrol_times_out(tmp_path: Path, caplog: pytest.LogCaptureFixt
 def test_jobs_on_a_node_from_scontrol_show_jobs() -> None:
     class Jobs(SlurmControl):
         def _run(self, *args: str) -> str:
-            assert args == ("show", "jobs", "--oneliner")
-            return ("JobId=41 JobName=ddp UserId=ubuntu(1100) JobState=RUNNING Reason=None NodeList=spot-[1-2] "
-                    "BatchHost=spot-1\n"
-                    "JobId=42 JobName=x UserId=ubuntu(1100) JobState=PENDING Reason=Priority NodeList=(null)\n"
-                    "JobId=43 JobName=y UserId=ubuntu(1100) JobState=RUNNING Reason=None NodeList=standby-1\n")
+            assert args == slurm_json.SHOW_JOBS
+            return document("jobs", [job(41, "RUNNING", "spot-[1-2]"), job(42, "PENDING"),
+                                     job(43, "RUNNING", "standby-1"), job(44, "COMPLETED", "standby-1"),
+                                     job(45, "COMPLETED+COMPLETING", "standby-2")])
     assert Jobs().jobs_on("spot-2") == ["41"] and Jobs().jobs_on("standby-1") == ["43"]
+    assert Jobs().jobs_on("standby-2") == ["45"]  # its epilog still runs there
 
 
 @pytest.mark.parametrize(("node", "named", "of_the_stack"), [

@@ -27,9 +27,9 @@ from gpucluster.contract import (
     lockdown,
     reasons,
     settings as contract,
+    slurm_json,
 )
 from gpucluster.contract.hostlist import compress_hostlist, expand_hostlist
-from gpucluster.contract.scontrol import node_records, state_flags
 from gpucluster.contract.settings import ClusterSettings, PoolSettings, read_env_file
 from gpucluster.node.metadata import imds
 
@@ -414,11 +414,11 @@ def conf_nodes(slurm_conf: str) -> set[str]:
     return {n for line in node_lines(slurm_conf) for n in expand_hostlist(line.split()[0].split("=", 1)[1])}
 
 
-def slurm_states() -> dict[str, set[str]]:
-    return {r["NodeName"]: state_flags(r) for r in node_records(run("scontrol", "show", "nodes", "--oneliner").stdout)}
+def slurm_states() -> dict[str, frozenset[str]]:
+    return {n.name: n.state for n in slurm_json.nodes(run("scontrol", *slurm_json.SHOW_NODES).stdout)}
 
 
-def retire(nodes: list[str], states: dict[str, set[str]]) -> list[str]:
+def retire(nodes: list[str], states: dict[str, frozenset[str]]) -> list[str]:
     """Nodes the new configuration drops go first: drained, so no job lands on them, and powered down once their jobs
     end (the suspend program terminates their instances); once off, set DOWN so that nothing wakes them before the
     new configuration is in. Returns those not done yet."""
@@ -485,9 +485,9 @@ def slurm_client_conf(s: ClusterSettings, path: Path = Path(contract.SLURM_CLIEN
     return path
 
 
-def own_node(instance_id: str, scontrol_output: str) -> str:
+def own_node(instance_id: str, scontrol_json: str) -> str:
     """The node whose NodeHostName is this instance's id: the resume program set it the moment EC2 answered."""
-    found = [r["NodeName"] for r in node_records(scontrol_output) if r.get("NodeHostName") == instance_id]
+    found = [n.name for n in slurm_json.nodes(scontrol_json) if n.hostname == instance_id]
     if len(found) != 1:
         raise RuntimeError(f"{len(found)} Slurm node(s) for {instance_id}: {', '.join(found) or 'none yet'}")
     return found[0]
@@ -501,7 +501,7 @@ def node_name(s: ClusterSettings, saved: Path = Path(contract.NODE_NAME_FILE), a
     instance_id = imds("meta-data/instance-id")
     env = {**os.environ, "SLURM_CONF": str(slurm_client_conf(s))}
     name = retry(f"the Slurm node of {instance_id}",
-                 lambda: own_node(instance_id, run("scontrol", "show", "nodes", "--oneliner", env=env).stdout),
+                 lambda: own_node(instance_id, run("scontrol", *slurm_json.SHOW_NODES, env=env).stdout),
                  attempts=attempts, delay=2)
     saved.write_text(name + "\n")
     return name

@@ -150,8 +150,8 @@ class Guardrail:
         for job, current in self.slurm.pending_jobs().items():
             if current.startswith(reasons.BUDGET):
                 self.slurm.set_admin_comment(job, "")
-        denied = [n["NodeName"] for n in self.slurm.nodes()
-                  if n.get("Reason", "").startswith(reasons.LAUNCH_DENIED) and "DOWN" in n.get("State", "")]
+        denied = [n.name for n in self.slurm.nodes()
+                  if n.reason.startswith(reasons.LAUNCH_DENIED) and "DOWN" in n.state]
         if denied:  # the launch deny is being lifted: those nodes may launch again
             log.info("nodes %s were refused a launch while denied: schedulable again", ",".join(denied))
             self.slurm.power_down(denied)

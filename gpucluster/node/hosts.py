@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this program is part of (the bundle's lib/)
+from gpucluster.contract import slurm_json
 from gpucluster.contract.hostlist import compress_hostlist, expand_hostlist
-from gpucluster.contract.scontrol import node_records, state_flags
 from gpucluster.contract.settings import (
     HEAD_HOSTNAME,
     NODE_HOSTS_FILE,
@@ -46,10 +46,10 @@ IPV4 = re.compile(r"\d{1,3}(\.\d{1,3}){3}")
 log = logging.getLogger("gpucluster-hosts")
 
 
-def registered(scontrol_output: str) -> dict[str, str]:
+def registered(scontrol_json: str) -> dict[str, str]:
     """Node -> address for the nodes that are up with an address of their own (not powered down or going down)."""
-    return {r["NodeName"]: r["NodeAddr"] for r in node_records(scontrol_output)
-            if IPV4.fullmatch(r.get("NodeAddr", "")) and not state_flags(r) & {"POWERED_DOWN", "POWERING_DOWN"}}
+    return {n.name: n.address for n in slurm_json.nodes(scontrol_json)
+            if IPV4.fullmatch(n.address) and not n.state & {"POWERED_DOWN", "POWERING_DOWN"}}
 
 
 def render(entries: dict[str, str]) -> str:
@@ -91,7 +91,7 @@ def update_hosts(entries: dict[str, str], hosts: Path = Path("/etc/hosts")) -> b
 
 
 def scontrol_nodes() -> str:
-    return subprocess.run(["scontrol", "show", "nodes", "--oneliner"], check=True, capture_output=True, text=True,
+    return subprocess.run(["scontrol", *slurm_json.SHOW_NODES], check=True, capture_output=True, text=True,
                           timeout=SCONTROL_TIMEOUT).stdout
 
 

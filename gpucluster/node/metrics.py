@@ -22,7 +22,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this program is part of (the bundle's lib/)
-from gpucluster.contract.scontrol import node_records, state_flags
+from gpucluster.contract import slurm_json
 from gpucluster.contract.settings import TEXTFILE_DIR, ClusterSettings
 from gpucluster.node.textfile import family, sample, write
 
@@ -36,21 +36,25 @@ NODE_STATES = (("down", {"DOWN"}), ("fail", {"FAIL"}), ("drained", {"DRAIN", "ID
                ("powering_up", {"POWERING_UP"}), ("powering_down", {"POWERING_DOWN"}),
                ("powered_down", {"POWERED_DOWN"}), ("allocated", {"ALLOCATED"}), ("mixed", {"MIXED"}),
                ("completing", {"COMPLETING"}), ("idle", {"IDLE"}))
+# A job's state as squeue shows it, first match wins; jobs that have ended are not counted.
+JOB_STATES = (("completing", {"COMPLETING"}), ("configuring", {"CONFIGURING"}), ("pending", {"PENDING"}),
+              ("running", {"RUNNING"}), ("suspended", {"SUSPENDED"}))
 
 
-def node_state(flags: set[str]) -> str:
+def node_state(flags: frozenset[str]) -> str:
     return next((word for word, needed in NODE_STATES if needed <= flags), "unknown")
 
 
-def slurm_nodes(scontrol_output: str, settings: ClusterSettings) -> str:
-    samples = [sample("gpucluster_slurm_node_state", 1, node=r["NodeName"], pool=settings.pool_of(r["NodeName"]),
-                      state=node_state(state_flags(r))) for r in node_records(scontrol_output)]
+def slurm_nodes(scontrol_json: str, settings: ClusterSettings) -> str:
+    samples = [sample("gpucluster_slurm_node_state", 1, node=n.name, pool=settings.pool_of(n.name),
+                      state=node_state(n.state)) for n in slurm_json.nodes(scontrol_json)]
     return family("gpucluster_slurm_node_state", "gauge", "1 for each Slurm node, labelled with its state.", samples)
 
 
-def slurm_jobs(squeue_output: str) -> str:
-    counts = Counter(tuple(line.split()) for line in squeue_output.splitlines() if len(line.split()) == 2)
-    samples = [sample("gpucluster_slurm_jobs", n, partition=p, state=s.lower()) for (p, s), n in sorted(counts.items())]
+def slurm_jobs(scontrol_json: str) -> str:
+    counts = Counter((job.partition, word) for job in slurm_json.jobs(scontrol_json)
+                     if (word := next((w for w, needed in JOB_STATES if needed <= job.state), None)))
+    samples = [sample("gpucluster_slurm_jobs", n, partition=p, state=s) for (p, s), n in sorted(counts.items())]
     return family("gpucluster_slurm_jobs", "gauge", "Jobs by partition and state.", samples)
 
 
@@ -118,15 +122,15 @@ def command(*args: str) -> str:
 def head_figures(settings: ClusterSettings) -> str:
     parts = [pool_prices(settings)]
     sources = (
-        (slurm_nodes, ("scontrol", "show", "nodes", "--oneliner"), (settings,)),
-        (slurm_jobs, ("squeue", "--noheader", "--all", "--format=%P %T"), ()),
+        (slurm_nodes, ("scontrol", *slurm_json.SHOW_NODES), (settings,)),
+        (slurm_jobs, ("scontrol", *slurm_json.SHOW_JOBS), ()),
         (gpu_hours, ("sshare", "-n", "-P", "-A", settings.team, "-o", "Account,User,GrpTRESRaw,GrpTRESMins"),
          (settings.team,)),
     )
     for render, args, extra in sources:
         try:
             parts.append(render(command(*args), *extra))
-        except (OSError, subprocess.SubprocessError) as exc:
+        except (OSError, subprocess.SubprocessError, ValueError) as exc:
             log.warning("%s failed: %s", args[0], exc)
     return "".join(parts)
 

@@ -10,7 +10,6 @@ Standard library and boto3."""
 from __future__ import annotations
 
 import enum
-import re
 import sys
 import time
 from collections import defaultdict
@@ -22,8 +21,8 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this program is part of (the bundle's lib/)
 from gpucluster.contract import reasons
 from gpucluster.contract.hostlist import compress_hostlist
-from gpucluster.contract.scontrol import state_flags
 from gpucluster.contract.settings import SLURM_USER, ClusterSettings
+from gpucluster.contract.slurm_json import Node
 from gpucluster.node import log, program
 from gpucluster.node.budget import budget_closed
 from gpucluster.node.fleet import cluster_instances, ec2_client, terminate
@@ -62,14 +61,9 @@ class NodeView:
     failures: int = 0  # consecutive returns to service that did not stick
 
     @classmethod
-    def from_slurm(cls, record: dict[str, str], **known: Any) -> NodeView:
-        reason = record.get("Reason", "")
-        # scontrol shows `Reason=text [user@2026-11-29T15:10:00]`.
-        stamp = re.search(r"\[([^@\]]+)@(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)\]$", reason)
-        return cls(name=record["NodeName"], flags=frozenset(state_flags(record)), reason=reason,
-                   reason_user=stamp.group(1) if stamp else "",
-                   reason_time=time.mktime(time.strptime(stamp.group(2), "%Y-%m-%dT%H:%M:%S")) if stamp else 0.0,
-                   **known)
+    def from_slurm(cls, node: Node, **known: Any) -> NodeView:
+        return cls(name=node.name, flags=node.state, reason=node.reason, reason_user=node.reason_user,
+                   reason_time=node.reason_time, **known)
 
 
 def retry_delay(failures: int, base: int) -> float:
@@ -124,10 +118,10 @@ def reconcile(config: ClusterSettings, ec2: Any, slurm: SlurmControl,
     state = read_registry(config)
     always_on = config.always_on_nodes()
     records = slurm.nodes()
-    views = [NodeView.from_slurm(record, always_on=record["NodeName"] in always_on,
-                                 has_instance=state.instances.get(record["NodeName"], {}).get("instance") in instances,
-                                 failures=state.failures.get(record["NodeName"], 0))
-             for record in records if config.pool_of(record["NodeName"])]
+    views = [NodeView.from_slurm(node, always_on=node.name in always_on,
+                                 has_instance=state.instances.get(node.name, {}).get("instance") in instances,
+                                 failures=state.failures.get(node.name, 0))
+             for node in records if config.pool_of(node.name)]
     statuses = {view.name: classify(view, now, config.capacity_retry_seconds) for view in views}
     by_status: dict[Status, list[str]] = defaultdict(list)
     for name, status in statuses.items():
@@ -135,7 +129,7 @@ def reconcile(config: ClusterSettings, ec2: Any, slurm: SlurmControl,
     stray = orphans(instances, set(state.owner()), now, config.orphan_grace_seconds)
     # Entries for nodes Slurm no longer has (a stack that dropped them, applied by a new head): their instances are
     # nobody's, past the same grace.
-    known = {record["NodeName"] for record in records}  # a pool the new settings drop may still be draining
+    known = {node.name for node in records}  # a pool the new settings drop may still be draining
     gone = [n for n, e in state.instances.items()
             if n not in known and now - e.get("launched", 0) >= config.orphan_grace_seconds]
     seen = {n: e["instance"] for n, e in state.instances.items()}
@@ -239,7 +233,7 @@ def _stop_replacing(config: ClusterSettings, slurm: SlurmControl, nodes: list[st
     """DOWN under reasons.CONFIGURATION, saying why and what to do: the next pass ends the instance (NEEDS_FIX) and
     nothing relaunches the node until someone returns it to service. The NodeDown alert follows in 10 minutes."""
     window_hours = config.health_replacement_window_seconds / 3600
-    found = {v.name: re.sub(r" \[[^\]]*\]$", "", v.reason).removeprefix(f"{reasons.HEALTH}: ") for v in sick}
+    found = {v.name: v.reason.removeprefix(f"{reasons.HEALTH}: ") for v in sick}
     by_pool: dict[str, list[str]] = defaultdict(list)
     for node in nodes:
         by_pool[config.pool_of(node)].append(node)

@@ -30,7 +30,7 @@ def resume_fail(config: ClusterSettings, ec2: Any, slurm: SlurmControl, hostlist
               ",".join(launched.values()) or "nothing")
     terminate(ec2, list(launched.values()))
     records = slurm.nodes() if launched else []
-    faulty = {r["NodeName"] for r in records if reasons.CONFIGURATION in r.get("Reason", "")}
+    faulty = {n.name for n in records if reasons.CONFIGURATION in n.reason}
     slurm.set_down(sorted(set(launched) - faulty),
                    f"{reasons.LAUNCH_FAILED}: node did not register before ResumeTimeout")
     return list(launched.values())

@@ -1,13 +1,15 @@
 """The scontrol (and scancel) calls the node programs make, in one place: the resume, suspend and resume-fail programs,
-the reconciler, the interruptions service, the budget guardrail and the health check. Standard library only."""
+the reconciler, the interruptions service, the budget guardrail and the health check. What it reads, it reads from
+Slurm's JSON (contract.slurm_json), where no user's text can pass for another field. Standard library only."""
 
 from __future__ import annotations
 
 import subprocess
 from pathlib import Path
 
-from gpucluster.contract.hostlist import expand_hostlist, in_batches
-from gpucluster.contract.scontrol import job_records, node_records, parse_oneliner, state_flags
+from gpucluster.contract import slurm_json
+from gpucluster.contract.hostlist import in_batches
+from gpucluster.contract.slurm_json import Node
 from gpucluster.node import log
 
 SCONTROL_BATCH = 200  # nodes per scontrol update
@@ -41,9 +43,8 @@ class SlurmControl:
             self._run("update", f"nodename={','.join(batch)}", *settings)
 
     # --- nodes ------------------------------------------------------------------------------------------------------
-    def nodes(self) -> list[dict[str, str]]:
-        """One dict per node of `scontrol show nodes --oneliner` (keys such as NodeName, State, Reason)."""
-        return node_records(self._run("show", "nodes", "--oneliner"))
+    def nodes(self) -> list[Node]:
+        return slurm_json.nodes(self._run(*slurm_json.SHOW_NODES))
 
     def set_instances(self, instances: dict[str, str]) -> None:
         """Each node's instance id as its NodeHostName, many nodes per call (scontrol takes matching lists): the
@@ -78,7 +79,7 @@ class SlurmControl:
         """Nodes that are up and idle: powered down now (Slurm calls the suspend program), not after SuspendTime.
         `keep`: the always-on nodes, which the team chose to keep running (a power-down request would override
         SuspendExcNodes)."""
-        idle = [n["NodeName"] for n in self.nodes() if _idle_and_up(state_flags(n)) and n["NodeName"] not in keep]
+        idle = [n.name for n in self.nodes() if _idle_and_up(n.state) and n.name not in keep]
         if idle:
             self._update(idle, "state=power_down")
         return idle
@@ -86,14 +87,13 @@ class SlurmControl:
     # --- jobs -------------------------------------------------------------------------------------------------------
     def jobs_on(self, node: str) -> list[str]:
         """Ids of the jobs running on the node (`scontrol show node` lists none; `show jobs` does)."""
-        return [record["JobId"] for record in job_records(self._run("show", "jobs", "--oneliner"))
-                if record.get("JobState") in ("RUNNING", "COMPLETING", "CONFIGURING")
-                and node in expand_hostlist(record.get("NodeList", ""))]
+        return [job.job_id for job in slurm_json.jobs(self._run(*slurm_json.SHOW_JOBS))
+                if job.active and node in job.nodes]
 
     def pending_jobs(self) -> dict[str, str]:
         """Pending job id -> its AdminComment ("" when none)."""
-        jobs = job_records(self._run("show", "jobs", "--oneliner"))
-        return {job["JobId"]: job.get("AdminComment", "") for job in jobs if job.get("JobState") == "PENDING"}
+        return {job.job_id: job.admin_comment for job in slurm_json.jobs(self._run(*slurm_json.SHOW_JOBS))
+                if job.pending}
 
     def set_admin_comment(self, job: str, text: str) -> None:
         self._run("update", f"jobid={job}", f"admincomment={text}")
@@ -109,16 +109,14 @@ class SlurmControl:
     # --- partitions -------------------------------------------------------------------------------------------------
     def partitions(self) -> dict[str, str]:
         """Partition name -> State (UP, DOWN, DRAIN, INACTIVE)."""
-        rows = [parse_oneliner(line) for line in self._run("show", "partitions", "--oneliner").splitlines()
-                if line.startswith("PartitionName=")]
-        return {row["PartitionName"]: row["State"] for row in rows}
+        return {p.name: p.state for p in slurm_json.partitions(self._run(*slurm_json.SHOW_PARTITIONS))}
 
     def set_partition_state(self, names: list[str], state: str) -> None:
         for name in names:
             self._run("update", f"partitionname={name}", f"state={state}")
 
 
-def _idle_and_up(flags: set[str]) -> bool:
+def _idle_and_up(flags: frozenset[str]) -> bool:
     """An idle cloud node that is up."""
     return {"IDLE", "CLOUD"} <= flags and not flags & {"POWERED_DOWN", "POWERING_DOWN", "POWERING_UP", "DOWN",
                                                         "COMPLETING"}

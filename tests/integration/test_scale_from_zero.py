@@ -24,7 +24,7 @@ from gpucluster.contract.settings import (
     POOL_TAG,
     PROMETHEUS_PORT,
 )
-from local_cluster import LocalCluster
+from local_cluster import LocalCluster, spot_warning
 
 pytestmark = pytest.mark.rehearsal
 
@@ -163,16 +163,6 @@ def test_example_all_reduce_job_measures_bus_bandwidth(cluster: LocalCluster) ->
     rows = re.findall(r"^\s+(\d+)\s+[\d.]+\s+([\d.]+)\s+([\d.]+)$", output, flags=re.M)
     assert [int(r[0]) for r in rows] == [1 << 20, 4 << 20, 16 << 20]
     assert all(float(bus) > 0 and float(bus) == pytest.approx(float(alg), rel=0.02) for _, alg, bus in rows)  # n=2
-
-
-def spot_warning(instance: str) -> str:
-    """EC2's two-minute warning as the stack's EventBridge rule puts it into the head's queue (the event is the
-    body)."""
-    return json.dumps({"version": "0", "id": "7e5e1b2a-0000-0000-0000-000000000001",
-                       "detail-type": "EC2 Spot Instance Interruption Warning", "source": "aws.ec2",
-                       "account": "123456789012", "time": "2026-11-30T16:00:00Z", "region": "us-east-1",
-                       "resources": [f"arn:aws:ec2:us-east-1:123456789012:instance/{instance}"],
-                       "detail": {"instance-id": instance, "instance-action": "terminate"}})
 
 
 def test_example_ddp_job_survives_a_spot_warning_and_trains_across_two_nodes(cluster: LocalCluster) -> None:
