@@ -473,12 +473,13 @@ def test_local_scratch_is_roots_all_the_way_down_to_the_users_directories(tmp_pa
     scratch = tmp_path / "local"
     monkeypatch.setattr(contract, "JOB_TMP_DIR", str(scratch / "jobs"))
     monkeypatch.setattr(contract, "ENROOT_DIR", str(scratch / "enroot"))
+    monkeypatch.setattr(contract, "PMIX_TMP_DIR", str(scratch / "pmix"))
     monkeypatch.setattr(bootstrap, "mounted", lambda where: False)
     (scratch / "enroot" / "data").mkdir(parents=True)
     (scratch / "enroot" / "data").chmod(0o1777)
     assert bootstrap.local_scratch(tmp_path / "nvme", scratch) == scratch
     enroot = scratch / "enroot"
-    made = [scratch, scratch / "jobs", enroot, *(enroot / kind for kind in contract.ENROOT_KINDS)]
+    made = [scratch, scratch / "jobs", scratch / "pmix", enroot, *(enroot / kind for kind in contract.ENROOT_KINDS)]
     assert {(os.lstat(d).st_uid, stat.S_IMODE(os.lstat(d).st_mode)) for d in made} == {(0, 0o755)}
     # With an instance store: the scratch space is a link to a directory of root's on it.
     nvme = tmp_path / "nvme"

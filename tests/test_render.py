@@ -40,6 +40,7 @@ def test_render_writes_valid_small_user_data_and_slurm_files(path: Path, tmp_pat
     expected = {"head-node.user-data", *(f"{p.name}.user-data" for p in stack.spec.pools),
                 "slurm/slurm.conf", "slurm/gres.conf", "slurm/slurmdbd.conf", "slurm/plugstack.conf",
                 "slurm/cgroup.conf", "slurm/job_submit.lua", "slurm/job_container.conf",
+                "slurm/mpi.conf",
                 *settings.MONITORING_FILES, "prometheus/prometheus.env", "dcgm-exporter/counters.csv",
                 *dashboards.files(stack), "image/bom.json"}
     written = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()}
@@ -231,3 +232,6 @@ def test_every_job_gets_its_own_tmp_and_dev_shm(cgroups: bool) -> None:
     assert "Alloc" in conf["PrologFlags"].split(",")  # the Prolog on every node at the job's start
     container = conf_settings(files["job_container.conf"])
     assert container["BasePath"] == settings.JOB_TMP_DIR and container["Dirs"].split(",") == ["/tmp", "/dev/shm"]
+    # PMIx's directories for the tasks, which slurmstepd makes outside the job's namespace: not in /tmp (MPI jobs)
+    assert "EntireStepInNS" not in container
+    assert conf_settings(files["mpi.conf"])["PMIxCliTmpDirBase"] == settings.PMIX_TMP_DIR

@@ -82,6 +82,9 @@ LOCAL_SCRATCH = "/var/lib/gpucluster-local"
 JOB_TMP_DIR = f"{LOCAL_SCRATCH}/jobs"  # Slurm's job_container/tmpfs BasePath: each job's private /tmp
 ENROOT_DIR = f"{LOCAL_SCRATCH}/enroot"  # enroot's directories, one per uid under each kind, made by the Prolog
 ENROOT_KINDS = ("cache", "data", "runtime")  # ENROOT_<KIND>_PATH = ENROOT_DIR/<kind>/<uid>
+# mpi.conf's PMIxCliTmpDirBase: slurmstepd makes each step's PMIx directory for its tasks here, where both see it (in
+# /tmp, its default, the tasks' private /tmp would hide it from them).
+PMIX_TMP_DIR = f"{LOCAL_SCRATCH}/pmix"
 SLURMCTLD_PORT = 6817
 SLURMD_PORT = 6818
 SLURMDBD_PORT = 6819

@@ -558,7 +558,7 @@ def local_scratch(nvme: Path = Path("/opt/dlami/nvme"), scratch: Path = Path(con
             scratch.symlink_to(target)
     else:
         own_directory(scratch)
-    for directory in (contract.JOB_TMP_DIR, contract.ENROOT_DIR):
+    for directory in (contract.JOB_TMP_DIR, contract.ENROOT_DIR, contract.PMIX_TMP_DIR):
         own_directory(Path(directory))
     for kind in contract.ENROOT_KINDS:
         own_directory(Path(contract.ENROOT_DIR) / kind)  # 0755: an image's 1777 directory of an older layout too
@@ -761,7 +761,7 @@ def compute(s: ClusterSettings, env: dict[str, str]) -> None:
     exporter = gpu_exporter(s, pool, name, address)
     if exporter:
         start(exporter)
-    # Configless: slurm.conf, gres.conf, cgroup.conf, job_container.conf and plugstack.conf come from the controller.
+    # Configless: slurm.conf and gres, cgroup, job_container, mpi, plugstack.conf come from the controller.
     Path("/etc/default/slurmd").write_text(
         f'SLURMD_OPTIONS="--conf-server {contract.HEAD_HOSTNAME}:{s.slurmctld_port} -N {name}"\n')
     drop_in("slurmd.service", SLURMD_DROP_IN)

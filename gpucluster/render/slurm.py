@@ -344,7 +344,9 @@ def job_container_conf(stack: Stack) -> str:
     """job_container/tmpfs: a private /tmp (under BasePath, on the node's scratch space: the instance store where
     there is one) and a private /dev/shm (a tmpfs of its own) for every job, unmounted and removed when the job ends.
     slurmd reads it; configless nodes fetch it from the controller with slurm.conf (slurmd_config_files).
-    Shared: mounts made outside after the job started reach it (/fsx and /home are systemd automounts)."""
+    Shared: mounts made outside after the job started reach it (/fsx and /home are systemd automounts).
+    slurmstepd stays outside (no EntireStepInNS: it would open the job's output files inside, where a path under /tmp
+    is the job's own and goes with it); what it makes for the tasks goes elsewhere (mpi_conf)."""
     return "\n".join([
         f"# Rendered by gpucluster for stack {stack.name}. Every job its own /tmp and /dev/shm, gone when it ends.",
         "AutoBasePath=true",
@@ -353,6 +355,14 @@ def job_container_conf(stack: Stack) -> str:
         "Shared=true",
         "",
     ])
+
+
+def mpi_conf(stack: Stack) -> str:
+    """mpi/pmix: slurmstepd makes each step's PMIx directory (its shared-memory store) for the tasks under /tmp by
+    default, outside the job's namespace, where the tasks' own /tmp hides it (seen: MPI_Init failed with
+    PMIX_ERR_FILE_OPEN_FAILURE). On the node's scratch space both see it. Configless nodes fetch it with slurm.conf."""
+    return (f"# Rendered by gpucluster for stack {stack.name}. PMIx's directories for tasks: not in their /tmp.\n"
+            f"PMIxCliTmpDirBase={settings.PMIX_TMP_DIR}\n")
 
 
 # pyxis gives srun --container-image (enroot underneath). Optional: a node without the plugin still runs jobs. The
@@ -397,4 +407,4 @@ def all_files(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> dict[str, st
     return {"slurm.conf": slurm_conf(stack, layout), "gres.conf": gres_conf(stack, layout),
             "slurmdbd.conf": slurmdbd_conf(stack, layout), "plugstack.conf": PLUGSTACK_CONF,
             "job_submit.lua": job_submit_lua(stack), "cgroup.conf": cgroups,
-            "job_container.conf": job_container_conf(stack)}
+            "job_container.conf": job_container_conf(stack), "mpi.conf": mpi_conf(stack)}
