@@ -64,7 +64,9 @@ def test_nothing_a_job_leaves_in_tmp_or_dev_shm_is_there_for_the_next_job(cluste
     assert out.read_text() == "looked\n"
     assert cluster.instances()[node] == instance.name  # one instance throughout: the node was not replaced between
     # Nor on the node outside jobs: the job's /tmp lived under the scratch space, and went with the job.
-    assert instance.enter("find", "/tmp", "/dev/shm", JOB_TMP_DIR, "-name", "left-behind").stdout == ""
+    left_on_node = instance.enter("sh", "-c", f"ls /tmp/left-behind /dev/shm/left-behind 2>/dev/null; "
+                                              f"find {JOB_TMP_DIR} -name left-behind", check=False)
+    assert left_on_node.stdout == "", left_on_node.stdout
 
 
 def test_container_directories_are_made_by_root_one_per_user(cluster: LocalCluster) -> None:
