@@ -62,7 +62,7 @@ from rehearsal_image import REHEARSAL_ROOTFS, python_version, stale
 ROOT = Path(__file__).resolve().parent.parent
 REHEARSAL = Path(__file__).resolve().parent / "rehearsal"
 # What the harness runs on this machine; the nodes run the rehearsal image's programs.
-REQUIRED = ("unshare", "nsenter", "chroot", "losetup", "ip", "pgrep")
+REQUIRED = ("unshare", "nsenter", "chroot", "pivot_root", "losetup", "ip", "pgrep")
 # What a user or a test runs on the head node: these commands enter its namespaces (a login on the head).
 HEAD_COMMANDS = ("sbatch", "squeue", "scontrol", "sinfo", "sacctmgr", "sshare", "sacct", "scancel", "srun", "sreport")
 BOOT_SECONDS = 2.0
@@ -448,7 +448,11 @@ class RehearsalNode:
         inside = [f"hostname ip-{self.name}" if first else "hostname -F /etc/hostname",
                   "systemd-tmpfiles --create --prefix=/run --prefix=/var/lib >/dev/null 2>&1 || true",
                   "cd / && exec sleep infinity"]
-        mounts.append(f"exec chroot {merged} sh -ec {shlex.quote('; '.join(inside))}")
+        # The image as the namespace's own root (pivot_root), not a chroot inside this machine's: what enters the
+        # node's mount namespace (setns, as Slurm's job_container/tmpfs does for every job step) lands in the node,
+        # as on an instance, not at this machine's root.
+        mounts.append(f"cd {merged} && pivot_root . mnt && "
+                      f"exec chroot . sh -ec {shlex.quote('; '.join(['umount -l /mnt', *inside]))}")
         clock = ["--time", f"--boottime=-{Path('/proc/uptime').read_text().split('.')[0]}"] if self.own_clock else []
         log = open(self.root / "init.log", "ab")
         self.init = subprocess.Popen([*self.network.prefix(), "unshare", "--mount", "--uts", "--propagation", "private",

@@ -318,10 +318,9 @@ def test_an_update_restarts_the_services_on_the_units_it_wrote(tmp_path: Path, m
     monkeypatch.setattr(bootstrap, "BUNDLE", tmp_path / "bundle")
     steps: list[str] = []
     for name in ("slurm_files", "node_control_units", "budget_guardrail", "node_names", "grow_state_volume",
-                 "head_monitoring", "command_line"):
+                 "head_monitoring", "command_line", "shared_examples"):
         monkeypatch.setattr(bootstrap, name, lambda *args, name=name: steps.append(name))
     monkeypatch.setattr(bootstrap, "run", lambda *args, **kw: steps.append(" ".join(args)))
-    monkeypatch.setattr(shutil, "copytree", lambda *args, **kw: None)
     settings = contract.ClusterSettings(cluster="c1", region="us-east-1", pools={}, interruption_queue_url="q",
                                         budget=contract.BudgetSettings("b", "1", 100, "q", "t"))
     assert bootstrap.update(settings)
@@ -387,25 +386,117 @@ def test_task_prolog_adds_the_plugin_directory_after_the_jobs_own_library_path_o
     assert library_path({"LD_LIBRARY_PATH": f"/x:{plugin_dir}"}) == []
 
 
-def test_shared_home_makes_the_login_users_home_once_and_binds_it(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def login_user(monkeypatch: pytest.MonkeyPatch) -> pwd.struct_passwd:
+    """A user of its own uid (any number: root's chown takes it), whatever this machine's accounts are."""
+    if os.geteuid() != 0:
+        pytest.skip("the bootstrap runs as root: chown needs it")
+    account = pwd.struct_passwd(("alice", "x", 4321, 4321, "", "/home/alice", "/bin/bash"))
+    real = pwd.getpwnam
+    monkeypatch.setattr(pwd, "getpwnam", lambda name: account if name == "alice" else real(name))
+    return account
+
+
+def test_shared_home_makes_the_login_users_home_once_and_binds_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  login_user: pwd.struct_passwd) -> None:
     ran: list[tuple[str, ...]] = []
     monkeypatch.setattr(bootstrap, "run", lambda *args, **kw: ran.append(args))
     monkeypatch.setattr(bootstrap, "mounted", lambda where: False)
     fstab = tmp_path / "fstab"
     monkeypatch.setattr(bootstrap, "fstab_entry", lambda entry: fstab.write_text(fstab.read_text() + entry + "\n"
                                                                               if fstab.exists() else entry + "\n"))
-    shared, home, me = tmp_path / "fsx-home", tmp_path / "home", pwd.getpwuid(os.getuid())
-    bootstrap.shared_home(shared, home, users=(me.pw_name, "no-such-user"))
-    assert (shared / me.pw_name).is_dir() and not (shared / "no-such-user").exists()
-    assert ("chown", "-R", f"{me.pw_uid}:{me.pw_gid}", str(shared / me.pw_name)) in ran
+    shared, home = tmp_path / "fsx-home", tmp_path / "home"
+    bootstrap.shared_home(shared, home, users=("alice", "no-such-user"))
+    mine = shared / "alice"
+    assert mine.is_dir() and not (shared / "no-such-user").exists()
+    assert (shared.stat().st_uid, stat.S_IMODE(shared.stat().st_mode)) == (0, 0o755)  # only root makes homes there
+    assert (mine.stat().st_uid, stat.S_IMODE(mine.stat().st_mode)) == (4321, 0o750)
+    assert {os.lstat(p).st_uid for p in mine.rglob("*")} == {4321} and (mine / ".profile").exists()  # /etc/skel's
+    assert [p.name for p in shared.iterdir()] == ["alice"]  # no staging directory left
     # nosuid, nodev: S3 imports set owners and modes from object metadata; no setuid program or device from there.
     assert ("mount", "-o", "bind,nosuid,nodev", str(shared), str(home)) in ran
     assert fstab.read_text() == (f"{shared} {home} none bind,nosuid,nodev,_netdev,nofail,"
                                  "x-systemd.requires-mounts-for=/fsx 0 0\n")
-    (shared / me.pw_name / "work").write_text("kept")
-    bootstrap.shared_home(shared, home, users=(me.pw_name,))  # the next node, or a reboot: nothing made again
-    assert (shared / me.pw_name / "work").read_text() == "kept"
+    (mine / "work").write_text("kept")
+    bootstrap.shared_home(shared, home, users=("alice",))  # the next node, or a reboot: nothing made again
+    assert (mine / "work").read_text() == "kept"
+
+
+def test_shared_home_never_goes_through_what_a_user_planted_on_fsx(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   login_user: pwd.struct_passwd) -> None:
+    """/fsx is world-writable and outlives the head: /fsx/home, or a home in it, may be a user's link by the next
+    boot. Root's copy of /etc/skel and its chown must not land where it points."""
+    monkeypatch.setattr(bootstrap, "run", lambda *args, **kw: None)
+    monkeypatch.setattr(bootstrap, "mounted", lambda where: True)
+    monkeypatch.setattr(bootstrap, "fstab_entry", lambda entry: None)
+    victim = tmp_path / "etc"
+    victim.mkdir(mode=0o700)
+    fsx = tmp_path / "fsx"
+    fsx.mkdir(mode=0o1777)
+    (fsx / "home").symlink_to(victim)
+    bootstrap.shared_home(fsx / "home", tmp_path / "home", users=("alice",))
+    assert list(victim.iterdir()) == [] and victim.stat().st_uid == 0
+    assert not (fsx / "home").is_symlink() and (fsx / "home" / "alice").stat().st_uid == 4321
+    assert [p.is_symlink() for p in fsx.glob("home.set-aside-*")] == [True]
+    # A home that is a link (as an older layout could have let a user make it): set aside, made anew.
+    shutil.rmtree(fsx / "home" / "alice")
+    (fsx / "home" / "alice").symlink_to(victim)
+    bootstrap.shared_home(fsx / "home", tmp_path / "home", users=("alice",))
+    assert list(victim.iterdir()) == [] and (fsx / "home" / "alice").is_dir()
+    assert not (fsx / "home" / "alice").is_symlink() and len(list((fsx / "home").glob("alice.set-aside-*"))) == 1
+
+
+def test_examples_are_copied_anew_and_never_through_a_planted_link(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("the bootstrap runs as root")
+    source, victim, fsx = tmp_path / "bundle-examples", tmp_path / "etc", tmp_path / "fsx"
+    (source / "ddp").mkdir(parents=True)
+    (source / "ddp" / "train.sbatch").write_text("v1")
+    victim.mkdir(mode=0o700)
+    fsx.mkdir(mode=0o1777)
+    (fsx / "examples").symlink_to(victim)  # a user's, from before this head
+    bootstrap.shared_examples(source, fsx / "examples")
+    assert list(victim.iterdir()) == [] and (fsx / "examples" / "ddp" / "train.sbatch").read_text() == "v1"
+    assert [p.is_symlink() for p in fsx.glob("examples.set-aside-*")] == [True]
+    (source / "ddp" / "train.sbatch").write_text("v2")  # a new bundle (an update)
+    bootstrap.shared_examples(source, fsx / "examples")
+    assert (fsx / "examples" / "ddp" / "train.sbatch").read_text() == "v2"
+    assert sorted(p.name for p in fsx.iterdir() if not p.name.startswith("examples.set-aside")) == ["examples"]
+
+
+def test_local_scratch_is_roots_all_the_way_down_to_the_users_directories(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Jobs' private /tmp and enroot's directories: 0755 root's, an older image's 1777 layout made so again (a user
+    could make another uid's directory in it, root's among them)."""
+    if os.geteuid() != 0:
+        pytest.skip("the bootstrap runs as root")
+    scratch = tmp_path / "local"
+    monkeypatch.setattr(contract, "JOB_TMP_DIR", str(scratch / "jobs"))
+    monkeypatch.setattr(contract, "ENROOT_DIR", str(scratch / "enroot"))
+    monkeypatch.setattr(contract, "PMIX_TMP_DIR", str(scratch / "pmix"))
+    monkeypatch.setattr(bootstrap, "mounted", lambda where: False)
+    (scratch / "enroot" / "data").mkdir(parents=True)
+    (scratch / "enroot" / "data").chmod(0o1777)
+    assert bootstrap.local_scratch(tmp_path / "nvme", scratch) == scratch
+    enroot = scratch / "enroot"
+    made = [scratch, scratch / "jobs", scratch / "pmix", enroot, *(enroot / kind for kind in contract.ENROOT_KINDS)]
+    assert {(os.lstat(d).st_uid, stat.S_IMODE(os.lstat(d).st_mode)) for d in made} == {(0, 0o755)}
+    # With an instance store: the scratch space is a link to a directory of root's on it.
+    nvme = tmp_path / "nvme"
+    nvme.mkdir(mode=0o1777)
+    monkeypatch.setattr(bootstrap, "mounted", lambda where: where == str(nvme))
+    bootstrap.local_scratch(nvme, scratch)
+    assert scratch.is_symlink() and scratch.resolve() == nvme / "gpucluster"
+    assert (scratch / "jobs").is_dir() and (nvme / "gpucluster").stat().st_uid == 0
+    assert len(list(tmp_path.glob("local.set-aside-*"))) == 1  # the root-volume directory of before
+
+
+def test_enroot_paths_are_per_user_under_the_scratch_space(tmp_path: Path) -> None:
+    conf = tmp_path / "enroot.conf.d" / "gpucluster.conf"
+    bootstrap.container_storage(conf)
+    lines = dict(line.split(" ", 1) for line in conf.read_text().splitlines())
+    assert lines == {f"ENROOT_{kind.upper()}_PATH": f"{contract.ENROOT_DIR}/{kind}/$(id -u)"
+                     for kind in contract.ENROOT_KINDS}
 
 
 def test_lustre_is_mounted_nosuid_nodev(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

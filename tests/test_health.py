@@ -336,3 +336,28 @@ def test_configuration_faults_set_the_node_down_with_their_fix(tools, tmp_path: 
     calls.unlink()
     tools("modinfo", "echo /lib/modules/x/lustre.ko")
     assert health.main(["health.py", "--configuration"]) == 0 and not calls.exists()
+
+
+def test_the_prolog_makes_the_job_users_container_directories_and_sets_aside_a_planted_link(tmp_path: Path) -> None:
+    """enroot (as the user) only `mkdir -p`s its directories and uses what it finds: root makes them first, the
+    user's own, 0700, in root's 0755 directories; a link left there (an older image's 1777 layout) is set aside."""
+    import os
+    import stat
+
+    if os.geteuid() != 0:
+        pytest.skip("the Prolog runs as root: chown needs it")
+    base = tmp_path / "enroot"
+    for kind in ("cache", "data", "runtime"):
+        (base / kind).mkdir(parents=True)
+    victim = tmp_path / "etc"
+    victim.mkdir(mode=0o700)
+    (base / "data" / "4321").symlink_to(victim)
+    assert health.container_directories(4321, 4321, base) == []
+    for kind in ("cache", "data", "runtime"):
+        info = os.lstat(base / kind / "4321")
+        assert stat.S_ISDIR(info.st_mode) and (info.st_uid, stat.S_IMODE(info.st_mode)) == (4321, 0o700)
+    assert victim.stat().st_uid == 0 and len(list((base / "data").glob("4321.set-aside-*"))) == 1
+    (base / "data" / "4321" / "image").mkdir()
+    assert health.container_directories(4321, 4321, base) == []  # the next job: the user's own kept as it is
+    assert (base / "data" / "4321" / "image").is_dir()
+    assert health.container_directories(4321, 4321, tmp_path / "none") == []  # a node without the scratch space

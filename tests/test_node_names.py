@@ -37,6 +37,7 @@ def test_the_hosts_block_is_replaced_and_the_rest_kept(tmp_path: Path) -> None:
 def test_publish_writes_the_shared_file_and_the_heads_hosts(tmp_path: Path) -> None:
     shared, etc_hosts = tmp_path / "fsx" / ".gpucluster" / "hosts", tmp_path / "hosts"
     etc_hosts.write_text("127.0.0.1 localhost\n")
+    (tmp_path / "fsx").mkdir(mode=0o1777)
     settings = ClusterSettings(cluster="gpucluster-t", region="us-east-1", pools={})
     hosts.publish_once(shared, etc_hosts, NODES, settings, tmp_path / "targets")
     assert hosts.parse(shared.read_text()) == {"p5-od-1": "10.0.0.11", "p5-od-5": "10.0.0.15"}

@@ -39,7 +39,8 @@ def test_render_writes_valid_small_user_data_and_slurm_files(path: Path, tmp_pat
     assert done.returncode == 0, done.stderr
     expected = {"head-node.user-data", *(f"{p.name}.user-data" for p in stack.spec.pools),
                 "slurm/slurm.conf", "slurm/gres.conf", "slurm/slurmdbd.conf", "slurm/plugstack.conf",
-                "slurm/cgroup.conf", "slurm/job_submit.lua",
+                "slurm/cgroup.conf", "slurm/job_submit.lua", "slurm/job_container.conf",
+                "slurm/mpi.conf",
                 *settings.MONITORING_FILES, "prometheus/prometheus.env", "dcgm-exporter/counters.csv",
                 *dashboards.files(stack), "image/bom.json"}
     written = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()}
@@ -219,3 +220,18 @@ def test_no_cgroup_plugin_when_cgroups_are_off() -> None:
     files = slurm.all_files(stack, slurm.SlurmLayout(cgroups=False))
     assert files["cgroup.conf"] == "CgroupPlugin=disabled\n"
     assert "cgroup" not in files["slurm.conf"]
+
+
+@pytest.mark.parametrize("cgroups", [True, False], ids=["cgroups", "no cgroups"])
+def test_every_job_gets_its_own_tmp_and_dev_shm(cgroups: bool) -> None:
+    """job_container/tmpfs, in the tests' sandbox too (the boot rehearsal proves it there): its BasePath on the
+    nodes' scratch space, its file beside slurm.conf, which configless slurmd fetches with it."""
+    files = slurm.all_files(load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml"), slurm.SlurmLayout(cgroups=cgroups))
+    conf = conf_settings(files["slurm.conf"])
+    assert conf["JobContainerType"] == "job_container/tmpfs" and "Contain" in conf["PrologFlags"].split(",")
+    assert "Alloc" in conf["PrologFlags"].split(",")  # the Prolog on every node at the job's start
+    container = conf_settings(files["job_container.conf"])
+    assert container["BasePath"] == settings.JOB_TMP_DIR and container["Dirs"].split(",") == ["/tmp", "/dev/shm"]
+    # PMIx's directories for the tasks, which slurmstepd makes outside the job's namespace: not in /tmp (MPI jobs)
+    assert "EntireStepInNS" not in container
+    assert conf_settings(files["mpi.conf"])["PMIxCliTmpDirBase"] == settings.PMIX_TMP_DIR

@@ -75,6 +75,16 @@ LOGIN_USER = "ubuntu"  # the images' login user: in the team's Slurm account, it
 SHARED_DIR = "/fsx"  # the Lustre file system, on every node
 SHARED_HOME = f"{SHARED_DIR}/home"  # bind-mounted at /home on every node: code, venvs and job output follow the job
 NODE_HOSTS_FILE = f"{SHARED_DIR}/.gpucluster/hosts"  # registered nodes' names and addresses, kept by the head
+SHARED_EXAMPLES = f"{SHARED_DIR}/examples"  # the bundle's examples, copied anew by the head at every boot and update
+# A compute node's scratch space, never /tmp: on the instance store where there is one (a link to a directory on
+# /opt/dlami/nvme), else a directory on the root volume. Root's, 0755, all the way down to the per-user directories.
+LOCAL_SCRATCH = "/var/lib/gpucluster-local"
+JOB_TMP_DIR = f"{LOCAL_SCRATCH}/jobs"  # Slurm's job_container/tmpfs BasePath: each job's private /tmp
+ENROOT_DIR = f"{LOCAL_SCRATCH}/enroot"  # enroot's directories, one per uid under each kind, made by the Prolog
+ENROOT_KINDS = ("cache", "data", "runtime")  # ENROOT_<KIND>_PATH = ENROOT_DIR/<kind>/<uid>
+# mpi.conf's PMIxCliTmpDirBase: slurmstepd makes each step's PMIx directory for its tasks here, where both see it (in
+# /tmp, its default, the tasks' private /tmp would hide it from them).
+PMIX_TMP_DIR = f"{LOCAL_SCRATCH}/pmix"
 SLURMCTLD_PORT = 6817
 SLURMD_PORT = 6818
 SLURMDBD_PORT = 6819

@@ -10,6 +10,7 @@ a node that never joins. Logs to the journal and /var/log/gpucluster/boot.log. S
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -32,6 +33,7 @@ from gpucluster.contract import (
 from gpucluster.contract.hostlist import compress_hostlist, expand_hostlist
 from gpucluster.contract.settings import ClusterSettings, PoolSettings, read_env_file
 from gpucluster.node.metadata import imds
+from gpucluster.node.safe_paths import foreign, own_directory, replace_tree, set_aside
 
 BUNDLE = Path(contract.BUNDLE_DIR)
 STATE = Path(contract.STATE_DIR)
@@ -188,23 +190,40 @@ def shared_home(shared: Path = Path(contract.SHARED_HOME), home: Path = Path("/h
     """Home directories on the Lustre file system, the same on the head and on every compute node, so that code,
     venvs and job output in ~ are where the job runs (HyperPod does the same; ParallelCluster exports /home from its
     head over NFS). /home is a bind mount of it (in fstab, after /fsx, for reboots). The login user's home is made
-    from /etc/skel the first time; `useradd -m` on the head then makes new users' homes there too."""
-    shared.mkdir(mode=0o755, exist_ok=True)
+    from /etc/skel the first time; `useradd -m` on the head then makes new users' homes there too.
+    /fsx is world-writable and outlives the head: /fsx/home is root's own directory (anything a user made there first
+    is set aside), and a home is made complete, owned by its user, in a directory only root can enter, then renamed
+    into place; a home that is there is left as it is (root writes nothing into it), one that is not a directory
+    (a link) is set aside and made anew."""
+    own_directory(shared)
     for user in users:
         try:
             account = pwd.getpwnam(user)
         except KeyError:
             continue
         mine = shared / user
-        if not mine.exists():
-            shutil.copytree("/etc/skel", mine, symlinks=True)
-            run("chown", "-R", f"{account.pw_uid}:{account.pw_gid}", str(mine))
-            mine.chmod(0o750)
+        if (why := foreign(mine, account.pw_uid)) and not why.startswith("is owned by"):
+            set_aside(mine, why)
+        if not os.path.lexists(mine):
+            replace_tree(functools.partial(skeleton, uid=account.pw_uid, gid=account.pw_gid), mine, 0o750)
     # _netdev and nofail, like /fsx: a Lustre that is slow to come back must not hold a reboot in emergency mode.
     fstab_entry(f"{shared} {home} none bind,nosuid,nodev,_netdev,nofail,"
                 f"x-systemd.requires-mounts-for={contract.SHARED_DIR} 0 0")
     if not mounted(str(home)):
         run("mount", "-o", "bind,nosuid,nodev", str(shared), str(home))
+
+
+def skeleton(home: Path, uid: int, gid: int, skel: Path = Path("/etc/skel")) -> None:
+    """A new home from /etc/skel, every entry its user's (links themselves, not what they point to)."""
+    shutil.copytree(skel, home, symlinks=True)
+    for entry in [home, *home.rglob("*")]:
+        os.chown(entry, uid, gid, follow_symlinks=False)
+
+
+def shared_examples(source: Path = BUNDLE / "examples", target: Path = Path(contract.SHARED_EXAMPLES)) -> None:
+    """The bundle's examples on /fsx, read-only for users: copied anew (a new bundle's) in a directory only root can
+    enter, then renamed into place. Never a copy into what is there, which a user may have made or linked first."""
+    replace_tree(lambda new: shutil.copytree(source, new), target)
 
 
 # --- head ------------------------------------------------------------------------------------------------------------
@@ -374,12 +393,15 @@ def head(s: ClusterSettings) -> None:
     update_timer()
     start(f"{contract.UPDATE_UNIT}.timer")
     mount_lustre(s.fsx_dns_name, s.fsx_mount_name)
+    # Root's own entries on /fsx first, then /fsx open to all: on a new file system no user can make a path root is
+    # about to write (a later boot finds it world-writable: safe_paths then sets aside what root did not make).
     shared_home()
-    os.chmod("/fsx", 0o1777)  # like /tmp: every user may submit from and write into /fsx, only owners delete
+    shared_examples()
+    own_directory(Path(contract.NODE_HOSTS_FILE).parent)
+    os.chmod(contract.SHARED_DIR, 0o1777)  # like /tmp: all may submit from and write into /fsx, only owners delete
     node_names()
     start("gpucluster-hosts.service")
     head_monitoring(s)
-    shutil.copytree(BUNDLE / "examples", "/fsx/examples", dirs_exist_ok=True)
 
 
 # --- the head: a changed stack applied in place -----------------------------------------------------------------------
@@ -472,7 +494,7 @@ def update(s: ClusterSettings) -> bool:
     grow_state_volume(s.state_volume_id)  # `up` may have enlarged it; Prometheus' retention counts on its size
     head_monitoring(s)  # the new bundle's Prometheus files and metrics program, the topic as it is now
     command_line()
-    shutil.copytree(BUNDLE / "examples", "/fsx/examples", dirs_exist_ok=True)
+    shared_examples()
     return True
 
 
@@ -523,19 +545,33 @@ def nccl_environment(pool: PoolSettings) -> str:
     return "\n".join(lines) + "\n"
 
 
-def container_storage(nvme: Path = Path("/opt/dlami/nvme"), fallback: Path = Path("/var/lib/gpucluster-enroot"),
-                      conf: Path = Path("/etc/enroot/enroot.conf.d/gpucluster.conf")) -> Path:
-    """enroot's image cache and container data on local NVMe (dlami-nvme.service mounts it before this unit runs), or
-    on the root volume where the instance has none: never /tmp. Every user's containers go there: mode 1777."""
-    base = nvme if mounted(str(nvme)) else fallback
-    for sub in ("cache", "data", "runtime"):
-        d = base / "enroot" / sub
-        d.mkdir(parents=True, exist_ok=True)
-        d.chmod(0o1777)
+def local_scratch(nvme: Path = Path("/opt/dlami/nvme"), scratch: Path = Path(contract.LOCAL_SCRATCH)) -> Path:
+    """The node's scratch space (settings.LOCAL_SCRATCH): a link to a directory on local NVMe (dlami-nvme.service
+    mounts it before this unit runs), or a directory on the root volume where the instance has none; never /tmp. In it
+    each job's private /tmp (JOB_TMP_DIR, Slurm's job_container/tmpfs) and enroot's directories (ENROOT_DIR), all
+    root's and 0755: only root makes entries there (a user's own enroot directories: the Prolog, container_directories
+    in health.py)."""
+    if mounted(str(nvme)):
+        target = own_directory(nvme / "gpucluster")
+        if not (scratch.is_symlink() and os.readlink(scratch) == str(target)):
+            if os.path.lexists(scratch):
+                set_aside(scratch, "is not the link to the instance store")
+            scratch.symlink_to(target)
+    else:
+        own_directory(scratch)
+    for directory in (contract.JOB_TMP_DIR, contract.ENROOT_DIR, contract.PMIX_TMP_DIR):
+        own_directory(Path(directory))
+    for kind in contract.ENROOT_KINDS:
+        own_directory(Path(contract.ENROOT_DIR) / kind)  # 0755: an image's 1777 directory of an older layout too
+    return scratch
+
+
+def container_storage(conf: Path = Path("/etc/enroot/enroot.conf.d/gpucluster.conf")) -> None:
+    """enroot's image cache, container data and runtime files per user in the node's scratch space. enroot runs as
+    the user and only `mkdir -p`s these paths: the Prolog has made them, the user's own, before the job starts."""
     conf.parent.mkdir(parents=True, exist_ok=True)
-    conf.write_text(f"ENROOT_CACHE_PATH {base}/enroot/cache/$(id -u)\nENROOT_DATA_PATH {base}/enroot/data/$(id -u)\n"
-                    f"ENROOT_RUNTIME_PATH {base}/enroot/runtime/$(id -u)\n")
-    return base
+    conf.write_text("".join(f"ENROOT_{kind.upper()}_PATH {contract.ENROOT_DIR}/{kind}/$(id -u)\n"
+                            for kind in contract.ENROOT_KINDS))
 
 
 def gpu_metrics(pool: str, region: str, systemd: Path = SYSTEMD) -> str | None:
@@ -715,6 +751,7 @@ def compute(s: ClusterSettings, env: dict[str, str]) -> None:
     run("mount", "-o", "remount,size=90%", "/dev/shm", check=False)
     mount_lustre(s.fsx_dns_name, s.fsx_mount_name)
     shared_home()
+    local_scratch()
     container_storage()
     metrics = gpu_metrics(pool.name, s.region)
     if metrics:
@@ -725,7 +762,7 @@ def compute(s: ClusterSettings, env: dict[str, str]) -> None:
     exporter = gpu_exporter(s, pool, name, address)
     if exporter:
         start(exporter)
-    # Configless: slurm.conf, gres.conf, cgroup.conf and plugstack.conf come from the controller.
+    # Configless: slurm.conf and gres, cgroup, job_container, mpi, plugstack.conf come from the controller.
     Path("/etc/default/slurmd").write_text(
         f'SLURMD_OPTIONS="--conf-server {contract.HEAD_HOSTNAME}:{s.slurmctld_port} -N {name}"\n')
     drop_in("slurmd.service", SLURMD_DROP_IN)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import re
 import shutil
 import signal
@@ -39,6 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this
 from gpucluster.contract import reasons
 from gpucluster.contract.settings import (
     AWS_OFI_NCCL_LIB_DIR,
+    ENROOT_DIR,
+    ENROOT_KINDS,
     GPU_JOB_MAP_DIR,
     HOSTS_PROGRAM,
     NCCL_NET_PLUGIN_FILE,
@@ -52,6 +55,7 @@ from gpucluster.contract.settings import (
     read_env_file,
 )
 from gpucluster.node.metadata import imds
+from gpucluster.node.safe_paths import own_directory
 from gpucluster.node.slurm_control import SlurmControl
 
 TOOL_SECONDS = 10  # one tool call; the Prolog makes at most three
@@ -323,6 +327,23 @@ def label_gpus(job: str, gpus: str, epilog: bool, mapping: Path = Path(GPU_JOB_M
         os.replace(temporary, entry)
 
 
+def container_directories(uid: int, gid: int, base: Path = Path(ENROOT_DIR)) -> list[str]:
+    """The job user's enroot directories (enroot.conf: ENROOT_DIR/<kind>/$(id -u)), made by root in root's 0755
+    directories, the user's own, 0700: no user can make another's first (enroot, as the user, only `mkdir -p`s them
+    and would use whatever it found), and one that is not the user's own directory (a link, or another's left by an
+    older image's world-writable layout) is set aside and logged. Returns what could not be made: that user's
+    container jobs fail on this node, others run."""
+    if not base.is_dir():  # a node without the bootstrap's scratch space (an older bundle)
+        return []
+    problems = []
+    for kind in ENROOT_KINDS:
+        try:
+            own_directory(base / kind / str(uid), uid, gid, 0o700)
+        except (OSError, RuntimeError) as exc:
+            problems.append(f"{base / kind / str(uid)}: {exc}")
+    return problems
+
+
 def main(argv: list[str]) -> int:
     path = os.environ.get("PATH", "").split(":")
     os.environ["PATH"] = ":".join(path + [d for d in TOOL_DIRS if d not in path])
@@ -345,6 +366,10 @@ def main(argv: list[str]) -> int:
         drain(node, problems)
         return 1 if mode == "prolog" else 0
     if mode == "prolog":
+        uid = int(os.environ["SLURM_JOB_UID"])
+        gid = int(os.environ.get("SLURM_JOB_GID") or pwd.getpwuid(uid).pw_gid)
+        for problem in container_directories(uid, gid):
+            print(f"gpucluster prolog on {node}: {problem}", file=sys.stderr)
         label_gpus(os.environ["SLURM_JOB_ID"], os.environ.get("SLURM_JOB_GPUS", ""), epilog=False)
         os.execv(HOSTS_PROGRAM, [HOSTS_PROGRAM])
     return 0

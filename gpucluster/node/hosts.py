@@ -36,6 +36,7 @@ from gpucluster.contract.settings import (
     SCRAPE_TARGETS_DIR,
     ClusterSettings,
 )
+from gpucluster.node.safe_paths import own_directory
 
 # The block's markers in /etc/hosts keep the program's former name: the files already written know only it.
 BEGIN, END = "# gpucluster nodes: begin (written by gpucluster_hosts.py)", "# gpucluster nodes: end"
@@ -117,7 +118,7 @@ def scrape_targets(entries: dict[str, str], settings: ClusterSettings) -> dict[s
 def publish_once(shared: Path, hosts: Path, nodes: str, settings: ClusterSettings,
                  targets: Path = Path(SCRAPE_TARGETS_DIR)) -> dict[str, str]:
     entries = registered(nodes)
-    shared.parent.mkdir(parents=True, exist_ok=True)
+    own_directory(shared.parent)  # root's on world-writable /fsx: what a user made there first is set aside
     if not shared.exists() or shared.read_text() != render(entries):
         write_atomically(shared, render(entries))
     update_hosts(entries, hosts)

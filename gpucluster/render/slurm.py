@@ -1,5 +1,5 @@
-"""slurm.conf, gres.conf, cgroup.conf and job_submit.lua rendered from the stack: one partition per pool, cloud nodes
-that Slurm powers up on demand.
+"""slurm.conf, gres.conf, cgroup.conf, job_container.conf and job_submit.lua rendered from the stack: one partition
+per pool, cloud nodes that Slurm powers up on demand.
 
 For the Slurm release the node image runs (gpucluster.spec.bom.SLURM_VERSION); the tests start the same release.
 """
@@ -180,10 +180,13 @@ def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         f"TaskPlugin=task/affinity{',task/cgroup' if layout.cgroups else ''}",
         # Every task gets the node's NCCL/EFA settings, batch scripts that read no profile too; the user's own win.
         f"TaskProlog={settings.TASK_PROLOG}",
-        # Before a job starts, on each of its nodes: the names of the job's nodes resolve (/etc/hosts). Alloc: at the
-        # job's start on all its nodes, not at each node's first step.
+        # Before a job starts, on each of its nodes: the names of the job's nodes resolve (/etc/hosts), the user's
+        # container directories exist. Alloc: at the job's start on all its nodes, not at each node's first step.
+        # Contain: the job's extern step, which holds its private /tmp and /dev/shm (job_container.conf).
         f"Prolog={settings.HEALTH_PROGRAM}",
-        "PrologFlags=Alloc",
+        "PrologFlags=Alloc,Contain",
+        # Each job's own /tmp and /dev/shm, removed when it ends: nothing of one job is there for the next one.
+        "JobContainerType=job_container/tmpfs",
         # After a job, on each of its nodes: its GPUs' job labels for dcgm-exporter are taken off.
         f"Epilog={settings.HEALTH_PROGRAM}",
         # The node's health (accelerators, ECC, XIDs, EFA, /fsx, disk) every 5 minutes on every node; a failing node
@@ -224,7 +227,7 @@ def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         f"PrivateData={PRIVATE_DATA}",
         # slurmctld runs MailProg as the slurm user with text from --mail-user: the head sends no mail.
         "MailProg=/bin/true",
-        # Compute nodes fetch slurm.conf, gres.conf, cgroup.conf and plugstack.conf from the controller
+        # Compute nodes fetch slurm.conf, gres.conf, cgroup.conf, job_container.conf, plugstack.conf from the controller
         # (slurmd --conf-server), so they never drift. A cloud node's address is the one it registers from (Slurm
         # does this for every cloud node): the resume program need not ask EC2 for it. A node whose memory reads up
         # to a quarter under RealMemory still registers instead of being drained (the CLOUD default is 90%, a node
@@ -365,6 +368,31 @@ def cgroup_conf(stack: Stack) -> str:
     ])
 
 
+def job_container_conf(stack: Stack) -> str:
+    """job_container/tmpfs: a private /tmp (under BasePath, on the node's scratch space: the instance store where
+    there is one) and a private /dev/shm (a tmpfs of its own) for every job, unmounted and removed when the job ends.
+    slurmd reads it; configless nodes fetch it from the controller with slurm.conf (slurmd_config_files).
+    Shared: mounts made outside after the job started reach it (/fsx and /home are systemd automounts).
+    slurmstepd stays outside (no EntireStepInNS: it would open the job's output files inside, where a path under /tmp
+    is the job's own and goes with it); what it makes for the tasks goes elsewhere (mpi_conf)."""
+    return "\n".join([
+        f"# Rendered by gpucluster for stack {stack.name}. Every job its own /tmp and /dev/shm, gone when it ends.",
+        "AutoBasePath=true",
+        f"BasePath={settings.JOB_TMP_DIR}",
+        "Dirs=/tmp,/dev/shm",
+        "Shared=true",
+        "",
+    ])
+
+
+def mpi_conf(stack: Stack) -> str:
+    """mpi/pmix: slurmstepd makes each step's PMIx directory (its shared-memory store) for the tasks under /tmp by
+    default, outside the job's namespace, where the tasks' own /tmp hides it (seen: MPI_Init failed with
+    PMIX_ERR_FILE_OPEN_FAILURE). On the node's scratch space both see it. Configless nodes fetch it with slurm.conf."""
+    return (f"# Rendered by gpucluster for stack {stack.name}. PMIx's directories for tasks: not in their /tmp.\n"
+            f"PMIxCliTmpDirBase={settings.PMIX_TMP_DIR}\n")
+
+
 # pyxis gives srun --container-image (enroot underneath). Optional: a node without the plugin still runs jobs. The
 # head leaves out a plugin its image lacks (bootstrap.installed_spank_plugins); compute nodes take the head's file.
 PYXIS_PLUGIN = "/usr/local/lib/slurm/spank_pyxis.so"
@@ -406,4 +434,5 @@ def all_files(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> dict[str, st
     cgroups = cgroup_conf(stack) if layout.cgroups else "CgroupPlugin=disabled\n"
     return {"slurm.conf": slurm_conf(stack, layout), "gres.conf": gres_conf(stack, layout),
             "slurmdbd.conf": slurmdbd_conf(stack, layout), "plugstack.conf": PLUGSTACK_CONF,
-            "job_submit.lua": job_submit_lua(stack), "cgroup.conf": cgroups}
+            "job_submit.lua": job_submit_lua(stack), "cgroup.conf": cgroups,
+            "job_container.conf": job_container_conf(stack), "mpi.conf": mpi_conf(stack)}
