@@ -386,6 +386,17 @@ def spot_warning(instance: str) -> str:
                        "detail": {"instance-id": instance, "instance-action": "terminate"}})
 
 
+def pinned_cpu(index: int) -> int:
+    """The CPU of a cluster's index-th compute node (round robin). Slurm's job_container/tmpfs keeps each job's mount
+    namespace by bind-mounting its /proc/PID/ns/mnt, and the kernel refuses that (EINVAL) unless the job's namespace
+    is newer than the mount namespace of the process mounting it. This machine's kernel (6.18) numbers namespaces
+    from per-CPU batches: one made later on another CPU can get a lower number, and about one job in three failed to
+    start (`ns base mount failed: Invalid argument`). On an instance slurmd runs in the first mount namespace, older
+    than any; here every node has its own, so each node's processes stay on the CPU its namespace was made on."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return cpus[index % len(cpus)]
+
+
 @dataclass
 class RehearsalNode:
     """One EC2 instance of the cluster as a set of namespaces over the rehearsal image (tests/rehearsal_image.py);
@@ -408,6 +419,8 @@ class RehearsalNode:
     gpus: int = 0  # compute nodes: the GPUs its stand-in nvidia-smi reports
     gpu_fault: str = ""  # shell for the stand-in instead of healthy GPUs (LocalCluster.gpu_faults)
     first_boot_fault: str = ""  # LocalCluster.first_boot_faults
+    # Compute nodes: the one CPU all the node's processes run on (pinned_cpu says why).
+    cpu: int | None = None
     init: subprocess.Popen[bytes] | None = None
 
     def boot(self) -> None:
@@ -455,8 +468,9 @@ class RehearsalNode:
                       f"exec chroot . sh -ec {shlex.quote('; '.join(['umount -l /mnt', *inside]))}")
         clock = ["--time", f"--boottime=-{Path('/proc/uptime').read_text().split('.')[0]}"] if self.own_clock else []
         log = open(self.root / "init.log", "ab")
-        self.init = subprocess.Popen([*self.network.prefix(), "unshare", "--mount", "--uts", "--propagation", "private",
-                                      *clock, "--", "sh", "-ec", "; ".join(mounts)], stdout=log,
+        self.init = subprocess.Popen([*self._pinned(), *self.network.prefix(), "unshare", "--mount", "--uts",
+                                      "--propagation", "private", *clock, "--", "sh", "-ec", "; ".join(mounts)],
+                                     stdout=log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         wait_for(f"node {self.name}'s namespaces", lambda: self._ready(), [self.init], [self.root / "init.log"], 10)
         if first:
@@ -531,10 +545,13 @@ class RehearsalNode:
             os.readlink(f"/proc/{self.init.pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt") and \
             subprocess.run(self.prefix() + ["mountpoint", "-q", "/fsx"], capture_output=True).returncode == 0
 
+    def _pinned(self) -> list[str]:
+        return ["taskset", "-c", str(self.cpu)] if self.cpu is not None else []
+
     def prefix(self) -> list[str]:
         """A command line's start that runs the command on the node: its namespaces, its root, at its root."""
         assert self.init is not None
-        return ["nsenter", "-t", str(self.init.pid), "-m", "-u", "-n", "-r", "-w"] + (
+        return [*self._pinned(), "nsenter", "-t", str(self.init.pid), "-m", "-u", "-n", "-r", "-w"] + (
             ["-T"] if self.own_clock else []) + ["--"]
 
     def enter(self, *args: str, env: dict[str, str] | None = None, check: bool = True,
@@ -889,7 +906,8 @@ class LocalCluster:
         node = RehearsalNode(instance, self.root / instance, self.userdata.pool_nodes(self.stack, pool),
                              self.front(instance), imds, self.fsx, self.sdk, self.network, self.shared, own_clock=True,
                              gpus=acc.count if acc and acc.kind == "nvidia" else 0,
-                             gpu_fault=self.gpu_faults.get(pool_name, ""), first_boot_fault=fault)
+                             gpu_fault=self.gpu_faults.get(pool_name, ""), first_boot_fault=fault,
+                             cpu=pinned_cpu(len(self.boots)))
         self.nodes[instance] = node
         node.boot()
         self.boots.append((self.registry().get(instance, instance), time.time()))
