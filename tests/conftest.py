@@ -52,15 +52,14 @@ def start_cluster() -> Iterator[Callable[..., LocalCluster]]:
     """Starts fresh local Slurm clusters of tests/stacks/Pulumi.local.yaml (or of the stack given), EC2 and the rest
     in moto (tests/integration), each in a network of its own; all are stopped after the test."""
     import shutil
-    import tempfile
 
-    from local_cluster import LocalCluster, missing_tools
+    from local_cluster import LocalCluster, missing_tools, new_cluster_root
 
     assert not missing_tools(), f"make setup first (make test does): missing {missing_tools()}"
     started: list[LocalCluster] = []
 
     def start(stack: Stack | None = None) -> LocalCluster:
-        root = Path(tempfile.mkdtemp(prefix="gpucluster-cluster-"))
+        root = new_cluster_root()
         stack = stack or load_stack(FIXTURES / "Pulumi.local.yaml")
         local = LocalCluster(stack, root).start()  # stopped itself if it failed
         started.append(local)

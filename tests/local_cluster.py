@@ -45,6 +45,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -63,6 +64,9 @@ ROOT = Path(__file__).resolve().parent.parent
 REHEARSAL = Path(__file__).resolve().parent / "rehearsal"
 # What the harness runs on this machine; the nodes run the rehearsal image's programs.
 REQUIRED = ("unshare", "nsenter", "chroot", "pivot_root", "losetup", "ip", "pgrep")
+# The local clusters' own directories (/fsx, job output, the image's SDK), shared into their nodes at the same paths:
+# not under /tmp, which every job on a node sees as an empty one of its own (job_container/tmpfs, as on an instance).
+CLUSTERS_DIR = Path("/var/tmp/gpucluster-clusters")
 # What a user or a test runs on the head node: these commands enter its namespaces (a login on the head).
 HEAD_COMMANDS = ("sbatch", "squeue", "scontrol", "sinfo", "sacctmgr", "sshare", "sacct", "scancel", "srun", "sreport")
 BOOT_SECONDS = 2.0
@@ -105,8 +109,18 @@ MOTO_SERVER = ("import threading\nfrom moto.server import ThreadedMotoServer\n"
 
 
 def missing_tools() -> list[str]:
-    """What keeps the rehearsal from running here: tools of this machine's, or the rehearsal image."""
-    return [tool for tool in REQUIRED if not shutil.which(tool)] + ([why] if (why := stale()) else [])
+    """What keeps the rehearsal from running here: tools of this machine's, the rehearsal image, or a checkout (or
+    test venv) under /tmp, which the nodes share at its path and every job's private /tmp would hide (.ci/run tests a
+    copy elsewhere)."""
+    hidden = [f"{path} is under /tmp, hidden from the local clusters' jobs: use a checkout elsewhere"
+              for path in (ROOT, TEST_VENV) if path.resolve().is_relative_to("/tmp")]
+    return [tool for tool in REQUIRED if not shutil.which(tool)] + ([why] if (why := stale()) else []) + hidden
+
+
+def new_cluster_root() -> Path:
+    """A fresh directory for one local cluster, under CLUSTERS_DIR."""
+    CLUSTERS_DIR.mkdir(mode=0o755, parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix="gpucluster-cluster-", dir=CLUSTERS_DIR))
 
 
 def free_port() -> int:

@@ -250,7 +250,7 @@ def test_bundle_object_holds_the_rendered_files(shipped: Shipped) -> None:
     metrics |= {f"{'cloudwatch-agent' if p.accelerator.kind == 'nvidia' else 'neuron-metrics'}/{p.name}.json"
                for p in stack.spec.pools}
     slurm_files = {f"slurm/{n}" for n in ("slurm.conf", "gres.conf", "slurmdbd.conf", "plugstack.conf", "cgroup.conf",
-                                          "job_submit.lua")}
+                                          "job_container.conf", "mpi.conf", "job_submit.lua")}
     library = {f"lib/{source.relative_to(ROOT).as_posix()}" for source in (ROOT / "gpucluster").rglob("*.py")
                if "__pycache__" not in source.parts}
     # lib/ mirrors the repository for what `gpucluster render` reads there: the stack's file beside the library, and

@@ -9,7 +9,6 @@ import json
 import shlex
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import pytest
 
 from gpucluster.contract.settings import BUNDLE_DIR, ENROOT_DIR, EVENTS_LOG, JOB_TMP_DIR, LOGIN_USER, STATE_DIR
 from gpucluster.spec.model import SlurmSpec, load_stack
-from local_cluster import LocalCluster, RehearsalNode, spot_warning
+from local_cluster import LocalCluster, RehearsalNode, missing_tools, new_cluster_root, spot_warning
 
 # One cluster for the module: under xdist its tests stay on one worker (--dist loadgroup).
 pytestmark = [pytest.mark.rehearsal, pytest.mark.xdist_group("user-isolation")]
@@ -31,7 +30,8 @@ CAPS = {"max_submitted_jobs_per_user": 10, "max_running_jobs_per_user": 10, "max
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    root = Path(tempfile.mkdtemp(prefix="gpucluster-cluster-"))
+    assert not missing_tools(), f"make setup first (make test does): missing {missing_tools()}"
+    root = new_cluster_root()
     stack = load_stack(STACK)
     stack = dataclasses.replace(stack, spec=stack.spec.model_copy(update={"slurm": SlurmSpec(
         **{**stack.spec.slurm.model_dump(), **CAPS})}))
