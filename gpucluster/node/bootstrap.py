@@ -151,8 +151,8 @@ def install_munge_key(staged: Path = Path(contract.MUNGE_KEY_STAGED), path: Path
 def lock_down(role: str) -> None:
     """The lockdown cloud-init's bootcmd ran before the network came up, once more now that the image's packages are
     all there (on a stock AMI the slurm user exists only after build_image.sh), with the guard of DCGM's host engine
-    (before any job can start). A failure fails the boot: a node
-    whose users could reach the instance's credentials must not serve."""
+    (before any job can start). A failure fails the boot: a node whose users could reach the instance's credentials
+    must not serve."""
     run("sh", "-c", lockdown.script(role))
 
 
@@ -202,7 +202,7 @@ def shared_home(shared: Path = Path(contract.SHARED_HOME), home: Path = Path("/h
         except KeyError:
             continue
         mine = shared / user
-        if (why := foreign(mine, account.pw_uid)) and not why.startswith("is owned by"):
+        if why := foreign(mine, None):  # a home is kept whoever owns it; a link or a file is not one
             set_aside(mine, why)
         if not os.path.lexists(mine):
             replace_tree(functools.partial(skeleton, uid=account.pw_uid, gid=account.pw_gid), mine, 0o750)

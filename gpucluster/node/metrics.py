@@ -41,8 +41,13 @@ JOB_STATES = (("completing", {"COMPLETING"}), ("configuring", {"CONFIGURING"}), 
               ("running", {"RUNNING"}), ("suspended", {"SUSPENDED"}))
 
 
+def first_state(table: tuple[tuple[str, set[str]], ...], flags: frozenset[str]) -> str | None:
+    """The word of the table's first entry whose flags Slurm's state has."""
+    return next((word for word, needed in table if needed <= flags), None)
+
+
 def node_state(flags: frozenset[str]) -> str:
-    return next((word for word, needed in NODE_STATES if needed <= flags), "unknown")
+    return first_state(NODE_STATES, flags) or "unknown"
 
 
 def slurm_nodes(scontrol_json: str, settings: ClusterSettings) -> str:
@@ -53,7 +58,7 @@ def slurm_nodes(scontrol_json: str, settings: ClusterSettings) -> str:
 
 def slurm_jobs(scontrol_json: str) -> str:
     counts = Counter((job.partition, word) for job in slurm_json.jobs(scontrol_json)
-                     if (word := next((w for w, needed in JOB_STATES if needed <= job.state), None)))
+                     if (word := first_state(JOB_STATES, job.state)))
     samples = [sample("gpucluster_slurm_jobs", n, partition=p, state=s) for (p, s), n in sorted(counts.items())]
     return family("gpucluster_slurm_jobs", "gauge", "Jobs by partition and state.", samples)
 

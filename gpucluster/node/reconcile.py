@@ -240,12 +240,10 @@ def _stop_replacing(config: ClusterSettings, slurm: SlurmControl, nodes: list[st
     for pool, members in sorted(by_pool.items()):
         log.error("pool %s: %d instances replaced for their health within %g h; not replacing %s (%s)", pool,
                   config.health_replacements, window_hours, compress_hostlist(members), found[members[0]])
-        for node in members:
-            # Slurm keeps 200 characters (what this node failed is in the log and the event), and no "=": readers
-            # of Slurm's key=value text would take it for a field.
-            slurm.set_down([node], f"{reasons.HEALTH_REPEATS} in pool {pool} ({config.health_replacements} replaced "
-                                   f"in {window_hours:g} h): not replaced again; find the cause (image, driver, a "
-                                   "job), then resume the node (scontrol update ... state resume)")
+        # Slurm keeps 200 characters of a reason: what each node failed is in the log and the event.
+        slurm.set_down(members, f"{reasons.HEALTH_REPEATS} in pool {pool} ({config.health_replacements} replaced "
+                                f"in {window_hours:g} h): not replaced again; find the cause (image, driver, a job), "
+                                "then resume the node (scontrol update ... state resume)")
         program.record_event(config, "replacement stopped", nodes=members, pool=pool,
                              replaced=config.health_replacements,
                              window_seconds=config.health_replacement_window_seconds,

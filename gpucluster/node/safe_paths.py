@@ -38,8 +38,9 @@ def set_aside(path: Path, why: str, named_after: Path | None = None) -> Path:
     raise RuntimeError(f"{named_after}: no free name to set it aside")
 
 
-def foreign(path: Path, uid: int) -> str:
-    """Why `path` is not a real directory owned by `uid` ("" when it is, or when nothing is there)."""
+def foreign(path: Path, uid: int | None) -> str:
+    """Why `path` is not a real directory owned by `uid` (None: by anyone) ("" when it is, or when nothing is
+    there)."""
     try:
         info = os.lstat(path)
     except FileNotFoundError:
@@ -48,7 +49,7 @@ def foreign(path: Path, uid: int) -> str:
         return "is a symbolic link"
     if not stat.S_ISDIR(info.st_mode):
         return "is not a directory"
-    if info.st_uid != uid:
+    if uid is not None and info.st_uid != uid:
         return f"is owned by uid {info.st_uid}, not {uid}"
     return ""
 
