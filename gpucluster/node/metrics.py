@@ -36,7 +36,7 @@ NODE_STATES = (("down", {"DOWN"}), ("fail", {"FAIL"}), ("drained", {"DRAIN", "ID
                ("powering_up", {"POWERING_UP"}), ("powering_down", {"POWERING_DOWN"}),
                ("powered_down", {"POWERED_DOWN"}), ("allocated", {"ALLOCATED"}), ("mixed", {"MIXED"}),
                ("completing", {"COMPLETING"}), ("idle", {"IDLE"}))
-# A job's state as squeue shows it, first match wins; jobs that have ended are not counted.
+# A job's state as one word, first match wins; jobs that have ended are not counted.
 JOB_STATES = (("completing", {"COMPLETING"}), ("configuring", {"CONFIGURING"}), ("pending", {"PENDING"}),
               ("running", {"RUNNING"}), ("suspended", {"SUSPENDED"}))
 
