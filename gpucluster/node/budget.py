@@ -19,6 +19,7 @@ class BudgetSpend:
     limit: float
     act_at: float  # the act threshold
     forecast: float | None = None  # AWS forecasts a month's spend once it has some history
+    computed: bool = True  # False for a new budget: AWS has computed no spend for it yet, read as $0
 
     @property
     def over(self) -> bool:
@@ -26,19 +27,23 @@ class BudgetSpend:
         return self.actual >= self.act_at
 
     def describe(self, team: str) -> str:
+        not_yet = "" if self.computed else "; AWS Budgets has computed no spend yet"
         return (f"team {team} spent ${self.actual:,.2f} of its ${self.limit:,.2f} monthly budget "
-                f"(the guardrail acts at ${self.act_at:,.2f})")
+                f"(the guardrail acts at ${self.act_at:,.2f}){not_yet}")
 
 
 def read_spend(budgets: Any, account_id: str, budget_name: str, act_threshold_percent: float) -> BudgetSpend:
-    """The budget as AWS Budgets has it now (DescribeBudget): it refreshes the spend a few times a day."""
+    """The budget as AWS Budgets has it now (DescribeBudget): it refreshes the spend a few times a day. A new budget
+    has no CalculatedSpend until AWS has computed one (botocore's model makes it optional, and ActualSpend required
+    within it): no spend yet reads as $0."""
     budget = budgets.describe_budget(AccountId=account_id, BudgetName=budget_name)["Budget"]
     limit = float(budget["BudgetLimit"]["Amount"])
-    calculated = budget.get("CalculatedSpend", {})
-    forecast = calculated.get("ForecastedSpend", {}).get("Amount")
-    return BudgetSpend(actual=float(calculated.get("ActualSpend", {}).get("Amount", 0)), limit=limit,
+    calculated = budget.get("CalculatedSpend") or {}
+    actual = calculated.get("ActualSpend")
+    forecast = calculated.get("ForecastedSpend")
+    return BudgetSpend(actual=float(actual["Amount"]) if actual else 0.0, limit=limit,
                        act_at=limit * act_threshold_percent / 100,
-                       forecast=float(forecast) if forecast is not None else None)
+                       forecast=float(forecast["Amount"]) if forecast else None, computed=actual is not None)
 
 
 @dataclass

@@ -2,54 +2,141 @@
 with the modules of this package it imports, and components/kubernetes.py (QueueGuardrail) deploys it).
 
 Every message on the budget's queue (AWS Budgets notifications, through SNS) wakes it, and so does a timer: it reads
-the budget's actual spend and, at the act threshold, holds the team's Kueue ClusterQueue (`stopPolicy: Hold`: running
-jobs finish, new ones wait); below it, reopens the queue (`stopPolicy: None`) and reverses the Budgets action that
-denied the autoscaler's scale-up, if it ran. The queue's long-poll loop and the budget decision are the Slurm head
-guardrail's (sqs_poll, budget). Standard library and boto3 only.
+the budget's actual spend and the team's Kueue ClusterQueue, and decides (`decide`):
+
+- at or past the act threshold, an open queue is held (`stopPolicy: Hold`: running jobs finish, new ones wait), and
+  the hold is marked as the guardrail's by the annotation `gpucluster/held-by`, set in the same patch;
+- below it, the guardrail reopens only a hold it made (stopPolicy None, the annotation removed in the same patch), and
+  reverses the Budgets action that denied the autoscaler's scale-up, if it ran.
+
+A person's hold (Hold or HoldAndDrain without the annotation) is left alone at any spend, and logged: only a person
+reopens it. An admin who takes over the guardrail's hold removes the annotation
+(`kubectl annotate clusterqueue TEAM gpucluster/held-by-`); one who escalates it to HoldAndDrain keeps it theirs too.
+An admin's reopening is respected below the threshold (the stale annotation is dropped, so a later manual hold stays
+manual); past the threshold the queue is held again at the next check: the budget's hold is what the team was
+promised, and a `kubectl patch` carries no record of who decided to spend more or until when (the Slurm flavour's
+`gpucluster-budget reopen` does). To spend past it, raise the budget's limit or act threshold in the stack file.
+
+A new budget has no spend yet (AWS Budgets computes CalculatedSpend some hours after creation): that reads as $0, the
+queue stays open. A failing AWS or Kubernetes call is logged with its cause and the check is made again on the next
+turn of the queue's loop; the budget's messages are deleted only after a check that succeeded. The process never exits
+on a fault: a crash loop would hold or reopen nothing. The queue's long-poll loop and the spend reading are the Slurm
+head guardrail's (sqs_poll, budget). Standard library and boto3 only.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import os
 import ssl
 import sys
 import time
+import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this program is part of (the ConfigMap's)
 from gpucluster.node import sqs_poll
-from gpucluster.node.budget import read_spend
+from gpucluster.node.budget import BudgetSpend, read_spend
 
-SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 KUEUE_PATH = "/apis/kueue.x-k8s.io/v1beta2/clusterqueues/"
 RECHECK_SECONDS = 600  # also without a message: spend falls back at the month's turn with no notification
+HELD_BY = "gpucluster/held-by"  # the annotation that makes a hold the guardrail's
+# Kueue v0.19.2's stopPolicy values (tests/schemas/kueue-v0.19.2-v1beta2.json); unset means "None".
+OPEN, HOLD, HOLD_AND_DRAIN = "None", "Hold", "HoldAndDrain"
+
+log = logging.getLogger("gpucluster-queue-guardrail")
 
 
-def patch_body(policy: str) -> bytes:
-    return json.dumps({"spec": {"stopPolicy": policy}}).encode()
+class Action(enum.Enum):
+    HOLD = "hold"
+    REOPEN = "reopen"
+    LEAVE = "leave"
 
 
-def set_stop_policy(cluster_queue: str, policy: str) -> None:
-    with open(f"{SERVICE_ACCOUNT}/token") as f:
-        token = f.read()
-    host = os.environ["KUBERNETES_SERVICE_HOST"]
-    request = urllib.request.Request(
-        f"https://{host}{KUEUE_PATH}{cluster_queue}", data=patch_body(policy), method="PATCH",
-        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/merge-patch+json"})
-    context = ssl.create_default_context(cafile=f"{SERVICE_ACCOUNT}/ca.crt")
-    with urllib.request.urlopen(request, context=context, timeout=30):
-        pass
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    why: str
 
 
-def decide(budgets: Any, account: str, budget_name: str, act_threshold_percent: int) -> dict[str, Any]:
-    """Read the budget and say what the ClusterQueue's stopPolicy should be: Hold at or past the act threshold of the
-    month's budget, None (open) below it."""
-    spend = read_spend(budgets, account, budget_name, act_threshold_percent)
-    return {"actual_usd": spend.actual, "limit_usd": spend.limit, "stop_policy": "Hold" if spend.over else "None"}
+def decide(spend: BudgetSpend, stop_policy: str, held_by_guardrail: bool) -> Decision:
+    """What to do with the ClusterQueue, given the spend, its stopPolicy and whether it carries the guardrail's
+    annotation (the module's docstring says why each case goes the way it does)."""
+    if spend.over:
+        if stop_policy != OPEN:
+            return Decision(Action.LEAVE, "held by the guardrail" if held_by_guardrail else
+                            f"held by hand ({stop_policy}): left to whoever held it")
+        return Decision(Action.HOLD, "reopened by hand past the threshold: held again" if held_by_guardrail else
+                        "at or past the act threshold: held")
+    if not held_by_guardrail:
+        return Decision(Action.LEAVE, "open" if stop_policy == OPEN else
+                        f"held by hand ({stop_policy}): only a person reopens it")
+    if stop_policy == HOLD_AND_DRAIN:
+        return Decision(Action.LEAVE, "the guardrail's hold made HoldAndDrain by hand: left to whoever did it")
+    return Decision(Action.REOPEN, "back under the act threshold: reopened" if stop_policy == HOLD else
+                    "reopened by hand: the guardrail's claim on it is dropped")
+
+
+def patch_body(action: Action, resource_version: str, reason: str = "") -> bytes:
+    """The merge patch for a hold or a reopening: the stopPolicy and the annotation change together, and only if the
+    queue is still at the version the decision was made on (a merge patch carrying metadata.resourceVersion is
+    conditional: a person's change in between fails it with 409 Conflict, as controller-runtime's
+    MergeFromWithOptimisticLock relies on)."""
+    held = action is Action.HOLD
+    return json.dumps({"metadata": {"resourceVersion": resource_version,
+                                    "annotations": {HELD_BY: reason if held else None}},
+                       "spec": {"stopPolicy": HOLD if held else OPEN}}).encode()
+
+
+@dataclass(frozen=True)
+class ClusterQueue:
+    """What the guardrail reads of the team's ClusterQueue."""
+
+    stop_policy: str
+    held_by_guardrail: bool
+    resource_version: str
+
+    @classmethod
+    def from_object(cls, obj: dict[str, Any]) -> ClusterQueue:
+        metadata = obj["metadata"]
+        return cls(stop_policy=obj.get("spec", {}).get("stopPolicy", OPEN),
+                   held_by_guardrail=HELD_BY in (metadata.get("annotations") or {}),
+                   resource_version=metadata["resourceVersion"])
+
+
+class ClusterQueueApi:
+    """The one ClusterQueue through the Kubernetes API: GET and merge PATCH, all the guardrail's RBAC allows."""
+
+    def __init__(self, url: str, token_file: Path, ca_file: Path) -> None:
+        self.url, self.token_file, self.ca_file = url, token_file, ca_file
+
+    @classmethod
+    def in_cluster(cls, name: str) -> ClusterQueueApi:
+        return cls(f"https://{os.environ['KUBERNETES_SERVICE_HOST']}{KUEUE_PATH}{name}",
+                   SERVICE_ACCOUNT / "token", SERVICE_ACCOUNT / "ca.crt")
+
+    def _call(self, method: str, body: bytes | None = None) -> dict[str, Any]:
+        # The token is read on every call: the kubelet rotates the projected token in place.
+        headers = {"Authorization": f"Bearer {self.token_file.read_text().strip()}", "Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = "application/merge-patch+json"
+        request = urllib.request.Request(self.url, data=body, method=method, headers=headers)
+        context = ssl.create_default_context(cafile=str(self.ca_file))
+        with urllib.request.urlopen(request, context=context, timeout=30) as response:
+            answer: dict[str, Any] = json.load(response)
+            return answer
+
+    def get(self) -> ClusterQueue:
+        return ClusterQueue.from_object(self._call("GET"))
+
+    def patch(self, body: bytes) -> None:
+        self._call("PATCH", body)
 
 
 def lift_launch_deny(budgets: Any, account: str, budget_name: str, action_id: str) -> bool:
@@ -63,35 +150,83 @@ def lift_launch_deny(budgets: Any, account: str, budget_name: str, action_id: st
     return True
 
 
-def step(budgets: Any, account: str, budget_name: str, act_threshold_percent: int, action_id: str) -> dict[str, Any]:
-    """One check: the queue's stopPolicy to set, and below the threshold the deny lifted."""
-    decision = decide(budgets, account, budget_name, act_threshold_percent)
-    if decision["stop_policy"] == "None":
-        decision["launch_deny_reversed"] = lift_launch_deny(budgets, account, budget_name, action_id)
-    return decision
+def cause(exc: Exception) -> str:
+    """A failed call in one line: the Kubernetes API's own message for an HTTP error, else the exception."""
+    if isinstance(exc, urllib.error.HTTPError):
+        try:
+            message = json.loads(exc.read()).get("message", "")
+        except (ValueError, OSError, AttributeError):
+            message = ""
+        return f"HTTP {exc.code} {exc.reason}: {message}".rstrip(": ")
+    return f"{type(exc).__name__}: {exc}"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The Deployment's environment (gpucluster/render/kube.py guardrail_manifests)."""
+
+    queue_url: str
+    budget_name: str
+    cluster_queue: str
+    act_threshold_percent: int
+    launch_deny_action_id: str
+
+    @classmethod
+    def from_environment(cls) -> Settings:
+        return cls(os.environ["QUEUE_URL"], os.environ["BUDGET_NAME"], os.environ["CLUSTER_QUEUE"],
+                   int(os.environ["ACT_THRESHOLD_PERCENT"]), os.environ["LAUNCH_DENY_ACTION_ID"])
+
+
+class Guardrail:
+    def __init__(self, settings: Settings, budgets: Any, sts: Any, queue: ClusterQueueApi) -> None:
+        self.settings, self.budgets, self.sts, self.queue = settings, budgets, sts, queue
+        self.account = ""  # asked of STS at the first check, not at start: a start cannot fail on AWS
+        self.next_check = 0.0
+
+    def check(self) -> dict[str, Any]:
+        """One check: read the spend and the queue, act on the decision; below the threshold, lift the deny. Raises
+        on a failed call (the caller logs it and checks again)."""
+        s = self.settings
+        if not self.account:
+            self.account = self.sts.get_caller_identity()["Account"]
+        spend = read_spend(self.budgets, self.account, s.budget_name, s.act_threshold_percent)
+        queue = self.queue.get()
+        decision = decide(spend, queue.stop_policy, queue.held_by_guardrail)
+        if decision.action is not Action.LEAVE:
+            self.queue.patch(patch_body(decision.action, queue.resource_version, spend.describe(s.cluster_queue)))
+        outcome: dict[str, Any] = {"actual_usd": spend.actual, "limit_usd": spend.limit,
+                                   "spend_computed": spend.computed, "stop_policy": queue.stop_policy,
+                                   "action": decision.action.value, "why": decision.why}
+        if not spend.over:
+            outcome["launch_deny_reversed"] = lift_launch_deny(self.budgets, self.account, s.budget_name,
+                                                               s.launch_deny_action_id)
+        return outcome
+
+    def on_messages(self, messages: list[sqs_poll.Message], now: float) -> list[sqs_poll.Message]:
+        """sqs_poll's act: check on a message or when the timer is due. The messages go back to be deleted only after
+        a check that succeeded; after a failed one they stay, and the timer stays due, so the next turn checks
+        again."""
+        if not messages and now < self.next_check:
+            return []
+        try:
+            outcome = self.check()
+        except Exception as exc:  # any failed call: logged, and checked again; the process stays up
+            log.error("check failed, trying again at the next check: %s", cause(exc))
+            return []
+        log.info("%s", json.dumps(outcome))
+        self.next_check = now + RECHECK_SECONDS
+        return messages
 
 
 def main() -> None:
     import boto3
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(levelname)s %(message)s")
-    queue_url, budget_name = os.environ["QUEUE_URL"], os.environ["BUDGET_NAME"]
-    cluster_queue, act = os.environ["CLUSTER_QUEUE"], int(os.environ["ACT_THRESHOLD_PERCENT"])
-    action_id = os.environ["LAUNCH_DENY_ACTION_ID"]
-    sqs, budgets = boto3.client("sqs"), boto3.client("budgets")
-    account = boto3.client("sts").get_caller_identity()["Account"]
-    next_check = 0.0
-
-    def check(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        nonlocal next_check
-        if messages or time.time() >= next_check:
-            decision = step(budgets, account, budget_name, act, action_id)
-            set_stop_policy(cluster_queue, decision["stop_policy"])
-            print(json.dumps(decision), flush=True)
-            next_check = time.time() + RECHECK_SECONDS
-        return messages
-
-    sqs_poll.serve(sqs, queue_url, check)
+    settings = Settings.from_environment()
+    guardrail = Guardrail(settings, boto3.client("budgets"), boto3.client("sts"),
+                          ClusterQueueApi.in_cluster(settings.cluster_queue))
+    sqs_poll.serve(boto3.client("sqs"), settings.queue_url,
+                   lambda messages: guardrail.on_messages(messages, time.time()))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,424 @@
+"""The Kubernetes flavour's budget guardrail (gpucluster/node/queue_guardrail.py): its decision on the team's
+ClusterQueue, the merge patches it sends, its checks against Budgets (botocore's Stubber: the real request and response
+shapes, including a new budget's, and the Budgets actions moto does not serve) and a stand-in Kubernetes API over TLS,
+the fault path through the SQS loop (moto), and the Deployment's wait for its Pod Identity association."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import ssl
+import subprocess
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Callable
+
+import boto3
+import pytest
+from botocore.stub import Stubber
+from moto import mock_aws
+
+from conftest import K8S_STACK_FILES, ROOT, of_type, planned
+from gpucluster.node import budget_guardrail, queue_guardrail, sqs_poll
+from gpucluster.node.budget import BudgetSpend, read_spend
+from gpucluster.node.queue_guardrail import HELD_BY, Action, ClusterQueueApi, Guardrail, Settings, decide
+from gpucluster.render import kube
+from gpucluster.spec.model import load_stack
+from test_kubernetes import CRDS, check  # the strict schema check every declared object passes
+
+ACCOUNT = "123456789012"
+BUDGET = "b"
+TEAM = "vision"
+ACTION_ID = "0a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9"
+IDS = {"AccountId": ACCOUNT, "BudgetName": BUDGET}
+K8S_STACK = ROOT / "stacks" / "Pulumi.team-k8s.yaml"
+VERSION = load_stack(K8S_STACK).spec.eks.version
+
+
+def budget(actual: float | None, limit: float = 100.0) -> dict[str, Any]:
+    """DescribeBudget's answer; `actual` None is a new budget's, before AWS has computed a spend (no CalculatedSpend:
+    optional in botocore's model, which the Stubber checks this shape against)."""
+    answer: dict[str, Any] = {"BudgetName": BUDGET, "BudgetLimit": {"Amount": str(limit), "Unit": "USD"},
+                              "TimeUnit": "MONTHLY", "BudgetType": "COST"}
+    if actual is not None:
+        answer["CalculatedSpend"] = {"ActualSpend": {"Amount": str(actual), "Unit": "USD"}}
+    return {"Budget": answer}
+
+
+def budget_action(status: str) -> dict[str, Any]:
+    return {**IDS, "Action": {
+        "ActionId": ACTION_ID, "BudgetName": BUDGET, "NotificationType": "ACTUAL", "ActionType": "APPLY_IAM_POLICY",
+        "ActionThreshold": {"ActionThresholdValue": 100.0, "ActionThresholdType": "PERCENTAGE"},
+        "Definition": {"IamActionDefinition": {"PolicyArn": "arn:aws:iam::123456789012:policy/deny", "Roles": ["r"]}},
+        "ExecutionRoleArn": "arn:aws:iam::123456789012:role/x", "ApprovalModel": "AUTOMATIC", "Status": status,
+        "Subscribers": [{"SubscriptionType": "SNS", "Address": "arn:aws:sns:us-east-1:123456789012:t"}]}}
+
+
+def client(service: str) -> Any:
+    return boto3.client(service, region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
+
+
+def spend(actual: float, limit: float = 100.0) -> BudgetSpend:
+    return BudgetSpend(actual=actual, limit=limit, act_at=limit)
+
+
+# --- A new budget -------------------------------------------------------------------------------------------------
+
+def test_a_new_budget_reads_as_no_spend_and_keeps_the_queue_open() -> None:
+    budgets = client("budgets")
+    with Stubber(budgets) as stub:
+        stub.add_response("describe_budget", budget(None), IDS)
+        stub.add_response("describe_budget", budget(0.0), IDS)
+        new, computed = (read_spend(budgets, ACCOUNT, BUDGET, 100) for _ in range(2))
+    assert (new.actual, new.forecast, new.computed, new.over) == (0.0, None, False, False)
+    assert "computed no spend yet" in new.describe(TEAM) and computed.computed
+    assert "computed no spend yet" not in computed.describe(TEAM)
+    assert decide(new, queue_guardrail.OPEN, held_by_guardrail=False).action is Action.LEAVE
+
+
+def test_the_slurm_heads_guardrail_stays_open_on_a_new_budget(tmp_path: Path) -> None:
+    """The head's guardrail reads the spend the same way: a new budget is no reason to close the partitions."""
+    from gpucluster.contract.settings import BudgetSettings, ClusterSettings
+    from gpucluster.node.slurm_control import SlurmControl
+
+    class NoSlurm(SlurmControl):
+        """An open cluster under budget calls no scontrol: any call fails the test."""
+
+        def _run(self, *args: str) -> str:
+            raise AssertionError(f"scontrol {args} on an open cluster under budget")
+
+    config = ClusterSettings(cluster="gpucluster-t", region="us-east-1", pools={}, log_file="/dev/null",
+                             budget_state_file=str(tmp_path / "budget.json"))
+    guard = BudgetSettings(budget_name=BUDGET, account_id=ACCOUNT, act_threshold_percent=100, queue_url="q",
+                           topic_arn="t", launch_deny_action=False)
+    budgets = client("budgets")
+    with Stubber(budgets) as stub:
+        stub.add_response("describe_budget", budget(None), IDS)
+        assert budget_guardrail.Guardrail(config, guard, NoSlurm(), budgets, None, team=TEAM).check() == "open"
+
+
+# --- The decision -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("actual", "stop_policy", "annotated", "expected"), [
+    (99.99, "None", False, Action.LEAVE),  # open and under: nothing to do
+    (100.0, "None", False, Action.HOLD),  # at the threshold: held, and marked as the guardrail's
+    (250.0, "Hold", True, Action.LEAVE),  # its own hold, still over
+    (50.0, "Hold", True, Action.REOPEN),  # its own hold, back under (a new month, a raised limit)
+    (50.0, "Hold", False, Action.LEAVE),  # a person's hold: only a person reopens it
+    (50.0, "HoldAndDrain", False, Action.LEAVE),
+    (250.0, "Hold", False, Action.LEAVE),  # a person's hold past the threshold: still theirs
+    (50.0, "None", True, Action.REOPEN),  # a person reopened its hold: the claim goes, so a later hold stays theirs
+    (250.0, "None", True, Action.HOLD),  # a person reopened it past the threshold: the budget's promise, held again
+    (50.0, "HoldAndDrain", True, Action.LEAVE),  # a person made its hold a drain: theirs now
+])
+def test_the_guardrail_reopens_only_what_it_held(actual: float, stop_policy: str, annotated: bool,
+                                                 expected: Action) -> None:
+    assert decide(spend(actual), stop_policy, annotated).action is expected
+
+
+# --- The patches --------------------------------------------------------------------------------------------------
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch, as the API server applies `application/merge-patch+json` (null removes a key)."""
+    if not isinstance(patch, dict):
+        return patch
+    merged = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = merge_patch(merged.get(key), value)
+    return merged
+
+
+def cluster_queue(stop_policy: str | None = None, annotations: dict[str, str] | None = None,
+                  version: str = "1") -> dict[str, Any]:
+    """The team's ClusterQueue as the shipped Kubernetes stack declares it, as the API server would hold it."""
+    _, declared = planned(K8S_STACK)
+    (declared_queue,) = of_type(declared, "kueue.x-k8s.io/v1beta2:ClusterQueue")
+    obj = copy.deepcopy(declared_queue.inputs)
+    obj["metadata"]["resourceVersion"] = version
+    if annotations is not None:
+        obj["metadata"]["annotations"] = annotations
+    if stop_policy is not None:
+        obj["spec"]["stopPolicy"] = stop_policy
+    return obj
+
+
+def test_a_hold_and_its_mark_go_in_one_patch_and_come_off_in_one() -> None:
+    other = {"owner": "ml-platform"}  # a person's annotation: the patches leave it
+    opened = cluster_queue(annotations=dict(other), version="7")
+    held = merge_patch(opened, json.loads(queue_guardrail.patch_body(Action.HOLD, "7", "over budget")))
+    check(held, VERSION)
+    assert held["spec"]["stopPolicy"] == "Hold" and held["metadata"]["annotations"] == {**other, HELD_BY: "over budget"}
+    assert queue_guardrail.ClusterQueue.from_object(held).held_by_guardrail
+    reopened = merge_patch(held, json.loads(queue_guardrail.patch_body(Action.REOPEN, "7")))
+    check(reopened, VERSION)
+    assert reopened["spec"]["stopPolicy"] == "None" and reopened["metadata"]["annotations"] == other
+    assert not queue_guardrail.ClusterQueue.from_object(reopened).held_by_guardrail
+    # Each patch carries the version its decision read: the API server refuses it if the queue changed since.
+    for action in (Action.HOLD, Action.REOPEN):
+        assert json.loads(queue_guardrail.patch_body(action, "7"))["metadata"]["resourceVersion"] == "7"
+    # An unset stopPolicy is Kueue's default (the CRD's), open; the shipped stack leaves it unset.
+    default = CRDS[(kube.KUEUE_API, "ClusterQueue")]["properties"]["spec"]["properties"]["stopPolicy"]["default"]
+    assert queue_guardrail.ClusterQueue.from_object(cluster_queue()).stop_policy == default == queue_guardrail.OPEN
+
+
+# --- Against a Kubernetes API ---------------------------------------------------------------------------------------
+
+class ApiServer:
+    """A stand-in for the API server's clusterqueues endpoint, for one object, over TLS: this machine has no
+    kube-apiserver (no envtest binaries in any registry here). It does what the guardrail relies on: bearer token,
+    GET, PATCH with application/merge-patch+json (RFC 7386) under the resourceVersion precondition (409 Conflict,
+    the API server's Status body), a new resourceVersion on each change; `fail_next` answers the next request with an
+    error, `after_get` changes the object as a person would between the guardrail's GET and its PATCH."""
+
+    TOKEN = "projected-token"
+
+    def __init__(self, tls: tuple[Path, Path], obj: dict[str, Any]) -> None:
+        self.obj = obj
+        self.requests: list[tuple[str, str, dict[str, str], bytes]] = []
+        self.fail_next: tuple[int, str] | None = None
+        self.after_get: Callable[[dict[str, Any]], None] | None = None
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def answer(self, code: int, body: dict[str, Any]) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def status(self, code: int, reason: str, message: str) -> None:
+                self.answer(code, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message,
+                                   "reason": reason, "code": code})
+
+            def handle_one(self, method: str) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                server.requests.append((method, self.path, dict(self.headers), body))
+                if self.headers["Authorization"] != f"Bearer {server.TOKEN}":
+                    return self.status(401, "Unauthorized", "Unauthorized")
+                if self.path != f"{queue_guardrail.KUEUE_PATH}{TEAM}":
+                    return self.status(403, "Forbidden", f"no access to {self.path}")  # the RBAC's one queue
+                if server.fail_next:
+                    (code, message), server.fail_next = server.fail_next, None
+                    return self.status(code, "InternalError", message)
+                if method == "GET":
+                    self.answer(200, server.obj)
+                    if server.after_get:
+                        server.after_get(server.obj)
+                        server.obj["metadata"]["resourceVersion"] += "+"
+                    return None
+                if self.headers["Content-Type"] != "application/merge-patch+json":
+                    return self.status(415, "UnsupportedMediaType", self.headers["Content-Type"])
+                patch = json.loads(body)
+                if patch["metadata"].get("resourceVersion", server.version) != server.version:
+                    return self.status(409, "Conflict", "Operation cannot be fulfilled on clusterqueues.kueue.x-k8s.io"
+                                       f' "{TEAM}": the object has been modified; please apply your changes to the'
+                                       " latest version and try again")
+                patch["metadata"].pop("resourceVersion", None)
+                server.obj = merge_patch(server.obj, patch)
+                server.obj["metadata"]["resourceVersion"] = server.version + "+"
+                return self.answer(200, server.obj)
+
+            def do_GET(self) -> None:
+                self.handle_one("GET")
+
+            def do_PATCH(self) -> None:
+                self.handle_one("PATCH")
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(*tls)
+        self.httpd.socket = context.wrap_socket(self.httpd.socket, server_side=True)
+        self.url = f"https://127.0.0.1:{self.httpd.server_address[1]}{queue_guardrail.KUEUE_PATH}{TEAM}"
+
+    @property
+    def version(self) -> str:
+        return str(self.obj["metadata"]["resourceVersion"])
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1, the cluster's CA as the pod sees it (ca.crt)."""
+    d = tmp_path_factory.mktemp("tls")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=apiserver",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(d / "key.pem"),
+                    "-out", str(d / "ca.crt")], check=True, capture_output=True)
+    return d / "ca.crt", d / "key.pem"
+
+
+@pytest.fixture
+def api(tls: tuple[Path, Path], tmp_path: Path) -> Iterator[tuple[ApiServer, ClusterQueueApi]]:
+    server = ApiServer(tls, cluster_queue("None"))
+    thread = threading.Thread(target=server.httpd.serve_forever, daemon=True)
+    thread.start()
+    (tmp_path / "token").write_text(ApiServer.TOKEN + "\n")
+    yield server, ClusterQueueApi(server.url, tmp_path / "token", tls[0])
+    server.httpd.shutdown()
+    server.httpd.server_close()
+    thread.join()
+
+
+SETTINGS = Settings(queue_url="q", budget_name=BUDGET, cluster_queue=TEAM, act_threshold_percent=100,
+                    launch_deny_action_id=ACTION_ID)
+
+
+class Aws:
+    """Budgets and STS under Stubber: each check's calls are queued before it, and the test asserts all were made."""
+
+    def __init__(self) -> None:
+        self.budgets, self.sts = client("budgets"), client("sts")
+        self.stubs = [Stubber(self.budgets), Stubber(self.sts)]
+        for stub in self.stubs:
+            stub.activate()
+        self.stubs[1].add_response("get_caller_identity", {"Account": ACCOUNT, "UserId": "u",
+                                                           "Arn": f"arn:aws:sts::{ACCOUNT}:assumed-role/r/s"})
+
+    def spend(self, actual: float | None, deny: str | None = None) -> None:
+        """The next check's Budgets answers: the spend, and below the threshold the deny's status (and its
+        reversal if it ran)."""
+        budgets = self.stubs[0]
+        budgets.add_response("describe_budget", budget(actual), IDS)
+        if deny is not None:
+            action = {**IDS, "ActionId": ACTION_ID}
+            budgets.add_response("describe_budget_action", budget_action(deny), action)
+            if deny == "EXECUTION_SUCCESS":
+                reverse = {**action, "ExecutionType": "REVERSE_BUDGET_ACTION"}
+                budgets.add_response("execute_budget_action", reverse, reverse)
+
+    def done(self) -> None:
+        for stub in self.stubs:
+            stub.assert_no_pending_responses()
+
+
+def test_it_holds_reopens_and_leaves_a_persons_hold_alone(api: tuple[ApiServer, ClusterQueueApi]) -> None:
+    server, queue = api
+    aws = Aws()
+    guardrail = Guardrail(SETTINGS, aws.budgets, aws.sts, queue)
+    aws.spend(120.0)  # over: its hold, marked
+    assert guardrail.check()["action"] == "hold"
+    assert server.obj["spec"]["stopPolicy"] == "Hold" and HELD_BY in server.obj["metadata"]["annotations"]
+    assert f"team {TEAM} spent $120.00" in server.obj["metadata"]["annotations"][HELD_BY]
+    aws.spend(130.0)  # still over: nothing sent
+    patches = sum(method == "PATCH" for method, *_ in server.requests)
+    assert guardrail.check()["action"] == "leave"
+    assert sum(method == "PATCH" for method, *_ in server.requests) == patches
+    aws.spend(10.0, deny="EXECUTION_SUCCESS")  # a new month: reopened, mark removed, the launch deny reversed
+    outcome = guardrail.check()
+    assert (outcome["action"], outcome["launch_deny_reversed"]) == ("reopen", True)
+    assert server.obj["spec"]["stopPolicy"] == "None" and HELD_BY not in server.obj["metadata"].get("annotations", {})
+    server.obj["spec"]["stopPolicy"] = "Hold"  # an admin holds it by hand (kubectl patch)
+    aws.spend(10.0, deny="STANDBY")  # the deny never ran this month: nothing to reverse
+    outcome = guardrail.check()
+    assert (outcome["action"], outcome["launch_deny_reversed"]) == ("leave", False)
+    assert server.obj["spec"]["stopPolicy"] == "Hold"
+    aws.done()
+    # Every call carried the projected token, and the patches the merge-patch type.
+    assert all(h["Authorization"] == f"Bearer {ApiServer.TOKEN}" for _, _, h, _ in server.requests)
+    assert {h["Content-Type"] for m, _, h, _ in server.requests if m == "PATCH"} == {"application/merge-patch+json"}
+
+
+def test_a_persons_change_between_read_and_patch_wins(api: tuple[ApiServer, ClusterQueueApi],
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """The guardrail read an open queue over budget; before its patch lands, an admin holds it by hand. The patch is
+    refused (409), logged, and the next check leaves the admin's hold alone: its mark never lands on their hold."""
+    server, queue = api
+    aws = Aws()
+    guardrail = Guardrail(SETTINGS, aws.budgets, aws.sts, queue)
+    server.after_get = lambda obj: obj["spec"].update(stopPolicy="HoldAndDrain")
+    aws.spend(150.0)
+    with caplog.at_level(logging.ERROR, logger=queue_guardrail.log.name):
+        assert guardrail.on_messages([], now=0) == []
+    assert "HTTP 409 Conflict: Operation cannot be fulfilled" in caplog.text
+    server.after_get = None
+    aws.spend(150.0)
+    assert guardrail.on_messages([], now=1) == []
+    assert server.obj["spec"]["stopPolicy"] == "HoldAndDrain" and "annotations" not in server.obj["metadata"]
+    aws.done()
+
+
+# --- Faults -------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def sqs() -> Iterator[tuple[Any, str]]:
+    with mock_aws():
+        sqs = boto3.client("sqs", region_name="us-east-1")
+        # No visibility timeout: a message kept after a failed check is received again at the next turn.
+        yield sqs, sqs.create_queue(QueueName="guardrail", Attributes={"VisibilityTimeout": "0"})["QueueUrl"]
+
+
+def waiting(sqs: Any, url: str) -> int:
+    attributes = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["All"])["Attributes"]
+    return int(attributes["ApproximateNumberOfMessages"]) + int(attributes["ApproximateNumberOfMessagesNotVisible"])
+
+
+@pytest.mark.parametrize("fault", ["budgets", "kubernetes"])
+def test_a_failed_call_is_logged_kept_and_checked_again(fault: str, sqs: tuple[Any, str],
+                                                        api: tuple[ApiServer, ClusterQueueApi],
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """A Budgets notification arrives; the check fails (Budgets throttles, or the API server errs): the cause is
+    logged, the service keeps going, the message stays; the next turn checks again, holds, and deletes it."""
+    client_sqs, url = sqs
+    server, queue = api
+    aws = Aws()
+    guardrail = Guardrail(SETTINGS, aws.budgets, aws.sts, queue)
+    client_sqs.send_message(QueueUrl=url, MessageBody=json.dumps({"Type": "Notification", "Subject": "AWS Budgets"}))
+    if fault == "budgets":
+        aws.stubs[0].add_client_error("describe_budget", "ThrottlingException", "Rate exceeded", 400,
+                                      expected_params=IDS)
+        expected = "ThrottlingException"
+    else:
+        aws.spend(150.0)
+        server.fail_next = (500, "etcdserver: request timed out")
+        expected = "HTTP 500 Internal Server Error: etcdserver: request timed out"
+    turns = iter([False, True])
+    with caplog.at_level(logging.ERROR, logger=queue_guardrail.log.name):
+        sqs_poll.serve(client_sqs, url, lambda m: guardrail.on_messages(m, now=0), stop=lambda: next(turns),
+                       wait_seconds=lambda: 0)
+    assert expected in caplog.text and "trying again at the next check" in caplog.text
+    assert waiting(client_sqs, url) == 1 and server.obj["spec"]["stopPolicy"] == "None"
+    aws.spend(150.0)
+    turns = iter([False, True])
+    sqs_poll.serve(client_sqs, url, lambda m: guardrail.on_messages(m, now=0), stop=lambda: next(turns),
+                   wait_seconds=lambda: 0)
+    assert waiting(client_sqs, url) == 0 and server.obj["spec"]["stopPolicy"] == "Hold"
+    aws.done()
+
+
+def test_without_a_message_it_checks_when_due(api: tuple[ApiServer, ClusterQueueApi]) -> None:
+    """Spend falls back at the month's turn with no notification: the timer checks on its own, every
+    RECHECK_SECONDS."""
+    server, queue = api
+    aws = Aws()
+    guardrail = Guardrail(SETTINGS, aws.budgets, aws.sts, queue)
+    checks = lambda: sum(method == "GET" for method, *_ in server.requests)  # noqa: E731
+    aws.spend(150.0)
+    guardrail.on_messages([], now=1000)
+    assert checks() == 1
+    guardrail.on_messages([], now=1000 + queue_guardrail.RECHECK_SECONDS - 1)
+    assert checks() == 1
+    aws.spend(150.0)
+    guardrail.on_messages([], now=1000 + queue_guardrail.RECHECK_SECONDS)
+    assert checks() == 2
+    aws.done()
+
+
+# --- The Deployment waits for its credentials -------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", K8S_STACK_FILES, ids=lambda p: p.name)
+def test_the_guardrail_starts_after_its_pod_identity_association(path: Path) -> None:
+    _, declared = planned(path)
+    (association,) = [a for a in of_type(declared, "eks/podIdentityAssociation:PodIdentityAssociation")
+                      if a.inputs["serviceAccount"] == kube.GUARDRAIL]
+    (deployment,) = [d for d in of_type(declared, "apps/v1:Deployment")
+                     if d.inputs["metadata"]["name"] == kube.GUARDRAIL]
+    assert association.urn in deployment.dependencies
