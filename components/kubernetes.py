@@ -456,10 +456,12 @@ class QueueGuardrail(pulumi.ComponentResource):
                 {"Sid": "ReverseLaunchDeny", "Effect": "Allow",
                  "Action": ["budgets:DescribeBudgetAction", "budgets:ExecuteBudgetAction"], "Resource": a[2]}])),
             opts=child(self))
-        aws.eks.PodIdentityAssociation(f"{name}-guardrail", cluster_name=args.cluster_name,
-                                       namespace=eks.KUEUE.namespace, service_account=kube.GUARDRAIL,
-                                       role_arn=role.arn, opts=child(self))
+        association = aws.eks.PodIdentityAssociation(f"{name}-guardrail", cluster_name=args.cluster_name,
+                                                     namespace=eks.KUEUE.namespace, service_account=kube.GUARDRAIL,
+                                                     role_arn=role.arn, opts=child(self))
         for manifest in kube.guardrail_manifests(args.stack, args.queue_url, args.act_threshold_percent,
                                                  args.launch_deny_action_id):
-            declare(manifest, child(self, depends_on=[args.kueue]))
+            # The pod gets AWS credentials only once its association exists: started before, it has none.
+            pod = [association] if manifest["kind"] == "Deployment" else []
+            declare(manifest, child(self, depends_on=[args.kueue, *pod]))
         self.register_outputs({})
