@@ -7,6 +7,7 @@ software is a pinned helm.v3.Release.
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +33,39 @@ CNI_POLICY = "AmazonEKS_CNI_Policy"
 AUTOSCALER_SERVICE_ACCOUNT = "cluster-autoscaler"
 CAPACITY_TYPES = {"on-demand": "ON_DEMAND", "spot": "SPOT", "capacity-block": "CAPACITY_BLOCK"}
 TAINT_EFFECTS = {"NoSchedule": "NO_SCHEDULE"}
+NODE_TEMPLATE = "k8s.io/cluster-autoscaler/node-template"
+
+# Node auto repair on the accelerator pools (EKS API reference: NodeRepairConfig, NodeRepairConfigOverrides; pulumi_aws
+# 7.51.1 NodeGroupNodeRepairConfigArgs). The node monitoring agent sets the condition AcceleratedHardwareReady with a
+# reason per fault (aws/eks-node-monitoring-agent v1.7.0 pkg/reasons/reasons.yaml, docs/node-health-issues.adoc). For
+# the faults a reboot does not cure the action is Replace: NVIDIA's catalog gives them more than a GPU reset (XID 48
+# double-bit ECC, 74 NVLink, 79 fallen off the bus, 95 uncontained memory error, 140 unrecoverable ECC), EC2 replaces
+# on row remapping (63, 64), and the agent's docs say a fabric error persists across reboots (monitors/nvidia/dcgm/
+# dcgm_policies.go lists the XIDs it raises a condition for). Other reasons keep EKS's own action.
+REPAIR_CONDITION = "AcceleratedHardwareReady"
+REPLACE_REASONS = {
+    "nvidia": ("NvidiaXID48Error", "NvidiaXID63Error", "NvidiaXID64Error", "NvidiaXID74Error", "NvidiaXID79Error",
+               "NvidiaXID95Error", "NvidiaXID140Error", "NvidiaDoubleBitError", "NvidiaNVLinkError",
+               "NvidiaFabricError", "NvidiaDeviceCountMismatch"),
+    "neuron": ("NeuronDMAError", "NeuronHBMUncorrectableError", "NeuronNCUncorrectableError",
+               "NeuronSRAMUncorrectableError"),
+}
+# EKS's own wait before it repairs an AcceleratedHardwareReady fault (EKS user guide, node-repair: 10m): the pods see
+# the fault first and a job checkpoints or fails over.
+REPAIR_WAIT_MINUTES = 10
+# One node repaired at a time, so a repair never takes more of a pool than the bad node; and no repair once over half
+# of a pool is unhealthy: that is a bad AMI, driver or add-on, which replacing nodes would only repeat.
+MAX_PARALLEL_REPAIRS = 1
+MAX_UNHEALTHY_PERCENT = 50
+
+
+def node_repair_config(pool: PoolSpec) -> aws.eks.NodeGroupNodeRepairConfigArgsDict:
+    return {"enabled": True, "max_parallel_nodes_repaired_count": MAX_PARALLEL_REPAIRS,
+            "max_unhealthy_node_threshold_percentage": MAX_UNHEALTHY_PERCENT,
+            "node_repair_config_overrides": [
+                {"node_monitoring_condition": REPAIR_CONDITION, "node_unhealthy_reason": reason,
+                 "repair_action": "Replace", "min_repair_wait_time_mins": REPAIR_WAIT_MINUTES}
+                for reason in REPLACE_REASONS[pool.accelerator.kind]]}
 
 
 @dataclass(frozen=True)
@@ -106,7 +140,9 @@ class EksCluster(pulumi.ComponentResource):
         self.node_access = aws.eks.AccessEntry(f"{name}-nodes", cluster_name=cluster.name,
                                                principal_arn=node_role.arn, type="EC2_LINUX", opts=child(self))
         self.node_policies = node_policies
-        node_addons = self._addons(name, cluster, eks.NODE_ADDONS, {})
+        node_addons = self._addons(name, stack, cluster, eks.NODE_ADDONS, {})
+        # Every node group waits for them: without the CNI no node of it becomes Ready.
+        self.node_addons = list(node_addons.values())
         # EKS adds its cluster security group to a node group's nodes only when their launch template names none:
         # every node group's template names both it (the control plane's and managed add-ons' group) and the stack's
         # (members talk freely), so that pods on system and accelerator nodes reach each other.
@@ -132,8 +168,8 @@ class EksCluster(pulumi.ComponentResource):
             opts=child(self, depends_on=[self.node_access, *node_policies, *node_addons.values()]))
         self._admins(name, cluster, settings_.admin_role_arns)
         self.team_role_arn = self._team(name, stack, cluster, args.account_id)
-        pod_addons = self._addons(name, cluster, [a for a in eks.ADDONS if a not in eks.NODE_ADDONS], node_addons,
-                                  after=[self.system_nodes])
+        pod_addons = self._addons(name, stack, cluster, [a for a in eks.ADDONS if a not in eks.NODE_ADDONS],
+                                  node_addons, after=[self.system_nodes])
         self.addons = [{**node_addons, **pod_addons}[a] for a in eks.ADDONS]
         self.name, self.arn, self.node_role_arn = cluster.name, cluster.arn, node_role.arn
         self.version = cluster.version
@@ -142,8 +178,8 @@ class EksCluster(pulumi.ComponentResource):
         self.register_outputs({"name": self.name, "arn": self.arn, "node_role_arn": self.node_role_arn,
                                "team_role_arn": self.team_role_arn})
 
-    def _addons(self, name: str, cluster: aws.eks.Cluster, names: Sequence[str], made: dict[str, aws.eks.Addon],
-                after: Sequence[pulumi.Resource] = ()) -> dict[str, aws.eks.Addon]:
+    def _addons(self, name: str, stack: Stack, cluster: aws.eks.Cluster, names: Sequence[str],
+                made: dict[str, aws.eks.Addon], after: Sequence[pulumi.Resource] = ()) -> dict[str, aws.eks.Addon]:
         """Managed add-ons; the VPC CNI with its own Pod Identity role, once the Pod Identity agent is there."""
         addons = dict(made)
         for addon in sorted(names, key=lambda a: a != "eks-pod-identity-agent"):
@@ -159,9 +195,7 @@ class EksCluster(pulumi.ComponentResource):
                 f"{name}-{addon}", cluster_name=cluster.name, addon_name=addon,
                 resolve_conflicts_on_create="OVERWRITE", resolve_conflicts_on_update="PRESERVE",
                 pod_identity_associations=association,
-                # CoreDNS runs on the tainted system nodes (EKS's default tolerations say so too; explicit here).
-                configuration_values=(json.dumps({"tolerations": kube.SYSTEM_TOLERATIONS}) if addon == "coredns"
-                                      else None),
+                configuration_values=addon_configuration(stack, addon),
                 opts=child(self, depends_on=[*after, *([addons["eks-pod-identity-agent"]] if vpc_cni else [])]))
         return {a: addons[a] for a in names}
 
@@ -193,6 +227,19 @@ class EksCluster(pulumi.ComponentResource):
         return role.arn
 
 
+def addon_configuration(stack: Stack, addon: str) -> str | None:
+    """An add-on's configuration_values where its defaults do not fit the cluster's nodes."""
+    if addon == "coredns":
+        # CoreDNS runs on the tainted system nodes (EKS's default tolerations say so too; explicit here).
+        return json.dumps({"tolerations": kube.SYSTEM_TOLERATIONS})
+    if addon == "eks-node-monitoring-agent":
+        # Its node agent tolerates every taint by default, its DCGM host engine (which the agent's GPU checks ask)
+        # none (aws/eks-node-monitoring-agent v1.7.0 charts/eks-node-monitoring-agent/values.yaml: nodeAgent and
+        # dcgmAgent tolerations; keys as charts/configuration.schema.json names them): it tolerates the pools' taints.
+        return json.dumps({"dcgmAgent": {"tolerations": kube.family_tolerations(list(stack.spec.pools))}})
+    return None
+
+
 def other_zone(zone: str) -> str:
     """Another AZ of the same region for the control plane's second subnet: letter b, or a when the stack is in b."""
     return zone[:-1] + ("a" if zone[-1] != "a" else "b")
@@ -213,10 +260,16 @@ def kubeconfig(cluster_name: str, endpoint: str, ca_data: str, region: str) -> s
 def autoscaler_node_template_tags(stack: Stack, pool: PoolSpec) -> dict[str, str]:
     """What the Cluster Autoscaler reads off an Auto Scaling group at zero nodes to know what a new node would look
     like (kubernetes/autoscaler#4998): without the taints and the GPU/EFA counts it never scales a pool up from zero."""
-    prefix = "k8s.io/cluster-autoscaler/node-template"
+    prefix = NODE_TEMPLATE
     tags = {f"{prefix}/label/{k}": v for k, v in kube.pool_labels(stack, pool).items()}
     tags |= {f"{prefix}/taint/{t['key']}": f"{t['value']}:{t['effect']}" for t in kube.pool_taints(pool)}
     tags |= {f"{prefix}/resources/{r}": str(n) for r, n in kube.pool_resources(pool).items()}
+    # Its AWS template node has no ephemeral-storage otherwise (cluster-autoscaler-1.35.0 cloudprovider/aws/
+    # aws_manager.go buildNodeFromTemplate: pods, cpu, nvidia.com/gpu, memory, then these tags), so a pod that requests
+    # any would never start a node from zero.
+    ephemeral = kube.node_ephemeral_storage(pool)
+    if ephemeral is not None:
+        tags[f"{prefix}/resources/ephemeral-storage"] = str(ephemeral)
     return tags
 
 
@@ -230,7 +283,7 @@ class NodePoolArgs:
     # the stack's and the cluster's (EksCluster.node_security_group_ids)
     security_group_ids: Sequence[pulumi.Input[str]]
     version: pulumi.Input[str]  # the cluster's: the node group's AMI follows it
-    depends_on: Sequence[pulumi.Resource] = ()  # the node role's policies and access entry
+    depends_on: Sequence[pulumi.Resource] = ()  # the node role's policies and access entry, the node add-ons
 
 
 
@@ -253,10 +306,12 @@ class NodePool(pulumi.ComponentResource):
         stack, pool = args.stack, args.pool
         accelerator = pool.accelerator
         group = placement_group(name, pool, child(self))
+        user_data = kube.node_user_data(pool)
         template = launch_template(
             name, pool, description=f"{stack.cluster_name} node group {pool.name}: {pool.instance_type}",
             subnet_id=None, security_group_ids=args.security_group_ids, group_name=group,
-            node_tags={**stack.tags, settings.POOL_TAG: pool.name}, root_device=eks.ROOT_DEVICE, opts=child(self))
+            node_tags={**stack.tags, settings.POOL_TAG: pool.name}, root_device=eks.ROOT_DEVICE, opts=child(self),
+            user_data=base64.b64encode(user_data.encode()).decode() if user_data else None)
         self.node_group_name = name
         node_group = aws.eks.NodeGroup(
             f"{name}-ng",
@@ -273,12 +328,15 @@ class NodePool(pulumi.ComponentResource):
             taints=[{"key": t["key"], "value": t["value"], "effect": TAINT_EFFECTS[t["effect"]]}
                     for t in kube.pool_taints(pool)],
             update_config={"max_unavailable": 1},
+            node_repair_config=node_repair_config(pool),
             # The autoscaler owns the desired size once the group exists.
             opts=child(self, depends_on=list(args.depends_on), ignore_changes=["scalingConfig.desiredSize"]),
         )
         asg_name = node_group.resources.apply(autoscaling_group_name)
-        for i, (key, value) in enumerate(sorted(autoscaler_node_template_tags(stack, pool).items())):
-            aws.autoscaling.Tag(f"{name}-ca-{i}", autoscaling_group_name=asg_name,
+        # Named by their key: a label or taint that goes away deletes its own tag and no other (never applied yet,
+        # so the old index names need no aliases).
+        for key, value in sorted(autoscaler_node_template_tags(stack, pool).items()):
+            aws.autoscaling.Tag(f"{name}-ca-{key.removeprefix(NODE_TEMPLATE + '/')}", autoscaling_group_name=asg_name,
                                 tag={"key": key, "value": value, "propagate_at_launch": False}, opts=child(self))
         self.register_outputs({"node_group_name": self.node_group_name})
 
@@ -343,12 +401,15 @@ class ClusterSoftware(pulumi.ComponentResource):
                             opts=child(self))
         aws.iam.RolePolicy(f"{name}-autoscaler", role=role.id,
                            policy=pulumi.Output.from_input(args.cluster_arn).apply(autoscaler_policy), opts=child(self))
-        aws.eks.PodIdentityAssociation(f"{name}-autoscaler", cluster_name=args.cluster_name,
-                                       namespace=eks.CLUSTER_AUTOSCALER.namespace,
-                                       service_account=AUTOSCALER_SERVICE_ACCOUNT, role_arn=role.arn,
-                                       opts=child(self))
+        autoscaler = aws.eks.PodIdentityAssociation(f"{name}-autoscaler", cluster_name=args.cluster_name,
+                                                    namespace=eks.CLUSTER_AUTOSCALER.namespace,
+                                                    service_account=AUTOSCALER_SERVICE_ACCOUNT, role_arn=role.arn,
+                                                    opts=child(self))
+        # Its pods get credentials only once the association exists; before, they crash-loop and the atomic release
+        # rolls back.
         release("cluster-autoscaler", eks.CLUSTER_AUTOSCALER,
-                kube.autoscaler_values(stack, args.node_group_names, AUTOSCALER_SERVICE_ACCOUNT), child(self))
+                kube.autoscaler_values(stack, args.node_group_names, AUTOSCALER_SERVICE_ACCOUNT),
+                child(self, depends_on=[autoscaler]))
         nvidia = [p for p in stack.spec.pools if p.itype.accelerator and p.itype.accelerator.kind == "nvidia"]
         if nvidia:
             release("nvidia-device-plugin", eks.NVIDIA_DEVICE_PLUGIN, kube.nvidia_device_plugin_values(),
@@ -367,12 +428,13 @@ class ClusterSoftware(pulumi.ComponentResource):
                            policy=pulumi.Output.from_input(args.alerts_topic_arn).apply(lambda arn: policy([{
                                "Sid": "PublishAlerts", "Effect": "Allow", "Action": "sns:Publish", "Resource": arn}])),
                            opts=child(self))
-        aws.eks.PodIdentityAssociation(f"{name}-alertmanager", cluster_name=args.cluster_name,
-                                       namespace=eks.KUBE_PROMETHEUS_STACK.namespace,
-                                       service_account=kube.ALERTMANAGER_SERVICE_ACCOUNT, role_arn=alertmanager.arn,
-                                       opts=child(self))
+        publishing = aws.eks.PodIdentityAssociation(f"{name}-alertmanager", cluster_name=args.cluster_name,
+                                                    namespace=eks.KUBE_PROMETHEUS_STACK.namespace,
+                                                    service_account=kube.ALERTMANAGER_SERVICE_ACCOUNT,
+                                                    role_arn=alertmanager.arn, opts=child(self))
         self.prometheus = release("monitoring", eks.KUBE_PROMETHEUS_STACK,
-                                  kube.prometheus_values(stack, args.alerts_topic_arn), child(self))
+                                  kube.prometheus_values(stack, args.alerts_topic_arn),
+                                  child(self, depends_on=[publishing]))
         if nvidia:
             release("dcgm-exporter", eks.DCGM_EXPORTER, kube.dcgm_exporter_values(),
                     child(self, depends_on=[self.prometheus]))

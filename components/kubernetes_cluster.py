@@ -39,7 +39,7 @@ def create_kubernetes_cluster(stack: Stack) -> dict[str, object]:
         control_plane_subnet_id=spec.eks.control_plane_subnet_id,
         control_plane_cidr=control_plane_cidr(spec.network.vpc_cidr) if spec.network.vpc_cidr else None,
         security_group_id=network.security_group_id, account_id=shared.account_id), opts)
-    node_ready = [cluster.node_access, *cluster.node_policies]
+    node_ready = [cluster.node_access, *cluster.node_policies, *cluster.node_addons]
     pools = {pool.name: NodePool(f"{stack.cluster_name}-{pool.name}", NodePoolArgs(
         stack=stack, pool=pool, cluster_name=cluster.name, node_role_arn=cluster.node_role_arn,
         subnet_id=network.subnet_id, security_group_ids=cluster.node_security_group_ids,

@@ -8,6 +8,7 @@ pinned charts install, vendored in tests/schemas/ (CI has no network at test tim
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 from pathlib import Path
@@ -264,6 +265,7 @@ def test_node_group_per_pool(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
         assert group["labels"] == {"gpucluster/pool": pool.name, "gpucluster/capacity": pool.capacity,
                                    "gpucluster/accelerator": accelerator.kind,
                                    "gpucluster/family": "p5-spot" if pool.name.startswith("p5") else pool.name,
+                                   "k8s.amazonaws.com/accelerator": kube.GPU_TYPES[accelerator.model],
                                    **({"gpucluster/efa": "true"} if pool.uses_efa else {})}
         taints = {(t["key"], t["effect"]) for t in group["taints"]}
         assert ("nvidia.com/gpu", "NO_SCHEDULE") in taints
@@ -279,8 +281,10 @@ def test_node_group_per_pool(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
         # EKS refuses a template whose interfaces name a subnet; the node group's subnet applies.
         assert not any("subnetId" in n for n in nics)
         assert not any("associatePublicIpAddress" in n for n in nics)
-        # EKS writes the node's bootstrap for its own AMI: the template names no image, profile or user data.
-        assert not {"imageId", "iamInstanceProfile", "userData"} & set(lt)
+        # EKS writes the node's bootstrap for its own AMI: the template names no image or profile, and its user data
+        # only the pool's NodeConfig part, which EKS merges with its own (tests/test_kube_node_groups.py).
+        assert not {"imageId", "iamInstanceProfile"} & set(lt)
+        assert base64.b64decode(lt["userData"]).decode() == kube.node_user_data(pool)
         assert lt["metadataOptions"]["httpTokens"] == "required"
         assert lt["metadataOptions"]["httpPutResponseHopLimit"] == 1
         assert lt["blockDeviceMappings"][0]["deviceName"] == "/dev/xvda"
@@ -522,7 +526,8 @@ def test_kueue_flavours_are_pool_families_so_spot_falls_back() -> None:
     g6e = {r["name"]: r["nominalQuota"] for r in group["flavors"][1]["resources"]}
     assert g6e["vpc.amazonaws.com/efa"] == 2 and g6e["nvidia.com/gpu"] == 8
     extra = _releases(declared)["cluster-autoscaler"]["values"]["extraArgs"]
-    assert extra["expander"] == "priority" and extra["max-node-provision-time"] == "5m"
+    assert extra["expander"] == "priority"
+    assert extra["max-node-provision-time"] == f"{catalog.NODE_PROVISION_MINUTES['p5']}m"  # its slowest type
     assert cq.inputs["spec"]["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "language"}}
     (lq,) = of_type(declared, "kueue.x-k8s.io/v1beta2:LocalQueue")
     assert lq.inputs["spec"] == {"clusterQueue": cq.inputs["metadata"]["name"]}

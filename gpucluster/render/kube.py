@@ -8,6 +8,7 @@ in `render`.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,17 @@ EFA_LABEL = "gpucluster/efa"  # on EFA pools only: where the EFA device plugin r
 # selects on it, so a job admitted to it may run on either and the autoscaler's priority expander does the fallback.
 FAMILY_LABEL = "gpucluster/family"
 SPOT_TAINT = "gpucluster/spot"
+# The label the Cluster Autoscaler's AWS provider names as its GPULabel (cluster-autoscaler-1.35.0,
+# cloudprovider/aws/aws_cloud_provider.go): a node that carries it but advertises no GPU yet counts as unready, not as
+# room, so the autoscaler does not launch more nodes while the device plugin starts (processors/customresources/
+# gpu_processor.go; its AWS README's "special note on GPU instances"). NVIDIA pools only: that processor knows only the
+# GPU vendors' resources (utils/gpu/gpu.go GPUVendorResourceNames, not aws.amazon.com/neuron), so a Neuron node with
+# the label would stay unready to it for good.
+GPU_LABEL = "k8s.amazonaws.com/accelerator"
+# Its value names the GPU model (the README: `k8s.amazonaws.com/accelerator=<gpu-type>`), in the provider's spelling
+# where it lists the model (availableGPUTypes in the same file; only its metrics read that list), else the same form.
+GPU_TYPES = {"A10G": "nvidia-a10g", "L4": "nvidia-l4", "L40S": "nvidia-l40s", "A100": "nvidia-tesla-a100",
+             "H100": "nvidia-h100", "H200": "nvidia-h200", "B200": "nvidia-b200"}
 # The system nodes' taint: only the cluster's own software (which tolerates it) runs there, never a team's pods.
 SYSTEM_TAINT = {"key": "CriticalAddonsOnly", "value": "true", "effect": "NoSchedule"}
 SYSTEM_TOLERATIONS = [{"key": "CriticalAddonsOnly", "operator": "Exists"}]
@@ -88,6 +100,8 @@ def pool_labels(stack: Stack, pool: PoolSpec) -> dict[str, str]:
     """Labels every node of the pool carries (node group labels; the ResourceFlavor selects on the family's)."""
     labels = {POOL_LABEL: pool.name, CAPACITY_LABEL: pool.capacity, ACCELERATOR_LABEL: pool.accelerator.kind,
               FAMILY_LABEL: family_name(stack, pool)}
+    if pool.accelerator.kind == "nvidia":
+        labels[GPU_LABEL] = GPU_TYPES[pool.accelerator.model]
     return labels | ({EFA_LABEL: "true"} if pool.uses_efa else {})
 
 
@@ -105,6 +119,51 @@ def pool_resources(pool: PoolSpec) -> dict[str, int]:
     if pool.uses_efa:
         out[eks.EFA_RESOURCE] = pool.itype.efa_interfaces
     return out
+
+
+# What of a node's instance store its pods may fill: nodeadm's kubelet defaults keep nodefs.available 10% free
+# (evictionHard) and reserve 1Gi of ephemeral-storage (kubeReserved) (awslabs/amazon-eks-ami v20260724,
+# nodeadm/internal/kubelet/config.go); a further 1% for the file system's own structures on the array.
+NODEFS_EVICTION_SHARE, FILESYSTEM_SHARE, KUBE_RESERVED_EPHEMERAL_BYTES = 0.10, 0.01, 2**30
+
+
+def node_ephemeral_storage(pool: PoolSpec) -> int | None:
+    """Bytes of ephemeral storage (emptyDir, image layers, logs) one node of the pool offers pods: its NVMe instance
+    store as one array, less what the kubelet keeps. None for a type without instance store."""
+    store = pool.itype.instance_store
+    if store is None:
+        return None
+    usable = 1 - NODEFS_EVICTION_SHARE - FILESYSTEM_SHARE
+    return int(store.total_gb * 10**9 * usable) - KUBE_RESERVED_EPHEMERAL_BYTES
+
+
+NODEADM_API = "node.eks.aws/v1alpha1"
+# nodeadm's user data part type and the multipart framing EKS merges with its own NodeConfig for a managed node group
+# (awslabs/amazon-eks-ami v20260724 nodeadm/doc/examples.md).
+NODEADM_CONTENT_TYPE = "application/node.eks.aws"
+USER_DATA_BOUNDARY = "BOUNDARY"
+
+
+def node_config(pool: PoolSpec) -> Manifest | None:
+    """nodeadm's NodeConfig for a pool whose type has instance store: every NVMe disk in one RAID0 array, where nodeadm
+    bind-mounts /var/lib/kubelet, /var/lib/containerd and /var/log/pods (templates/al2023/runtime/bin/
+    setup-local-disks), so emptyDir volumes and image layers live on NVMe, not the root volume. None otherwise."""
+    if pool.itype.instance_store is None:
+        return None
+    return {"apiVersion": NODEADM_API, "kind": "NodeConfig",
+            "spec": {"instance": {"localStorage": {"strategy": "RAID0"}}}}
+
+
+def node_user_data(pool: PoolSpec) -> str | None:
+    """The pool's launch template user data (before base64): its NodeConfig as a MIME multipart part. None without."""
+    config = node_config(pool)
+    if config is None:
+        return None
+    return "\n".join([
+        "MIME-Version: 1.0", f'Content-Type: multipart/mixed; boundary="{USER_DATA_BOUNDARY}"', "",
+        f"--{USER_DATA_BOUNDARY}", f"Content-Type: {NODEADM_CONTENT_TYPE}", "",
+        json.dumps(config, indent=2),  # JSON is YAML, which nodeadm reads
+        "", f"--{USER_DATA_BOUNDARY}--", ""])
 
 
 def flavor_order(stack: Stack) -> list[PoolSpec]:
@@ -275,7 +334,11 @@ def queue_manifests(stack: Stack) -> list[Manifest]:
 
 # --- Helm values -----------------------------------------------------------------------------------------------
 
-MAX_NODE_PROVISION_TIME = "5m"
+def max_node_provision_time(stack: Stack) -> str:
+    """The autoscaler's wait for a new node: the slowest of the stack's instance types (catalog.provision_minutes).
+    One flag for every group: the AWS provider takes no per-group override of it (cluster-autoscaler-1.35.0's AWS
+    README lists the autoscaling-options tags it reads; max-node-provision-time is not among them)."""
+    return f"{max(p.itype.provision_minutes for p in stack.spec.pools)}m"
 
 
 def asg_name_regex(node_group_name: str) -> str:
@@ -297,7 +360,7 @@ def autoscaler_values(stack: Stack, node_group_names: dict[str, str], service_ac
         "tolerations": SYSTEM_TOLERATIONS,
         # A spot group that cannot get capacity is given up on after this long and the next priority is tried
         # (the default, 15 minutes, leaves a queued job waiting that much per attempt).
-        "extraArgs": {"expander": "priority", "max-node-provision-time": MAX_NODE_PROVISION_TIME,
+        "extraArgs": {"expander": "priority", "max-node-provision-time": max_node_provision_time(stack),
                       "balance-similar-node-groups": False,
                       "skip-nodes-with-local-storage": False, "scale-down-unneeded-time": "10m"},
     }

@@ -65,6 +65,28 @@ class InstanceType:
     def efa_supported(self) -> bool:
         return self.efa_interfaces > 0
 
+    @property
+    def instance_store(self) -> InstanceStore | None:
+        """The type's NVMe instance store; None when it has none."""
+        return INSTANCE_STORE.get(self.name)
+
+    @property
+    def provision_minutes(self) -> int:
+        """How long a new node of this type may take from launch to Ready with its accelerators advertised."""
+        return NODE_PROVISION_MINUTES[self.family]
+
+
+@dataclass(frozen=True)
+class InstanceStore:
+    """NVMe instance store volumes: `count` disks of `size_gb` GB (10^9 bytes) each, as EC2 states them."""
+
+    count: int
+    size_gb: int
+
+    @property
+    def total_gb(self) -> int:
+        return self.count * self.size_gb
+
 
 # model, count, GiB of memory each
 _gpu = partial(Accelerator, "nvidia")
@@ -109,6 +131,33 @@ _HEAD_TYPES = [
     InstanceType("c7i.2xlarge", 8, 16384, None, 1, 0, False, 0.357),
     InstanceType("r7i.2xlarge", 8, 65536, None, 1, 0, False, 0.5292),
 ]
+
+# NVMe instance store per type: DescribeInstanceTypes' InstanceStorageInfo.Disks (the snapshot moto bundles, which the
+# tests compare with this table; the EC2 instance type pages list the same disks). The head-node types have none.
+INSTANCE_STORE = {
+    "g5.xlarge": InstanceStore(1, 250), "g5.12xlarge": InstanceStore(1, 3800), "g5.48xlarge": InstanceStore(2, 3800),
+    "g6.xlarge": InstanceStore(1, 250), "g6.12xlarge": InstanceStore(4, 940), "g6.48xlarge": InstanceStore(8, 940),
+    "g6e.xlarge": InstanceStore(1, 250), "g6e.12xlarge": InstanceStore(2, 1900),
+    "g6e.48xlarge": InstanceStore(4, 1900),
+    "p4d.24xlarge": InstanceStore(8, 1000), "p4de.24xlarge": InstanceStore(8, 1000),
+    "p5.48xlarge": InstanceStore(8, 3800), "p5e.48xlarge": InstanceStore(8, 3800),
+    "p5en.48xlarge": InstanceStore(8, 3800), "p6-b200.48xlarge": InstanceStore(8, 3800),
+    "trn1.2xlarge": InstanceStore(1, 474), "trn1.32xlarge": InstanceStore(4, 1900),
+    "trn2.48xlarge": InstanceStore(4, 1900),
+}
+
+# Minutes from launch to a Ready node whose device plugin advertises its accelerators, per family: the Cluster
+# Autoscaler's --max-node-provision-time must cover it, or it gives a booting node up and its instance may stay
+# behind, running and billed, outside the autoscaler's count (kubernetes/autoscaler#6810: a g4dn instance orphaned
+# more than 8 hours with 5m). Sources: an EKS user's GPU nodes joined and ran pods within 4 to 6 minutes
+# (kubernetes/autoscaler#3464): 10 minutes leaves room for the driver and device plugin. No published join time for
+# P and Trn types was found; AWS says GPU types and types with instance store boot slower
+# (awslabs/amazon-eks-ami#1099), and these add NVSwitch fabric training (Fabric Manager), up to 32 EFA interfaces and
+# the NVMe RAID at boot: 20 minutes, above the autoscaler's own 15-minute default (its FAQ) and Karpenter's 15-minute
+# registration timeout (aws/karpenter-provider-aws#4102). The real figure is for a real account to measure
+# (docs/explanation/kubernetes.md, what only AWS can prove).
+NODE_PROVISION_MINUTES = {"g5": 10, "g6": 10, "g6e": 10, "trn1": 20,
+                          "p4d": 20, "p4de": 20, "p5": 20, "p5e": 20, "p5en": 20, "p6-b200": 20, "trn2": 20}
 
 ACCELERATED: dict[str, InstanceType] = {t.name: t for t in _TYPES}
 HEAD_NODE: dict[str, InstanceType] = {t.name: t for t in _HEAD_TYPES}
