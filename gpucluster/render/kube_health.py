@@ -72,21 +72,23 @@ def _read_only_host(name: str, path: str) -> dict[str, Any]:
 def daemon_set(pool: PoolSpec) -> Manifest:
     labels = {"app": BURN_IN, kube.POOL_LABEL: pool.name}
     nvidia = pool.accelerator.kind == "nvidia"
-    env = [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+    env: list[dict[str, Any]] = [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
            *({"name": k, "value": str(v)} for k, v in expected(pool).items()),
            {"name": "DCGM_REPORT", "value": REPORT}, {"name": "DEV_DIR", "value": HOST_DEV},
            {"name": "INFINIBAND_DIR", "value": HOST_INFINIBAND}]
-    mounts = [{"name": "program", "mountPath": MOUNT, "readOnly": True}, {"name": "results", "mountPath": RESULTS}]
-    volumes = [{"name": "program", "configMap": {"name": BURN_IN, "items": [
-                   {"key": key, "path": path} for key, path in FILES.items()]}},
-               {"name": "results", "emptyDir": {}}]
+    mounts: list[dict[str, Any]] = [{"name": "program", "mountPath": MOUNT, "readOnly": True},
+                                    {"name": "results", "mountPath": RESULTS}]
+    volumes: list[dict[str, Any]] = [
+        {"name": "program", "configMap": {"name": BURN_IN, "items": [
+            {"key": key, "path": path} for key, path in FILES.items()]}},
+        {"name": "results", "emptyDir": {}}]
     if not nvidia:  # the Neuron devices are counted by their nodes under /dev
         mounts.append({"name": "dev", "mountPath": HOST_DEV, "readOnly": True})
         volumes.append(_read_only_host("dev", "/dev"))
     if pool.uses_efa:
         mounts.append({"name": "infiniband", "mountPath": HOST_INFINIBAND, "readOnly": True})
         volumes.append(_read_only_host("infiniband", "/sys/class/infiniband"))
-    init = []
+    init: list[dict[str, Any]] = []
     if nvidia:
         # All GPUs without the device plugin, as dcgm-exporter reaches them: the AL2023 NVIDIA AMI makes the NVIDIA
         # runtime containerd's default (awslabs/amazon-eks-ami nodeadm/internal/containerd/runtime_config_nvidia.go,
