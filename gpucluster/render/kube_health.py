@@ -28,9 +28,10 @@ BURN_IN = "gpucluster-burn-in"
 DCGM_IMAGE = "nvcr.io/nvidia/cloud-native/dcgm:4.5.2-1-ubuntu22.04"
 # Level 1: the quick deployment checks (driver, libraries, persistence, retired pages), seconds not minutes. With no
 # host engine to reach, dcgmi starts one embedded in itself (NVIDIA/DCGM v4.5.2 dcgmi/Diag.cpp,
-# StartDiag::DoExecuteConnectionFailure), so the init container needs no daemon. Its output goes to the report file
-# whatever its exit code: the verdict reads the report, and its absence fails the node.
-DCGM_COMMAND = "dcgmi diag -r 1 -j > {report} 2>&1; exit 0"
+# StartDiag::DoExecuteConnectionFailure), so the init container needs no daemon. Its standard output (the report, or
+# its error message) goes to the report file whatever its exit code, its standard error to the container's log: the
+# verdict reads the report, and a missing or broken one fails the node.
+DCGM_COMMAND = "dcgmi diag -r 1 -j > {report}; exit 0"
 PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
 RESULTS = "/burn-in"  # an emptyDir shared by the init containers
 REPORT = f"{RESULTS}/dcgm.json"
