@@ -21,7 +21,7 @@ from components import child
 from components.gpu_pool import launch_template, placement_group
 from components.iam import ASSUME_AND_TAG, MANAGED_POLICY, policy, trust
 from gpucluster.contract import settings
-from gpucluster.render import kube
+from gpucluster.render import kube, kube_health
 from gpucluster.spec import eks
 from gpucluster.spec.model import PoolSpec, Stack
 
@@ -326,7 +326,7 @@ class NodePool(pulumi.ComponentResource):
             scaling_config={"min_size": pool.min_nodes, "max_size": pool.max_nodes, "desired_size": pool.min_nodes},
             labels=kube.pool_labels(stack, pool),
             taints=[{"key": t["key"], "value": t["value"], "effect": TAINT_EFFECTS[t["effect"]]}
-                    for t in kube.pool_taints(pool)],
+                    for t in kube_health.node_group_taints(pool)],
             update_config={"max_unavailable": 1},
             node_repair_config=node_repair_config(pool),
             # The autoscaler owns the desired size once the group exists.
@@ -366,6 +366,7 @@ TYPED: dict[tuple[str, str], Any] = {
     ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"): k8s.rbac.v1.ClusterRoleBinding,
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): k8s.rbac.v1.RoleBinding,
     ("apps/v1", "Deployment"): k8s.apps.v1.Deployment,
+    ("apps/v1", "DaemonSet"): k8s.apps.v1.DaemonSet,
 }
 
 
@@ -387,7 +388,7 @@ class ClusterSoftwareArgs:
 
 class ClusterSoftware(pulumi.ComponentResource):
     """Pinned Helm releases: the Cluster Autoscaler (with its Pod Identity role), the NVIDIA, Neuron and EFA device
-    plugins, Kueue, and the Prometheus stack with dcgm-exporter."""
+    plugins, Kueue, and the Prometheus stack with dcgm-exporter; and the accelerator nodes' burn-in."""
 
     autoscaler_role_arn: pulumi.Output[str]
     autoscaler_role_name: pulumi.Output[str]
@@ -438,6 +439,11 @@ class ClusterSoftware(pulumi.ComponentResource):
         if nvidia:
             release("dcgm-exporter", eks.DCGM_EXPORTER, kube.dcgm_exporter_values(),
                     child(self, depends_on=[self.prometheus]))
+        # The burn-in of every new accelerator node (the node groups' startup taint waits for it).
+        burn_in_namespace, *burn_in = kube_health.burn_in_manifests(stack)
+        namespace = declare(burn_in_namespace, child(self))
+        for manifest in burn_in:
+            declare(manifest, child(self, depends_on=[namespace]))
         self.autoscaler_role_arn, self.autoscaler_role_name = role.arn, role.name
         self.register_outputs({"autoscaler_role_arn": self.autoscaler_role_arn})
 

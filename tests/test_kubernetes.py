@@ -22,6 +22,7 @@ import yaml
 import standard_library
 from components.kubernetes import autoscaler_node_template_tags
 from conftest import K8S_STACK_FILES, ROOT, of_type, planned
+from gpucluster.contract import node_health
 from gpucluster.node import queue_guardrail
 from gpucluster.plan import Declared, planned_outputs, run_program
 from gpucluster.project import EXAMPLES_DIR, pulumi_program
@@ -340,7 +341,7 @@ def test_trainium_pool_boots_neuron_ami_and_is_tainted_for_neuron() -> None:
     stack, declared = variant(TEAM_K8S, pools=pools)
     group = _groups(stack, declared)["trn1"]
     assert group["amiType"] == "AL2023_x86_64_NEURON"
-    assert {t["key"] for t in group["taints"]} == {"aws.amazon.com/neuron"}
+    assert {t["key"] for t in group["taints"]} == {"aws.amazon.com/neuron", node_health.STARTUP_TAINT}
     # No NVIDIA pool: no NVIDIA device plugin, dcgm-exporter or idle-GPU rule.
     releases = _releases(declared)
     assert not {"nvidia-device-plugin", "dcgm-exporter"} & set(releases) and "efa-device-plugin" in releases
@@ -508,13 +509,15 @@ def test_kueue_flavours_are_pool_families_so_spot_falls_back() -> None:
     assert flavours["g6e"]["tolerations"] == [
         {"key": "nvidia.com/gpu", "operator": "Equal", "value": "true", "effect": "NoSchedule"}]
     assert not any("nodeTaints" in f for f in flavours.values())
-    # Every taint of every node group is tolerated by its family's flavour.
+    # Every taint of every node group is tolerated by its family's flavour, but the burn-in's startup taint, which
+    # keeps jobs off a node until its burn-in passes (tests/test_kube_burn_in.py).
     for name, group in groups.items():
         if name == "system":
             continue
         flavour = flavours[group["labels"]["gpucluster/family"]]
         tolerated = {(t["key"], t["value"], t["effect"]) for t in flavour["tolerations"]}
-        tainted = {(t["key"], t["value"], t["effect"].replace("NO_SCHEDULE", "NoSchedule")) for t in group["taints"]}
+        tainted = {(t["key"], t["value"], t["effect"].replace("NO_SCHEDULE", "NoSchedule")) for t in group["taints"]
+                   if t["key"] != node_health.STARTUP_TAINT}
         assert tainted <= tolerated
     (cq,) = of_type(declared, "kueue.x-k8s.io/v1beta2:ClusterQueue")
     (group,) = cq.inputs["spec"]["resourceGroups"]
@@ -538,7 +541,7 @@ def test_jobs_without_a_queue_name_are_not_admitted() -> None:
     stack, declared = planned(TEAM_K8S)
     config = yaml.safe_load(_releases(declared)["kueue"]["values"]["managerConfig"]["controllerManagerConfigYaml"])
     assert config["manageJobsWithoutQueueName"] is True
-    (ns,) = of_type(declared, "core/v1:Namespace")
+    (ns,) = [n for n in of_type(declared, "core/v1:Namespace") if n.inputs["metadata"]["name"] == stack.spec.team]
     assert config["managedJobsNamespaceSelector"] == {"matchLabels": {"gpucluster/team-namespace": "true"}}
     assert ns.inputs["metadata"]["labels"]["gpucluster/team-namespace"] == "true"
     # Bare pods, Deployments and StatefulSets are queued too: none takes a GPU around the quota or the hold.
@@ -590,7 +593,8 @@ def test_guardrail_reads_the_budget_queue_and_may_patch_one_queue(k8s: tuple[Sta
     assert action_arn.startswith(f"arn:aws:budgets::123456789012:budget/{stack.budget_name}/action/")
     assert grants["ReverseLaunchDeny"] == {"Sid": "ReverseLaunchDeny", "Effect": "Allow", "Resource": action_arn,
                                            "Action": ["budgets:DescribeBudgetAction", "budgets:ExecuteBudgetAction"]}
-    (role,) = of_type(declared, "rbac.authorization.k8s.io/v1:ClusterRole")
+    (role,) = [r for r in of_type(declared, "rbac.authorization.k8s.io/v1:ClusterRole")
+               if r.inputs["metadata"]["name"] == kube.GUARDRAIL]
     assert role.inputs["rules"] == [{"apiGroups": ["kueue.x-k8s.io"], "resources": ["clusterqueues"],
                                      "resourceNames": [stack.spec.team], "verbs": ["get", "patch"]}]
     (deployment,) = of_type(declared, "apps/v1:Deployment")
@@ -631,9 +635,10 @@ def test_the_guardrail_pod_has_every_file_its_program_imports(k8s: tuple[Stack, 
 def test_a_budget_that_only_alerts_has_no_hold_and_no_deny() -> None:
     doc = yaml.safe_load(TEAM_K8S.read_text())["config"]["gpucluster:cluster"]["budget"]
     _, declared = variant(TEAM_K8S, budget={**doc, "act_threshold_percent": None})
-    for kind in ("budgets/budgetAction:BudgetAction", "apps/v1:Deployment", "sqs/queue:Queue",
-                 "rbac.authorization.k8s.io/v1:ClusterRole"):
+    for kind in ("budgets/budgetAction:BudgetAction", "apps/v1:Deployment", "sqs/queue:Queue"):
         assert not of_type(declared, kind), kind
+    assert not [r for r in of_type(declared, "rbac.authorization.k8s.io/v1:ClusterRole")
+                if r.inputs["metadata"]["name"] == kube.GUARDRAIL]
 
 
 # --- 7. Monitoring ----------------------------------------------------------------------------------------------

@@ -592,13 +592,15 @@ def render_header(name: str) -> str:
 
 def render_files(stack: Stack, examples_dir: Path) -> dict[str, list[Manifest]]:
     """Every object the program declares in the cluster (values AWS computes as placeholders), and the first job."""
+    from gpucluster.render import kube_health  # it builds on this module
+
     fsx = Fsx("<file system id at up>", "<file system DNS name at up>", "<mount name at up>",
               stack.spec.storage.lustre.storage_capacity_gib or 1200)
     if stack.spec.storage.lustre.file_system_id:
         lustre = stack.spec.storage.lustre
         fsx = Fsx(lustre.file_system_id, lustre.dns_name, lustre.mount_name, 1200)
     files = {"team.yaml": team_manifests(stack, fsx), "queues.yaml": queue_manifests(stack),
-             "idle-gpu-rule.yaml": [idle_gpu_rule(stack)],
+             "idle-gpu-rule.yaml": [idle_gpu_rule(stack)], "burn-in.yaml": kube_health.burn_in_manifests(stack),
              EXAMPLE_JOB_FILE: example_job(stack, example_pool(stack), (examples_dir / "ddp_train.py").read_text())}
     act = stack.spec.budget.act_threshold_percent
     if act is not None:

@@ -692,8 +692,10 @@ def _raw_image_problems(spec: dict[str, Any]) -> list[tuple[tuple[str | int, ...
     return _image_problems(image, _parent_roles(spec))
 
 
-# Namespaces Kubernetes, EKS and the Kubernetes flavour's charts use (gpucluster/spec/eks.py): no team may be named so.
-RESERVED_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease", "kueue-system", "monitoring")
+# Namespaces Kubernetes, EKS, the Kubernetes flavour's charts (gpucluster/spec/eks.py) and its burn-in
+# (gpucluster/render/kube_health.py) use: no team may be named so.
+RESERVED_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease", "kueue-system", "monitoring",
+                       "gpucluster-system")
 
 
 def _scheduler_problems(spec: dict[str, Any]) -> list[tuple[tuple[str | int, ...], str]]:

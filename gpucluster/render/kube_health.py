@@ -1,0 +1,142 @@
+"""The burn-in of every new accelerator node on the Kubernetes flavour, as plain manifests (declared by
+components/kubernetes.py's ClusterSoftware, written by `gpucluster render`).
+
+Each pool's node group starts its nodes with a startup taint (node_group_taints) that no job tolerates. A DaemonSet per
+pool runs on its nodes until they carry a burn-in label: on NVIDIA pools an init container of NVIDIA's DCGM image runs
+the level-1 diagnostic; a second init container runs gpucluster/node/burn_in.py, which counts the devices, decides and
+marks the Node (pass: the taint lifted; fail: a failed taint in its place). The label then takes the node out of the
+DaemonSet's reach and its pod leaves. No container requests a device-plugin resource: an init container's requests are
+held for the pod's whole life and would keep a GPU or EFA device from the jobs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpucluster import node
+from gpucluster.contract import node_health
+from gpucluster.render import kube
+from gpucluster.render.kube import Manifest
+from gpucluster.spec.model import PoolSpec, Stack
+
+# The cluster's own node software, apart from the team's namespace (which enforces Pod Security's baseline: no
+# privileged container, no hostPath). Pod Security's privileged level, said explicitly: the diagnostic needs it.
+NAMESPACE = "gpucluster-system"
+BURN_IN = "gpucluster-burn-in"
+# NVIDIA's DCGM image (NVIDIA/DCGM docker/Dockerfile.ubuntu22.04: dcgmi and nv-hostengine on a CUDA base image with
+# NVIDIA_VISIBLE_DEVICES=all), at the tag the GPU Operator v26.3.3 pins (deployments/gpu-operator/values.yaml, dcgm).
+DCGM_IMAGE = "nvcr.io/nvidia/cloud-native/dcgm:4.5.2-1-ubuntu22.04"
+# Level 1: the quick deployment checks (driver, libraries, persistence, retired pages), seconds not minutes. With no
+# host engine to reach, dcgmi starts one embedded in itself (NVIDIA/DCGM v4.5.2 dcgmi/Diag.cpp,
+# StartDiag::DoExecuteConnectionFailure), so the init container needs no daemon. Its standard output (the report, or
+# its error message) goes to the report file whatever its exit code, its standard error to the container's log: the
+# verdict reads the report, and a missing or broken one fails the node.
+DCGM_COMMAND = "dcgmi diag -r 1 -j > {report}; exit 0"
+PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
+RESULTS = "/burn-in"  # an emptyDir shared by the init containers
+REPORT = f"{RESULTS}/dcgm.json"
+HOST_DEV, HOST_INFINIBAND = "/host/dev", "/host/infiniband"
+MOUNT = "/opt/burn-in"
+PROGRAM = "gpucluster/node/burn_in.py"
+FILES = {path.replace("/", "."): path for path in (  # ConfigMap key -> path (as the guardrail's)
+    "gpucluster/__init__.py", "gpucluster/contract/__init__.py", "gpucluster/contract/node_health.py", PROGRAM)}
+STARTUP_TAINT = {"key": node_health.STARTUP_TAINT, "value": "true", "effect": "NoSchedule"}
+
+
+def unprivileged() -> dict[str, Any]:
+    return {"runAsNonRoot": True, "runAsUser": 65534, "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def node_group_taints(pool: PoolSpec) -> list[dict[str, str]]:
+    """The node group's taints: the pool's, and the burn-in's startup taint. Only the pool's go into the autoscaler's
+    node template (a startup taint is gone by the time a pod could run there) and the Kueue flavours' tolerations."""
+    return [*kube.pool_taints(pool), dict(STARTUP_TAINT)]
+
+
+def daemon_set_name(pool: PoolSpec) -> str:
+    return f"{BURN_IN}-{pool.name}"
+
+
+def expected(pool: PoolSpec) -> dict[str, int]:
+    """What burn_in.py compares with (its environment): the catalog's counts for the pool's instance type."""
+    kind, count = pool.accelerator.kind, pool.accelerator.count
+    return {"EXPECTED_GPUS": count if kind == "nvidia" else 0,
+            "EXPECTED_NEURON_DEVICES": count if kind == "neuron" else 0,
+            "EXPECTED_EFA_DEVICES": pool.itype.efa_interfaces if pool.uses_efa else 0}
+
+
+def _read_only_host(name: str, path: str) -> dict[str, Any]:
+    return {"name": name, "hostPath": {"path": path, "type": "Directory"}}
+
+
+def daemon_set(pool: PoolSpec) -> Manifest:
+    labels = {"app": BURN_IN, kube.POOL_LABEL: pool.name}
+    nvidia = pool.accelerator.kind == "nvidia"
+    env: list[dict[str, Any]] = [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+           *({"name": k, "value": str(v)} for k, v in expected(pool).items()),
+           {"name": "DCGM_REPORT", "value": REPORT}, {"name": "DEV_DIR", "value": HOST_DEV},
+           {"name": "INFINIBAND_DIR", "value": HOST_INFINIBAND}]
+    mounts: list[dict[str, Any]] = [{"name": "program", "mountPath": MOUNT, "readOnly": True},
+                                    {"name": "results", "mountPath": RESULTS}]
+    volumes: list[dict[str, Any]] = [
+        {"name": "program", "configMap": {"name": BURN_IN, "items": [
+            {"key": key, "path": path} for key, path in FILES.items()]}},
+        {"name": "results", "emptyDir": {}}]
+    if not nvidia:  # the Neuron devices are counted by their nodes under /dev
+        mounts.append({"name": "dev", "mountPath": HOST_DEV, "readOnly": True})
+        volumes.append(_read_only_host("dev", "/dev"))
+    if pool.uses_efa:
+        mounts.append({"name": "infiniband", "mountPath": HOST_INFINIBAND, "readOnly": True})
+        volumes.append(_read_only_host("infiniband", "/sys/class/infiniband"))
+    init: list[dict[str, Any]] = []
+    if nvidia:
+        # All GPUs without the device plugin, as dcgm-exporter reaches them: the AL2023 NVIDIA AMI makes the NVIDIA
+        # runtime containerd's default (awslabs/amazon-eks-ami nodeadm/internal/containerd/runtime_config_nvidia.go,
+        # config2.template.toml default_runtime_name), which hands a container every GPU its NVIDIA_VISIBLE_DEVICES
+        # names. Privileged, as the GPU Operator runs this image (assets/state-dcgm/0400_dcgm.yml).
+        init.append({"name": "dcgm-diag", "image": DCGM_IMAGE,
+                     "command": ["sh", "-c", DCGM_COMMAND.format(report=REPORT)],
+                     "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}],
+                     "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+                     "securityContext": {"privileged": True},
+                     "volumeMounts": [{"name": "results", "mountPath": RESULTS}]})
+    init.append({"name": "verdict", "image": kube.GUARDRAIL_IMAGE, "command": ["python", f"{MOUNT}/{PROGRAM}"],
+                 "env": env,
+                 "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "128Mi"}},
+                 "securityContext": unprivileged() | {"readOnlyRootFilesystem": True},
+                 "volumeMounts": mounts})
+    return {"apiVersion": "apps/v1", "kind": "DaemonSet",
+            "metadata": {"name": daemon_set_name(pool), "namespace": NAMESPACE, "labels": labels},
+            "spec": {"selector": {"matchLabels": labels}, "template": {"metadata": {"labels": labels}, "spec": {
+                "serviceAccountName": BURN_IN,
+                # The pool's nodes that have no verdict yet: the verdict's label ends the pod there.
+                "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                    {"matchExpressions": [
+                        {"key": kube.POOL_LABEL, "operator": "In", "values": [pool.name]},
+                        {"key": node_health.RESULT_LABEL, "operator": "DoesNotExist"}]}]}}},
+                "tolerations": [{"key": t["key"], "operator": "Exists", "effect": t["effect"]}
+                                for t in node_group_taints(pool)],
+                "initContainers": init,
+                # Requests nothing: it only holds the pod until the DaemonSet controller removes it.
+                "containers": [{"name": "pause", "image": PAUSE_IMAGE,
+                                "securityContext": unprivileged()}],
+                "volumes": volumes}}}}
+
+
+def burn_in_manifests(stack: Stack) -> list[Manifest]:
+    """The namespace, the verdict's identity (may read and patch Nodes, nothing else), the program, and a DaemonSet
+    per pool. The namespace comes first: components/kubernetes.py declares the rest after it."""
+    return [
+        {"apiVersion": "v1", "kind": "Namespace",
+         "metadata": {"name": NAMESPACE, "labels": {"pod-security.kubernetes.io/enforce": "privileged"}}},
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": BURN_IN, "namespace": NAMESPACE}},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": BURN_IN},
+         "rules": [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": BURN_IN},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": BURN_IN},
+         "subjects": [{"kind": "ServiceAccount", "name": BURN_IN, "namespace": NAMESPACE}]},
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": BURN_IN, "namespace": NAMESPACE},
+         "data": {key: (node.LIBRARY_DIR / path).read_text() for key, path in FILES.items()}},
+        *(daemon_set(pool) for pool in stack.spec.pools),
+    ]

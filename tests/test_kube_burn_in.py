@@ -1,0 +1,398 @@
+"""The Kubernetes flavour's burn-in of new accelerator nodes: the node groups' startup taint (and the autoscaler's view
+of it), the DaemonSet per pool, and the verdict program (gpucluster/node/burn_in.py) on DCGM reports and device counts.
+
+The DCGM reports in tests/dcgm-diag/ are shaped as `dcgmi diag -r 1 -j` of DCGM 4.5.2 writes them (NVIDIA/DCGM
+v4.5.2: dcgmi/Diag.cpp HelperJsonBuildOutput, HelperJsonAddResult, HelperDisplayFailureMessage; keys in
+nvvs/include/NvvsJsonStrings.h; jsoncpp's styled output: keys sorted, three-space indent): a p5.48xlarge's eight H100s
+passing the software test, the same with GPU 3's pending row remapping (DCGM_FR_PENDING_ROW_REMAP, its message as
+dcgmlib/dcgm_errors.h words it), and a diagnostic that could not run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import botocore.session
+import kubernetes_validate
+import pytest
+import yaml
+
+import standard_library
+from components.kubernetes import autoscaler_node_template_tags
+from conftest import K8S_STACK_FILES, ROOT, of_type, planned
+from gpucluster.contract import node_health
+from gpucluster.node import burn_in
+from gpucluster.plan import Declared
+from gpucluster.project import EXAMPLES_DIR
+from gpucluster.render import kube, kube_health
+from gpucluster.spec.model import RESERVED_NAMESPACES, PoolSpec, Stack, load_stack, validate
+from test_kubernetes import TEAM_K8S
+
+REPORTS = ROOT / "tests" / "dcgm-diag"
+# What dcgmi prints (plain text, not JSON) when it finds no host engine and cannot start one in itself
+# (NVIDIA/DCGM v4.5.2 dcgmi/Diag.cpp StartDiag::DoExecuteConnectionFailure).
+UNREACHABLE = "Error: Unable to start an embedded host engine. Host engine connection invalid/disconnected.\n"
+# The Cluster Autoscaler's taint prefixes (kubernetes/autoscaler cluster-autoscaler/utils/taints/taints.go): a taint
+# with one of them is left out of node templates; the first two also make the node count as starting (unready).
+AUTOSCALER_STARTUP_PREFIXES = ("ignore-taint.cluster-autoscaler.kubernetes.io/",
+                               "startup-taint.cluster-autoscaler.kubernetes.io/")
+AUTOSCALER_STATUS_PREFIX = "status-taint.cluster-autoscaler.kubernetes.io/"
+
+
+@pytest.fixture(params=K8S_STACK_FILES, ids=lambda p: p.name)
+def k8s(request: pytest.FixtureRequest) -> tuple[Stack, tuple[Declared, ...]]:
+    return planned(request.param)
+
+
+def trainium() -> Stack:
+    """The shipped stack with a Trainium pool instead of its own (which are all NVIDIA)."""
+    doc = yaml.safe_load(TEAM_K8S.read_text())["config"]
+    doc["gpucluster:cluster"]["pools"] = [{"name": "trn1", "instance_type": "trn1.32xlarge", "max_nodes": 2}]
+    return validate("k8s-trainium", doc)
+
+
+def pool_of(stack: Stack, name: str) -> PoolSpec:
+    return next(p for p in stack.spec.pools if p.name == name)
+
+
+def expected(pool: PoolSpec) -> burn_in.Expected:
+    """The counts the pool's DaemonSet hands the program (its environment), as the program reads them."""
+    env = kube_health.expected(pool)
+    return burn_in.Expected(env["EXPECTED_GPUS"], env["EXPECTED_NEURON_DEVICES"], env["EXPECTED_EFA_DEVICES"])
+
+
+def report(name: str) -> str:
+    return (REPORTS / name).read_text()
+
+
+def without_gpu(text: str, entity_id: int) -> str:
+    """A passing report from a node where one GPU fell off the bus: DCGM neither lists nor tests it."""
+    doc = json.loads(text)
+    for group in doc["entity_groups"]:
+        group["entities"] = [e for e in group["entities"] if e["entity_id"] != entity_id]
+    for category in doc["DCGM Diagnostic"]["test_categories"]:
+        for test in category["tests"]:
+            test["results"] = [r for r in test["results"] if r["entity_id"] != entity_id]
+    return json.dumps(doc)
+
+
+# --- The verdict ------------------------------------------------------------------------------------------------
+
+P5 = pool_of(load_stack(TEAM_K8S), "p5-spot")
+P5_EFA = P5.itype.efa_interfaces
+
+
+def test_the_catalog_counts_reach_the_program() -> None:
+    """A p5's burn-in expects its eight GPUs and all its EFA interfaces; the fixtures are of such a node."""
+    assert P5.uses_efa and P5.accelerator.kind == "nvidia"
+    assert expected(P5) == burn_in.Expected(P5.accelerator.count, 0, P5_EFA)
+    assert burn_in.dcgm_problems(report("p5-pass.json")) == ([], P5.accelerator.count)
+
+
+@pytest.mark.parametrize(("dcgm_report", "efa", "check", "words"), [
+    (report("p5-pass.json"), P5_EFA, "", []),
+    (report("p5-row-remap-pending.json"), P5_EFA, "dcgm",
+     ["Deployment/software failed on GPU 3", "GPU 3 had memory errors and row remappings are pending"]),
+    (without_gpu(report("p5-pass.json"), 5), P5_EFA, "gpu-count", [f"{P5.accelerator.count - 1} GPUs"]),
+    (report("p5-pass.json"), P5_EFA - 1, "efa-count", [f"{P5_EFA - 1} EFA devices"]),
+    # Fail closed: no report is no burn-in.
+    (UNREACHABLE, P5_EFA, "dcgm", ["no report", "Unable to start an embedded host engine"]),
+    (report("runtime-error.json"), P5_EFA, "dcgm", ["could not run", "homogeneous group"]),
+    (None, P5_EFA, "dcgm", ["no report: no output"]),
+    (json.dumps({"DCGM Diagnostic": {"test_categories": []}}), P5_EFA, "dcgm", ["ran no test"]),
+    # Every problem at once, the first naming the taint.
+    (report("p5-row-remap-pending.json"), 0, "dcgm", ["GPU 3", "0 EFA devices"]),
+], ids=["pass", "failed-dcgm-test", "too-few-gpus", "too-few-efa", "dcgm-unreachable", "dcgm-runtime-error",
+        "no-report", "no-test", "several"])
+def test_verdict_on_a_p5(dcgm_report: str | None, efa: int, check: str, words: list[str]) -> None:
+    verdict = burn_in.decide(expected(P5), burn_in.Found(dcgm_report, 0, efa))
+    assert verdict.check == check and verdict.passed == (check == "")
+    for word in words:
+        assert word in "; ".join(verdict.problems)
+    if check == "dcgm" and "no report" in "; ".join(verdict.problems):
+        assert not any("GPUs" in p for p in verdict.problems)  # an unknown count is not reported as zero GPUs
+
+
+def test_a_passing_report_with_a_warning_level_result_fails() -> None:
+    """DCGM writes a warning as "Fail" in its JSON (HelperDisplayDiagResult's default): a result failed alone, with
+    the test's summary still passing, fails the node."""
+    doc = json.loads(report("p5-pass.json"))
+    doc["DCGM Diagnostic"]["test_categories"][0]["tests"][0]["results"][6]["status"] = "Fail"
+    verdict = burn_in.decide(expected(P5), burn_in.Found(json.dumps(doc), 0, P5_EFA))
+    assert verdict.check == "dcgm" and "GPU 6" in verdict.problems[0]
+
+
+@pytest.mark.parametrize(("neuron", "check"), [(16, ""), (15, "neuron-count")])
+def test_verdict_on_a_trainium_node_needs_no_dcgm(neuron: int, check: str) -> None:
+    pool = pool_of(trainium(), "trn1")
+    want = expected(pool)
+    assert want.gpus == 0 and want.neuron_devices == pool.accelerator.count == 16
+    verdict = burn_in.decide(want, burn_in.Found(None, neuron, pool.itype.efa_interfaces))
+    assert verdict.check == check
+
+
+def test_device_counts(tmp_path: Path) -> None:
+    dev, infiniband = tmp_path / "dev", tmp_path / "infiniband"
+    dev.mkdir()
+    infiniband.mkdir()
+    for name in ("neuron0", "neuron1", "neuron15", "nvidia0", "neuron", "neuronx"):
+        (dev / name).touch()
+    for i in range(3):
+        (infiniband / f"rdmap{16 + i}s0").mkdir()
+    assert burn_in.count_neuron_devices(dev) == 3
+    assert burn_in.count_efa_devices(infiniband) == 3
+    assert burn_in.count_efa_devices(tmp_path / "absent") == 0 and burn_in.count_neuron_devices(tmp_path / "x") == 0
+
+
+# --- The Node patch ---------------------------------------------------------------------------------------------
+
+def a_new_node(pool: PoolSpec) -> dict[str, Any]:
+    """A node of the pool as it registers: the node group's taints (the startup taint among them)."""
+    return {"metadata": {"name": "ip-10-44-0-17.ec2.internal", "resourceVersion": "4711",
+                         "labels": kube.pool_labels(load_stack(TEAM_K8S), pool)},
+            "spec": {"taints": kube_health.node_group_taints(pool)}}
+
+
+def test_a_pass_lifts_the_startup_taint_and_labels_the_node() -> None:
+    node = a_new_node(P5)
+    patch = burn_in.node_patch(node, burn_in.Verdict("", ()))
+    assert patch == {"metadata": {"resourceVersion": "4711", "labels": {"gpucluster/burn-in": "passed"},
+                                  "annotations": {"gpucluster/burn-in-reason": None}},
+                     "spec": {"taints": kube.pool_taints(P5)}}
+
+
+def test_a_failure_puts_the_failed_taint_in_the_startup_taints_place() -> None:
+    node = a_new_node(P5)
+    node["spec"]["taints"].append({"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"})
+    verdict = burn_in.Verdict("efa-count", ("31 EFA devices under /sys/class/infiniband, the instance type has 32",))
+    patch = burn_in.node_patch(node, verdict)
+    assert patch["metadata"] == {"resourceVersion": "4711", "labels": {"gpucluster/burn-in": "failed"},
+                                 "annotations": {"gpucluster/burn-in-reason": verdict.problems[0]}}
+    assert patch["spec"]["taints"] == [*kube.pool_taints(P5),
+                                       {"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"},
+                                       {"key": "gpucluster/burn-in-failed", "value": "efa-count",
+                                        "effect": "NoSchedule"}]
+    # Run again on that node (its label removed by hand): still one failed taint, with the new verdict's value.
+    node["spec"]["taints"] = patch["spec"]["taints"]
+    again = burn_in.node_patch(node, burn_in.Verdict("dcgm", ("x",)))["spec"]["taints"]
+    assert [t["value"] for t in again if t["key"] == node_health.FAILED_TAINT] == ["dcgm"]
+    assert not any(t["key"] == node_health.STARTUP_TAINT for t in again)
+
+
+def test_the_program_marks_its_node(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """main() from its environment to its two calls. The API server is a stand-in (`burn_in.api` replaced): no API
+    server runs on this machine; the patch bodies are the ones the tests above check."""
+    node = a_new_node(P5)
+    calls: list[tuple[str, str, dict[str, Any] | None]] = []
+
+    def api(method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        calls.append((method, path, body))
+        return node
+
+    (tmp_path / "dcgm.json").write_text(report("p5-row-remap-pending.json"))
+    (tmp_path / "infiniband").mkdir()
+    for i in range(P5_EFA):
+        (tmp_path / "infiniband" / f"rdmap{i}").mkdir()
+    daemon_set = kube_health.daemon_set(P5)
+    (verdict_container,) = [c for c in daemon_set["spec"]["template"]["spec"]["initContainers"]
+                            if c["name"] == "verdict"]
+    for variable in verdict_container["env"]:
+        if "value" in variable:
+            monkeypatch.setenv(variable["name"], variable["value"])
+    monkeypatch.setenv("NODE_NAME", node["metadata"]["name"])
+    monkeypatch.setenv("DCGM_REPORT", str(tmp_path / "dcgm.json"))
+    monkeypatch.setenv("INFINIBAND_DIR", str(tmp_path / "infiniband"))
+    monkeypatch.setattr(burn_in, "api", api)
+    burn_in.main()
+    path = f"/api/v1/nodes/{node['metadata']['name']}"
+    assert [(m, p) for m, p, _ in calls] == [("GET", path), ("PATCH", path)]
+    patch = calls[1][2]
+    assert patch is not None and patch["metadata"]["labels"] == {"gpucluster/burn-in": "failed"}
+    assert {"key": "gpucluster/burn-in-failed", "value": "dcgm", "effect": "NoSchedule"} in patch["spec"]["taints"]
+
+
+def test_the_burn_in_pod_has_every_file_its_program_imports(tmp_path: Path) -> None:
+    """The ConfigMap, projected as the DaemonSet's volume puts it, runs with the standard library alone."""
+    manifests = kube_health.burn_in_manifests(load_stack(TEAM_K8S))
+    (config_map,) = [m for m in manifests if m["kind"] == "ConfigMap"]
+    pod = kube_health.daemon_set(P5)["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v.get("configMap", {}).get("name") == config_map["metadata"]["name"]]
+    assert {item["key"] for item in volume["configMap"]["items"]} == set(config_map["data"])
+    for item in volume["configMap"]["items"]:
+        (tmp_path / item["path"]).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / item["path"]).write_text(config_map["data"][item["key"]])
+    (verdict_container,) = [c for c in pod["initContainers"] if c["name"] == "verdict"]
+    (mount,) = [m["mountPath"] for m in verdict_container["volumeMounts"] if m["name"] == volume["name"]]
+    program = verdict_container["command"][-1]
+    code = standard_library.ONLY + "import runpy\nrunpy.run_path(sys.argv[1])\n"
+    done = subprocess.run([sys.executable, "-I", "-c", code, str(tmp_path / program.removeprefix(f"{mount}/"))],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert config_map["data"]["gpucluster.node.burn_in.py"] == Path(burn_in.__file__).read_text()
+
+
+# --- The DaemonSet ----------------------------------------------------------------------------------------------
+
+def every_pool() -> list[tuple[Stack, PoolSpec]]:
+    stacks = [load_stack(p) for p in K8S_STACK_FILES] + [trainium()]
+    return [(stack, pool) for stack in stacks for pool in stack.spec.pools]
+
+
+def containers(daemon_set: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = daemon_set["spec"]["template"]["spec"]
+    return [*spec["initContainers"], *spec["containers"]]
+
+
+@pytest.mark.parametrize(("stack", "pool"), every_pool(), ids=lambda x: getattr(x, "name", ""))
+def test_the_burn_in_takes_no_device_from_the_jobs(stack: Stack, pool: PoolSpec) -> None:
+    """No container asks a device plugin for anything (an init container's request is held for the pod's life); only
+    CPU and memory, and the main container nothing at all."""
+    daemon_set = kube_health.daemon_set(pool)
+    for container in containers(daemon_set):
+        for kind in ("requests", "limits"):
+            assert set(container.get("resources", {}).get(kind, {})) <= {"cpu", "memory"}, container["name"]
+    # Nor through the pod: no pod-level resources, no dynamic resource claims.
+    assert not {"resources", "resourceClaims"} & set(daemon_set["spec"]["template"]["spec"])
+    (main,) = daemon_set["spec"]["template"]["spec"]["containers"]
+    assert "resources" not in main
+
+
+@pytest.mark.parametrize(("stack", "pool"), every_pool(), ids=lambda x: getattr(x, "name", ""))
+def test_each_pool_is_checked_for_what_it_has(stack: Stack, pool: PoolSpec) -> None:
+    daemon_set = kube_health.daemon_set(pool)
+    spec = daemon_set["spec"]["template"]["spec"]
+    by_name = {c["name"]: c for c in spec["initContainers"]}
+    verdict = by_name["verdict"]
+    env = {e["name"]: e.get("value") for e in verdict["env"]}
+    assert (int(env["EXPECTED_GPUS"]), int(env["EXPECTED_NEURON_DEVICES"]), int(env["EXPECTED_EFA_DEVICES"])) == (
+        pool.accelerator.count if pool.accelerator.kind == "nvidia" else 0,
+        pool.accelerator.count if pool.accelerator.kind == "neuron" else 0,
+        pool.itype.efa_interfaces if pool.uses_efa else 0)
+    mounts = {m["mountPath"]: m for m in verdict["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    if pool.accelerator.kind == "nvidia":  # DCGM first, writing the report the verdict reads, with every GPU
+        assert list(by_name) == ["dcgm-diag", "verdict"]
+        dcgm = by_name["dcgm-diag"]
+        assert dcgm["image"].startswith("nvcr.io/nvidia/cloud-native/dcgm:")
+        assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"} in dcgm["env"]
+        assert f"dcgmi diag -r 1 -j > {env['DCGM_REPORT']}" in dcgm["command"][-1]
+        (shared,) = [m for m in dcgm["volumeMounts"] if env["DCGM_REPORT"].startswith(m["mountPath"] + "/")]
+        assert mounts[shared["mountPath"]]["name"] == shared["name"] and "emptyDir" in volumes[shared["name"]]
+    else:
+        assert list(by_name) == ["verdict"]
+        assert volumes[mounts[env["DEV_DIR"]]["name"]]["hostPath"]["path"] == "/dev"
+    if pool.uses_efa:
+        infiniband = mounts[env["INFINIBAND_DIR"]]
+        assert infiniband["readOnly"] is True
+        assert volumes[infiniband["name"]]["hostPath"]["path"] == "/sys/class/infiniband"
+    else:
+        assert env["INFINIBAND_DIR"] not in mounts
+    assert all(m.get("readOnly") for m in verdict["volumeMounts"] if "hostPath" in volumes[m["name"]])
+    assert verdict["securityContext"]["runAsNonRoot"] is True and "privileged" not in verdict["securityContext"]
+
+
+def test_the_daemon_sets_run_only_on_undecided_nodes_of_their_pool(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
+    """Each pool's DaemonSet tolerates every taint its node group starts with (the startup taint, the accelerator's,
+    spot's) and selects the pool's nodes without a verdict: the verdict's label removes the pod from the node."""
+    stack, declared = k8s
+    groups = {g.inputs["nodeGroupName"].removeprefix(f"{stack.cluster_name}-"): g.inputs
+              for g in of_type(declared, "eks/nodeGroup:NodeGroup")}
+    daemon_sets = {d.inputs["metadata"]["name"]: d.inputs for d in of_type(declared, "apps/v1:DaemonSet")}
+    assert set(daemon_sets) == {f"gpucluster-burn-in-{p.name}" for p in stack.spec.pools}
+    for pool in stack.spec.pools:
+        spec = daemon_sets[f"gpucluster-burn-in-{pool.name}"]["spec"]["template"]["spec"]
+        tolerated = {(t["key"], t["effect"]) for t in spec["tolerations"] if t["operator"] == "Exists"}
+        assert {(t["key"], t["effect"].replace("NO_SCHEDULE", "NoSchedule"))
+                for t in groups[pool.name]["taints"]} <= tolerated
+        (term,) = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+            "nodeSelectorTerms"]
+        assert {"key": "gpucluster/pool", "operator": "In", "values": [pool.name]} in term["matchExpressions"]
+        assert {"key": "gpucluster/burn-in", "operator": "DoesNotExist"} in term["matchExpressions"]
+        assert groups[pool.name]["labels"]["gpucluster/pool"] == pool.name
+
+
+def test_its_own_namespace_and_only_node_rights(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
+    stack, declared = k8s
+    (namespace,) = [n.inputs for n in of_type(declared, "core/v1:Namespace")
+                    if n.inputs["metadata"]["name"] == kube_health.NAMESPACE]
+    assert kube_health.NAMESPACE != kube.namespace_name(stack) and kube_health.NAMESPACE in RESERVED_NAMESPACES
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+    (role,) = [r.inputs for r in of_type(declared, "rbac.authorization.k8s.io/v1:ClusterRole")
+               if r.inputs["metadata"]["name"] == kube_health.BURN_IN]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
+    (binding,) = [b.inputs for b in of_type(declared, "rbac.authorization.k8s.io/v1:ClusterRoleBinding")
+                  if b.inputs["metadata"]["name"] == kube_health.BURN_IN]
+    assert binding["roleRef"]["name"] == kube_health.BURN_IN
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": kube_health.BURN_IN,
+                                    "namespace": kube_health.NAMESPACE}]
+    ns_urn = next(d.urn for d in of_type(declared, "core/v1:Namespace")
+                  if d.inputs["metadata"]["name"] == kube_health.NAMESPACE)
+    for d in declared:
+        if d.type.startswith("kubernetes:") and d.inputs.get("metadata", {}).get("namespace") == kube_health.NAMESPACE:
+            assert ns_urn in d.dependencies, d.name
+            if d.type.endswith("apps/v1:DaemonSet"):
+                assert d.inputs["spec"]["template"]["spec"]["serviceAccountName"] == kube_health.BURN_IN
+
+
+def test_the_manifests_are_valid_for_every_accelerator_kind() -> None:
+    """Strict validation of the Neuron variant too (the shipped stack has only NVIDIA pools; tests/test_kubernetes.py
+    validates every object the shipped stacks declare and render)."""
+    stack = trainium()
+    for manifest in kube_health.burn_in_manifests(stack):
+        kubernetes_validate.validate(manifest, stack.spec.eks.version, strict=True)
+    broken = kube_health.daemon_set(pool_of(stack, "trn1"))
+    broken["spec"]["template"]["spec"]["initContainers"][0]["volumeMount"] = []
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, stack.spec.eks.version, strict=True)
+
+
+def test_render_writes_the_burn_in(tmp_path: Path) -> None:
+    from gpucluster.cli import main
+
+    assert main(["render", str(TEAM_K8S), "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "kubernetes" / "burn-in.yaml").read_text()
+    assert text.startswith("# Reference, not for kubectl apply")
+    kinds = [d["kind"] for d in yaml.safe_load_all(text)]
+    assert kinds[0] == "Namespace" and kinds.count("DaemonSet") == len(load_stack(TEAM_K8S).spec.pools)
+
+
+# --- The node groups and the autoscaler -------------------------------------------------------------------------
+
+def test_node_groups_start_tainted_but_the_template_says_nothing_of_it(
+        k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
+    """Jobs wait for the burn-in; the autoscaler still counts the coming node as room for them: its node template
+    (the ASG tags it reads at zero nodes) carries the pool's taints and not the startup taint."""
+    stack, declared = k8s
+    groups = {g.inputs["nodeGroupName"]: g.inputs for g in of_type(declared, "eks/nodeGroup:NodeGroup")}
+    tags = [t.inputs["tag"]["key"] for t in of_type(declared, "autoscaling/tag:Tag")]
+    assert tags and not any(node_health.STARTUP_TAINT in key for key in tags)
+    for pool in stack.spec.pools:
+        taints = groups[f"{stack.cluster_name}-{pool.name}"]["taints"]
+        assert {"key": node_health.STARTUP_TAINT, "value": "true", "effect": "NO_SCHEDULE"} in taints
+        assert not any(node_health.STARTUP_TAINT in key for key in autoscaler_node_template_tags(stack, pool))
+    system = groups[f"{stack.cluster_name}-system"]["taints"]
+    assert not any(t["key"] == node_health.STARTUP_TAINT for t in system)
+
+
+def test_no_job_tolerates_the_startup_taint() -> None:
+    stack = load_stack(TEAM_K8S)
+    for flavour in kube.resource_flavors(stack):
+        assert not any(t["key"] == node_health.STARTUP_TAINT for t in flavour["spec"]["tolerations"])
+    *_, job = kube.example_job(stack, kube.example_pool(stack), (EXAMPLES_DIR / "ddp_train.py").read_text())
+    tolerations = job["spec"]["template"]["spec"]["tolerations"]
+    assert not any(t.get("key") == node_health.STARTUP_TAINT or "key" not in t for t in tolerations)
+
+
+def test_the_taints_as_the_autoscaler_and_eks_read_them() -> None:
+    """The startup taint has the autoscaler's startup prefix (a starting node, not a template taint) and fits EKS's
+    Taint shape (its key's length limit, from botocore's model: node groups set it); the failed taint has none of the
+    autoscaler's prefixes, so a failed node is a ready node no pod can use, which its scale-down removes as
+    unneeded."""
+    assert node_health.STARTUP_TAINT.startswith(AUTOSCALER_STARTUP_PREFIXES[1])
+    assert not node_health.FAILED_TAINT.startswith((*AUTOSCALER_STARTUP_PREFIXES, AUTOSCALER_STATUS_PREFIX))
+    limits = botocore.session.get_session().get_service_model("eks").shape_for("Taint").members["key"].metadata
+    assert limits["min"] <= len(node_health.STARTUP_TAINT) <= limits["max"]
