@@ -42,8 +42,7 @@ class AccountFacts:
     def describe(self) -> str:
         role = "has the spot service-linked role" if self.spot_role else "has no spot service-linked role yet"
         key = "customer managed" if self.customer_managed_ebs_key else "AWS managed (aws/ebs)"
-        operator = f"; `operator` (the machine running `up`) is {self.operator_ip}" if self.operator_ip else ""
-        return f"the account {role}; its default EBS key is {key}{operator}"
+        return f"the account {role}; its default EBS key is {key}"
 
     def ebs_key(self, region: str) -> tuple[str, str]:
         """(default key id as EC2 gives it, key ARN) of this account."""

@@ -529,7 +529,7 @@ class ImageSpec(_Model):
 
 
 ROLE_ARN_RE = r"^arn:aws:iam::[0-9]{12}:role/[A-Za-z0-9+=,.@_/-]{1,512}$"
-# In kubernetes.public_access_cidrs: the public IPv4 address of the machine running `pulumi up` (gpucluster/aws/checkip).
+# In kubernetes.public_access_cidrs: the public IPv4 address of the machine running `pulumi up` (aws/checkip.py).
 OPERATOR = "operator"
 
 
