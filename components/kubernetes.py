@@ -94,7 +94,8 @@ class EksCluster(pulumi.ComponentResource):
             api_group = aws.ec2.SecurityGroup(
                 f"{name}-api", vpc_id=args.vpc_id,
                 description="EKS API private endpoint: HTTPS from kubernetes.private_access_cidrs", opts=child(self))
-            for cidr in settings_.private_access_cidrs:  # named by network: a removed one takes only its own rule
+            # Named by network (each once): removing one from the list takes only its own rule.
+            for cidr in dict.fromkeys(settings_.private_access_cidrs):
                 aws.vpc.SecurityGroupIngressRule(
                     f"{name}-api-{cidr.replace('/', '-')}", security_group_id=api_group.id, cidr_ipv4=cidr,
                     ip_protocol="tcp", from_port=443, to_port=443,

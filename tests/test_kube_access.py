@@ -167,7 +167,7 @@ def test_a_failed_lookup_at_up_names_the_key(service: Checkip, unreachable: str,
 
 def test_private_access_admits_exactly_its_networks_to_the_api_not_to_the_nodes() -> None:
     private = ["10.8.0.0/16", "172.20.0.0/14"]
-    stack = k8s_stack(EXISTING, private_access_cidrs=private)
+    stack = k8s_stack(EXISTING, private_access_cidrs=[*private, private[0]])  # a network listed twice: one rule
     declared = run_program(stack, pulumi_program())
     vpc = vpc_config(declared)
     assert vpc["endpointPrivateAccess"] is True and vpc["endpointPublicAccess"] is False

@@ -33,6 +33,7 @@ def public_address(url: str = CHECKIP_URL, timeout: float = TIMEOUT_S) -> ipaddr
         with urllib.request.urlopen(url, timeout=timeout) as reply:
             body = reply.read(64)  # an address and a newline; more is not an address anyway
     except urllib.error.HTTPError as exc:
+        exc.close()  # it holds the response and its connection
         raise LookupFailed(f"{url} answered HTTP {exc.code}") from None
     except urllib.error.URLError as exc:
         raise LookupFailed(f"{url} is unreachable: {exc.reason}") from None
