@@ -20,10 +20,11 @@ import pulumi_kubernetes as k8s
 from components import child
 from components.gpu_pool import launch_template, placement_group
 from components.iam import ASSUME_AND_TAG, MANAGED_POLICY, policy, trust
+from gpucluster.aws import checkip
 from gpucluster.contract import settings
 from gpucluster.render import kube, kube_health
 from gpucluster.spec import eks
-from gpucluster.spec.model import PoolSpec, Stack
+from gpucluster.spec.model import CONFIG_KEY, OPERATOR, PoolSpec, Stack
 
 ACCESS_POLICY = "arn:aws:eks::aws:cluster-access-policy/"
 # The node role joins the cluster and pulls images; the VPC CNI's IP management is its own Pod Identity role, so that
@@ -80,7 +81,8 @@ class EksClusterArgs:
 
 
 class EksCluster(pulumi.ComponentResource):
-    """The control plane: private endpoint, secrets under a KMS key, API-mode access entries, managed add-ons."""
+    """The control plane: private endpoint (public only for kubernetes.public_access_cidrs, the private one also for
+    private_access_cidrs), secrets under a KMS key, API-mode access entries, managed add-ons."""
 
     name: pulumi.Output[str]
     arn: pulumi.Output[str]
@@ -111,18 +113,38 @@ class EksCluster(pulumi.ComponentResource):
         attached = [aws.iam.RolePolicyAttachment(f"{name}-eks-cluster", role=role.name,
                                                  policy_arn=MANAGED_POLICY + "AmazonEKSClusterPolicy",
                                                  opts=child(self))]
-        public = bool(settings_.public_access_cidrs)
+        try:
+            public_cidrs = checkip.public_access_cidrs(settings_.public_access_cidrs)
+        except checkip.LookupFailed as exc:
+            raise pulumi.RunError(f"{CONFIG_KEY}.kubernetes.public_access_cidrs: {OPERATOR!r} is this machine's "
+                                  f"public address, which could not be looked up: {exc} (list the network's CIDRs "
+                                  "instead)") from None
+        # The nodes' group, which lets members talk freely to each other: control plane <-> kubelets.
+        groups: list[pulumi.Input[str]] = [args.security_group_id]
+        if not stack.spec.network.creates_vpc:
+            # In an existing network, the private endpoint's own group: HTTPS from the networks that reach the VPC
+            # (kubernetes.private_access_cidrs) and from nothing else; the nodes' group never opens 443. There even
+            # while the list is empty, so that listing networks later adds rules, not a group to the cluster.
+            api_group = aws.ec2.SecurityGroup(
+                f"{name}-api", vpc_id=args.vpc_id,
+                description="EKS API private endpoint: HTTPS from kubernetes.private_access_cidrs", opts=child(self))
+            # Named by network (each once): removing one from the list takes only its own rule.
+            for cidr in dict.fromkeys(settings_.private_access_cidrs):
+                aws.vpc.SecurityGroupIngressRule(
+                    f"{name}-api-{cidr.replace('/', '-')}", security_group_id=api_group.id, cidr_ipv4=cidr,
+                    ip_protocol="tcp", from_port=443, to_port=443,
+                    description=f"Kubernetes API from {cidr} (kubernetes.private_access_cidrs)", opts=child(self))
+            groups.append(api_group.id)
         cluster = aws.eks.Cluster(
             f"{name}-eks",
             name=stack.cluster_name,
             version=settings_.version,
             role_arn=role.arn,
             vpc_config={"subnet_ids": [args.subnet_id, second_subnet],
-                        # The nodes' group, which lets members talk freely to each other: control plane <-> kubelets.
-                        "security_group_ids": [args.security_group_id],
+                        "security_group_ids": groups,
                         "endpoint_private_access": True,
-                        "endpoint_public_access": public,
-                        "public_access_cidrs": settings_.public_access_cidrs if public else None},
+                        "endpoint_public_access": bool(public_cidrs),
+                        "public_access_cidrs": public_cidrs or None},
             access_config={"authentication_mode": "API",
                            # The identity running `pulumi up` declares the Kubernetes objects below through the API.
                            "bootstrap_cluster_creator_admin_permissions": True},

@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from gpucluster import project
+from gpucluster.aws import checkip
 from gpucluster.contract.settings import GRAFANA_PORT
 from gpucluster.plan import NEW_ACCOUNT, Declared, run_program
 from gpucluster.spec import catalog, cost, eks
-from gpucluster.spec.model import SpecError, Stack, load_stack, resolve_stack_file
+from gpucluster.spec.model import OPERATOR, SpecError, Stack, load_stack, resolve_stack_file
 from gpucluster.spec.ubuntu_lock import LOCK_FILE
 
 EXIT_BAD_INPUT = 2
@@ -153,6 +154,9 @@ def plan(args: argparse.Namespace) -> int:
     print(f"Stack {stack.name}: team {stack.spec.team}, {stack.region} / {stack.spec.availability_zone}, "
           f"{len(declared)} resources (offline plan, mock runtime; '<... at up>' marks values AWS computes)")
     print(f"Assumed, as a plan cannot ask AWS (`preflight` reads the account): {NEW_ACCOUNT.describe()}.")
+    if stack.spec.scheduler == "kubernetes" and OPERATOR in stack.spec.eks.public_access_cidrs:
+        print(f"`operator` (kubernetes.public_access_cidrs) is {NEW_ACCOUNT.operator_ip}/32 here, a documentation "
+              f"address: `up` asks {checkip.CHECKIP_URL} for the address of the machine running it.")
     print()
     print("\n".join(resource_tree(declared)))
     print()

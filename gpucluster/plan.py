@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from gpucluster.aws import checkip
 from gpucluster.spec import account
 from gpucluster.spec.model import CONFIG_KEY, REGION_KEY, Stack, stack_config
 
@@ -22,16 +23,21 @@ if TYPE_CHECKING:  # pulumi is imported where the plan runs: the head node's com
 MOCK_ACCOUNT = "123456789012"
 # An interface's private IP as AWS gives it, from the documentation range (RFC 5737): never a real address.
 PLAN_INTERFACE_IP = "192.0.2.10"
+# The public address of the machine running `up` (`operator` in kubernetes.public_access_cidrs), from another
+# documentation range: `up` asks checkip.amazonaws.com (gpucluster/aws/checkip.py).
+PLAN_OPERATOR_IP = "198.51.100.7"
 
 
 @dataclass(frozen=True)
 class AccountFacts:
     """What the program looks up in the account to decide what it declares, which an offline plan cannot ask: by
-    default a new account (no spot service-linked role yet) whose default EBS key is AWS's own. Tests plan other
-    accounts with it; `preflight` reads the real one."""
+    default a new account (no spot service-linked role yet) whose default EBS key is AWS's own, and an operator at a
+    documentation address. Tests plan other accounts with it; `preflight` reads the real one."""
 
     spot_role: bool = False  # AWSServiceRoleForEC2Spot exists
     customer_managed_ebs_key: bool = False  # the default EBS key is a customer managed key
+    # The public address of the machine running `up`; None: ask checkip.amazonaws.com, as `up` does.
+    operator_ip: str | None = PLAN_OPERATOR_IP
 
     def describe(self) -> str:
         role = "has the spot service-linked role" if self.spot_role else "has no spot service-linked role yet"
@@ -342,5 +348,9 @@ def run_program(stack: Stack, program: Callable[[], None], config: dict[str, str
     pulumi.runtime.set_all_config(config or pulumi_config(stack))
     pulumi.runtime.set_mocks(monitor.mocks, project="gpucluster", stack=stack.name, preview=False, monitor=monitor)
 
-    _sync_await(run_pulumi_func(program))
+    address = checkip.PLANNED_ADDRESS.set(facts.operator_ip)
+    try:
+        _sync_await(run_pulumi_func(program))
+    finally:
+        checkip.PLANNED_ADDRESS.reset(address)
     return declared

@@ -24,11 +24,11 @@ from components.kubernetes import autoscaler_node_template_tags
 from conftest import K8S_STACK_FILES, ROOT, of_type, planned
 from gpucluster.contract import node_health
 from gpucluster.node import queue_guardrail
-from gpucluster.plan import Declared, planned_outputs, run_program
+from gpucluster.plan import PLAN_OPERATOR_IP, Declared, planned_outputs, run_program
 from gpucluster.project import EXAMPLES_DIR, pulumi_program
 from gpucluster.render import kube, prometheus
 from gpucluster.spec import catalog, cost, eks
-from gpucluster.spec.model import Stack, load_stack, validate
+from gpucluster.spec.model import OPERATOR, Stack, load_stack, validate
 
 SCHEMAS = ROOT / "tests" / "schemas"
 TEAM_K8S = ROOT / "stacks" / "Pulumi.team-k8s.yaml"
@@ -96,8 +96,10 @@ def test_cluster_private_encrypted_pinned(k8s: tuple[Stack, tuple[Declared, ...]
     spec = cluster.inputs
     assert spec["version"] == stack.spec.eks.version and spec["upgradePolicy"] == {"supportType": "STANDARD"}
     vpc = spec["vpcConfig"]
-    assert vpc["endpointPrivateAccess"] is True and vpc["endpointPublicAccess"] is False
-    assert "publicAccessCidrs" not in vpc
+    # Public only for the stack's way in (tests/test_kube_access.py): `operator` is the plan's documentation address.
+    public = [f"{PLAN_OPERATOR_IP}/32" if c == OPERATOR else c for c in stack.spec.eks.public_access_cidrs]
+    assert vpc["endpointPrivateAccess"] is True and vpc["endpointPublicAccess"] is bool(public)
+    assert vpc.get("publicAccessCidrs") == (public or None)
     assert spec["accessConfig"]["authenticationMode"] == "API"
     (key,) = of_type(declared, "kms/key:Key")
     assert key.inputs["enableKeyRotation"] is True
@@ -127,7 +129,8 @@ def test_control_plane_has_two_zones_nodes_one(k8s: tuple[Stack, tuple[Declared,
 def test_existing_network_names_the_control_planes_subnet() -> None:
     network = {"vpc_id": "vpc-0a1b2c3d4e5f60718", "subnet_id": "subnet-0a1b2c3d4e5f60718"}
     stack, declared = variant(TEAM_K8S, network=network,
-                              kubernetes={"control_plane_subnet_id": "subnet-0f0e0d0c0b0a09080"})
+                              kubernetes={"control_plane_subnet_id": "subnet-0f0e0d0c0b0a09080",
+                                          "private_access_cidrs": ["10.8.0.0/16"]})
     (cluster,) = of_type(declared, "eks/cluster:Cluster")
     assert cluster.inputs["vpcConfig"]["subnetIds"] == ["subnet-0a1b2c3d4e5f60718", "subnet-0f0e0d0c0b0a09080"]
     assert not of_type(declared, "ec2/subnet:Subnet")
@@ -208,7 +211,8 @@ def test_system_nodes_run_only_the_clusters_own_software(k8s: tuple[Stack, tuple
 
 def test_access_entries() -> None:
     admin = "arn:aws:iam::123456789012:role/platform-admins"
-    stack, declared = variant(TEAM_K8S, kubernetes={"version": "1.35", "admin_role_arns": [admin]})
+    stack, declared = variant(TEAM_K8S, kubernetes={"version": "1.35", "admin_role_arns": [admin],
+                                                    "public_access_cidrs": ["operator"]})
     entries = {e.inputs["principalArn"]: e.inputs for e in of_type(declared, "eks/accessEntry:AccessEntry")}
     name = stack.cluster_name
     assert entries[f"arn:aws:iam::123456789012:role/{name}-node"]["type"] == "EC2_LINUX"

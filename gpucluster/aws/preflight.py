@@ -4,20 +4,22 @@ Uses the caller's AWS credentials (boto3's usual chain: AWS_PROFILE, environment
 Per pool: offered in the AZ, EFA, the vCPU quota of its family and market, its capacity reservation, the spot
 placement score, the AMI parameter, and live spot prices, which then update the cost table. Every check says pass, warn
 or fail, and how to fix a failure. Per account: the spot service-linked role (a stack with a spot pool) and the default
-EBS key (gpucluster.spec.account says why both matter). An API that is denied or unavailable is a warning naming the
-permission.
+EBS key (gpucluster.spec.account says why both matter). Per Kubernetes stack: the EKS version, its add-ons, and the way
+into the cluster's API from this machine. An API that is denied or unavailable is a warning naming the permission.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import ipaddress
 from collections import defaultdict
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Literal
 
+from gpucluster.aws import checkip
 from gpucluster.spec import account, bom, eks
-from gpucluster.spec.model import PoolSpec, Stack
+from gpucluster.spec.model import OPERATOR, PoolSpec, Stack
 
 Status = Literal["pass", "warn", "fail"]
 # vCPU service quotas by instance family letter and market (Service Quotas, service code ec2).
@@ -178,6 +180,40 @@ def check_eks_version(client: Any, version: str) -> Check:
                  "set kubernetes.version to a version in standard support")
 
 
+def check_way_in(stack: Stack, checkip_url: str) -> Check:
+    """`pulumi up` reaches the cluster's API from this machine: `operator` listed (and checkip answering, as `up` will
+    ask it), this machine's public address inside a listed network, or private_access_cidrs (a VPN or Direct
+    Connect into the VPC, which only that network can tell)."""
+    spec = stack.spec.eks
+    if not spec.public_access_cidrs:  # then private_access_cidrs (the stack's rules allow nothing else)
+        return Check(None, "api access", "pass", "the private endpoint admits "
+                     f"{', '.join(spec.private_access_cidrs)}: run `up` and kubectl from there (VPN, Direct Connect, "
+                     "peered VPC)")
+    cidrs = [c for c in spec.public_access_cidrs if c != OPERATOR]
+    try:
+        address = checkip.public_address(checkip_url)
+    except checkip.LookupFailed as exc:
+        if OPERATOR in spec.public_access_cidrs:
+            return Check(None, "api access", "fail", f"`operator` needs this machine's public address: {exc}",
+                         "let this machine reach https://checkip.amazonaws.com, or list its network's CIDRs in "
+                         "kubernetes.public_access_cidrs instead of operator")
+        return Check(None, "api access", "warn", f"not checked, this machine's public address is unknown: {exc}")
+    if OPERATOR in spec.public_access_cidrs:
+        return Check(None, "api access", "pass", f"`operator`: this machine's {address}/32 reaches the public "
+                     "endpoint (it follows whoever runs `up`)")
+    inside = next((c for c in cidrs if address in ipaddress.IPv4Network(c)), None)
+    if inside:
+        return Check(None, "api access", "pass", f"this machine ({address}) is inside {inside}")
+    if spec.private_access_cidrs:
+        return Check(None, "api access", "pass", f"this machine ({address}) is outside public_access_cidrs: `up` "
+                     f"goes through the private endpoint from {', '.join(spec.private_access_cidrs)} (a VPN or "
+                     "Direct Connect session must be up)")
+    listed = ", ".join(cidrs)
+    return Check(None, "api access", "fail", f"this machine ({address}) is outside public_access_cidrs ({listed}): "
+                 "`up` cannot reach the cluster's API", f"add `operator` or {address}/32 (or its network) to "
+                 "kubernetes.public_access_cidrs, or run `up` from a listed network")
+
+
 def check_addons(client: Any, version: str) -> list[Check]:
     """Each managed add-on has a default version for the cluster's Kubernetes version."""
     checks = []
@@ -323,8 +359,9 @@ class Report:
         return any(c.status == "fail" for c in self.checks)
 
 
-def run(stack: Stack, session: Any) -> Report:
-    """Every check for `stack` with clients from `session` (a boto3.Session)."""
+def run(stack: Stack, session: Any, checkip_url: str = checkip.CHECKIP_URL) -> Report:
+    """Every check for `stack` with clients from `session` (a boto3.Session); this machine's public address from
+    `checkip_url`."""
     region, az = stack.region, stack.spec.availability_zone
     ec2, ssm = session.client("ec2", region_name=region), session.client("ssm", region_name=region)
     quotas = session.client("service-quotas", region_name=region)
@@ -349,6 +386,7 @@ def run(stack: Stack, session: Any) -> Report:
         checks += guarded(None, "k8s version", "eks:DescribeClusterVersions",
                           lambda: check_eks_version(client, version))
         checks += guarded(None, "add-on", "eks:DescribeAddonVersions", lambda: check_addons(client, version))
+        checks.append(check_way_in(stack, checkip_url))
     order = {p.name: i for i, p in enumerate(stack.spec.pools)}
     checks.sort(key=lambda c: order.get(c.pool or "", -1))
     return Report(checks, prices)

@@ -16,7 +16,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
 
 from gpucluster.contract import settings
@@ -520,6 +529,8 @@ class ImageSpec(_Model):
 
 
 ROLE_ARN_RE = r"^arn:aws:iam::[0-9]{12}:role/[A-Za-z0-9+=,.@_/-]{1,512}$"
+# In kubernetes.public_access_cidrs: the public IPv4 address of the machine running `pulumi up` (aws/checkip.py).
+OPERATOR = "operator"
 
 
 class KubernetesSpec(_Model):
@@ -527,9 +538,14 @@ class KubernetesSpec(_Model):
 
     # A version EKS offers in standard support (gpucluster/spec/eks.py); `preflight` asks EKS whether it still does.
     version: str = eks.DEFAULT_VERSION
-    # The API server is private (reachable from the VPC only). CIDRs listed here may also reach its public endpoint,
-    # e.g. the network `pulumi up` runs from; never 0.0.0.0/0.
+    # Who reaches the API server's public endpoint (the nodes use its private one): IPv4 networks, /8 or narrower
+    # (never 0.0.0.0/0), and/or `operator`, the public address of the machine running `pulumi up` as a /32, looked up
+    # at each `up` from https://checkip.amazonaws.com. `up` declares the cluster's objects through the API, so a stack
+    # needs this or private_access_cidrs (docs/how-to/kubernetes.md, "Choosing the way in").
     public_access_cidrs: list[str] = []
+    # With an existing network (vpc_id) only: networks that reach the VPC (VPN, Direct Connect, peered VPCs), admitted
+    # to the API's private endpoint on TCP 443, for `up` and kubectl run from there. IPv4 networks, /8 or narrower.
+    private_access_cidrs: list[str] = []
     # IAM roles granted cluster admin (AmazonEKSClusterAdminPolicy) besides the identity that runs `pulumi up`.
     admin_role_arns: list[Annotated[str, Field(pattern=ROLE_ARN_RE)]] = []
     # The control plane needs subnets in two AZs; the second is a small subnet in this AZ (default: another letter of
@@ -545,20 +561,25 @@ class KubernetesSpec(_Model):
             raise ValueError(f"unsupported Kubernetes version {value!r}; allowed: {', '.join(eks.VERSIONS)}")
         return value
 
-    @field_validator("public_access_cidrs")
+    @field_validator("public_access_cidrs", "private_access_cidrs")
     @classmethod
-    def _cidrs(cls, value: list[str]) -> list[str]:
+    def _cidrs(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        public = info.field_name == "public_access_cidrs"
         problems = []
         for i, cidr in enumerate(value):
+            if public and cidr == OPERATOR:
+                continue
             try:
                 net = ipaddress.IPv4Network(cidr)
             except ValueError:
-                problems.append(((i,), f"not an IPv4 network: {cidr!r}"))
+                also = f" or {OPERATOR!r} (the address of the machine running `pulumi up`)" if public else ""
+                problems.append(((i,), f"not an IPv4 network{also}: {cidr!r}"))
                 continue
             if net.prefixlen < 8:
-                problems.append(((i,), f"{cidr} opens the API endpoint to too much of the internet: /8 or narrower"))
+                problems.append(((i,), f"{cidr} opens the API endpoint to too much of the "
+                                       f"{'internet' if public else 'network'}: /8 or narrower"))
         if problems:
-            raise _rule_errors("public_access_cidrs", problems, value)
+            raise _rule_errors(str(info.field_name), problems, value)
         return value
 
 
@@ -738,9 +759,28 @@ def _scheduler_problems(spec: dict[str, Any]) -> list[tuple[tuple[str | int, ...
                 and section.get("control_plane_availability_zone") == spec.get("availability_zone"):
             problems.append((("kubernetes", "control_plane_availability_zone"), "must differ from availability_zone "
                              "(EKS needs subnets in two AZs)"))
+        problems += _way_in_problems(section, existing)
     elif scheduler == "slurm" and "kubernetes" in spec:
         problems.append((("kubernetes",), "only allowed with scheduler: kubernetes"))
     return problems
+
+
+def _way_in_problems(section: dict[str, Any], existing: bool) -> list[tuple[tuple[str | int, ...], str]]:
+    """`pulumi up` declares the cluster's Helm releases and objects through its API: a stack names how it gets there.
+    A VPC this `up` creates has no VPN or peering into it yet, so only the public endpoint can be the way in."""
+    if section.get("private_access_cidrs") and not existing:
+        return [(("kubernetes", "private_access_cidrs"), "only allowed with an existing network (vpc_id): nothing "
+                 "outside a VPC this `up` creates can reach into it; use public_access_cidrs (CIDRs or "
+                 f"{OPERATOR!r})")]
+    if not section.get("public_access_cidrs") and not section.get("private_access_cidrs"):
+        private = ("; or, with an existing network (vpc_id), private_access_cidrs: the networks that reach the VPC "
+                   "(VPN, Direct Connect, peering)")
+        return [(("kubernetes", "public_access_cidrs"), "the cluster's API needs a way in for `pulumi up` and kubectl, "
+                 f"or every Helm release and object times out: list {OPERATOR!r} (the public address of the machine "
+                 "running `up`, a /32) and/or the IPv4 networks they run from (/8 or narrower)"
+                 + (private if existing else " (private_access_cidrs needs an existing network: nothing outside a "
+                                                "VPC this `up` creates reaches into it)"))]
+    return []
 
 
 @dataclass(frozen=True)
