@@ -426,7 +426,7 @@ def example_image(stack: Stack) -> str:
     return f"{DLC_ACCOUNT}.dkr.ecr.{stack.region}.amazonaws.com/{DLC_IMAGE}"
 
 
-def _seconds(duration: str) -> int:
+def duration_seconds(duration: str) -> int:
     """A Go duration of whole hours, minutes and seconds ("5m", "1h30m") in seconds."""
     units = {"h": 3600, "m": 60, "s": 1}
     return sum(int(n) * units[u] for n, u in re.findall(r"(\d+)([hms])", duration))
@@ -435,7 +435,7 @@ def _seconds(duration: str) -> int:
 def replacement_wait_s() -> int:
     """How long a pod waits for a lost peer's replacement: a node for it (the autoscaler gives up on a node after
     its max provision time) and the image pulled there."""
-    return _seconds(MAX_NODE_PROVISION_TIME) + IMAGE_PULL_ALLOWANCE_S
+    return duration_seconds(MAX_NODE_PROVISION_TIME) + IMAGE_PULL_ALLOWANCE_S
 
 
 def node_sized_resources(pool: PoolSpec) -> dict[str, str]:
@@ -503,7 +503,7 @@ def example_job(stack: Stack, pool: PoolSpec, script: str, nodes: int = 2) -> li
                "spec": {"clusterIP": "None", "selector": {"job-name": name}, "ports": [{"name": "c10d",
                                                                                          "port": RENDEZVOUS_PORT}]}}
     requests = node_sized_resources(pool)
-    env = [{"name": k, "value": v} for k, v in trainer_env(pool).items()]
+    env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in trainer_env(pool).items()]
     # The Job's uid, on every pod of it: the rendezvous' id and the checkpoint directory's name.
     env.append({"name": "JOB_UID", "valueFrom": {"fieldRef": {
         "fieldPath": "metadata.labels['batch.kubernetes.io/controller-uid']"}}})
