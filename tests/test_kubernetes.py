@@ -713,13 +713,13 @@ def test_example_job() -> None:
     (container,) = pod["containers"]
     # A p5.48xlarge: 192 vCPUs, 2 TiB; all its GPUs and EFA interfaces, most of its CPU and memory.
     assert container["resources"]["requests"] == {"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "32",
-                                                  "cpu": "172", "memory": "1740Gi"}
+                                                  "cpu": "172", "memory": "1740Gi", "hugepages-2Mi": "5120Mi"}
     assert container["resources"]["limits"] == container["resources"]["requests"]
     (shm,) = [v for v in pod["volumes"] if v["name"] == "shm"]
     assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "435Gi"}
     assert {"name": "fsx", "persistentVolumeClaim": {"claimName": "fsx"}} in pod["volumes"]
     command = container["command"][-1]
-    assert "torchrun --nnodes=2 --nproc-per-node=8" in command and "--checkpoint-dir /fsx/checkpoints/" in command
+    assert "torchrun --nnodes=2 --nproc-per-node=8" in command and '--checkpoint-dir "/fsx/checkpoints/' in command
 
 
 def admitted(container: dict, limit_range: dict) -> dict[str, dict[str, str]]:

@@ -9,6 +9,7 @@ in `render`.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -454,17 +455,59 @@ def prometheus_values(stack: Stack, topic_arn: Any) -> dict[str, Any]:
 
 # --- The first job ---------------------------------------------------------------------------------------------
 
-# Any image with torch and CUDA runs the example. NCCL over EFA needs the aws-ofi-nccl plugin and libfabric in the
-# image (AWS's Deep Learning Containers carry them, this one does not): without them NCCL falls back to TCP sockets.
-EXAMPLE_IMAGE = "pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime"
+# AWS's Deep Learning Container for PyTorch training on EC2: torch with CUDA, and EFA's libfabric with NCCL's EFA
+# plugin (aws-ofi-nccl). Without those, NCCL falls back to TCP sockets. The tag and what it carries are read from
+# aws/deep-learning-containers: docs/pytorch/changelog/index.md ("PyTorch 2.13", EC2 tag 2.13-cu133-amzn2023: PyTorch
+# 2.13.0, CUDA 13.3, NCCL 2.30.7, EFA 1.49.0) and .github/config/image/pytorch/2.13-ec2-cuda.yml (prod_image,
+# private_registry: true). The registry is AWS's account in each region; the node role's
+# AmazonEC2ContainerRegistryPullOnly lets the kubelet pull from it.
+DLC_ACCOUNT = "763104351884"
+DLC_IMAGE = "pytorch:2.13-cu133-amzn2023"
+# The DLC's EFA installer puts the plugin at /opt/amazon/ofi-nccl/lib64/libnccl-net-ofi.so, on the image's
+# LD_LIBRARY_PATH (scripts/docker/common/install_efa_amzn2023.sh, docker/pytorch/Dockerfile.cuda): NCCL opens
+# libnccl-net-<NCCL_NET_PLUGIN>.so, so naming it makes NCCL load it (and ddp_train.py report it found).
+NCCL_EFA_PLUGIN = "ofi"
+# EKS's EFA guide (docs.aws.amazon.com/eks/latest/userguide/node-efa.html) and aws-samples/aws-efa-eks request these
+# beside the EFA devices: libfabric's EFA provider uses huge pages for its buffers. Limits equal requests.
+HUGEPAGES_RESOURCE = "hugepages-2Mi"
+EFA_HUGEPAGES_REQUEST = "5120Mi"
+EXAMPLE_NAME = "ddp-example"
+RENDEZVOUS_PORT = 29500
+TRAINER = "trainer"
+# torchrun restarts this node's workers this often (a worker's crash, or a peer lost to an interruption) before the
+# pod fails; then the Job's backoffLimit counts the pod. Interruptions themselves are never counted (DisruptionTarget).
+MAX_RESTARTS = 3
+BACKOFF_LIMIT = 3
+# Exit codes of the pod's command that no retry mends: bash's "command not found" / "not executable" (an image
+# without torchrun) and a usage error (2: bash's or torchrun's own arguments): the Job fails at once.
+BUG_EXIT_CODES = [2, 126, 127]
+# Pulling the DLC (several GB) onto a fresh node, on top of the autoscaler's time to bring the node up.
+IMAGE_PULL_ALLOWANCE_S = 600
+
+
+def example_image(stack: Stack) -> str:
+    return f"{DLC_ACCOUNT}.dkr.ecr.{stack.region}.amazonaws.com/{DLC_IMAGE}"
+
+
+def duration_seconds(duration: str) -> int:
+    """A Go duration of whole hours, minutes and seconds ("5m", "1h30m") in seconds."""
+    units = {"h": 3600, "m": 60, "s": 1}
+    return sum(int(n) * units[u] for n, u in re.findall(r"(\d+)([hms])", duration))
+
+
+def replacement_wait_s() -> int:
+    """How long a pod waits for a lost peer's replacement: a node for it (the autoscaler gives up on a node after
+    its max provision time) and the image pulled there."""
+    return duration_seconds(MAX_NODE_PROVISION_TIME) + IMAGE_PULL_ALLOWANCE_S
 
 
 def node_sized_resources(pool: PoolSpec) -> dict[str, str]:
-    """What one pod that takes a whole node of the pool asks for: all its accelerators and EFA interfaces, and most of
-    its CPU and memory (requests = limits: Guaranteed, so the kubelet evicts it last)."""
+    """What one pod that takes a whole node of the pool asks for: all its accelerators and EFA interfaces (with EFA's
+    huge pages), and most of its CPU and memory (requests = limits: Guaranteed, so the kubelet evicts it last)."""
     memory_gi = int(pool.itype.memory_mib * NODE_SHARE_MEMORY) // 1024
     out = {"cpu": str(int(pool.itype.vcpus * NODE_SHARE_CPU)), "memory": f"{memory_gi}Gi"}
-    return out | {r: str(c) for r, c in pool_resources(pool).items()}
+    out |= {r: str(c) for r, c in pool_resources(pool).items()}
+    return out | ({HUGEPAGES_RESOURCE: EFA_HUGEPAGES_REQUEST} if pool.uses_efa else {})
 
 
 def shm_size(pool: PoolSpec) -> str:
@@ -473,35 +516,79 @@ def shm_size(pool: PoolSpec) -> str:
     return f"{int(pool.itype.memory_mib * NODE_SHARE_MEMORY) // 1024 // 4}Gi"
 
 
-def example_job(stack: Stack, pool: PoolSpec, script: str, nodes: int = 2,
-                image: str = EXAMPLE_IMAGE) -> list[Manifest]:
+def trainer_env(pool: PoolSpec) -> dict[str, str]:
+    """NCCL over EFA where the pool has it. NCCL_DEBUG=INFO on EFA pools: the log then shows aws-ofi-nccl's
+    "NET/OFI Selected Provider is efa" (a TCP fallback shows "NET/Socket" instead). FI_EFA_USE_DEVICE_RDMA stays
+    unset: libfabric then uses the device's RDMA where the type has it, while 1 aborts on a type without
+    (fi_efa(7))."""
+    if not pool.uses_efa:
+        return {"NCCL_DEBUG": "WARN"}
+    return {"NCCL_DEBUG": "INFO", "FI_PROVIDER": "efa", "NCCL_NET_PLUGIN": NCCL_EFA_PLUGIN}
+
+
+def trainer_script(nodes: int, procs: int, checkpoints: str) -> str:
+    """torchrun with elastic restarts and a c10d rendezvous hosted by index 0, named by its headless-Service DNS name,
+    which follows index 0's replacement pod. When index 0 is lost its store goes with it and every other pod's
+    torchrun exits ("RendezvousConnectionError", seen with torch 2.13): those pods start torchrun again, for as long
+    as a replacement takes, and join the replacement's store. A run that lasted that long had joined: the wait
+    starts anew at its loss. Every start resumes from the newest checkpoint (ddp_train.py)."""
+    wait = replacement_wait_s()
+    torchrun = " ".join([
+        "torchrun", f"--nnodes={nodes}", f"--nproc-per-node={procs}", f"--max-restarts={MAX_RESTARTS}",
+        "--rdzv-backend=c10d", '--rdzv-id="$JOB_UID"',
+        f"--rdzv-endpoint={EXAMPLE_NAME}-0.{EXAMPLE_NAME}:{RENDEZVOUS_PORT}",
+        f'--rdzv-conf="is_host=$is_host,join_timeout={wait}"',
+        "/opt/example/ddp_train.py", "--checkpoint-dir", f'"{checkpoints}"'])
+    return "\n".join([
+        'is_host=false; [ "$JOB_COMPLETION_INDEX" = 0 ] && is_host=true',
+        "lost=$SECONDS",
+        "while :; do",
+        "  started=$SECONDS",
+        f"  {torchrun} 2>&1 | tee /tmp/torchrun.log",
+        "  rc=${PIPESTATUS[0]}",
+        f"  [ $((SECONDS - started)) -lt {wait} ] || lost=$SECONDS",
+        f"  if [ $rc -ne 0 ] && [ $((SECONDS - lost)) -lt {wait} ] && grep -q RendezvousConnectionError "
+        "/tmp/torchrun.log; then continue; fi",
+        "  exit $rc",
+        "done"])
+
+
+def example_job(stack: Stack, pool: PoolSpec, script: str, nodes: int = 2) -> list[Manifest]:
     """`script` (examples/ddp_train.py) across `nodes` nodes of `pool` with torchrun: an indexed Job (one pod per node)
     behind a headless Service for the rendezvous, queued through the team's LocalQueue, checkpointing to the FSx
-    claim."""
-    ns, name = namespace_name(stack), "ddp-example"
+    claim (one directory per Job: its pods resume it, a new Job starts afresh). It survives interruptions: a pod
+    evicted for one (DisruptionTarget) is replaced without counting against backoffLimit, and the training restarts
+    from its checkpoint."""
+    ns, name = namespace_name(stack), EXAMPLE_NAME
     config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "namespace": ns},
                   "data": {"ddp_train.py": script}}
     service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": ns},
                "spec": {"clusterIP": "None", "selector": {"job-name": name}, "ports": [{"name": "c10d",
-                                                                                         "port": 29500}]}}
-    procs = pool.accelerator.count
-    command = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={procs}", "--node-rank=$(JOB_COMPLETION_INDEX)",
-               f"--master-addr={name}-0.{name}", "--master-port=29500",
-               "/opt/example/ddp_train.py", "--checkpoint-dir", f"/fsx/checkpoints/{name}"]
+                                                                                         "port": RENDEZVOUS_PORT}]}}
     requests = node_sized_resources(pool)
+    env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in trainer_env(pool).items()]
+    # The Job's uid, on every pod of it: the rendezvous' id and the checkpoint directory's name.
+    env.append({"name": "JOB_UID", "valueFrom": {"fieldRef": {
+        "fieldPath": "metadata.labels['batch.kubernetes.io/controller-uid']"}}})
+    script_text = trainer_script(nodes, pool.accelerator.count, f"/fsx/checkpoints/{name}-$JOB_UID")
     job = {"apiVersion": "batch/v1", "kind": "Job",
            "metadata": {"name": name, "namespace": ns, "labels": {QUEUE_NAME_LABEL: LOCAL_QUEUE}},
-           "spec": {"completionMode": "Indexed", "completions": nodes, "parallelism": nodes, "backoffLimit": 0,
+           "spec": {"completionMode": "Indexed", "completions": nodes, "parallelism": nodes,
+                    "backoffLimit": BACKOFF_LIMIT,
+                    # A replacement starts once its predecessor is gone: never two pods of one index (one hostname).
+                    "podReplacementPolicy": "Failed",
+                    "podFailurePolicy": {"rules": [
+                        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+                        {"action": "FailJob", "onExitCodes": {"containerName": TRAINER, "operator": "In",
+                                                              "values": BUG_EXIT_CODES}}]},
                     "suspend": True,  # Kueue unsuspends it once admitted
                     "template": {"spec": {
                         "subdomain": name, "restartPolicy": "Never",
                         # The pool's family: a spot pool's job falls back to its on-demand pool's nodes.
                         "nodeSelector": {FAMILY_LABEL: family_name(stack, pool)},
                         "tolerations": family_tolerations(families(stack)[family_name(stack, pool)]),
-                        "containers": [{"name": "trainer", "image": image, "command": ["bash", "-c", " ".join(command)],
-                                        "env": [{"name": "NCCL_DEBUG", "value": "WARN"},
-                                                {"name": "FI_PROVIDER", "value": "efa"}] if pool.uses_efa else
-                                               [{"name": "NCCL_DEBUG", "value": "WARN"}],
+                        "containers": [{"name": TRAINER, "image": example_image(stack),
+                                        "command": ["bash", "-c", script_text], "env": env,
                                         "resources": {"requests": requests, "limits": requests},
                                         "volumeMounts": [{"name": "fsx", "mountPath": "/fsx"},
                                                          {"name": "example", "mountPath": "/opt/example"},
@@ -510,7 +597,6 @@ def example_job(stack: Stack, pool: PoolSpec, script: str, nodes: int = 2,
                                     {"name": "example", "configMap": {"name": name}},
                                     {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(pool)}}]}}}}
     return [config_map, service, job]
-
 
 
 # --- The budget guardrail ---------------------------------------------------------------------------------------
