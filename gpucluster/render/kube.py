@@ -9,7 +9,6 @@ in `render`.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -489,16 +488,10 @@ def example_image(stack: Stack) -> str:
     return f"{DLC_ACCOUNT}.dkr.ecr.{stack.region}.amazonaws.com/{DLC_IMAGE}"
 
 
-def duration_seconds(duration: str) -> int:
-    """A Go duration of whole hours, minutes and seconds ("5m", "1h30m") in seconds."""
-    units = {"h": 3600, "m": 60, "s": 1}
-    return sum(int(n) * units[u] for n, u in re.findall(r"(\d+)([hms])", duration))
-
-
-def replacement_wait_s() -> int:
+def replacement_wait_s(stack: Stack) -> int:
     """How long a pod waits for a lost peer's replacement: a node for it (the autoscaler gives up on a node after
     its max provision time) and the image pulled there."""
-    return duration_seconds(MAX_NODE_PROVISION_TIME) + IMAGE_PULL_ALLOWANCE_S
+    return max(p.itype.provision_minutes for p in stack.spec.pools) * 60 + IMAGE_PULL_ALLOWANCE_S
 
 
 def node_sized_resources(pool: PoolSpec) -> dict[str, str]:
@@ -526,13 +519,12 @@ def trainer_env(pool: PoolSpec) -> dict[str, str]:
     return {"NCCL_DEBUG": "INFO", "FI_PROVIDER": "efa", "NCCL_NET_PLUGIN": NCCL_EFA_PLUGIN}
 
 
-def trainer_script(nodes: int, procs: int, checkpoints: str) -> str:
+def trainer_script(nodes: int, procs: int, checkpoints: str, wait: int) -> str:
     """torchrun with elastic restarts and a c10d rendezvous hosted by index 0, named by its headless-Service DNS name,
     which follows index 0's replacement pod. When index 0 is lost its store goes with it and every other pod's
     torchrun exits ("RendezvousConnectionError", seen with torch 2.13): those pods start torchrun again, for as long
     as a replacement takes, and join the replacement's store. A run that lasted that long had joined: the wait
     starts anew at its loss. Every start resumes from the newest checkpoint (ddp_train.py)."""
-    wait = replacement_wait_s()
     torchrun = " ".join([
         "torchrun", f"--nnodes={nodes}", f"--nproc-per-node={procs}", f"--max-restarts={MAX_RESTARTS}",
         "--rdzv-backend=c10d", '--rdzv-id="$JOB_UID"',
@@ -548,7 +540,7 @@ def trainer_script(nodes: int, procs: int, checkpoints: str) -> str:
         "  rc=${PIPESTATUS[0]}",
         f"  [ $((SECONDS - started)) -lt {wait} ] || lost=$SECONDS",
         f"  if [ $rc -ne 0 ] && [ $((SECONDS - lost)) -lt {wait} ] && grep -q RendezvousConnectionError "
-        "/tmp/torchrun.log; then continue; fi",
+        "/tmp/torchrun.log; then sleep 5; continue; fi",  # the new host's name may not resolve yet
         "  exit $rc",
         "done"])
 
@@ -570,7 +562,8 @@ def example_job(stack: Stack, pool: PoolSpec, script: str, nodes: int = 2) -> li
     # The Job's uid, on every pod of it: the rendezvous' id and the checkpoint directory's name.
     env.append({"name": "JOB_UID", "valueFrom": {"fieldRef": {
         "fieldPath": "metadata.labels['batch.kubernetes.io/controller-uid']"}}})
-    script_text = trainer_script(nodes, pool.accelerator.count, f"/fsx/checkpoints/{name}-$JOB_UID")
+    script_text = trainer_script(nodes, pool.accelerator.count, f"/fsx/checkpoints/{name}-$JOB_UID",
+                                 replacement_wait_s(stack))
     job = {"apiVersion": "batch/v1", "kind": "Job",
            "metadata": {"name": name, "namespace": ns, "labels": {QUEUE_NAME_LABEL: LOCAL_QUEUE}},
            "spec": {"completionMode": "Indexed", "completions": nodes, "parallelism": nodes,
