@@ -211,7 +211,8 @@ def resource_quota(stack: Stack) -> Manifest:
     totals = quota_totals(stack)
     hard = {"requests.cpu": str(totals.pop("cpu")), "requests.memory": totals.pop("memory"),
             "pods": str(totals.pop("pods"))}
-    # Extended resources and huge pages take the requests. prefix only (they cannot be overcommitted).
+    # Extended resources take the requests. prefix only (they cannot be overcommitted); huge pages are counted under it
+    # too (kubernetes pkg/quota/v1/evaluator/core/pods.go: podComputeUsageHelper).
     hard |= {f"requests.{resource}": str(amount) for resource, amount in sorted(totals.items())}
     return {"apiVersion": "v1", "kind": "ResourceQuota",
             "metadata": {"name": "team-quota", "namespace": namespace_name(stack)}, "spec": {"hard": hard}}
