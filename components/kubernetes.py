@@ -169,13 +169,8 @@ class EksCluster(pulumi.ComponentResource):
         # every node group's template names both it (the control plane's and managed add-ons' group) and the stack's
         # (members talk freely), so that pods on system and accelerator nodes reach each other.
         self.node_security_group_ids = [args.security_group_id, cluster.vpc_config.cluster_security_group_id]
-        system_template = aws.ec2.LaunchTemplate(
-            f"{name}-system-lt", description=f"{stack.cluster_name} system node group",
-            vpc_security_group_ids=self.node_security_group_ids,
-            # IMDSv2 with one hop: pods get AWS credentials from Pod Identity only, never the node's role.
-            metadata_options={"http_endpoint": "enabled", "http_tokens": "required",
-                              "http_put_response_hop_limit": 1, "http_protocol_ipv6": "disabled"},
-            update_default_version=True, opts=child(self))
+        system_template = plain_launch_template(f"{name}-system-lt", f"{stack.cluster_name} system node group",
+                                               self.node_security_group_ids, child(self))
         self.system_nodes = aws.eks.NodeGroup(
             f"{name}-system", cluster_name=cluster.name, node_group_name=f"{stack.cluster_name}-system",
             version=cluster.version,
@@ -258,8 +253,19 @@ def addon_configuration(stack: Stack, addon: str) -> str | None:
         # Its node agent tolerates every taint by default, its DCGM host engine (which the agent's GPU checks ask)
         # none (aws/eks-node-monitoring-agent v1.7.0 charts/eks-node-monitoring-agent/values.yaml: nodeAgent and
         # dcgmAgent tolerations; keys as charts/configuration.schema.json names them): it tolerates the pools' taints.
-        return json.dumps({"dcgmAgent": {"tolerations": kube.family_tolerations(list(stack.spec.pools))}})
+        return json.dumps({"dcgmAgent": {"tolerations": kube.taint_tolerations(list(stack.spec.pools))}})
     return None
+
+
+def plain_launch_template(name: str, description: str, security_group_ids: Sequence[pulumi.Input[str]],
+                          opts: pulumi.ResourceOptions) -> aws.ec2.LaunchTemplate:
+    """A template for a node group without accelerators: EKS's AMI and bootstrap, the nodes' security groups."""
+    return aws.ec2.LaunchTemplate(
+        name, description=description, vpc_security_group_ids=security_group_ids,
+        # IMDSv2 with one hop: pods get AWS credentials from Pod Identity only, never the node's role.
+        metadata_options={"http_endpoint": "enabled", "http_tokens": "required",
+                          "http_put_response_hop_limit": 1, "http_protocol_ipv6": "disabled"},
+        update_default_version=True, opts=opts)
 
 
 def other_zone(zone: str) -> str:
@@ -282,17 +288,34 @@ def kubeconfig(cluster_name: str, endpoint: str, ca_data: str, region: str) -> s
 def autoscaler_node_template_tags(stack: Stack, pool: PoolSpec) -> dict[str, str]:
     """What the Cluster Autoscaler reads off an Auto Scaling group at zero nodes to know what a new node would look
     like (kubernetes/autoscaler#4998): without the taints and the GPU/EFA counts it never scales a pool up from zero."""
-    prefix = NODE_TEMPLATE
-    tags = {f"{prefix}/label/{k}": v for k, v in kube.pool_labels(stack, pool).items()}
-    tags |= {f"{prefix}/taint/{t['key']}": f"{t['value']}:{t['effect']}" for t in kube.pool_taints(pool)}
-    tags |= {f"{prefix}/resources/{r}": str(n) for r, n in kube.pool_resources(pool).items()}
+    resources = {r: str(kube.quantity(r, n)) for r, n in kube.node_resources(pool).items()}
     # Its AWS template node has no ephemeral-storage otherwise (cluster-autoscaler-1.35.0 cloudprovider/aws/
     # aws_manager.go buildNodeFromTemplate: pods, cpu, nvidia.com/gpu, memory, then these tags), so a pod that requests
     # any would never start a node from zero.
     ephemeral = kube.node_ephemeral_storage(pool)
     if ephemeral is not None:
-        tags[f"{prefix}/resources/ephemeral-storage"] = str(ephemeral)
+        resources["ephemeral-storage"] = str(ephemeral)
+    return node_template_tags(kube.pool_labels(stack, pool), kube.pool_taints(pool), resources)
+
+
+def node_template_tags(labels: dict[str, str], taints: Sequence[dict[str, str]],
+                       resources: dict[str, str]) -> dict[str, str]:
+    """The node-template tags of a group's labels, taints and resources. Resource values are quantities:
+    cluster-autoscaler 1.35 reads them with resource.ParseQuantity (cloudprovider/aws/aws_manager.go
+    extractAllocatableResourcesFromAsg), so "10256Mi" of huge pages reads as it does in a pod's requests."""
+    tags = {f"{NODE_TEMPLATE}/label/{k}": v for k, v in labels.items()}
+    tags |= {f"{NODE_TEMPLATE}/taint/{t['key']}": f"{t['value']}:{t['effect']}" for t in taints}
+    tags |= {f"{NODE_TEMPLATE}/resources/{r}": n for r, n in resources.items()}
     return tags
+
+
+def tag_group(name: str, asg_name: pulumi.Input[str], tags: dict[str, str], opts: pulumi.ResourceOptions) -> None:
+    """The autoscaler's node-template tags on a node group's Auto Scaling group (not on its instances)."""
+    # Named by their key: a label or taint that goes away deletes its own tag and no other (never applied yet, so the
+    # old index names need no aliases).
+    for key, value in sorted(tags.items()):
+        aws.autoscaling.Tag(f"{name}-ca-{key.removeprefix(NODE_TEMPLATE + '/')}", autoscaling_group_name=asg_name,
+                            tag={"key": key, "value": value, "propagate_at_launch": False}, opts=opts)
 
 
 @dataclass(frozen=True)
@@ -354,12 +377,48 @@ class NodePool(pulumi.ComponentResource):
             # The autoscaler owns the desired size once the group exists.
             opts=child(self, depends_on=list(args.depends_on), ignore_changes=["scalingConfig.desiredSize"]),
         )
-        asg_name = node_group.resources.apply(autoscaling_group_name)
-        # Named by their key: a label or taint that goes away deletes its own tag and no other (never applied yet,
-        # so the old index names need no aliases).
-        for key, value in sorted(autoscaler_node_template_tags(stack, pool).items()):
-            aws.autoscaling.Tag(f"{name}-ca-{key.removeprefix(NODE_TEMPLATE + '/')}", autoscaling_group_name=asg_name,
-                                tag={"key": key, "value": value, "propagate_at_launch": False}, opts=child(self))
+        tag_group(name, node_group.resources.apply(autoscaling_group_name),
+                  autoscaler_node_template_tags(stack, pool), child(self))
+        self.register_outputs({"node_group_name": self.node_group_name})
+
+
+@dataclass(frozen=True)
+class CpuNodesArgs:
+    stack: Stack
+    cluster_name: pulumi.Input[str]
+    node_role_arn: pulumi.Input[str]
+    subnet_id: pulumi.Input[str]
+    security_group_ids: Sequence[pulumi.Input[str]]  # EksCluster.node_security_group_ids
+    version: pulumi.Input[str]
+    depends_on: Sequence[pulumi.Resource] = ()  # the node role's policies and access entry
+
+
+class CpuNodes(pulumi.ComponentResource):
+    """The team's CPU node group (kubernetes.cpu_nodes): on demand, from zero, EKS's standard AL2023 AMI, tainted so
+    that only pods Kueue admits to the CPU flavour land there, with the autoscaler's node-template tags."""
+
+    node_group_name: str
+
+    def __init__(self, name: str, args: CpuNodesArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("gpucluster:kubernetes:CpuNodes", name, None, opts)
+        spec = args.stack.spec.eks.cpu_nodes
+        template = plain_launch_template(f"{name}-lt", f"{args.stack.cluster_name} CPU node group",
+                                         args.security_group_ids, child(self))
+        self.node_group_name = name
+        taint = kube.CPU_TAINT
+        node_group = aws.eks.NodeGroup(
+            f"{name}-ng", cluster_name=args.cluster_name, node_group_name=self.node_group_name,
+            version=args.version, node_role_arn=args.node_role_arn, subnet_ids=[args.subnet_id],
+            ami_type="AL2023_x86_64_STANDARD", instance_types=[spec.instance_type], capacity_type="ON_DEMAND",
+            launch_template={"id": template.id, "version": template.latest_version.apply(str)},
+            scaling_config={"min_size": 0, "max_size": spec.max_nodes, "desired_size": 0},
+            labels=kube.cpu_node_labels(),
+            taints=[{"key": taint["key"], "value": taint["value"], "effect": TAINT_EFFECTS[taint["effect"]]}],
+            update_config={"max_unavailable": 1},
+            # The autoscaler owns the desired size once the group exists.
+            opts=child(self, depends_on=list(args.depends_on), ignore_changes=["scalingConfig.desiredSize"]))
+        tag_group(name, node_group.resources.apply(autoscaling_group_name),
+                  node_template_tags(kube.cpu_node_labels(), [taint], {}), child(self))
         self.register_outputs({"node_group_name": self.node_group_name})
 
 
@@ -371,8 +430,12 @@ def declare(manifest: kube.Manifest, opts: pulumi.ResourceOptions) -> pulumi.Cus
     typed = TYPED.get((manifest["apiVersion"], manifest["kind"]))
     if typed is not None:
         return typed(name, metadata=manifest["metadata"], opts=opts, **{SNAKE.get(k, k): v for k, v in body.items()})
-    return k8s.apiextensions.CustomResource(name, api_version=manifest["apiVersion"], kind=manifest["kind"],
-                                            metadata=manifest["metadata"], opts=opts, **body)
+    if set(body) <= {"spec"}:
+        return k8s.apiextensions.CustomResource(name, api_version=manifest["apiVersion"], kind=manifest["kind"],
+                                                metadata=manifest["metadata"], opts=opts, **body)
+    # pulumi_kubernetes' Python CustomResource takes a spec only; a kind whose fields sit beside metadata (Kueue's
+    # WorkloadPriorityClass: value, description) goes to the provider as the whole object, under the same type.
+    return pulumi.CustomResource(f"kubernetes:{manifest['apiVersion']}:{manifest['kind']}", name, dict(manifest), opts)
 
 
 SNAKE = {"roleRef": "role_ref"}  # the one camelCase top-level field among the typed kinds

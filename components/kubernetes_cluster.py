@@ -11,6 +11,8 @@ from components.budget import LaunchDeny, LaunchDenyArgs
 from components.kubernetes import (
     ClusterSoftware,
     ClusterSoftwareArgs,
+    CpuNodes,
+    CpuNodesArgs,
     EksCluster,
     EksClusterArgs,
     NodePool,
@@ -45,6 +47,9 @@ def create_kubernetes_cluster(stack: Stack) -> dict[str, object]:
         subnet_id=network.subnet_id, security_group_ids=cluster.node_security_group_ids,
         version=cluster.version, depends_on=node_ready), opts)
         for pool in spec.pools}
+    cpu_nodes = CpuNodes(f"{stack.cluster_name}-{kube.CPU_FLAVOR}", CpuNodesArgs(
+        stack=stack, cluster_name=cluster.name, node_role_arn=cluster.node_role_arn, subnet_id=network.subnet_id,
+        security_group_ids=cluster.node_security_group_ids, version=cluster.version, depends_on=node_ready), opts)
     # Everything in the cluster goes through the API with the identity running Pulumi, once a node runs the add-ons.
     provider = k8s.Provider("eks", kubeconfig=cluster.kubeconfig, enable_server_side_apply=True,
                             opts=pulumi.ResourceOptions(depends_on=[cluster.system_nodes, *cluster.addons]))
@@ -53,7 +58,8 @@ def create_kubernetes_cluster(stack: Stack) -> dict[str, object]:
     in_cluster = pulumi.ResourceOptions(providers={"aws": opts.provider, "kubernetes": provider})
     software = ClusterSoftware(stack.cluster_name, ClusterSoftwareArgs(
         stack=stack, cluster_name=cluster.name, cluster_arn=cluster.arn,
-        node_group_names={name: pool.node_group_name for name, pool in pools.items()},
+        node_group_names={name: pool.node_group_name for name, pool in pools.items()}
+        | {kube.CPU_FLAVOR: cpu_nodes.node_group_name},
         alerts_topic_arn=budget.topic_arn), in_cluster)
     fsx = kube.Fsx(storage.file_system_id, storage.dns_name, storage.mount_name, fsx_capacity_gib(stack))
     TeamSpace(stack.cluster_name, TeamSpaceArgs(stack=stack, fsx=fsx, kueue=software.kueue,
@@ -78,7 +84,8 @@ def create_kubernetes_cluster(stack: Stack) -> dict[str, object]:
         "team_role_arn": cluster.team_role_arn,
         "namespace": kube.namespace_name(stack),
         "local_queue": kube.LOCAL_QUEUE,
-        "node_groups": {name: pool.node_group_name for name, pool in pools.items()},
+        "node_groups": {name: pool.node_group_name for name, pool in pools.items()}
+        | {kube.CPU_FLAVOR: cpu_nodes.node_group_name},
     }
 
 

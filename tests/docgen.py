@@ -36,6 +36,7 @@ REGENERATE = "GPUCLUSTER_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_d
 ALLOWED_FROM_TABLES: dict[str, tuple[str, list[str]]] = {
     model.REGION_KEY: ("catalog.AWS_REGIONS", sorted(catalog.AWS_REGIONS)),
     "head_node.instance_type": ("catalog.HEAD_NODE", list(catalog.HEAD_NODE)),
+    "kubernetes.cpu_nodes.instance_type": ("catalog.HEAD_NODE", list(catalog.HEAD_NODE)),
     "pools[].instance_type": ("catalog.ACCELERATED", list(catalog.ACCELERATED)),
     "kubernetes.version": ("eks.VERSIONS", list(eks.VERSIONS)),
 }

@@ -127,7 +127,7 @@ def test_efa_and_huge_pages_on_efa_pools_only() -> None:
         requests = resources["requests"]
         if pool.uses_efa:
             assert requests["vpc.amazonaws.com/efa"] == str(pool.itype.efa_interfaces), pool.name
-            assert requests["hugepages-2Mi"] == kube.EFA_HUGEPAGES_REQUEST == "5120Mi"  # EKS's EFA guide
+            assert requests["hugepages-2Mi"] == kube.EFA_POD_HUGEPAGES == "5120Mi"  # EKS's EFA guide
         else:
             assert "vpc.amazonaws.com/efa" not in requests and "hugepages-2Mi" not in requests, pool.name
         # Kubernetes takes huge pages only beside a CPU or memory request.
@@ -179,7 +179,8 @@ def test_torchrun_restarts_and_rendezvous_at_index_0s_service_name() -> None:
     # A lost peer is waited for as long as the autoscaler may take to bring a node up, and more (the image pull).
     join_timeout = re.search(r"join_timeout=(\d+)", args["rdzv-conf"])
     assert join_timeout
-    autoscaler = kube.autoscaler_values(stack, {p.name: p.name for p in stack.spec.pools}, "sa")
+    autoscaler = kube.autoscaler_values(stack, {p.name: p.name for p in stack.spec.pools} | {kube.CPU_FLAVOR: "cpu"},
+                                       "sa")
     provision = autoscaler["extraArgs"]["max-node-provision-time"]
     assert provision.endswith("m")
     assert int(join_timeout.group(1)) > int(provision[:-1]) * 60 > 0

@@ -256,7 +256,7 @@ def _groups(stack: Stack, declared: tuple[Declared, ...]) -> dict[str, dict]:
 def test_node_group_per_pool(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
     stack, declared = k8s
     groups, templates = _groups(stack, declared), _templates(declared)
-    assert set(groups) == {p.name for p in stack.spec.pools} | {"system"}
+    assert set(groups) == {p.name for p in stack.spec.pools} | {"system", "cpu"}
     placement = {g.name: g.inputs for g in of_type(declared, "ec2/placementGroup:PlacementGroup")}
     for pool in stack.spec.pools:
         group, lt = groups[pool.name], templates[pool.name]
@@ -320,7 +320,7 @@ def test_every_node_group_shares_a_security_group_with_the_control_plane(
     (cluster,) = of_type(declared, "eks/cluster:Cluster")
     cluster_sg = planned_outputs(cluster, stack.region)["vpcConfig"]["clusterSecurityGroupId"]
     groups = node_security_groups(stack, declared)
-    assert len(groups) == len(stack.spec.pools) + 1
+    assert len(groups) == len(stack.spec.pools) + 2  # and the system and CPU nodes
     # Pods on system nodes (CoreDNS, Kueue's webhook) and accelerator nodes reach each other, and the add-ons too.
     assert cluster_sg in set.intersection(*groups.values())
     (stack_sg,) = cluster.inputs["vpcConfig"]["securityGroupIds"]
@@ -422,7 +422,7 @@ def test_autoscaler_priority_expander_spot_first(k8s: tuple[Stack, tuple[Declare
     # another cluster's does not.
     from fnmatch import fnmatchcase
     tagged = {t.inputs["autoscalingGroupName"] for t in of_type(declared, "autoscaling/tag:Tag")}
-    assert len(tagged) == len(stack.spec.pools)
+    assert len(tagged) == len(stack.spec.pools) + 1  # and the CPU nodes'
     arn = f"arn:aws:autoscaling:{stack.region}:123456789012:autoScalingGroup:0a1b2c3d-uuid:autoScalingGroupName/"
     assert all(fnmatchcase(arn + group, resize["Resource"]) for group in tagged)
     assert not fnmatchcase(arn + "eks-gpucluster-other-p5-od-uuid", resize["Resource"])
@@ -484,11 +484,12 @@ def test_quota_counts_every_pool_at_max() -> None:
     stack, declared = planned(TEAM_K8S)
     (quota,) = of_type(declared, "core/v1:ResourceQuota")
     hard = quota.inputs["spec"]["hard"]
-    # p5-od 2 + p5-spot 4 nodes of 8 GPUs and 32 EFA; g6e.12xlarge 2 nodes of 4 GPUs and 1 EFA.
+    # p5-od 2 + p5-spot 4 nodes of 8 GPUs and 32 EFA; g6e.12xlarge 2 nodes of 4 GPUs and 1 EFA; 4 CPU nodes
+    # (m7i.2xlarge) of 8 vCPUs.
     assert hard["requests.nvidia.com/gpu"] == str(6 * 8 + 2 * 4)
     assert hard["requests.vpc.amazonaws.com/efa"] == str(6 * 32 + 2 * 1)
-    assert hard["requests.cpu"] == str(6 * 192 + 2 * 48)
-    assert hard["pods"] == str(8 * kube.PODS_PER_NODE)
+    assert hard["requests.cpu"] == str(6 * 192 + 2 * 48 + 4 * 8)
+    assert hard["pods"] == str((8 + 4) * kube.PODS_PER_NODE)
     assert quota.inputs["metadata"]["namespace"] == stack.spec.team
     (limits,) = of_type(declared, "core/v1:LimitRange")
     assert limits.inputs["spec"]["limits"][0]["defaultRequest"] == {"cpu": "500m", "memory": "1Gi"}
@@ -500,21 +501,21 @@ def test_kueue_flavours_are_pool_families_so_spot_falls_back() -> None:
     stack, declared = planned(TEAM_K8S)
     flavours = {f.inputs["metadata"]["name"]: f.inputs["spec"] for f in
                 of_type(declared, "kueue.x-k8s.io/v1beta2:ResourceFlavor")}
-    assert set(flavours) == {"p5-spot", "g6e"}
+    assert set(flavours) == {"cpu", "p5-spot", "g6e"}  # the CPU nodes' flavour: tests/test_kube_queues.py
     assert flavours["p5-spot"]["nodeLabels"] == {"gpucluster/family": "p5-spot"}
     groups = _groups(stack, declared)
     assert (groups["p5-spot"]["labels"]["gpucluster/family"] == groups["p5-od"]["labels"]["gpucluster/family"]
             == "p5-spot")
     assert groups["g6e"]["labels"]["gpucluster/family"] == "g6e"
-    # Kueue puts the flavour's tolerations on the pods it admits: the accelerator's taint, and spot's opt-in.
+    # Kueue puts the flavour's tolerations on the pods it admits: spot's opt-in, never the accelerator's taint (the
+    # API server's ExtendedResourceToleration gives that to pods that request the accelerator, and to no other).
     assert flavours["p5-spot"]["tolerations"] == [
-        {"key": "gpucluster/spot", "operator": "Equal", "value": "true", "effect": "NoSchedule"},
-        {"key": "nvidia.com/gpu", "operator": "Equal", "value": "true", "effect": "NoSchedule"}]
-    assert flavours["g6e"]["tolerations"] == [
-        {"key": "nvidia.com/gpu", "operator": "Equal", "value": "true", "effect": "NoSchedule"}]
+        {"key": "gpucluster/spot", "operator": "Equal", "value": "true", "effect": "NoSchedule"}]
+    assert flavours["g6e"]["tolerations"] == []
     assert not any("nodeTaints" in f for f in flavours.values())
-    # Every taint of every node group is tolerated by its family's flavour, but the burn-in's startup taint, which
-    # keeps jobs off a node until its burn-in passes (tests/test_kube_burn_in.py).
+    # Every taint of every node group is tolerated by a pod its family's flavour admits that requests the group's
+    # accelerator, but the burn-in's startup taint, which keeps jobs off a node until its burn-in passes
+    # (tests/test_kube_burn_in.py); a pod that requests no accelerator tolerates the accelerator's taint on none.
     for name, group in groups.items():
         if name == "system":
             continue
@@ -522,15 +523,18 @@ def test_kueue_flavours_are_pool_families_so_spot_falls_back() -> None:
         tolerated = {(t["key"], t["value"], t["effect"]) for t in flavour["tolerations"]}
         tainted = {(t["key"], t["value"], t["effect"].replace("NO_SCHEDULE", "NoSchedule")) for t in group["taints"]
                    if t["key"] != node_health.STARTUP_TAINT}
-        assert tainted <= tolerated
+        accelerator = {t for t in tainted if t[0] in (eks.GPU_RESOURCE, eks.NEURON_RESOURCE)}
+        assert tainted - accelerator <= tolerated
+        assert not accelerator & tolerated
     (cq,) = of_type(declared, "kueue.x-k8s.io/v1beta2:ClusterQueue")
     (group,) = cq.inputs["spec"]["resourceGroups"]
-    assert [f["name"] for f in group["flavors"]] == ["p5-spot", "g6e"]
-    assert group["coveredResources"] == ["cpu", "memory", "nvidia.com/gpu", "vpc.amazonaws.com/efa"]
-    p5 = {r["name"]: r["nominalQuota"] for r in group["flavors"][0]["resources"]}
+    assert [f["name"] for f in group["flavors"]] == ["cpu", "p5-spot", "g6e"]
+    assert group["coveredResources"] == ["cpu", "memory", "hugepages-2Mi", "nvidia.com/gpu", "vpc.amazonaws.com/efa"]
+    p5 = {r["name"]: r["nominalQuota"] for r in group["flavors"][1]["resources"]}
     # Spot at max (4) and its fallback at max (2) can both be up.
-    assert p5 == {"cpu": 6 * 192, "memory": f"{6 * 2048}Gi", "nvidia.com/gpu": 48, "vpc.amazonaws.com/efa": 192}
-    g6e = {r["name"]: r["nominalQuota"] for r in group["flavors"][1]["resources"]}
+    assert p5 == {"cpu": 6 * 192, "memory": f"{6 * 2048}Gi", "nvidia.com/gpu": 48, "vpc.amazonaws.com/efa": 192,
+                  "hugepages-2Mi": f"{6 * 5128 * 2}Mi"}
+    g6e = {r["name"]: r["nominalQuota"] for r in group["flavors"][2]["resources"]}
     assert g6e["vpc.amazonaws.com/efa"] == 2 and g6e["nvidia.com/gpu"] == 8
     extra = _releases(declared)["cluster-autoscaler"]["values"]["extraArgs"]
     assert extra["expander"] == "priority"
@@ -709,7 +713,8 @@ def test_example_job() -> None:
     assert pod["subdomain"] == service["metadata"]["name"] and service["spec"]["clusterIP"] == "None"
     # The pool's family: spot first, its on-demand fallback when spot has no capacity.
     assert pod["nodeSelector"] == {"gpucluster/family": "p5-spot"}
-    assert pod["tolerations"] == kube.resource_flavors(stack)[0]["spec"]["tolerations"]
+    (flavour,) = [f for f in kube.resource_flavors(stack) if f["metadata"]["name"] == "p5-spot"]
+    assert pod["tolerations"] == flavour["spec"]["tolerations"]
     (container,) = pod["containers"]
     # A p5.48xlarge: 192 vCPUs, 2 TiB; all its GPUs and EFA interfaces, most of its CPU and memory.
     assert container["resources"]["requests"] == {"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "32",

@@ -17,7 +17,7 @@ from gpucluster import node
 from gpucluster.contract import settings
 from gpucluster.render import monitoring, prometheus
 from gpucluster.spec import eks
-from gpucluster.spec.model import PoolSpec, Stack
+from gpucluster.spec.model import CPU_NODES_NAME, PoolSpec, Stack
 
 Manifest = dict[str, Any]
 
@@ -40,6 +40,14 @@ GPU_LABEL = "k8s.amazonaws.com/accelerator"
 # where it lists the model (availableGPUTypes in the same file; only its metrics read that list), else the same form.
 GPU_TYPES = {"A10G": "nvidia-a10g", "L4": "nvidia-l4", "L40S": "nvidia-l40s", "A100": "nvidia-tesla-a100",
              "H100": "nvidia-h100", "H200": "nvidia-h200", "B200": "nvidia-b200"}
+# The CPU node group (kubernetes.cpu_nodes) is its own family and Kueue flavour; its taint keeps off every pod Kueue
+# did not admit to that flavour (the flavour adds the toleration), so the small group serves the queue's CPU work only.
+CPU_FLAVOR = CPU_NODES_NAME
+CPU_TAINT = {"key": "gpucluster/cpu", "value": "true", "effect": "NoSchedule"}
+# What an EFA pod requests besides its devices (eks.py says where the figures come from); the quota counts a node's
+# huge pages as it counts its devices.
+HUGEPAGES_RESOURCE = eks.HUGEPAGES_RESOURCE
+EFA_POD_HUGEPAGES = f"{eks.EFA_POD_HUGEPAGES_MIB}Mi"
 # The system nodes' taint: only the cluster's own software (which tolerates it) runs there, never a team's pods.
 SYSTEM_TAINT = {"key": "CriticalAddonsOnly", "value": "true", "effect": "NoSchedule"}
 SYSTEM_TOLERATIONS = [{"key": "CriticalAddonsOnly", "operator": "Exists"}]
@@ -166,6 +174,25 @@ def node_user_data(pool: PoolSpec) -> str | None:
         "", f"--{USER_DATA_BOUNDARY}--", ""])
 
 
+def node_resources(pool: PoolSpec) -> dict[str, int]:
+    """What one node of the pool has beyond CPU and memory: its devices and, on EFA pools, the 2 MiB huge pages the
+    EFA installer reserves. Huge pages count in MiB: `quantity` writes each amount as Kubernetes reads it."""
+    out = pool_resources(pool)
+    if pool.uses_efa:
+        out[HUGEPAGES_RESOURCE] = eks.EFA_NODE_HUGEPAGES * 2
+    return out
+
+
+def quantity(resource: str, amount: int) -> int | str:
+    """An amount of `node_resources` as a Kubernetes quantity: huge pages in MiB ("10256Mi"), devices as counts."""
+    return f"{amount}Mi" if resource == HUGEPAGES_RESOURCE else amount
+
+
+def cpu_node_labels() -> dict[str, str]:
+    """The CPU node group's labels: its own family, which the CPU flavour selects on."""
+    return {POOL_LABEL: CPU_FLAVOR, CAPACITY_LABEL: "on-demand", FAMILY_LABEL: CPU_FLAVOR}
+
+
 def flavor_order(stack: Stack) -> list[PoolSpec]:
     """The team's flavours in the order Kueue tries them: each spot pool right before the pool it falls back to."""
     pools = list(stack.spec.pools)
@@ -186,7 +213,7 @@ def _memory_gi(mib: int) -> str:
 
 
 def _covered(stack: Stack) -> list[str]:
-    extended = sorted({r for p in stack.spec.pools for r in pool_resources(p)})
+    extended = sorted({r for p in stack.spec.pools for r in node_resources(p)})
     return ["cpu", "memory", *extended]
 
 
@@ -196,11 +223,20 @@ def _family_quota(name: str, pools: list[PoolSpec], covered: list[str]) -> dict[
     memory_mib = 0
     for pool in pools:
         n = pool.max_nodes
-        for resource, count in ({"cpu": pool.itype.vcpus} | pool_resources(pool)).items():
+        for resource, count in ({"cpu": pool.itype.vcpus} | node_resources(pool)).items():
             have[resource] = have.get(resource, 0) + count * n
         memory_mib += pool.itype.memory_mib * n
-    quota: dict[str, Any] = {**have, "memory": _memory_gi(memory_mib)}
+    quota: dict[str, Any] = {r: quantity(r, count) for r, count in have.items()} | {"memory": _memory_gi(memory_mib)}
     return {"name": name, "resources": [{"name": r, "nominalQuota": quota.get(r, 0)} for r in covered]}
+
+
+def _cpu_quota(stack: Stack, covered: list[str]) -> dict[str, Any]:
+    """The CPU nodes at their largest, and no accelerator, EFA or huge pages: a pod asking for any of those cannot fit
+    this flavour and Kueue goes on to the accelerator families."""
+    cpu_nodes = stack.spec.eks.cpu_nodes
+    quota = {"cpu": cpu_nodes.itype.vcpus * cpu_nodes.max_nodes,
+             "memory": _memory_gi(cpu_nodes.itype.memory_mib * cpu_nodes.max_nodes)}
+    return {"name": CPU_FLAVOR, "resources": [{"name": r, "nominalQuota": quota.get(r, 0)} for r in covered]}
 
 
 def namespace(stack: Stack) -> Manifest:
@@ -212,24 +248,30 @@ def namespace(stack: Stack) -> Manifest:
 
 
 def quota_totals(stack: Stack) -> dict[str, Any]:
-    """The team's ceiling at once: every pool at max size (what the node groups could ever hold)."""
+    """The team's ceiling at once: every pool and the CPU nodes at max size (what the node groups could ever
+    hold)."""
     totals: dict[str, int] = {}
-    cpu = memory_mib = pods = 0
+    cpu_nodes = stack.spec.eks.cpu_nodes
+    cpu = cpu_nodes.itype.vcpus * cpu_nodes.max_nodes
+    memory_mib = cpu_nodes.itype.memory_mib * cpu_nodes.max_nodes
+    pods = PODS_PER_NODE * cpu_nodes.max_nodes
     for pool in stack.spec.pools:
-        for resource, count in pool_resources(pool).items():
+        for resource, count in node_resources(pool).items():
             totals[resource] = totals.get(resource, 0) + count * pool.max_nodes
         cpu += pool.itype.vcpus * pool.max_nodes
         memory_mib += pool.itype.memory_mib * pool.max_nodes
         pods += PODS_PER_NODE * pool.max_nodes
-    return {"cpu": cpu, "memory": _memory_gi(memory_mib), "pods": pods, **totals}
+    return {"cpu": cpu, "memory": _memory_gi(memory_mib), "pods": pods,
+            **{r: quantity(r, count) for r, count in totals.items()}}
 
 
 def resource_quota(stack: Stack) -> Manifest:
     totals = quota_totals(stack)
     hard = {"requests.cpu": str(totals.pop("cpu")), "requests.memory": totals.pop("memory"),
             "pods": str(totals.pop("pods"))}
-    # Extended resources take the requests. prefix only (they cannot be overcommitted).
-    hard |= {f"requests.{resource}": str(count) for resource, count in sorted(totals.items())}
+    # Extended resources take the requests. prefix only (they cannot be overcommitted); huge pages are counted under it
+    # too (kubernetes pkg/quota/v1/evaluator/core/pods.go: podComputeUsageHelper).
+    hard |= {f"requests.{resource}": str(amount) for resource, amount in sorted(totals.items())}
     return {"apiVersion": "v1", "kind": "ResourceQuota",
             "metadata": {"name": "team-quota", "namespace": namespace_name(stack)}, "spec": {"hard": hard}}
 
@@ -259,30 +301,61 @@ def fsx_volume(stack: Stack, fsx: Fsx) -> list[Manifest]:
     return [pv, pvc]
 
 
-def family_tolerations(pools: list[PoolSpec]) -> list[dict[str, str]]:
-    """Tolerations for every taint of the family's nodes: the accelerator's, and the spot opt-in where a spot pool is
-    in it (a job admitted to a spot family accepts interruption: that is the family's point)."""
+def taint_tolerations(pools: list[PoolSpec]) -> list[dict[str, str]]:
+    """Tolerations for every taint of these pools' nodes (the cluster's own daemons on them)."""
     taints = {(t["key"], t["value"], t["effect"]) for pool in pools for t in pool_taints(pool)}
     return [{"key": k, "operator": "Equal", "value": v, "effect": e} for k, v, e in sorted(taints)]
 
 
+def family_tolerations(pools: list[PoolSpec]) -> list[dict[str, str]]:
+    """What a job admitted to the family tolerates: the spot opt-in where a spot pool is in it (a job admitted to a
+    spot family accepts interruption: that is the family's point), never the accelerator's taint. A pod that requests
+    the accelerator gets that toleration from the API server's ExtendedResourceToleration admission plugin (on in EKS
+    since 1.19: aws/containers-roadmap#739), one that requests none does not: a CPU pod that Kueue admits to a GPU
+    family when the CPU flavour is full never fits a GPU node, so the autoscaler starts none for it."""
+    accelerators = {accelerator_resource(pool) for pool in pools}
+    return [t for t in taint_tolerations(pools) if t["key"] not in accelerators]
+
+
 def resource_flavors(stack: Stack) -> list[Manifest]:
-    """One flavour per family; Kueue adds its tolerations to the pods it admits, so jobs need not know the taints."""
+    """One flavour per family, the CPU nodes' first; Kueue adds its tolerations to the pods it admits, so jobs need not
+    know the taints."""
+    tolerations = {CPU_FLAVOR: [{"operator": "Equal", **CPU_TAINT}]}
+    tolerations |= {name: family_tolerations(pools) for name, pools in families(stack).items()}
     return [{"apiVersion": KUEUE_API, "kind": "ResourceFlavor", "metadata": {"name": name},
-             "spec": {"nodeLabels": {FAMILY_LABEL: name}, "tolerations": family_tolerations(pools)}}
-            for name, pools in families(stack).items()]
+             "spec": {"nodeLabels": {FAMILY_LABEL: name}, "tolerations": tolerated}}
+            for name, tolerated in tolerations.items()]
 
 
 def cluster_queue(stack: Stack) -> Manifest:
-    """No stopPolicy: the guardrail owns that field (Kueue defaults it to None), and with server-side apply an `up`
+    """Kueue tries the flavours in order and takes the first with room for every resource a pod set requests: the
+    CPU flavour first (no accelerator quota, so only CPU-only pods fit it), then the families. A pending workload
+    preempts the queue's workloads of lower priority (WorkloadPriorityClass) when the quota is taken.
+
+    No stopPolicy: the guardrail owns that field (Kueue defaults it to None), and with server-side apply an `up`
     that does not name it never takes it back, so it cannot reopen a held queue."""
     covered = _covered(stack)
+    flavors = [_cpu_quota(stack, covered), *(_family_quota(name, pools, covered)
+                                             for name, pools in families(stack).items())]
     return {"apiVersion": KUEUE_API, "kind": "ClusterQueue", "metadata": {"name": cluster_queue_name(stack)},
             "spec": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace_name(stack)}},
                      "queueingStrategy": "BestEffortFIFO",
-                     "resourceGroups": [{"coveredResources": covered,
-                                         "flavors": [_family_quota(name, pools, covered)
-                                                     for name, pools in families(stack).items()]}]}}
+                     "preemption": {"withinClusterQueue": "LowerPriority"},
+                     "resourceGroups": [{"coveredResources": covered, "flavors": flavors}]}}
+
+
+# The team's priorities, by the label a job carries (kueue.x-k8s.io/priority-class: high). A job without it gets
+# Kueue's default priority, 0 (no pod PriorityClass is a global default here): `normal` is that default by value.
+PRIORITY_CLASS_LABEL = "kueue.x-k8s.io/priority-class"
+PRIORITIES = {"low": (-100, "Preemptible work: any normal or high job may take its quota."),
+              "normal": (0, "The default (a job without the label has this priority)."),
+              "high": (100, "Urgent work: preempts low and normal jobs when the quota is taken.")}
+
+
+def workload_priority_classes() -> list[Manifest]:
+    return [{"apiVersion": KUEUE_API, "kind": "WorkloadPriorityClass", "metadata": {"name": name},
+             "value": value, "description": description}
+            for name, (value, description) in PRIORITIES.items()]
 
 
 def local_queue(stack: Stack) -> Manifest:
@@ -329,7 +402,8 @@ def team_kueue_access(stack: Stack) -> Manifest:
 
 def queue_manifests(stack: Stack) -> list[Manifest]:
     """Kueue's objects (need Kueue's CRDs) and the team's access to them (needs Kueue's ClusterRole)."""
-    return [*resource_flavors(stack), cluster_queue(stack), local_queue(stack), team_kueue_access(stack)]
+    return [*workload_priority_classes(), *resource_flavors(stack), cluster_queue(stack), local_queue(stack),
+            team_kueue_access(stack)]
 
 
 # --- Helm values -----------------------------------------------------------------------------------------------
@@ -338,7 +412,11 @@ def max_node_provision_time(stack: Stack) -> str:
     """The autoscaler's wait for a new node: the slowest of the stack's instance types (catalog.provision_minutes).
     One flag for every group: the AWS provider takes no per-group override of it (cluster-autoscaler-1.35.0's AWS
     README lists the autoscaling-options tags it reads; max-node-provision-time is not among them)."""
-    return f"{max(p.itype.provision_minutes for p in stack.spec.pools)}m"
+    return f"{provision_minutes(stack)}m"
+
+
+def provision_minutes(stack: Stack) -> int:
+    return max(p.itype.provision_minutes for p in stack.spec.pools)
 
 
 def asg_name_regex(node_group_name: str) -> str:
@@ -348,9 +426,13 @@ def asg_name_regex(node_group_name: str) -> str:
 
 def autoscaler_values(stack: Stack, node_group_names: dict[str, str], service_account: str) -> dict[str, Any]:
     """The Cluster Autoscaler: discovers the node groups by EKS's own ASG tags, and with the priority expander tries
-    each spot pool before its on-demand fallback (higher number first)."""
-    order = flavor_order(stack)
-    priorities = {str(10 * (len(order) - i)): [asg_name_regex(node_group_names[p.name])] for i, p in enumerate(order)}
+    each spot pool before its on-demand fallback (higher number first). `node_group_names` names each pool's node
+    group and the CPU nodes' (under CPU_FLAVOR). The CPU group is listed too, last: the priority expander drops a
+    group that no entry matches ("The group won't be used.", cluster-autoscaler 1.35 expander/priority/priority.go)
+    and no other group fits a CPU-only pod, so its rank among them does not matter."""
+    order = [p.name for p in flavor_order(stack)] + [CPU_FLAVOR]
+    priorities = {str(10 * (len(order) - i)): [asg_name_regex(node_group_names[name])]
+                  for i, name in enumerate(order)}
     return {
         "cloudProvider": "aws",
         "awsRegion": stack.region,
@@ -386,8 +468,33 @@ def efa_device_plugin_values() -> dict[str, Any]:
     return {"nodeSelector": {EFA_LABEL: "true"}, "tolerations": [{"operator": "Exists"}]}
 
 
+# After its nodes are up, an admitted job's pods pull the training image: a CUDA/PyTorch image of 10-20 GB. An allowance
+# chosen for that size, not a measurement; a slower first pull counts against the job's wait below.
+IMAGE_PULL_MINUTES = 10
+# Requeuing a job whose pods were not ready in time: after about 1, 2, 4, 8, 16 minutes, then deactivated (`kubectl get
+# workloads` shows it) rather than retried for ever.
+REQUEUE_BACKOFF_BASE_SECONDS, REQUEUE_BACKOFF_LIMIT = 60, 5
+
+
+def pods_ready_timeout_minutes(stack: Stack) -> int:
+    """How long an admitted job may wait for all its pods to run: the autoscaler's attempts at its family (the spot
+    group, then the on-demand fallback, each given up on after max-node-provision-time) and the image pull."""
+    attempts = max(len(pools) for pools in families(stack).values())
+    return attempts * provision_minutes(stack) + IMAGE_PULL_MINUTES
+
+
 def kueue_values(stack: Stack) -> dict[str, Any]:
-    """Jobs in the team's namespace without a queue name are managed too, so they are never admitted."""
+    """Jobs in the team's namespace without a queue name are managed too, so they are never admitted.
+
+    waitForPodsReady (fields as Kueue v0.19.2's apis/config/v1beta2/configuration_types.go names them): a job whose
+    pods do not all run within the timeout is evicted, gives its quota back and is requeued with backoff. Without it,
+    a spot family's quota (spot and fallback at max) admits jobs the fallback alone cannot hold while spot has no
+    capacity, and they keep that quota for ever. No blockAdmission: it would hold every other admission of the queue
+    (CPU work too) while one job waits for its nodes. The recovery timeout (a pod lost later, e.g. to a spot
+    interruption) defaults to the timeout.
+
+    Integrations: only what the flavour installs an operator for (Kubernetes' own Job, Pod, Deployment and
+    StatefulSet); JobSet and Kubeflow Trainer are not installed."""
     config = "\n".join([
         "apiVersion: config.kueue.x-k8s.io/v1beta2",
         "kind: Configuration",
@@ -404,11 +511,16 @@ def kueue_values(stack: Stack) -> dict[str, Any]:
         "managedJobsNamespaceSelector:",
         "  matchLabels:",
         f"    {TEAM_NAMESPACE_LABEL}: \"true\"",
+        "waitForPodsReady:",
+        f"  timeout: {pods_ready_timeout_minutes(stack)}m",
+        "  blockAdmission: false",
+        "  requeuingStrategy:",
+        "    timestamp: Eviction",  # an evicted job queues again behind those waiting, from its eviction
+        f"    backoffBaseSeconds: {REQUEUE_BACKOFF_BASE_SECONDS}",
+        f"    backoffLimitCount: {REQUEUE_BACKOFF_LIMIT}",
         "integrations:",
         "  frameworks:",
         "  - batch/job",
-        "  - jobset.x-k8s.io/jobset",
-        "  - trainer.kubeflow.org/trainjob",
         # Bare pods, Deployments and StatefulSets too, so that no GPU pod in the team's namespace bypasses the
         # queue (and with it the quota and the budget's hold). Only there: the namespace selector above.
         "  - pod",
@@ -466,10 +578,6 @@ DLC_IMAGE = "pytorch:2.13-cu133-amzn2023"
 # LD_LIBRARY_PATH (scripts/docker/common/install_efa_amzn2023.sh, docker/pytorch/Dockerfile.cuda): NCCL opens
 # libnccl-net-<NCCL_NET_PLUGIN>.so, so naming it makes NCCL load it (and ddp_train.py report it found).
 NCCL_EFA_PLUGIN = "ofi"
-# EKS's EFA guide (docs.aws.amazon.com/eks/latest/userguide/node-efa.html) and aws-samples/aws-efa-eks request these
-# beside the EFA devices: libfabric's EFA provider uses huge pages for its buffers. Limits equal requests.
-HUGEPAGES_RESOURCE = "hugepages-2Mi"
-EFA_HUGEPAGES_REQUEST = "5120Mi"
 EXAMPLE_NAME = "ddp-example"
 RENDEZVOUS_PORT = 29500
 TRAINER = "trainer"
@@ -480,8 +588,6 @@ BACKOFF_LIMIT = 3
 # Exit codes of the pod's command that no retry mends: bash's "command not found" / "not executable" (an image
 # without torchrun) and a usage error (2: bash's or torchrun's own arguments): the Job fails at once.
 BUG_EXIT_CODES = [2, 126, 127]
-# Pulling the DLC (several GB) onto a fresh node, on top of the autoscaler's time to bring the node up.
-IMAGE_PULL_ALLOWANCE_S = 600
 
 
 def example_image(stack: Stack) -> str:
@@ -491,7 +597,7 @@ def example_image(stack: Stack) -> str:
 def replacement_wait_s(stack: Stack) -> int:
     """How long a pod waits for a lost peer's replacement: a node for it (the autoscaler gives up on a node after
     its max provision time) and the image pulled there."""
-    return max(p.itype.provision_minutes for p in stack.spec.pools) * 60 + IMAGE_PULL_ALLOWANCE_S
+    return (provision_minutes(stack) + IMAGE_PULL_MINUTES) * 60
 
 
 def node_sized_resources(pool: PoolSpec) -> dict[str, str]:
@@ -500,7 +606,7 @@ def node_sized_resources(pool: PoolSpec) -> dict[str, str]:
     memory_gi = int(pool.itype.memory_mib * NODE_SHARE_MEMORY) // 1024
     out = {"cpu": str(int(pool.itype.vcpus * NODE_SHARE_CPU)), "memory": f"{memory_gi}Gi"}
     out |= {r: str(c) for r, c in pool_resources(pool).items()}
-    return out | ({HUGEPAGES_RESOURCE: EFA_HUGEPAGES_REQUEST} if pool.uses_efa else {})
+    return out | ({HUGEPAGES_RESOURCE: EFA_POD_HUGEPAGES} if pool.uses_efa else {})
 
 
 def shm_size(pool: PoolSpec) -> str:

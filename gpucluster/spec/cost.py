@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gpucluster.spec import catalog, eks
-from gpucluster.spec.model import HEAD_STATE_GIB, MIN_POOL_ROOT_GIB, ImageBuild, Stack
+from gpucluster.spec.model import CPU_NODES_NAME, HEAD_STATE_GIB, MIN_POOL_ROOT_GIB, ImageBuild, Stack
 
 COST_TAG = "gpucluster:stack"  # the cost-allocation tag that budgets and spend reports filter on
 HOURS_PER_MONTH = 730  # AWS's own convention in its pricing calculator
@@ -156,6 +156,10 @@ def estimate(stack: Stack, hourly_overrides: dict[str, float] | None = None) -> 
         else:
             how = "on-demand"
         pools.append(PoolCost(pool.name, pool.instance_type, pool.capacity, price, pool.min_nodes, pool.max_nodes, how))
+    if spec.scheduler == "kubernetes":  # the CPU node group: on demand, from zero, like a pool
+        cpu_nodes = spec.eks.cpu_nodes
+        pools.append(PoolCost(CPU_NODES_NAME, cpu_nodes.instance_type, "on-demand",
+                              cpu_nodes.itype.on_demand_usd_per_hour, 0, cpu_nodes.max_nodes, "on-demand"))
 
     head_type = catalog.HEAD_NODE[spec.head_node.instance_type]
     head = (head_type.on_demand_usd_per_hour or 0.0) * HOURS_PER_MONTH + GP3_USD_PER_GIB_MONTH * (

@@ -21,6 +21,10 @@ CONTROL_PLANE_USD_PER_HOUR = 0.10
 # accelerator nodes and that stay while the pools are at zero: a small on-demand system node group.
 SYSTEM_INSTANCE_TYPE = "m7i.xlarge"
 SYSTEM_NODES = 2
+# The team's CPU-only work (data preparation, evaluation, notebooks) gets its own small on-demand node group from zero
+# (kubernetes.cpu_nodes), so that it never starts an accelerator node.
+CPU_INSTANCE_TYPE = "m7i.2xlarge"
+CPU_MAX_NODES = 4
 
 # Managed node groups' AMI types for EKS's accelerated Amazon Linux 2023 images, by accelerator kind. EKS picks the
 # image of the cluster's version and writes the node's bootstrap (nodeadm) itself.
@@ -82,3 +86,12 @@ DCGM_EXPORTER = Chart("dcgm-exporter", "https://nvidia.github.io/dcgm-exporter/h
 GPU_RESOURCE = "nvidia.com/gpu"
 NEURON_RESOURCE = "aws.amazon.com/neuron"
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
+
+# 2 MiB huge pages on EFA nodes. The accelerated AL2023 AMIs run the EFA installer (amazon-eks-ami
+# templates/al2023/provisioners/install-efa.sh: `efa_installer.sh --minimal`, enable_efa defaults to true), and "Amazon
+# EC2 instances with the EFA driver installed pre-allocate 5128 2MiB Huge Pages" (EKS User Guide, ml/node-efa.adoc,
+# awsdocs/amazon-eks-user-guide 4d52b4d); the kubelet advertises them as hugepages-2Mi. libfabric's EFA provider
+# takes its buffers from them, so an EFA pod requests them: the guide's NCCL job asks for 5120Mi per pod.
+HUGEPAGES_RESOURCE = "hugepages-2Mi"
+EFA_NODE_HUGEPAGES = 5128  # pages of 2 MiB per node
+EFA_POD_HUGEPAGES_MIB = 5120  # what one EFA pod requests (the guide's figure), in MiB

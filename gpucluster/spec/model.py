@@ -533,6 +533,20 @@ ROLE_ARN_RE = r"^arn:aws:iam::[0-9]{12}:role/[A-Za-z0-9+=,.@_/-]{1,512}$"
 OPERATOR = "operator"
 
 
+class CpuNodesSpec(_Model):
+    """The team's CPU node group (components/kubernetes.py CpuNodes): from zero, on demand, for pods that ask for no
+    accelerator. Kueue tries its flavour first, so CPU-only work never starts an accelerator node."""
+
+    # A general-purpose type without accelerators (the catalog's head node types: priced in `plan`).
+    instance_type: Annotated[str, _in_catalog(catalog.HEAD_NODE, "CPU node type")] = eks.CPU_INSTANCE_TYPE
+    # At most this many CPU nodes at once (the group scales from zero; the team's CPU quota is this many nodes' worth).
+    max_nodes: int = Field(default=eks.CPU_MAX_NODES, ge=1, le=20)
+
+    @property
+    def itype(self) -> catalog.InstanceType:
+        return catalog.HEAD_NODE[self.instance_type]
+
+
 class KubernetesSpec(_Model):
     """The EKS cluster of a `scheduler: kubernetes` stack (components/kubernetes.py)."""
 
@@ -553,6 +567,8 @@ class KubernetesSpec(_Model):
     control_plane_availability_zone: str | None = Field(default=None, pattern=r"^[a-z]{2}(-[a-z]+)+-\d[a-z]$")
     # With an existing network (vpc_id): a subnet of the VPC in another AZ, for the control plane (required then).
     control_plane_subnet_id: str | None = Field(default=None, pattern=r"^subnet-[0-9a-f]{8,17}$")
+    # The node group for pods that request no accelerator (every key has a default).
+    cpu_nodes: CpuNodesSpec = CpuNodesSpec()
 
     @field_validator("version")
     @classmethod
@@ -717,6 +733,8 @@ def _raw_image_problems(spec: dict[str, Any]) -> list[tuple[tuple[str | int, ...
 # (gpucluster/render/kube_health.py) use: no team may be named so.
 RESERVED_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease", "kueue-system", "monitoring",
                        "gpucluster-system")
+# The Kubernetes flavour's CPU node group and its Kueue flavour (kubernetes.cpu_nodes): no pool may take the name.
+CPU_NODES_NAME = "cpu"
 
 
 def _scheduler_problems(spec: dict[str, Any]) -> list[tuple[tuple[str | int, ...], str]]:
@@ -738,6 +756,9 @@ def _scheduler_problems(spec: dict[str, Any]) -> list[tuple[tuple[str | int, ...
             if isinstance(pool, dict) and pool.get("ami_id") is not None:
                 problems.append((("pools", i, "ami_id"), "not allowed with scheduler: kubernetes (node groups boot "
                                                          "the EKS-optimized accelerated AMI of the cluster's version)"))
+            if isinstance(pool, dict) and pool.get("name") == CPU_NODES_NAME:
+                problems.append((("pools", i, "name"), f"{CPU_NODES_NAME!r} is the CPU node group's name and Kueue "
+                                                       "flavour on kubernetes: choose another"))
             if isinstance(pool, dict) and pool.get("fallback") is not None and any(
                     isinstance(q, dict) and q.get("fallback") == pool["fallback"] for q in pools[:i]):
                 problems.append((("pools", i, "fallback"), f"{pool['fallback']!r} is another spot pool's fallback: on "
