@@ -26,7 +26,7 @@ from gpucluster.aws import checkip
 from gpucluster.contract.settings import GRAFANA_PORT
 from gpucluster.plan import NEW_ACCOUNT, Declared, run_program
 from gpucluster.spec import catalog, cost, eks
-from gpucluster.spec.model import OPERATOR, SpecError, Stack, load_stack, resolve_stack_file
+from gpucluster.spec.model import OPERATOR, SpecError, Stack, load_stack, resolve_stack_file, way_in_warning
 from gpucluster.spec.ubuntu_lock import LOCK_FILE
 
 EXIT_BAD_INPUT = 2
@@ -157,6 +157,9 @@ def plan(args: argparse.Namespace) -> int:
     if stack.spec.scheduler == "kubernetes" and OPERATOR in stack.spec.eks.public_access_cidrs:
         print(f"`operator` (kubernetes.public_access_cidrs) is {NEW_ACCOUNT.operator_ip}/32 here, a documentation "
               f"address: `up` asks {checkip.CHECKIP_URL} for the address of the machine running it.")
+    warning = way_in_warning(stack.spec)
+    if warning:
+        print(f"WARNING: {warning}.")
     print()
     print("\n".join(resource_tree(declared)))
     print()

@@ -23,7 +23,7 @@ from conftest import ROOT, of_type, planned
 from gpucluster.aws import checkip, preflight
 from gpucluster.plan import PLAN_OPERATOR_IP, AccountFacts, Declared, planned_id, run_program
 from gpucluster.project import pulumi_program
-from gpucluster.spec.model import OPERATOR, SpecError, Stack, load_stack, validate
+from gpucluster.spec.model import OPERATOR, SpecError, Stack, load_stack, validate, way_in_warning
 
 TEAM_K8S = ROOT / "stacks" / "Pulumi.team-k8s.yaml"
 EXISTING = {"vpc_id": "vpc-0a1b2c3d4e5f60718", "subnet_id": "subnet-0a1b2c3d4e5f60718"}
@@ -208,8 +208,20 @@ def test_no_way_in_is_refused_saying_what_is_allowed() -> None:
     new_vpc = _problems()["gpucluster:cluster.kubernetes.public_access_cidrs"]
     assert "'operator'" in new_vpc and "IPv4 networks" in new_vpc
     assert "private_access_cidrs needs an existing network" in new_vpc
-    existing = _problems(EXISTING)["gpucluster:cluster.kubernetes.public_access_cidrs"]
-    assert "with an existing network (vpc_id), private_access_cidrs" in existing
+
+
+def test_an_existing_network_without_a_way_in_plans_with_a_warning_and_fails_preflight(
+        service: Checkip) -> None:
+    """The way in may be one the file does not show (a runner inside the VPC admitted by hand): plan warns, preflight,
+    which is run from the machine that will run `up`, fails."""
+    stack = k8s_stack(EXISTING)
+    warning = way_in_warning(stack.spec)
+    assert warning and "kubernetes.private_access_cidrs" in warning
+    assert way_in_warning(k8s_stack(EXISTING, private_access_cidrs=["10.8.0.0/16"]).spec) is None
+    assert way_in_warning(k8s_stack(public_access_cidrs=["operator"]).spec) is None
+    check = preflight.check_way_in(stack, service.url)
+    assert (check.name, check.status) == ("api access", "fail") and check.detail == warning
+    assert not service.requests  # nothing to place: no listed network
 
 
 def test_private_access_needs_an_existing_network() -> None:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Literal
 
 from gpucluster.aws import checkip
 from gpucluster.spec import account, bom, eks
-from gpucluster.spec.model import OPERATOR, PoolSpec, Stack
+from gpucluster.spec.model import OPERATOR, PoolSpec, Stack, way_in_warning
 
 Status = Literal["pass", "warn", "fail"]
 # vCPU service quotas by instance family letter and market (Service Quotas, service code ec2).
@@ -185,7 +185,11 @@ def check_way_in(stack: Stack, checkip_url: str) -> Check:
     ask it), this machine's public address inside a listed network, or private_access_cidrs (a VPN or Direct
     Connect into the VPC, which only that network can tell)."""
     spec = stack.spec.eks
-    if not spec.public_access_cidrs:  # then private_access_cidrs (the stack's rules allow nothing else)
+    warning = way_in_warning(stack.spec)
+    if warning:
+        return Check(None, "api access", "fail", warning, "name the way in (docs/how-to/kubernetes.md, \"Choosing "
+                     "the way in\")")
+    if not spec.public_access_cidrs:  # then private_access_cidrs
         return Check(None, "api access", "pass", "the private endpoint admits "
                      f"{', '.join(spec.private_access_cidrs)}: run `up` and kubectl from there (VPN, Direct Connect, "
                      "peered VPC)")

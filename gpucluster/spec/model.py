@@ -788,20 +788,31 @@ def _scheduler_problems(spec: dict[str, Any]) -> list[tuple[tuple[str | int, ...
 
 def _way_in_problems(section: dict[str, Any], existing: bool) -> list[tuple[tuple[str | int, ...], str]]:
     """`pulumi up` declares the cluster's Helm releases and objects through its API: a stack names how it gets there.
-    A VPC this `up` creates has no VPN or peering into it yet, so only the public endpoint can be the way in."""
+    A VPC this `up` creates has no VPN or peering into it yet, so only the public endpoint can be the way in. In an
+    existing network the way may be one this file does not show (a runner inside the VPC whose group the operator
+    admits by hand): `plan` warns (`way_in_warning`) and `preflight` fails instead."""
     if section.get("private_access_cidrs") and not existing:
         return [(("kubernetes", "private_access_cidrs"), "only allowed with an existing network (vpc_id): nothing "
                  "outside a VPC this `up` creates can reach into it; use public_access_cidrs (CIDRs or "
                  f"{OPERATOR!r})")]
-    if not section.get("public_access_cidrs") and not section.get("private_access_cidrs"):
-        private = ("; or, with an existing network (vpc_id), private_access_cidrs: the networks that reach the VPC "
-                   "(VPN, Direct Connect, peering)")
+    if not existing and not section.get("public_access_cidrs"):
         return [(("kubernetes", "public_access_cidrs"), "the cluster's API needs a way in for `pulumi up` and kubectl, "
                  f"or every Helm release and object times out: list {OPERATOR!r} (the public address of the machine "
-                 "running `up`, a /32) and/or the IPv4 networks they run from (/8 or narrower)"
-                 + (private if existing else " (private_access_cidrs needs an existing network: nothing outside a "
-                                                "VPC this `up` creates reaches into it)"))]
+                 "running `up`, a /32) and/or the IPv4 networks they run from (/8 or narrower) (private_access_cidrs "
+                 "needs an existing network: nothing outside a VPC this `up` creates reaches into it)")]
     return []
+
+
+def way_in_warning(spec: ClusterSpec) -> str | None:
+    """An existing network's stack that names no way into the cluster's API: the private endpoint then admits only
+    the VPC's own members of the cluster's groups, which no operator's machine is."""
+    eks_spec = spec.eks
+    if spec.scheduler != "kubernetes" or eks_spec.public_access_cidrs or eks_spec.private_access_cidrs:
+        return None
+    return ("the cluster's API is private and admits no network outside the VPC's own nodes: `pulumi up` times out "
+            "unless it runs where the API's security group admits it. List the networks that reach the VPC (VPN, "
+            f"Direct Connect, peering) in kubernetes.private_access_cidrs, or {OPERATOR!r} or CIDRs in "
+            "kubernetes.public_access_cidrs")
 
 
 @dataclass(frozen=True)
