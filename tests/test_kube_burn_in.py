@@ -396,3 +396,12 @@ def test_the_taints_as_the_autoscaler_and_eks_read_them() -> None:
     assert not node_health.FAILED_TAINT.startswith((*AUTOSCALER_STARTUP_PREFIXES, AUTOSCALER_STATUS_PREFIX))
     limits = botocore.session.get_session().get_service_model("eks").shape_for("Taint").members["key"].metadata
     assert limits["min"] <= len(node_health.STARTUP_TAINT) <= limits["max"]
+
+
+def test_the_autoscaler_waits_for_a_burn_in_past_its_default_start_up_time() -> None:
+    """A node under burn-in is not ready to the autoscaler (its startup taint); its default wait from registration to
+    Ready (15 minutes) would count a slow DCGM pull and diagnostic as a node that failed to start."""
+    stack = load_stack(TEAM_K8S)
+    args = kube.autoscaler_values(stack, {p.name: p.name for p in stack.spec.pools} | {kube.CPU_FLAVOR: "cpu"},
+                                  "sa")["extraArgs"]
+    assert args["max-node-startup-time"].endswith("m") and int(args["max-node-startup-time"][:-1]) > 15

@@ -408,6 +408,14 @@ def queue_manifests(stack: Stack) -> list[Manifest]:
 
 # --- Helm values -----------------------------------------------------------------------------------------------
 
+# From a node's registration to Ready: its device plugins, then the burn-in (its startup taint keeps the node not
+# ready to the autoscaler), which pulls NVIDIA's DCGM image (a few GB) and runs the level-1 diagnostic on every GPU.
+# The autoscaler's default (15 minutes; the flag is `max-node-startup-time` from cluster-autoscaler 1.35,
+# kubernetes/autoscaler#8543 and #9074) would count a slow burn-in's node as failed to start: an allowance for those
+# steps, not a measurement.
+NODE_STARTUP_TIME = "25m"
+
+
 def max_node_provision_time(stack: Stack) -> str:
     """The autoscaler's wait for a new node: the slowest of the stack's instance types (catalog.provision_minutes).
     One flag for every group: the AWS provider takes no per-group override of it (cluster-autoscaler-1.35.0's AWS
@@ -443,6 +451,7 @@ def autoscaler_values(stack: Stack, node_group_names: dict[str, str], service_ac
         # A spot group that cannot get capacity is given up on after this long and the next priority is tried
         # (the default, 15 minutes, leaves a queued job waiting that much per attempt).
         "extraArgs": {"expander": "priority", "max-node-provision-time": max_node_provision_time(stack),
+                      "max-node-startup-time": NODE_STARTUP_TIME,
                       "balance-similar-node-groups": False,
                       "skip-nodes-with-local-storage": False, "scale-down-unneeded-time": "10m"},
     }
