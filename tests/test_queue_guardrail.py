@@ -259,7 +259,8 @@ def tls(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.fixture
 def api(tls: tuple[Path, Path], tmp_path: Path) -> Iterator[tuple[ApiServer, ClusterQueueApi]]:
     server = ApiServer(tls, cluster_queue("None"))
-    thread = threading.Thread(target=server.httpd.serve_forever, daemon=True)
+    # A short poll: shutdown() waits for the loop's next look (0.5 s by default, at every test's teardown).
+    thread = threading.Thread(target=server.httpd.serve_forever, args=(0.02,), daemon=True)
     thread.start()
     (tmp_path / "token").write_text(ApiServer.TOKEN + "\n")
     yield server, ClusterQueueApi(server.url, tmp_path / "token", tls[0])
