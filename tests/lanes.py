@@ -3,8 +3,8 @@
 - unit: no daemon of the cluster's (the library, the renderers, the node programs against stand-ins): every test
   outside an `integration` folder, marked so here; `make test-fast`.
 - slurm: a real slurmctld loads the rendered configuration (tests/integration/test_slurm_controller.py).
-- rehearsal: the boot rehearsal's local clusters (tests/local_cluster.py), and the Kubernetes job's pods run as local
-  processes (tests/integration/test_kube_job_restart.py).
+- rehearsal: the boot rehearsal's local clusters (tests/local_cluster.py), and the DDP example's torchrun processes
+  (tests/integration/test_ddp_checkpoints.py, test_kube_job_restart.py).
 
 A module under `integration` names its lane itself (`pytestmark`). A test with no lane, or with two, stops the run at
 collection, naming it. pytest.ini registers the lanes (with --strict-markers, a misspelt lane is an error too).

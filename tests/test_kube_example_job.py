@@ -2,7 +2,7 @@
 pool, a pod failure policy that retries interruptions and fails on bugs, EFA devices and EFA's huge pages on EFA pools
 only, AWS's PyTorch DLC (NCCL's EFA plugin) from the stack's region, and torchrun's elastic rendezvous (run for real by
 tests/integration/test_kube_job_restart.py). That ddp_train.py resumes exactly where it stopped is
-tests/test_ddp_checkpoints.py's.
+tests/integration/test_ddp_checkpoints.py's.
 """
 
 from __future__ import annotations

@@ -12,8 +12,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import ROOT
 from local_cluster import free_port
+
+# Real torchrun processes for tens of seconds, like the local clusters: the rehearsal lane (tests/lanes.py).
+pytestmark = pytest.mark.rehearsal
 
 TRAIN = ROOT / "examples" / "ddp_train.py"
 
