@@ -11,6 +11,8 @@ from __future__ import annotations
 import base64
 import copy
 import json
+import re
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -403,10 +405,21 @@ def test_autoscaler_priority_expander_spot_first(k8s: tuple[Stack, tuple[Declare
     assert ca["values"]["extraArgs"]["expander"] == "priority"
     assert ca["values"]["autoDiscovery"]["clusterName"] == stack.cluster_name
     rank = {regex: int(p) for p, regexes in ca["values"]["expanderPriorities"].items() for regex in regexes}
+
+    def rank_of(group: str) -> int:
+        """The rank of the one entry that matches the group's Auto Scaling group as EKS names it."""
+        asg = f"eks-{group}-{uuid.uuid4()}"
+        (matched,) = [r for regex, r in rank.items() if re.search(regex, asg)]
+        return matched
+
     for pool in stack.spec.pools:
         if pool.fallback:
-            spot = rank[f"^eks-{stack.cluster_name}-{pool.name}-.*"]
-            assert spot > rank[f"^eks-{stack.cluster_name}-{pool.fallback}-.*"]
+            assert rank_of(f"{stack.cluster_name}-{pool.name}") > rank_of(f"{stack.cluster_name}-{pool.fallback}")
+    # A pool whose name another's begins with gets its own entry only (p5 and p5-spot).
+    groups = ("gpucluster-x-p5", "gpucluster-x-p5-spot")
+    for group in groups:
+        asg = f"eks-{group}-{uuid.uuid4()}"
+        assert [g for g in groups if re.search(kube.asg_name_regex(g), asg)] == [group], asg
     # Its Pod Identity role resizes only this cluster's groups.
     (assoc,) = [a for a in of_type(declared, "eks/podIdentityAssociation:PodIdentityAssociation")
                 if a.inputs["serviceAccount"] == "cluster-autoscaler"]

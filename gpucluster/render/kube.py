@@ -429,7 +429,8 @@ def provision_minutes(stack: Stack) -> int:
 
 def asg_name_regex(node_group_name: str) -> str:
     """EKS names a managed node group's Auto Scaling group eks-<node group name>-<uuid>."""
-    return f"^eks-{node_group_name}-.*"
+    # The uuid's shape, not any suffix: a pool named like another's prefix (p5, p5-spot) must not match its group.
+    return f"^eks-{node_group_name}-[0-9a-f]{{8}}(-[0-9a-f]{{4}}){{3}}-[0-9a-f]{{12}}$"
 
 
 def autoscaler_values(stack: Stack, node_group_names: dict[str, str], service_account: str) -> dict[str, Any]:
