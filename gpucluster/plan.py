@@ -103,6 +103,12 @@ def _hex(typ: str, name: str, length: int) -> str:
     return hashlib.sha256(f"{typ}::{name}".encode()).hexdigest()[:length]
 
 
+def planned_asg_name(node_group: str) -> str:
+    """The Auto Scaling group the offline plan says EKS made for a managed node group: eks-<node group>-<uuid>, the
+    form EKS gives it (the autoscaler's priority expander matches that uuid)."""
+    return f"eks-{node_group}-{_uuid(node_group)}"
+
+
 def _uuid(seed: str) -> str:
     """A UUID-shaped id (KMS keys, grants' tokens), stable per seed."""
     h = hashlib.sha256(seed.encode()).hexdigest()
@@ -217,9 +223,8 @@ def _placeholder_outputs(typ: str, name: str, inputs: dict[str, Any], region: st
     elif typ == "aws:eks/nodeGroup:NodeGroup":
         group = inputs["nodeGroupName"]
         out["id"] = f"{inputs['clusterName']}:{group}"
-        out["arn"] = f"arn:aws:eks:{region}:{acct}:nodegroup/{inputs['clusterName']}/{group}/<uuid at up>"
-        # EKS names the group's Auto Scaling group eks-<node group>-<uuid>.
-        out["resources"] = [{"autoscalingGroups": [{"name": f"eks-{group}-<uuid at up>"}]}]
+        out["arn"] = f"arn:aws:eks:{region}:{acct}:nodegroup/{inputs['clusterName']}/{group}/{_uuid(group)}"
+        out["resources"] = [{"autoscalingGroups": [{"name": planned_asg_name(group)}]}]
     elif typ == "aws:kms/key:Key":
         out["keyId"] = out["id"] = _uuid(f"{typ}::{name}")
         out["arn"] = f"arn:aws:kms:{region}:{acct}:key/{out['id']}"

@@ -174,7 +174,7 @@ def test_a_failure_puts_the_failed_taint_in_the_startup_taints_place() -> None:
                                  "annotations": {"gpucluster/burn-in-reason": verdict.problems[0]}}
     assert patch["spec"]["taints"] == [*kube.pool_taints(P5),
                                        {"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"},
-                                       {"key": "gpucluster/burn-in-failed", "value": "efa-count",
+                                       {"key": node_health.FAILED_TAINT, "value": "efa-count",
                                         "effect": "NoSchedule"}]
     # Run again on that node (its label removed by hand): still one failed taint, with the new verdict's value.
     node["spec"]["taints"] = patch["spec"]["taints"]
@@ -212,7 +212,7 @@ def test_the_program_marks_its_node(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     assert [(m, p) for m, p, _ in calls] == [("GET", path), ("PATCH", path)]
     patch = calls[1][2]
     assert patch is not None and patch["metadata"]["labels"] == {"gpucluster/burn-in": "failed"}
-    assert {"key": "gpucluster/burn-in-failed", "value": "dcgm", "effect": "NoSchedule"} in patch["spec"]["taints"]
+    assert {"key": node_health.FAILED_TAINT, "value": "dcgm", "effect": "NoSchedule"} in patch["spec"]["taints"]
 
 
 def test_the_burn_in_pod_has_every_file_its_program_imports(tmp_path: Path) -> None:
@@ -390,12 +390,13 @@ def test_no_job_tolerates_the_startup_taint() -> None:
 def test_the_taints_as_the_autoscaler_and_eks_read_them() -> None:
     """The startup taint has the autoscaler's startup prefix (a starting node, not a template taint) and fits EKS's
     Taint shape (its key's length limit, from botocore's model: node groups set it); the failed taint has none of the
-    autoscaler's prefixes, so a failed node is a ready node no pod can use, which its scale-down removes as
-    unneeded."""
+    autoscaler's status prefix: left out of a template built from a failed node, and not counted as unready, so a
+    failed node is a ready node no pod can use, which its scale-down removes as unneeded."""
     assert node_health.STARTUP_TAINT.startswith(AUTOSCALER_STARTUP_PREFIXES[1])
-    assert not node_health.FAILED_TAINT.startswith((*AUTOSCALER_STARTUP_PREFIXES, AUTOSCALER_STATUS_PREFIX))
+    assert node_health.FAILED_TAINT.startswith(AUTOSCALER_STATUS_PREFIX)
     limits = botocore.session.get_session().get_service_model("eks").shape_for("Taint").members["key"].metadata
-    assert limits["min"] <= len(node_health.STARTUP_TAINT) <= limits["max"]
+    for key in (node_health.STARTUP_TAINT, node_health.FAILED_TAINT):
+        assert limits["min"] <= len(key) <= limits["max"], key
 
 
 def test_the_autoscaler_waits_for_a_burn_in_past_its_default_start_up_time() -> None:

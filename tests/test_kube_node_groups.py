@@ -24,7 +24,7 @@ import yaml
 
 from components.kubernetes import NODE_TEMPLATE, REPLACE_REASONS, autoscaler_node_template_tags
 from conftest import K8S_STACK_FILES, of_type, planned
-from gpucluster.plan import Declared
+from gpucluster.plan import Declared, planned_asg_name
 from gpucluster.render import kube
 from gpucluster.spec import catalog, eks
 from gpucluster.spec.model import Stack
@@ -51,7 +51,7 @@ def node_groups(plan: Plan) -> dict[str, Declared]:
 def template_tags(plan: Plan, pool: str) -> dict[str, Declared]:
     """The pool's node-template tag resources by tag key."""
     stack, declared = plan
-    group = f"eks-{stack.cluster_name}-{pool}-<uuid at up>"
+    group = planned_asg_name(f"{stack.cluster_name}-{pool}")
     return {t.inputs["tag"]["key"]: t for t in of_type(declared, "autoscaling/tag:Tag")
             if t.inputs["autoscalingGroupName"] == group}
 

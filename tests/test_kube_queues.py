@@ -20,7 +20,7 @@ import yaml
 
 from components.kubernetes import autoscaler_node_template_tags
 from conftest import K8S_STACK_FILES, of_type, planned
-from gpucluster.plan import Declared
+from gpucluster.plan import Declared, planned_asg_name
 from gpucluster.render import kube
 from gpucluster.spec import catalog, cost, eks
 from gpucluster.spec.model import SpecError, Stack, load_stack, validate
@@ -239,7 +239,7 @@ def test_the_autoscaler_can_scale_the_cpu_group_from_zero(k8s: tuple[Stack, tupl
     """Its Auto Scaling group carries the node-template labels and taint, and the priority expander lists it: a group
     no entry matches is never used (cluster-autoscaler 1.35 expander/priority/priority.go)."""
     stack, declared = k8s
-    asg = f"eks-{stack.cluster_name}-{kube.CPU_FLAVOR}-<uuid at up>"
+    asg = planned_asg_name(f"{stack.cluster_name}-{kube.CPU_FLAVOR}")
     tags = {t.inputs["tag"]["key"]: t.inputs["tag"]["value"] for t in of_type(declared, "autoscaling/tag:Tag")
             if t.inputs["autoscalingGroupName"] == asg}
     prefix = "k8s.io/cluster-autoscaler/node-template"
@@ -319,9 +319,13 @@ def test_admitted_jobs_wait_for_their_pods_a_bounded_time(k8s: tuple[Stack, tupl
     assert wait["timeout"].endswith("m")
     timeout = int(wait["timeout"][:-1])
     provision = kube.provision_minutes(stack)
-    # A spot family's job may wait for the spot group to be given up on, then for its fallback, then pull its image.
+    # A spot family's job may wait for the spot group to be given up on, then for its fallback, its node's start
+    # (burn-in: not ready to the autoscaler until it passes), then pull its image.
     attempts = 2 if any(p.fallback for p in stack.spec.pools) else 1
-    assert timeout == attempts * provision + kube.IMAGE_PULL_MINUTES
+    assert timeout == attempts * provision + kube.NODE_STARTUP_MINUTES + kube.IMAGE_PULL_MINUTES
+    groups = {p.name: p.name for p in stack.spec.pools} | {kube.CPU_FLAVOR: "cpu"}
+    startup = kube.autoscaler_values(stack, groups, "sa")["extraArgs"]["max-node-startup-time"]
+    assert startup == f"{kube.NODE_STARTUP_MINUTES}m"
 
 
 # --- Priorities ---------------------------------------------------------------------------------------------------

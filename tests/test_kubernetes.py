@@ -26,7 +26,7 @@ from components.kubernetes import autoscaler_node_template_tags
 from conftest import K8S_STACK_FILES, ROOT, of_type, planned
 from gpucluster.contract import node_health
 from gpucluster.node import queue_guardrail
-from gpucluster.plan import PLAN_OPERATOR_IP, Declared, planned_outputs, run_program
+from gpucluster.plan import PLAN_OPERATOR_IP, Declared, planned_asg_name, planned_outputs, run_program
 from gpucluster.project import EXAMPLES_DIR, pulumi_program
 from gpucluster.render import kube, prometheus
 from gpucluster.spec import catalog, cost, eks
@@ -374,7 +374,7 @@ def test_autoscaler_node_template_tags_on_each_group(k8s: tuple[Stack, tuple[Dec
         assert tag.inputs["tag"]["propagateAtLaunch"] is False
     prefix = "k8s.io/cluster-autoscaler/node-template"
     for pool in stack.spec.pools:
-        got = tags[f"eks-{stack.cluster_name}-{pool.name}-<uuid at up>"]  # the group EKS made for the node group
+        got = tags[planned_asg_name(f"{stack.cluster_name}-{pool.name}")]  # the group EKS made for the node group
         assert got[f"{prefix}/label/gpucluster/pool"] == pool.name
         assert got[f"{prefix}/taint/nvidia.com/gpu"] == "true:NoSchedule"
         assert pool.itype.accelerator is not None

@@ -11,9 +11,12 @@ from __future__ import annotations
 # StartupTaintPrefix, IsStartupTaint, FilterOutNodesWithStartupTaints, SanitizeTaints). EKS takes taint keys of at most
 # 63 characters (its Taint shape), the prefix included.
 STARTUP_TAINT = "startup-taint.cluster-autoscaler.kubernetes.io/burn-in"
-# A failed node's taint, in place of the startup taint: its value names the check that failed. The autoscaler then
+# A failed node's taint, in place of the startup taint: its value names the check that failed. Its prefix is the
+# autoscaler's status-taint one (taints.go StatusTaintPrefix): kept out of the template it builds from a ready node of
+# the group and caches for good (a failed first node would otherwise leave its taint on every node the group is
+# thought to make, and the group would never scale up from zero again), yet not counted as unready: the autoscaler
 # sees a ready node nothing can use and removes it as unneeded (its scale-down eligibility checks no taints).
-FAILED_TAINT = "gpucluster/burn-in-failed"
+FAILED_TAINT = "status-taint.cluster-autoscaler.kubernetes.io/burn-in-failed"
 RESULT_LABEL = "gpucluster/burn-in"  # passed | failed: the node's burn-in is decided and is not run again
 PASSED, FAILED = "passed", "failed"
 REASON_ANNOTATION = "gpucluster/burn-in-reason"  # what failed, in words (a label value cannot hold them)

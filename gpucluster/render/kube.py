@@ -413,7 +413,8 @@ def queue_manifests(stack: Stack) -> list[Manifest]:
 # The autoscaler's default (15 minutes; the flag is `max-node-startup-time` from cluster-autoscaler 1.35,
 # kubernetes/autoscaler#8543 and #9074) would count a slow burn-in's node as failed to start: an allowance for those
 # steps, not a measurement.
-NODE_STARTUP_TIME = "25m"
+NODE_STARTUP_MINUTES = 25
+NODE_STARTUP_TIME = f"{NODE_STARTUP_MINUTES}m"
 
 
 def max_node_provision_time(stack: Stack) -> str:
@@ -488,9 +489,10 @@ REQUEUE_BACKOFF_BASE_SECONDS, REQUEUE_BACKOFF_LIMIT = 60, 5
 
 def pods_ready_timeout_minutes(stack: Stack) -> int:
     """How long an admitted job may wait for all its pods to run: the autoscaler's attempts at its family (the spot
-    group, then the on-demand fallback, each given up on after max-node-provision-time) and the image pull."""
+    group, then the on-demand fallback, each given up on after max-node-provision-time), the node's start (device
+    plugins, burn-in) and the image pull. Kueue's recoveryTimeout (a lost pod's replacement) defaults to it."""
     attempts = max(len(pools) for pools in families(stack).values())
-    return attempts * provision_minutes(stack) + IMAGE_PULL_MINUTES
+    return attempts * provision_minutes(stack) + NODE_STARTUP_MINUTES + IMAGE_PULL_MINUTES
 
 
 def kueue_values(stack: Stack) -> dict[str, Any]:
@@ -607,7 +609,7 @@ def example_image(stack: Stack) -> str:
 def replacement_wait_s(stack: Stack) -> int:
     """How long a pod waits for a lost peer's replacement: a node for it (the autoscaler gives up on a node after
     its max provision time) and the image pulled there."""
-    return (provision_minutes(stack) + IMAGE_PULL_MINUTES) * 60
+    return (provision_minutes(stack) + NODE_STARTUP_MINUTES + IMAGE_PULL_MINUTES) * 60
 
 
 def node_sized_resources(pool: PoolSpec) -> dict[str, str]:
@@ -710,7 +712,9 @@ def example_job(stack: Stack, pool: PoolSpec, script: str, nodes: int = 2) -> li
 
 # --- The budget guardrail ---------------------------------------------------------------------------------------
 
-GUARDRAIL_IMAGE = "python:3.12-slim"
+# Docker's official image through ECR Public's mirror: no anonymous Docker Hub pulls (rate-limited per address) from
+# behind the stack's one NAT address, on every new GPU node (the burn-in's verdict) or guardrail start.
+GUARDRAIL_IMAGE = "public.ecr.aws/docker/library/python:3.12-slim"
 GUARDRAIL_BOTO3 = "boto3==1.44.8"  # the version the project itself pins against (requirements: boto3)
 # The guardrail and the library files it imports, at their places under the mount (a ConfigMap's keys are flat names;
 # the volume's items put each file at its path): it shares its queue loop and budget decision with the Slurm head's.
