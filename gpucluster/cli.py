@@ -7,6 +7,8 @@
     python -m gpucluster cost STACK              this month's spend by the stack's tag, forecast, GPU-hours
     python -m gpucluster leftovers STACK         what is still tagged with the stack (after a destroy), per month
     python -m gpucluster dashboard STACK [--run] [--local-port N]   Grafana through a Session Manager port forward
+    python -m gpucluster verify STACK --plan [--json] [--pool NAME ...] [--nodes N] [--deep]   the checks a verify
+                                                 run makes and the figures each must reach, offline
     gpucluster events [--last N]                 on the head node: recent interruptions, drains, requeues, replacements
     python -m gpucluster image-lock --snapshot ID [--archive URL]   (maintainers, internet) lock the image's Ubuntu
                                                  packages to what the Ubuntu snapshot ID serves
@@ -24,7 +26,9 @@ from typing import Any
 from gpucluster import project
 from gpucluster.aws import checkip
 from gpucluster.contract.settings import GRAFANA_PORT
+from gpucluster.contract.verify import plan_json
 from gpucluster.plan import NEW_ACCOUNT, Declared, run_program
+from gpucluster.render import verify as planning
 from gpucluster.spec import catalog, cost, eks
 from gpucluster.spec.model import OPERATOR, SpecError, Stack, load_stack, resolve_stack_file, way_in_warning
 from gpucluster.spec.ubuntu_lock import LOCK_FILE
@@ -315,6 +319,23 @@ def _tcp_port(text: str) -> int:
     return port
 
 
+def verify(args: argparse.Namespace) -> int:
+    """The checks and thresholds of a verify run (--plan); the run itself is not built yet."""
+    if not args.plan:
+        print("verify: only --plan exists so far (the checks and figures a run would use); the run itself is not "
+              "built yet", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    stack = _load(args.stack)
+    try:
+        planned = planning.plan(stack, planning.Options(tuple(args.pool or ()), args.nodes, args.deep))
+    except planning.PlanError as exc:
+        for problem in exc.problems:
+            print(f"verify: {problem}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(plan_json(planned) if args.json else "\n".join(planning.table(planned)))
+    return 0
+
+
 def events(args: argparse.Namespace) -> int:
     """The head node's events log, newest last: what happened to nodes and jobs, and when."""
     from gpucluster.contract.settings import EVENTS_LOG
@@ -389,6 +410,17 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--local-port", type=_tcp_port, default=GRAFANA_PORT,
                    help=f"the port on this machine to open Grafana at (default {GRAFANA_PORT})")
     d.set_defaults(func=dashboard)
+    ver = sub.add_parser("verify", help="what a verify run checks on a stack's pools and the figures each must reach "
+                                        "(--plan, offline)")
+    ver.add_argument("stack", help="a stack name under stacks/ or a path to a stack file")
+    ver.add_argument("--plan", action="store_true", help="print the checks and thresholds, run nothing")
+    ver.add_argument("--json", action="store_true", help='print {"checks": [{"pool", "check", "expect"}, ...]}')
+    ver.add_argument("--pool", action="append", metavar="NAME",
+                     help="a pool to verify (repeatable; default: every pool)")
+    ver.add_argument("--nodes", type=int, metavar="N",
+                     help=f"nodes per pool (default: {planning.DEFAULT_NODES} where a pool allows, else its max_nodes)")
+    ver.add_argument("--deep", action="store_true", help="the longer diagnostics (DCGM level 3 instead of 1)")
+    ver.set_defaults(func=verify)
     e = sub.add_parser("events", help="on the head node: recent spot warnings, drains, requeues and replacements")
     e.add_argument("--last", type=int, default=50, help="how many (default 50)")
     e.add_argument("--log", help=argparse.SUPPRESS)  # another events log (tests)

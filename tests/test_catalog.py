@@ -32,6 +32,8 @@ def test_hardware_facts_match_ec2(name: str) -> None:
     assert ours.efa_supported == net["EfaSupported"]
     supports_efa_only = all("efa-only" in card.get("InterfaceTypes", []) for card in net["NetworkCards"])
     assert ours.efa_only == (supports_efa_only and ours.network_cards > 1)
+    if name in catalog.ACCELERATED:
+        assert ours.primary_network_gbps == net["NetworkCards"][0]["BaselineBandwidthInGbps"]
     devices = (ec2.get("GpuInfo") or {}).get("Gpus") or (ec2.get("NeuronInfo") or {}).get("NeuronDevices")
     if ours.accelerator is None:
         assert not devices

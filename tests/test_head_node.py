@@ -260,8 +260,9 @@ def test_bundle_object_holds_the_rendered_files(shipped: Shipped) -> None:
     # node unpacks it.
     image = {str(Path(contract.BUNDLE_BOM).relative_to(contract.BUNDLE_DIR))}
     assert image == {"image/bom.json"}
+    verify_plan = {str(Path(contract.VERIFY_PLAN).relative_to(contract.BUNDLE_DIR))}  # `gpucluster verify`'s figures
     assert programs | {"accounting.sql", "accounting.sh"} | slurm_files | {f"examples/{n}" for n in bundle.EXAMPLES} | \
-        metrics | library | image == names
+        metrics | library | image | verify_plan == names
     assert {name for name in names if name.startswith("lib/") and modes[name] == 0o755} == programs
 
 

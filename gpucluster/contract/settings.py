@@ -54,6 +54,9 @@ IMAGE_BOM = "/opt/gpucluster-image/bom.json"
 # The same bytes in the bundle, for a node booted on a stock AMI (image.build false): its boot runs build_image.sh
 # with this bill of materials.
 BUNDLE_BOM = f"{BUNDLE_DIR}/image/bom.json"
+# What `gpucluster verify` on the head expects of each pool (its plan at the default options, in the bundle): the run
+# judges against it without the instance catalog.
+VERIFY_PLAN = f"{BUNDLE_DIR}/verify/plan.json"
 BOOT_UNIT = "gpucluster-boot.service"
 # The head's units that may launch or keep nodes, besides slurmctld: stopped first when the cluster is torn down.
 RECONCILE_UNIT = "gpucluster-reconcile"  # a service and its timer
@@ -76,6 +79,8 @@ SHARED_DIR = "/fsx"  # the Lustre file system, on every node
 SHARED_HOME = f"{SHARED_DIR}/home"  # bind-mounted at /home on every node: code, venvs and job output follow the job
 NODE_HOSTS_FILE = f"{SHARED_DIR}/.gpucluster/hosts"  # registered nodes' names and addresses, kept by the head
 SHARED_EXAMPLES = f"{SHARED_DIR}/examples"  # the bundle's examples, copied anew by the head at every boot and update
+# `gpucluster verify`: one JSON file per run (gpucluster/contract/verify.py), kept on the shared file system.
+VERIFY_DIR = f"{SHARED_DIR}/.gpucluster/verify"
 # A compute node's scratch space, never /tmp: on the instance store where there is one (a link to a directory on
 # /opt/dlami/nvme), else a directory on the root volume. Root's, 0755, all the way down to the per-user directories.
 LOCAL_SCRATCH = "/var/lib/gpucluster-local"

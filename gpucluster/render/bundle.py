@@ -17,7 +17,8 @@ from pathlib import Path
 
 from gpucluster import node
 from gpucluster.contract import settings
-from gpucluster.render import dashboards, monitoring, prometheus, slurm
+from gpucluster.contract.verify import plan_json
+from gpucluster.render import dashboards, monitoring, prometheus, slurm, verify
 from gpucluster.spec import bom
 from gpucluster.spec.model import Stack, stack_file
 
@@ -49,6 +50,9 @@ def contents(stack: Stack, examples_dir: Path,
     files[f"{STACKS_IN_LIB}/Pulumi.{stack.name}.yaml"] = (stack_file(stack).encode(), 0o644)
     # The node images' bill of materials, byte for byte what a bake gets: a node booted on a stock AMI builds from it.
     files[str(Path(settings.BUNDLE_BOM).relative_to(settings.BUNDLE_DIR))] = (bom.render(stack).encode(), 0o644)
+    # What `gpucluster verify` on the head expects at its default options: it judges without the catalog.
+    files[str(Path(settings.VERIFY_PLAN).relative_to(settings.BUNDLE_DIR))] = (
+        plan_json(verify.plan(stack)).encode(), 0o644)
     files["accounting.sql"] = (slurm.ACCOUNTING_DB_SQL.encode(), 0o644)
     files["accounting.sh"] = (slurm.accounting_script(stack, CLUSTER_USERS).encode(), 0o755)
     files |= {name: (text.encode(), 0o644)

@@ -71,6 +71,16 @@ class InstanceType:
         return INSTANCE_STORE.get(self.name)
 
     @property
+    def all_reduce(self) -> AllReduceFigure | None:
+        """The type's published nccl-tests all_reduce bus bandwidth across nodes; None when none is sourced."""
+        return ALL_REDUCE_BUSBW.get(self.name)
+
+    @property
+    def primary_network_gbps(self) -> float:
+        """The baseline bandwidth of network card 0, which carries the node's TCP traffic (Lustre's among it)."""
+        return PRIMARY_NETWORK_GBPS[self.name]
+
+    @property
     def provision_minutes(self) -> int:
         """How long a new node of this type may take from launch to Ready with its accelerators advertised."""
         return NODE_PROVISION_MINUTES[self.family]
@@ -146,6 +156,50 @@ INSTANCE_STORE = {
     "trn2.48xlarge": InstanceStore(4, 1900),
 }
 
+@dataclass(frozen=True)
+class AllReduceFigure:
+    """nccl-tests' all_reduce_perf across two nodes of a type, as published: the bus bandwidth (GB/s, out-of-place) at
+    the largest message size of the published sweep, and where it was published."""
+
+    published_gbps: float
+    message_bytes: int  # the sweep's largest size; busbw does not fall at larger sizes, so a sweep must reach it
+    source: str
+
+    @property
+    def floor_gbps(self) -> float:
+        """What `gpucluster verify` requires (ALL_REDUCE_FLOOR_FRACTION of the published figure)."""
+        return round(self.published_gbps * ALL_REDUCE_FLOOR_FRACTION, 1)
+
+
+# `verify` fails a pool below 90% of the published figure. The published runs are one pair of nodes each, on the
+# software of their day (NCCL, aws-ofi-nccl, EFA installer), and a cluster placement group does not promise the same
+# spine hops: 10% leaves room for that spread, and a real fault stays far below it (NCCL over TCP sockets instead of
+# EFA reaches a small fraction of these figures).
+ALL_REDUCE_FLOOR_FRACTION = 0.9
+_NCCL_TESTS_README = ("aws-samples/awsome-distributed-training micro-benchmarks/nccl-tests/README.md (commit 0162aac), "
+                      "'Results', 2 nodes, all_reduce_perf out-of-place busbw at the largest size")
+# Types without a published figure here get none: `verify` then warns instead of judging the bandwidth.
+ALL_REDUCE_BUSBW: dict[str, AllReduceFigure] = {
+    "p5.48xlarge": AllReduceFigure(487.09, 16 * 2**30, _NCCL_TESTS_README),
+    "p4de.24xlarge": AllReduceFigure(78.33, 2 * 2**30, _NCCL_TESTS_README),
+    # p4d's own run is not published; it has p4de's network (4 x 100 Gbps EFA, DescribeInstanceTypes) and its A100
+    # NVSwitch board, and the two-node all_reduce is bound by the network: p4de's figure.
+    "p4d.24xlarge": AllReduceFigure(78.33, 2 * 2**30, f"{_NCCL_TESTS_README} (p4de.24xlarge's run)"),
+}
+
+# Baseline bandwidth of network card 0 in Gbps: DescribeInstanceTypes' NetworkInfo.NetworkCards[0]
+# .BaselineBandwidthInGbps (the snapshot moto bundles; the tests compare). A Lustre client's TCP traffic goes through
+# the primary interface on card 0, so this bounds what one node reads from or writes to /fsx; an "up to" type's
+# baseline is far below its burst (g6.xlarge: 2.5 of "up to 10" Gbps).
+PRIMARY_NETWORK_GBPS = {
+    "g5.xlarge": 2.5, "g5.12xlarge": 40.0, "g5.48xlarge": 100.0,
+    "g6.xlarge": 2.5, "g6.12xlarge": 40.0, "g6.48xlarge": 100.0,
+    "g6e.xlarge": 2.5, "g6e.12xlarge": 100.0, "g6e.48xlarge": 400.0,
+    "p4d.24xlarge": 100.0, "p4de.24xlarge": 100.0,
+    "p5.48xlarge": 100.0, "p5e.48xlarge": 100.0, "p5en.48xlarge": 200.0, "p6-b200.48xlarge": 200.0,
+    "trn1.2xlarge": 3.125, "trn1.32xlarge": 100.0, "trn2.48xlarge": 200.0,
+}
+
 # Minutes from launch to a Ready node whose device plugin advertises its accelerators, per family: the Cluster
 # Autoscaler's --max-node-provision-time must cover it, or it gives a booting node up and its instance may stay
 # behind, running and billed, outside the autoscaler's count (kubernetes/autoscaler#6810: a g4dn instance orphaned
@@ -203,3 +257,17 @@ AWS_REGIONS = frozenset({
     "eu-south-1", "eu-south-2", "eu-west-1", "eu-west-2", "eu-west-3", "il-central-1", "me-central-1", "me-south-1",
     "mx-central-1", "sa-east-1", "us-east-1", "us-east-2", "us-west-1", "us-west-2",
 })
+
+
+# FSx for Lustre's disk throughput per TiB of SSD storage, MB/s, (read, write): the FSx for Lustre User Guide,
+# "Performance characteristics of SSD and HDD storage classes" (ssd-storage.html), the baseline column of disk
+# throughput. SCRATCH_2: 200 read, 100 write; PERSISTENT_2: its throughput tier both ways (125 and 250 burst to 500,
+# not counted). Sustained sequential I/O meets the disk, not the network's higher figures (SCRATCH_2: 200 baseline,
+# 1300 burst) nor the servers' RAM cache: the baseline is what a file system promises for a long write or read.
+LUSTRE_DISK_MBPS_PER_TIB: dict[tuple[str, int | None], tuple[int, int]] = {
+    ("SCRATCH_2", None): (200, 100),
+    ("PERSISTENT_2", 125): (125, 125),
+    ("PERSISTENT_2", 250): (250, 250),
+    ("PERSISTENT_2", 500): (500, 500),
+    ("PERSISTENT_2", 1000): (1000, 1000),
+}

@@ -1,0 +1,217 @@
+"""`gpucluster verify`'s contract: the checks by name, what each expects, how a measured figure is judged, and the
+JSON both sides exchange. The plan (gpucluster/render/verify.py, from the stack file and the catalog) writes Checks;
+the run on the head node measures them and judges each with `judge`, reading its expectations from the plan alone.
+
+    plan: {"checks": [{"pool": P, "check": NAME, "expect": {...}}, ...]}
+    run:  {"checks": [{"pool": P, "check": NAME, "expect": {...}, "measured": M, "result": "pass"|"warn"|"fail",
+                       "fix": "..." (failures only)}, ...]}
+
+A check's `expect` holds the figure it is compared with under the key its kind names (count, min, max, or a value that
+must be equal); an `expect` without that key says the figure is unknown (an instance type without a published
+bandwidth, an existing file system), and the check is judged "warn", never a silent pass. Standard library only: the
+head node's run imports this file from the bundle.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Final, Literal, Union
+
+# --- the checks -------------------------------------------------------------------------------------------------------
+# Per node (the run keeps a pool's worst node as the pool's figure).
+GPUS = "gpus"  # {"count": N}: NVIDIA GPUs the driver sees
+NEURON_DEVICES = "neuron_devices"  # {"count": N}: Neuron devices (Trainium pools)
+EFA_DEVICES = "efa_devices"  # {"count": N}: EFA devices, on EFA pools only
+ECC_UNCORRECTED = "ecc_uncorrected"  # {"max": 0}: uncorrected ECC errors (NVIDIA)
+DCGM_DIAG = "dcgm_diag"  # {"level": 1}, 3 with --deep: DCGM's diagnostic passed at that level (NVIDIA)
+FSX_MOUNTED = "fsx_mounted"  # {}: /fsx is a Lustre mount
+NCCL_EFA_PLUGIN = "nccl_efa_plugin"  # {"found": true}: aws-ofi-nccl where NCCL loads it (NVIDIA EFA pools)
+METADATA_REFUSED = "metadata_refused"  # {"refused": true}: a job cannot reach the instance metadata service
+NAMES_RESOLVE = "names_resolve"  # {"nodes": N}: how many of the job's node names resolve on every node
+# Across the job's nodes (multi-node pools).
+NCCL_ALL_REDUCE_BUSBW_GBPS = "nccl_all_reduce_busbw_gbps"  # {"min": X}: nccl-tests' busbw at its largest size, GB/s
+NCCL_TRANSPORT = "nccl_transport"  # {"provider": "efa"}: the libfabric provider NCCL's log names (EFA pools)
+# Storage, from the job's nodes together.
+FSX_WRITE_MBPS = "fsx_write_mbps"  # {"min": X}: sequential write throughput on /fsx, MB/s
+FSX_READ_MBPS = "fsx_read_mbps"  # {"min": X}: sequential read throughput on /fsx, MB/s
+# The pool.
+SCALE_FROM_ZERO_SECONDS = "scale_from_zero_seconds"  # {"max": S}: from the job's submission to its start
+
+ResultWord = Literal["pass", "warn", "fail"]
+PASS: Final = "pass"
+WARN: Final = "warn"
+FAIL: Final = "fail"
+# What a check measures: a figure, a yes/no, a name; None when nothing was measured (a node that never started).
+Measured = Union[int, float, bool, str, None]
+Expect = dict[str, Union[int, float, bool, str]]
+
+Kind = Literal["equal", "min", "max", "true"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How a check is judged: `kind` compares the measured value with `expect[key]` (equal to it, at least it, at most
+    it) or wants it true (`key` "": nothing to compare with); `fix` is the one line a failure prints."""
+
+    kind: Kind
+    key: str
+    fix: str
+
+
+RULES: dict[str, Rule] = {
+    GPUS: Rule("equal", "count",
+               "a GPU is missing: the node's driver or hardware is at fault; drain the node "
+               "(scontrol update nodename=N state=drain reason=gpus) so that a fresh instance replaces it"),
+    NEURON_DEVICES: Rule("equal", "count",
+                         "a Neuron device is missing: check `neuron-ls` and the aws-neuronx-dkms driver on the node, "
+                         "then drain it for a fresh instance"),
+    EFA_DEVICES: Rule("equal", "count",
+                      "EFA devices are missing: check the pool's launch template interfaces and the EFA driver "
+                      "(`fi_info -p efa`), then drain the node for a fresh instance"),
+    ECC_UNCORRECTED: Rule("max", "max",
+                          "uncorrected ECC errors: the GPU needs a reset or a replacement; drain the node for a fresh "
+                          "instance"),
+    DCGM_DIAG: Rule("true", "",
+                    "DCGM's diagnostic failed: read `dcgmi diag -r LEVEL` on the node, drain it for a fresh instance"),
+    FSX_MOUNTED: Rule("true", "",
+                      "/fsx is not mounted: read the node's boot log (/var/log/gpucluster/boot.log) and check the "
+                      "Lustre client module for its kernel"),
+    NCCL_EFA_PLUGIN: Rule("equal", "found",
+                          "aws-ofi-nccl is missing, NCCL falls back to sockets: rebuild the image "
+                          "(/opt/amazon/ofi-nccl/lib must hold libnccl-net-ofi.so)"),
+    METADATA_REFUSED: Rule("equal", "refused",
+                           "a job reached the instance metadata service, and so the node's role: check the node "
+                           "lockdown's firewall rules"),
+    NAMES_RESOLVE: Rule("equal", "nodes",
+                        "node names do not resolve on every node: check the head's hosts publisher "
+                        "(/fsx/.gpucluster/hosts) and the node's /etc/hosts"),
+    NCCL_ALL_REDUCE_BUSBW_GBPS: Rule("min", "min",
+                                     "all_reduce bus bandwidth below the instance type's floor: check nccl_transport, "
+                                     "the placement group and NCCL's environment (/etc/gpucluster/nccl.env)"),
+    NCCL_TRANSPORT: Rule("equal", "provider",
+                         "NCCL did not use EFA: check nccl_efa_plugin, the EFA devices and the security group's "
+                         "self-referencing rules"),
+    FSX_WRITE_MBPS: Rule("min", "min",
+                         "/fsx writes below the file system's throughput: check its throughput tier, its CloudWatch "
+                         "DataWriteBytes and other jobs' I/O"),
+    FSX_READ_MBPS: Rule("min", "min",
+                        "/fsx reads below the file system's throughput: check its throughput tier, its CloudWatch "
+                        "DataReadBytes and other jobs' I/O"),
+    SCALE_FROM_ZERO_SECONDS: Rule("max", "max",
+                                  "nodes took too long to start: read `gpucluster events` and the resume log "
+                                  "(/var/log/gpucluster/nodes.log) for capacity errors and slow boots"),
+}
+CHECK_NAMES = tuple(RULES)
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check of one pool, as the plan lists it."""
+
+    pool: str
+    check: str
+    expect: Expect
+
+    def as_dict(self) -> dict[str, object]:
+        return {"pool": self.pool, "check": self.check, "expect": dict(self.expect)}
+
+
+@dataclass(frozen=True)
+class Result:
+    """A check as a run judged it: the plan's entry, the figure measured, the verdict, the fix of a failure."""
+
+    pool: str
+    check: str
+    expect: Expect
+    measured: Measured
+    result: ResultWord
+    fix: str = ""
+
+    def as_dict(self) -> dict[str, object]:
+        doc = asdict(self)
+        doc["expect"] = dict(self.expect)
+        if self.result != FAIL:
+            del doc["fix"]
+        return doc
+
+
+class VerifyFormatError(ValueError):
+    """A plan or a run document that does not match this contract."""
+
+
+def judge(check: Check, measured: Measured) -> Result:
+    """The verdict on one measured value: pass, warn (the expected figure is unknown), or fail with the check's fix."""
+    rule = RULES.get(check.check)
+    if rule is None:
+        raise VerifyFormatError(f"unknown check {check.check!r}; known: {', '.join(CHECK_NAMES)}")
+
+    def verdict(word: ResultWord) -> Result:
+        return Result(check.pool, check.check, check.expect, measured, word, rule.fix if word == FAIL else "")
+
+    if rule.key and rule.key not in check.expect:
+        return verdict(WARN)  # no figure to compare with: said, never passed silently
+    if measured is None:
+        return verdict(FAIL)  # nothing measured (a node that never ran the check)
+    if rule.kind == "true":
+        return verdict(PASS if measured is True else FAIL)
+    expected = check.expect[rule.key]
+    if rule.kind == "equal":
+        # bool is an int to Python: True must not equal a count of 1, nor 1 the expectation true.
+        same = type(measured) is type(expected) or (_is_number(measured) and _is_number(expected))
+        return verdict(PASS if same and measured == expected else FAIL)
+    if isinstance(measured, (bool, str)) or isinstance(expected, (bool, str)):
+        return verdict(FAIL)  # a figure was expected; a yes/no or a name is no figure
+    ok = measured >= expected if rule.kind == "min" else measured <= expected
+    return verdict(PASS if ok else FAIL)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def plan_json(checks: list[Check]) -> str:
+    return json.dumps({"checks": [c.as_dict() for c in checks]}, indent=1)
+
+
+def run_json(results: list[Result]) -> str:
+    return json.dumps({"checks": [r.as_dict() for r in results]}, indent=1)
+
+
+def _entries(text: str, keys: set[str], optional: set[str]) -> list[dict[str, object]]:
+    doc = json.loads(text)
+    if not isinstance(doc, dict) or set(doc) != {"checks"} or not isinstance(doc["checks"], list):
+        raise VerifyFormatError('expected {"checks": [...]}')
+    entries: list[dict[str, object]] = []
+    for i, entry in enumerate(doc["checks"]):
+        if not isinstance(entry, dict) or not keys <= set(entry) <= keys | optional:
+            raise VerifyFormatError(f"checks[{i}]: expected the keys {', '.join(sorted(keys))}"
+                                    + (f" (and {', '.join(sorted(optional))})" if optional else ""))
+        if entry["check"] not in RULES:
+            raise VerifyFormatError(f"checks[{i}]: unknown check {entry['check']!r}")
+        entries.append(entry)
+    return entries
+
+
+def plan_from_json(text: str) -> list[Check]:
+    return [Check(str(e["pool"]), str(e["check"]), _expect(e["expect"], f"checks[{i}]"))
+            for i, e in enumerate(_entries(text, {"pool", "check", "expect"}, set()))]
+
+
+def run_from_json(text: str) -> list[Result]:
+    results: list[Result] = []
+    for i, e in enumerate(_entries(text, {"pool", "check", "expect", "measured", "result"}, {"fix"})):
+        word, measured = e["result"], e["measured"]
+        if word not in (PASS, WARN, FAIL):
+            raise VerifyFormatError(f"checks[{i}].result: expected pass, warn or fail, got {word!r}")
+        if measured is not None and not isinstance(measured, (int, float, bool, str)):
+            raise VerifyFormatError(f"checks[{i}].measured: expected a number, a boolean, a string or null")
+        results.append(Result(str(e["pool"]), str(e["check"]), _expect(e["expect"], f"checks[{i}]"), measured,
+                              PASS if word == PASS else WARN if word == WARN else FAIL, str(e.get("fix", ""))))
+    return results
+
+
+def _expect(raw: object, where: str) -> Expect:
+    if not isinstance(raw, dict) or not all(isinstance(v, (int, float, bool, str)) for v in raw.values()):
+        raise VerifyFormatError(f"{where}.expect: expected an object of numbers, booleans and strings")
+    return {str(k): v for k, v in raw.items()}

@@ -1,0 +1,141 @@
+"""`gpucluster verify --plan`: the checks a verify run makes on a stack's pools and the figures each must reach, from
+the stack file and the instance catalog alone (offline). The run on the head node reads the same list from the bundle
+(settings.VERIFY_PLAN) and judges what it measures with gpucluster.contract.verify.judge.
+
+The expected figures:
+- devices: the catalog's GPUs or Neuron devices, and EFA interfaces on an EFA pool;
+- all_reduce bus bandwidth (NVIDIA pools, two nodes or more): the catalog's floor for the type, none when no figure
+  is published for it (the run then warns);
+- /fsx sequential write and read: the file system's disk baseline (catalog.LUSTRE_DISK_MBPS_PER_TIB x its TiB), or
+  what the job's nodes can carry if less (each node's primary network card, which carries Lustre's TCP), times
+  FSX_FLOOR_FRACTION; none for an existing file system, whose size and tier the stack does not state;
+- scale from zero: the type's provision time (catalog), never above the stack's Slurm ResumeTimeout (after which
+  Slurm gives the node up anyway).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gpucluster.contract import verify as v
+from gpucluster.spec import catalog
+from gpucluster.spec.model import PoolSpec, Stack
+
+DEFAULT_NODES = 2  # per pool, where its max_nodes allows: the fewest that exercise NCCL across nodes
+DEEP_DCGM_LEVEL, DCGM_LEVEL = 3, 1  # DCGM diagnostic levels: 1 takes seconds, 3 about half an hour per node
+# Sequential I/O through Lustre's TCP clients stays below the file system's baseline (protocol overhead, the job's
+# files striped over a few targets): verify requires 80% of it. A mount on the wrong path, or a client throttled to a
+# fraction of its link, is far below that.
+FSX_FLOOR_FRACTION = 0.8
+MB_PER_S_PER_GBPS = 125  # 1 Gbit/s = 125 MB/s (decimal units, as EC2 and FSx state them)
+
+
+class PlanError(ValueError):
+    """Options that name no pool of the stack, or more nodes than a pool has: every problem at once."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("; ".join(problems))
+
+
+@dataclass(frozen=True)
+class Options:
+    pools: tuple[str, ...] = ()  # () : every pool
+    nodes: int | None = None  # None: DEFAULT_NODES where a pool allows, else its max_nodes
+    deep: bool = False
+
+
+def plan(stack: Stack, options: Options = Options()) -> list[v.Check]:
+    """The checks of a verify run on the chosen pools, in the stack's pool order."""
+    chosen = _chosen_pools(stack, options)
+    return [check for pool in chosen for check in pool_checks(stack, pool, _nodes(pool, options), options.deep)]
+
+
+def _chosen_pools(stack: Stack, options: Options) -> list[PoolSpec]:
+    problems: list[str] = []
+    if stack.spec.scheduler != "slurm":
+        problems.append(f"a run goes through Slurm, and stack {stack.name} is scheduler: {stack.spec.scheduler} (its "
+                        "accelerator nodes prove themselves in their burn-in)")
+    names = [p.name for p in stack.spec.pools]
+    unknown = [name for name in options.pools if name not in names]
+    if unknown:
+        problems.append(f"no pool {', '.join(unknown)} in stack {stack.name}; its pools: {', '.join(names)}")
+    chosen = [p for p in stack.spec.pools if not options.pools or p.name in options.pools]
+    if options.nodes is not None:
+        if options.nodes < 1:
+            problems.append(f"--nodes must be at least 1, got {options.nodes}")
+        problems += [f"--nodes {options.nodes} is more than pool {p.name}'s max_nodes ({p.max_nodes})"
+                     for p in chosen if options.nodes > p.max_nodes]
+    if problems:
+        raise PlanError(problems)
+    return chosen
+
+
+def _nodes(pool: PoolSpec, options: Options) -> int:
+    return options.nodes if options.nodes is not None else min(DEFAULT_NODES, pool.max_nodes)
+
+
+def pool_checks(stack: Stack, pool: PoolSpec, nodes: int, deep: bool) -> list[v.Check]:
+    itype = pool.itype
+    accelerator = pool.accelerator
+    nvidia = accelerator.kind == "nvidia"
+    checks: list[tuple[str, v.Expect]] = []
+    if pool.min_nodes < nodes:  # always-on nodes are up already: only the others scale from zero
+        checks.append((v.SCALE_FROM_ZERO_SECONDS, {"max": min(itype.provision_minutes * 60,
+                                                              stack.spec.slurm.resume_timeout_seconds)}))
+    checks.append((v.GPUS if nvidia else v.NEURON_DEVICES, {"count": accelerator.count}))
+    if nvidia:
+        checks += [(v.ECC_UNCORRECTED, {"max": 0}),
+                   (v.DCGM_DIAG, {"level": DEEP_DCGM_LEVEL if deep else DCGM_LEVEL})]
+    if pool.uses_efa:
+        checks.append((v.EFA_DEVICES, {"count": itype.efa_interfaces}))
+        if nvidia:  # aws-ofi-nccl is NCCL's; Neuron's collectives use libfabric directly
+            checks.append((v.NCCL_EFA_PLUGIN, {"found": True}))
+    checks += [(v.FSX_MOUNTED, {}), (v.METADATA_REFUSED, {"refused": True}), (v.NAMES_RESOLVE, {"nodes": nodes})]
+    if nvidia and nodes >= 2:  # nccl-tests needs CUDA; one node's all_reduce never leaves NVLink
+        figure = itype.all_reduce
+        checks.append((v.NCCL_ALL_REDUCE_BUSBW_GBPS, {"min": figure.floor_gbps} if figure else {}))
+        if pool.uses_efa:
+            checks.append((v.NCCL_TRANSPORT, {"provider": "efa"}))
+    write, read = fsx_floors_mbps(stack, itype, nodes)
+    checks += [(v.FSX_WRITE_MBPS, {"min": write} if write else {}),
+               (v.FSX_READ_MBPS, {"min": read} if read else {})]
+    return [v.Check(pool.name, name, expect) for name, expect in checks]
+
+
+def fsx_floors_mbps(stack: Stack, itype: catalog.InstanceType, nodes: int) -> tuple[int | None, int | None]:
+    """(write, read) floors in MB/s for `nodes` nodes of a type together; None for an existing file system."""
+    lustre = stack.spec.storage.lustre
+    if lustre.file_system_id or lustre.deployment_type is None or lustre.storage_capacity_gib is None:
+        return None, None
+    per_tib_read, per_tib_write = catalog.LUSTRE_DISK_MBPS_PER_TIB[
+        (lustre.deployment_type, lustre.throughput_mb_per_tib)]
+    tib = lustre.storage_capacity_gib / 1024
+    clients = nodes * itype.primary_network_gbps * MB_PER_S_PER_GBPS
+
+    def floor(per_tib: int) -> int:
+        return int(min(per_tib * tib, clients) * FSX_FLOOR_FRACTION)
+
+    return floor(per_tib_write), floor(per_tib_read)
+
+
+def table(checks: Sequence[v.Check]) -> list[str]:
+    """The plan as a readable table: pool, check, expected."""
+    rows = [("pool", "check", "expected")] + [(c.pool, c.check, describe(c)) for c in checks]
+    widths = [max(len(row[i]) for row in rows) for i in range(2)]
+    lines = [f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]}".rstrip() for row in rows]
+    lines.insert(1, f"{'-' * widths[0]}  {'-' * widths[1]}  {'-' * len('expected')}")
+    return lines
+
+
+def describe(check: v.Check) -> str:
+    """What a check expects, in words; an unknown figure says that the run will warn."""
+    rule = v.RULES[check.check]
+    if rule.key and rule.key not in check.expect:
+        return "no known figure: warns"
+    if rule.kind == "true":
+        return ", ".join(f"{k} {val}" for k, val in check.expect.items()) or "yes"
+    value = check.expect[rule.key]
+    shown = str(value).lower() if isinstance(value, bool) else str(value)
+    return {"equal": "= ", "min": ">= ", "max": "<= "}[rule.kind] + shown
