@@ -66,9 +66,10 @@ TOOL_DIRS = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbi
              "/opt/aws/neuron/bin")
 
 
-def tool(*args: str, seconds: float | None = None) -> tuple[str | None, str]:
+def tool(*args: str, seconds: float | None = None, check: bool = True) -> tuple[str | None, str]:
     """(stdout, "") or (None, why): a missing, failing or hung tool is a finding, never a hang. A hung one is killed
-    with everything it started (its own session), which might otherwise hold its output open."""
+    with everything it started (its own session), which might otherwise hold its output open. Without `check`, a
+    tool that exits non-zero with output (a report of what failed) gives that output."""
     limit = seconds or TOOL_SECONDS
     if not shutil.which(args[0]):
         return None, f"{args[0]} not found"
@@ -80,7 +81,7 @@ def tool(*args: str, seconds: float | None = None) -> tuple[str | None, str]:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         return None, f"{args[0]} did not answer in {limit:g} s"
-    if proc.returncode:
+    if proc.returncode and (check or not out.strip()):
         return None, f"{args[0]} exited {proc.returncode}: {(err or out).strip()[-200:]}"
     return out, ""
 
@@ -90,11 +91,9 @@ def accelerators(pool: PoolSettings) -> list[str]:
     count and uncorrected ECC errors since the driver loaded (nvidia-smi); Neuron's device count (neuron-ls). Neuron
     devices' own error counters (neuron-monitor's) are not checked."""
     if pool.accelerator == "nvidia" and pool.accelerators:
-        out, why = tool("nvidia-smi", "--query-gpu=index,ecc.errors.uncorrected.volatile.total",
-                        "--format=csv,noheader,nounits")
-        if out is None:
+        rows, why = gpu_rows()
+        if rows is None:
             return [why]
-        rows = [[cell.strip() for cell in line.split(",")] for line in out.splitlines() if line.strip()]
         problems = [f"{len(rows)} of {pool.accelerators} GPUs"] if len(rows) != pool.accelerators else []
         problems += [f"GPU {r[0]}: {r[1]} uncorrected ECC errors" for r in rows
                      if len(r) > 1 and r[1].isdigit() and int(r[1]) > 0]
@@ -106,6 +105,16 @@ def accelerators(pool: PoolSettings) -> list[str]:
         found = len(json.loads(out or "[]"))
         return [] if found == pool.accelerators else [f"{found} of {pool.accelerators} Neuron devices"]
     return []
+
+
+def gpu_rows(nvidia_smi: str = "nvidia-smi") -> tuple[list[list[str]] | None, str]:
+    """The GPUs the driver sees, one [index, uncorrected ECC errors since the driver loaded] each (the count is
+    "[N/A]" on a GPU without ECC), or (None, why)."""
+    out, why = tool(nvidia_smi, "--query-gpu=index,ecc.errors.uncorrected.volatile.total",
+                    "--format=csv,noheader,nounits")
+    if out is None:
+        return None, why
+    return [[cell.strip() for cell in line.split(",")] for line in out.splitlines() if line.strip()], ""
 
 
 # DCGM's health watches, set by `--configuration` at every boot (the host engine forgets them when it restarts): every
@@ -193,7 +202,18 @@ def efa(pool: PoolSettings) -> list[str]:
 
 def mounted(path: str, mountinfo: str = "/proc/self/mountinfo") -> bool:
     """A mount point (a bind mount too, which os.path.ismount misses on the same file system)."""
-    return any(line.split()[4] == path for line in Path(mountinfo).read_text().splitlines())
+    return filesystem_type(path, mountinfo) is not None
+
+
+def filesystem_type(path: str, mountinfo: str = "/proc/self/mountinfo") -> str | None:
+    """The file system type mounted at `path` (the last mount there wins, as it hides the others), or None. A
+    mountinfo line's optional fields end at " - ", the type follows (proc(5))."""
+    found = None
+    for line in Path(mountinfo).read_text().splitlines():
+        fields, _, rest = line.partition(" - ")
+        if fields.split()[4] == path:
+            found = rest.split()[0] if rest.split() else ""
+    return found
 
 
 def storage(shared: str = SHARED_DIR, disks: tuple[str, ...] = ("/", "/opt/dlami/nvme")) -> list[str]:
@@ -287,9 +307,15 @@ def nccl_plugin(pool: PoolSettings, directory: str = AWS_OFI_NCCL_LIB_DIR) -> li
     """EFA pools' jobs require NCCL's EFA plugin (nccl.env: NCCL_NET): without it every multi-node job would fail."""
     if pool.accelerator != "nvidia" or not pool.efa_interfaces:
         return []
-    if Path(directory, NCCL_NET_PLUGIN_FILE).exists():
+    if nccl_plugin_path((directory,)):
         return []
     return [f"no {NCCL_NET_PLUGIN_FILE} in {directory} (aws-ofi-nccl, NCCL's EFA plugin): rebake the image"]
+
+
+def nccl_plugin_path(directories: tuple[str, ...]) -> str | None:
+    """Where NCCL's EFA plugin (aws-ofi-nccl's NCCL_NET_PLUGIN_FILE) is, in the first of `directories` holding it."""
+    return next((str(Path(d, NCCL_NET_PLUGIN_FILE)) for d in directories if Path(d, NCCL_NET_PLUGIN_FILE).exists()),
+                None)
 
 
 def configuration(pool: PoolSettings, node: str) -> list[str]:
