@@ -4,9 +4,9 @@ message size, the wrong values it counted, and the network NCCL chose (from NCCL
 
 The table's format is nccl-tests' (NVIDIA/nccl-tests a0b82b2, v2.19.6, src/util.cu): a header line
 `#       size         count      type   redop    root     time   algbw   busbw  #wrong     time   algbw   busbw  #wrong`
-(out-of-place half, then in-place; -I adds per-iteration columns to each half, -S a timestamp), one row per size,
-`#wrong` as `N/A` without validation (-c 0), then `# Out of bounds values : N OK|FAILED` and
-`# Avg bus bandwidth    : X`. The columns are read by the header's names, so added columns move nothing.
+(out-of-place half, then in-place; -S adds a timestamp column), one row per size, `#wrong` as `N/A` without
+validation (-c 0), then `# Out of bounds values : N OK|FAILED` and `# Avg bus bandwidth    : X`. The columns are read
+by the header's names, the first of each name the out-of-place half's, the second the in-place half's.
 Output that is not such a table (a run that died, another program's) raises NcclTestsError: never a silent 0.
 Standard library only.
 """
@@ -110,7 +110,8 @@ def parse(output: str) -> AllReduce:
             time_at = at["algbw"] - 1  # "time", or "cputime" with -C
             wrong = cells[at["#wrong"]]
             halves.append(Half(_number(cells[time_at], line), _number(cells[at["algbw"]], line),
-                               _number(cells[at["busbw"]], line), None if wrong == "N/A" else int(_number(wrong, line))))
+                               _number(cells[at["busbw"]], line),
+                               None if wrong == "N/A" else int(_number(wrong, line))))
         rows.append(Row(int(cells[0]), halves[0], halves[1]))
     if columns is None:
         raise NcclTestsError("no nccl-tests result table (its header line `#  size  count  type ... busbw  #wrong`)")

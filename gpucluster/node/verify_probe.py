@@ -86,8 +86,8 @@ def nvidia(nvidia_smi: str = "nvidia-smi") -> dict[str, Any]:
 
 def dcgm_diag(level: int, dcgmi: str = "dcgmi") -> dict[str, Any]:
     """`dcgmi diag -r <level> -j`, judged by the Kubernetes burn-in's reading of DCGM's report (burn_in.dcgm_problems):
-    a failed test, a diagnostic that could not run or ran no test is a failure, each named. dcgmi exits non-zero
-    when a test fails, so its report is read whatever its exit status; no report at all is an error."""
+    a failed test, a diagnostic that could not run or ran no test is a failure, each named. The report is read
+    whatever dcgmi's exit status (a failing diagnostic need not exit 0); no output at all is an error."""
     out, why = health.tool(dcgmi, "diag", "-r", str(level), "-j", seconds=DCGM_SECONDS[level], check=False)
     if out is None:
         return error(why)
@@ -164,8 +164,8 @@ def sequential_throughput(directory: str, mib: int, block: int = FSX_BLOCK) -> T
     the fsync: the data is on the file servers), drop the file's pages from this node's cache (posix_fadvise
     DONTNEED after the fsync: an unprivileged process cannot drop the whole cache), read it back; then delete it.
     The block is page-aligned (an anonymous mapping) and random: a compressing file system gains nothing."""
-    if mib <= 0 or block <= 0 or (mib << 20) % block:
-        raise ValueError(f"{mib} MiB is not a whole number of {block}-byte blocks")
+    if mib <= 0 or block <= 0:
+        raise ValueError(f"nothing to measure in {mib} MiB written {block} bytes at a time")
     total = mib << 20
     buffer = mmap.mmap(-1, block)
     buffer.write(os.urandom(block))
@@ -249,7 +249,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description="Measure this node for `gpucluster verify` (prints JSON).")
     parser.add_argument("--deep", action="store_true", help=f"DCGM diagnostic level {DCGM_DEEP_LEVEL}, not "
                                                             f"{DCGM_LEVEL}")
-    parser.add_argument("--fsx-mib", type=int, default=FSX_MIB, help="MiB written and read back on /fsx")
+    parser.add_argument("--fsx-mib", type=int, default=FSX_MIB, choices=range(1, 1 << 20), metavar="MIB",
+                        help="MiB written and read back on /fsx")
     parser.add_argument("--fsx-dir", default=f"{SHARED_HOME}/{getpass.getuser()}",
                         help="where on /fsx (default: the user's home there)")
     args = parser.parse_args(argv[1:])
