@@ -30,7 +30,6 @@ import os
 import pwd
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import urllib.error
@@ -54,36 +53,20 @@ from gpucluster.contract.settings import (
     named_pool,
     read_env_file,
 )
+from gpucluster.node.devices import (
+    DCGM_SECONDS,
+    TOOL_DIRS,
+    TOOL_SECONDS,
+    filesystem_type,
+    first_file,
+    gpu_rows,
+    tool,
+)
 from gpucluster.node.metadata import imds
 from gpucluster.node.safe_paths import own_directory
 from gpucluster.node.slurm_control import SlurmControl
 
-TOOL_SECONDS = 10  # one tool call; the Prolog makes at most three
-DCGM_SECONDS = 300  # `dcgmi diag -r 1` takes about a minute
 MIN_FREE_BYTES = 5 << 30  # below this on / (or the instance store) a job's container images and logs fail
-# Where the images put the tools: slurmd runs its HealthCheckProgram and Prolog with a bare PATH (/bin, /usr/bin...).
-TOOL_DIRS = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin", "/opt/amazon/efa/bin",
-             "/opt/aws/neuron/bin")
-
-
-def tool(*args: str, seconds: float | None = None, check: bool = True) -> tuple[str | None, str]:
-    """(stdout, "") or (None, why): a missing, failing or hung tool is a finding, never a hang. A hung one is killed
-    with everything it started (its own session), which might otherwise hold its output open. Without `check`, a
-    tool that exits non-zero with output (a report of what failed) gives that output."""
-    limit = seconds or TOOL_SECONDS
-    if not shutil.which(args[0]):
-        return None, f"{args[0]} not found"
-    proc = subprocess.Popen(list(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        return None, f"{args[0]} did not answer in {limit:g} s"
-    if proc.returncode and (check or not out.strip()):
-        return None, f"{args[0]} exited {proc.returncode}: {(err or out).strip()[-200:]}"
-    return out, ""
 
 
 def accelerators(pool: PoolSettings) -> list[str]:
@@ -105,16 +88,6 @@ def accelerators(pool: PoolSettings) -> list[str]:
         found = len(json.loads(out or "[]"))
         return [] if found == pool.accelerators else [f"{found} of {pool.accelerators} Neuron devices"]
     return []
-
-
-def gpu_rows(nvidia_smi: str = "nvidia-smi") -> tuple[list[list[str]] | None, str]:
-    """The GPUs the driver sees, one [index, uncorrected ECC errors since the driver loaded] each (the count is
-    "[N/A]" on a GPU without ECC), or (None, why)."""
-    out, why = tool(nvidia_smi, "--query-gpu=index,ecc.errors.uncorrected.volatile.total",
-                    "--format=csv,noheader,nounits")
-    if out is None:
-        return None, why
-    return [[cell.strip() for cell in line.split(",")] for line in out.splitlines() if line.strip()], ""
 
 
 # DCGM's health watches, set by `--configuration` at every boot (the host engine forgets them when it restarts): every
@@ -203,17 +176,6 @@ def efa(pool: PoolSettings) -> list[str]:
 def mounted(path: str, mountinfo: str = "/proc/self/mountinfo") -> bool:
     """A mount point (a bind mount too, which os.path.ismount misses on the same file system)."""
     return filesystem_type(path, mountinfo) is not None
-
-
-def filesystem_type(path: str, mountinfo: str = "/proc/self/mountinfo") -> str | None:
-    """The file system type mounted at `path` (the last mount there wins, as it hides the others), or None. A
-    mountinfo line's optional fields end at " - ", the type follows (proc(5))."""
-    found = None
-    for line in Path(mountinfo).read_text().splitlines():
-        fields, _, rest = line.partition(" - ")
-        if fields.split()[4] == path:
-            found = rest.split()[0] if rest.split() else ""
-    return found
 
 
 def storage(shared: str = SHARED_DIR, disks: tuple[str, ...] = ("/", "/opt/dlami/nvme")) -> list[str]:
@@ -307,15 +269,9 @@ def nccl_plugin(pool: PoolSettings, directory: str = AWS_OFI_NCCL_LIB_DIR) -> li
     """EFA pools' jobs require NCCL's EFA plugin (nccl.env: NCCL_NET): without it every multi-node job would fail."""
     if pool.accelerator != "nvidia" or not pool.efa_interfaces:
         return []
-    if nccl_plugin_path((directory,)):
+    if first_file((directory,), NCCL_NET_PLUGIN_FILE):
         return []
     return [f"no {NCCL_NET_PLUGIN_FILE} in {directory} (aws-ofi-nccl, NCCL's EFA plugin): rebake the image"]
-
-
-def nccl_plugin_path(directories: tuple[str, ...]) -> str | None:
-    """Where NCCL's EFA plugin (aws-ofi-nccl's NCCL_NET_PLUGIN_FILE) is, in the first of `directories` holding it."""
-    return next((str(Path(d, NCCL_NET_PLUGIN_FILE)) for d in directories if Path(d, NCCL_NET_PLUGIN_FILE).exists()),
-                None)
 
 
 def configuration(pool: PoolSettings, node: str) -> list[str]:

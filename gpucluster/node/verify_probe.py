@@ -41,14 +41,23 @@ from gpucluster.contract.hostlist import expand_hostlist
 from gpucluster.contract.settings import (
     AWS_OFI_NCCL_LIB_DIRS,
     IMDS_URL,
+    NCCL_NET_PLUGIN_FILE,
     SHARED_DIR,
     SHARED_HOME,
     ClusterSettings,
     PoolSettings,
     read_env_file,
 )
-from gpucluster.node import health
-from gpucluster.node.burn_in import count_neuron_devices, dcgm_problems
+from gpucluster.node.devices import (
+    DCGM_SECONDS,
+    TOOL_DIRS,
+    count_neuron_devices,
+    dcgm_problems,
+    filesystem_type,
+    first_file,
+    gpu_rows,
+    tool,
+)
 
 # Check names, as the checks' contract names them.
 GPUS, NEURON_DEVICES, EFA_DEVICES, ECC_UNCORRECTED = "gpus", "neuron_devices", "efa_devices", "ecc_uncorrected"
@@ -58,7 +67,7 @@ FSX_WRITE_MBPS, FSX_READ_MBPS = "fsx_write_mbps", "fsx_read_mbps"
 
 DCGM_LEVEL, DCGM_DEEP_LEVEL = 1, 3
 # `dcgmi diag -r 3` runs for about 30 minutes on eight GPUs (NVIDIA's DCGM user guide, run levels); -r 1 in seconds.
-DCGM_SECONDS = {DCGM_LEVEL: health.DCGM_SECONDS, DCGM_DEEP_LEVEL: 3600}
+DCGM_LEVEL_SECONDS = {DCGM_LEVEL: DCGM_SECONDS, DCGM_DEEP_LEVEL: 3600}
 EFA_DRIVER = "efa"  # the PCI driver's name (linux drivers/infiniband/hw/efa/efa_main.c: DRV_MODULE_NAME)
 LUSTRE_FS_TYPE = "lustre"
 # Lustre's client writes its version, "2.15.6\n", to /sys/fs/lustre/version (lustre/obdclass/obd_sysfs.c version_show,
@@ -75,9 +84,9 @@ def error(why: str) -> dict[str, Any]:
 
 
 def nvidia(nvidia_smi: str = "nvidia-smi") -> dict[str, Any]:
-    """`gpus` and `ecc_uncorrected` from one nvidia-smi call (health.gpu_rows). A GPU without ECC reports "[N/A]":
+    """`gpus` and `ecc_uncorrected` from one nvidia-smi call (devices.gpu_rows). A GPU without ECC reports "[N/A]":
     it counts no errors."""
-    rows, why = health.gpu_rows(nvidia_smi)
+    rows, why = gpu_rows(nvidia_smi)
     if rows is None:
         return {GPUS: error(why), ECC_UNCORRECTED: error(why)}
     return {GPUS: {"count": len(rows)},
@@ -85,10 +94,10 @@ def nvidia(nvidia_smi: str = "nvidia-smi") -> dict[str, Any]:
 
 
 def dcgm_diag(level: int, dcgmi: str = "dcgmi") -> dict[str, Any]:
-    """`dcgmi diag -r <level> -j`, judged by the Kubernetes burn-in's reading of DCGM's report (burn_in.dcgm_problems):
+    """`dcgmi diag -r <level> -j`, judged by the Kubernetes burn-in's reading of DCGM's report (devices.dcgm_problems):
     a failed test, a diagnostic that could not run or ran no test is a failure, each named. The report is read
     whatever dcgmi's exit status (a failing diagnostic need not exit 0); no output at all is an error."""
-    out, why = health.tool(dcgmi, "diag", "-r", str(level), "-j", seconds=DCGM_SECONDS[level], check=False)
+    out, why = tool(dcgmi, "diag", "-r", str(level), "-j", seconds=DCGM_LEVEL_SECONDS[level], check=False)
     if out is None:
         return error(why)
     problems, _ = dcgm_problems(out)
@@ -105,7 +114,7 @@ def efa_devices(infiniband_dir: str = "/sys/class/infiniband") -> dict[str, Any]
 
 
 def nccl_efa_plugin(directories: tuple[str, ...] = AWS_OFI_NCCL_LIB_DIRS) -> dict[str, Any]:
-    path = health.nccl_plugin_path(directories)
+    path = first_file(directories, NCCL_NET_PLUGIN_FILE)
     return {"found": path is not None, "path": path}
 
 
@@ -114,13 +123,13 @@ def lustre_version(version_file: str = LUSTRE_VERSION_FILE, lctl: str = "lctl") 
     try:
         return Path(version_file).read_text().strip() or None
     except OSError:
-        out, _ = health.tool(lctl, "get_param", "-n", "version")
+        out, _ = tool(lctl, "get_param", "-n", "version")
         return (out or "").strip() or None
 
 
 def fsx_mounted(shared: str = SHARED_DIR, mountinfo: str = "/proc/self/mountinfo",
                 version_file: str = LUSTRE_VERSION_FILE, lctl: str = "lctl") -> dict[str, Any]:
-    fs_type = health.filesystem_type(shared, mountinfo)
+    fs_type = filesystem_type(shared, mountinfo)
     version = lustre_version(version_file, lctl) if fs_type == LUSTRE_FS_TYPE else None
     return {"mounted": fs_type == LUSTRE_FS_TYPE, "type": fs_type, "lustre_version": version}
 
@@ -254,7 +263,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--fsx-dir", default=f"{SHARED_HOME}/{getpass.getuser()}",
                         help="where on /fsx (default: the user's home there)")
     args = parser.parse_args(argv[1:])
-    os.environ["PATH"] = ":".join([*os.environ.get("PATH", "").split(":"), *health.TOOL_DIRS])
+    os.environ["PATH"] = ":".join([*os.environ.get("PATH", "").split(":"), *TOOL_DIRS])
     pool = ClusterSettings.load().pools[read_env_file()["GPUCLUSTER_POOL"]]
     nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.uname().nodename
     print(json.dumps(probe(pool, nodelist, args.fsx_dir, deep=args.deep, fsx_mib=args.fsx_mib), sort_keys=True))
