@@ -19,7 +19,7 @@ import pytest
 
 from gpucluster.contract import reasons
 from gpucluster.contract.settings import NCCL_NET_PLUGIN_FILE, POOL_TAG, ClusterSettings, PoolSettings
-from gpucluster.node import health
+from gpucluster.node import devices, health
 
 P5 = PoolSettings("p5", "lt-1", "subnet-1", "p5.48xlarge", "spot", efa_interfaces=32, accelerator="nvidia",
                   accelerators=8)
@@ -88,7 +88,7 @@ def test_a_missing_tool_is_a_finding_not_a_crash(tools) -> None:
 
 def test_a_hung_tool_costs_its_time_limit_and_no_more(tools, monkeypatch: pytest.MonkeyPatch) -> None:
     tools("nvidia-smi", "sleep 600")
-    monkeypatch.setattr(health, "TOOL_SECONDS", 1)
+    monkeypatch.setattr(devices, "TOOL_SECONDS", 1)
     start = time.monotonic()
     problems = health.check(P5, "prolog")
     assert "nvidia-smi did not answer in 1 s" in problems and time.monotonic() - start < 3

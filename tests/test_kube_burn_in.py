@@ -25,7 +25,7 @@ import standard_library
 from components.kubernetes import autoscaler_node_template_tags
 from conftest import K8S_STACK_FILES, ROOT, of_type, planned
 from gpucluster.contract import node_health
-from gpucluster.node import burn_in
+from gpucluster.node import burn_in, devices
 from gpucluster.plan import Declared
 from gpucluster.project import EXAMPLES_DIR
 from gpucluster.render import kube, kube_health
@@ -90,7 +90,7 @@ def test_the_catalog_counts_reach_the_program() -> None:
     """A p5's burn-in expects its eight GPUs and all its EFA interfaces; the fixtures are of such a node."""
     assert P5.uses_efa and P5.accelerator.kind == "nvidia"
     assert expected(P5) == burn_in.Expected(P5.accelerator.count, 0, P5_EFA)
-    assert burn_in.dcgm_problems(report("p5-pass.json")) == ([], P5.accelerator.count)
+    assert devices.dcgm_problems(report("p5-pass.json")) == ([], P5.accelerator.count)
 
 
 @pytest.mark.parametrize(("dcgm_report", "efa", "check", "words"), [
@@ -143,9 +143,9 @@ def test_device_counts(tmp_path: Path) -> None:
         (dev / name).touch()
     for i in range(3):
         (infiniband / f"rdmap{16 + i}s0").mkdir()
-    assert burn_in.count_neuron_devices(dev) == 3
+    assert devices.count_neuron_devices(dev) == 3
     assert burn_in.count_efa_devices(infiniband) == 3
-    assert burn_in.count_efa_devices(tmp_path / "absent") == 0 and burn_in.count_neuron_devices(tmp_path / "x") == 0
+    assert burn_in.count_efa_devices(tmp_path / "absent") == 0 and devices.count_neuron_devices(tmp_path / "x") == 0
 
 
 # --- The Node patch ---------------------------------------------------------------------------------------------

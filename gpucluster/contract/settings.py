@@ -45,8 +45,12 @@ NCCL_ENV_FILE = f"{ETC_DIR}/nccl.env"  # a compute node's NCCL/EFA settings (NAM
 # loader's path (build_image.sh, ld.so.conf.d), nccl.env puts it on each task's LD_LIBRARY_PATH and names the plugin,
 # and an EFA node's first boot checks that the plugin is there.
 AWS_OFI_NCCL_LIB_DIR = "/opt/amazon/ofi-nccl/lib"
+# Every directory the image looks in for the plugin, in its order (build_image.sh's OFI_NCCL_DIRS: Ubuntu's multiarch
+# layout below the EFA installer's); `gpucluster verify` looks in the same.
+AWS_OFI_NCCL_LIB_DIRS = (f"{AWS_OFI_NCCL_LIB_DIR}/x86_64-linux-gnu", AWS_OFI_NCCL_LIB_DIR)
 NCCL_NET_PLUGIN = "ofi"  # NCCL_NET_PLUGIN=ofi: NCCL loads libnccl-net-ofi.so from the loader path (any release)
 NCCL_NET_PLUGIN_FILE = f"libnccl-net-{NCCL_NET_PLUGIN}.so"  # aws-ofi-nccl always installs it (src/Makefile.am)
+IMDS_URL = "http://169.254.169.254"  # EC2's instance metadata service (IMDSv2: a PUT for a token first)
 IMAGE_MANIFEST = "/opt/gpucluster-image/manifest.json"  # written last by build_image.sh: the image is complete
 # The bill of materials build_image.sh installs (gpucluster/spec/bom.py, rendered as image/bom.json): the image
 # component writes it here before the build runs, and the image keeps it beside the manifest.

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import ssl
 import sys
 import urllib.request
@@ -28,16 +27,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this program is part of (the ConfigMap's)
 from gpucluster.contract import node_health
+from gpucluster.node.devices import count_neuron_devices, dcgm_problems
 
 SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
-# The report's keys, as DCGM 4.5.2 writes them (NVIDIA/DCGM v4.5.2: nvvs/include/NvvsJsonStrings.h, dcgmi/Diag.cpp
-# HelperJsonBuildOutput and HelperDisplayFailureMessage): the tests under "DCGM Diagnostic" / "test_categories", the
-# GPUs under "entity_groups", a diagnostic that could not run as "DCGM Diagnostic" / "runtime_error". A warning is
-# written as "Fail" (HelperDisplayDiagResult's default), a test that did not run is left out.
-DIAGNOSTIC, RUNTIME_ERROR, CATEGORIES = "DCGM Diagnostic", "runtime_error", "test_categories"
-FAIL = "Fail"
-GPU_GROUP = "GPU"  # DcgmFieldsGetEntityGroupString(DCGM_FE_GPU)
-NEURON_DEVICE = re.compile(r"neuron\d+")
 
 
 @dataclass(frozen=True)
@@ -68,36 +60,6 @@ class Verdict:
         return not self.problems
 
 
-def dcgm_problems(report_text: str) -> tuple[list[str], int | None]:
-    """The failures in a `dcgmi diag -j` report, and the GPUs it found (None without a report). No JSON, a runtime
-    error or no test at all are failures too."""
-    try:
-        report = json.loads(report_text)
-    except ValueError:
-        report = None
-    if not isinstance(report, dict):
-        return [f"dcgmi diag gave no report: {report_text.strip()[:200] or 'no output'}"], None
-    diagnostic = report.get(DIAGNOSTIC, {})
-    if RUNTIME_ERROR in diagnostic:
-        return [f"dcgmi diag could not run: {diagnostic[RUNTIME_ERROR]}"], None
-    gpus = sum(len(group.get("entities", [])) for group in report.get("entity_groups", [])
-               if group.get("entity_group") == GPU_GROUP)
-    problems, tests = [], 0
-    for category in diagnostic.get(CATEGORIES, []):
-        for test in category.get("tests", []):
-            tests += 1
-            failed = [r for r in test.get("results", []) if r.get("status") == FAIL]
-            if failed or test.get("test_summary", {}).get("status") == FAIL:
-                where = ", ".join(f"{r.get('entity_group', '')} {r.get('entity_id', '')}" for r in failed)
-                warnings = [w.get("warning", "") for r in [*failed, test.get("test_summary", {})]
-                            for w in r.get("warnings", [])]
-                problems.append(f"DCGM {category.get('category')}/{test.get('name')} failed"
-                                + (f" on {where}" if where else "") + (f": {'; '.join(warnings)}" if warnings else ""))
-    if not tests:
-        problems.append("dcgmi diag ran no test")
-    return problems, gpus
-
-
 def decide(expected: Expected, found: Found) -> Verdict:
     """Every check that failed, the first one naming the taint's value."""
     failed: list[tuple[str, str]] = []
@@ -113,10 +75,6 @@ def decide(expected: Expected, found: Found) -> Verdict:
         failed.append(("efa-count", f"{found.efa_devices} EFA devices under /sys/class/infiniband, the instance type "
                                     f"has {expected.efa_devices}"))
     return Verdict(failed[0][0] if failed else "", tuple(p for _, p in failed))
-
-
-def count_neuron_devices(dev_dir: Path) -> int:
-    return sum(1 for entry in dev_dir.iterdir() if NEURON_DEVICE.fullmatch(entry.name)) if dev_dir.is_dir() else 0
 
 
 def count_efa_devices(infiniband_dir: Path) -> int:

@@ -30,7 +30,6 @@ import os
 import pwd
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import urllib.error
@@ -54,35 +53,20 @@ from gpucluster.contract.settings import (
     named_pool,
     read_env_file,
 )
+from gpucluster.node.devices import (
+    DCGM_SECONDS,
+    TOOL_DIRS,
+    TOOL_SECONDS,
+    filesystem_type,
+    first_file,
+    gpu_rows,
+    tool,
+)
 from gpucluster.node.metadata import imds
 from gpucluster.node.safe_paths import own_directory
 from gpucluster.node.slurm_control import SlurmControl
 
-TOOL_SECONDS = 10  # one tool call; the Prolog makes at most three
-DCGM_SECONDS = 300  # `dcgmi diag -r 1` takes about a minute
 MIN_FREE_BYTES = 5 << 30  # below this on / (or the instance store) a job's container images and logs fail
-# Where the images put the tools: slurmd runs its HealthCheckProgram and Prolog with a bare PATH (/bin, /usr/bin...).
-TOOL_DIRS = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin", "/opt/amazon/efa/bin",
-             "/opt/aws/neuron/bin")
-
-
-def tool(*args: str, seconds: float | None = None) -> tuple[str | None, str]:
-    """(stdout, "") or (None, why): a missing, failing or hung tool is a finding, never a hang. A hung one is killed
-    with everything it started (its own session), which might otherwise hold its output open."""
-    limit = seconds or TOOL_SECONDS
-    if not shutil.which(args[0]):
-        return None, f"{args[0]} not found"
-    proc = subprocess.Popen(list(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        return None, f"{args[0]} did not answer in {limit:g} s"
-    if proc.returncode:
-        return None, f"{args[0]} exited {proc.returncode}: {(err or out).strip()[-200:]}"
-    return out, ""
 
 
 def accelerators(pool: PoolSettings) -> list[str]:
@@ -90,11 +74,9 @@ def accelerators(pool: PoolSettings) -> list[str]:
     count and uncorrected ECC errors since the driver loaded (nvidia-smi); Neuron's device count (neuron-ls). Neuron
     devices' own error counters (neuron-monitor's) are not checked."""
     if pool.accelerator == "nvidia" and pool.accelerators:
-        out, why = tool("nvidia-smi", "--query-gpu=index,ecc.errors.uncorrected.volatile.total",
-                        "--format=csv,noheader,nounits")
-        if out is None:
+        rows, why = gpu_rows()
+        if rows is None:
             return [why]
-        rows = [[cell.strip() for cell in line.split(",")] for line in out.splitlines() if line.strip()]
         problems = [f"{len(rows)} of {pool.accelerators} GPUs"] if len(rows) != pool.accelerators else []
         problems += [f"GPU {r[0]}: {r[1]} uncorrected ECC errors" for r in rows
                      if len(r) > 1 and r[1].isdigit() and int(r[1]) > 0]
@@ -193,7 +175,7 @@ def efa(pool: PoolSettings) -> list[str]:
 
 def mounted(path: str, mountinfo: str = "/proc/self/mountinfo") -> bool:
     """A mount point (a bind mount too, which os.path.ismount misses on the same file system)."""
-    return any(line.split()[4] == path for line in Path(mountinfo).read_text().splitlines())
+    return filesystem_type(path, mountinfo) is not None
 
 
 def storage(shared: str = SHARED_DIR, disks: tuple[str, ...] = ("/", "/opt/dlami/nvme")) -> list[str]:
@@ -287,7 +269,7 @@ def nccl_plugin(pool: PoolSettings, directory: str = AWS_OFI_NCCL_LIB_DIR) -> li
     """EFA pools' jobs require NCCL's EFA plugin (nccl.env: NCCL_NET): without it every multi-node job would fail."""
     if pool.accelerator != "nvidia" or not pool.efa_interfaces:
         return []
-    if Path(directory, NCCL_NET_PLUGIN_FILE).exists():
+    if first_file((directory,), NCCL_NET_PLUGIN_FILE):
         return []
     return [f"no {NCCL_NET_PLUGIN_FILE} in {directory} (aws-ofi-nccl, NCCL's EFA plugin): rebake the image"]
 

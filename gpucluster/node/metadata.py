@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 import urllib.request
 
+from gpucluster.contract.settings import IMDS_URL
+
 
 def imds(path: str) -> str:
     """`latest/<path>` of the instance metadata; urllib's HTTPError for an answer such as 404 (not there), OSError when
     the service does not answer. AWS_EC2_METADATA_SERVICE_ENDPOINT is the AWS SDKs' own override."""
-    base = os.environ.get("AWS_EC2_METADATA_SERVICE_ENDPOINT", "http://169.254.169.254").rstrip("/")
+    base = os.environ.get("AWS_EC2_METADATA_SERVICE_ENDPOINT", IMDS_URL).rstrip("/")
     token = urllib.request.urlopen(urllib.request.Request(
         f"{base}/latest/api/token", method="PUT",
         headers={"X-aws-ec2-metadata-token-ttl-seconds": "300"}), timeout=5).read().decode()

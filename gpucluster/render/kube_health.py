@@ -39,7 +39,8 @@ HOST_DEV, HOST_INFINIBAND = "/host/dev", "/host/infiniband"
 MOUNT = "/opt/burn-in"
 PROGRAM = "gpucluster/node/burn_in.py"
 FILES = {path.replace("/", "."): path for path in (  # ConfigMap key -> path (as the guardrail's)
-    "gpucluster/__init__.py", "gpucluster/contract/__init__.py", "gpucluster/contract/node_health.py", PROGRAM)}
+    "gpucluster/__init__.py", "gpucluster/contract/__init__.py", "gpucluster/contract/node_health.py",
+    "gpucluster/node/__init__.py", "gpucluster/node/devices.py", PROGRAM)}
 STARTUP_TAINT = {"key": node_health.STARTUP_TAINT, "value": "true", "effect": "NoSchedule"}
 
 
