@@ -26,9 +26,12 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
+from gpucluster.contract import verify
 from gpucluster.contract.settings import AWS_OFI_NCCL_LIB_DIRS, NCCL_NET_PLUGIN_FILE, PoolSettings
 from gpucluster.node import nccl_tests, verify_probe
 from gpucluster.node.verify_probe import Sources
+from gpucluster.render import verify as verify_plan
+from gpucluster.spec.model import load_stack
 
 NCCL_OUTPUTS = ROOT / "tests" / "nccl-tests"
 DCGM_REPORTS = ROOT / "tests" / "dcgm-diag"
@@ -437,3 +440,41 @@ def test_a_log_without_nccls_choice_is_an_error() -> None:
     no_provider = "\n".join(line for line in lines if "Selected provider" not in line)
     with pytest.raises(nccl_tests.NcclTestsError, match="no `NET/OFI Selected provider`"):
         nccl_tests.transport(no_provider)
+
+
+# --- the probe's readings judged against the plan ------------------------------------------------------------------
+
+THROUGHPUT = {"fsx_write_mbps", "fsx_read_mbps"}  # this machine's disk, not FSx: its figures say nothing here
+
+
+def judged(measured: dict[str, object], **changes: object) -> dict[str, verify.Result]:
+    """team-a's p5-spot pool planned for one node, each of the node's checks judged on the probe's reading."""
+    checks = verify_plan.plan(load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml"),
+                              verify_plan.Options(pools=("p5-spot",), nodes=1))
+    return {c.check: verify.judge_reading(c, {**measured, **changes}.get(c.check))
+            for c in checks if c.check in measured and c.check not in THROUGHPUT}
+
+
+def test_a_healthy_nodes_readings_pass_the_plan(sources: Sources, tmp_path: Path) -> None:
+    (tmp_path / "fsx").mkdir()
+    measured = verify_probe.probe(P5, "localhost", str(tmp_path / "fsx"), fsx_mib=4, sources=sources)
+    results = judged(measured)
+    assert set(results) == set(measured) - THROUGHPUT
+    assert {name: r.result for name, r in results.items() if r.result != "pass"} == {}
+    assert results["gpus"].measured == 8 and results["dcgm_diag"].measured is True
+
+
+def test_a_nodes_faults_fail_their_checks_saying_what_was_read(sources: Sources, tmp_path: Path,
+                                                                dcgmi: Callable[[str, int], str]) -> None:
+    (tmp_path / "fsx").mkdir()
+    measured = verify_probe.probe(P5, "localhost", str(tmp_path / "fsx"), fsx_mib=4, sources=sources)
+    results = judged(measured, gpus={"count": 7},
+                     dcgm_diag=verify_probe.dcgm_diag(1, dcgmi("p5-row-remap-pending.json", 226)),
+                     names_resolve={"nodes": 0, "unresolved": ["p5-spot-1"]},
+                     efa_devices={"error": "no /sys/class/infiniband"})
+    assert {n for n, r in results.items() if r.result == "fail"} == {"gpus", "dcgm_diag", "names_resolve",
+                                                                     "efa_devices"}
+    assert results["gpus"].measured == 7
+    assert "failed on GPU 3" in results["dcgm_diag"].fix
+    assert results["names_resolve"].fix.startswith("unresolved ['p5-spot-1']")
+    assert results["efa_devices"].measured is None and results["efa_devices"].fix.startswith("no /sys/class")

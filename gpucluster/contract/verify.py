@@ -166,6 +166,34 @@ def judge(check: Check, measured: Measured) -> Result:
     return verdict(PASS if ok else FAIL)
 
 
+# The key of a probe's reading that a "true" check judges (the others read their expectation's key).
+TRUE_KEYS = {DCGM_DIAG: "passed", FSX_MOUNTED: "mounted"}
+
+
+def reading(check: str, probed: object) -> tuple[Measured, str]:
+    """A node probe's or nccl_tests' reading of one check (gpucluster/node/verify_probe.py: a figure, or an object
+    such as {"count": 8} or {"error": why}) as the figure a run records, and what else it says (an error, the tests
+    DCGM failed, the names that did not resolve) for a failure's fix."""
+    if not isinstance(probed, dict):
+        return (probed if probed is None or isinstance(probed, (int, float, bool, str)) else None), ""
+    if "error" in probed:
+        return None, str(probed["error"])
+    rule = RULES[check]
+    value = probed.get(rule.key or TRUE_KEYS.get(check, ""))
+    rest = {k: v for k, v in probed.items() if k != (rule.key or TRUE_KEYS.get(check)) and v not in ([], None, "")}
+    note = ", ".join(f"{k} {v}" for k, v in sorted(rest.items()) if k in ("failures", "unresolved", "answer"))
+    return (value if value is None or isinstance(value, (int, float, bool, str)) else None), note
+
+
+def judge_reading(check: Check, probed: object) -> Result:
+    """`judge` on a probe's reading; a failure's fix starts with what the reading said beside its figure."""
+    value, note = reading(check.check, probed)
+    result = judge(check, value)
+    if result.result == FAIL and note:
+        return Result(result.pool, result.check, result.expect, result.measured, FAIL, f"{note}: {result.fix}")
+    return result
+
+
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
