@@ -322,9 +322,9 @@ def tag_group(name: str, asg_name: pulumi.Input[str], tags: dict[str, str], opts
 
 
 @dataclass(frozen=True)
-class NodePoolArgs:
-    stack: Stack
-    pool: PoolSpec
+class NodeGroupPlace:
+    """Where a node group of the cluster goes, the same for every pool's and the CPU nodes'."""
+
     cluster_name: pulumi.Input[str]
     node_role_arn: pulumi.Input[str]
     subnet_id: pulumi.Input[str]
@@ -333,6 +333,12 @@ class NodePoolArgs:
     version: pulumi.Input[str]  # the cluster's: the node group's AMI follows it
     depends_on: Sequence[pulumi.Resource] = ()  # the node role's policies and access entry, the node add-ons
 
+
+@dataclass(frozen=True)
+class NodePoolArgs:
+    stack: Stack
+    pool: PoolSpec
+    place: NodeGroupPlace
 
 
 def autoscaling_group_name(resources: Sequence[aws.eks.outputs.NodeGroupResource]) -> str:
@@ -357,17 +363,17 @@ class NodePool(pulumi.ComponentResource):
         user_data = kube.node_user_data(pool)
         template = launch_template(
             name, pool, description=f"{stack.cluster_name} node group {pool.name}: {pool.instance_type}",
-            subnet_id=None, security_group_ids=args.security_group_ids, group_name=group,
+            subnet_id=None, security_group_ids=args.place.security_group_ids, group_name=group,
             node_tags={**stack.tags, settings.POOL_TAG: pool.name}, root_device=eks.ROOT_DEVICE, opts=child(self),
             user_data=base64.b64encode(user_data.encode()).decode() if user_data else None)
         self.node_group_name = name
         node_group = aws.eks.NodeGroup(
             f"{name}-ng",
-            cluster_name=args.cluster_name,
+            cluster_name=args.place.cluster_name,
             node_group_name=self.node_group_name,
-            version=args.version,
-            node_role_arn=args.node_role_arn,
-            subnet_ids=[args.subnet_id],
+            version=args.place.version,
+            node_role_arn=args.place.node_role_arn,
+            subnet_ids=[args.place.subnet_id],
             ami_type=eks.AMI_TYPES[accelerator.kind],
             capacity_type=CAPACITY_TYPES[pool.capacity],
             launch_template={"id": template.id, "version": template.latest_version.apply(str)},
@@ -378,7 +384,7 @@ class NodePool(pulumi.ComponentResource):
             update_config={"max_unavailable": 1},
             node_repair_config=node_repair_config(pool),
             # The autoscaler owns the desired size once the group exists.
-            opts=child(self, depends_on=list(args.depends_on), ignore_changes=["scalingConfig.desiredSize"]),
+            opts=child(self, depends_on=list(args.place.depends_on), ignore_changes=["scalingConfig.desiredSize"]),
         )
         tag_group(name, node_group.resources.apply(autoscaling_group_name),
                   autoscaler_node_template_tags(stack, pool), child(self))
@@ -388,12 +394,7 @@ class NodePool(pulumi.ComponentResource):
 @dataclass(frozen=True)
 class CpuNodesArgs:
     stack: Stack
-    cluster_name: pulumi.Input[str]
-    node_role_arn: pulumi.Input[str]
-    subnet_id: pulumi.Input[str]
-    security_group_ids: Sequence[pulumi.Input[str]]  # EksCluster.node_security_group_ids
-    version: pulumi.Input[str]
-    depends_on: Sequence[pulumi.Resource] = ()  # the node role's policies and access entry
+    place: NodeGroupPlace
 
 
 class CpuNodes(pulumi.ComponentResource):
@@ -406,12 +407,12 @@ class CpuNodes(pulumi.ComponentResource):
         super().__init__("gpucluster:kubernetes:CpuNodes", name, None, opts)
         spec = args.stack.spec.eks.cpu_nodes
         template = plain_launch_template(f"{name}-lt", f"{args.stack.cluster_name} CPU node group",
-                                         args.security_group_ids, child(self))
+                                         args.place.security_group_ids, child(self))
         self.node_group_name = name
         taint = kube.CPU_TAINT
         node_group = aws.eks.NodeGroup(
-            f"{name}-ng", cluster_name=args.cluster_name, node_group_name=self.node_group_name,
-            version=args.version, node_role_arn=args.node_role_arn, subnet_ids=[args.subnet_id],
+            f"{name}-ng", cluster_name=args.place.cluster_name, node_group_name=self.node_group_name,
+            version=args.place.version, node_role_arn=args.place.node_role_arn, subnet_ids=[args.place.subnet_id],
             ami_type="AL2023_x86_64_STANDARD", instance_types=[spec.instance_type], capacity_type="ON_DEMAND",
             launch_template={"id": template.id, "version": template.latest_version.apply(str)},
             scaling_config={"min_size": 0, "max_size": spec.max_nodes, "desired_size": 0},
@@ -419,7 +420,7 @@ class CpuNodes(pulumi.ComponentResource):
             taints=[{"key": taint["key"], "value": taint["value"], "effect": TAINT_EFFECTS[taint["effect"]]}],
             update_config={"max_unavailable": 1},
             # The autoscaler owns the desired size once the group exists.
-            opts=child(self, depends_on=list(args.depends_on), ignore_changes=["scalingConfig.desiredSize"]))
+            opts=child(self, depends_on=list(args.place.depends_on), ignore_changes=["scalingConfig.desiredSize"]))
         tag_group(name, node_group.resources.apply(autoscaling_group_name),
                   node_template_tags(kube.cpu_node_labels(), [taint], {}), child(self))
         self.register_outputs({"node_group_name": self.node_group_name})

@@ -15,6 +15,7 @@ from components.kubernetes import (
     CpuNodesArgs,
     EksCluster,
     EksClusterArgs,
+    NodeGroupPlace,
     NodePool,
     NodePoolArgs,
     QueueGuardrail,
@@ -42,14 +43,13 @@ def create_kubernetes_cluster(stack: Stack) -> dict[str, object]:
         control_plane_cidr=control_plane_cidr(spec.network.vpc_cidr) if spec.network.vpc_cidr else None,
         security_group_id=network.security_group_id, account_id=shared.account_id), opts)
     node_ready = [cluster.node_access, *cluster.node_policies, *cluster.node_addons]
-    pools = {pool.name: NodePool(f"{stack.cluster_name}-{pool.name}", NodePoolArgs(
-        stack=stack, pool=pool, cluster_name=cluster.name, node_role_arn=cluster.node_role_arn,
-        subnet_id=network.subnet_id, security_group_ids=cluster.node_security_group_ids,
-        version=cluster.version, depends_on=node_ready), opts)
-        for pool in spec.pools}
-    cpu_nodes = CpuNodes(f"{stack.cluster_name}-{kube.CPU_FLAVOR}", CpuNodesArgs(
-        stack=stack, cluster_name=cluster.name, node_role_arn=cluster.node_role_arn, subnet_id=network.subnet_id,
-        security_group_ids=cluster.node_security_group_ids, version=cluster.version, depends_on=node_ready), opts)
+    place = NodeGroupPlace(cluster_name=cluster.name, node_role_arn=cluster.node_role_arn, subnet_id=network.subnet_id,
+                           security_group_ids=cluster.node_security_group_ids, version=cluster.version,
+                           depends_on=node_ready)
+    pools = {pool.name: NodePool(f"{stack.cluster_name}-{pool.name}", NodePoolArgs(stack=stack, pool=pool, place=place),
+                                 opts)
+             for pool in spec.pools}
+    cpu_nodes = CpuNodes(f"{stack.cluster_name}-{kube.CPU_FLAVOR}", CpuNodesArgs(stack=stack, place=place), opts)
     # Everything in the cluster goes through the API with the identity running Pulumi, once a node runs the add-ons.
     provider = k8s.Provider("eks", kubeconfig=cluster.kubeconfig, enable_server_side_apply=True,
                             opts=pulumi.ResourceOptions(depends_on=[cluster.system_nodes, *cluster.addons]))

@@ -14,7 +14,7 @@ from pulumi.runtime.stack import run_pulumi_func
 from pulumi.runtime.sync_await import _sync_await
 
 from components.gpu_pool import GpuPool, GpuPoolArgs
-from components.kubernetes import EksCluster, EksClusterArgs, NodePool, NodePoolArgs
+from components.kubernetes import EksCluster, EksClusterArgs, NodeGroupPlace, NodePool, NodePoolArgs
 from components.network import Network, NetworkArgs
 from components.storage import Storage, StorageArgs
 from conftest import ROOT
@@ -69,8 +69,8 @@ def declare_alone(declare: Callable[[], Any]) -> None:
 @pytest.mark.parametrize("component", [
     lambda stack, pool: GpuPool("p", GpuPoolArgs(cluster_name=stack.cluster_name, pool=pool, subnet_id="subnet-1",
                                                  security_group_id="sg-1", instance_tags=stack.tags)),
-    lambda stack, pool: NodePool("p", NodePoolArgs(stack=stack, pool=pool, cluster_name="c", node_role_arn="r",
-                                                   subnet_id="subnet-1", security_group_ids=["sg-1"], version="1")),
+    lambda stack, pool: NodePool("p", NodePoolArgs(stack=stack, pool=pool, place=NodeGroupPlace(
+        cluster_name="c", node_role_arn="r", subnet_id="subnet-1", security_group_ids=["sg-1"], version="1"))),
 ], ids=["GpuPool", "NodePool"])
 def test_a_pool_component_refuses_a_type_without_accelerators(
         headless: tuple[Stack, PoolSpec], component: Callable[[Stack, PoolSpec], object]) -> None:
