@@ -21,7 +21,7 @@ from components import child
 from components.gpu_pool import launch_template, placement_group
 from components.iam import ASSUME_AND_TAG, MANAGED_POLICY, policy, trust
 from gpucluster.aws import checkip
-from gpucluster.contract import node_health, settings
+from gpucluster.contract import settings
 from gpucluster.render import kube, kube_health
 from gpucluster.spec import eks
 from gpucluster.spec.model import CONFIG_KEY, OPERATOR, PoolSpec, Stack
@@ -255,8 +255,8 @@ def addon_configuration(stack: Stack, addon: str) -> str | None:
         # dcgmAgent tolerations; keys as charts/configuration.schema.json names them): it tolerates the pools' taints,
         # and the burn-in's: without its host engine the node agent reports DCGMError (fatal) a minute after start,
         # and node repair would act on a node still under burn-in.
-        burn_in = [{"key": key, "operator": "Exists"} for key in (node_health.STARTUP_TAINT, node_health.FAILED_TAINT)]
-        return json.dumps({"dcgmAgent": {"tolerations": kube.taint_tolerations(list(stack.spec.pools)) + burn_in}})
+        tolerations = kube.taint_tolerations(list(stack.spec.pools)) + kube_health.BURN_IN_TOLERATIONS
+        return json.dumps({"dcgmAgent": {"tolerations": tolerations}})
     return None
 
 

@@ -24,8 +24,9 @@ import yaml
 
 from components.kubernetes import NODE_TEMPLATE, REPLACE_REASONS, autoscaler_node_template_tags
 from conftest import K8S_STACK_FILES, of_type, planned
+from gpucluster.contract import node_health
 from gpucluster.plan import Declared, planned_asg_name
-from gpucluster.render import kube
+from gpucluster.render import kube, kube_health
 from gpucluster.spec import catalog, eks
 from gpucluster.spec.model import Stack
 from test_kubernetes import SCHEMAS, TEAM_K8S, _strict, variant
@@ -239,7 +240,10 @@ def test_node_monitoring_agents_dcgm_server_tolerates_every_pool_taint(k8s: Plan
     jsonschema.Draft7Validator(schema).validate(configuration)
     tolerations = configuration["dcgmAgent"]["tolerations"]
     for pool in stack.spec.pools:
-        for taint in kube.pool_taints(pool):
+        # The burn-in's startup taint too: without its host engine, the agent reports DCGMError on a node under burn-in
+        # and node repair acts on it; and a failed node's, which stays until the node goes.
+        for taint in [*kube_health.node_group_taints(pool),
+                      {"key": node_health.FAILED_TAINT, "value": "dcgm", "effect": "NoSchedule"}]:
             assert tolerates(tolerations, taint), (pool.name, taint)
     # Not everything: the system nodes' taint keeps it off the system nodes.
     assert not tolerates(tolerations, kube.SYSTEM_TAINT)

@@ -67,8 +67,11 @@ def fits(flavor: dict, requests: dict[str, str]) -> bool:
 
 
 def efa_pod_requests(pool: Any) -> dict[str, str]:
-    """A node-sized pod of an EFA pool as EKS's EFA guide writes one: its devices, and huge pages."""
-    return kube.node_sized_resources(pool) | {kube.HUGEPAGES_RESOURCE: kube.EFA_POD_HUGEPAGES}
+    """A node-sized pod of an EFA pool as the example job asks for it (its devices and, as EKS's EFA guide writes
+    one, huge pages), which must carry the huge pages itself."""
+    requests = kube.node_sized_resources(pool)
+    assert requests[kube.HUGEPAGES_RESOURCE] == kube.EFA_POD_HUGEPAGES
+    return requests
 
 
 def kueue_config(declared: tuple[Declared, ...]) -> dict:

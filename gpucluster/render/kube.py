@@ -492,7 +492,13 @@ def pods_ready_timeout_minutes(stack: Stack) -> int:
     group, then the on-demand fallback, each given up on after max-node-provision-time), the node's start (device
     plugins, burn-in) and the image pull. Kueue's recoveryTimeout (a lost pod's replacement) defaults to it."""
     attempts = max(len(pools) for pools in families(stack).values())
-    return attempts * provision_minutes(stack) + NODE_STARTUP_MINUTES + IMAGE_PULL_MINUTES
+    return (attempts - 1) * provision_minutes(stack) + node_wait_minutes(stack)
+
+
+def node_wait_minutes(stack: Stack) -> int:
+    """From asking for a node to a pod running there: the autoscaler's provision time, the node's start (device
+    plugins, burn-in) and the image pull."""
+    return provision_minutes(stack) + NODE_STARTUP_MINUTES + IMAGE_PULL_MINUTES
 
 
 def kueue_values(stack: Stack) -> dict[str, Any]:
@@ -607,9 +613,8 @@ def example_image(stack: Stack) -> str:
 
 
 def replacement_wait_s(stack: Stack) -> int:
-    """How long a pod waits for a lost peer's replacement: a node for it (the autoscaler gives up on a node after
-    its max provision time) and the image pulled there."""
-    return (provision_minutes(stack) + NODE_STARTUP_MINUTES + IMAGE_PULL_MINUTES) * 60
+    """How long a pod waits for a lost peer's replacement: a node for it, started and burnt in, and the image."""
+    return node_wait_minutes(stack) * 60
 
 
 def node_sized_resources(pool: PoolSpec) -> dict[str, str]:

@@ -55,6 +55,11 @@ def node_group_taints(pool: PoolSpec) -> list[dict[str, str]]:
     return [*kube.pool_taints(pool), dict(STARTUP_TAINT)]
 
 
+# What a node daemon that must run during and after a burn-in tolerates of it (the node monitoring agent's DCGM server).
+BURN_IN_TOLERATIONS = [{"key": key, "operator": "Exists"} for key in (node_health.STARTUP_TAINT,
+                                                                      node_health.FAILED_TAINT)]
+
+
 def daemon_set_name(pool: PoolSpec) -> str:
     return f"{BURN_IN}-{pool.name}"
 
