@@ -306,11 +306,17 @@ def test_a_pool_tag_that_cannot_be_read_downs_no_node(metadata, monkeypatch: pyt
 
 
 def test_an_efa_pool_needs_ncclS_efa_plugin(tmp_path: Path) -> None:
-    assert health.nccl_plugin(P5, str(tmp_path)) == [
-        f"no {NCCL_NET_PLUGIN_FILE} in {tmp_path} (aws-ofi-nccl, NCCL's EFA plugin): rebake the image"]
+    arch = tmp_path / "x86_64-linux-gnu"  # the two places the image may hold it (build_image.sh OFI_NCCL_DIRS)
+    arch.mkdir()
+    directories = (str(arch), str(tmp_path))
+    assert health.nccl_plugin(P5, directories) == [
+        f"no {NCCL_NET_PLUGIN_FILE} in {arch} or {tmp_path} (aws-ofi-nccl, NCCL's EFA plugin): rebake the image"]
+    (arch / NCCL_NET_PLUGIN_FILE).write_bytes(b"")
+    assert health.nccl_plugin(P5, directories) == []
+    (arch / NCCL_NET_PLUGIN_FILE).unlink()
     (tmp_path / NCCL_NET_PLUGIN_FILE).write_bytes(b"")
-    assert health.nccl_plugin(P5, str(tmp_path)) == []
-    assert health.nccl_plugin(G6, str(tmp_path / "none")) == []  # no EFA: sockets are all NCCL has anyway
+    assert health.nccl_plugin(P5, directories) == []
+    assert health.nccl_plugin(G6, (str(tmp_path / "none"),)) == []  # no EFA: sockets are all NCCL has anyway
 
 
 def test_configuration_faults_set_the_node_down_with_their_fix(tools, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -38,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this program is part of (the bundle's lib/)
 from gpucluster.contract import reasons
 from gpucluster.contract.settings import (
-    AWS_OFI_NCCL_LIB_DIR,
+    AWS_OFI_NCCL_LIB_DIRS,
     ENROOT_DIR,
     ENROOT_KINDS,
     GPU_JOB_MAP_DIR,
@@ -265,13 +265,15 @@ def pool_tag(node: str) -> list[str]:
     return [f"instance {found}, not {POOL_TAG}={claimed}: EC2 did not give it the launch template's tags"]
 
 
-def nccl_plugin(pool: PoolSettings, directory: str = AWS_OFI_NCCL_LIB_DIR) -> list[str]:
-    """EFA pools' jobs require NCCL's EFA plugin (nccl.env: NCCL_NET): without it every multi-node job would fail."""
+def nccl_plugin(pool: PoolSettings, directories: tuple[str, ...] = AWS_OFI_NCCL_LIB_DIRS) -> list[str]:
+    """EFA pools' jobs require NCCL's EFA plugin (nccl.env: NCCL_NET): without it every multi-node job would fail.
+    Either directory the image may hold it in (build_image.sh puts the one it found on the loader's path)."""
     if pool.accelerator != "nvidia" or not pool.efa_interfaces:
         return []
-    if first_file((directory,), NCCL_NET_PLUGIN_FILE):
+    if first_file(directories, NCCL_NET_PLUGIN_FILE):
         return []
-    return [f"no {NCCL_NET_PLUGIN_FILE} in {directory} (aws-ofi-nccl, NCCL's EFA plugin): rebake the image"]
+    return [f"no {NCCL_NET_PLUGIN_FILE} in {' or '.join(directories)} (aws-ofi-nccl, NCCL's EFA plugin): rebake the "
+            "image"]
 
 
 def configuration(pool: PoolSettings, node: str) -> list[str]:
