@@ -216,7 +216,7 @@ def test_cli_pools_nodes_and_deep(capsys: pytest.CaptureFixture[str]) -> None:
     checks = v.plan_from_json(out)
     assert {c.pool for c in checks} == {"p5-spot"}
     expect = by_check(checks, "p5-spot")
-    assert expect[v.DCGM_DIAG] == {"level": planning.DEEP_DCGM_LEVEL}
+    assert expect[v.DCGM_DIAG] == {"level": v.DCGM_DEEP_LEVEL}
     assert v.NCCL_ALL_REDUCE_BUSBW_GBPS not in expect and expect[v.NAMES_RESOLVE] == {"nodes": 1}
 
 

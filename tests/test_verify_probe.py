@@ -478,3 +478,19 @@ def test_a_nodes_faults_fail_their_checks_saying_what_was_read(sources: Sources,
     assert "failed on GPU 3" in results["dcgm_diag"].fix
     assert results["names_resolve"].fix.startswith("unresolved ['p5-spot-1']")
     assert results["efa_devices"].measured is None and results["efa_devices"].fix.startswith("no /sys/class")
+
+
+def test_a_diagnostic_at_another_level_than_the_plans_fails(sources: Sources, tmp_path: Path) -> None:
+    """A level-1 diagnostic that passed is no answer to a plan that asks level 3 (--deep)."""
+    check = verify.Check("p5-spot", verify.DCGM_DIAG, {"level": verify.DCGM_DEEP_LEVEL})
+    shallow = verify_probe.dcgm_diag(verify.DCGM_LEVEL, sources.dcgmi)
+    result = verify.judge_reading(check, shallow)
+    assert result.result == "fail" and result.fix.startswith("level 1 where the plan asks 3"), result
+    assert verify.judge_reading(check, verify_probe.dcgm_diag(verify.DCGM_DEEP_LEVEL, sources.dcgmi)).result == "pass"
+
+
+def test_the_probe_refuses_a_size_below_one_mib_in_one_line() -> None:
+    probe = ROOT / "gpucluster" / "node" / "verify_probe.py"
+    done = subprocess.run(["/usr/bin/python3", str(probe), "--fsx-mib", "0"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and "--fsx-mib must be at least 1" in done.stderr and len(done.stderr) < 1000

@@ -25,6 +25,7 @@ NEURON_DEVICES = "neuron_devices"  # {"count": N}: Neuron devices (Trainium pool
 EFA_DEVICES = "efa_devices"  # {"count": N}: EFA devices, on EFA pools only
 ECC_UNCORRECTED = "ecc_uncorrected"  # {"max": 0}: uncorrected ECC errors (NVIDIA)
 DCGM_DIAG = "dcgm_diag"  # {"level": 1}, 3 with --deep: DCGM's diagnostic passed at that level (NVIDIA)
+DCGM_LEVEL, DCGM_DEEP_LEVEL = 1, 3  # DCGM diagnostic levels: 1 takes seconds, 3 about half an hour per node
 FSX_MOUNTED = "fsx_mounted"  # {}: /fsx is a Lustre mount
 NCCL_EFA_PLUGIN = "nccl_efa_plugin"  # {"found": true}: aws-ofi-nccl where NCCL loads it (NVIDIA EFA pools)
 METADATA_REFUSED = "metadata_refused"  # {"refused": true}: a job cannot reach the instance metadata service
@@ -189,6 +190,15 @@ def judge_reading(check: Check, probed: object) -> Result:
     """`judge` on a probe's reading; a failure's fix starts with what the reading said beside its figure."""
     value, note = reading(check.check, probed)
     result = judge(check, value)
+    # What the reading says of the expectation's other keys must be what was asked (a level 1 diagnostic is no
+    # answer to a plan that asks level 3).
+    rule_key = RULES[check.check].key
+    other = {k: probed[k] for k in check.expect if k != rule_key and isinstance(probed, dict) and k in probed
+             and probed[k] != check.expect[k]}
+    if other and result.result != WARN:
+        asked = ", ".join(f"{k} {v} where the plan asks {check.expect[k]}" for k, v in other.items())
+        return Result(result.pool, result.check, result.expect, result.measured, FAIL,
+                      f"{asked}: {RULES[check.check].fix}")
     if result.result == FAIL and note:
         return Result(result.pool, result.check, result.expect, result.measured, FAIL, f"{note}: {result.fix}")
     return result

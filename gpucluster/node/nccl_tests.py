@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-BUSBW_CHECK, TRANSPORT_CHECK = "nccl_all_reduce_busbw_gbps", "nccl_transport"
+from gpucluster.contract.verify import NCCL_ALL_REDUCE_BUSBW_GBPS as BUSBW_CHECK, NCCL_TRANSPORT as TRANSPORT_CHECK
 
 HEADER_COLUMNS = ("size", "count", "type", "time", "algbw", "busbw", "#wrong")  # a table header has at least these
 OUT_OF_BOUNDS = re.compile(r"^#\s*Out of bounds values\s*:\s*(\d+)")

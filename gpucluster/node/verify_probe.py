@@ -48,6 +48,21 @@ from gpucluster.contract.settings import (
     PoolSettings,
     read_env_file,
 )
+from gpucluster.contract.verify import (
+    DCGM_DEEP_LEVEL,
+    DCGM_DIAG,
+    DCGM_LEVEL,
+    ECC_UNCORRECTED,
+    EFA_DEVICES,
+    FSX_MOUNTED,
+    FSX_READ_MBPS,
+    FSX_WRITE_MBPS,
+    GPUS,
+    METADATA_REFUSED,
+    NAMES_RESOLVE,
+    NCCL_EFA_PLUGIN,
+    NEURON_DEVICES,
+)
 from gpucluster.node.devices import (
     DCGM_SECONDS,
     TOOL_DIRS,
@@ -59,13 +74,6 @@ from gpucluster.node.devices import (
     tool,
 )
 
-# Check names, as the checks' contract names them.
-GPUS, NEURON_DEVICES, EFA_DEVICES, ECC_UNCORRECTED = "gpus", "neuron_devices", "efa_devices", "ecc_uncorrected"
-DCGM_DIAG, FSX_MOUNTED, NCCL_EFA_PLUGIN = "dcgm_diag", "fsx_mounted", "nccl_efa_plugin"
-METADATA_REFUSED, NAMES_RESOLVE = "metadata_refused", "names_resolve"
-FSX_WRITE_MBPS, FSX_READ_MBPS = "fsx_write_mbps", "fsx_read_mbps"
-
-DCGM_LEVEL, DCGM_DEEP_LEVEL = 1, 3
 # Level 1 "normally lasting seconds", level 3 "approximately 15 minutes" (NVIDIA's dcgmi-diag reference, --run): the
 # deep run's limit is four times that, for a large GPU count or a slow first start of the host engine.
 DCGM_LEVEL_SECONDS = {DCGM_LEVEL: DCGM_SECONDS, DCGM_DEEP_LEVEL: 4 * 15 * 60}
@@ -259,11 +267,12 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description="Measure this node for `gpucluster verify` (prints JSON).")
     parser.add_argument("--deep", action="store_true", help=f"DCGM diagnostic level {DCGM_DEEP_LEVEL}, not "
                                                             f"{DCGM_LEVEL}")
-    parser.add_argument("--fsx-mib", type=int, default=FSX_MIB, choices=range(1, 1 << 20), metavar="MIB",
-                        help="MiB written and read back on /fsx")
+    parser.add_argument("--fsx-mib", type=int, default=FSX_MIB, metavar="MIB", help="MiB written and read back on /fsx")
     parser.add_argument("--fsx-dir", default=f"{SHARED_HOME}/{getpass.getuser()}",
                         help="where on /fsx (default: the user's home there)")
     args = parser.parse_args(argv[1:])
+    if args.fsx_mib < 1:
+        parser.error("--fsx-mib must be at least 1")
     os.environ["PATH"] = ":".join([*os.environ.get("PATH", "").split(":"), *TOOL_DIRS])
     pool = ClusterSettings.load().pools[read_env_file()["GPUCLUSTER_POOL"]]
     nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.uname().nodename

@@ -23,7 +23,6 @@ from gpucluster.spec import catalog
 from gpucluster.spec.model import PoolSpec, Stack
 
 DEFAULT_NODES = 2  # per pool, where its max_nodes allows: the fewest that exercise NCCL across nodes
-DEEP_DCGM_LEVEL, DCGM_LEVEL = 3, 1  # DCGM diagnostic levels: 1 takes seconds, 3 about half an hour per node
 # Sequential I/O through Lustre's TCP clients stays below the file system's baseline (protocol overhead, the job's
 # files striped over a few targets): verify requires 80% of it. A mount on the wrong path, or a client throttled to a
 # fraction of its link, is far below that.
@@ -87,7 +86,7 @@ def pool_checks(stack: Stack, pool: PoolSpec, nodes: int, deep: bool) -> list[v.
     checks.append((v.GPUS if nvidia else v.NEURON_DEVICES, {"count": accelerator.count}))
     if nvidia:
         checks += [(v.ECC_UNCORRECTED, {"max": 0}),
-                   (v.DCGM_DIAG, {"level": DEEP_DCGM_LEVEL if deep else DCGM_LEVEL})]
+                   (v.DCGM_DIAG, {"level": v.DCGM_DEEP_LEVEL if deep else v.DCGM_LEVEL})]
     if pool.uses_efa:
         checks.append((v.EFA_DEVICES, {"count": itype.efa_interfaces}))
         if nvidia:  # aws-ofi-nccl is NCCL's; Neuron's collectives use libfabric directly
