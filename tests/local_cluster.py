@@ -54,7 +54,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable, Iterator
 
-from gpucluster.contract.settings import CLUSTER_TAG, HEALTH_PROGRAM, LOGIN_USER, NODE_REGISTRY, POOL_TAG, SCRAPE_JOBS
+from gpucluster.contract.settings import (
+    CLUSTER_TAG,
+    HEALTH_PROGRAM,
+    LOGIN_USER,
+    NODE_LOG,
+    NODE_REGISTRY,
+    POOL_TAG,
+    SCRAPE_JOBS,
+)
 from gpucluster.project import EXAMPLES_DIR
 from gpucluster.render import slurm
 from gpucluster.spec.model import Stack
@@ -584,9 +592,23 @@ class RehearsalNode:
         state = self.root / "run" / "rehearsal-systemd" / "gpucluster-boot.service.json"
         return json.loads(state.read_text())["state"] if state.exists() else "starting"
 
+    def errors(self) -> str:
+        """The node programs' errors and their tracebacks (settings.NODE_LOG), to lead a failure's message: the
+        tail of a long message is cut in CI's summary."""
+        f = self.upper(NODE_LOG)
+        if not f.exists():
+            return ""
+        picked, in_traceback = [], False
+        for line in f.read_text(errors="replace").splitlines():
+            # A traceback runs from its first line through the indented frames to the exception's line.
+            if in_traceback or line.startswith("Traceback") or " ERROR " in line or " WARNING " in line:
+                picked.append(line)
+            in_traceback = line.startswith(("Traceback", " "))
+        return f"--- {self.name}: {NODE_LOG} (errors and warnings)\n" + "\n".join(picked[-60:]) if picked else ""
+
     def logs(self) -> str:
         parts = []
-        for name in ("/var/log/gpucluster/boot.log", "/var/log/rehearsal/gpucluster-boot.service.log"):
+        for name in ("/var/log/gpucluster/boot.log", "/var/log/rehearsal/gpucluster-boot.service.log", NODE_LOG):
             f = self.upper(name)
             if f.exists():
                 parts.append(f"--- {self.name}: {name}\n{f.read_text(errors='replace')[-3000:]}")
@@ -1035,6 +1057,7 @@ class LocalCluster:
         try:
             wait_for(what, ready, [], [], seconds)
         except RuntimeError as exc:
-            logs = "\n".join(node.logs() for node in [self.head, *self.nodes.values()])
-            errors = "\n".join(f.read_text() for f in self.root.glob("boot-*.error"))
+            nodes = [self.head, *self.nodes.values()]
+            logs = "\n".join(node.logs() for node in nodes)
+            errors = "\n".join([f.read_text() for f in self.root.glob("boot-*.error")] + [n.errors() for n in nodes])
             raise RuntimeError(f"{exc}\n{errors}\n{logs}") from None
