@@ -113,6 +113,8 @@ PROMETHEUS_DATA_DIR = f"{STATE_DIR}/prometheus"  # on the state volume: a replac
 # node_exporter's textfile collector (Debian's and Ubuntu's default directory): the Slurm, budget, EFA and Lustre
 # figures our programs write as *.prom files.
 TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"
+# The head's `gpucluster verify` writes each pool's last result here (contract/verify.py RESULT_METRIC).
+VERIFY_TEXTFILE = f"{TEXTFILE_DIR}/gpucluster_verify.prom"
 # A p5 has 192 vCPUs and 33 network interfaces: guest CPU time and each interface's sysfs class data would be a third
 # of its series (benchmarks/prometheus_scale.py) and no board or rule reads them.
 NODE_EXPORTER_FLAGS = ("--no-collector.netclass", "--no-collector.cpu.guest")

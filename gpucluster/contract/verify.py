@@ -38,11 +38,24 @@ FSX_WRITE_MBPS = "fsx_write_mbps"  # {"min": X}: sequential write throughput on 
 FSX_READ_MBPS = "fsx_read_mbps"  # {"min": X}: sequential read throughput on /fsx, MB/s
 # The pool.
 SCALE_FROM_ZERO_SECONDS = "scale_from_zero_seconds"  # {"max": S}: from the job's submission to its start
+PROMETHEUS_SCRAPES = "prometheus_scrapes"  # {"nodes": N}: the job's nodes whose exporters Prometheus scrapes (up)
+# The cluster (pool CLUSTER): what the head offers every pool.
+CLUSTER = "(cluster)"  # the pool name of the cluster's checks: no pool can have it (POOL_NAME_RE)
+BUDGET_TOPIC = "budget_topic"  # {"reachable": true}: the stack's topic answers the head's role (GetTopicAttributes)
+GPU_IDLE_RULE = "gpu_idle_rule"  # {"loaded": true}: Prometheus has the GpuIdle alert rule loaded
+# all_reduce_perf's sweep ends at this size when the catalog publishes no figure for the type (nccl_all_reduce's
+# expect always holds "bytes": the size the run sweeps to and reads busbw at).
+DEFAULT_ALL_REDUCE_BYTES = 1 << 30
+
+# The last run per pool on the team's board: node_exporter's textfile collector on the head reads these.
+RESULT_METRIC = "gpucluster_verify_result"  # {pool, check}: RESULT_CODES of the pool's last run
+RUN_TIME_METRIC = "gpucluster_verify_run_timestamp_seconds"  # {pool}: when its last run ended (Unix time)
 
 ResultWord = Literal["pass", "warn", "fail"]
 PASS: Final = "pass"
 WARN: Final = "warn"
 FAIL: Final = "fail"
+RESULT_CODES: dict[str, int] = {PASS: 0, WARN: 1, FAIL: 2}  # RESULT_METRIC's values
 # What a check measures: a figure, a yes/no, a name; None when nothing was measured (a node that never started).
 Measured = Union[int, float, bool, str, None]
 Expect = dict[str, Union[int, float, bool, str]]
@@ -102,6 +115,15 @@ RULES: dict[str, Rule] = {
     SCALE_FROM_ZERO_SECONDS: Rule("max", "max",
                                   "nodes took too long to start: read `gpucluster events` and the resume log "
                                   "(/var/log/gpucluster/nodes.log) for capacity errors and slow boots"),
+    PROMETHEUS_SCRAPES: Rule("equal", "nodes",
+                             "Prometheus does not scrape every node of the pool: read its targets page (`gpucluster "
+                             "dashboard`, Prometheus' /targets) and the node's node-exporter service"),
+    BUDGET_TOPIC: Rule("equal", "reachable",
+                       "the head cannot reach the stack's topic, so budget alarms and alerts go nowhere: check the "
+                       "head role's sns:GetTopicAttributes and sns:Publish on the topic, and the VPC's SNS endpoint"),
+    GPU_IDLE_RULE: Rule("equal", "loaded",
+                        "Prometheus has no GpuIdle rule: check /etc/prometheus/rules on the head and "
+                        "`promtool check rules`, then restart prometheus"),
 }
 CHECK_NAMES = tuple(RULES)
 
