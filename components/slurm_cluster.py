@@ -20,6 +20,7 @@ from components.node_access import NodeAccess, NodeAccessArgs
 from components.shared import create_shared_parts, shared_outputs
 from components.team_access import TeamAccess, TeamAccessArgs
 from components.teardown import Teardown, TeardownArgs
+from gpucluster.aws import verify_remote
 from gpucluster.render import bundle, userdata
 from gpucluster.spec import bom, cost
 from gpucluster.spec.model import Stack
@@ -131,7 +132,8 @@ def create_slurm_cluster(stack: Stack, examples_dir: Path) -> dict[str, object]:
         pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(depends_on=[spot] if spot else [])),
     )
     team = TeamAccess(stack.cluster_name, TeamAccessArgs(cluster_name=stack.cluster_name, region=stack.region,
-                                                         account_id=account, head_instance_id=head.instance_id), opts)
+                                                         account_id=account, head_instance_id=head.instance_id,
+                                                         verify_document=verify_remote.command_document(stack)), opts)
     deny = None if act is None else LaunchDeny(
         stack.cluster_name, LaunchDenyArgs(budget_name=budget.budget_name, act_threshold_percent=act,
                                            role_name=head.role_name, role_arn=head.role_arn,

@@ -4,7 +4,8 @@ port to Grafana on the head's loopback (no public endpoint, no inbound rule), an
 that the team's account admins attach to the team's users or roles. Each allows StartSession on this cluster's head
 node only, and only with its shell document or the dashboard's: without `ssm:SessionDocumentAccessCheck`, a caller
 could name AWS's default document and get `ssm-user`, who has sudo, or AWS-StartPortForwardingSession and reach any
-port of the head.
+port of the head. Both allow one Run Command document, on the head only: `gpucluster verify` as root with checked
+options (gpucluster/aws/verify_remote.py), never AWS-RunShellScript, which would be any command as root.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pulumi
 import pulumi_aws as aws
 
 from components import child
-from gpucluster.contract.settings import GRAFANA_PORT, LOGIN_USER, session_document_name
+from gpucluster.contract.settings import GRAFANA_PORT, LOGIN_USER, command_document_name, session_document_name
 
 IDLE_SESSION_MINUTES = 60
 MAX_SESSION_MINUTES = 720  # a forgotten shell ends after a working day
@@ -51,8 +52,10 @@ def dashboard_document(description: str) -> str:
     })
 
 
-def access_policy(instance_arn: str, document_arns: list[str], sessions_arn: str, run_as_tag_free: bool) -> str:
-    """StartSession on the head node with the given documents only; end, resume and stream one's own sessions.
+def access_policy(instance_arn: str, document_arns: list[str], sessions_arn: str, verify_arn: str,
+                  run_as_tag_free: bool) -> str:
+    """StartSession on the head node with the given documents only; end, resume and stream one's own sessions; the
+    verify document on the head node, and its commands' outcome.
     `run_as_tag_free`: only for callers without an `SSMSessionRunAs` tag, which would override the document's user
     with any user of the node (slurm, which reaches instance metadata on the head; ssm-user, which has sudo)."""
     condition: dict[str, dict[str, str]] = {"BoolIfExists": {"ssm:SessionDocumentAccessCheck": "true"}}
@@ -69,6 +72,12 @@ def access_policy(instance_arn: str, document_arns: list[str], sessions_arn: str
         # `gpucluster dashboard` finds the running head by its tags. DescribeInstances has no resource-level
         # permissions: it names instances, not their data.
         {"Sid": "FindTheHeadNode", "Effect": "Allow", "Action": "ec2:DescribeInstances", "Resource": "*"},
+        # `gpucluster verify STACK`: this document, on this head only (SendCommand needs both resources).
+        {"Sid": "VerifyOnTheHeadNode", "Effect": "Allow", "Action": "ssm:SendCommand",
+         "Resource": [instance_arn, verify_arn]},
+        # Its outcome; neither action has resource-level permissions. They read commands' output, start nothing.
+        {"Sid": "VerifyOutcome", "Effect": "Allow",
+         "Action": ["ssm:GetCommandInvocation", "ssm:ListCommandInvocations"], "Resource": "*"},
     ]})
 
 
@@ -78,12 +87,14 @@ class TeamAccessArgs:
     region: str
     account_id: pulumi.Input[str]  # components.iam.account_id
     head_instance_id: pulumi.Input[str]
+    verify_document: str  # gpucluster.aws.verify_remote.command_document(stack)
 
 
 class TeamAccess(pulumi.ComponentResource):
     user_document: pulumi.Output[str]
     admin_document: pulumi.Output[str]
     dashboard_document: pulumi.Output[str]
+    verify_document: pulumi.Output[str]
     user_policy_arn: pulumi.Output[str]
     admin_policy_arn: pulumi.Output[str]
 
@@ -109,6 +120,9 @@ class TeamAccess(pulumi.ComponentResource):
             document_type="Session", document_format="JSON", content=dashboard_document(
                 f"gpucluster {args.cluster_name}: Grafana on the head node, forwarded to a port of your machine"),
             opts=child(self))
+        verify = aws.ssm.Document(
+            f"{name}-verify-command", name=command_document_name(args.cluster_name, "verify"),
+            document_type="Command", document_format="JSON", content=args.verify_document, opts=child(self))
 
         def document_arn(document: aws.ssm.Document) -> pulumi.Output[str]:
             return pulumi.Output.concat(f"arn:aws:ssm:{args.region}:", args.account_id, ":document/", document.name)
@@ -118,15 +132,17 @@ class TeamAccess(pulumi.ComponentResource):
         user_policy = aws.iam.Policy(
             f"{name}-user-access", description=f"gpucluster {args.cluster_name}: shell on the head node as "
             f"{LOGIN_USER}", policy=pulumi.Output.all(
-                instance_arn, document_arn(users), document_arn(dashboard), sessions_arn).apply(
-                lambda v: access_policy(v[0], [v[1], v[2]], v[3], run_as_tag_free=True)), opts=child(self))
+                instance_arn, document_arn(users), document_arn(dashboard), sessions_arn, document_arn(verify)).apply(
+                lambda v: access_policy(v[0], [v[1], v[2]], v[3], v[4], run_as_tag_free=True)), opts=child(self))
         admin_policy = aws.iam.Policy(
             f"{name}-admin-access", description=f"gpucluster {args.cluster_name}: admin shell (sudo) on the head "
             "node", policy=pulumi.Output.all(
-                instance_arn, document_arn(admins), document_arn(dashboard), sessions_arn).apply(
-                lambda v: access_policy(v[0], [v[1], v[2]], v[3], run_as_tag_free=False)), opts=child(self))
+                instance_arn, document_arn(admins), document_arn(dashboard), sessions_arn, document_arn(verify)).apply(
+                lambda v: access_policy(v[0], [v[1], v[2]], v[3], v[4], run_as_tag_free=False)), opts=child(self))
         self.user_document, self.admin_document, self.dashboard_document = users.name, admins.name, dashboard.name
+        self.verify_document = verify.name
         self.user_policy_arn, self.admin_policy_arn = user_policy.arn, admin_policy.arn
         self.register_outputs({"user_document": self.user_document, "admin_document": self.admin_document,
                                "dashboard_document": self.dashboard_document,
+                               "verify_document": self.verify_document,
                                "user_policy_arn": self.user_policy_arn, "admin_policy_arn": self.admin_policy_arn})

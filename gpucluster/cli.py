@@ -273,30 +273,17 @@ def dashboard(args: argparse.Namespace) -> int:
     import shlex
 
     import boto3
-    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
-    from gpucluster.contract.settings import CLUSTER_TAG, head_instance_name, session_document_name
+    from gpucluster.aws.head import HeadNotFound, running_head
+    from gpucluster.contract.settings import session_document_name
 
     stack = _load(args.stack)
-    ec2 = boto3.Session(region_name=stack.region).client("ec2")
     try:
-        reservations = ec2.describe_instances(Filters=[
-            {"Name": f"tag:{CLUSTER_TAG}", "Values": [stack.cluster_name]},
-            {"Name": "tag:Name", "Values": [head_instance_name(stack.cluster_name)]},
-            {"Name": "instance-state-name", "Values": ["running"]}])["Reservations"]
-    except NoCredentialsError:
-        print("dashboard: no AWS credentials: sign in (aws configure, aws sso login or AWS_PROFILE) with the stack's "
-              "user or admin access policy attached", file=sys.stderr)
+        head = running_head(boto3.Session(region_name=stack.region).client("ec2"), stack)
+    except HeadNotFound as exc:
+        print(f"dashboard: {exc}", file=sys.stderr)
         return 1
-    except (BotoCoreError, ClientError) as exc:
-        print(f"dashboard: AWS answered: {exc}", file=sys.stderr)
-        return 1
-    heads = sorted(i["InstanceId"] for r in reservations for i in r["Instances"])
-    if len(heads) != 1:  # the head is replaced delete-before-replace: two running ones are for a human to look at
-        print(f"dashboard: {len(heads) or 'no'} running head node(s) of {stack.cluster_name} in {stack.region}"
-              f"{': ' + ', '.join(heads) if heads else ' (is the stack up? `pulumi up` starts it)'}", file=sys.stderr)
-        return 1
-    command = ["aws", "ssm", "start-session", "--region", stack.region, "--target", heads[0], "--document-name",
+    command = ["aws", "ssm", "start-session", "--region", stack.region, "--target", head, "--document-name",
                session_document_name(stack.cluster_name, "dashboard"), "--parameters",
                f"localPortNumber={args.local_port}"]
     print(shlex.join(command))

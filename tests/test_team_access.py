@@ -1,6 +1,7 @@
 """Who gets in (components/team_access.py), under the mock runtime: a Session Manager document per kind of shell on
 the head node and one that forwards a local port to Grafana on the head's loopback; per shell document one policy that
-allows StartSession on this stack's head node only, with that document or the dashboard's only."""
+allows StartSession on this stack's head node only, with that document or the dashboard's only, and Run Command of the
+verify document on that head only (its script: tests/test_verify_remote.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import json
 import re
 
 from conftest import ROOT, of_type, planned
-from gpucluster.contract.settings import GRAFANA_PORT, LOGIN_USER, session_document_name
+from gpucluster.aws import verify_remote
+from gpucluster.contract.settings import GRAFANA_PORT, LOGIN_USER, command_document_name, session_document_name
 from gpucluster.plan import planned_id
 
 ACCOUNT = "123456789012"
@@ -18,7 +20,8 @@ def test_sessions_on_the_head_node_as_the_login_user_or_as_admin() -> None:
     stack, declared = planned(ROOT / "stacks" / "Pulumi.team-a.yaml")
     region, cluster = stack.region, stack.cluster_name
     (head,) = of_type(declared, "ec2/instance:Instance")
-    documents = {d.inputs["name"]: json.loads(d.inputs["content"]) for d in of_type(declared, "ssm/document:Document")}
+    documents = {d.inputs["name"]: json.loads(d.inputs["content"]) for d in of_type(declared, "ssm/document:Document")
+                 if d.inputs["documentType"] == "Session"}
     assert set(documents) == {session_document_name(cluster, k) for k in ("user", "admin", "dashboard")}
     assert session_document_name(cluster, "user") == f"{cluster}-user-session"
     user, admin = documents[f"{cluster}-user-session"], documents[f"{cluster}-admin-session"]
@@ -27,15 +30,14 @@ def test_sessions_on_the_head_node_as_the_login_user_or_as_admin() -> None:
     assert user["inputs"]["runAsEnabled"] is True and user["inputs"]["runAsDefaultUser"] == LOGIN_USER
     assert user["inputs"]["maxSessionDuration"] == admin["inputs"]["maxSessionDuration"] == "720"
     assert admin["inputs"]["runAsEnabled"] is False and "runAsDefaultUser" not in admin["inputs"]
-    assert all(d.inputs["documentType"] == "Session" and d.inputs["documentFormat"] == "JSON"
-               for d in of_type(declared, "ssm/document:Document"))
+    assert all(d.inputs["documentFormat"] == "JSON" for d in of_type(declared, "ssm/document:Document"))
 
     policies = {d.name.removeprefix(f"{cluster}-"): json.loads(d.inputs["policy"])
                 for d in of_type(declared, "iam/policy:Policy") if d.name.endswith("-access")}
     assert set(policies) == {"user-access", "admin-access"}
     instance = f"arn:aws:ec2:{region}:{ACCOUNT}:instance/{planned_id(head, region)}"
     for kind, policy in policies.items():
-        start, own, channel, find = policy["Statement"]
+        start, own, channel, find, send, outcome = policy["Statement"]
         document = f"arn:aws:ssm:{region}:{ACCOUNT}:document/{cluster}-{kind.split('-')[0]}-session"
         dashboard = f"arn:aws:ssm:{region}:{ACCOUNT}:document/{cluster}-dashboard-session"
         assert start["Action"] == "ssm:StartSession" and start["Resource"] == [instance, document, dashboard], start
@@ -50,9 +52,16 @@ def test_sessions_on_the_head_node_as_the_login_user_or_as_admin() -> None:
         assert channel["Action"] == "ssmmessages:OpenDataChannel" and channel["Resource"] == sessions
         # What `gpucluster dashboard` calls (tests/test_dashboard_command.py).
         assert find["Action"] == "ec2:DescribeInstances"
-    # Nothing else in the stack grants StartSession.
-    grants = [d.name for d in declared if "policy" in d.inputs and "ssm:StartSession" in d.inputs["policy"]]
-    assert sorted(grants) == sorted(f"{cluster}-{k}" for k in policies)
+        # `gpucluster verify STACK`: the verify document on the head only, never AWS-RunShellScript (root).
+        verify = f"arn:aws:ssm:{region}:{ACCOUNT}:document/{cluster}-verify-command"
+        assert send == {"Sid": "VerifyOnTheHeadNode", "Effect": "Allow", "Action": "ssm:SendCommand",
+                        "Resource": [instance, verify]}
+        assert outcome["Action"] == ["ssm:GetCommandInvocation", "ssm:ListCommandInvocations"]
+        assert not {"ssm:SendCommand", "ssm:StartSession"} & set(json.dumps(outcome).split('"'))
+    # Nothing else in the stack grants StartSession or SendCommand.
+    for action in ("ssm:StartSession", "ssm:SendCommand"):
+        grants = [d.name for d in declared if "policy" in d.inputs and action in d.inputs["policy"]]
+        assert sorted(grants) == sorted(f"{cluster}-{k}" for k in policies), action
 
 
 def test_dashboard_document_forwards_to_grafana_on_the_heads_loopback_only() -> None:
@@ -72,3 +81,35 @@ def test_dashboard_document_forwards_to_grafana_on_the_heads_loopback_only() -> 
     assert all(pattern.fullmatch(port) for port in ("1", "80", "3000", "9999", "10000", "59999", "65535"))
     # 0 would let the plugin pick a port other than the one `gpucluster dashboard` printed.
     assert not any(pattern.fullmatch(port) for port in ("0", "65536", "99999", "030", "3000 ", "3000;22", ""))
+
+
+def test_verify_document_runs_gpucluster_verify_as_root_with_checked_parameters_only() -> None:
+    """The Run Command document runs the head's `gpucluster verify --json` (its script: tests/test_verify_remote.py);
+    each parameter is a value checked by SendCommand (a pattern or a list) and reaches the script as an environment
+    variable, never as text spliced into it: no `{{ }}` anywhere in the script."""
+    stack, declared = planned(ROOT / "stacks" / "Pulumi.team-a.yaml")
+    (document,) = [d for d in of_type(declared, "ssm/document:Document") if d.inputs["documentType"] == "Command"]
+    assert document.inputs["name"] == command_document_name(stack.cluster_name, "verify") == \
+        f"{stack.cluster_name}-verify-command"
+    content = json.loads(document.inputs["content"])
+    assert content["schemaVersion"] == "2.2"
+    (step,) = content["mainSteps"]
+    assert step["action"] == "aws:runShellScript" and step["inputs"]["runCommand"] == verify_remote.SCRIPT
+    assert "{{" not in json.dumps(step)
+    # Long enough for --deep: the stack's ResumeTimeout (scaling from zero) and DCGM level 3 on top.
+    timeout = int(step["inputs"]["timeoutSeconds"])
+    assert timeout > stack.spec.slurm.resume_timeout_seconds + verify_remote.DCGM_DEEP_SECONDS
+    assert timeout == verify_remote.execution_timeout_seconds(stack)
+    parameters = content["parameters"]
+    assert set(parameters) == {"pools", "nodes", "deep", "last"}
+    assert all(p["type"] == "String" and p["interpolationType"] == "ENV_VAR" for p in parameters.values())
+    for name in ("deep", "last"):
+        assert parameters[name]["allowedValues"] == ["false", "true"] and parameters[name]["default"] == "false"
+    pools, nodes = (re.compile(parameters[name]["allowedPattern"]) for name in ("pools", "nodes"))
+    names = [p.name for p in stack.spec.pools]
+    assert all(pools.fullmatch(value) for value in ("", names[0], " ".join(names), parameters["pools"]["default"]))
+    assert all(nodes.fullmatch(value) for value in ("", "1", "2", "1024", parameters["nodes"]["default"]))
+    injections = ("; rm -rf /", "$(id)", "`id`", f"{names[0]}\nid", f"{names[0]};id", f"{names[0]} && id", "*",
+                  f"{names[0]}|id", f"{names[0]} ", "../etc", "-rf", "'x'", '"x"')
+    assert not any(pattern.fullmatch(bad) for pattern in (pools, nodes) for bad in injections)
+    assert not any(nodes.fullmatch(bad) for bad in ("0", "02", "-1", "2 3", "99999", "2\n"))

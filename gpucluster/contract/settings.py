@@ -340,6 +340,12 @@ def session_document_name(cluster: str, kind: str) -> str:
     return f"{cluster}-{kind}-session"
 
 
+def command_document_name(cluster: str, kind: str) -> str:
+    """A Run Command document of the cluster (components/team_access.py); kind: verify (`gpucluster verify STACK`
+    from the operator's machine sends it to the head)."""
+    return f"{cluster}-{kind}-command"
+
+
 def alertmanager_routing(topic_arn: Any, region: str, cluster: str) -> dict[str, Any]:
     """Alertmanager's route and receiver for both flavours: every alert to the stack's topic (the budget's
     subscribers), grouped per alert and pool, repeated every 4 h while it fires, through SNS with the credentials the

@@ -238,6 +238,39 @@ def run_json(results: list[Result]) -> str:
     return json.dumps({"checks": [r.as_dict() for r in results]}, indent=1)
 
 
+def expectation(check: Check) -> str:
+    """What a check expects, in words ("= 8", ">= 400"); an unknown figure says that the run warns."""
+    rule = RULES[check.check]
+    if rule.key and rule.key not in check.expect:
+        return "no known figure: warns"
+    if rule.kind == "true":
+        return ", ".join(f"{k} {_shown(val)}" for k, val in check.expect.items()) or "yes"
+    return {"equal": "= ", "min": ">= ", "max": "<= "}[rule.kind] + _shown(check.expect[rule.key])
+
+
+def _shown(value: Measured) -> str:
+    if value is None:
+        return "-"  # nothing measured
+    if isinstance(value, bool):
+        return str(value).lower()
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def run_table(results: list[Result]) -> list[str]:
+    """A run as a readable table, one line per check: pool, check, result, measured, expected, and a failure's fix."""
+    rows = [("pool", "check", "result", "measured", "expected", "fix")]
+    rows += [(r.pool, r.check, r.result, _shown(r.measured), expectation(Check(r.pool, r.check, r.expect)), r.fix)
+             for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, [*widths, 0], strict=True)).rstrip()
+             for row in rows]
+    lines.insert(1, "  ".join("-" * width for width in [*widths, len("fix")]))
+    failed = sum(r.result == FAIL for r in results)
+    warned = sum(r.result == WARN for r in results)
+    lines.append(f"{len(results)} checks: {failed} failed, {warned} warned")
+    return lines
+
+
 def _entries(text: str, keys: set[str], optional: set[str]) -> list[dict[str, object]]:
     doc = json.loads(text)
     if not isinstance(doc, dict) or set(doc) != {"checks"} or not isinstance(doc["checks"], list):

@@ -1,0 +1,36 @@
+"""The stack's running head node, found by its tags with the caller's credentials: `gpucluster dashboard` forwards a
+port to it, `gpucluster verify STACK` sends it a Run Command."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+from gpucluster.contract.settings import CLUSTER_TAG, head_instance_name
+from gpucluster.spec.model import Stack
+
+NO_CREDENTIALS = ("no AWS credentials: sign in (aws configure, aws sso login or AWS_PROFILE) with the stack's user or "
+                  "admin access policy attached")
+
+
+class HeadNotFound(Exception):
+    """No single running head node, or AWS would not say: one line for the operator."""
+
+
+def running_head(ec2: Any, stack: Stack) -> str:
+    """The instance id of the stack's one running head node."""
+    try:
+        reservations = ec2.describe_instances(Filters=[
+            {"Name": f"tag:{CLUSTER_TAG}", "Values": [stack.cluster_name]},
+            {"Name": "tag:Name", "Values": [head_instance_name(stack.cluster_name)]},
+            {"Name": "instance-state-name", "Values": ["running"]}])["Reservations"]
+    except NoCredentialsError:
+        raise HeadNotFound(NO_CREDENTIALS) from None
+    except (BotoCoreError, ClientError) as exc:
+        raise HeadNotFound(f"AWS answered: {exc}") from None
+    heads = sorted(i["InstanceId"] for r in reservations for i in r["Instances"])
+    if len(heads) != 1:  # the head is replaced delete-before-replace: two running ones are for a human to look at
+        raise HeadNotFound(f"{len(heads) or 'no'} running head node(s) of {stack.cluster_name} in {stack.region}"
+                           f"{': ' + ', '.join(heads) if heads else ' (is the stack up? `pulumi up` starts it)'}")
+    return heads[0]

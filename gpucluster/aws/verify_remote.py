@@ -1,0 +1,270 @@
+"""`gpucluster verify STACK` from the operator's machine: the run happens on the stack's head node, as root, through
+Session Manager's Run Command with the caller's credentials (no Pulumi CLI or state).
+
+The cluster's verify document (components/team_access.py creates it from `command_document`) runs exactly
+`/usr/local/bin/gpucluster verify --json [--pool P ...] [--nodes N] [--deep] [--last]` on the head; its four
+parameters are values, never shell: each has an allowedPattern or allowedValues that SendCommand checks, and the agent
+hands them to the script as environment variables (interpolationType ENV_VAR), not as text spliced into it. The team's
+access policies may send that document to the head only: never AWS-RunShellScript, which would be root on the head.
+
+`run` sends it, polls GetCommandInvocation until the command ends (bounded by the document's own timeouts), and maps
+the outcome: the head's exit 0, 1 and 2 are this command's; a command that was not delivered, timed out or was
+cancelled is 1 with the reason, as is a head that does not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+from gpucluster.aws.head import NO_CREDENTIALS, HeadNotFound, running_head
+from gpucluster.contract.settings import command_document_name
+from gpucluster.contract.verify import VerifyFormatError, run_from_json, run_json, run_table
+from gpucluster.spec.model import POOL_NAME_RE, Stack
+
+EXIT_BAD_INPUT = 2  # the head's exit for bad input, passed on as is
+HEAD_COMMAND = "/usr/local/bin/gpucluster"  # gpucluster/node/bootstrap.py command_line writes it on the head
+DOCUMENT_KIND = "verify"
+
+# --- the document ----------------------------------------------------------------------------------------------------
+_POOL = POOL_NAME_RE.removeprefix("^").removesuffix("$")
+POOLS_PATTERN = f"^({_POOL}( {_POOL})*)?$"  # pool names, one space apart; "": every pool
+NODES_PATTERN = "^([1-9][0-9]{0,3})?$"  # 1-9999 (a pool has at most 1024 nodes); "": the plan's default
+FLAG_VALUES = ["false", "true"]
+# The execution timeout: the slowest start Slurm waits for (the stack's ResumeTimeout: scaling from zero), plus
+# DCGM's level 3 diagnostic, which NVIDIA's dcgmi-diag reference says "normally lasts approximately 15 minutes"
+# (docs.nvidia.com/datacenter/dcgm/latest/reference/command-line-reference/dcgmi/dcgmi-diag.html): allowed twice
+# that (the nodes run it at once, each at its own pace), plus the job's own work (probes, the all_reduce sweep,
+# /fsx throughput, Slurm scheduling both jobs).
+DCGM_DEEP_SECONDS = 30 * 60
+WORK_SECONDS = 20 * 60
+# SendCommand's delivery timeout (min 30 s): the head's agent takes a command within seconds when it is online.
+DELIVERY_SECONDS = 300
+# The SSM Agent cuts what GetCommandInvocation returns of stdout to its first 24,000 characters (SSM API reference,
+# StandardOutputContent) and marks the cut (amazon-ssm-agent, iohandler.TruncateOutput).
+OUTPUT_LIMIT = 24_000
+TRUNCATED_MARK = "---Output truncated---"
+# ENV_VAR interpolation needs SSM Agent 3.3.2746.0 or later (Systems Manager user guide, "Troubleshooting parameter
+# handling issues"); an older agent sets no SSM_* variable: the script refuses rather than run other options.
+OLD_AGENT_EXIT = 3
+
+SCRIPT = [
+    "#!/bin/sh",
+    "set -f",  # no globbing of the pool list (its pattern admits no wildcard anyway)
+    'if [ -z "${SSM_last+set}" ]; then',
+    '  echo "the SSM Agent on the head passes no parameters as environment variables (interpolationType ENV_VAR'
+    ' needs agent 3.3.2746.0 or later): update amazon-ssm-agent" >&2',
+    f"  exit {OLD_AGENT_EXIT}",
+    "fi",
+    "set -- verify --json",
+    'for pool in $SSM_pools; do set -- "$@" --pool "$pool"; done',
+    'if [ -n "$SSM_nodes" ]; then set -- "$@" --nodes "$SSM_nodes"; fi',
+    'if [ "$SSM_deep" = true ]; then set -- "$@" --deep; fi',
+    'if [ "$SSM_last" = true ]; then set -- "$@" --last; fi',
+    f'exec {HEAD_COMMAND} "$@"',
+]
+
+
+def execution_timeout_seconds(stack: Stack) -> int:
+    return stack.spec.slurm.resume_timeout_seconds + DCGM_DEEP_SECONDS + WORK_SECONDS
+
+
+def command_document(stack: Stack) -> str:
+    """The cluster's verify document (schema 2.2, JSON): gpucluster verify --json as root on the head."""
+
+    def parameter(description: str, **rule: object) -> dict[str, object]:
+        return {"type": "String", "description": description, "interpolationType": "ENV_VAR", **rule}
+
+    return json.dumps({
+        "schemaVersion": "2.2",
+        "description": f"gpucluster {stack.cluster_name}: gpucluster verify on the head node (as root), its run "
+                       "document on stdout",
+        "parameters": {
+            "pools": parameter("Pools to verify, one space apart (empty: every pool)", default="",
+                               allowedPattern=POOLS_PATTERN),
+            "nodes": parameter("Nodes per pool (empty: 2 where a pool allows, else its max_nodes)", default="",
+                               allowedPattern=NODES_PATTERN),
+            "deep": parameter("The longer diagnostics (DCGM level 3)", default="false", allowedValues=FLAG_VALUES),
+            "last": parameter("Print the latest run instead of running", default="false",
+                              allowedValues=FLAG_VALUES),
+        },
+        "mainSteps": [{
+            "action": "aws:runShellScript", "name": "verify",
+            "precondition": {"StringEquals": ["platformType", "Linux"]},
+            "inputs": {"timeoutSeconds": str(execution_timeout_seconds(stack)), "runCommand": SCRIPT},
+        }],
+    })
+
+
+# --- the operator's side ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Request:
+    """What the operator asked, as the document's parameters; `as_json`: print the run document, not a table."""
+
+    pools: tuple[str, ...] = ()
+    nodes: int | None = None
+    deep: bool = False
+    last: bool = False
+    as_json: bool = False
+
+    def parameters(self) -> dict[str, list[str]]:
+        """SendCommand's Parameters; the document's defaults stand for what was not asked."""
+        chosen = {"deep": [str(self.deep).lower()], "last": [str(self.last).lower()]}
+        if self.pools:
+            chosen["pools"] = [" ".join(self.pools)]
+        if self.nodes is not None:
+            chosen["nodes"] = [str(self.nodes)]
+        return chosen
+
+
+class BadRequest(ValueError):
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("; ".join(problems))
+
+
+def request(stack: Stack, head_args: list[str]) -> Request:
+    """The head's `gpucluster verify` options (without STACK): --json, --pool NAME (repeatable), --nodes N, --deep,
+    --last. Checked here against the stack and the document's patterns (every problem at once); the head checks the
+    rest (a pool's max_nodes) and answers 2."""
+    options = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    options.add_argument("--json", action="store_true")
+    options.add_argument("--pool", action="append", default=[])
+    options.add_argument("--nodes")
+    options.add_argument("--deep", action="store_true")
+    options.add_argument("--last", action="store_true")
+    try:
+        parsed, unknown = options.parse_known_args(head_args)
+    except argparse.ArgumentError as exc:
+        raise BadRequest([str(exc)]) from None
+    problems = [f"unknown option {arg!r}" for arg in unknown]
+    names = [p.name for p in stack.spec.pools]
+    missing = [pool for pool in parsed.pool if pool not in names]
+    if missing:
+        problems.append(f"no pool {', '.join(missing)} in stack {stack.name}; its pools: {', '.join(names)}")
+    if parsed.nodes is not None and not re.fullmatch(NODES_PATTERN, parsed.nodes):
+        problems.append(f"--nodes must be a whole number from 1, got {parsed.nodes!r}")
+    if parsed.last and (parsed.pool or parsed.nodes is not None or parsed.deep):
+        problems.append("--last prints the latest run: it takes no --pool, --nodes or --deep")
+    if problems:
+        raise BadRequest(problems)
+    return Request(tuple(dict.fromkeys(parsed.pool)), int(parsed.nodes) if parsed.nodes else None, parsed.deep,
+                   parsed.last, parsed.json)
+
+
+TERMINAL = ("Success", "Failed", "Cancelled", "TimedOut")  # GetCommandInvocation's Status; the others still move
+
+
+def wait(ssm: Any, command_id: str, head: str, seconds: float, *, sleep: Callable[[float], None] = time.sleep,
+         clock: Callable[[], float] = time.monotonic, progress_every: float = 60) -> dict[str, Any] | None:
+    """GetCommandInvocation until the command ends, backing off from 2 s to 30 s; None when `seconds` pass first.
+    A progress line to stderr about once a `progress_every`."""
+    start = clock()
+    delay, said = 2.0, start
+    while True:
+        try:
+            invocation: dict[str, Any] = ssm.get_command_invocation(CommandId=command_id, InstanceId=head)
+        except ClientError as exc:
+            # Right after SendCommand the invocation may not exist yet (botocore's CommandExecuted waiter retries it).
+            if exc.response.get("Error", {}).get("Code") != "InvocationDoesNotExist":
+                raise
+            invocation = {"Status": "Pending"}
+        if invocation["Status"] in TERMINAL:
+            return invocation
+        now = clock()
+        if now - start >= seconds:
+            return None
+        if now - said >= progress_every:
+            print(f"verify: {invocation['Status']} on {head} for {(now - start) / 60:.0f} min (command {command_id})",
+                  file=sys.stderr)
+            said = now
+        sleep(min(delay, max(seconds - (now - start), 0)))
+        delay = min(delay * 1.5, 30.0)
+
+
+def outcome(invocation: dict[str, Any], req: Request, stack: Stack) -> int:
+    """Print what the head answered and return this command's exit code."""
+    status, code = invocation["Status"], invocation.get("ResponseCode", -1)
+    stdout, stderr = invocation.get("StandardOutputContent", ""), invocation.get("StandardErrorContent", "")
+    head = invocation.get("InstanceId", "the head")
+    if status == "TimedOut":
+        why = {"DeliveryTimedOut": f"the head's SSM Agent did not take the command within {DELIVERY_SECONDS} s "
+                                   "(is it online? `aws ssm describe-instance-information`)",
+               "ExecutionTimedOut": f"the run took longer than the document allows "
+                                    f"({execution_timeout_seconds(stack)} s) and was stopped; its jobs may still be "
+                                    "in Slurm's queue (squeue on the head)"}
+        return _fail(why.get(invocation.get("StatusDetails", ""), f"the command timed out "
+                                                                  f"({invocation.get('StatusDetails', '')})"))
+    if status == "Cancelled":
+        return _fail("the command was cancelled on the head (the console or `aws ssm cancel-command`)")
+    if code == EXIT_BAD_INPUT:
+        print(f"verify: the head refused the options: {stderr.strip() or 'no reason given'}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if code not in (0, 1):
+        detail = invocation.get("StatusDetails", status)
+        return _fail(f"the command ended {detail} on {head} with exit code {code}"
+                     f"{': ' + stderr.strip() if stderr.strip() else ''}")
+    if TRUNCATED_MARK in stdout or len(stdout) >= OUTPUT_LIMIT:
+        print(f"verify: the run document is longer than Run Command returns ({OUTPUT_LIMIT:,} characters): read it "
+              f"on the head (`gpucluster verify --last` in a shell), or verify fewer pools (--pool). The head said: "
+              f"{'nothing failed' if code == 0 else 'something failed'}.", file=sys.stderr)
+        return int(code)
+    try:
+        results = run_from_json(stdout)
+    except (ValueError, VerifyFormatError) as exc:  # json's JSONDecodeError is a ValueError
+        return _fail(f"the head's output is no run document ({exc}); it said: "
+                     f"{(stdout.strip() or stderr.strip() or 'nothing')[:500]}")
+    print(run_json(results) if req.as_json else "\n".join(run_table(results)))
+    return int(code)
+
+
+def _fail(reason: str) -> int:
+    print(f"verify: {reason}", file=sys.stderr)
+    return 1
+
+
+def run(stack: Stack, head_args: list[str], session: Any,
+        sleep: Callable[[float], None] = time.sleep) -> int:
+    """`gpucluster verify` on the stack's running head through Run Command; `head_args` as the head's command takes
+    them (without STACK). Exit 0 nothing failed, 1 something failed (or the head could not be reached), 2 bad input."""
+    try:
+        req = request(stack, head_args)
+    except BadRequest as exc:
+        for problem in exc.problems:
+            print(f"verify: {problem}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        head = running_head(session.client("ec2", region_name=stack.region), stack)
+    except HeadNotFound as exc:
+        return _fail(str(exc))
+    ssm = session.client("ssm", region_name=stack.region)
+    document = command_document_name(stack.cluster_name, DOCUMENT_KIND)
+    try:
+        sent = ssm.send_command(InstanceIds=[head], DocumentName=document, Parameters=req.parameters(),
+                                TimeoutSeconds=DELIVERY_SECONDS,
+                                Comment=f"gpucluster verify{' --last' if req.last else ''}"[:100])
+        command_id = sent["Command"]["CommandId"]
+        print(f"verify: sent {document} to {head} (command {command_id}); "
+              f"{'reading the latest run' if req.last else 'a run takes minutes (scaling from zero)'}",
+              file=sys.stderr)
+        bound = DELIVERY_SECONDS + execution_timeout_seconds(stack) + 120  # the agent's last report
+        invocation = wait(ssm, command_id, head, bound, sleep=sleep)
+    except NoCredentialsError:
+        return _fail(NO_CREDENTIALS)
+    except (BotoCoreError, ClientError) as exc:
+        return _fail(f"AWS answered: {exc}")
+    except KeyboardInterrupt:
+        return _fail(f"stopped waiting; the run goes on on the head: `verify {stack.name} --last` prints it once it "
+                     "has ended")
+    if invocation is None:
+        return _fail(f"no answer from {head} after {bound} s (command {command_id}): `verify {stack.name} --last` "
+                     "prints the run if it ended")
+    return outcome(invocation, req, stack)
