@@ -766,13 +766,14 @@ def test_enroot_is_built_from_the_boms_commit_with_its_apparmor_profile(head: Ru
     assert not head.commands("git") and "enroot" not in json.dumps(head.commands("make"))
 
 
-def test_enroot_at_another_commit_than_the_boms_stops_the_build(build: Build) -> None:
-    run = build("compute", enroot_commit="0" * 40)
-    enroot = run.bom["sources"]["enroot"]
+@pytest.mark.parametrize("name", ["enroot", "nccl-tests"])
+def test_a_clone_at_another_commit_than_the_boms_stops_the_build(build: Build, name: str) -> None:
+    run = build("compute", **{f"{name.replace('-', '_')}_commit": "0" * 40})
+    source = run.bom["sources"][name]
     assert run.returncode != 0 and not run.manifest.exists()
-    assert (f"enroot's tag v{enroot['version']} at {enroot['url']} is commit {'0' * 40}, not the BOM's "
-            f"{enroot['commit']}") in run.stderr
-    assert not [c for c in run.commands("make") if c[1].endswith("/enroot")]
+    assert (f"{name}'s tag v{source['version']} at {source['url']} is commit {'0' * 40}, not the BOM's "
+            f"{source['commit']}") in run.stderr
+    assert not [c for c in run.commands("make") if c[1].endswith(f"/{name}")]
 
 
 def test_enroot_profile_is_installed_but_not_loaded_without_apparmor(build: Build) -> None:
@@ -922,15 +923,6 @@ def test_nccl_tests_is_for_nvidia_images_only(build: Build, head: Run) -> None:
     assert not [c for c in run.commands("git") if url in c] and not run.commands("ldd")
     assert json.loads(run.manifest.read_text())["versions"]["nccl_tests"] == "none"
     assert head.returncode == 0 and "nccl-tests" not in json.dumps(head.calls)
-
-
-def test_nccl_tests_at_another_commit_than_the_boms_stops_the_build(build: Build) -> None:
-    run = build("compute", nccl_tests_commit="0" * 40)
-    source = run.bom["sources"]["nccl-tests"]
-    assert run.returncode != 0 and not run.manifest.exists()
-    assert (f"nccl-tests's tag v{source['version']} at {source['url']} is commit {'0' * 40}, not the BOM's "
-            f"{source['commit']}") in run.stderr
-    assert not [c for c in run.commands("make") if c[1].endswith("/nccl-tests")]
 
 
 @pytest.mark.parametrize("missing", NVIDIA_SDK)
