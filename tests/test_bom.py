@@ -15,6 +15,7 @@ import pytest
 
 from conftest import ROOT, STACK_FILES, of_type, planned
 from gpucluster import cli
+from gpucluster.node import nccl_tests
 from gpucluster.plan import Declared, planned_ami_id, run_program
 from gpucluster.project import pulumi_program
 from gpucluster.spec import bom, ubuntu_lock
@@ -58,6 +59,18 @@ def test_render_writes_the_stacks_bom_and_every_role_name_resolves(path: Path, t
         for name in role["pip"]:  # pip install --require-hashes: every distribution with its hash
             assert [re.fullmatch(r"sha256:[0-9a-f]{64}", h) is not None for h in doc["pip_hashes"][name]] == [True]
     assert doc["roles"]["head"]["apt"] != doc["roles"]["compute"]["apt"]
+
+
+def test_nccl_tests_is_pinned_at_the_release_whose_output_verify_reads() -> None:
+    """The compute image's nccl-tests is a full commit (the bake checks its clone's HEAD against it), and the one
+    release gpucluster/node/nccl_tests.py's reader names as the format it reads: a bump of one without the other
+    fails here."""
+    source = bom.SOURCES["nccl-tests"]
+    assert source.commit and re.fullmatch(r"[0-9a-f]{40}", source.commit) and source.sha256 is None
+    assert "nccl-tests" in bom.ROLES["compute"].sources and "nccl-tests" not in bom.ROLES["head"].sources
+    read = re.search(r"NVIDIA/nccl-tests ([0-9a-f]{7,40}), v(\S+?),", nccl_tests.__doc__ or "")
+    assert read, "nccl_tests.py names no nccl-tests commit and release"
+    assert source.commit.startswith(read[1]) and source.version == read[2]
 
 
 def test_apt_and_pip_names_do_not_collide() -> None:

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from conftest import STACK_FILES
-from gpucluster.contract import settings
+from gpucluster.contract import settings, verify
 from gpucluster.render import dashboards, monitoring, prometheus
 from gpucluster.spec.model import Stack, load_stack
 
@@ -289,3 +289,62 @@ def test_every_rule_names_only_metrics_an_exporter_we_ship_produces() -> None:
     for rule in prometheus.alert_rules() + [{"expr": expr} for _, expr in prometheus.RECORDING_RULES]:
         names = metric_names(str(rule["expr"]))
         assert names and names <= KNOWN_METRICS, (rule, names - KNOWN_METRICS)
+
+
+def verify_panel(stack: Stack) -> dict[str, Any]:
+    board = boards(stack)[f"{settings.DASHBOARDS_DIR}/{dashboards.OVERVIEW_UID}.json"]
+    (panel,) = [p for p in panels(board) if p["title"] == "Verify: last result per pool"]
+    return panel
+
+
+def test_the_verify_panel_names_the_contracts_metrics_and_its_words() -> None:
+    """On every stack's overview: the result and the run time the head's `gpucluster verify` exports, by the
+    contract's names, and each result code shown as its word in its colour."""
+    for stack in STACKS.values():
+        panel = verify_panel(stack)
+        assert panel["type"] == "table"
+        exprs = [t["expr"] for t in panel["targets"]]
+        assert [metric_names(e) for e in exprs] == [{verify.RESULT_METRIC},
+                                                    {verify.RESULT_METRIC, verify.RUN_TIME_METRIC}]
+        assert all("by (pool, check)" in e for e in exprs)
+    result = next(o for o in panel["fieldConfig"]["overrides"] if o["matcher"]["options"] == "Result")
+    (mapping,) = next(p["value"] for p in result["properties"] if p["id"] == "mappings")
+    shown = {int(code): (m["text"], m["color"]) for code, m in mapping["options"].items()}
+    assert shown == {verify.RESULT_CODES[word]: (word, dashboards.RESULT_COLOURS[word]) for word in verify.RESULT_CODES}
+    assert len({colour for _, colour in shown.values()}) == len(shown)
+
+
+def test_the_verify_panel_shows_each_check_of_a_pool_with_that_pools_run_time(tmp_path: Path) -> None:
+    """promtool evaluates the panel's two queries on the series the head's textfile collector exports (with the head
+    target's labels beside the pool's, as honor_labels keeps them): one row per pool and check, the result code, and
+    the pool's own run time in milliseconds on every one of its rows."""
+    a, b = dashboards.VERIFY_RESULTS, dashboards.VERIFY_RUN_TIMES
+    head = 'instance="head:9100", job="node", node="head"'
+    code = verify.RESULT_CODES
+    series = [(verify.RESULT_METRIC, 'pool="p5", check="gpus"', code[verify.FAIL]),
+              (verify.RESULT_METRIC, 'pool="p5", check="efa_devices"', code[verify.PASS]),
+              (verify.RESULT_METRIC, f'pool="{verify.CLUSTER}", check="budget_topic"', code[verify.PASS]),
+              (verify.RESULT_METRIC, 'pool="g6", check="gpus"', code[verify.WARN]),
+              (verify.RUN_TIME_METRIC, 'pool="p5"', 1000), (verify.RUN_TIME_METRIC, f'pool="{verify.CLUSTER}"', 1000),
+              (verify.RUN_TIME_METRIC, 'pool="g6"', 2000)]
+    rows = [(labels, value) for name, labels, value in series if name == verify.RESULT_METRIC]
+    run_time = {labels.split(",")[0]: value for name, labels, value in series if name == verify.RUN_TIME_METRIC}
+
+    def samples(by_row: Any) -> list[dict[str, Any]]:
+        return [{"labels": "{" + labels + "}", "value": by_row(labels, value)} for labels, value in rows]
+
+    test: dict[str, Any] = {"rule_files": [], "evaluation_interval": "30s", "tests": [{
+        "interval": "30s",
+        "input_series": [{"series": f"{name}{{{labels}, {head}}}", "values": f"{value}x4"}
+                         for name, labels, value in series],
+        "promql_expr_test": [
+            {"expr": a, "eval_time": "1m", "exp_samples": samples(lambda labels, value: value)},
+            {"expr": b, "eval_time": "1m",
+             "exp_samples": samples(lambda labels, value: 1000 * run_time[labels.split(",")[0]])}]}]}
+    (tmp_path / "test.yml").write_text(yaml.safe_dump(test))
+    done = promtool("test", "rules", str(tmp_path / "test.yml"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    # Another pool's run time on a row fails the same test: the pass above means the join is by pool.
+    test["tests"][0]["promql_expr_test"][1]["exp_samples"][0]["value"] = 1000 * run_time['pool="g6"']
+    (tmp_path / "test.yml").write_text(yaml.safe_dump(test))
+    assert promtool("test", "rules", str(tmp_path / "test.yml")).returncode != 0

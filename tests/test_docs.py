@@ -89,6 +89,17 @@ def test_the_generator_refuses_an_undocumented_key() -> None:
         list(docgen.keys(Undocumented, "x."))
 
 
+def test_the_verify_page_refuses_a_check_without_its_comment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checks' descriptions are the comments beside their constants in contract/verify.py: a check named in the
+    contract without one is an error, not a row without a description."""
+    from gpucluster.contract import verify
+
+    assert set(docgen.check_descriptions()) == set(verify.CHECK_NAMES)
+    monkeypatch.setattr(verify, "CHECK_NAMES", (*verify.CHECK_NAMES, "undocumented_check"))
+    with pytest.raises(ValueError, match="undocumented_check"):
+        docgen.check_descriptions()
+
+
 def test_what_a_stack_creates_names_every_component_of_the_shipped_stacks() -> None:
     page = (DOCS / "reference" / "what-a-stack-creates.md").read_text()
     components = {d.type for path in ALL_STACK_FILES for d in planned(path)[1] if d.type.startswith("gpucluster:")}

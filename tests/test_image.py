@@ -34,7 +34,9 @@ KERNEL = "6.8.0-1021-aws"
 GPU_TOOLS = ("nvidia-smi", "dcgmi", "docker", "nvidia-ctk")  # the NVIDIA Deep Learning AMI's
 STANDIN_NAMES = ("apt-get", "apt-cache", "apt-mark", "dpkg-query", "curl", "sha256sum", "git", "gpg", "systemctl",
                  "uname", "python3", "aa-enabled", "apparmor_parser", "make", "tar", "ldconfig", "getent", "groupadd",
-                 "useradd", "id", *GPU_TOOLS)
+                 "useradd", "id", "ldd", *GPU_TOOLS)
+# What nccl-tests' build takes from the NVIDIA Deep Learning AMI (build_image.sh's CUDA_HOME, MPI_HOME, NCCL_HOMES[0]).
+NVIDIA_SDK = ("/usr/local/cuda/bin/nvcc", "/opt/amazon/openmpi/include/mpi.h", "/usr/local/cuda/include/nccl.h")
 # Installed kernel packages and their sources, as dpkg-query lists them on an Ubuntu image: the meta packages come from
 # linux-meta*, the kernel itself from its versioned sources.
 KERNEL_PACKAGES = {"linux-aws": "linux-meta-aws", "linux-image-aws": "linux-meta-aws",
@@ -72,6 +74,7 @@ if name == "pip" and "-r" in args:
     record["requirements"] = Path(args[args.index("-r") + 1]).read_text().splitlines()
 if name in ("make", "configure"):
     record["cwd"] = os.getcwd()
+    record["ld_run_path"] = env.get("LD_RUN_PATH")
 with open(env["STANDIN_LOG"], "a") as log:
     log.write(json.dumps(record) + "\n")
 if record.get("failed"):
@@ -99,8 +102,8 @@ elif name == "sha256sum":  # STANDIN_GENUINE: URL -> the sha256 of the real byte
     print(f"{genuine[url] if url in genuine else hashlib.sha256(Path(args[0]).read_bytes()).hexdigest()}  {args[0]}")
 elif name == "git" and args[0] == "clone":
     Path(args[-1]).mkdir(parents=True)
-elif name == "git" and args[2:] == ["rev-parse", "HEAD"]:  # STANDIN_ENROOT_COMMIT: what the tag's clone names
-    print(env["STANDIN_ENROOT_COMMIT"])
+elif name == "git" and args[2:] == ["rev-parse", "HEAD"]:  # STANDIN_COMMITS: what each clone names, by directory
+    print(json.loads(env["STANDIN_COMMITS"])[Path(args[1]).name])
 elif name == "uname":
     print(env["STANDIN_KERNEL"])
 elif name == "gpg" and "--dearmor" in args:
@@ -157,6 +160,14 @@ elif name == "tar":  # a GitHub tag archive: the tree of a configure script (Slu
     tree.mkdir(parents=True, exist_ok=True)
     if tree.name == "slurm":
         (tree / "configure").symlink_to(sys.argv[0])
+elif name == "make" and Path(arg_after("-C")).name == "nccl-tests":  # its tests, in its tree's build/
+    built = Path(arg_after("-C")) / "build" / "all_reduce_perf"
+    built.parent.mkdir()
+    built.touch(mode=0o755)
+elif name == "ldd":  # STANDIN_LDD_MISSING: the libraries the binary's loader would not find
+    for library in json.loads(env["STANDIN_LDD_MISSING"]):
+        print(f"\t{library} => not found")
+    print("\tlibc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x00007f0000000000)")
 elif name == "make" and "install" in args:  # where the real Makefiles put what the script checks afterwards
     destdir = arg_after("install").removeprefix("DESTDIR=")
     if not destdir.startswith(root):
@@ -308,7 +319,9 @@ def runner(tmp_path: Path) -> Build:
     (real back-off waits add up to minutes). `bom` edits the real BOM; `edits` changes the script's NAME=value lines;
     `archive` replaces what apt's indexes list (None: not at all); `drift` and `pip_drift` what dpkg and the venv end
     up with (`late_drift`: what installing the Lustre module changes); `downloads` what a URL serves; `agent`: the
-    CloudWatch agent's version the parent image has; `enroot_commit`: what enroot's tag names (default the BOM's)."""
+    CloudWatch agent's version the parent image has; `enroot_commit`, `nccl_tests_commit`: what those tags name
+    (default the BOM's); `nvidia_sdk`: the NVIDIA parent's files nccl-tests builds with; `ldd_missing`: the libraries
+    the built all_reduce_perf would not load."""
 
     def run(role: str, *, bom: Callable[[dict[str, Any]], None] | None = None, fail: Sequence[tuple[str, int]] = (),
             gpu_tools: tuple[str, ...] = GPU_TOOLS, agent: str | None = None, apparmor: bool = True,
@@ -319,7 +332,9 @@ def runner(tmp_path: Path) -> Build:
             slurm_without: Sequence[str] = (), slurm_built: str = bom_spec.SLURM_VERSION, slurm_uid: str = "",
             dcgm_unit: bool = True, nccl_dir: str | None = "/opt/amazon/ofi-nccl/lib/x86_64-linux-gnu",
             kernel_packages: dict[str, str] = KERNEL_PACKAGES, enroot_profile: bool = True,
-            enroot_commit: str | None = None, pmix_lib: bool = True, steps: str | None = None,
+            enroot_commit: str | None = None, nccl_tests_commit: str | None = None,
+            nvidia_sdk: tuple[str, ...] = NVIDIA_SDK, ldd_missing: Sequence[str] = (),
+            pmix_lib: bool = True, steps: str | None = None,
             edits: dict[str, str] | None = None,
             stack: Path = BOM_STACK) -> Run:
         bin_dir, root, state, files = (tmp_path / d for d in ("bin", "root", "state", "files"))
@@ -342,6 +357,9 @@ def runner(tmp_path: Path) -> Build:
         if nccl_dir and "nvidia-smi" in gpu_tools:  # the DLAMI's aws-ofi-nccl
             (root / nccl_dir.lstrip("/")).mkdir(parents=True)
             (root / nccl_dir.lstrip("/") / "libnccl-net.so").touch()
+        for path in nvidia_sdk if "nvidia-smi" in gpu_tools else ():
+            (root / path.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+            (root / path.lstrip("/")).touch(mode=0o755)
         bill = real_bom(bom, stack)
         (tmp_path / "bom.json").write_text(json.dumps(bill))
         served_files = {}
@@ -364,7 +382,10 @@ def runner(tmp_path: Path) -> Build:
                                               if versions is not None}),
                "STANDIN_PACKAGE_FILES": json.dumps({"libpmix-dev": [PMIX_LIB] if pmix_lib else []}),
                "STANDIN_ENROOT_PROFILE": "yes" if enroot_profile else "no",
-               "STANDIN_ENROOT_COMMIT": enroot_commit or bill["sources"]["enroot"].get("commit", ""),
+               "STANDIN_COMMITS": json.dumps({
+                   "enroot": enroot_commit or bill["sources"]["enroot"].get("commit", ""),
+                   "nccl-tests": nccl_tests_commit or bill["sources"]["nccl-tests"].get("commit", "")}),
+               "STANDIN_LDD_MISSING": json.dumps(list(ldd_missing)),
                "STANDIN_GENUINE": json.dumps({url: digest for url, digest in genuine_digests(bill).items()
                                               if url not in (downloads or {})}),
                "STANDIN_DPKG_DRIFT": json.dumps(drift or {}), "STANDIN_LATE_DRIFT": json.dumps(late_drift or {}),
@@ -585,8 +606,8 @@ def test_every_problem_of_the_bom_at_once(build: Build) -> None:
         bom["sources"]["pyxis"]["sha256"] = "0"
         bom["sources"]["enroot"]["commit"] = "v4.2.1"
         bom["roles"]["compute"]["sources"].remove("dcgm-exporter")
-        bom["roles"]["compute"]["sources"].append("nccl-tests")
-        bom["sources"]["nccl-tests"] = {**bom["sources"]["pyxis"], "sha256": "1" * 64}
+        bom["roles"]["compute"]["sources"].append("gdrcopy")
+        bom["sources"]["gdrcopy"] = {**bom["sources"]["pyxis"], "sha256": "1" * 64}
         bom["roles"]["compute"]["apt"].remove("liblua5.4-dev")
 
     run = build("compute", bom=broken)
@@ -595,7 +616,7 @@ def test_every_problem_of_the_bom_at_once(build: Build) -> None:
                     "packages", "pip_hashes: no sha256 hash for torch", "sources.pyxis: no url and sha256",
                     "sources.enroot: commit 'v4.2.1' is not a 40-hex commit",
                     "roles.compute.sources: no dcgm-exporter, which build_image.sh installs",
-                    "roles.compute.sources: nccl-tests is not a source build_image.sh installs",
+                    "roles.compute.sources: gdrcopy is not a source build_image.sh installs",
                     r"roles.compute.apt: no package named liblua5\.[1-4]-dev, which build_image.sh needs"):
         assert problem in run.stderr, problem
 
@@ -730,10 +751,10 @@ def test_enroot_is_built_from_the_boms_commit_with_its_apparmor_profile(head: Ru
     run, enroot = compute, compute.bom["sources"]["enroot"]
     assert run.returncode == 0, run.stderr
     assert re.fullmatch(r"[0-9a-f]{40}", enroot["commit"]) and enroot["sha256"] is None
-    (clone,) = [c for c in run.commands("git") if c[0] == "clone"]
+    (clone,) = [c for c in run.commands("git") if c[0] == "clone" and enroot["url"] in c]
     assert clone[:-1] == ["clone", "-q", "--depth", "1", "--branch", f"v{enroot['version']}", "--recurse-submodules",
                           enroot["url"]]
-    checked = next(i for i, c in enumerate(run.calls) if c["cmd"][-2:] == ["rev-parse", "HEAD"])
+    checked = next(i for i, c in enumerate(run.calls) if c["cmd"][1:] == ["-C", clone[-1], "rev-parse", "HEAD"])
     makes = [(i, c["cmd"][1:]) for i, c in enumerate(run.calls) if c["cmd"][0] == "make" and c["cmd"][2] == clone[-1]]
     assert checked < makes[0][0]
     assert [c[c.index("sysconfdir=/etc") + 1:] for _, c in makes] == [["all"], ["install", f"DESTDIR={run.root}"],
@@ -745,13 +766,14 @@ def test_enroot_is_built_from_the_boms_commit_with_its_apparmor_profile(head: Ru
     assert not head.commands("git") and "enroot" not in json.dumps(head.commands("make"))
 
 
-def test_enroot_at_another_commit_than_the_boms_stops_the_build(build: Build) -> None:
-    run = build("compute", enroot_commit="0" * 40)
-    enroot = run.bom["sources"]["enroot"]
+@pytest.mark.parametrize("name", ["enroot", "nccl-tests"])
+def test_a_clone_at_another_commit_than_the_boms_stops_the_build(build: Build, name: str) -> None:
+    run = build("compute", **{f"{name.replace('-', '_')}_commit": "0" * 40})
+    source = run.bom["sources"][name]
     assert run.returncode != 0 and not run.manifest.exists()
-    assert (f"enroot's tag v{enroot['version']} at {enroot['url']} is commit {'0' * 40}, not the BOM's "
-            f"{enroot['commit']}") in run.stderr
-    assert not [c for c in run.commands("make") if c[1].endswith("/enroot")]
+    assert (f"{name}'s tag v{source['version']} at {source['url']} is commit {'0' * 40}, not the BOM's "
+            f"{source['commit']}") in run.stderr
+    assert not [c for c in run.commands("make") if c[1].endswith(f"/{name}")]
 
 
 def test_enroot_profile_is_installed_but_not_loaded_without_apparmor(build: Build) -> None:
@@ -867,6 +889,54 @@ def test_an_nvidia_image_without_nccls_efa_plugin_fails(build: Build) -> None:
                 nccl_dir=None)
     assert run.returncode == 0, run.stderr  # a Trainium image has no NCCL
     assert not (run.root / pins()["OFI_NCCL_CONF"].lstrip("/")).exists()
+
+
+def test_nccl_tests_is_built_at_the_boms_commit_against_the_images_mpi_cuda_and_nccl(compute: Run) -> None:
+    """nccl-tests' tag cloned, its HEAD checked against the BOM's commit before make, built with MPI (the EFA
+    installer's Open MPI) and the parent's CUDA and NCCL, with a run path to them; all_reduce_perf where verify runs
+    it (settings.ALL_REDUCE_PERF), and the manifest says which."""
+    run, source = compute, compute.bom["sources"]["nccl-tests"]
+    assert run.returncode == 0, run.stderr
+    assert re.fullmatch(r"[0-9a-f]{40}", source["commit"]) and source["sha256"] is None
+    assert pins()["ALL_REDUCE_PERF"] == settings.ALL_REDUCE_PERF
+    tree = f"{run.root}{pins()['NCCL_TESTS_DIR']}"
+    assert settings.ALL_REDUCE_PERF == f"{pins()['NCCL_TESTS_DIR']}/build/all_reduce_perf"
+    (clone,) = [c for c in run.commands("git") if c[0] == "clone" and source["url"] in c]
+    assert clone == ["clone", "-q", "--depth", "1", "--branch", f"v{source['version']}", source["url"], tree]
+    checked = next(i for i, c in enumerate(run.calls) if c["cmd"][1:] == ["-C", tree, "rev-parse", "HEAD"])
+    (made,) = [(i, c) for i, c in enumerate(run.calls) if c["cmd"][:3] == ["make", "-C", tree]]
+    assert checked < made[0]
+    cuda, mpi, nccl = (str(Path(path).parent.parent) for path in NVIDIA_SDK)
+    assert made[1]["cmd"][5:] == ["MPI=1", f"MPI_HOME={run.root}{mpi}", f"CUDA_HOME={run.root}{cuda}",
+                                  f"NCCL_HOME={run.root}{nccl}"]
+    # the run path names the image's directories, not the test's prefix
+    assert made[1]["ld_run_path"] == f"{mpi}/lib:{nccl}/lib:{cuda}/lib64"
+    assert os.access(run.root / settings.ALL_REDUCE_PERF.lstrip("/"), os.X_OK)
+    assert run.commands("ldd") == [[f"{run.root}{settings.ALL_REDUCE_PERF}"]]
+    assert json.loads(run.manifest.read_text())["versions"]["nccl_tests"] == f"{source['version']} {source['commit']}"
+
+
+def test_nccl_tests_is_for_nvidia_images_only(build: Build, head: Run) -> None:
+    run = build("compute", gpu_tools=(), neuron_tools=("neuron-monitor", "neuron-monitor-prometheus.py"))
+    assert run.returncode == 0, run.stderr
+    url = run.bom["sources"]["nccl-tests"]["url"]
+    assert not [c for c in run.commands("git") if url in c] and not run.commands("ldd")
+    assert json.loads(run.manifest.read_text())["versions"]["nccl_tests"] == "none"
+    assert head.returncode == 0 and "nccl-tests" not in json.dumps(head.calls)
+
+
+@pytest.mark.parametrize("missing", NVIDIA_SDK)
+def test_an_nvidia_parent_without_what_nccl_tests_builds_with_stops_the_build(build: Build, missing: str) -> None:
+    run = build("compute", nvidia_sdk=tuple(path for path in NVIDIA_SDK if path != missing))
+    assert run.returncode != 0 and not run.manifest.exists()
+    assert Path(missing).name in run.stderr and "the parent image lacks" in run.stderr
+    assert not [c for c in run.commands("make") if c[1].endswith("/nccl-tests")]
+
+
+def test_an_all_reduce_perf_that_cannot_load_its_libraries_stops_the_build(build: Build) -> None:
+    run = build("compute", ldd_missing=("libmpi.so.40", "libnccl.so.2"))
+    assert run.returncode != 0 and not run.manifest.exists()
+    assert f"{settings.ALL_REDUCE_PERF} cannot load libmpi.so.40 libnccl.so.2" in run.stderr
 
 
 def test_cloudwatch_agent_with_another_signing_key_is_not_installed(build: Build) -> None:

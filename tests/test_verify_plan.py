@@ -15,7 +15,7 @@ from conftest import FIXTURES, K8S_STACK_FILES, ROOT, STACK_FILES
 from gpucluster import cli
 from gpucluster.contract import settings, verify as v
 from gpucluster.project import EXAMPLES_DIR
-from gpucluster.render import bundle, verify as planning
+from gpucluster.render import bundle, prometheus, verify as planning
 from gpucluster.spec import catalog
 from gpucluster.spec.model import Stack, load_stack
 
@@ -57,12 +57,14 @@ def test_plan_json_is_the_issues_shape_for_every_shipped_stack(path: Path, capsy
     assert list(doc) == ["checks"]
     assert doc["checks"] and all(list(entry) == ["pool", "check", "expect"] for entry in doc["checks"])
     stack = load_stack(path)
-    assert [e["pool"] for e in doc["checks"]] == sorted((e["pool"] for e in doc["checks"]),
-                                                       key=[p.name for p in stack.spec.pools].index)
+    order = [p.name for p in stack.spec.pools] + [v.CLUSTER]  # the pools in the stack's order, the cluster last
+    assert [e["pool"] for e in doc["checks"]] == sorted((e["pool"] for e in doc["checks"]), key=order.index)
     for pool in stack.spec.pools:  # every pool, with the checks the issue names for all of them
         names = {e["check"] for e in doc["checks"] if e["pool"] == pool.name}
         assert {v.FSX_WRITE_MBPS, v.FSX_READ_MBPS, v.METADATA_REFUSED, v.NAMES_RESOLVE} <= names
         assert (v.EFA_DEVICES in names) == pool.uses_efa
+        assert {e["expect"]["nodes"] for e in doc["checks"] if e["pool"] == pool.name and e["check"] in (
+            v.NAMES_RESOLVE, v.PROMETHEUS_SCRAPES)} == {min(planning.DEFAULT_NODES, pool.max_nodes)}
     assert {e["check"] for e in doc["checks"]} <= set(v.CHECK_NAMES)
     assert v.plan_from_json(out) == planning.plan(stack)  # what the head reads back is what was planned
 
@@ -76,7 +78,7 @@ def test_p5_pools_carry_an_all_reduce_floor_and_32_efa_devices() -> None:
         expect = by_check(checks, pool)
         assert expect[v.EFA_DEVICES] == {"count": 32} == {"count": p5.efa_interfaces}
         assert expect[v.GPUS] == {"count": p5.accelerator.count if p5.accelerator else None}
-        assert expect[v.NCCL_ALL_REDUCE_BUSBW_GBPS] == {"min": figure.floor_gbps}
+        assert expect[v.NCCL_ALL_REDUCE_BUSBW_GBPS] == {"min": figure.floor_gbps, "bytes": figure.message_bytes}
         assert expect[v.NCCL_TRANSPORT] == {"provider": "efa"}
         assert expect[v.NCCL_EFA_PLUGIN] == {"found": True}
         assert expect[v.NAMES_RESOLVE] == {"nodes": planning.DEFAULT_NODES}
@@ -98,10 +100,12 @@ def test_a_type_without_a_published_figure_is_judged_warn() -> None:
     warns (a run never passes a figure it cannot compare)."""
     assert catalog.ACCELERATED["g6.xlarge"].all_reduce is None
     (check,) = [c for c in planning.plan(load_stack(DEV)) if c.check == v.NCCL_ALL_REDUCE_BUSBW_GBPS]
-    assert check.expect == {}
+    assert check.expect == {"bytes": v.DEFAULT_ALL_REDUCE_BYTES}  # the sweep still has its size
     for measured in (0.0, 1e6):
         assert v.judge(check, measured).result == v.WARN
-    assert planning.describe(check) == "no known figure: warns"
+    # a short sweep of a type without a figure is still a warning, never a pass
+    assert v.judge_reading(check, {"min": 1e6, "bytes": 8}).result == v.WARN
+    assert planning.describe(check) == f"no known figure: warns (at {v.DEFAULT_ALL_REDUCE_BYTES // 2**30}G)"
 
 
 @pytest.mark.parametrize("check,expect,measured,result", [
@@ -132,6 +136,21 @@ def test_judge_each_kind(check: str, expect: v.Expect, measured: v.Measured, res
     assert (verdict.result, verdict.measured, verdict.expect) == (result, measured, expect)
     assert (verdict.fix == v.RULES[check].fix) == (result == v.FAIL)
     assert verdict.fix or result != v.FAIL
+
+
+@pytest.mark.parametrize("path", STACK_FILES, ids=lambda p: p.stem)
+def test_the_cluster_checks_come_once_per_plan_whichever_pools(path: Path) -> None:
+    """The budget's topic and the GpuIdle rule, once, under pool CLUSTER, whether the plan has every pool or one; what
+    they check is in every Slurm stack: its (required) budget's topic, and GpuIdle in the head's rules."""
+    stack = load_stack(path)
+    expected = [v.Check(v.CLUSTER, v.BUDGET_TOPIC, {"reachable": True}),
+                v.Check(v.CLUSTER, v.GPU_IDLE_RULE, {"loaded": True})]
+    for options in (planning.Options(), planning.Options(pools=(stack.spec.pools[-1].name,))):
+        assert [c for c in planning.plan(stack, options) if c.pool == v.CLUSTER] == expected
+    assert stack.spec.budget.notify_emails  # the topic's subscribers: the budget is there with its topic
+    alerts = [r["alert"] for g in yaml.safe_load(prometheus.rules(stack))["groups"] for r in g["rules"] if "alert" in r]
+    assert "GpuIdle" in alerts
+    assert v.CLUSTER not in {p.name for p in stack.spec.pools}
 
 
 def test_every_check_has_its_own_one_line_fix() -> None:
@@ -214,7 +233,7 @@ def test_cli_pools_nodes_and_deep(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = verify_cli(capsys, "team-a", "--plan", "--json", "--pool", "p5-spot", "--nodes", "1", "--deep")
     assert code == 0
     checks = v.plan_from_json(out)
-    assert {c.pool for c in checks} == {"p5-spot"}
+    assert {c.pool for c in checks} == {"p5-spot", v.CLUSTER}
     expect = by_check(checks, "p5-spot")
     assert expect[v.DCGM_DIAG] == {"level": v.DCGM_DEEP_LEVEL}
     assert v.NCCL_ALL_REDUCE_BUSBW_GBPS not in expect and expect[v.NAMES_RESOLVE] == {"nodes": 1}
@@ -225,7 +244,9 @@ def test_cli_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0
     lines = out.splitlines()
     assert lines[0].split() == ["pool", "check", "expected"]
-    assert "g6-spot  nccl_all_reduce_busbw_gbps  no known figure: warns" in out
+    sweep = f"{v.DEFAULT_ALL_REDUCE_BYTES // 2**30}G"
+    assert f"g6-spot    nccl_all_reduce_busbw_gbps  no known figure: warns (at {sweep})" in out
+    assert f"{v.CLUSTER}  budget_topic                = true" in out
     assert len(lines) == 2 + len(planning.plan(load_stack(DEV)))
 
 

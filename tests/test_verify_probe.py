@@ -353,7 +353,24 @@ def test_the_table_is_read_column_by_column(name: str) -> None:
     assert result.average_busbw_gbps == pytest.approx(sum(busbws) / len(busbws), abs=0.01)
     assert result.busbw_gbps == min(result.largest.out_of_place.busbw_gbps, result.largest.in_place.busbw_gbps)
     assert result.wrong == 0 and result.out_of_bounds == 0
-    assert nccl_tests.measurements(text)["nccl_all_reduce_busbw_gbps"] == result.busbw_gbps
+    assert nccl_tests.measurements(text)["nccl_all_reduce_busbw_gbps"] == {"min": result.busbw_gbps,
+                                                                           "bytes": result.largest.size_bytes}
+
+
+def test_a_sweep_that_stopped_short_of_the_plans_size_fails_whatever_its_bandwidth() -> None:
+    """The reading's "bytes" is the table's largest size: judged against a plan that asks a larger one it fails (a
+    busbw read at a small size is no answer to a floor published at a large one); against its own size it passes."""
+    text = output("all_reduce_efa.txt")
+    reading = nccl_tests.measurements(text)[verify.NCCL_ALL_REDUCE_BUSBW_GBPS]
+    swept, busbw = reading["bytes"], reading["min"]
+
+    def against(plan_bytes: int) -> verify.Result:
+        check = verify.Check("p", verify.NCCL_ALL_REDUCE_BUSBW_GBPS, {"min": busbw, "bytes": plan_bytes})
+        return verify.judge_reading(check, reading)
+
+    assert against(swept).result == verify.PASS
+    short = against(2 * swept)
+    assert short.result == verify.FAIL and f"bytes {swept} where the plan asks {2 * swept}" in short.fix
 
 
 def test_efa_is_the_transport_though_the_socket_transport_logs_too() -> None:

@@ -50,6 +50,9 @@ AWS_OFI_NCCL_LIB_DIR = "/opt/amazon/ofi-nccl/lib"
 AWS_OFI_NCCL_LIB_DIRS = (f"{AWS_OFI_NCCL_LIB_DIR}/x86_64-linux-gnu", AWS_OFI_NCCL_LIB_DIR)
 NCCL_NET_PLUGIN = "ofi"  # NCCL_NET_PLUGIN=ofi: NCCL loads libnccl-net-ofi.so from the loader path (any release)
 NCCL_NET_PLUGIN_FILE = f"libnccl-net-{NCCL_NET_PLUGIN}.so"  # aws-ofi-nccl always installs it (src/Makefile.am)
+# nccl-tests' all_reduce_perf, built into NVIDIA images at the BOM's commit (build_image.sh's nccl_tests: MPI=1 against
+# the EFA installer's Open MPI, so `srun --mpi=pmix` launches it); `gpucluster verify` runs it across a pool's nodes.
+ALL_REDUCE_PERF = "/opt/nccl-tests/build/all_reduce_perf"
 IMDS_URL = "http://169.254.169.254"  # EC2's instance metadata service (IMDSv2: a PUT for a token first)
 IMAGE_MANIFEST = "/opt/gpucluster-image/manifest.json"  # written last by build_image.sh: the image is complete
 # The bill of materials build_image.sh installs (gpucluster/spec/bom.py, rendered as image/bom.json): the image

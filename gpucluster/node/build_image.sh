@@ -11,14 +11,15 @@ set -euo pipefail
 # read_bom fails naming any the role's lists lack for the steps that run, and any source the BOM gives the role that no
 # step of the role installs: nothing in a role goes unbuilt. The sources each step builds or fetches
 # (gpucluster/spec/bom.py's SOURCES):
-declare -A STEP_SOURCES=([slurm]=slurm [pyxis]=pyxis [enroot]=enroot [gpu]=dcgm-exporter [python_venv]=pip)
+declare -A STEP_SOURCES=([slurm]=slurm [pyxis]=pyxis [enroot]=enroot [gpu]=dcgm-exporter [nccl_tests]=nccl-tests
+  [python_venv]=pip)
 # The apt packages each step needs from the role's list (whole names, as extended regular expressions): Slurm's
 # configure for the plugins SLURM_PLUGINS names (gcc and make from build-essential, pkg-config from pkgconf, munge,
 # PMIx, dbus for cgroup v2, and a Lua: configure asks pkg-config for lua 5.4 down to 5.1); enroot's build (git, patch,
-# setcap); AWS's agent. On the head also MariaDB's client library (SLURM_HEAD_PLUGINS) and Grafana, which its
-# repository's pin holds.
+# setcap); nccl-tests' (g++, make, git); AWS's agent. On the head also MariaDB's client library (SLURM_HEAD_PLUGINS)
+# and Grafana, which its repository's pin holds.
 declare -A STEP_APT=([slurm]='build-essential pkgconf libmunge-dev libpmix-dev libdbus-1-dev liblua5\.[1-4]-dev'
-  [enroot]='git patch libcap2-bin' [cloudwatch_agent]=amazon-cloudwatch-agent)
+  [enroot]='git patch libcap2-bin' [nccl_tests]='build-essential git' [cloudwatch_agent]=amazon-cloudwatch-agent)
 declare -A HEAD_STEP_APT=([slurm]=libmariadb-dev [repositories]=grafana)
 # Pinned packages no apt repository serves: AWS's signed .deb (cloudwatch_agent installs it at the BOM's version).
 SIGNED_DEBS=(amazon-cloudwatch-agent)
@@ -64,6 +65,16 @@ SLURM_UID=401
 # (the EFA installer's layout, or Ubuntu's multiarch one below it), so the loader gets whichever holds the plugin.
 OFI_NCCL_DIRS=(/opt/amazon/ofi-nccl/lib/x86_64-linux-gnu /opt/amazon/ofi-nccl/lib)
 OFI_NCCL_CONF=/etc/ld.so.conf.d/gpucluster-ofi-nccl.conf
+# nccl-tests on NVIDIA images (`gpucluster verify` runs its all_reduce_perf), built as awsome-distributed-training's
+# nccl-tests.Dockerfile builds it (make MPI=1 MPI_HOME CUDA_HOME NCCL_HOME) into its own tree's build/: against the EFA
+# installer's Open MPI, whose PMIx support `srun --mpi=pmix` launches it with, and the parent image's CUDA and NCCL.
+NCCL_TESTS_DIR=/opt/nccl-tests
+ALL_REDUCE_PERF=$NCCL_TESTS_DIR/build/all_reduce_perf  # ALL_REDUCE_PERF in gpucluster/contract/settings.py
+MPI_HOME=/opt/amazon/openmpi
+CUDA_HOME=/usr/local/cuda
+# Where NCCL's header and library may be: the Deep Learning AMI's, in CUDA's tree (awsome-distributed-training's
+# nccl-tests-ami.sbatch loads NCCL from /usr/local/cuda-<version>/lib), else Ubuntu's libnccl-dev layout.
+NCCL_HOMES=("$CUDA_HOME" /usr)
 
 ROLE=${1:-}
 BOM=${2:-$IMAGE_BOM}
@@ -317,11 +328,19 @@ pyxis() {  # `srun --container-image`: on compute nodes, and on the head for sru
   [[ -f $ROOT/usr/local/lib/slurm/spank_pyxis.so ]] || die "pyxis installed no spank_pyxis.so"
 }
 
-# enroot's release tag with its submodules (makeself, musl, linux-headers) at the commits that tag's tree pins, cloned
-# whole: a shallow fetch of a commit no branch points at needs a server that hands out commits by id.
-clone_enroot() {
-  rm -rf "$1" && git clone -q --depth 1 --branch "v${SOURCE_VERSION[enroot]}" --recurse-submodules \
-    "${SOURCE_URL[enroot]}" "$1"
+# clone_tag NAME DIR [GIT-OPTION...]: the BOM's source NAME at its release tag: a shallow fetch of a commit no branch
+# points at needs a server that hands out commits by id.
+clone_tag() {
+  rm -rf "$2" && git clone -q --depth 1 --branch "v${SOURCE_VERSION[$1]}" "${@:3}" "${SOURCE_URL[$1]}" "$2"
+}
+# clone_source NAME DIR [GIT-OPTION...]: clone_tag, then the clone's HEAD checked against the BOM's commit before
+# anything of it is built.
+clone_source() {
+  local commit
+  retry clone_tag "$@"
+  commit=$(git -C "$2" rev-parse HEAD)
+  [[ $commit == "${SOURCE_COMMIT[$1]}" ]] || die "$1's tag v${SOURCE_VERSION[$1]} at ${SOURCE_URL[$1]} is commit \
+$commit, not the BOM's ${SOURCE_COMMIT[$1]}"
 }
 # The layout of enroot's .deb (/usr/bin, /usr/lib/enroot, /etc/enroot: the boot adds to /etc/enroot/enroot.conf.d) and
 # its standard flavour, which NVIDIA builds with these flags (pkg/debbuild), in the environment: on make's command
@@ -329,11 +348,8 @@ clone_enroot() {
 enroot_make() { CPPFLAGS="-DALLOW_SPECULATION -DINHERIT_FDS" make -C "$WORK/enroot" prefix=/usr sysconfdir=/etc "$@"; }
 
 enroot() {  # NVIDIA's enroot from its source at the BOM's commit (no digest of a release archive could be pinned)
-  local commit
-  retry clone_enroot "$WORK/enroot"
-  commit=$(git -C "$WORK/enroot" rev-parse HEAD)
-  [[ $commit == "${SOURCE_COMMIT[enroot]}" ]] || die "enroot's tag v${SOURCE_VERSION[enroot]} at \
-${SOURCE_URL[enroot]} is commit $commit, not the BOM's ${SOURCE_COMMIT[enroot]}"
+  # With its submodules (makeself, musl, linux-headers) at the commits the tag's tree pins.
+  clone_source enroot "$WORK/enroot" --recurse-submodules
   enroot_make all  # before the install: one that builds writes its DESTDIR into bin/enroot and enroot.conf
   enroot_make install DESTDIR="$ROOT"
   [[ -x $ROOT/usr/bin/enroot && -f $ROOT/etc/enroot/enroot.conf ]] || die "enroot is not in /usr/bin and /etc/enroot"
@@ -365,6 +381,27 @@ gpu() {  # NVIDIA images: the DCGM host engine, NCCL's EFA plugin on the loader'
   DCGM_EXPORTER=${SOURCE_URL[dcgm-exporter]}@sha256:${SOURCE_SHA256[dcgm-exporter]}
   retry docker pull -q "$DCGM_EXPORTER"
   docker tag "$DCGM_EXPORTER" "$DCGM_EXPORTER_LOCAL"  # the name the boot's unit runs
+}
+
+nccl_tests() {  # NVIDIA images: nccl-tests at the BOM's commit, its all_reduce_perf for `gpucluster verify`
+  [[ $DCGM != none* ]] || return 0
+  local dir nccl_home='' missing
+  [[ -x $ROOT$CUDA_HOME/bin/nvcc ]] || die "no $CUDA_HOME/bin/nvcc: the parent image lacks CUDA's compiler"
+  [[ -f $ROOT$MPI_HOME/include/mpi.h ]] || die "no $MPI_HOME/include/mpi.h: the parent image lacks the EFA \
+installer's Open MPI"
+  for dir in "${NCCL_HOMES[@]}"; do
+    if [[ -f $ROOT$dir/include/nccl.h ]]; then nccl_home=$dir; break; fi
+  done
+  [[ -n $nccl_home ]] || die "no include/nccl.h in ${NCCL_HOMES[*]}: the parent image lacks NCCL's headers"
+  clone_source nccl-tests "$ROOT$NCCL_TESTS_DIR"
+  # LD_RUN_PATH (ld(1): the run path of an executable linked without -rpath, as nccl-tests links its tests): the
+  # binary loads the Open MPI and NCCL it was built against, whatever a job's LD_LIBRARY_PATH says.
+  LD_RUN_PATH="$MPI_HOME/lib:$nccl_home/lib:$CUDA_HOME/lib64" make -C "$ROOT$NCCL_TESTS_DIR" -j "$(nproc)" MPI=1 \
+    MPI_HOME="$ROOT$MPI_HOME" CUDA_HOME="$ROOT$CUDA_HOME" NCCL_HOME="$ROOT$nccl_home"
+  [[ -x $ROOT$ALL_REDUCE_PERF ]] || die "nccl-tests built no $ALL_REDUCE_PERF"
+  missing=$(ldd "$ROOT$ALL_REDUCE_PERF" | awk '/not found/ {print $1}' | paste -sd ' ')
+  [[ -z $missing ]] || die "$ALL_REDUCE_PERF cannot load $missing"
+  NCCL_TESTS="${SOURCE_VERSION[nccl-tests]} ${SOURCE_COMMIT[nccl-tests]}"
 }
 
 cloudwatch_agent() {  # the idle-GPU alarms read its metrics: AWS's signed .deb at the BOM's version
@@ -438,7 +475,8 @@ manifest() {  # the last step: its presence means the image is complete; the BOM
   python3 - "$ROOT$MANIFEST.tmp" role="$ROLE" built_at="$(date -u +%FT%TZ)" kernel="$(uname -r)" \
     bom_sha256="${bom_sum%% *}" slurm="$SLURM_VERSION" pyxis="${SOURCE_VERSION[pyxis]:-}" \
     lustre_client_modules="$lustre_module" cloudwatch_agent="$CWAGENT" dcgm="$DCGM" dcgm_engine="$DCGM_ENGINE" \
-    dcgm_exporter="$DCGM_EXPORTER" nccl_net_plugin="$NCCL_PLUGIN_DIR" neuron_monitor="$NEURON" \
+    dcgm_exporter="$DCGM_EXPORTER" nccl_net_plugin="$NCCL_PLUGIN_DIR" nccl_tests="$NCCL_TESTS" \
+    neuron_monitor="$NEURON" \
     enroot="${SOURCE_VERSION[enroot]:-none}${SOURCE_COMMIT[enroot]:+ ${SOURCE_COMMIT[enroot]}}" <<'PYTHON'
 import json, sys
 
@@ -475,8 +513,8 @@ neuron() {  # on the Neuron Deep Learning AMIs: neuron-monitor and its Prometheu
 }
 
 HEAD_STEPS=(snapshot repositories apt_packages lustre slurm pyxis python_venv services manifest)
-COMPUTE_STEPS=(snapshot repositories apt_packages lustre slurm pyxis enroot gpu cloudwatch_agent python_venv services
-  manifest)
+COMPUTE_STEPS=(snapshot repositories apt_packages lustre slurm pyxis enroot gpu nccl_tests cloudwatch_agent python_venv
+  services manifest)
 
 main() {
   [[ $ROLE == head || $ROLE == compute ]] || { echo "usage: build_image.sh head|compute [BOM]" >&2; exit 2; }
@@ -494,7 +532,7 @@ main() {
   fi
   DCGM=$(if [[ $ROLE == compute ]]; then dcgm; else echo none; fi)
   NEURON=$(if [[ $ROLE == compute ]]; then neuron; else echo none; fi)
-  DCGM_ENGINE=none DCGM_EXPORTER=none NCCL_PLUGIN_DIR='' CWAGENT=none
+  DCGM_ENGINE=none DCGM_EXPORTER=none NCCL_PLUGIN_DIR='' NCCL_TESTS=none CWAGENT=none
   WORK=$(mktemp -d)
   # The snapshot is the build's: the image's own apt (unattended-upgrades' security fixes) reads the live archive.
   trap 'rm -rf "$WORK" "$ROOT$SNAPSHOT_CONF"' EXIT

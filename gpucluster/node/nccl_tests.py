@@ -151,14 +151,16 @@ def transport(output: str) -> Transport:
 
 
 def measurements(output: str) -> dict[str, Any]:
-    """{check: measured} for the across-nodes checks, each {"error": why} when the output cannot tell it. Values the
-    run found wrong make the bandwidth an error: a fast wrong answer is no pass."""
+    """{check: measured} for the across-nodes checks, each {"error": why} when the output cannot tell it. The
+    bandwidth is {"min": busbw, "bytes": the largest size}, read under the plan's keys: contract.verify.judge_reading
+    fails a sweep that stopped short of the plan's "bytes". Values the run found wrong make the bandwidth an error: a
+    fast wrong answer is no pass."""
     measured: dict[str, Any] = {}
     try:
         result = parse(output)
         wrong = max(result.wrong or 0, result.out_of_bounds)
         measured[BUSBW_CHECK] = ({"error": f"all_reduce_perf counted {wrong} wrong values: NCCL's results are wrong"}
-                                 if wrong else result.busbw_gbps)
+                                 if wrong else {"min": result.busbw_gbps, "bytes": result.largest.size_bytes})
     except NcclTestsError as exc:
         measured[BUSBW_CHECK] = {"error": str(exc)}
     try:

@@ -1,9 +1,9 @@
 """Grafana dashboards on the head node, built with Grafana's typed builders (grafana-foundation-sdk), never as JSON.
 
 Three boards over the head's Prometheus (gpucluster/render/prometheus.py lists every metric they query): the cluster
-overview, GPU use per Slurm job, and the team's cost board. `files(stack)` is what `render --out` writes and the head
-gets in its bundle, byte for byte; Grafana provisions them from DASHBOARDS_DIR against the datasource whose uid is
-DATASOURCE_UID.
+overview (with the last `gpucluster verify` result per pool), GPU use per Slurm job, and the team's cost board.
+`files(stack)` is what `render --out` writes and the head gets in its bundle, byte for byte; Grafana provisions them
+from DASHBOARDS_DIR against the datasource whose uid is DATASOURCE_UID.
 """
 
 from __future__ import annotations
@@ -30,13 +30,15 @@ from grafana_foundation_sdk.models.dashboard import (
     DynamicConfigValue,
     Threshold,
     ThresholdsMode,
+    ValueMap,
+    ValueMappingResult,
     VariableOption,
     VariableRefresh,
     VariableSort,
 )
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
-from gpucluster.contract import settings
+from gpucluster.contract import settings, verify
 from gpucluster.render import monitoring, prometheus
 from gpucluster.spec.model import Stack
 
@@ -64,6 +66,14 @@ IDLE_SAMPLES = "sum_over_time(gpucluster:gpu_idle[$__range])"
 IDLE_COST_BY_POOL = (f"sum by (pool) ({IDLE_SAMPLES} * on(pool) group_left() "
                      f"max by (pool) (gpucluster_pool_gpu_hour_usd)) {SAMPLES_TO_HOURS}")
 IDLE_HOURS_BY_POOL = f"sum by (pool) ({IDLE_SAMPLES}) {SAMPLES_TO_HOURS}"
+# The last verify run of each pool (the head's textfile collector exports it): one row per pool and check. max by: the
+# head's series also carry its target's labels, which would split a row.
+VERIFY_RESULTS = f"max by (pool, check) ({verify.RESULT_METRIC})"
+# When the pool's run ended, on each of its checks' rows (the table joins rows with the same labels), in milliseconds
+# for Grafana's date units.
+VERIFY_RUN_TIMES = (f"1000 * (0 * {VERIFY_RESULTS} + on(pool) group_left() "
+                    f"max by (pool) ({verify.RUN_TIME_METRIC}))")
+RESULT_COLOURS = {verify.PASS: "green", verify.WARN: "orange", verify.FAIL: "red"}
 GPU_HOURS = "suffix: GPU-h"  # a Grafana custom unit
 USD = "currencyUSD"
 
@@ -191,6 +201,8 @@ def overview(stack: Stack) -> dashboard.Dashboard:
             .with_panel(rates("Lustre throughput per node",
                               ("gpucluster_lustre_read_bytes_total", "gpucluster_lustre_write_bytes_total"),
                               ("read", "written")))
+            .with_row(dashboard.Row("Verify"))
+            .with_panel(verify_table())
             .with_row(dashboard.Row("Nodes"))
             .with_panel(series("CPU busy per node", "percentunit", query(
                 f'1 - avg by (pool, node) (rate(node_cpu_seconds_total{{mode="idle", {NODE_FILTER}}}'
@@ -198,6 +210,26 @@ def overview(stack: Stack) -> dashboard.Dashboard:
             .with_panel(series("Memory used per node", "percentunit", query(
                 f"1 - sum by (pool, node) (node_memory_MemAvailable_bytes{{{NODE_FILTER}}}) / sum by (pool, node) "
                 f"(node_memory_MemTotal_bytes{{{NODE_FILTER}}})", BY_NODE)).min(0).max(1)))
+
+
+def verify_table() -> table.Panel:
+    """The last `gpucluster verify` of each pool: every check's result in words and colours, and when it ran."""
+    words = ValueMap(options={str(verify.RESULT_CODES[word]): ValueMappingResult(text=word, color=colour, index=i)
+                              for i, (word, colour) in enumerate(RESULT_COLOURS.items())})
+    panel = with_queries(
+        table.Panel().title("Verify: last result per pool").description(
+            "`gpucluster verify` on the head prints each check's figure and, for a failure, its fix; "
+            f"`gpucluster verify --last` shows the latest run ({settings.VERIFY_DIR}).").span(24).height(8),
+        query(VERIFY_RESULTS, instant=True, as_table=True),
+        query(VERIFY_RUN_TIMES, instant=True, as_table=True))
+    return (panel.with_transformation(DataTransformerConfig(id_val="merge", options={}))
+            .with_transformation(DataTransformerConfig(id_val="organize", options={
+                "excludeByName": {"Time": True},
+                "renameByName": {"pool": "Pool", "check": "Check", "Value #A": "Result", "Value #B": "When"}}))
+            .override_by_name("Result", [
+                DynamicConfigValue(id_val="mappings", value=[words]),
+                DynamicConfigValue(id_val="custom.cellOptions", value=common.TableColoredBackgroundCellOptions())])
+            .override_by_name("When", [DynamicConfigValue(id_val="unit", value="dateTimeFromNow")]))
 
 
 def job_table() -> table.Panel:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import yaml
 
-from gpucluster.contract import settings
+from gpucluster.contract import settings, verify
 from gpucluster.render import monitoring
 from gpucluster.spec import cost
 from gpucluster.spec.model import Stack
@@ -53,6 +53,8 @@ EXPORTED: dict[str, frozenset[str]] = {
         "gpucluster_lustre_write_bytes_total", "gpucluster_slurm_node_state", "gpucluster_slurm_jobs",
         "gpucluster_gpu_used_seconds", "gpucluster_gpu_quota_seconds", "gpucluster_pool_gpu_hour_usd",
         "gpucluster_budget_limit_usd", "gpucluster_budget_actual_usd", "gpucluster_budget_forecast_usd"}),
+    # `gpucluster verify` on the head, through the same collector: the last run's result per pool and check.
+    "gpucluster_verify": frozenset({verify.RESULT_METRIC, verify.RUN_TIME_METRIC}),
     # neuron-monitor's Prometheus output (neuron-monitor-prometheus.py) on Trainium nodes.
     "neuron-monitor": frozenset({"neuroncore_utilization_ratio", "neuron_runtime_memory_used_bytes"}),
 }

@@ -5,12 +5,17 @@ the stack file and the instance catalog alone (offline). The run on the head nod
 The expected figures:
 - devices: the catalog's GPUs or Neuron devices, and EFA interfaces on an EFA pool;
 - all_reduce bus bandwidth (NVIDIA pools, two nodes or more): the catalog's floor for the type, none when no figure
-  is published for it (the run then warns);
+  is published for it (the run then warns), and always the size the sweep must reach and read it at (the published
+  run's largest, else contract.verify.DEFAULT_ALL_REDUCE_BYTES);
 - /fsx sequential write and read: the file system's disk baseline (catalog.LUSTRE_DISK_MBPS_PER_TIB x its TiB), or
   what the job's nodes can carry if less (each node's primary network card, which carries Lustre's TCP), times
   FSX_FLOOR_FRACTION; none for an existing file system, whose size and tier the stack does not state;
 - scale from zero: the type's provision time (catalog), never above the stack's Slurm ResumeTimeout (after which
-  Slurm gives the node up anyway).
+  Slurm gives the node up anyway);
+- Prometheus scraping every node of the job;
+- once per plan, the cluster's (pool contract.verify.CLUSTER): the budget's topic reachable and the GpuIdle rule
+  loaded. Every Slurm stack has both: the budget (and with it the topic, components/budget.py) is required, and
+  render/prometheus.py loads GpuIdle on every head.
 """
 
 from __future__ import annotations
@@ -46,9 +51,16 @@ class Options:
 
 
 def plan(stack: Stack, options: Options = Options()) -> list[v.Check]:
-    """The checks of a verify run on the chosen pools, in the stack's pool order."""
+    """The checks of a verify run on the chosen pools, in the stack's pool order, then the cluster's."""
     chosen = _chosen_pools(stack, options)
-    return [check for pool in chosen for check in pool_checks(stack, pool, _nodes(pool, options), options.deep)]
+    return [check for pool in chosen for check in pool_checks(stack, pool, _nodes(pool, options), options.deep)] + \
+        cluster_checks()
+
+
+def cluster_checks() -> list[v.Check]:
+    """What the head offers every pool, checked once per run whichever pools it verifies."""
+    return [v.Check(v.CLUSTER, v.BUDGET_TOPIC, {"reachable": True}),
+            v.Check(v.CLUSTER, v.GPU_IDLE_RULE, {"loaded": True})]
 
 
 def _chosen_pools(stack: Stack, options: Options) -> list[PoolSpec]:
@@ -91,16 +103,25 @@ def pool_checks(stack: Stack, pool: PoolSpec, nodes: int, deep: bool) -> list[v.
         checks.append((v.EFA_DEVICES, {"count": itype.efa_interfaces}))
         if nvidia:  # aws-ofi-nccl is NCCL's; Neuron's collectives use libfabric directly
             checks.append((v.NCCL_EFA_PLUGIN, {"found": True}))
-    checks += [(v.FSX_MOUNTED, {}), (v.METADATA_REFUSED, {"refused": True}), (v.NAMES_RESOLVE, {"nodes": nodes})]
+    checks += [(v.FSX_MOUNTED, {}), (v.METADATA_REFUSED, {"refused": True}), (v.NAMES_RESOLVE, {"nodes": nodes}),
+               (v.PROMETHEUS_SCRAPES, {"nodes": nodes})]
     if nvidia and nodes >= 2:  # nccl-tests needs CUDA; one node's all_reduce never leaves NVLink
-        figure = itype.all_reduce
-        checks.append((v.NCCL_ALL_REDUCE_BUSBW_GBPS, {"min": figure.floor_gbps} if figure else {}))
+        checks.append((v.NCCL_ALL_REDUCE_BUSBW_GBPS, all_reduce_expect(itype)))
         if pool.uses_efa:
             checks.append((v.NCCL_TRANSPORT, {"provider": "efa"}))
     write, read = fsx_floors_mbps(stack, itype, nodes)
     checks += [(v.FSX_WRITE_MBPS, {"min": write} if write else {}),
                (v.FSX_READ_MBPS, {"min": read} if read else {})]
     return [v.Check(pool.name, name, expect) for name, expect in checks]
+
+
+def all_reduce_expect(itype: catalog.InstanceType) -> v.Expect:
+    """The busbw floor where the catalog has one, and always the sweep's largest size: a floor read at a smaller size
+    would judge a run that never reached the bandwidth the figure was published at."""
+    figure = itype.all_reduce
+    if figure is None:
+        return {"bytes": v.DEFAULT_ALL_REDUCE_BYTES}
+    return {"min": figure.floor_gbps, "bytes": figure.message_bytes}
 
 
 def fsx_floors_mbps(stack: Stack, itype: catalog.InstanceType, nodes: int) -> tuple[int | None, int | None]:
@@ -131,10 +152,21 @@ def table(checks: Sequence[v.Check]) -> list[str]:
 def describe(check: v.Check) -> str:
     """What a check expects, in words; an unknown figure says that the run will warn."""
     rule = v.RULES[check.check]
-    if rule.key and rule.key not in check.expect:
-        return "no known figure: warns"
     if rule.kind == "true":
         return ", ".join(f"{k} {val}" for k, val in check.expect.items()) or "yes"
-    value = check.expect[rule.key]
-    shown = str(value).lower() if isinstance(value, bool) else str(value)
-    return {"equal": "= ", "min": ">= ", "max": "<= "}[rule.kind] + shown
+    if rule.key not in check.expect:
+        words = "no known figure: warns"
+    else:
+        value = check.expect[rule.key]
+        shown = str(value).lower() if isinstance(value, bool) else str(value)
+        words = {"equal": "= ", "min": ">= ", "max": "<= "}[rule.kind] + shown
+    size = check.expect.get("bytes")
+    return f"{words} (at {_size(size)})" if isinstance(size, int) and not isinstance(size, bool) else words
+
+
+def _size(size: int) -> str:
+    """A message size as nccl-tests' -e takes it (a power-of-two multiple: 16G, 512M), else in bytes."""
+    for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if size >= scale and size % scale == 0:
+            return f"{size // scale}{unit}"
+    return str(size)

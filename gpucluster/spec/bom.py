@@ -203,6 +203,11 @@ SOURCES: Mapping[str, Source] = MappingProxyType({
     # The bake checks the clone's HEAD against it, so a wrong commit fails the bake.
     "enroot": Source("https://github.com/NVIDIA/enroot.git", "4.2.1", None,
                      commit="ead3a25ed974948235d28f99fc387ac82435ce62"),
+    # NVIDIA's nccl-tests for `gpucluster verify`'s all_reduce_perf (NVIDIA images only): tag v2.19.6, its newest
+    # release, is commit a0b82b2260cf5152b9f8c061bbf7eaf0ba096432 (read in a clone of github.com/NVIDIA/nccl-tests).
+    # GitHub's archives of it were not at hand to hash: cloned at the tag, HEAD checked against the commit, as enroot.
+    "nccl-tests": Source("https://github.com/NVIDIA/nccl-tests.git", "2.19.6", None,
+                         commit="a0b82b2260cf5152b9f8c061bbf7eaf0ba096432"),
     # NVIDIA's dcgm-exporter image by its linux/amd64 digest, pulled into the compute image (a tag can move).
     "dcgm-exporter": Source("nvcr.io/nvidia/k8s/dcgm-exporter:4.5.2-4.8.1-ubuntu22.04", "4.5.2-4.8.1",
                             "a7ad6547d4546eaf4dd5d6b4c0b4db4101e63ef7dc3cdff7f42b767d2c60b706"),
@@ -214,7 +219,7 @@ SOURCES: Mapping[str, Source] = MappingProxyType({
 })
 # pyxis on the head too: srun reads its options (--container-image) from a login shell there.
 HEAD_SOURCES = ("slurm", "pyxis", "pip")
-COMPUTE_SOURCES = ("slurm", "pyxis", "enroot", "dcgm-exporter", "pip")
+COMPUTE_SOURCES = ("slurm", "pyxis", "enroot", "dcgm-exporter", "nccl-tests", "pip")
 
 
 @dataclass(frozen=True)
