@@ -105,7 +105,7 @@ def test_a_type_without_a_published_figure_is_judged_warn() -> None:
         assert v.judge(check, measured).result == v.WARN
     # a short sweep of a type without a figure is still a warning, never a pass
     assert v.judge_reading(check, {"min": 1e6, "bytes": 8}).result == v.WARN
-    assert planning.describe(check) == f"no known figure: warns (at {v.DEFAULT_ALL_REDUCE_BYTES // 2**30}G)"
+    assert v.expectation(check) == f"no known figure: warns (at {v.DEFAULT_ALL_REDUCE_BYTES // 2**30}G)"
 
 
 @pytest.mark.parametrize("check,expect,measured,result", [

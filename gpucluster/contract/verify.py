@@ -239,13 +239,22 @@ def run_json(results: list[Result]) -> str:
 
 
 def expectation(check: Check) -> str:
-    """What a check expects, in words ("= 8", ">= 400"); an unknown figure says that the run warns."""
+    """What a check expects, in words ("= 8", ">= 400 (at 16G)"); an unknown figure says that the run warns."""
     rule = RULES[check.check]
-    if rule.key and rule.key not in check.expect:
-        return "no known figure: warns"
     if rule.kind == "true":
         return ", ".join(f"{k} {_shown(val)}" for k, val in check.expect.items()) or "yes"
-    return {"equal": "= ", "min": ">= ", "max": "<= "}[rule.kind] + _shown(check.expect[rule.key])
+    words = ({"equal": "= ", "min": ">= ", "max": "<= "}[rule.kind] + _shown(check.expect[rule.key])
+             if rule.key in check.expect else "no known figure: warns")
+    size = check.expect.get("bytes")  # all_reduce's sweep ends there
+    return f"{words} (at {_size(size)})" if isinstance(size, int) and not isinstance(size, bool) else words
+
+
+def _size(size: int) -> str:
+    """A message size as nccl-tests' -e takes it (a power-of-two multiple: 16G, 512M), else in bytes."""
+    for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if size >= scale and size % scale == 0:
+            return f"{size // scale}{unit}"
+    return str(size)
 
 
 def _shown(value: Measured) -> str:

@@ -142,31 +142,8 @@ def fsx_floors_mbps(stack: Stack, itype: catalog.InstanceType, nodes: int) -> tu
 
 def table(checks: Sequence[v.Check]) -> list[str]:
     """The plan as a readable table: pool, check, expected."""
-    rows = [("pool", "check", "expected")] + [(c.pool, c.check, describe(c)) for c in checks]
+    rows = [("pool", "check", "expected")] + [(c.pool, c.check, v.expectation(c)) for c in checks]
     widths = [max(len(row[i]) for row in rows) for i in range(2)]
     lines = [f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]}".rstrip() for row in rows]
     lines.insert(1, f"{'-' * widths[0]}  {'-' * widths[1]}  {'-' * len('expected')}")
     return lines
-
-
-def describe(check: v.Check) -> str:
-    """What a check expects, in words; an unknown figure says that the run will warn."""
-    rule = v.RULES[check.check]
-    if rule.kind == "true":
-        return ", ".join(f"{k} {val}" for k, val in check.expect.items()) or "yes"
-    if rule.key not in check.expect:
-        words = "no known figure: warns"
-    else:
-        value = check.expect[rule.key]
-        shown = str(value).lower() if isinstance(value, bool) else str(value)
-        words = {"equal": "= ", "min": ">= ", "max": "<= "}[rule.kind] + shown
-    size = check.expect.get("bytes")
-    return f"{words} (at {_size(size)})" if isinstance(size, int) and not isinstance(size, bool) else words
-
-
-def _size(size: int) -> str:
-    """A message size as nccl-tests' -e takes it (a power-of-two multiple: 16G, 512M), else in bytes."""
-    for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
-        if size >= scale and size % scale == 0:
-            return f"{size // scale}{unit}"
-    return str(size)
