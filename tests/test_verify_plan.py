@@ -101,7 +101,7 @@ def test_a_type_without_a_published_figure_is_judged_warn() -> None:
     assert check.expect == {}
     for measured in (0.0, 1e6):
         assert v.judge(check, measured).result == v.WARN
-    assert planning.describe(check) == "no known figure: warns"
+    assert v.describe(check) == "no known figure: warns"
 
 
 @pytest.mark.parametrize("check,expect,measured,result", [
@@ -230,7 +230,9 @@ def test_cli_table(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.parametrize("args,message", [
-    (["dev"], "verify: only --plan exists so far"),
+    ([], "verify: STACK is needed off the head node"),
+    (["--plan"], "verify: --plan needs STACK"),
+    (["dev", "--last", "--deep"], "--last prints the latest run as it was"),
     (["team-a", "--plan", "--pool", "p5", "--pool", "gpu"],
      "no pool p5, gpu in stack team-a; its pools: p5-od, p5-spot"),
     (["team-a", "--plan", "--nodes", "5"], "--nodes 5 is more than pool p5-od's max_nodes (4)"),

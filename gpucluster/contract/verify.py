@@ -15,6 +15,7 @@ head node's run imports this file from the bundle.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Final, Literal, Union
 
@@ -43,6 +44,7 @@ PROMETHEUS_SCRAPES = "prometheus_scrapes"  # {"nodes": N}: the job's nodes whose
 CLUSTER = "(cluster)"  # the pool name of the cluster's checks: no pool can have it (POOL_NAME_RE)
 BUDGET_TOPIC = "budget_topic"  # {"reachable": true}: the stack's topic answers the head's role (GetTopicAttributes)
 GPU_IDLE_RULE = "gpu_idle_rule"  # {"loaded": true}: Prometheus has the GpuIdle alert rule loaded
+GPU_IDLE_ALERT = "GpuIdle"  # the alert's name in the head's rules (render/prometheus.py)
 # all_reduce_perf's sweep ends at this size when the catalog publishes no figure for the type (nccl_all_reduce's
 # expect always holds "bytes": the size the run sweeps to and reads busbw at).
 DEFAULT_ALL_REDUCE_BYTES = 1 << 30
@@ -224,6 +226,27 @@ def judge_reading(check: Check, probed: object) -> Result:
     if result.result == FAIL and note:
         return Result(result.pool, result.check, result.expect, result.measured, FAIL, f"{note}: {result.fix}")
     return result
+
+
+def describe(check: Check) -> str:
+    """What a check expects, in words; an unknown figure says that the run will warn."""
+    rule = RULES[check.check]
+    if rule.key and rule.key not in check.expect:
+        return "no known figure: warns"
+    if rule.kind == "true":
+        return ", ".join(f"{k} {val}" for k, val in check.expect.items()) or "yes"
+    value = check.expect[rule.key]
+    shown = str(value).lower() if isinstance(value, bool) else str(value)
+    return {"equal": "= ", "min": ">= ", "max": "<= "}[rule.kind] + shown
+
+
+def columns(rows: Sequence[tuple[str, ...]]) -> list[str]:
+    """Rows as aligned columns (the last one unpadded), the first row a header underlined with dashes."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * (width if i < len(widths) - 1 else len(rows[0][-1]))
+                              for i, width in enumerate(widths)))
+    return lines
 
 
 def _is_number(value: object) -> bool:

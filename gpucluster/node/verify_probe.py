@@ -137,10 +137,11 @@ def lustre_version(version_file: str = LUSTRE_VERSION_FILE, lctl: str = "lctl") 
 
 
 def fsx_mounted(shared: str = SHARED_DIR, mountinfo: str = "/proc/self/mountinfo",
-                version_file: str = LUSTRE_VERSION_FILE, lctl: str = "lctl") -> dict[str, Any]:
+                version_file: str = LUSTRE_VERSION_FILE, lctl: str = "lctl",
+                expected_type: str = LUSTRE_FS_TYPE) -> dict[str, Any]:
     fs_type = filesystem_type(shared, mountinfo)
     version = lustre_version(version_file, lctl) if fs_type == LUSTRE_FS_TYPE else None
-    return {"mounted": fs_type == LUSTRE_FS_TYPE, "type": fs_type, "lustre_version": version}
+    return {"mounted": fs_type == expected_type, "type": fs_type, "lustre_version": version}
 
 
 def metadata_refused(url: str = IMDS_URL, seconds: float = METADATA_SECONDS) -> dict[str, Any]:
@@ -240,15 +241,21 @@ class Sources:
     lustre_version_file: str = LUSTRE_VERSION_FILE
     lctl: str = "lctl"
     metadata_url: str = IMDS_URL
+    # The type /fsx must be: Lustre. The boot rehearsal's /fsx is a directory of the test machine's own file system
+    # (no Lustre client runs there), whose type its verify run names (--fsx-type) to measure /fsx for real.
+    fsx_type: str = LUSTRE_FS_TYPE
 
 
 def probe(pool: PoolSettings, nodelist: str, fsx_dir: str, *, deep: bool = False, fsx_mib: int = FSX_MIB,
-          sources: Sources = Sources()) -> dict[str, Any]:
-    """{check: measured} for what the pool's nodes have: the accelerator checks of its kind, EFA's on EFA pools."""
+          dcgm: bool = True, sources: Sources = Sources()) -> dict[str, Any]:
+    """{check: measured} for what the pool's nodes have: the accelerator checks of its kind, EFA's on EFA pools.
+    `dcgm` False leaves DCGM's diagnostic out: DCGM's host engine answers root only (contract/lockdown.py), and the
+    verify run's user job measures the rest (verify_run.py runs the diagnostic in a root job, `--dcgm-only`)."""
     measured: dict[str, Any] = {}
     if pool.accelerator == "nvidia":
         measured |= nvidia(sources.nvidia_smi)
-        measured[DCGM_DIAG] = dcgm_diag(DCGM_DEEP_LEVEL if deep else DCGM_LEVEL, sources.dcgmi)
+        if dcgm:
+            measured[DCGM_DIAG] = dcgm_diag(DCGM_DEEP_LEVEL if deep else DCGM_LEVEL, sources.dcgmi)
     elif pool.accelerator == "neuron":
         measured[NEURON_DEVICES] = {"count": count_neuron_devices(Path(sources.dev_dir))}
     if pool.efa_interfaces:
@@ -256,7 +263,7 @@ def probe(pool: PoolSettings, nodelist: str, fsx_dir: str, *, deep: bool = False
         if pool.accelerator == "nvidia":  # NCCL's plugin; Neuron's collectives bring their own
             measured[NCCL_EFA_PLUGIN] = nccl_efa_plugin(sources.nccl_plugin_dirs)
     measured[FSX_MOUNTED] = fsx_mounted(sources.shared_dir, sources.mountinfo, sources.lustre_version_file,
-                                        sources.lctl)
+                                        sources.lctl, sources.fsx_type)
     measured |= fsx_throughput(fsx_dir, fsx_mib, measured[FSX_MOUNTED], sources.shared_dir)
     measured[METADATA_REFUSED] = metadata_refused(sources.metadata_url)
     measured[NAMES_RESOLVE] = names_resolve(nodelist)
@@ -270,13 +277,23 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--fsx-mib", type=int, default=FSX_MIB, metavar="MIB", help="MiB written and read back on /fsx")
     parser.add_argument("--fsx-dir", default=f"{SHARED_HOME}/{getpass.getuser()}",
                         help="where on /fsx (default: the user's home there)")
+    dcgm = parser.add_mutually_exclusive_group()
+    dcgm.add_argument("--dcgm-only", action="store_true",
+                      help="only DCGM's diagnostic (as root: its host engine answers no one else)")
+    dcgm.add_argument("--without-dcgm", action="store_true", help="everything but DCGM's diagnostic (a user's job)")
+    parser.add_argument("--fsx-type", default=LUSTRE_FS_TYPE, help=argparse.SUPPRESS)  # Sources.fsx_type says why
     args = parser.parse_args(argv[1:])
     if args.fsx_mib < 1:
         parser.error("--fsx-mib must be at least 1")
     os.environ["PATH"] = ":".join([*os.environ.get("PATH", "").split(":"), *TOOL_DIRS])
     pool = ClusterSettings.load().pools[read_env_file()["GPUCLUSTER_POOL"]]
+    if args.dcgm_only:
+        level = DCGM_DEEP_LEVEL if args.deep else DCGM_LEVEL
+        print(json.dumps({DCGM_DIAG: dcgm_diag(level)} if pool.accelerator == "nvidia" else {}, sort_keys=True))
+        return 0
     nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.uname().nodename
-    print(json.dumps(probe(pool, nodelist, args.fsx_dir, deep=args.deep, fsx_mib=args.fsx_mib), sort_keys=True))
+    print(json.dumps(probe(pool, nodelist, args.fsx_dir, deep=args.deep, fsx_mib=args.fsx_mib,
+                           dcgm=not args.without_dcgm, sources=Sources(fsx_type=args.fsx_type)), sort_keys=True))
     return 0
 
 

@@ -121,20 +121,4 @@ def fsx_floors_mbps(stack: Stack, itype: catalog.InstanceType, nodes: int) -> tu
 
 def table(checks: Sequence[v.Check]) -> list[str]:
     """The plan as a readable table: pool, check, expected."""
-    rows = [("pool", "check", "expected")] + [(c.pool, c.check, describe(c)) for c in checks]
-    widths = [max(len(row[i]) for row in rows) for i in range(2)]
-    lines = [f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]}".rstrip() for row in rows]
-    lines.insert(1, f"{'-' * widths[0]}  {'-' * widths[1]}  {'-' * len('expected')}")
-    return lines
-
-
-def describe(check: v.Check) -> str:
-    """What a check expects, in words; an unknown figure says that the run will warn."""
-    rule = v.RULES[check.check]
-    if rule.key and rule.key not in check.expect:
-        return "no known figure: warns"
-    if rule.kind == "true":
-        return ", ".join(f"{k} {val}" for k, val in check.expect.items()) or "yes"
-    value = check.expect[rule.key]
-    shown = str(value).lower() if isinstance(value, bool) else str(value)
-    return {"equal": "= ", "min": ">= ", "max": "<= "}[rule.kind] + shown
+    return v.columns([("pool", "check", "expected")] + [(c.pool, c.check, v.describe(c)) for c in checks])
