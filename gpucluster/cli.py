@@ -341,7 +341,7 @@ def verify(args: argparse.Namespace) -> int:
             return _bad_input(exc.problems)
         print(plan_json(planned) if args.json else "\n".join(planning.table(planned)))
         return 0
-    here = ClusterSettings.load() if Path(SETTINGS_FILE).exists() else None
+    here = ClusterSettings.load(SETTINGS_FILE) if Path(SETTINGS_FILE).exists() else None
     if stack is not None and (here is None or here.cluster != stack.cluster_name):
         import boto3
 

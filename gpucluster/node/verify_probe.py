@@ -1,8 +1,9 @@
 #!/usr/bin/python3
 """`gpucluster verify`'s measurements on one compute node, run as a step of the verify job (one task per node):
-`python3 verify_probe.py [--deep] [--fsx-mib N] [--fsx-dir DIR]` prints one JSON object, {check name: measured}, for
-what the node's pool has. It measures and judges nothing: the checks' contract (gpucluster/contract/verify.py)
-compares each figure with the plan's expectation.
+`python3 verify_probe.py [--deep] [--fsx-mib N] [--fsx-dir DIR] [--dcgm-only | --without-dcgm]` prints one
+JSON object, {check name: measured}, for what the node's pool has (DCGM's host engine answers root only: the verify
+run measures the rest in the user's job and the diagnostic in root's, verify_run.py). It measures and judges nothing:
+the checks' contract (gpucluster/contract/verify.py) compares each figure with the plan's expectation.
 
 What each check measures (a probe that cannot measure gives {"error": why}, never a figure it did not see):
 - `gpus` {"count": N} (nvidia-smi), `ecc_uncorrected` N (uncorrected ECC errors since the driver loaded, all GPUs),
