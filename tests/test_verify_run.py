@@ -126,6 +126,9 @@ def test_dcgm_comes_from_roots_job_and_its_absence_is_a_failure(tmp_path: Path) 
     readings = vr.PoolReadings(nodes=vr.node_readings(tmp_path, ("p-1", "p-2"), ""))
     dcgm = vr.judge_pool(plan_of((v.DCGM_DIAG, {"level": 1})), readings)[0]
     assert dcgm.result == v.FAIL and dcgm.fix.startswith(f"p-2: no reading in {tmp_path / 'dcgm-p-2.json'}")
+    refused = "root's DCGM job was refused: sbatch: error: Invalid account"
+    readings = vr.PoolReadings(nodes=vr.node_readings(tmp_path, ("p-2",), refused))
+    assert vr.judge_pool(plan_of((v.DCGM_DIAG, {"level": 1})), readings)[0].fix.startswith(f"p-2: {refused}: ")
     (tmp_path / "dcgm-p-2.json").write_text((tmp_path / "dcgm-p-1.json").read_text())
     readings = vr.PoolReadings(nodes=vr.node_readings(tmp_path, ("p-1", "p-2"), ""))
     assert vr.judge_pool(plan_of((v.DCGM_DIAG, {"level": 1})), readings)[0].result == v.PASS
@@ -170,6 +173,15 @@ def test_a_job_still_pending_at_its_limit_is_cancelled_with_its_reason() -> None
     vr.wait(slurm, [tracked], clock=lambda: now[0], pause=lambda s: now.__setitem__(0, now[0] + 100))
     assert slurm.cancelled == ["7"] and not tracked.started
     assert "did not start in 700 s" in tracked.why and "Resources" in tracked.why
+
+
+def test_a_job_whose_nodes_are_still_booting_at_its_limit_has_not_started() -> None:
+    now = [0.0]
+    booting = slurm_json.Job("7", frozenset({"RUNNING", vr.BOOTING}), "p", ("p-1", "p-2"), "", "None")
+    slurm = FakeSlurm([{"7": booting}])
+    tracked = vr.Tracked("7", 0.0, 600.0, 0.0, 60.0)
+    vr.wait(slurm, [tracked], clock=lambda: now[0], pause=lambda s: now.__setitem__(0, now[0] + 100))
+    assert slurm.cancelled == ["7"] and "its nodes were still booting" in tracked.why
 
 
 def test_a_job_that_ran_and_completed_keeps_its_nodes_and_no_complaint() -> None:

@@ -62,6 +62,7 @@ DCGM_JOB_SLACK_SECONDS = 120  # the root job's Slurm overhead beyond the diagnos
 PROMETHEUS_SECONDS = 120
 POLL_SECONDS = 2.0  # between looks at Slurm's jobs and Prometheus' targets
 SEVERITY = {v.PASS: 0, v.WARN: 1, v.FAIL: 2}
+BOOTING = "CONFIGURING"  # a job's state flag while its nodes boot
 PER_NODE = (v.GPUS, v.NEURON_DEVICES, v.EFA_DEVICES, v.ECC_UNCORRECTED, v.DCGM_DIAG, v.FSX_MOUNTED, v.NCCL_EFA_PLUGIN,
             v.METADATA_REFUSED, v.NAMES_RESOLVE)
 SUMMED = (v.FSX_WRITE_MBPS, v.FSX_READ_MBPS)  # the nodes write and read at once: /fsx carried the sum
@@ -208,11 +209,14 @@ def wait(slurm: Slurm, tracked: list[Tracked], clock: Callable[[], float] = time
         now = clock()
         for t in (t for t in tracked if not t.ended):
             job = jobs.get(t.job_id)
-            if job is not None and job.pending:
+            # CONFIGURING: Slurm gave it nodes that are still booting (or running the Prolog).
+            if job is not None and (job.pending or BOOTING in job.state):
                 if now > t.start_by:
                     slurm.cancel(t.job_id)
-                    t.ended, t.why = True, (f"job {t.job_id} did not start in {now - t.submitted:.0f} s (Slurm's "
-                                            f"reason: {job.reason or 'none given'}); cancelled")
+                    reason = "its nodes were still booting" if BOOTING in job.state else (
+                        f"Slurm's reason: {job.reason or 'none given'}")
+                    t.ended, t.why = True, f"job {t.job_id} did not start in {now - t.submitted:.0f} s ({reason}); " \
+                                           "cancelled"
                 continue
             if job is not None and job.active:
                 if not t.started:
@@ -425,8 +429,14 @@ def measure(checks: list[v.Check], setup: Setup, slurm: Slurm) -> tuple[str, lis
         user_job = user_jobs[plan.pool]
         if plan.dcgm_level is not None and user_job.started and user_job.nodes:
             seconds = DCGM_LEVEL_SECONDS[plan.dcgm_level] + DCGM_JOB_SLACK_SECONDS
-            job = slurm.submit(sbatch_args(plan, str(dirs[plan.pool]), -(-seconds // 60), ",".join(user_job.nodes)),
-                               dcgm_script(plan, str(dirs[plan.pool])), as_user=False)
+            try:
+                job = slurm.submit(sbatch_args(plan, str(dirs[plan.pool]), -(-seconds // 60),
+                                               ",".join(user_job.nodes)), dcgm_script(plan, str(dirs[plan.pool])),
+                                   as_user=False)
+            except RunError as exc:  # only the diagnostic is lost (root with no Slurm association, say)
+                dcgm_jobs[plan.pool] = Tracked("", time.time(), 0.0, 0.0, 0.0, ended=True,
+                                               why=f"root's DCGM job was refused: {exc}")
+                continue
             # Its nodes are up and idle: a job that does not start at once is held by something else.
             dcgm_jobs[plan.pool] = Tracked(job, time.time(), time.time() + JOB_SECONDS, 0.0, seconds)
     scraped = prometheus_scrapes(setup.prometheus, plans, user_jobs)

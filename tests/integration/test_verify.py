@@ -81,7 +81,6 @@ def test_verify_passes_on_nodes_scaled_from_zero_then_names_each_fault(
     checks = by_check(results)
     failed = {c: r.fix for c, r in checks.items() if r.result == v.FAIL}
     assert code == 0 and not failed, (failed, err[-3000:])
-    print("RUN1", [(r.check, r.measured) for r in results], flush=True)
     # Warned only where the plan knows no figure; every other check passed.
     assert {c for c, r in checks.items() if r.result == v.WARN} == {
         v.NCCL_ALL_REDUCE_BUSBW_GBPS, v.FSX_WRITE_MBPS, v.FSX_READ_MBPS}
@@ -108,9 +107,15 @@ def test_verify_passes_on_nodes_scaled_from_zero_then_names_each_fault(
     assert f'{v.RESULT_METRIC}{{check="gpus",pool="{POOL}"}} {v.RESULT_CODES[v.PASS]}' in board, board
     assert f'{v.RUN_TIME_METRIC}{{pool="{POOL}"}} ' in board
 
-    # Faults, each where the check looks, while the nodes are still up: standby-2 loses its GPU (the driver sees
-    # none), NCCL takes its socket transport, and the lockdown lets the login user's jobs reach instance metadata.
-    cluster.node(f"{POOL}-2").enter("sh", "-c", "printf '#!/bin/sh\\n' > /usr/local/bin/nvidia-smi")
+    # Faults, each where the check looks, while the nodes are still up. standby-2's job sees one GPU fewer than the
+    # node has (a device that is not the job's to open): a GPU the driver lost is the Prolog's health check's to find
+    # (as root, before any job: the node is drained and replaced, tests/test_health.py), so this is the loss only a
+    # job sees. NCCL takes its socket transport, and the lockdown lets the login user's jobs reach instance metadata.
+    gpus = int(checks[v.GPUS].expect["count"])
+    rows = "".join(f'echo "{i}, 0"\n' for i in range(gpus - 1))
+    job_view = f'#!/bin/sh\n{rows}if [ "$(id -u)" = 0 ]; then echo "{gpus - 1}, 0"; fi\n'
+    (cluster.root / "nvidia-smi").write_text(job_view)
+    cluster.node(f"{POOL}-2").enter("cp", str(cluster.root / "nvidia-smi"), "/usr/local/bin/nvidia-smi")
     (cluster.fsx / "rehearsal-nccl-transport").write_text("socket\n")
     uid = cluster.head.enter("id", "-u", LOGIN_USER).stdout.strip()
     let_through = ["iptables", "-w", "-I", IMDS_CHAIN, "1", "-m", "owner", "--uid-owner", uid, "-j", "ACCEPT"]
@@ -119,7 +124,8 @@ def test_verify_passes_on_nodes_scaled_from_zero_then_names_each_fault(
         code, results, err = verify(cluster, fsx_type, *run)
     checks = by_check(results)
     failures = {c: r for c, r in checks.items() if r.result == v.FAIL}
-    assert code == 1 and set(failures) == {v.GPUS, v.NCCL_TRANSPORT, v.METADATA_REFUSED}, (failures, err[-3000:])
+    assert code == 1 and set(failures) == {v.GPUS, v.NCCL_TRANSPORT, v.METADATA_REFUSED}, (
+        [(r.check, r.measured, r.fix) for r in results], cluster.boots, err[-3000:])
     assert failures[v.GPUS].measured == 0 and failures[v.GPUS].fix.startswith(f"{POOL}-2: ")
     assert failures[v.NCCL_TRANSPORT].measured == "socket"
     assert failures[v.METADATA_REFUSED].measured is False and "a token" in failures[v.METADATA_REFUSED].fix
