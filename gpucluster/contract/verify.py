@@ -27,6 +27,9 @@ EFA_DEVICES = "efa_devices"  # {"count": N}: EFA devices, on EFA pools only
 ECC_UNCORRECTED = "ecc_uncorrected"  # {"max": 0}: uncorrected ECC errors (NVIDIA)
 DCGM_DIAG = "dcgm_diag"  # {"level": 1}, 3 with --deep: DCGM's diagnostic passed at that level (NVIDIA)
 DCGM_LEVEL, DCGM_DEEP_LEVEL = 1, 3  # DCGM diagnostic levels: 1 takes seconds, 3 about half an hour per node
+# Level 3 takes "approximately 15 minutes" (NVIDIA's dcgmi-diag reference, --run): a deep run's limit is four times
+# that, for a large GPU count or a slow first start of the host engine.
+DCGM_DEEP_SECONDS = 4 * 15 * 60
 FSX_MOUNTED = "fsx_mounted"  # {}: /fsx is a Lustre mount
 NCCL_EFA_PLUGIN = "nccl_efa_plugin"  # {"found": true}: aws-ofi-nccl where NCCL loads it (NVIDIA EFA pools)
 METADATA_REFUSED = "metadata_refused"  # {"refused": true}: a job cannot reach the instance metadata service

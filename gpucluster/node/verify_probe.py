@@ -51,6 +51,7 @@ from gpucluster.contract.settings import (
 )
 from gpucluster.contract.verify import (
     DCGM_DEEP_LEVEL,
+    DCGM_DEEP_SECONDS,
     DCGM_DIAG,
     DCGM_LEVEL,
     ECC_UNCORRECTED,
@@ -75,9 +76,8 @@ from gpucluster.node.devices import (
     tool,
 )
 
-# Level 1 "normally lasting seconds", level 3 "approximately 15 minutes" (NVIDIA's dcgmi-diag reference, --run): the
-# deep run's limit is four times that, for a large GPU count or a slow first start of the host engine.
-DCGM_LEVEL_SECONDS = {DCGM_LEVEL: DCGM_SECONDS, DCGM_DEEP_LEVEL: 4 * 15 * 60}
+# Level 1 "normally lasting seconds" (NVIDIA's dcgmi-diag reference, --run); level 3: contract DCGM_DEEP_SECONDS.
+DCGM_LEVEL_SECONDS = {DCGM_LEVEL: DCGM_SECONDS, DCGM_DEEP_LEVEL: DCGM_DEEP_SECONDS}
 EFA_DRIVER = "efa"  # the PCI driver's name (linux drivers/infiniband/hw/efa/efa_main.c: DRV_MODULE_NAME)
 LUSTRE_FS_TYPE = "lustre"
 # Lustre's client writes its version, "2.15.6\n", to /sys/fs/lustre/version (lustre/obdclass/obd_sysfs.c version_show,

@@ -48,7 +48,6 @@ from gpucluster.contract.settings import (
     ClusterSettings,
 )
 from gpucluster.node import nccl_tests, textfile
-from gpucluster.node.verify_probe import DCGM_LEVEL_SECONDS
 
 PYTHON = "/usr/bin/python3"  # the node programs' interpreter on every node
 STARTED_FILE = "started"  # in a pool's run directory: the job's first act, its start time (Unix seconds)
@@ -428,7 +427,8 @@ def measure(checks: list[v.Check], setup: Setup, slurm: Slurm) -> tuple[str, lis
     for plan in plans:
         user_job = user_jobs[plan.pool]
         if plan.dcgm_level is not None and user_job.started and user_job.nodes:
-            seconds = DCGM_LEVEL_SECONDS[plan.dcgm_level] + DCGM_JOB_SLACK_SECONDS
+            # The deep diagnostic's limit at any level: the probe's own limit per level ends a hung one sooner.
+            seconds = v.DCGM_DEEP_SECONDS + DCGM_JOB_SLACK_SECONDS
             try:
                 job = slurm.submit(sbatch_args(plan, str(dirs[plan.pool]), -(-seconds // 60),
                                                ",".join(user_job.nodes)), dcgm_script(plan, str(dirs[plan.pool])),
