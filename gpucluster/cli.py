@@ -9,6 +9,9 @@
     python -m gpucluster dashboard STACK [--run] [--local-port N]   Grafana through a Session Manager port forward
     python -m gpucluster verify STACK --plan [--json] [--pool NAME ...] [--nodes N] [--deep]   the checks a verify
                                                  run makes and the figures each must reach, offline
+    python -m gpucluster verify STACK [--json] [--pool NAME ...] [--nodes N] [--deep]   a verify run on the stack's
+                                                 head node (through Session Manager; `--last`: its latest run)
+    gpucluster verify [--json] [--last] [--pool NAME ...] [--nodes N] [--deep]   on the head node, as root: the run
     gpucluster events [--last N]                 on the head node: recent interruptions, drains, requeues, replacements
     python -m gpucluster image-lock --snapshot ID [--archive URL]   (maintainers, internet) lock the image's Ubuntu
                                                  packages to what the Ubuntu snapshot ID serves
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -25,8 +29,8 @@ from typing import Any
 
 from gpucluster import project
 from gpucluster.aws import checkip
-from gpucluster.contract.settings import GRAFANA_PORT
-from gpucluster.contract.verify import plan_json
+from gpucluster.contract.settings import GRAFANA_PORT, SETTINGS_FILE, VERIFY_PLAN, ClusterSettings
+from gpucluster.contract.verify import CLUSTER, Check, VerifyFormatError, plan_from_json, plan_json
 from gpucluster.plan import NEW_ACCOUNT, Declared, run_program
 from gpucluster.render import verify as planning
 from gpucluster.spec import catalog, cost, eks
@@ -307,20 +311,82 @@ def _tcp_port(text: str) -> int:
 
 
 def verify(args: argparse.Namespace) -> int:
-    """The checks and thresholds of a verify run (--plan); the run itself is not built yet."""
-    if not args.plan:
-        print("verify: only --plan exists so far (the checks and figures a run would use); the run itself is not "
-              "built yet", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    stack = _load(args.stack)
+    """--plan: the checks and thresholds, offline. Otherwise a run: here on the head node (root), or on the stack's
+    head through Session Manager (gpucluster.aws.verify_remote)."""
+    problems = []
+    if args.plan and not args.stack:
+        problems.append("--plan needs STACK (it reads the stack file, offline)")
+    if args.last and (args.plan or args.pool or args.nodes is not None or args.deep):
+        problems.append("--last prints the latest run as it was: it takes no --plan, --pool, --nodes or --deep")
+    if problems:
+        return _bad_input(problems)
+    stack = _load(args.stack) if args.stack else None
+    if args.plan and stack is not None:
+        try:
+            planned = planning.plan(stack, _plan_options(args))
+        except planning.PlanError as exc:
+            return _bad_input(exc.problems)
+        print(plan_json(planned) if args.json else "\n".join(planning.table(planned)))
+        return 0
+    here = ClusterSettings.load(SETTINGS_FILE) if Path(SETTINGS_FILE).exists() else None
+    if stack is not None and (here is None or here.cluster != stack.cluster_name):
+        import boto3
+
+        from gpucluster.aws import verify_remote
+
+        return verify_remote.run(stack, head_arguments(args), boto3.Session())
+    if here is None:
+        return _bad_input([f"STACK is needed off the head node (no {SETTINGS_FILE} here)"])
+    if os.geteuid() != 0:
+        return _bad_input(["a run submits the login user's jobs and DCGM's diagnostic as root: run it as root "
+                           "(sudo gpucluster verify)"])
+    from gpucluster.node import verify_run
+
+    if args.last:
+        return verify_run.last(args.json)
     try:
-        planned = planning.plan(stack, planning.Options(tuple(args.pool or ()), args.nodes, args.deep))
-    except planning.PlanError as exc:
-        for problem in exc.problems:
-            print(f"verify: {problem}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    print(plan_json(planned) if args.json else "\n".join(planning.table(planned)))
-    return 0
+        checks = head_plan(args, stack or head_stack(here.cluster))
+    except (planning.PlanError, VerifyFormatError) as exc:
+        return _bad_input(getattr(exc, "problems", [str(exc)]))
+    setup = verify_run.Setup(here, probe=verify_run.ProbeOptions(args.fsx_mib, args.fsx_type))
+    return verify_run.run(checks, args.json, setup)
+
+
+def _bad_input(problems: list[str]) -> int:
+    for problem in problems:
+        print(f"verify: {problem}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def _plan_options(args: argparse.Namespace) -> planning.Options:
+    return planning.Options(tuple(args.pool or ()), args.nodes, args.deep)
+
+
+def head_arguments(args: argparse.Namespace) -> list[str]:
+    """What `gpucluster verify` on the stack's head node is given: this call's options, without STACK."""
+    return ([*(["--last"] if args.last else []), *(["--json"] if args.json else [])]
+            + [a for pool in args.pool or () for a in ("--pool", pool)]
+            + ([f"--nodes={args.nodes}"] if args.nodes is not None else []) + (["--deep"] if args.deep else []))
+
+
+def head_stack(cluster: str) -> Stack:
+    """The head node's own stack file, in the bundle (project.STACKS_DIR there)."""
+    found = [stack for stack in map(load_stack, sorted(project.STACKS_DIR.glob("Pulumi.*.yaml")))
+             if stack.cluster_name == cluster]
+    if not found:
+        raise VerifyFormatError(f"no stack file of cluster {cluster} in {project.STACKS_DIR}")
+    return found[0]
+
+
+def head_plan(args: argparse.Namespace, stack: Stack) -> list[Check]:
+    """The run's checks: the bundle's plan (settings.VERIFY_PLAN, the default options) for the chosen pools and the
+    cluster's checks; a plan computed anew from the stack file when --nodes or --deep change its figures."""
+    options = _plan_options(args)
+    if args.nodes is not None or args.deep:
+        return planning.plan(stack, options)
+    planning.plan(stack, options)  # the same problems as --plan for unknown pools
+    bundled = plan_from_json(Path(VERIFY_PLAN).read_text())
+    return [c for c in bundled if not args.pool or c.pool in args.pool or c.pool == CLUSTER]
 
 
 def events(args: argparse.Namespace) -> int:
@@ -397,16 +463,21 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--local-port", type=_tcp_port, default=GRAFANA_PORT,
                    help=f"the port on this machine to open Grafana at (default {GRAFANA_PORT})")
     d.set_defaults(func=dashboard)
-    ver = sub.add_parser("verify", help="what a verify run checks on a stack's pools and the figures each must reach "
-                                        "(--plan, offline)")
-    ver.add_argument("stack", help="a stack name under stacks/ or a path to a stack file")
+    ver = sub.add_parser("verify", help="prove a cluster through Slurm: devices, DCGM, EFA, NCCL, /fsx, monitoring "
+                                        "(on its head node, or from here with STACK); --plan: the checks, offline")
+    ver.add_argument("stack", nargs="?", help="a stack name under stacks/ or a path to a stack file (not needed on "
+                                              "the head node)")
     ver.add_argument("--plan", action="store_true", help="print the checks and thresholds, run nothing")
-    ver.add_argument("--json", action="store_true", help='print {"checks": [{"pool", "check", "expect"}, ...]}')
+    ver.add_argument("--last", action="store_true", help="print the latest run kept on the head node")
+    ver.add_argument("--json", action="store_true", help='print {"checks": [{"pool", "check", "expect", ...}, ...]}')
     ver.add_argument("--pool", action="append", metavar="NAME",
                      help="a pool to verify (repeatable; default: every pool)")
     ver.add_argument("--nodes", type=int, metavar="N",
                      help=f"nodes per pool (default: {planning.DEFAULT_NODES} where a pool allows, else its max_nodes)")
     ver.add_argument("--deep", action="store_true", help="the longer diagnostics (DCGM level 3 instead of 1)")
+    # The boot rehearsal's run (tests): less to write on /fsx, and the type its /fsx has (verify_probe.Sources).
+    ver.add_argument("--fsx-mib", type=int, help=argparse.SUPPRESS)
+    ver.add_argument("--fsx-type", help=argparse.SUPPRESS)
     ver.set_defaults(func=verify)
     e = sub.add_parser("events", help="on the head node: recent spot warnings, drains, requeues and replacements")
     e.add_argument("--last", type=int, default=50, help="how many (default 50)")

@@ -25,7 +25,8 @@ What this machine forces, and stands in for it:
   machine's cgroups are not Slurm's to use: cgroup.conf says CgroupPlugin=disabled), and compute nodes boot in a time
   namespace of their own (slurmctld ignores a node whose boot time predates its resume request); each node's
   exporters listen on ports of their own (settings exporter_port_base);
-- no GPU, DCGM or container runtime: nvidia-smi and `docker` (running dcgm-exporter) are stand-ins on GPU nodes;
+- no GPU, DCGM, NCCL or container runtime: nvidia-smi, nccl-tests' all_reduce_perf (over MPI) and `docker` (running
+  dcgm-exporter) are stand-ins on GPU nodes;
   so are DCGM's host engine unit (installed, stopped), nv-hostengine and dcgmi (first_boot_stand_ins), which keeps
   health watches and injected fields (inject_gpu_fault: a GPU fault as the driver reports it);
 - no Lustre module for this machine's kernel: `modinfo` is a stand-in on compute nodes; the metadata server serves
@@ -55,6 +56,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from gpucluster.contract.settings import (
+    ALL_REDUCE_PERF,
     CLUSTER_TAG,
     HEALTH_PROGRAM,
     LOGIN_USER,
@@ -538,6 +540,10 @@ class RehearsalNode:
             shutil.copy(REHEARSAL / "docker", tool.parent / "docker")
             (tool.parent / "rehearsal-gpus").write_text(str(self.gpus))
             self.first_boot_stand_ins(tool.parent)
+            # nccl-tests as the image builds it: a stand-in that all-reduces over MPI (its docstring says how).
+            nccl_tests = self.upper(ALL_REDUCE_PERF)
+            nccl_tests.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(REHEARSAL / "all_reduce_perf", nccl_tests)
         if self.own_clock:  # a compute node
             self.kernel_modules(self.upper("/usr/local/bin"))
         dist = self.upper(f"/usr/local/lib/{python_version()}/dist-packages")

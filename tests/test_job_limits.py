@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import ROOT, STACK_FILES
+from gpucluster.contract.settings import SLURM_ROOT_ACCOUNT
 from gpucluster.render import slurm
 from gpucluster.spec import model
 from gpucluster.spec.model import SlurmSpec, SpecError, Stack, load_stack, validate
@@ -111,6 +112,9 @@ def test_the_accounting_script_sets_the_team_and_per_user_caps_on_the_account() 
     team = stack.spec.team
     [modify] = [line for line in script if line.startswith(f"sacctmgr -i modify account where name={team} set")]
     assert modify.split()[8:] == ["GrpSubmitJobs=31", "GrpJobs=17", "MaxSubmitJobs=11", "MaxJobs=7"]
-    # The account is set before its users are added (who take its Max* limits), and root is never made a member.
+    # The account is set before its users are added (who take its Max* limits), and root is never made a member:
+    # root's jobs (verify's DCGM diagnostic) run under Slurm's root account, outside the team's caps.
     assert script.index(modify) < next(i for i, line in enumerate(script) if "add user ubuntu" in line)
-    assert not any("root" in line for line in script)
+    assert [line.split(" >")[0] for line in script if "root" in line] == [
+        f"sacctmgr -i add user root Account={SLURM_ROOT_ACCOUNT}"]
+    assert SLURM_ROOT_ACCOUNT != team

@@ -251,7 +251,9 @@ def test_cli_table(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.parametrize("args,message", [
-    (["dev"], "verify: only --plan exists so far"),
+    ([], "verify: STACK is needed off the head node"),
+    (["--plan"], "verify: --plan needs STACK"),
+    (["dev", "--last", "--deep"], "--last prints the latest run as it was"),
     (["team-a", "--plan", "--pool", "p5", "--pool", "gpu"],
      "no pool p5, gpu in stack team-a; its pools: p5-od, p5-spot"),
     (["team-a", "--plan", "--nodes", "5"], "--nodes 5 is more than pool p5-od's max_nodes (4)"),

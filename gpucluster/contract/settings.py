@@ -64,6 +64,9 @@ BUNDLE_BOM = f"{BUNDLE_DIR}/image/bom.json"
 # What `gpucluster verify` on the head expects of each pool (its plan at the default options, in the bundle): the run
 # judges against it without the instance catalog.
 VERIFY_PLAN = f"{BUNDLE_DIR}/verify/plan.json"
+# nccl-tests' all_reduce_perf as the image builds it (build_image.sh): `gpucluster verify` runs it across a pool's
+# nodes.
+ALL_REDUCE_PERF = "/opt/nccl-tests/build/all_reduce_perf"
 BOOT_UNIT = "gpucluster-boot.service"
 # The head's units that may launch or keep nodes, besides slurmctld: stopped first when the cluster is torn down.
 RECONCILE_UNIT = "gpucluster-reconcile"  # a service and its timer
@@ -81,6 +84,9 @@ LAUNCH_TAGGED = ("instance", "volume", "network-interface")
 # --- the cluster's network names and ports ---------------------------------------------------------------------------
 HEAD_HOSTNAME = "head"
 SLURM_USER = "slurm"  # SlurmUser: the daemons, the node programs and the reconciler run as it
+# The top of every Slurm cluster's account tree (sacctmgr makes it with the cluster): root's jobs run under it, outside
+# the team's account and its caps.
+SLURM_ROOT_ACCOUNT = "root"
 LOGIN_USER = "ubuntu"  # the images' login user: in the team's Slurm account, its home on the shared file system
 SHARED_DIR = "/fsx"  # the Lustre file system, on every node
 SHARED_HOME = f"{SHARED_DIR}/home"  # bind-mounted at /home on every node: code, venvs and job output follow the job
@@ -154,6 +160,8 @@ HEALTH_PROGRAM = f"{NODE_PROGRAMS_DIR}/health.py"
 HOSTS_PROGRAM = f"{NODE_PROGRAMS_DIR}/hosts.py"  # publishes NODE_HOSTS_FILE (head); the Prolog's second part (compute)
 METRICS_PROGRAM = f"{NODE_PROGRAMS_DIR}/metrics.py"  # Slurm, EFA and Lustre figures into TEXTFILE_DIR
 NEURON_METRICS_PROGRAM = f"{NODE_PROGRAMS_DIR}/neuron_metrics.py"  # NeuronCore utilisation to CloudWatch
+# `gpucluster verify`'s measurements on a compute node, one task per node of the verify job (python3 runs it).
+VERIFY_PROBE_PROGRAM = f"{NODE_PROGRAMS_DIR}/verify_probe.py"
 TASK_PROLOG = f"{NODE_PROGRAMS_DIR}/task_prolog.sh"  # Slurm's TaskProlog: NCCL_ENV_FILE into each task's environment
 NODE_PROGRAMS = (BOOTSTRAP_PROGRAM, BUNDLE_FETCHER, BUILD_IMAGE_SCRIPT, RESUME_PROGRAM, SUSPEND_PROGRAM,
                  RESUME_FAIL_PROGRAM, RECONCILE_PROGRAM, INTERRUPTIONS_PROGRAM, BUDGET_PROGRAM, HEALTH_PROGRAM,

@@ -41,6 +41,7 @@ class Job:
     partition: str  # the partition(s) it asked for ("a,b") or runs in
     nodes: tuple[str, ...]  # the nodes it holds, expanded ("" host list: none)
     admin_comment: str  # only SlurmUser and root set it
+    reason: str = ""  # why it waits (Resources, Priority, BeginTime...) or why it ended; "None" when nothing holds it
 
     @property
     def active(self) -> bool:
@@ -69,7 +70,8 @@ def nodes(text: str) -> list[Node]:
 def jobs(text: str) -> list[Job]:
     """Every job of `scontrol show jobs --json` (pending, running and recently ended)."""
     return [Job(job_id=str(_number(j.get("job_id"))), state=_flags(j, "job_state"), partition=_text(j, "partition"),
-                nodes=tuple(expand_hostlist(_text(j, "nodes"))), admin_comment=_text(j, "admin_comment"))
+                nodes=tuple(expand_hostlist(_text(j, "nodes"))), admin_comment=_text(j, "admin_comment"),
+                reason=_text(j, "state_reason"))
             for j in _records(text, "jobs")]
 
 

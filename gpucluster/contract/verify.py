@@ -15,6 +15,7 @@ head node's run imports this file from the bundle.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Final, Literal, Union
 
@@ -26,6 +27,9 @@ EFA_DEVICES = "efa_devices"  # {"count": N}: EFA devices, on EFA pools only
 ECC_UNCORRECTED = "ecc_uncorrected"  # {"max": 0}: uncorrected ECC errors (NVIDIA)
 DCGM_DIAG = "dcgm_diag"  # {"level": 1}, 3 with --deep: DCGM's diagnostic passed at that level (NVIDIA)
 DCGM_LEVEL, DCGM_DEEP_LEVEL = 1, 3  # DCGM diagnostic levels: 1 takes seconds, 3 about half an hour per node
+# Level 3 takes "approximately 15 minutes" (NVIDIA's dcgmi-diag reference, --run): a deep run's limit is four times
+# that, for a large GPU count or a slow first start of the host engine.
+DCGM_DEEP_SECONDS = 4 * 15 * 60
 FSX_MOUNTED = "fsx_mounted"  # {}: /fsx is a Lustre mount
 NCCL_EFA_PLUGIN = "nccl_efa_plugin"  # {"found": true}: aws-ofi-nccl where NCCL loads it (NVIDIA EFA pools)
 METADATA_REFUSED = "metadata_refused"  # {"refused": true}: a job cannot reach the instance metadata service
@@ -43,6 +47,7 @@ PROMETHEUS_SCRAPES = "prometheus_scrapes"  # {"nodes": N}: the job's nodes whose
 CLUSTER = "(cluster)"  # the pool name of the cluster's checks: no pool can have it (POOL_NAME_RE)
 BUDGET_TOPIC = "budget_topic"  # {"reachable": true}: the stack's topic answers the head's role (GetTopicAttributes)
 GPU_IDLE_RULE = "gpu_idle_rule"  # {"loaded": true}: Prometheus has the GpuIdle alert rule loaded
+GPU_IDLE_ALERT = "GpuIdle"  # the alert's name in the head's rules (render/prometheus.py)
 # all_reduce_perf's sweep ends at this size when the catalog publishes no figure for the type (nccl_all_reduce's
 # expect always holds "bytes": the size the run sweeps to and reads busbw at).
 DEFAULT_ALL_REDUCE_BYTES = 1 << 30
@@ -226,6 +231,15 @@ def judge_reading(check: Check, probed: object) -> Result:
     return result
 
 
+def columns(rows: Sequence[tuple[str, ...]]) -> list[str]:
+    """Rows as aligned columns (the last one unpadded), the first row a header underlined with dashes."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * (width if i < len(widths) - 1 else len(rows[0][-1]))
+                              for i, width in enumerate(widths)))
+    return lines
+
+
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -267,17 +281,12 @@ def _shown(value: Measured) -> str:
 
 def run_table(results: list[Result]) -> list[str]:
     """A run as a readable table, one line per check: pool, check, result, measured, expected, and a failure's fix."""
-    rows = [("pool", "check", "result", "measured", "expected", "fix")]
-    rows += [(r.pool, r.check, r.result, _shown(r.measured), expectation(Check(r.pool, r.check, r.expect)), r.fix)
-             for r in results]
-    widths = [max(len(row[i]) for row in rows) for i in range(5)]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, [*widths, 0], strict=True)).rstrip()
-             for row in rows]
-    lines.insert(1, "  ".join("-" * width for width in [*widths, len("fix")]))
+    lines = columns([("pool", "check", "result", "measured", "expected", "fix")] + [
+        (r.pool, r.check, r.result, _shown(r.measured), expectation(Check(r.pool, r.check, r.expect)), r.fix)
+        for r in results])
     failed = sum(r.result == FAIL for r in results)
     warned = sum(r.result == WARN for r in results)
-    lines.append(f"{len(results)} checks: {failed} failed, {warned} warned")
-    return lines
+    return [*lines, f"{len(results)} checks: {failed} failed, {warned} warned"]
 
 
 def _entries(text: str, keys: set[str], optional: set[str]) -> list[dict[str, object]]:

@@ -1,8 +1,9 @@
 #!/usr/bin/python3
 """`gpucluster verify`'s measurements on one compute node, run as a step of the verify job (one task per node):
-`python3 verify_probe.py [--deep] [--fsx-mib N] [--fsx-dir DIR]` prints one JSON object, {check name: measured}, for
-what the node's pool has. It measures and judges nothing: the checks' contract (gpucluster/contract/verify.py)
-compares each figure with the plan's expectation.
+`python3 verify_probe.py [--deep] [--fsx-mib N] [--fsx-dir DIR] [--dcgm-only | --without-dcgm]` prints one
+JSON object, {check name: measured}, for what the node's pool has (DCGM's host engine answers root only: the verify
+run measures the rest in the user's job and the diagnostic in root's, verify_run.py). It measures and judges nothing:
+the checks' contract (gpucluster/contract/verify.py) compares each figure with the plan's expectation.
 
 What each check measures (a probe that cannot measure gives {"error": why}, never a figure it did not see):
 - `gpus` {"count": N} (nvidia-smi), `ecc_uncorrected` N (uncorrected ECC errors since the driver loaded, all GPUs),
@@ -50,6 +51,7 @@ from gpucluster.contract.settings import (
 )
 from gpucluster.contract.verify import (
     DCGM_DEEP_LEVEL,
+    DCGM_DEEP_SECONDS,
     DCGM_DIAG,
     DCGM_LEVEL,
     ECC_UNCORRECTED,
@@ -74,9 +76,8 @@ from gpucluster.node.devices import (
     tool,
 )
 
-# Level 1 "normally lasting seconds", level 3 "approximately 15 minutes" (NVIDIA's dcgmi-diag reference, --run): the
-# deep run's limit is four times that, for a large GPU count or a slow first start of the host engine.
-DCGM_LEVEL_SECONDS = {DCGM_LEVEL: DCGM_SECONDS, DCGM_DEEP_LEVEL: 4 * 15 * 60}
+# Level 1 "normally lasting seconds" (NVIDIA's dcgmi-diag reference, --run); level 3: contract DCGM_DEEP_SECONDS.
+DCGM_LEVEL_SECONDS = {DCGM_LEVEL: DCGM_SECONDS, DCGM_DEEP_LEVEL: DCGM_DEEP_SECONDS}
 EFA_DRIVER = "efa"  # the PCI driver's name (linux drivers/infiniband/hw/efa/efa_main.c: DRV_MODULE_NAME)
 LUSTRE_FS_TYPE = "lustre"
 # Lustre's client writes its version, "2.15.6\n", to /sys/fs/lustre/version (lustre/obdclass/obd_sysfs.c version_show,
@@ -137,10 +138,11 @@ def lustre_version(version_file: str = LUSTRE_VERSION_FILE, lctl: str = "lctl") 
 
 
 def fsx_mounted(shared: str = SHARED_DIR, mountinfo: str = "/proc/self/mountinfo",
-                version_file: str = LUSTRE_VERSION_FILE, lctl: str = "lctl") -> dict[str, Any]:
+                version_file: str = LUSTRE_VERSION_FILE, lctl: str = "lctl",
+                expected_type: str = LUSTRE_FS_TYPE) -> dict[str, Any]:
     fs_type = filesystem_type(shared, mountinfo)
     version = lustre_version(version_file, lctl) if fs_type == LUSTRE_FS_TYPE else None
-    return {"mounted": fs_type == LUSTRE_FS_TYPE, "type": fs_type, "lustre_version": version}
+    return {"mounted": fs_type == expected_type, "type": fs_type, "lustre_version": version}
 
 
 def metadata_refused(url: str = IMDS_URL, seconds: float = METADATA_SECONDS) -> dict[str, Any]:
@@ -240,15 +242,21 @@ class Sources:
     lustre_version_file: str = LUSTRE_VERSION_FILE
     lctl: str = "lctl"
     metadata_url: str = IMDS_URL
+    # The type /fsx must be: Lustre. The boot rehearsal's /fsx is a directory of the test machine's own file system
+    # (no Lustre client runs there), whose type its verify run names (--fsx-type) to measure /fsx for real.
+    fsx_type: str = LUSTRE_FS_TYPE
 
 
 def probe(pool: PoolSettings, nodelist: str, fsx_dir: str, *, deep: bool = False, fsx_mib: int = FSX_MIB,
-          sources: Sources = Sources()) -> dict[str, Any]:
-    """{check: measured} for what the pool's nodes have: the accelerator checks of its kind, EFA's on EFA pools."""
+          dcgm: bool = True, sources: Sources = Sources()) -> dict[str, Any]:
+    """{check: measured} for what the pool's nodes have: the accelerator checks of its kind, EFA's on EFA pools.
+    `dcgm` False leaves DCGM's diagnostic out: DCGM's host engine answers root only (contract/lockdown.py), and the
+    verify run's user job measures the rest (verify_run.py runs the diagnostic in a root job, `--dcgm-only`)."""
     measured: dict[str, Any] = {}
     if pool.accelerator == "nvidia":
         measured |= nvidia(sources.nvidia_smi)
-        measured[DCGM_DIAG] = dcgm_diag(DCGM_DEEP_LEVEL if deep else DCGM_LEVEL, sources.dcgmi)
+        if dcgm:
+            measured[DCGM_DIAG] = dcgm_diag(DCGM_DEEP_LEVEL if deep else DCGM_LEVEL, sources.dcgmi)
     elif pool.accelerator == "neuron":
         measured[NEURON_DEVICES] = {"count": count_neuron_devices(Path(sources.dev_dir))}
     if pool.efa_interfaces:
@@ -256,7 +264,7 @@ def probe(pool: PoolSettings, nodelist: str, fsx_dir: str, *, deep: bool = False
         if pool.accelerator == "nvidia":  # NCCL's plugin; Neuron's collectives bring their own
             measured[NCCL_EFA_PLUGIN] = nccl_efa_plugin(sources.nccl_plugin_dirs)
     measured[FSX_MOUNTED] = fsx_mounted(sources.shared_dir, sources.mountinfo, sources.lustre_version_file,
-                                        sources.lctl)
+                                        sources.lctl, sources.fsx_type)
     measured |= fsx_throughput(fsx_dir, fsx_mib, measured[FSX_MOUNTED], sources.shared_dir)
     measured[METADATA_REFUSED] = metadata_refused(sources.metadata_url)
     measured[NAMES_RESOLVE] = names_resolve(nodelist)
@@ -270,13 +278,23 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--fsx-mib", type=int, default=FSX_MIB, metavar="MIB", help="MiB written and read back on /fsx")
     parser.add_argument("--fsx-dir", default=f"{SHARED_HOME}/{getpass.getuser()}",
                         help="where on /fsx (default: the user's home there)")
+    dcgm = parser.add_mutually_exclusive_group()
+    dcgm.add_argument("--dcgm-only", action="store_true",
+                      help="only DCGM's diagnostic (as root: its host engine answers no one else)")
+    dcgm.add_argument("--without-dcgm", action="store_true", help="everything but DCGM's diagnostic (a user's job)")
+    parser.add_argument("--fsx-type", default=LUSTRE_FS_TYPE, help=argparse.SUPPRESS)  # Sources.fsx_type says why
     args = parser.parse_args(argv[1:])
     if args.fsx_mib < 1:
         parser.error("--fsx-mib must be at least 1")
     os.environ["PATH"] = ":".join([*os.environ.get("PATH", "").split(":"), *TOOL_DIRS])
     pool = ClusterSettings.load().pools[read_env_file()["GPUCLUSTER_POOL"]]
+    if args.dcgm_only:
+        level = DCGM_DEEP_LEVEL if args.deep else DCGM_LEVEL
+        print(json.dumps({DCGM_DIAG: dcgm_diag(level)} if pool.accelerator == "nvidia" else {}, sort_keys=True))
+        return 0
     nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.uname().nodename
-    print(json.dumps(probe(pool, nodelist, args.fsx_dir, deep=args.deep, fsx_mib=args.fsx_mib), sort_keys=True))
+    print(json.dumps(probe(pool, nodelist, args.fsx_dir, deep=args.deep, fsx_mib=args.fsx_mib,
+                           dcgm=not args.without_dcgm, sources=Sources(fsx_type=args.fsx_type)), sort_keys=True))
     return 0
 
 

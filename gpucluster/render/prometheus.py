@@ -120,7 +120,7 @@ def alert_rules() -> list[dict[str, object]]:
     minutes = monitoring.IDLE_MINUTES
     return [
         # For the window again: a fresh series (a node just up, a job loading its data) is not yet idleness.
-        {"alert": "GpuIdle", "expr": gpu_idle_expr(), "for": IDLE_FOR, "labels": {"severity": "warning"},
+        {"alert": verify.GPU_IDLE_ALERT, "expr": gpu_idle_expr(), "for": IDLE_FOR, "labels": {"severity": "warning"},
          "annotations": {
              "summary": f"GPU {{{{ $labels.gpu }}}} of {{{{ $labels.node }}}} ({{{{ $labels.pool }}}}) under "
                         f"{monitoring.IDLE_PERCENT}% for {minutes} minutes",

@@ -316,8 +316,9 @@ def job_limits(stack: Stack) -> dict[str, int]:
 def accounting_script(stack: Stack, users: tuple[str, ...]) -> str:
     """sacctmgr commands the head node runs once slurmctld is up (and again at each `pulumi up`): the team's account
     with its monthly GPU-minutes and its caps on jobs, and the users who submit under it. Idempotent: `add` of what
-    exists is a no-op, `modify` sets the limits anew. Root is not in the account: the team's caps never stop an
-    admin's job."""
+    exists is a no-op, `modify` sets the limits anew. Root is not in the team's account, so the team's caps never
+    stop an admin's job: it submits under Slurm's own root account (`gpucluster verify`'s DCGM job, run as root
+    because DCGM's host engine answers root only)."""
     team = stack.spec.team
     quota = cost.gpu_hour_quota(stack)
     lines = ["#!/bin/sh", "# Rendered by gpucluster: the team's Slurm account, GPU-hour quota and caps on jobs.",
@@ -328,6 +329,7 @@ def accounting_script(stack: Stack, users: tuple[str, ...]) -> str:
     lines.append(f"sacctmgr -i modify account where name={team} set GrpTRESMins={limit} {caps}")
     lines += [f"sacctmgr -i add user {user} Account={team} DefaultAccount={team} >/dev/null 2>&1 || true"
               for user in users]
+    lines.append(f"sacctmgr -i add user root Account={settings.SLURM_ROOT_ACCOUNT} >/dev/null 2>&1 || true")
     return "\n".join(lines) + "\n"
 
 

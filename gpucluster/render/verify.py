@@ -142,8 +142,4 @@ def fsx_floors_mbps(stack: Stack, itype: catalog.InstanceType, nodes: int) -> tu
 
 def table(checks: Sequence[v.Check]) -> list[str]:
     """The plan as a readable table: pool, check, expected."""
-    rows = [("pool", "check", "expected")] + [(c.pool, c.check, v.expectation(c)) for c in checks]
-    widths = [max(len(row[i]) for row in rows) for i in range(2)]
-    lines = [f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]}".rstrip() for row in rows]
-    lines.insert(1, f"{'-' * widths[0]}  {'-' * widths[1]}  {'-' * len('expected')}")
-    return lines
+    return v.columns([("pool", "check", "expected")] + [(c.pool, c.check, v.expectation(c)) for c in checks])

@@ -1,0 +1,556 @@
+#!/usr/bin/python3
+"""`gpucluster verify` on the head node: the plan's checks measured through Slurm, as users' jobs run, and judged.
+
+For every chosen pool at once, a batch job of the login user (settings.LOGIN_USER; root submits it through runuser)
+asks for the plan's node count of that pool alone (its partition, --constraint on the pool's node feature,
+--exclusive), so Slurm scales the pool from zero. The job writes its start time first (scale_from_zero_seconds: from
+the submission the run recorded), runs verify_probe.py once per node (each node's JSON to a file of its own in the
+run's directory on /fsx, owned by the user) and, on NVIDIA pools of two nodes or more, nccl-tests' all_reduce_perf
+across them. DCGM's host engine answers root only (contract/lockdown.py DCGM_CHAIN): once the user's job has ended, a
+short job of root's on the same nodes (still up: Slurm suspends them only after SuspendTime idle) runs the probe's
+DCGM diagnostic alone. Meanwhile the head's Prometheus is asked whether it scrapes the job's nodes. A job that does
+not start within the plan's scale-from-zero limit is cancelled, and its pool's checks fail with Slurm's reason.
+
+Every check is judged with contract.verify.judge_reading: a per-node check by the pool's worst node (named in the
+fix), /fsx throughput by the sum of the nodes' concurrent figures. The run document lands in settings.VERIFY_DIR
+(root's, 0644), the last result of each pool on the team's board (settings.VERIFY_TEXTFILE); the nodes return to zero
+by Slurm's own SuspendTime. Exit status: 0 nothing failed, 1 something did.
+
+Standard library, and boto3 for the budget topic (the head's role), like the resume program.
+"""
+
+from __future__ import annotations
+
+import calendar
+import json
+import os
+import pwd
+import shlex
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this program is part of (the bundle's lib/)
+from gpucluster.contract import slurm_json, verify as v
+from gpucluster.contract.settings import (
+    ALL_REDUCE_PERF,
+    LOGIN_USER,
+    NODE_JOB,
+    PROMETHEUS_PORT,
+    SLURM_ROOT_ACCOUNT,
+    VERIFY_DIR,
+    VERIFY_PROBE_PROGRAM,
+    VERIFY_TEXTFILE,
+    ClusterSettings,
+)
+from gpucluster.node import nccl_tests, textfile
+
+PYTHON = "/usr/bin/python3"  # the node programs' interpreter on every node
+STARTED_FILE = "started"  # in a pool's run directory: the job's first act, its start time (Unix seconds)
+ALL_REDUCE_OUT = "all_reduce.out"
+# After its nodes are up, the user's job has this long: the probe (4 GiB written and read back per node, seconds at
+# FSx's throughput) and nccl-tests' sweep to the largest size (seconds per size on EFA; minutes over sockets).
+JOB_SECONDS = 20 * 60
+DCGM_JOB_SLACK_SECONDS = 120  # the root job's Slurm overhead beyond the diagnostic's own limit
+# Prometheus finds a new node at its next file_sd refresh and scrapes it at its next interval (render/prometheus.py:
+# seconds each); a node it has not scraped this long after the job started is not being scraped.
+PROMETHEUS_SECONDS = 120
+POLL_SECONDS = 2.0  # between looks at Slurm's jobs and Prometheus' targets
+SEVERITY = {v.PASS: 0, v.WARN: 1, v.FAIL: 2}
+BOOTING = "CONFIGURING"  # a job's state flag while its nodes boot
+PER_NODE = (v.GPUS, v.NEURON_DEVICES, v.EFA_DEVICES, v.ECC_UNCORRECTED, v.DCGM_DIAG, v.FSX_MOUNTED, v.NCCL_EFA_PLUGIN,
+            v.METADATA_REFUSED, v.NAMES_RESOLVE)
+SUMMED = (v.FSX_WRITE_MBPS, v.FSX_READ_MBPS)  # the nodes write and read at once: /fsx carried the sum
+ACROSS = (v.NCCL_ALL_REDUCE_BUSBW_GBPS, v.NCCL_TRANSPORT)  # one all_reduce_perf run over the job's nodes
+
+
+class RunError(Exception):
+    """The run cannot go on (a plan that says no node count, sbatch refusing a job): one line for the operator."""
+
+
+# --- what each pool's jobs do ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PoolPlan:
+    """One pool's checks and what its jobs must do for them."""
+
+    pool: str
+    checks: tuple[v.Check, ...]
+    nodes: int  # names_resolve's {"nodes": N}: the job's node count
+    dcgm_level: int | None  # dcgm_diag's level; None: no DCGM diagnostic (not an NVIDIA pool)
+    all_reduce_bytes: int | None  # the sweep's largest size; None: no all_reduce check
+    gpus_per_node: int  # all_reduce_perf's tasks per node (one per GPU)
+    start_seconds: float | None  # scale_from_zero_seconds' max; None: the nodes are always on
+
+
+def pool_plans(checks: list[v.Check]) -> list[PoolPlan]:
+    """The plan's pools (not the cluster's checks) in its order, each with what its jobs need to know."""
+    plans = []
+    for pool in dict.fromkeys(c.pool for c in checks if c.pool != v.CLUSTER):
+        mine = {c.check: c for c in checks if c.pool == pool}
+        names = mine.get(v.NAMES_RESOLVE)
+        if names is None or not isinstance(names.expect.get("nodes"), int):
+            raise RunError(f"the plan gives pool {pool} no node count ({v.NAMES_RESOLVE}'s expect.nodes)")
+        dcgm = mine.get(v.DCGM_DIAG)
+        busbw = mine.get(v.NCCL_ALL_REDUCE_BUSBW_GBPS)
+        gpus = mine.get(v.GPUS)
+        scale = mine.get(v.SCALE_FROM_ZERO_SECONDS)
+        plans.append(PoolPlan(
+            pool=pool, checks=tuple(c for c in checks if c.pool == pool), nodes=int(names.expect["nodes"]),
+            dcgm_level=int(dcgm.expect.get("level", v.DCGM_LEVEL)) if dcgm else None,
+            all_reduce_bytes=int(busbw.expect.get("bytes", v.DEFAULT_ALL_REDUCE_BYTES)) if busbw else None,
+            gpus_per_node=int(gpus.expect.get("count", 1)) if gpus else 1,
+            start_seconds=float(scale.expect["max"]) if scale and "max" in scale.expect else None))
+    return plans
+
+
+@dataclass(frozen=True)
+class ProbeOptions:
+    """What the probe is told besides the defaults: --fsx-mib and --fsx-type (verify_probe.Sources.fsx_type says why
+    a run would name another file system type: the boot rehearsal's /fsx)."""
+
+    fsx_mib: int | None = None
+    fsx_type: str | None = None
+
+    def args(self) -> list[str]:
+        return ([f"--fsx-mib={self.fsx_mib}"] if self.fsx_mib else []) + (
+            [f"--fsx-type={self.fsx_type}"] if self.fsx_type else [])
+
+
+def _per_node(command: list[str], output: str) -> str:
+    """srun running `command` once per node, its stdout to <output>-<node>.json, its stderr beside it (.err)."""
+    inner = f"exec {shlex.join(command)} > {output}-$SLURMD_NODENAME.json 2> {output}-$SLURMD_NODENAME.err"
+    return f"srun --ntasks-per-node=1 /bin/sh -c {shlex.quote(inner)}"
+
+
+def job_script(plan: PoolPlan, run_dir: str, options: ProbeOptions = ProbeOptions()) -> str:
+    """The user's batch job: its start time first, the probe on every node, then all_reduce_perf across them the way
+    nccl-tests' authors run it (NVIDIA/nccl-tests README.md, "Running multi-node with MPI": one process per GPU,
+    `-b 8 -e <size> -f 2 -g 1`; srun --mpi=pmix starts the ranks as Slurm sites do), with NCCL's INFO log, which names
+    the network and the libfabric provider NCCL chose (nccl_tests.transport)."""
+    where = shlex.quote(run_dir)
+    probe = [PYTHON, VERIFY_PROBE_PROGRAM, "--without-dcgm", f"--fsx-dir={run_dir}", *options.args()]
+    lines = ["#!/bin/bash", f"# gpucluster verify: pool {plan.pool}, {plan.nodes} node(s)",
+             f"date +%s.%N > {where}/{STARTED_FILE}",
+             _per_node(probe, f"{where}/probe")]
+    if plan.all_reduce_bytes is not None:
+        lines += ["export NCCL_DEBUG=INFO",
+                  f"srun --mpi=pmix --ntasks-per-node={plan.gpus_per_node} {ALL_REDUCE_PERF} -b 8 "
+                  f"-e {plan.all_reduce_bytes} -f 2 -g 1 > {where}/{ALL_REDUCE_OUT} 2>&1"]
+    return "\n".join(lines) + "\n"
+
+
+def dcgm_script(plan: PoolPlan, run_dir: str) -> str:
+    """Root's job on the user job's nodes: DCGM's diagnostic at the plan's level on each."""
+    level = ["--deep"] if plan.dcgm_level == v.DCGM_DEEP_LEVEL else []
+    return "\n".join(["#!/bin/bash", f"# gpucluster verify: DCGM diagnostic, pool {plan.pool}",
+                      _per_node([PYTHON, VERIFY_PROBE_PROGRAM, "--dcgm-only", *level], f"{shlex.quote(run_dir)}/dcgm")
+                      ]) + "\n"
+
+
+def sbatch_args(plan: PoolPlan, run_dir: str, minutes: int, nodelist: str = "") -> list[str]:
+    """The pool's nodes only: its partition, and each of its nodes carries the pool's name as a feature (slurm.conf).
+    `nodelist`: exactly those nodes (root's DCGM job on the user job's)."""
+    who = "dcgm" if nodelist else "job"
+    return ["sbatch", "--parsable", f"--job-name=gpucluster-verify-{plan.pool}", f"--partition={plan.pool}",
+            f"--constraint={plan.pool}", f"--nodes={plan.nodes}", "--exclusive", f"--time={minutes}",
+            f"--output={run_dir}/{who}.out", f"--chdir={run_dir}",
+            *([f"--nodelist={nodelist}", f"--account={SLURM_ROOT_ACCOUNT}"] if nodelist else [])]
+
+
+# --- Slurm ----------------------------------------------------------------------------------------------------------
+class Slurm:
+    """sbatch, scontrol and scancel as the run calls them; `user` submits the measuring jobs (runuser when the run
+    is root's and the user is another)."""
+
+    def __init__(self, user: str):
+        self.user = user
+
+    def submit(self, args: list[str], script: str, as_user: bool) -> str:
+        runas = ["runuser", "-u", self.user, "--"] if as_user and os.geteuid() == 0 and self.user != "root" else []
+        done = subprocess.run([*runas, *args], input=script, capture_output=True, text=True, timeout=60)
+        if done.returncode != 0:
+            raise RunError(f"{' '.join(args[:1] + args[2:5])}: {done.stderr.strip() or done.stdout.strip()}")
+        return done.stdout.strip().split(";")[0]
+
+    def jobs(self) -> dict[str, slurm_json.Job]:
+        out = subprocess.run(["scontrol", *slurm_json.SHOW_JOBS], capture_output=True, text=True, timeout=60,
+                             check=True).stdout
+        return {job.job_id: job for job in slurm_json.jobs(out)}
+
+    def cancel(self, job: str) -> None:
+        subprocess.run(["scancel", job], capture_output=True, timeout=60)
+
+
+@dataclass
+class Tracked:
+    """A job the run waits for."""
+
+    job_id: str
+    submitted: float
+    start_by: float  # cancelled if still pending then
+    end_by: float  # cancelled if still running then (measured from its start)
+    run_seconds: float
+    nodes: tuple[str, ...] = ()
+    started: bool = False
+    ended: bool = False
+    why: str = ""  # what kept its measurements from being taken ("" when it ran to its end)
+
+
+def wait(slurm: Slurm, tracked: list[Tracked], clock: Callable[[], float] = time.time,
+         pause: Callable[[float], None] = time.sleep, on_start: Callable[[Tracked], None] = lambda t: None) -> None:
+    """Until every job has ended: a job pending past its start_by or running past its end_by is cancelled, and says
+    why. `on_start` runs once for each job as it is seen started."""
+    while not all(t.ended for t in tracked):
+        jobs = slurm.jobs()
+        now = clock()
+        for t in (t for t in tracked if not t.ended):
+            job = jobs.get(t.job_id)
+            # CONFIGURING: Slurm gave it nodes that are still booting (or running the Prolog).
+            if job is not None and (job.pending or BOOTING in job.state):
+                if now > t.start_by:
+                    slurm.cancel(t.job_id)
+                    reason = "its nodes were still booting" if BOOTING in job.state else (
+                        f"Slurm's reason: {job.reason or 'none given'}")
+                    t.ended, t.why = True, f"job {t.job_id} did not start in {now - t.submitted:.0f} s ({reason}); " \
+                                           "cancelled"
+                continue
+            if job is not None and job.active:
+                if not t.started:
+                    t.started, t.nodes, t.end_by = True, job.nodes, now + t.run_seconds
+                    on_start(t)
+                elif now > t.end_by:
+                    slurm.cancel(t.job_id)
+                    t.ended, t.why = True, f"job {t.job_id} ran out of its {t.run_seconds:.0f} s; cancelled"
+                continue
+            # Ended (or gone from Slurm's memory): what it wrote is what there is.
+            t.ended = True
+            if job is not None and not t.started:
+                t.nodes = job.nodes
+            if job is not None and "COMPLETED" not in job.state:
+                t.why = f"job {t.job_id} ended {'+'.join(sorted(job.state))} ({job.reason or 'no reason given'})"
+        if not all(t.ended for t in tracked):
+            pause(POLL_SECONDS)
+
+
+# --- reading and judging -----------------------------------------------------------------------------------------
+def read_json(path: Path) -> tuple[dict[str, Any] | None, str]:
+    """A probe's JSON, or None and why not (its stderr's last line when it left one)."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        err = path.with_suffix(".err")
+        said = err.read_text().strip().splitlines()[-1:] if err.exists() else []
+        return None, f"no reading in {path}" + (f": {said[0]}" if said else f" ({type(exc).__name__})")
+    return (doc, "") if isinstance(doc, dict) else (None, f"{path} holds no JSON object")
+
+
+@dataclass
+class PoolReadings:
+    """What a pool's jobs left: each node's readings, the across-nodes ones, the start delay and Prometheus' count."""
+
+    nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    across: dict[str, Any] = field(default_factory=dict)
+    scale_seconds: float | None = None
+    scraped: int | None = None
+    missing: str = ""  # why a reading is absent: the job's fate
+
+
+def _named(node: str, result: v.Result) -> v.Result:
+    if result.result != v.FAIL:
+        return result
+    return v.Result(result.pool, result.check, result.expect, result.measured, result.result, f"{node}: {result.fix}")
+
+
+def _absent(why: str) -> dict[str, str]:
+    return {"error": why or "not measured"}
+
+
+def judge_pool(plan: PoolPlan, readings: PoolReadings) -> list[v.Result]:
+    """Every check of the pool judged on what its jobs measured."""
+    results = []
+    for check in plan.checks:
+        if check.check == v.SCALE_FROM_ZERO_SECONDS:
+            results.append(v.judge_reading(check, readings.scale_seconds if readings.scale_seconds is not None
+                                           else _absent(readings.missing)))
+        elif check.check == v.PROMETHEUS_SCRAPES:
+            results.append(v.judge_reading(check, readings.scraped if readings.scraped is not None
+                                           else _absent(readings.missing)))
+        elif check.check in ACROSS:
+            results.append(v.judge_reading(check, readings.across.get(check.check, _absent(readings.missing))))
+        elif check.check in SUMMED:
+            results.append(summed(check, readings))
+        else:
+            results.append(worst_node(check, readings))
+    return results
+
+
+def worst_node(check: v.Check, readings: PoolReadings) -> v.Result:
+    """A per-node check's pool result: its worst node's, the node named in a failure's fix."""
+    if not readings.nodes:
+        return v.judge_reading(check, _absent(readings.missing))
+    results = [_named(node, v.judge_reading(check, measured.get(check.check, _absent(
+        measured.get("(missing)", "") or f"{node} gave no {check.check} reading"))))
+        for node, measured in sorted(readings.nodes.items())]
+    return max(results, key=lambda r: SEVERITY[r.result])  # the first of the worst
+
+
+def summed(check: v.Check, readings: PoolReadings) -> v.Result:
+    """/fsx throughput of the job's nodes together: the sum of their concurrent figures, or the first node's failure
+    to measure."""
+    total = 0.0
+    for node, measured in sorted(readings.nodes.items()):
+        value = measured.get(check.check, _absent(measured.get("(missing)", "") or f"{node} gave no reading"))
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return _named(node, v.judge_reading(check, value))
+        total += value
+    return v.judge_reading(check, round(total, 1) if readings.nodes else _absent(readings.missing))
+
+
+def node_readings(run_dir: Path, nodes: tuple[str, ...], dcgm_why: str) -> dict[str, dict[str, Any]]:
+    """node -> its probe's readings, with its DCGM diagnostic from root's job. A node without a reading file gets
+    "(missing)": why, which every check of it then fails with."""
+    readings: dict[str, dict[str, Any]] = {}
+    for node in nodes:
+        probed, why = read_json(run_dir / f"probe-{node}.json")
+        readings[node] = dict(probed) if probed is not None else {"(missing)": why}
+        dcgm, dcgm_missing = read_json(run_dir / f"dcgm-{node}.json")
+        if dcgm is not None:
+            readings[node].update(dcgm)
+        elif v.DCGM_DIAG not in readings[node]:
+            readings[node][v.DCGM_DIAG] = _absent(dcgm_why or dcgm_missing)
+    return readings
+
+
+def across_readings(run_dir: Path, why: str) -> dict[str, Any]:
+    path = run_dir / ALL_REDUCE_OUT
+    if not path.exists():
+        return {name: _absent(why or f"all_reduce_perf left no output ({path})") for name in ACROSS}
+    return nccl_tests.measurements(path.read_text(errors="replace"))
+
+
+# --- Prometheus and the cluster's checks ---------------------------------------------------------------------------
+def prometheus_get(base: str, path: str) -> Any:
+    with urllib.request.urlopen(f"{base}/api/v1/{path}", timeout=10) as answer:
+        return json.load(answer)["data"]
+
+
+def scraped_nodes(targets: dict[str, Any], nodes: tuple[str, ...]) -> int:
+    """How many of the nodes Prometheus scrapes with success: their node exporter's target is up."""
+    up = {t.get("labels", {}).get("node") for t in targets.get("activeTargets", [])
+          if t.get("labels", {}).get("job") == NODE_JOB.name and t.get("health") == "up"}
+    return len(up & set(nodes))
+
+
+def gpu_idle_loaded(rules: dict[str, Any]) -> bool:
+    return any(rule.get("name") == v.GPU_IDLE_ALERT for group in rules.get("groups", [])
+               for rule in group.get("rules", []))
+
+
+def budget_topic(settings: ClusterSettings) -> dict[str, Any]:
+    """The stack's topic, as the head's role sees it (GetTopicAttributes)."""
+    if not settings.alerts_topic_arn:
+        return {"error": "the settings name no alerts topic (alerts_topic_arn)"}
+    try:
+        import boto3
+
+        boto3.client("sns", region_name=settings.region).get_topic_attributes(TopicArn=settings.alerts_topic_arn)
+    except Exception as exc:  # any failure to reach it is the finding: its text says which
+        return {"error": f"{settings.alerts_topic_arn}: {exc}"}
+    return {"reachable": True}
+
+
+def cluster_results(checks: list[v.Check], settings: ClusterSettings, prometheus: str) -> list[v.Result]:
+    results = []
+    for check in (c for c in checks if c.pool == v.CLUSTER):
+        if check.check == v.BUDGET_TOPIC:
+            reading: Any = budget_topic(settings)
+        elif check.check == v.GPU_IDLE_RULE:
+            try:
+                reading = {"loaded": gpu_idle_loaded(prometheus_get(prometheus, "rules"))}
+            except (OSError, ValueError, KeyError) as exc:
+                reading = {"error": f"Prometheus' rules ({prometheus}): {exc}"}
+        else:
+            reading = {"error": f"a verify run measures no {check.check} of the cluster"}
+        results.append(v.judge_reading(check, reading))
+    return results
+
+
+# --- the run ----------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Setup:
+    """Where the run reads and writes: production's by default."""
+
+    settings: ClusterSettings
+    user: str = LOGIN_USER
+    verify_dir: Path = Path(VERIFY_DIR)
+    textfile: Path = Path(VERIFY_TEXTFILE)
+    prometheus: str = f"http://127.0.0.1:{PROMETHEUS_PORT}"
+    probe: ProbeOptions = ProbeOptions()
+
+
+def run_name(started: float, pools: list[str]) -> str:
+    """A run's file name (without .json): its UTC start, sortable, and its pools."""
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(started)) + "-" + "+".join(pools or [v.CLUSTER.strip("()")])
+
+
+def run_time(path: Path) -> float:
+    return float(calendar.timegm(time.strptime(path.name.split("-", 1)[0], "%Y%m%dT%H%M%SZ")))
+
+
+def measure(checks: list[v.Check], setup: Setup, slurm: Slurm) -> tuple[str, list[v.Result]]:
+    """Runs the jobs, judges every check; returns the run's name and its results."""
+    plans = pool_plans(checks)
+    started = time.time()
+    name = run_name(started, [p.pool for p in plans])
+    owner = pwd.getpwnam(setup.user)
+    root_dir = setup.verify_dir / name
+    dirs = {p.pool: root_dir / p.pool for p in plans}
+    for d in dirs.values():
+        d.mkdir(parents=True, exist_ok=True)
+        for path in (d, d.parent):
+            os.chown(path, owner.pw_uid, owner.pw_gid)
+
+    user_jobs: dict[str, Tracked] = {}
+    for plan in plans:
+        submitted = time.time()
+        job = slurm.submit(sbatch_args(plan, str(dirs[plan.pool]), JOB_SECONDS // 60),
+                           job_script(plan, str(dirs[plan.pool]), setup.probe), as_user=True)
+        # Always-on nodes start it at once; a pool held some other way (a closed partition) gets the job's time.
+        start_by = submitted + (plan.start_seconds if plan.start_seconds is not None else JOB_SECONDS)
+        user_jobs[plan.pool] = Tracked(job, submitted, start_by, 0.0, JOB_SECONDS)
+    wait(slurm, list(user_jobs.values()))
+
+    dcgm_jobs: dict[str, Tracked] = {}
+    for plan in plans:
+        user_job = user_jobs[plan.pool]
+        if plan.dcgm_level is not None and user_job.started and user_job.nodes:
+            # The deep diagnostic's limit at any level: the probe's own limit per level ends a hung one sooner.
+            seconds = v.DCGM_DEEP_SECONDS + DCGM_JOB_SLACK_SECONDS
+            try:
+                job = slurm.submit(sbatch_args(plan, str(dirs[plan.pool]), -(-seconds // 60),
+                                               ",".join(user_job.nodes)), dcgm_script(plan, str(dirs[plan.pool])),
+                                   as_user=False)
+            except RunError as exc:  # only the diagnostic is lost (root with no Slurm association, say)
+                dcgm_jobs[plan.pool] = Tracked("", time.time(), 0.0, 0.0, 0.0, ended=True,
+                                               why=f"root's DCGM job was refused: {exc}")
+                continue
+            # Its nodes are up and idle: a job that does not start at once is held by something else.
+            dcgm_jobs[plan.pool] = Tracked(job, time.time(), time.time() + JOB_SECONDS, 0.0, seconds)
+    scraped = prometheus_scrapes(setup.prometheus, plans, user_jobs)
+    wait(slurm, list(dcgm_jobs.values()))
+
+    results: list[v.Result] = []
+    for plan in plans:
+        user_job, d = user_jobs[plan.pool], dirs[plan.pool]
+        readings = PoolReadings(missing=user_job.why, scraped=scraped.get(plan.pool))
+        if user_job.started:
+            readings.nodes = node_readings(d, user_job.nodes, dcgm_jobs[plan.pool].why if plan.pool in dcgm_jobs
+                                           else "")
+            readings.across = across_readings(d, user_job.why)
+            try:
+                readings.scale_seconds = round(float((d / STARTED_FILE).read_text()) - user_job.submitted, 1)
+            except (OSError, ValueError):
+                readings.missing = readings.missing or f"the job wrote no start time ({d / STARTED_FILE})"
+        results += judge_pool(plan, readings)
+    results += cluster_results(checks, setup.settings, setup.prometheus)
+    return name, results
+
+
+def prometheus_scrapes(base: str, plans: list[PoolPlan], jobs: dict[str, Tracked],
+                       clock: Callable[[], float] = time.time, pause: Callable[[float], None] = time.sleep
+                       ) -> dict[str, int]:
+    """pool -> how many of its job's nodes Prometheus scrapes, for pools whose plan asks; waits (bounded by
+    PROMETHEUS_SECONDS from the job's submission onward) until it scrapes them all."""
+    asked = {p.pool: jobs[p.pool].nodes for p in plans
+             if jobs[p.pool].started and any(c.check == v.PROMETHEUS_SCRAPES for c in p.checks)}
+    counts: dict[str, int] = {}
+    deadline = clock() + PROMETHEUS_SECONDS
+    while asked:
+        try:
+            targets = prometheus_get(base, "targets?state=active")
+        except (OSError, ValueError, KeyError):
+            targets = {}
+        counts = {pool: scraped_nodes(targets, nodes) for pool, nodes in asked.items()}
+        if all(counts[pool] == len(nodes) for pool, nodes in asked.items()) or clock() > deadline:
+            break
+        pause(POLL_SECONDS)
+    return counts
+
+
+# --- what the run leaves -----------------------------------------------------------------------------------------
+def keep(setup: Setup, name: str, results: list[v.Result]) -> Path:
+    """The run document (root's, 0644) and the board's metrics, from every run kept."""
+    setup.verify_dir.mkdir(parents=True, exist_ok=True)
+    path = setup.verify_dir / f"{name}.json"
+    temporary = setup.verify_dir / f".{name}.json.tmp"
+    temporary.write_text(v.run_json(results) + "\n")
+    os.chmod(temporary, 0o644)
+    os.replace(temporary, path)
+    textfile.write(board(setup.verify_dir), setup.textfile.parent, setup.textfile.name)
+    return path
+
+
+def run_files(verify_dir: Path) -> list[Path]:
+    """The kept runs, oldest first (their names start with their UTC time)."""
+    return sorted(p for p in verify_dir.glob("*.json") if p.name[:1].isdigit()) if verify_dir.is_dir() else []
+
+
+def board(verify_dir: Path) -> str:
+    """Each pool's last result per check and when that run was, from the newest run that verified the pool."""
+    last: dict[str, tuple[float, list[v.Result]]] = {}
+    for path in run_files(verify_dir):
+        try:
+            results = v.run_from_json(path.read_text())
+        except (OSError, ValueError):
+            continue  # a damaged file is no pool's last result
+        for pool in {r.pool for r in results}:
+            last[pool] = (run_time(path), [r for r in results if r.pool == pool])
+    results_samples = [textfile.sample(v.RESULT_METRIC, v.RESULT_CODES[r.result], pool=pool, check=r.check)
+                       for pool, (_, rs) in sorted(last.items()) for r in rs]
+    time_samples = [textfile.sample(v.RUN_TIME_METRIC, when, pool=pool) for pool, (when, _) in sorted(last.items())]
+    codes = ", ".join(f"{code} {word}" for word, code in v.RESULT_CODES.items())
+    return (textfile.family(v.RESULT_METRIC, "gauge", f"gpucluster verify's last result per pool and check ({codes})",
+                            results_samples)
+            + textfile.family(v.RUN_TIME_METRIC, "gauge", "when the pool's last verify run was (Unix time)",
+                              time_samples))
+
+
+def exit_status(results: list[v.Result]) -> int:
+    return 1 if any(r.result == v.FAIL for r in results) else 0
+
+
+def print_results(results: list[v.Result], as_json: bool, where: Path | None = None) -> None:
+    if as_json:
+        print(v.run_json(results))
+        return
+    print("\n".join(v.run_table(results)))
+    if where is not None:
+        print(f"\n{where}")
+
+
+def run(checks: list[v.Check], as_json: bool, setup: Setup) -> int:
+    """The whole run: measure, keep, print. Exit 0 when nothing failed, 1 otherwise."""
+    try:
+        name, results = measure(checks, setup, Slurm(setup.user))
+    except (RunError, v.VerifyFormatError, KeyError, subprocess.SubprocessError) as exc:
+        print(f"verify: {exc}", file=sys.stderr)
+        return 1
+    path = keep(setup, name, results)
+    print_results(results, as_json, path)
+    return exit_status(results)
+
+
+def last(as_json: bool, verify_dir: Path = Path(VERIFY_DIR)) -> int:
+    """The newest run kept: 0 when nothing failed in it, 1 when something did or there is none yet."""
+    files = run_files(verify_dir)
+    if not files:
+        print(f"verify: no run yet (none in {verify_dir})", file=sys.stderr)
+        return 1
+    results = v.run_from_json(files[-1].read_text())
+    print_results(results, as_json, files[-1])
+    return exit_status(results)

@@ -1,0 +1,255 @@
+"""The head's verify run (gpucluster/node/verify_run.py), its pure parts: what each pool's jobs do (from the plan of
+a shipped stack), how the nodes' readings become a pool's results, what the run leaves (its file, the board's lines),
+`verify --last`, and the command line's choice between the run here and the run through Session Manager. The run
+through real Slurm is tests/integration/test_verify.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import STACK_FILES
+from gpucluster import cli
+from gpucluster.aws import verify_remote
+from gpucluster.contract import slurm_json, verify as v
+from gpucluster.contract.settings import ALL_REDUCE_PERF, VERIFY_PROBE_PROGRAM, ClusterSettings
+from gpucluster.node import verify_run as vr
+from gpucluster.render import verify as planning
+from gpucluster.spec.model import load_stack
+
+TEAM_A = next(p for p in STACK_FILES if p.name == "Pulumi.team-a.yaml")
+
+
+def team_a_plans(deep: bool = False) -> dict[str, vr.PoolPlan]:
+    return {p.pool: p for p in vr.pool_plans(planning.plan(load_stack(TEAM_A), planning.Options(deep=deep)))}
+
+
+def test_each_pool_job_follows_its_plan() -> None:
+    plans = team_a_plans()
+    p5 = plans["p5-od"]
+    stack = load_stack(TEAM_A)
+    pool = next(p for p in stack.spec.pools if p.name == "p5-od")
+    assert (p5.nodes, p5.gpus_per_node, p5.dcgm_level) == (2, pool.accelerator.count, v.DCGM_LEVEL)
+    busbw = next(c for c in p5.checks if c.check == v.NCCL_ALL_REDUCE_BUSBW_GBPS)
+    assert p5.all_reduce_bytes == busbw.expect.get("bytes", v.DEFAULT_ALL_REDUCE_BYTES)
+    scale = next(c for c in p5.checks if c.check == v.SCALE_FROM_ZERO_SECONDS)
+    assert p5.start_seconds == scale.expect["max"]
+    assert team_a_plans(deep=True)["p5-od"].dcgm_level == v.DCGM_DEEP_LEVEL
+
+
+def test_a_plan_without_a_node_count_is_refused() -> None:
+    with pytest.raises(vr.RunError, match="no node count"):
+        vr.pool_plans([v.Check("a", v.GPUS, {"count": 8})])
+
+
+def test_the_job_writes_its_start_first_then_probes_each_node_then_runs_all_reduce_as_nccl_tests_does() -> None:
+    p5 = team_a_plans()["p5-od"]
+    script = vr.job_script(p5, "/fsx/.gpucluster/verify/run/p5-od", vr.ProbeOptions(fsx_mib=64))
+    commands = [line for line in script.splitlines() if not line.startswith("#")]
+    assert commands[0] == f"date +%s.%N > /fsx/.gpucluster/verify/run/p5-od/{vr.STARTED_FILE}"
+    assert commands[1].startswith("srun --ntasks-per-node=1 /bin/sh -c ")
+    for word in (VERIFY_PROBE_PROGRAM, "--without-dcgm", "--fsx-mib=64", "probe-$SLURMD_NODENAME.json"):
+        assert word in commands[1]
+    assert commands[2:] == [
+        "export NCCL_DEBUG=INFO",
+        f"srun --mpi=pmix --ntasks-per-node={p5.gpus_per_node} {ALL_REDUCE_PERF} -b 8 -e {p5.all_reduce_bytes} "
+        f"-f 2 -g 1 > /fsx/.gpucluster/verify/run/p5-od/{vr.ALL_REDUCE_OUT} 2>&1"]
+    one_node = vr.PoolPlan("g6", (), 1, v.DCGM_LEVEL, None, 1, None)
+    assert "all_reduce_perf" not in vr.job_script(one_node, "/d") and "NCCL_DEBUG" not in vr.job_script(one_node, "/d")
+
+
+def test_root_job_runs_only_the_dcgm_diagnostic_at_the_plans_level_on_the_user_jobs_nodes() -> None:
+    deep = team_a_plans(deep=True)["p5-od"]
+    script = vr.dcgm_script(deep, "/d")
+    assert "--dcgm-only --deep" in script and "dcgm-$SLURMD_NODENAME.json" in script
+    assert "--deep" not in vr.dcgm_script(team_a_plans()["p5-od"], "/d")
+    args = vr.sbatch_args(deep, "/d", 10, "p5-od-1,p5-od-2")
+    assert {"--partition=p5-od", "--constraint=p5-od", "--nodes=2", "--exclusive", "--nodelist=p5-od-1,p5-od-2",
+            "--time=10"} <= set(args)
+    assert not any(a.startswith("--nodelist") for a in vr.sbatch_args(deep, "/d", 10))
+
+
+def plan_of(*checks: tuple[str, dict[str, Any]], nodes: int = 2) -> vr.PoolPlan:
+    made = [v.Check("p", name, expect) for name, expect in checks] + [v.Check("p", v.NAMES_RESOLVE, {"nodes": nodes})]
+    return vr.pool_plans(made)[0]
+
+
+def test_a_per_node_check_is_its_worst_node_named_in_the_fix() -> None:
+    plan = plan_of((v.GPUS, {"count": 8}))
+    readings = vr.PoolReadings(nodes={"p-1": {v.GPUS: {"count": 8}, v.NAMES_RESOLVE: {"nodes": 2}},
+                                      "p-2": {v.GPUS: {"count": 7}, v.NAMES_RESOLVE: {"nodes": 2}}})
+    gpus, names = vr.judge_pool(plan, readings)
+    assert (gpus.result, gpus.measured) == (v.FAIL, 7) and gpus.fix.startswith("p-2: ")
+    assert names.result == v.PASS
+
+
+def test_fsx_throughput_is_the_sum_of_the_nodes_or_the_first_nodes_failure() -> None:
+    plan = plan_of((v.FSX_WRITE_MBPS, {"min": 500}))
+    both = vr.PoolReadings(nodes={"p-1": {v.FSX_WRITE_MBPS: 300.0}, "p-2": {v.FSX_WRITE_MBPS: 250.5}})
+    write = vr.judge_pool(plan, both)[0]
+    assert (write.result, write.measured) == (v.PASS, 550.5)
+    alone = vr.judge_pool(plan, vr.PoolReadings(nodes={"p-1": {v.FSX_WRITE_MBPS: 300.0}}))[0]
+    assert (alone.result, alone.measured) == (v.FAIL, 300.0)
+    broken = vr.PoolReadings(nodes={"p-1": {v.FSX_WRITE_MBPS: 300.0}, "p-2": {v.FSX_WRITE_MBPS: {"error": "EIO"}}})
+    failed = vr.judge_pool(plan, broken)[0]
+    assert failed.result == v.FAIL and failed.measured is None and failed.fix.startswith("p-2: EIO: ")
+
+
+def test_a_node_without_readings_fails_every_check_saying_why(tmp_path: Path) -> None:
+    (tmp_path / "probe-p-1.json").write_text(json.dumps({v.GPUS: {"count": 8}}))
+    (tmp_path / "probe-p-2.err").write_text("Traceback...\nPermissionError: /fsx\n")
+    readings = vr.PoolReadings(nodes=vr.node_readings(tmp_path, ("p-1", "p-2"), ""))
+    gpus = vr.judge_pool(plan_of((v.GPUS, {"count": 8})), readings)[0]
+    assert gpus.result == v.FAIL and gpus.fix.startswith("p-2: no reading in ") and "PermissionError" in gpus.fix
+
+
+def test_a_job_that_never_started_fails_its_pool_with_slurms_reason() -> None:
+    plan = plan_of((v.SCALE_FROM_ZERO_SECONDS, {"max": 600}), (v.GPUS, {"count": 8}),
+                   (v.NCCL_ALL_REDUCE_BUSBW_GBPS, {"min": 100}))
+    why = "job 7 did not start in 601 s (Slurm's reason: ReqNodeNotAvail); cancelled"
+    results = vr.judge_pool(plan, vr.PoolReadings(missing=why))
+    assert [r.result for r in results] == [v.FAIL] * len(plan.checks)
+    scale = results[0]
+    assert scale.measured is None and scale.fix.startswith(why) and scale.fix.endswith(v.RULES[scale.check].fix)
+
+
+def test_dcgm_comes_from_roots_job_and_its_absence_is_a_failure(tmp_path: Path) -> None:
+    (tmp_path / "probe-p-1.json").write_text(json.dumps({v.GPUS: {"count": 8}}))
+    (tmp_path / "dcgm-p-1.json").write_text(json.dumps({v.DCGM_DIAG: {"level": 1, "passed": True, "failures": []}}))
+    (tmp_path / "probe-p-2.json").write_text(json.dumps({v.GPUS: {"count": 8}}))
+    readings = vr.PoolReadings(nodes=vr.node_readings(tmp_path, ("p-1", "p-2"), ""))
+    dcgm = vr.judge_pool(plan_of((v.DCGM_DIAG, {"level": 1})), readings)[0]
+    assert dcgm.result == v.FAIL and dcgm.fix.startswith(f"p-2: no reading in {tmp_path / 'dcgm-p-2.json'}")
+    refused = "root's DCGM job was refused: sbatch: error: Invalid account"
+    readings = vr.PoolReadings(nodes=vr.node_readings(tmp_path, ("p-2",), refused))
+    assert vr.judge_pool(plan_of((v.DCGM_DIAG, {"level": 1})), readings)[0].fix.startswith(f"p-2: {refused}: ")
+    (tmp_path / "dcgm-p-2.json").write_text((tmp_path / "dcgm-p-1.json").read_text())
+    readings = vr.PoolReadings(nodes=vr.node_readings(tmp_path, ("p-1", "p-2"), ""))
+    assert vr.judge_pool(plan_of((v.DCGM_DIAG, {"level": 1})), readings)[0].result == v.PASS
+
+
+def test_prometheus_answers_are_counted_per_node_and_rule() -> None:
+    # Prometheus' HTTP API's shapes (/api/v1/targets and /rules: prometheus.io/docs/prometheus/latest/querying/api).
+    targets = {"activeTargets": [
+        {"labels": {"job": "node", "node": "p-1"}, "health": "up"},
+        {"labels": {"job": "node", "node": "p-2"}, "health": "down"},
+        {"labels": {"job": "dcgm", "node": "p-2"}, "health": "up"},
+        {"labels": {"job": "node", "node": "other-1"}, "health": "up"}]}
+    assert vr.scraped_nodes(targets, ("p-1", "p-2")) == 1
+    rules = {"groups": [{"name": "gpucluster", "rules": [{"name": "NodeDown", "type": "alerting"},
+                                                         {"name": v.GPU_IDLE_ALERT, "type": "alerting"}]}]}
+    assert vr.gpu_idle_loaded(rules) and not vr.gpu_idle_loaded({"groups": []})
+
+
+class FakeSlurm(vr.Slurm):
+    """Slurm's answers over time, without a controller (the integration test has a real one)."""
+
+    def __init__(self, answers: list[dict[str, slurm_json.Job]]):
+        super().__init__("ubuntu")
+        self.answers = answers
+        self.cancelled: list[str] = []
+
+    def jobs(self) -> dict[str, slurm_json.Job]:
+        return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+    def cancel(self, job: str) -> None:
+        self.cancelled.append(job)
+
+
+def job(state: str, reason: str = "None", nodes: tuple[str, ...] = ()) -> slurm_json.Job:
+    return slurm_json.Job("7", frozenset({state}), "p", nodes, "", reason)
+
+
+def test_a_job_still_pending_at_its_limit_is_cancelled_with_its_reason() -> None:
+    now = [0.0]
+    slurm = FakeSlurm([{"7": job("PENDING", "Resources")}])
+    tracked = vr.Tracked("7", 0.0, 600.0, 0.0, 60.0)
+    vr.wait(slurm, [tracked], clock=lambda: now[0], pause=lambda s: now.__setitem__(0, now[0] + 100))
+    assert slurm.cancelled == ["7"] and not tracked.started
+    assert "did not start in 700 s" in tracked.why and "Resources" in tracked.why
+
+
+def test_a_job_whose_nodes_are_still_booting_at_its_limit_has_not_started() -> None:
+    now = [0.0]
+    booting = slurm_json.Job("7", frozenset({"RUNNING", vr.BOOTING}), "p", ("p-1", "p-2"), "", "None")
+    slurm = FakeSlurm([{"7": booting}])
+    tracked = vr.Tracked("7", 0.0, 600.0, 0.0, 60.0)
+    vr.wait(slurm, [tracked], clock=lambda: now[0], pause=lambda s: now.__setitem__(0, now[0] + 100))
+    assert slurm.cancelled == ["7"] and "its nodes were still booting" in tracked.why
+
+
+def test_a_job_that_ran_and_completed_keeps_its_nodes_and_no_complaint() -> None:
+    now = [0.0]
+    slurm = FakeSlurm([{"7": job("PENDING")}, {"7": job("RUNNING", nodes=("p-1", "p-2"))},
+                       {"7": job("COMPLETED", nodes=("p-1", "p-2"))}])
+    tracked = vr.Tracked("7", 0.0, 600.0, 0.0, 60.0)
+    vr.wait(slurm, [tracked], clock=lambda: now[0], pause=lambda s: now.__setitem__(0, now[0] + 1))
+    assert (tracked.started, tracked.nodes, tracked.why, slurm.cancelled) == (True, ("p-1", "p-2"), "", [])
+
+
+def results_of(pool: str, word: v.ResultWord) -> list[v.Result]:
+    return [v.Result(pool, v.GPUS, {"count": 8}, 8 if word == v.PASS else 7, word, "fix" if word == v.FAIL else "")]
+
+
+def test_the_run_is_kept_for_all_to_read_and_the_board_shows_each_pools_last_result(tmp_path: Path) -> None:
+    setup = vr.Setup(ClusterSettings("c", "us-east-1", {}), verify_dir=tmp_path / "verify",
+                     textfile=tmp_path / "textfile" / "verify.prom")
+    older = vr.keep(setup, "20261201T100000Z-a+b", results_of("a", v.FAIL) + results_of("b", v.FAIL))
+    newer = vr.keep(setup, "20261202T100000Z-a", results_of("a", v.PASS))
+    assert stat.S_IMODE(newer.stat().st_mode) == 0o644 and v.run_from_json(older.read_text())[1].pool == "b"
+    lines = set(setup.textfile.read_text().splitlines())
+    assert f'{v.RESULT_METRIC}{{check="gpus",pool="a"}} {v.RESULT_CODES[v.PASS]}' in lines
+    assert f'{v.RESULT_METRIC}{{check="gpus",pool="b"}} {v.RESULT_CODES[v.FAIL]}' in lines  # its last run: the older
+    assert f'{v.RUN_TIME_METRIC}{{pool="a"}} {vr.run_time(newer):.0f}' in lines
+    assert f'{v.RUN_TIME_METRIC}{{pool="b"}} {vr.run_time(older):.0f}' in lines
+    assert vr.run_time(newer) - vr.run_time(older) == 86400
+
+
+def test_last_prints_the_newest_run_and_its_verdict(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert vr.last(True, tmp_path) == 1
+    assert str(tmp_path) in capsys.readouterr().err
+    setup = vr.Setup(ClusterSettings("c", "us-east-1", {}), verify_dir=tmp_path, textfile=tmp_path / "t.prom")
+    vr.keep(setup, "20261201T100000Z-a", results_of("a", v.FAIL))
+    vr.keep(setup, "20261202T100000Z-a", results_of("a", v.PASS))
+    assert vr.last(True, tmp_path) == 0
+    assert v.run_from_json(capsys.readouterr().out) == results_of("a", v.PASS)
+    vr.keep(setup, "20261203T100000Z-a", results_of("a", v.FAIL))
+    assert vr.last(False, tmp_path) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["pool", "check", "result", "measured", "expected", "fix"]
+    assert lines[2].split() == ["a", v.GPUS, v.FAIL, "7", "=", "8", "fix"]
+
+
+def test_verify_with_a_stack_off_its_head_runs_there_through_session_manager(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The CLI hands the operator's options to the Session Manager path (tests/test_verify_remote.py runs that path
+    against moto and botocore's Stubber)."""
+    called: list[tuple[Any, ...]] = []
+
+    def run(stack: Any, head_args: list[str], session: Any) -> int:
+        called.append((stack.name, head_args, session))
+        return 1
+
+    monkeypatch.setattr(verify_remote, "run", run)
+    monkeypatch.setattr(cli, "SETTINGS_FILE", str(tmp_path / "absent.json"))
+    assert cli.main(["verify", "team-a", "--pool", "p5-od", "--nodes", "2", "--deep", "--json"]) == 1
+    (name, head_args, session), = called
+    assert (name, head_args) == ("team-a", ["--json", "--pool", "p5-od", "--nodes=2", "--deep"])
+    assert type(session).__name__ == "Session"
+    cli.main(["verify", "team-a", "--last"])
+    assert called[-1][1] == ["--last"]
+
+
+def test_on_the_head_a_run_needs_root(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    settings = tmp_path / "cluster.json"
+    settings.write_text(ClusterSettings("c", "us-east-1", {}).to_json())
+    monkeypatch.setattr(cli, "SETTINGS_FILE", str(settings))
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert cli.main(["verify", "--last"]) == cli.EXIT_BAD_INPUT
+    assert "run it as root" in capsys.readouterr().err
