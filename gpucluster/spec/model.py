@@ -792,8 +792,9 @@ class ClusterSpec(_Model):
     image: ImageSpec = ImageSpec()
     # The people who use the cluster, each with an account of their own on every node (at least one person; names, uids
     # and principals unique). Left out: everyone connects as the shared login user (ubuntu), as before. The Kubernetes
-    # flavour takes the list too (each person's principals get the team's access; max_gpus is Slurm's only).
-    users: Annotated[list[UserSpec], Field(min_length=1)] | None = None
+    # flavour takes the list too, without max_gpus (per-person limits are Slurm's); access entries for each person's
+    # principals there come later.
+    users: list[UserSpec] | None = Field(default=None, min_length=1)
 
     @property
     def image_builds(self) -> list[ImageBuild]:
