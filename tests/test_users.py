@@ -148,8 +148,12 @@ def test_max_gpus_is_at_least_one() -> None:
 
 
 def _cluster_gpus(config: dict[str, Any]) -> int:
-    return sum(catalog.ACCELERATED[p["instance_type"]].accelerator.count * p["max_nodes"]  # type: ignore[union-attr]
-               for p in config[CONFIG_KEY]["pools"])
+    total = 0
+    for pool in config[CONFIG_KEY]["pools"]:
+        accelerator = catalog.ACCELERATED[pool["instance_type"]].accelerator
+        assert accelerator is not None and accelerator.kind == "nvidia"
+        total += accelerator.count * pool["max_nodes"]
+    return total
 
 
 def test_max_gpus_is_at_most_the_clusters_gpus_at_max_size() -> None:
