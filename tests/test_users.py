@@ -131,6 +131,9 @@ def test_a_role_or_user_arn_with_or_without_a_path_is_a_principal(arn: str) -> N
     ("arn:aws:iam::12345678901:role/alice", "is not allowed"),
     ("arn:aws:iam::123456789012:role/" + "a" * 65, "is not allowed"),
     ("alice", "is not allowed"),
+    (ROLE + "/alice", "is not allowed"),
+    (ROLE + "team//alice", "is not allowed"),
+    (ROLE + "émile", "is not allowed"),
 ])
 def test_what_is_not_a_principal_is_refused_with_why(arn: str, problem: str) -> None:
     found = _problems(_config({"name": "alice", "principals": [ROLE + "alice", arn]}))

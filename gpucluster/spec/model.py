@@ -600,21 +600,22 @@ class KubernetesSpec(_Model):
 
 
 # A person's IAM principal: an IAM user's or role's ARN, a path allowed (arn:PARTITION:iam::ACCOUNT:role/PATH/NAME).
-# IAM's patterns (IAM API reference, CreateRole/CreateUser): names of 1-64 characters [\w+=,.@-], paths of printable
-# ASCII between slashes. Read in any partition so that another one is named in the message; the stack's is `aws`
-# (catalog.AWS_REGIONS).
-PRINCIPAL_RE = re.compile(r"arn:(aws(?:-[a-z]+)*):iam::([0-9]{12}):(user|role)/(?:[\x21-\x7e]*/)?([\w+=,.@-]{1,64})")
+# IAM's patterns (IAM API reference, CreateRole and CreateUser): RoleName and UserName 1-64 ASCII characters of
+# [\w+=,.@-], Path `/` or printable ASCII (! to DEL) between slashes (here each segment non-empty). Read in any
+# partition so that another one is named in the message; the stack's is `aws` (catalog.AWS_REGIONS).
+PRINCIPAL_RE = re.compile(r"arn:(aws(?:-[a-z]+)*):iam::([0-9]{12}):(user|role)/(?:[\x21-\x2e\x30-\x7f]+/)*"
+                          r"([\w+=,.@-]{1,64})", re.ASCII)
 STACK_PARTITION = "aws"
 # What is sometimes taken for a principal: a role session (what `aws sts get-caller-identity` shows under a role) and a
 # group. Neither can be one: a session's name is whatever its caller chose, and IAM never names a group as a principal.
-SESSION_ARN_RE = re.compile(r"arn:aws(?:-[a-z]+)*:sts::([0-9]{12}):assumed-role/([\w+=,.@-]{1,64})/.+")
+SESSION_ARN_RE = re.compile(r"arn:aws(?:-[a-z]+)*:sts::([0-9]{12}):assumed-role/([\w+=,.@-]{1,64})/.+", re.ASCII)
 GROUP_ARN_RE = re.compile(r"arn:aws(?:-[a-z]+)*:iam::[0-9]{12}:group/.+")
 
 
 def principal_key(arn: str) -> tuple[str, ...] | None:
-    """Who an ARN names: (partition, account, user|role, name). IAM names are unique regardless of case and path (a
-    role renamed by case or moved to another path is the same role), so the key is the lowercased name without the
-    path. None: not a principal ARN."""
+    """Who an ARN names: (partition, account, user|role, name). IAM's user and role names are unique in an account
+    regardless of case (CreateRole: "Names are not distinguished by case") and of path, so the key is the lowercased
+    name without the path. None: not a principal ARN."""
     match = PRINCIPAL_RE.fullmatch(arn)
     return None if match is None else (*match.group(1, 2, 3), match.group(4).lower())
 
