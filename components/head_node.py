@@ -20,7 +20,7 @@ from components.gpu_pool import LaunchSpec
 from components.iam import EC2_ASSUME, PARAMETER_READ, SSM_AGENT, policy
 from components.image import parent_ami
 from components.node_access import NodeAccess
-from gpucluster.contract.settings import CLUSTER_TAG, ClusterSettings, head_instance_name
+from gpucluster.contract.settings import CLUSTER_TAG, ClusterSettings, PersonSettings, head_instance_name
 from gpucluster.spec import bom
 from gpucluster.spec.account import CALLER_KEY_ACTIONS
 from gpucluster.spec.cost import HEAD_ROOT_GIB, HEAD_STATE_GIB
@@ -61,6 +61,8 @@ class HeadNodeArgs:
     # The group's rules (Network.security_group_rules): the head's boot mounts /fsx and reaches S3 and SSM through them.
     security_group_rules: Sequence[pulumi.Resource] = ()
     guardrail: GuardrailWiring | None = None  # None: the budget only alerts
+    # The stack's people (ClusterSpec.people), published to every node; none: the shared login user.
+    people: tuple[PersonSettings, ...] = ()
     interruption_queue_url: pulumi.Input[str] | None = None  # EC2's spot warnings (InterruptionEvents); None: no spot
     interruption_queue_arn: pulumi.Input[str] | None = None
     # The account's default EBS key when it is customer managed (components.launch_access.default_ebs_key), else None.
@@ -201,7 +203,7 @@ def settings_document(args: HeadNodeArgs, learned: dict[str, Any]) -> str:
     return ClusterSettings.from_dict({
         "cluster": args.cluster_name, "team": args.team, "region": args.region, "bundle_key": args.bundle_key,
         "munge_key_parameter": args.munge_key_parameter, **asdict(args.node_program_settings), **learned,
-        "pools": pools,
+        "pools": pools, "people": [asdict(person) for person in args.people],
     }).to_json()
 
 

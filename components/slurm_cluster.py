@@ -127,6 +127,7 @@ def create_slurm_cluster(stack: Stack, examples_dir: Path) -> dict[str, object]:
             parent=spec.image.parent_images.head.image,
             guardrail=guardrail,
             ebs_key_arn=ebs_key,
+            people=spec.people,
         ),
         # No spot node launches before the account's role (and its key grant) exists.
         pulumi.ResourceOptions.merge(opts, pulumi.ResourceOptions(depends_on=[spot] if spot else [])),

@@ -29,7 +29,7 @@ from typing import Any
 
 from gpucluster import project
 from gpucluster.aws import checkip
-from gpucluster.contract.settings import GRAFANA_PORT, SETTINGS_FILE, VERIFY_PLAN, ClusterSettings
+from gpucluster.contract.settings import GRAFANA_PORT, LOGIN_USER, SETTINGS_FILE, VERIFY_PLAN, ClusterSettings
 from gpucluster.contract.verify import CLUSTER, Check, VerifyFormatError, plan_from_json, plan_json
 from gpucluster.plan import NEW_ACCOUNT, Declared, run_program
 from gpucluster.render import verify as planning
@@ -43,6 +43,29 @@ BOM_PATH = "image/bom.json"  # under render's --out
 
 def _load(stack_arg: str) -> Stack:
     return load_stack(resolve_stack_file(stack_arg, project.STACKS_DIR))
+
+
+def people(stack: Stack) -> list[dict[str, object]]:
+    """The stack's people as the nodes will have them (the uid given or assigned), with how many principals each
+    connects with (the principals themselves are in the stack file)."""
+    return [{"name": person.name, "uid": person.uid, "admin": person.admin, "max_gpus": person.max_gpus,
+             "principal_count": len(user.principals)}
+            for user, person in zip(stack.spec.users or (), stack.spec.people, strict=True)]
+
+
+def people_lines(stack: Stack) -> list[str]:
+    rows = people(stack)
+    slurm = stack.spec.scheduler == "slurm"
+    if not rows:
+        return [f"People: none listed (users:){f': everyone connects as the shared login user {LOGIN_USER}' * slurm}."]
+    table = [("name", "uid", "admin", "max_gpus", "principals")] + [
+        (str(r["name"]), str(r["uid"]), "yes" if r["admin"] else "no",
+         "-" if r["max_gpus"] is None else str(r["max_gpus"]), str(r["principal_count"])) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    accounts = ", each with an account of their own (uid = gid) on every node" if slurm else " (users:)"
+    return [f"People: {len(rows)}{accounts}:"] + [
+        "  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in table]
 
 
 def cost_table(stack: Stack, estimate: cost.CostEstimate) -> list[str]:
@@ -155,6 +178,7 @@ def plan(args: argparse.Namespace) -> int:
                 for d in declared
             ],
             "cost": estimate.summary(),
+            "people": people(stack),
         }
         json.dump(doc, sys.stdout, indent=1, sort_keys=True)
         print()
@@ -170,6 +194,8 @@ def plan(args: argparse.Namespace) -> int:
         print(f"WARNING: {warning}.")
     print()
     print("\n".join(resource_tree(declared)))
+    print()
+    print("\n".join(people_lines(stack)))
     print()
     if images:
         print("\n".join(image_lines(images)))

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
+from gpucluster.spec.model import load_stack
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -37,6 +38,26 @@ def test_plan_json_shape() -> None:
     assert cost["budget_monthly_usd"] == 250000
     assert 0 < cost["hourly_usd_min"] < cost["hourly_usd_max"]
     assert cost["monthly_usd_at_max"] == pytest.approx(cost["hourly_usd_max"] * 730, rel=1e-4)
+
+
+def test_plan_shows_the_people_as_the_nodes_will_have_them() -> None:
+    """team-a lists a researcher and an admin: each one's uid (given or assigned), admin, GPU limit and how many
+    principals connect as them, in the text and in --json; dev lists none and keeps the shared login user."""
+    stack = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")
+    users, persons = stack.spec.users or [], stack.spec.people
+    assert [p.admin for p in persons] == [False, True]  # the example shows both kinds
+    doc = json.loads(run("plan", "team-a", "--json").stdout)
+    assert doc["people"] == [{"name": p.name, "uid": p.uid, "admin": p.admin, "max_gpus": p.max_gpus,
+                              "principal_count": len(u.principals)} for u, p in zip(users, persons, strict=True)]
+    text = run("plan", "team-a").stdout
+    assert f"People: {len(persons)}, each with an account of their own (uid = gid) on every node:" in text
+    for user, person in zip(users, persons, strict=True):
+        row = [person.name, str(person.uid), "yes" if person.admin else "no",
+               str(person.max_gpus or "-"), str(len(user.principals))]
+        assert any(line.split() == row for line in text.splitlines()), row
+    dev = run("plan", "dev")
+    assert json.loads(run("plan", "dev", "--json").stdout)["people"] == []
+    assert "People: none listed (users:): everyone connects as the shared login user ubuntu." in dev.stdout
 
 
 def test_plan_by_path_and_text_output() -> None:

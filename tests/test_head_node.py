@@ -185,6 +185,7 @@ def test_settings_document_is_the_contract(shipped: Shipped, tmp_path: Path) -> 
         spec = settings.pools[pool.name]
         assert (spec.name, spec.instance_type, spec.max_nodes) == (pool.name, pool.instance_type, pool.max_nodes)
         assert isinstance(spec.launch_template_version, str)
+    assert settings.people == stack.spec.people  # the stack's people reach the nodes (none: the shared login user)
 
 
 def test_a_launch_spec_key_the_contract_does_not_know_fails_up() -> None:
@@ -200,7 +201,7 @@ def test_a_launch_spec_key_the_contract_does_not_know_fails_up() -> None:
     args = SimpleNamespace(cluster_name="c", team="t", region="us-east-1", bundle_key="k", munge_key_parameter="/m",
                            node_program_settings=NodeProgramSettings(all_or_nothing=True, capacity_retry_seconds=600,
                                                                      checkpoint_grace_seconds=60,
-                                                                     drain_on_rebalance=True))
+                                                                     drain_on_rebalance=True), people=())
     pool = {"launch_template_id": "lt-1", "launch_template_version": 3, "subnet_id": "subnet-1",
             "instance_type": "p5.48xlarge", "market": "spot"}
     learned = {"bundle_bucket": "b", "head_address": "10.0.0.5", "state_volume_id": "vol-1", "fsx_dns_name": "d",

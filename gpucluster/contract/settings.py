@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from gpucluster.contract import people as people_rules
+
 # --- where things are on a node ---------------------------------------------------------------------------------------
 BUNDLE_DIR = "/opt/gpucluster"  # the unpacked bundle: lib/ (the library and its node programs), Slurm files, examples
 LIB_DIR = f"{BUNDLE_DIR}/lib"  # the gpucluster library (this file among it) and the stack's file
@@ -87,7 +89,9 @@ SLURM_USER = "slurm"  # SlurmUser: the daemons, the node programs and the reconc
 # The top of every Slurm cluster's account tree (sacctmgr makes it with the cluster): root's jobs run under it, outside
 # the team's account and its caps.
 SLURM_ROOT_ACCOUNT = "root"
-LOGIN_USER = "ubuntu"  # the images' login user: in the team's Slurm account, its home on the shared file system
+# The images' login user: in the team's Slurm account, its home on the shared file system. Only for a stack without
+# `users:`; with them, each person has an account of their own instead (ClusterSettings.accounts).
+LOGIN_USER = "ubuntu"
 SHARED_DIR = "/fsx"  # the Lustre file system, on every node
 SHARED_HOME = f"{SHARED_DIR}/home"  # bind-mounted at /home on every node: code, venvs and job output follow the job
 NODE_HOSTS_FILE = f"{SHARED_DIR}/.gpucluster/hosts"  # registered nodes' names and addresses, kept by the head
@@ -239,6 +243,59 @@ class BudgetSettings:
 
 
 @dataclass(frozen=True)
+class PersonSettings:
+    """One of the stack's people (`users:`): an account of the same uid on every node, with a personal group of the
+    same name whose gid is the uid. Their IAM principals stay with the Pulumi side (the nodes never need them)."""
+
+    name: str
+    uid: int
+    gid: int
+    admin: bool = False  # sudo in their sessions
+    max_gpus: int | None = None  # GPUs in use at once; None: no limit of their own
+
+
+def _people(raw: Any) -> tuple[PersonSettings, ...]:
+    """The settings' people, checked with the stack's own rules (gpucluster.contract.people): a document that breaks
+    them stops the loader, every problem at once, before a node makes an account from it."""
+    if not isinstance(raw, list):
+        raise SettingsError(f"people: a list of people expected, got {type(raw).__name__}")
+    found = [_build(PersonSettings, entry, f"people[{i}]") if isinstance(entry, dict) else None
+             for i, entry in enumerate(raw)]
+    problems = [f"people[{i}]: a mapping expected, got {type(raw[i]).__name__}"
+                for i, person in enumerate(found) if person is None]
+    names: dict[str, int] = {}
+    uids: dict[int, int] = {}
+    for i, person in enumerate(found):
+        if person is None:
+            continue
+        where = f"people[{i}]"
+        mistyped = [f"{where}.{key}: {kind.__name__} expected, got {value!r}"
+                    for key, kind in (("name", str), ("uid", int), ("gid", int), ("admin", bool))
+                    if not isinstance(value := getattr(person, key), kind) or (kind is int and isinstance(value, bool))]
+        if mistyped:
+            problems += mistyped
+            continue
+        if problem := people_rules.name_problem(person.name):
+            problems.append(f"{where}.name: {problem}")
+        if problem := people_rules.uid_problem(person.uid):
+            problems.append(f"{where}.uid: {problem}")
+        if person.gid != person.uid:
+            problems.append(f"{where}.gid: must equal the uid ({person.uid}): each person's group is their own")
+        if person.max_gpus is not None and (isinstance(person.max_gpus, bool) or not isinstance(person.max_gpus, int)
+                                            or person.max_gpus < 1):
+            problems.append(f"{where}.max_gpus: an integer >= 1 or null expected, got {person.max_gpus!r}")
+        if person.name in names:
+            problems.append(f"{where}.name: {person.name!r} is also people[{names[person.name]}]'s")
+        if person.uid in uids:
+            problems.append(f"{where}.uid: {person.uid} is also people[{uids[person.uid]}]'s")
+        names.setdefault(person.name, i)
+        uids.setdefault(person.uid, i)
+    if problems:
+        raise SettingsError("; ".join(problems))
+    return tuple(person for person in found if person is not None)
+
+
+@dataclass(frozen=True)
 class ClusterSettings:
     """Everything `pulumi up` learned that a node needs: one JSON document, one loader."""
 
@@ -281,6 +338,15 @@ class ClusterSettings:
     # on ports of their own counted from this base (SlurmLayout.node_port_base is the same seam for slurmd).
     # 0: every node uses the exporters' standard ports.
     exporter_port_base: int = 0
+    # The stack's people (`users:`), in the stack's order; none: the stack has no `users:` and everyone connects as
+    # the shared LOGIN_USER (see `accounts`).
+    people: tuple[PersonSettings, ...] = ()
+
+    @property
+    def accounts(self) -> tuple[str, ...]:
+        """The login accounts every node must have: the people's, or the shared login user when the stack lists no
+        people (a stack's `users:` is never an empty list)."""
+        return tuple(person.name for person in self.people) or (LOGIN_USER,)
 
     def pool_of(self, node: str) -> str:
         """The stack's pool that the node is one of: <pool>-<n> of a pool of these settings; "" for any other name
@@ -309,7 +375,9 @@ class ClusterSettings:
                               f"pools.{name}") for name, spec in raw.pop("pools", {}).items()}
         budget = raw.pop("budget", None)
         budget_settings = _build(BudgetSettings, budget, "budget") if budget else None
-        settings: ClusterSettings = _build(cls, {**raw, "pools": pools, "budget": budget_settings}, "settings")
+        people = _people(raw.pop("people", []))
+        settings: ClusterSettings = _build(cls, {**raw, "pools": pools, "budget": budget_settings, "people": people},
+                                           "settings")
         return settings  # typed here: _build makes whichever settings class it is given
 
     @classmethod

@@ -28,7 +28,7 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
 
-from gpucluster.contract import settings
+from gpucluster.contract import people, settings
 from gpucluster.spec import bom, catalog, eks, ubuntu_lock
 
 CONFIG_KEY = "gpucluster:cluster"
@@ -599,6 +599,163 @@ class KubernetesSpec(_Model):
         return value
 
 
+# A person's IAM principal: an IAM user's or role's ARN, a path allowed (arn:PARTITION:iam::ACCOUNT:role/PATH/NAME).
+# IAM's patterns (IAM API reference, CreateRole and CreateUser): RoleName and UserName 1-64 ASCII characters of
+# [\w+=,.@-], Path `/` or printable ASCII (! to DEL) between slashes (here each segment non-empty). Read in any
+# partition so that another one is named in the message; the stack's is `aws` (catalog.AWS_REGIONS).
+PRINCIPAL_RE = re.compile(r"arn:(aws(?:-[a-z]+)*):iam::([0-9]{12}):(user|role)/(?:[\x21-\x2e\x30-\x7f]+/)*"
+                          r"([\w+=,.@-]{1,64})", re.ASCII)
+STACK_PARTITION = "aws"
+# What is sometimes taken for a principal: a role session (what `aws sts get-caller-identity` shows under a role) and a
+# group. Neither can be one: a session's name is whatever its caller chose, and IAM never names a group as a principal.
+SESSION_ARN_RE = re.compile(r"arn:aws(?:-[a-z]+)*:sts::([0-9]{12}):assumed-role/([\w+=,.@-]{1,64})/.+", re.ASCII)
+GROUP_ARN_RE = re.compile(r"arn:aws(?:-[a-z]+)*:iam::[0-9]{12}:group/.+")
+
+
+def principal_key(arn: str) -> tuple[str, ...] | None:
+    """Who an ARN names: (partition, account, user|role, name). IAM's user and role names are unique in an account
+    regardless of case (CreateRole: "Names are not distinguished by case") and of path, so the key is the lowercased
+    name without the path. None: not a principal ARN."""
+    match = PRINCIPAL_RE.fullmatch(arn)
+    return None if match is None else (*match.group(1, 2, 3), match.group(4).lower())
+
+
+def _principal_problem(arn: str) -> str | None:
+    if session := SESSION_ARN_RE.fullmatch(arn):
+        account, role = session.groups()
+        return (f"{arn!r} is a session of a role, not a principal (its session name is whatever the caller chose): "
+                f"list the role, arn:{STACK_PARTITION}:iam::{account}:role/{role} (with its path, if any)")
+    if GROUP_ARN_RE.fullmatch(arn):
+        return f"{arn!r} is an IAM group, which IAM never takes as a principal: list its members' user ARNs"
+    key = principal_key(arn)
+    if key is None:
+        return (f"{arn!r} is not allowed: use an IAM role or user ARN such as arn:aws:iam::123456789012:role/alice or "
+                "arn:aws:iam::123456789012:user/alice (a path such as role/researchers/alice is allowed)")
+    if key[0] != STACK_PARTITION:
+        return (f"{arn!r} is in partition {key[0]}: the stack's region is in {STACK_PARTITION} (catalog.AWS_REGIONS), "
+                "and IAM principals of one partition cannot act in another")
+    return None
+
+
+class UserSpec(_Model):
+    # The person's login name on every node, and their personal group's: a lowercase letter, then lowercase letters,
+    # digits, '-' and '_', at most 32 characters; not a name the nodes already have (root, slurm, munge, ubuntu,
+    # ssm-user and the other system and package accounts: gpucluster/contract/people.py RESERVED_NAMES).
+    name: str
+    # The person's uid, and their personal group's gid, on every node: 20000 to 59999 (a range the images and their
+    # software never use). Left out: 20000 + (the first 8 bytes of the SHA-256 of the name, big-endian, modulo 40000),
+    # which depends on the name alone: adding or removing another person never changes it. When two people's uids meet,
+    # give one of them a uid.
+    uid: int | None = None
+    # The IAM principals (role or user ARNs, a path allowed) allowed to connect as this person, at least one; each names
+    # one person only. Not a role session (arn:aws:sts::...:assumed-role/...): list its role.
+    principals: list[str] = Field(min_length=1)
+    # Admins get sudo in their sessions.
+    admin: bool = False
+    # The most GPUs this person may have in use at once (Slurm's per-user limit on gres/gpu); at most the cluster's GPUs
+    # at max_nodes. Not allowed with scheduler: kubernetes (no per-person limits there). Default: no limit of their own.
+    max_gpus: int | None = Field(default=None, ge=1)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if problem := people.name_problem(value):
+            raise ValueError(problem)
+        return value
+
+    @field_validator("uid")
+    @classmethod
+    def _uid(cls, value: int | None) -> int | None:
+        if value is not None and (problem := people.uid_problem(value)):
+            raise ValueError(problem)
+        return value
+
+    @field_validator("principals")
+    @classmethod
+    def _principals(cls, value: list[str]) -> list[str]:
+        problems = [((i,), problem) for i, arn in enumerate(value) if (problem := _principal_problem(arn))]
+        if problems:
+            raise _rule_errors("principals", problems, value)
+        return value
+
+    @property
+    def person(self) -> settings.PersonSettings:
+        """The account the nodes make: the uid given, or the one assigned from the name; the gid is the uid."""
+        uid = self.uid if self.uid is not None else people.assigned_uid(self.name)
+        return settings.PersonSettings(name=self.name, uid=uid, gid=uid, admin=self.admin, max_gpus=self.max_gpus)
+
+
+def cluster_gpus(pools: Sequence[Any]) -> int | None:
+    """The NVIDIA GPUs of every pool at max_nodes (Slurm's gres/gpu; Neuron devices are gres/neuron), on the pools'
+    mappings (also the raw ones when a field error stops pydantic). None when a pool's type or size cannot be read:
+    no bound is known then."""
+    total = 0
+    for pool in pools:
+        name = pool.get("instance_type") if isinstance(pool, dict) else None
+        itype = catalog.ACCELERATED.get(name) if isinstance(name, str) else None
+        count = pool.get("max_nodes") if isinstance(pool, dict) else None
+        if itype is None or not isinstance(count, int) or isinstance(count, bool):
+            return None
+        if itype.accelerator and itype.accelerator.kind == "nvidia":
+            total += itype.accelerator.count * count
+    return total
+
+
+def _user_set_problems(spec: dict[str, Any]) -> list[tuple[tuple[str | int, ...], str]]:
+    """Rules across the people, on the mapping as given (also run when a field error stops pydantic before
+    ClusterSpec's rules): unique names, uids (given or assigned) and principals; max_gpus within the cluster."""
+    users = spec.get("users")
+    if not isinstance(users, list):
+        return []
+    problems: list[tuple[tuple[str | int, ...], str]] = []
+    names: dict[str, int] = {}
+    uids: dict[int, tuple[int, str]] = {}
+    principals: dict[tuple[str, ...], tuple[int, int]] = {}
+    pools = spec.get("pools")
+    gpus = cluster_gpus(pools if isinstance(pools, list) else [])
+    for i, user in enumerate(users):
+        if not isinstance(user, dict):
+            continue
+        given, uid = user.get("name"), user.get("uid")
+        name = given if isinstance(given, str) and people.name_problem(given) is None else None
+        if name is not None and name in names:
+            problems.append((("users", i, "name"), f"{name!r} is also users[{names[name]}]'s name"))
+        if name is not None and uid is None:
+            uid, how = people.assigned_uid(name), f"assigned from the name {name!r}"
+        else:
+            how = "given"
+        if isinstance(uid, int) and not isinstance(uid, bool) and people.uid_problem(uid) is None:
+            if uid in uids:
+                other, other_how = uids[uid]
+                problems.append((("users", i, "uid"), f"{uid} ({how}) is also users[{other}]'s uid ({other_how}): "
+                                                      "set `uid` explicitly for one of them"))
+            uids.setdefault(uid, (i, how))
+        if name is not None:
+            names.setdefault(name, i)
+        listed = user.get("principals")
+        for j, arn in enumerate(listed if isinstance(listed, list) else []):
+            key = principal_key(arn) if isinstance(arn, str) else None
+            if key is None:
+                continue
+            if key in principals and principals[key][0] != i:
+                first, at = principals[key]
+                problems.append((("users", i, "principals", j), f"{arn!r} is also users[{first}].principals[{at}]: "
+                                 "a principal connects as one person only"))
+            elif key in principals:
+                problems.append((("users", i, "principals", j),
+                                 f"{arn!r} is listed twice (principals[{principals[key][1]}])"))
+            principals.setdefault(key, (i, j))
+        max_gpus = user.get("max_gpus")
+        if isinstance(max_gpus, int) and not isinstance(max_gpus, bool) and max_gpus >= 1:
+            if spec.get("scheduler", "slurm") == "kubernetes":
+                problems.append((("users", i, "max_gpus"), "not allowed with scheduler: kubernetes (per-person limits "
+                                                           "are Slurm's; the team's GPUs are shared there)"))
+            elif gpus is not None and max_gpus > gpus:
+                problems.append((("users", i, "max_gpus"), f"{max_gpus} is more than the cluster's {gpus} GPUs at "
+                                                           "max_nodes (NVIDIA pools): it would never limit anything"))
+    return problems
+
+
 @dataclass(frozen=True)
 class ImageBuild:
     """One node image that `up` bakes: the head node's, or the compute nodes' of one accelerator kind."""
@@ -634,6 +791,11 @@ class ClusterSpec(_Model):
     slurm: SlurmSpec = SlurmSpec()
     # The node images (scheduler: slurm only).
     image: ImageSpec = ImageSpec()
+    # The people who use the cluster, each with an account of their own on every node (at least one person; names, uids
+    # and principals unique). Left out: everyone connects as the shared login user (ubuntu), as before. The Kubernetes
+    # flavour takes the list too, without max_gpus (per-person limits are Slurm's); access entries for each person's
+    # principals there come later.
+    users: list[UserSpec] | None = Field(default=None, min_length=1)
 
     @property
     def image_builds(self) -> list[ImageBuild]:
@@ -650,6 +812,11 @@ class ClusterSpec(_Model):
         return _parent_roles(self.model_dump())
 
     @property
+    def people(self) -> tuple[settings.PersonSettings, ...]:
+        """The accounts of the stack's people, in its order; none without `users:` (the shared login user then)."""
+        return tuple(user.person for user in self.users or ())
+
+    @property
     def eks(self) -> KubernetesSpec:
         """The Kubernetes section, defaults filled in (a kubernetes stack may leave it out)."""
         return self.kubernetes or KubernetesSpec()
@@ -659,6 +826,7 @@ class ClusterSpec(_Model):
         problems = _pool_set_problems([p.model_dump() for p in self.pools])
         problems += _scheduler_problems({**self.model_dump(exclude_unset=True), "scheduler": self.scheduler})
         problems += _image_problems(self.image, self.parent_roles)
+        problems += _user_set_problems(self.model_dump())
         if problems:
             raise _rule_errors("cluster", problems, None)
         return self
@@ -945,7 +1113,8 @@ def validate(stack: str, config: dict[str, Any], source: str = "") -> Stack:
                                                            rules + _pool_set_problems(raw["pools"]))
                           if (p, m) not in found]
             found += [(p, m) for p, m in ((_path(loc), msg) for loc, msg in
-                                          _scheduler_problems(raw) + _raw_image_problems(raw))
+                                          _scheduler_problems(raw) + _raw_image_problems(raw) +
+                                          _user_set_problems(raw))
                       if (p, m) not in found]
             problems += found
         az = raw.get("availability_zone")
