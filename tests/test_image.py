@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import FIXTURES, ROOT, STACK_FILES, of_type, planned
+from conftest import FIXTURES, ROOT, STACK_FILES, of_type, planned, xdist_session_dir
 from gpucluster.contract import settings
 from gpucluster.plan import Declared, planned_id, planned_outputs, run_program
 from gpucluster.project import pulumi_program
@@ -395,12 +395,12 @@ def build(tmp_path: Path) -> Build:
     return runner(tmp_path)
 
 
-def shared_build(tmp_path_factory: pytest.TempPathFactory, worker_id: str, role: str) -> Run:
+def shared_build(tmp_path_factory: pytest.TempPathFactory, role: str) -> Run:
     """One build of the role from the real BOM with every default for the whole session: under xdist the first
     worker to need it builds it under a lock in the session's directory, the others read what it left there."""
-    if worker_id == "master":  # no xdist: this process is the session
+    session = xdist_session_dir(tmp_path_factory)
+    if session is None:
         return runner(tmp_path_factory.mktemp(role))(role)
-    session = tmp_path_factory.getbasetemp().parent  # each worker's base directory is in the session's
     saved = session / f"image-build-{role}.json"
     with open(saved.with_suffix(".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -414,13 +414,13 @@ def shared_build(tmp_path_factory: pytest.TempPathFactory, worker_id: str, role:
 
 # One build of each role, shared by the tests that only read it (shared_build).
 @pytest.fixture(scope="module")
-def head(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Run:
-    return shared_build(tmp_path_factory, worker_id, "head")
+def head(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return shared_build(tmp_path_factory, "head")
 
 
 @pytest.fixture(scope="module")
-def compute(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Run:
-    return shared_build(tmp_path_factory, worker_id, "compute")
+def compute(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return shared_build(tmp_path_factory, "compute")
 
 
 # --- the script as text ----------------------------------------------------------------------------------------------
