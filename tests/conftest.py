@@ -1,6 +1,10 @@
 from __future__ import annotations
 
+import fcntl
 import functools
+import hashlib
+import os
+import pickle
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -30,10 +34,40 @@ FIXTURES = ROOT / "tests" / "stacks"
 ClientFactory = Callable[[str], Any]
 
 
+# Where the session's xdist workers share their plans (planned); empty in a run without workers.
+SHARED_PLANS: list[Path] = []
+
+
+def xdist_session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path | None:
+    """The directory the session's xdist workers share (each one's base directory is in it); None without xdist."""
+    return tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def plans_shared_by_workers(tmp_path_factory: pytest.TempPathFactory) -> None:
+    if session := xdist_session_dir(tmp_path_factory):
+        SHARED_PLANS.append(session / "plans")
+
+
 @functools.cache
 def planned(path: Path, facts: AccountFacts = NEW_ACCOUNT) -> tuple[Stack, tuple[Declared, ...]]:
     """The stack and what its Pulumi program declares under the mock runtime, in an account of these `facts` (once
-    per file and facts per session)."""
+    per file and facts per session: under xdist the first worker to need it makes it, under a lock, and the others
+    read what it left in the session's directory)."""
+    if not SHARED_PLANS:
+        return _plan(path, facts)
+    key = hashlib.sha256(repr((str(path), path.read_bytes(), facts)).encode()).hexdigest()
+    saved = SHARED_PLANS[0] / f"{key}.pickle"
+    saved.parent.mkdir(exist_ok=True)
+    with open(saved.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not saved.exists():
+            saved.write_bytes(pickle.dumps(_plan(path, facts)))
+    plan: tuple[Stack, tuple[Declared, ...]] = pickle.loads(saved.read_bytes())
+    return plan
+
+
+def _plan(path: Path, facts: AccountFacts) -> tuple[Stack, tuple[Declared, ...]]:
     stack = load_stack(path)
     return stack, tuple(run_program(stack, pulumi_program(), facts=facts))
 

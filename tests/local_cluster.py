@@ -53,7 +53,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from gpucluster.contract.settings import (
     ALL_REDUCE_PERF,
@@ -661,6 +661,7 @@ class LocalCluster:
     env: dict[str, str] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
     _closers: list[Callable[[], None]] = field(default_factory=list)
+    _clients: dict[str, Any] = field(default_factory=dict)  # service -> boto3 client (aws)
 
     # --- lifecycle -----------------------------------------------------------------------------------------------
     def start(self, boot_head: bool = True) -> LocalCluster:
@@ -740,10 +741,14 @@ class LocalCluster:
         return front
 
     def aws(self, service: str):
-        import boto3
+        """The cluster's moto as a boto3 client, one per service: making one costs more CPU than a call, and the
+        waits ask moto every 0.2 s."""
+        if service not in self._clients:
+            import boto3
 
-        return boto3.client(service, endpoint_url=self.moto_url, region_name=self.stack.region,
-                            aws_access_key_id="testing", aws_secret_access_key="testing")
+            self._clients[service] = boto3.client(service, endpoint_url=self.moto_url, region_name=self.stack.region,
+                                                  aws_access_key_id="testing", aws_secret_access_key="testing")
+        return self._clients[service]
 
     def ec2(self):
         return self.aws("ec2")

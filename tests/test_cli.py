@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -13,7 +14,11 @@ import pytest
 from conftest import ROOT
 from gpucluster.spec.model import load_stack
 
+# The module on one xdist worker, so that the plans its tests share are made once (run below).
+pytestmark = pytest.mark.xdist_group("cli")
 
+
+@functools.cache  # one cold process per distinct command line a session: several tests read the same plan
 def run(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env["AWS_SHARED_CREDENTIALS_FILE"] = env["AWS_CONFIG_FILE"] = os.devnull  # prove no credentials are needed

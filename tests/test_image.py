@@ -4,6 +4,7 @@ package steps for real, with apt, in a chroot.)"""
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import io
@@ -22,7 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import FIXTURES, ROOT, STACK_FILES, of_type, planned
+from conftest import FIXTURES, ROOT, STACK_FILES, of_type, planned, xdist_session_dir
 from gpucluster.contract import settings
 from gpucluster.plan import Declared, planned_id, planned_outputs, run_program
 from gpucluster.project import pulumi_program
@@ -415,15 +416,32 @@ def build(tmp_path: Path) -> Build:
     return runner(tmp_path)
 
 
-# One build of each role from the real BOM with every default, shared by the tests that only read it.
+def shared_build(tmp_path_factory: pytest.TempPathFactory, role: str) -> Run:
+    """One build of the role from the real BOM with every default for the whole session: under xdist the first
+    worker to need it builds it under a lock in the session's directory, the others read what it left there."""
+    session = xdist_session_dir(tmp_path_factory)
+    if session is None:
+        return runner(tmp_path_factory.mktemp(role))(role)
+    saved = session / f"image-build-{role}.json"
+    with open(saved.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not saved.exists():
+            (where := session / f"image-build-{role}").mkdir()
+            run = runner(where)(role)
+            saved.write_text(json.dumps({**run.__dict__, "root": str(run.root)}))
+    fields = json.loads(saved.read_text())
+    return Run(**{**fields, "root": Path(fields["root"])})
+
+
+# One build of each role, shared by the tests that only read it (shared_build).
 @pytest.fixture(scope="module")
 def head(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return runner(tmp_path_factory.mktemp("head"))("head")
+    return shared_build(tmp_path_factory, "head")
 
 
 @pytest.fixture(scope="module")
 def compute(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return runner(tmp_path_factory.mktemp("compute"))("compute")
+    return shared_build(tmp_path_factory, "compute")
 
 
 # --- the script as text ----------------------------------------------------------------------------------------------

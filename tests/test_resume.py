@@ -4,6 +4,11 @@ it gives Slurm for nodes EC2 did not launch; against in-process moto and a recor
 from __future__ import annotations
 
 import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -216,3 +221,49 @@ def test_main_survives_a_failing_scontrol_in_its_fallback(ec2, tmp_path: Path,
     assert resume_program.main(["resume.py", "p5-od-[1-2]"]) == 1  # resume failed, and so did the fallback's set_down
     assert "could not set p5-od-[1-2] DOWN after the failure" in caplog.text
     assert "stderr: Unable to contact slurm controller" in caplog.text
+
+
+@pytest.fixture
+def slow_metadata(monkeypatch: pytest.MonkeyPatch, moto_url: str) -> Iterator[None]:
+    """Instance metadata (IMDSv2) that answers the credentials request 1.5 s late, as a busy head's may: longer than
+    botocore's default timeout of 1 s for one attempt. The only credentials there are; EC2 is moto."""
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def _reply(self, text: str) -> None:
+            data = text.encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_PUT(self) -> None:
+            self._reply("token")
+
+        def do_GET(self) -> None:
+            if self.path.endswith("/"):  # the role's name
+                return self._reply("gpucluster-head")
+            time.sleep(1.5)
+            expires = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 3600))
+            self._reply(json.dumps({"Code": "Success", "AccessKeyId": "testing", "SecretAccessKey": "testing",
+                                    "Token": "testing", "Expiration": expires}))
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_url)
+    monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+    yield
+    server.shutdown()
+    server.server_close()
+
+
+def test_the_programs_ec2_client_waits_for_slow_instance_metadata(slow_metadata: None) -> None:
+    """The resume, suspend and resume-fail programs and the reconciler get their credentials from a metadata service
+    that answers late (botocore's default would have none: NoCredentialsError, the resume's nodes DOWN)."""
+    ec2 = fleet.ec2_client(ClusterSettings(cluster="c1", region="us-east-1", pools={}, log_file="/dev/null"))
+    assert ec2.describe_instances()["Reservations"] == []

@@ -34,13 +34,24 @@ SPOT_ROLE_ERROR = "AuthFailure.ServiceLinkedRoleCreationNotPermitted"
 SPOT_ROLE_FIX = "aws iam create-service-linked-role --aws-service-name spot.amazonaws.com"
 
 
+# The instance profile's credentials come from instance metadata, which botocore asks once with a 1 s timeout by
+# default (configprovider.py: metadata_service_timeout, metadata_service_num_attempts): a head busy enough to answer
+# late left a resume without credentials, its nodes DOWN. The same 5 s as the boot's own metadata calls (metadata.py).
+METADATA_SECONDS = 5
+METADATA_ATTEMPTS = 3
+
+
 def ec2_client(config: ClusterSettings) -> Any:
     import boto3
+    import botocore.session
     from botocore.config import Config as BotoConfig
 
+    session = botocore.session.get_session()
+    session.set_config_variable("metadata_service_timeout", METADATA_SECONDS)
+    session.set_config_variable("metadata_service_num_attempts", METADATA_ATTEMPTS)
     # Throttling (RequestLimitExceeded) is retried with client-side rate limiting and exponential backoff.
-    return boto3.client("ec2", region_name=config.region,
-                        config=BotoConfig(retries={"mode": "adaptive", "max_attempts": 10}))
+    return boto3.Session(botocore_session=session).client(
+        "ec2", region_name=config.region, config=BotoConfig(retries={"mode": "adaptive", "max_attempts": 10}))
 
 
 @dataclass
