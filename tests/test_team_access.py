@@ -10,7 +10,7 @@ import fnmatch
 import functools
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import pulumi
@@ -269,8 +269,11 @@ def _people_plan(path: Any = TEAM_A, edit: Any = None) -> tuple[Stack, tuple[Dec
     def program() -> None:
         from components.cluster import create_cluster
 
+        def keep(key: str) -> Callable[[Any], None]:
+            return lambda value: outputs.__setitem__(key, value)
+
         for key, value in create_cluster(stack, EXAMPLES_DIR).items():
-            pulumi.Output.from_input(value).apply(lambda v, k=key: outputs.__setitem__(k, v))
+            pulumi.Output.from_input(value).apply(keep(key))
 
     return stack, tuple(run_program(stack, program)), outputs
 
