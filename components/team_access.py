@@ -88,10 +88,11 @@ def access_policy(instance_arn: str, document_arns: list[str], sessions: str, ve
     return json.dumps({"Version": "2012-10-17", "Statement": [
         {"Sid": "HeadNodeWithThisDocumentOnly", "Effect": "Allow", "Action": "ssm:StartSession",
          "Resource": [instance_arn, *document_arns], "Condition": condition},
-        *({"Sid": f"ShellAsPerson{i}", "Effect": "Allow", "Action": "ssm:StartSession",
-           "Resource": [instance_arn, document],
-           "Condition": {"ArnEquals": {"aws:PrincipalArn": list(principals)}, **condition}}
-          for i, (document, principals) in enumerate(people, 1)),
+        # A person's shell, to their principals only. IAM authorizes StartSession on each resource of the request,
+        # the instance and the document: the instance only through the statement above, with its conditions; so
+        # these statements name the document alone and stay small (each person adds one to a size-limited policy).
+        *({"Effect": "Allow", "Action": "ssm:StartSession", "Resource": document,
+           "Condition": {"ArnEquals": {"aws:PrincipalArn": list(principals)}}} for document, principals in people),
         {"Sid": "OwnSessionsOnly", "Effect": "Allow", "Action": ["ssm:TerminateSession", "ssm:ResumeSession"],
          "Resource": f"{sessions}*", "Condition": {"StringEquals": {SESSION_OWNER_TAG: "${aws:userid}"}}},
         # The caller's end of the session's data channel (the AWS CLI's session plugin).

@@ -11,6 +11,7 @@ import functools
 import json
 import re
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import pulumi
@@ -18,6 +19,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, of_type, planned
+from gpucluster import cli
 from gpucluster.aws import verify_remote
 from gpucluster.contract.settings import (
     GRAFANA_PORT,
@@ -395,17 +397,26 @@ def test_a_removed_person_can_no_longer_start_a_shell_and_a_new_one_can() -> Non
     assert not may_start_session(users, carol, instance, _requested(stack, "alice"))
 
 
-def test_the_users_policy_stays_within_iams_size_for_a_managed_policy() -> None:
-    """Each person adds a statement: a team too large for one managed policy is refused before anything is declared,
-    naming the key; the shipped stack is far from it."""
-    def crowd(cluster: dict[str, Any]) -> None:
-        cluster["users"] = [{"name": f"researcher{i:02d}", "principals": [
-            f"arn:aws:iam::123456789012:role/researchers/researcher{i:02d}",
-            f"arn:aws:iam::123456789012:user/researcher{i:02d}"]} for i in range(30)]
+def _crowd(cluster: dict[str, Any]) -> None:
+    cluster["users"] = [{"name": f"researcher{i:02d}", "principals": [
+        f"arn:aws:iam::123456789012:role/researchers/researcher{i:02d}",
+        f"arn:aws:iam::123456789012:user/researcher{i:02d}"]} for i in range(30)]
 
-    with pytest.raises(pulumi.RunError, match=r"^gpucluster:cluster\.users: the team's users' access policy would be "
-                                              r"\d+ characters, over IAM's 6144 for a managed policy"):
-        _people_plan(edit=crowd)
+
+def test_the_users_policy_stays_within_iams_size_for_a_managed_policy(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Each person adds a statement: a team too large for one managed policy is refused before anything is declared,
+    naming the key (`gpucluster plan`: exit 2, as for any bad input); the shipped stack fits."""
+    refusal = (r"gpucluster:cluster\.users: the team's users' access policy would be \d+ characters, over IAM's 6144 "
+               r"for a managed policy")
+    with pytest.raises(pulumi.RunError, match=f"^{refusal}"):
+        _people_plan(edit=_crowd)
+    document = yaml.safe_load(TEAM_A.read_text())
+    _crowd(document["config"]["gpucluster:cluster"])
+    crowded = tmp_path / "Pulumi.crowd.yaml"
+    crowded.write_text(yaml.safe_dump(document))
+    assert cli.main(["plan", str(crowded)]) == cli.EXIT_BAD_INPUT
+    assert re.fullmatch(refusal + r".*\n", capsys.readouterr().err)
     stack, declared, _ = _people_plan()
     (policy,) = [d for d in of_type(declared, "iam/policy:Policy") if d.name.endswith("-user-access")]
     assert sum(not c.isspace() for c in policy.inputs["policy"]) < 6144
