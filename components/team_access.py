@@ -178,8 +178,8 @@ class TeamAccess(pulumi.ComponentResource):
             return pulumi.Output.concat(f"arn:aws:ssm:{args.region}:", args.account_id, ":document/", document.name)
 
         principals = [tuple(person.principals) for person in args.people]
-        # The descriptions stay as they were: a changed one replaces the policy, and the old one, attached to the
-        # team's users, could not be deleted.
+        # The descriptions stay as they were, also with people (whose shells are their own, not the login user's): a
+        # changed one replaces the policy, and the old one, attached to the team's users, could not be deleted.
         user_policy = aws.iam.Policy(
             f"{name}-user-access", description=f"gpucluster {cluster}: shell on the head node as {LOGIN_USER}",
             policy=pulumi.Output.all(
