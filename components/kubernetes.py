@@ -185,6 +185,7 @@ class EksCluster(pulumi.ComponentResource):
             opts=child(self, depends_on=[self.node_access, *node_policies, *node_addons.values()]))
         self._admins(name, cluster, settings_.admin_role_arns)
         self.team_role_arn = self._team(name, stack, cluster, args.account_id)
+        self._people(name, stack, cluster)
         pod_addons = self._addons(name, stack, cluster, [a for a in eks.ADDONS if a not in eks.NODE_ADDONS],
                                   node_addons, after=[self.system_nodes])
         self.addons = [{**node_addons, **pod_addons}[a] for a in eks.ADDONS]
@@ -235,13 +236,25 @@ class EksCluster(pulumi.ComponentResource):
             "Sid": "Kubeconfig", "Effect": "Allow", "Action": "eks:DescribeCluster", "Resource": arn}])),
             opts=child(self))
         # Its sessions are in the team's group too: RBAC in the namespace binds Kueue's user role to it (kube.py).
-        entry = aws.eks.AccessEntry(f"{name}-team", cluster_name=cluster.name, principal_arn=role.arn,
+        self._team_member(f"{name}-team", stack, cluster, role.arn)
+        return role.arn
+
+    def _people(self, name: str, stack: Stack, cluster: aws.eks.Cluster) -> None:
+        """Each person's principals (`users:`) are team members as the team's role is, so that kubectl runs with
+        their own identity (the API server's audit log names it). Per-person limits are Slurm's: none here."""
+        for person in stack.spec.users or ():
+            for i, arn in enumerate(person.principals):
+                self._team_member(f"{name}-user-{person.name}-{i}", stack, cluster, arn)
+
+    def _team_member(self, resource: str, stack: Stack, cluster: aws.eks.Cluster,
+                     principal_arn: pulumi.Input[str]) -> None:
+        """An access entry in the team's group, with EKS's edit policy in the team's namespace only."""
+        entry = aws.eks.AccessEntry(resource, cluster_name=cluster.name, principal_arn=principal_arn,
                                     type="STANDARD", kubernetes_groups=[kube.team_group(stack)], opts=child(self))
-        aws.eks.AccessPolicyAssociation(f"{name}-team", cluster_name=cluster.name, principal_arn=role.arn,
+        aws.eks.AccessPolicyAssociation(resource, cluster_name=cluster.name, principal_arn=principal_arn,
                                         policy_arn=ACCESS_POLICY + "AmazonEKSEditPolicy",
                                         access_scope={"type": "namespace", "namespaces": [kube.namespace_name(stack)]},
                                         opts=child(self, depends_on=[entry]))
-        return role.arn
 
 
 def addon_configuration(stack: Stack, addon: str) -> str | None:

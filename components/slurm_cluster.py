@@ -134,7 +134,8 @@ def create_slurm_cluster(stack: Stack, examples_dir: Path) -> dict[str, object]:
     )
     team = TeamAccess(stack.cluster_name, TeamAccessArgs(cluster_name=stack.cluster_name, region=stack.region,
                                                          account_id=account, head_instance_id=head.instance_id,
-                                                         verify_document=verify_remote.command_document(stack)), opts)
+                                                         verify_document=verify_remote.command_document(stack),
+                                                         people=tuple(spec.users or ())), opts)
     deny = None if act is None else LaunchDeny(
         stack.cluster_name, LaunchDenyArgs(budget_name=budget.budget_name, act_threshold_percent=act,
                                            role_name=head.role_name, role_arn=head.role_arn,
@@ -158,14 +159,21 @@ def create_slurm_cluster(stack: Stack, examples_dir: Path) -> dict[str, object]:
         "head_node_instance_id": head.instance_id,
         "head_node_private_ip": head.private_ip,
         "head_node_image": head.image_id,
-        # A shell on the head as the login user (no sudo), and the admins' (sudo): each needs its policy attached.
-        "connect": pulumi.Output.concat("aws ssm start-session --region ", stack.region, " --target ", head.instance_id,
-                                        " --document-name ", team.user_document),
-        "connect_admin": pulumi.Output.concat("aws ssm start-session --region ", stack.region, " --target ",
-                                              head.instance_id, " --document-name ", team.admin_document),
+        # A shell on the head as the login user (no sudo), or with people a map of each person's name to the command
+        # that opens a shell as them; and the admins' (ssm-user, sudo): each needs its policy attached.
+        "connect": {person: start_session(stack.region, head.instance_id, document)
+                    for person, document in team.person_documents.items()} if team.user_document is None
+        else start_session(stack.region, head.instance_id, team.user_document),
+        "connect_admin": start_session(stack.region, head.instance_id, team.admin_document),
         # Grafana through a Session Manager port forward (either policy): `python -m gpucluster dashboard STACK`.
         "connect_dashboard": team.dashboard_document,
         "user_access_policy_arn": team.user_policy_arn,
         "admin_access_policy_arn": team.admin_policy_arn,
         "kept_on_destroy": kept,
     }
+
+
+def start_session(region: str, instance_id: pulumi.Input[str], document: pulumi.Input[str]) -> pulumi.Output[str]:
+    """The AWS CLI command that opens a Session Manager shell on the head with `document`."""
+    return pulumi.Output.concat("aws ssm start-session --region ", region, " --target ", instance_id,
+                                " --document-name ", document)

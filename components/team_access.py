@@ -6,24 +6,43 @@ node only, and only with its shell document or the dashboard's: without `ssm:Ses
 could name AWS's default document and get `ssm-user`, who has sudo, or AWS-StartPortForwardingSession and reach any
 port of the head. Both allow one Run Command document, on the head only: `gpucluster verify` as root with checked
 options (gpucluster/aws/verify_remote.py), never AWS-RunShellScript, which would be any command as root.
+With people (`users:`), the login user's document gives way to one document per person (a shell as that person), and
+the users' policy allows each person's document only to that person's IAM principals.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pulumi
 import pulumi_aws as aws
 
 from components import child
-from gpucluster.contract.settings import GRAFANA_PORT, LOGIN_USER, command_document_name, session_document_name
+from gpucluster.contract.settings import (
+    GRAFANA_PORT,
+    LOGIN_USER,
+    command_document_name,
+    person_session_document_name,
+    session_document_name,
+)
+from gpucluster.spec.model import CONFIG_KEY, UserSpec
 
 IDLE_SESSION_MINUTES = 60
 MAX_SESSION_MINUTES = 720  # a forgotten shell ends after a working day
 # A TCP port number, 1-65535: AWS-StartPortForwardingSession's pattern without its 0 ("any free port"), so that the
 # port a user asked for is the one `gpucluster dashboard` prints.
 LOCAL_PORT_PATTERN = r"^([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])$"
+# A managed policy's size limit, in characters not counting white space (IAM User Guide, "IAM and AWS STS quotas":
+# managed policy size 6,144 characters). Each person adds a statement to the users' policy.
+MANAGED_POLICY_MAX_CHARACTERS = 6144
+# The session's tag that holds the user id of the principal who started it (Session Manager user guide, "Additional
+# sample IAM policies", Example 4 "Allow a user to end only sessions they started", method 2; the Service
+# Authorization Reference lists the key for ssm:TerminateSession and ssm:ResumeSession). A session's id starts with
+# the IAM user's or the role session's name, never with aws:userid, so a resource of session/${aws:userid}-* alone
+# matches no session of a role.
+SESSION_OWNER_TAG = "ssm:resourceTag/aws:ssmmessages:session-id"
 
 
 def session_document(description: str, run_as: str | None) -> str:
@@ -52,23 +71,33 @@ def dashboard_document(description: str) -> str:
     })
 
 
-def access_policy(instance_arn: str, document_arns: list[str], sessions_arn: str, verify_arn: str,
-                  run_as_tag_free: bool) -> str:
-    """StartSession on the head node with the given documents only; end, resume and stream one's own sessions; the
-    verify document on the head node, and its commands' outcome.
+def access_policy(instance_arn: str, document_arns: list[str], sessions: str, verify_arn: str,
+                  run_as_tag_free: bool, people: Sequence[tuple[str, Sequence[str]]] = ()) -> str:
+    """StartSession on the head node with the given documents only; end and resume one's own sessions, stream
+    one's own; the verify document on the head node, and its commands' outcome.
     `run_as_tag_free`: only for callers without an `SSMSessionRunAs` tag, which would override the document's user
-    with any user of the node (slurm, which reaches instance metadata on the head; ssm-user, which has sudo)."""
+    with any user of the node (slurm, which reaches instance metadata on the head; ssm-user, which has sudo).
+    `sessions`: the ARN of the region's sessions of the account, up to `session/`.
+    `people`: (document ARN, IAM principals) per person: StartSession with that document, which runs the shell as
+    the person, only when the caller is one of the person's principals. aws:PrincipalArn is an IAM user's ARN, and for
+    a role's sessions the role's ARN with its path, never the session's (IAM User Guide, AWS global condition context
+    keys: aws:PrincipalArn), so a role lists as itself and the session name its caller chose plays no part."""
     condition: dict[str, dict[str, str]] = {"BoolIfExists": {"ssm:SessionDocumentAccessCheck": "true"}}
     if run_as_tag_free:
         condition["Null"] = {"aws:PrincipalTag/SSMSessionRunAs": "true"}
     return json.dumps({"Version": "2012-10-17", "Statement": [
         {"Sid": "HeadNodeWithThisDocumentOnly", "Effect": "Allow", "Action": "ssm:StartSession",
          "Resource": [instance_arn, *document_arns], "Condition": condition},
+        # A person's shell, to their principals only. IAM authorizes StartSession on each resource of the request,
+        # the instance and the document: the instance only through the statement above, with its conditions; so
+        # these statements name the document alone and stay small (each person adds one to a size-limited policy).
+        *({"Effect": "Allow", "Action": "ssm:StartSession", "Resource": document,
+           "Condition": {"ArnEquals": {"aws:PrincipalArn": list(principals)}}} for document, principals in people),
         {"Sid": "OwnSessionsOnly", "Effect": "Allow", "Action": ["ssm:TerminateSession", "ssm:ResumeSession"],
-         "Resource": sessions_arn},
+         "Resource": f"{sessions}*", "Condition": {"StringEquals": {SESSION_OWNER_TAG: "${aws:userid}"}}},
         # The caller's end of the session's data channel (the AWS CLI's session plugin).
         {"Sid": "OwnSessionChannel", "Effect": "Allow", "Action": "ssmmessages:OpenDataChannel",
-         "Resource": sessions_arn},
+         "Resource": sessions + "${aws:userid}-*"},
         # `gpucluster dashboard` finds the running head by its tags. DescribeInstances has no resource-level
         # permissions: it names instances, not their data.
         {"Sid": "FindTheHeadNode", "Effect": "Allow", "Action": "ec2:DescribeInstances", "Resource": "*"},
@@ -81,6 +110,11 @@ def access_policy(instance_arn: str, document_arns: list[str], sessions_arn: str
     ]})
 
 
+def policy_characters(document: str) -> int:
+    """A policy's size as IAM counts it against its quotas: white space is not counted."""
+    return sum(not c.isspace() for c in document)
+
+
 @dataclass(frozen=True)
 class TeamAccessArgs:
     cluster_name: str
@@ -88,10 +122,18 @@ class TeamAccessArgs:
     account_id: pulumi.Input[str]  # components.iam.account_id
     head_instance_id: pulumi.Input[str]
     verify_document: str  # gpucluster.aws.verify_remote.command_document(stack)
+    people: Sequence[UserSpec] = ()  # the stack's `users:`; none: everyone connects as the login user
+
+
+# What the size check renders the users' policy with before the real ARNs exist: an account id and an instance id of
+# the lengths AWS's have (12 digits; i- and 17 hex digits).
+PLACEHOLDER_ACCOUNT = "0" * 12
+PLACEHOLDER_INSTANCE = "i-" + "0" * 17
 
 
 class TeamAccess(pulumi.ComponentResource):
-    user_document: pulumi.Output[str]
+    user_document: pulumi.Output[str] | None  # None with people: each has a document of their own
+    person_documents: dict[str, pulumi.Output[str]]  # person -> their document's name
     admin_document: pulumi.Output[str]
     dashboard_document: pulumi.Output[str]
     verify_document: pulumi.Output[str]
@@ -100,49 +142,88 @@ class TeamAccess(pulumi.ComponentResource):
 
     def __init__(self, name: str, args: TeamAccessArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("gpucluster:access:TeamAccess", name, None, opts)
+        cluster = args.cluster_name
+        too_big = users_policy_problem(args)
+        if too_big:
+            raise pulumi.RunError(too_big)
         instance_arn = pulumi.Output.concat(f"arn:aws:ec2:{args.region}:", args.account_id, ":instance/",
                                             args.head_instance_id)
-        # ${aws:userid}: each caller's own sessions (Session Manager names a session after its caller's user id).
-        sessions_arn = pulumi.Output.concat(f"arn:aws:ssm:{args.region}:", args.account_id, ":session/${aws:userid}-*")
-        users = aws.ssm.Document(
-            f"{name}-user-session", name=session_document_name(args.cluster_name, "user"), document_type="Session",
-            document_format="JSON", content=session_document(
-                f"gpucluster {args.cluster_name}: a shell on the head node as {LOGIN_USER} (no sudo)", LOGIN_USER),
-            opts=child(self))
-        admins = aws.ssm.Document(
-            f"{name}-admin-session", name=session_document_name(args.cluster_name, "admin"), document_type="Session",
-            document_format="JSON", content=session_document(
-                f"gpucluster {args.cluster_name}: an admin shell on the head node (ssm-user, sudo)", None),
-            opts=child(self))
+        sessions = pulumi.Output.concat(f"arn:aws:ssm:{args.region}:", args.account_id, ":session/")
+
+        def shell(key: str, document_name: str, description: str, run_as: str | None) -> aws.ssm.Document:
+            return aws.ssm.Document(
+                f"{name}-{key}-session", name=document_name, document_type="Session", document_format="JSON",
+                content=session_document(f"gpucluster {cluster}: {description}", run_as), opts=child(self))
+
+        users = None if args.people else shell(
+            "user", session_document_name(cluster, "user"), f"a shell on the head node as {LOGIN_USER} (no sudo)",
+            LOGIN_USER)
+        # Each person's shell runs as their own account, which the nodes make (admins: with sudo).
+        people = {person.name: shell(f"user-{person.name}", person_session_document_name(cluster, person.name),
+                                     f"a shell on the head node as {person.name}", person.name)
+                  for person in args.people}
+        admins = shell("admin", session_document_name(cluster, "admin"),
+                       "an admin shell on the head node (ssm-user, sudo)", None)
         # Users and admins alike may open the dashboards: Grafana's own login decides what each may change there.
         dashboard = aws.ssm.Document(
-            f"{name}-dashboard-session", name=session_document_name(args.cluster_name, "dashboard"),
+            f"{name}-dashboard-session", name=session_document_name(cluster, "dashboard"),
             document_type="Session", document_format="JSON", content=dashboard_document(
-                f"gpucluster {args.cluster_name}: Grafana on the head node, forwarded to a port of your machine"),
+                f"gpucluster {cluster}: Grafana on the head node, forwarded to a port of your machine"),
             opts=child(self))
         verify = aws.ssm.Document(
-            f"{name}-verify-command", name=command_document_name(args.cluster_name, "verify"),
+            f"{name}-verify-command", name=command_document_name(cluster, "verify"),
             document_type="Command", document_format="JSON", content=args.verify_document, opts=child(self))
 
         def document_arn(document: aws.ssm.Document) -> pulumi.Output[str]:
             return pulumi.Output.concat(f"arn:aws:ssm:{args.region}:", args.account_id, ":document/", document.name)
 
-        # The descriptions stay as they were: a changed one replaces the policy, and the old one, attached to the
-        # team's users, could not be deleted.
+        principals = [tuple(person.principals) for person in args.people]
+        # The descriptions stay as they were, also with people (whose shells are their own, not the login user's): a
+        # changed one replaces the policy, and the old one, attached to the team's users, could not be deleted.
         user_policy = aws.iam.Policy(
-            f"{name}-user-access", description=f"gpucluster {args.cluster_name}: shell on the head node as "
-            f"{LOGIN_USER}", policy=pulumi.Output.all(
-                instance_arn, document_arn(users), document_arn(dashboard), sessions_arn, document_arn(verify)).apply(
-                lambda v: access_policy(v[0], [v[1], v[2]], v[3], v[4], run_as_tag_free=True)), opts=child(self))
+            f"{name}-user-access", description=f"gpucluster {cluster}: shell on the head node as {LOGIN_USER}",
+            policy=pulumi.Output.all(
+                instance_arn, document_arn(dashboard), sessions, document_arn(verify),
+                [document_arn(users)] if users else [], [document_arn(d) for d in people.values()]).apply(
+                lambda v: access_policy(v[0], [*v[4], v[1]], v[2], v[3], run_as_tag_free=True,
+                                        people=list(zip(v[5], principals, strict=True)))),
+            opts=child(self))
         admin_policy = aws.iam.Policy(
-            f"{name}-admin-access", description=f"gpucluster {args.cluster_name}: admin shell (sudo) on the head "
+            f"{name}-admin-access", description=f"gpucluster {cluster}: admin shell (sudo) on the head "
             "node", policy=pulumi.Output.all(
-                instance_arn, document_arn(admins), document_arn(dashboard), sessions_arn, document_arn(verify)).apply(
+                instance_arn, document_arn(admins), document_arn(dashboard), sessions, document_arn(verify)).apply(
                 lambda v: access_policy(v[0], [v[1], v[2]], v[3], v[4], run_as_tag_free=False)), opts=child(self))
-        self.user_document, self.admin_document, self.dashboard_document = users.name, admins.name, dashboard.name
+        self.user_document = users.name if users else None
+        self.person_documents = {person: document.name for person, document in people.items()}
+        self.admin_document, self.dashboard_document = admins.name, dashboard.name
         self.verify_document = verify.name
         self.user_policy_arn, self.admin_policy_arn = user_policy.arn, admin_policy.arn
-        self.register_outputs({"user_document": self.user_document, "admin_document": self.admin_document,
+        self.register_outputs({"user_document": self.user_document, "person_documents": self.person_documents,
+                               "admin_document": self.admin_document,
                                "dashboard_document": self.dashboard_document,
                                "verify_document": self.verify_document,
                                "user_policy_arn": self.user_policy_arn, "admin_policy_arn": self.admin_policy_arn})
+
+
+def users_policy_problem(args: TeamAccessArgs) -> str | None:
+    """Why the users' policy would be over IAM's size limit for a managed policy, or None. Checked before anything is
+    declared, on the policy rendered with ARNs of AWS's lengths, so that `plan` and the preview say so, not IAM
+    half-way through an `up`."""
+    cluster = args.cluster_name
+
+    def arn(name: str) -> str:
+        return f"arn:aws:ssm:{args.region}:{PLACEHOLDER_ACCOUNT}:document/{name}"
+
+    people = [(arn(person_session_document_name(cluster, p.name)), p.principals) for p in args.people]
+    shells = [] if people else [arn(session_document_name(cluster, "user"))]
+    document = access_policy(
+        f"arn:aws:ec2:{args.region}:{PLACEHOLDER_ACCOUNT}:instance/{PLACEHOLDER_INSTANCE}",
+        [*shells, arn(session_document_name(cluster, "dashboard"))],
+        f"arn:aws:ssm:{args.region}:{PLACEHOLDER_ACCOUNT}:session/", arn(command_document_name(cluster, "verify")),
+        run_as_tag_free=True, people=people)
+    size = policy_characters(document)
+    if size <= MANAGED_POLICY_MAX_CHARACTERS:
+        return None
+    return (f"{CONFIG_KEY}.users: the team's users' access policy would be {size} characters, over IAM's "
+            f"{MANAGED_POLICY_MAX_CHARACTERS} for a managed policy (each person adds a statement with their "
+            "principals): list fewer principals per person, or split the team into stacks")

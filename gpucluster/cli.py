@@ -164,7 +164,13 @@ def plan(args: argparse.Namespace) -> int:
         print(f"plan runs the Pulumi program ({project.PROGRAM.name} and components/), which is not here: run it from "
               "a checkout of the repository. Here: render, preflight, cost.", file=sys.stderr)
         return EXIT_BAD_INPUT
-    declared = run_program(stack, project.pulumi_program())
+    from pulumi import RunError
+
+    try:
+        declared = run_program(stack, project.pulumi_program())
+    except RunError as exc:  # what the program refuses in the stack's own terms, naming the key (as `pulumi up` would)
+        print(exc, file=sys.stderr)
+        return EXIT_BAD_INPUT
     estimate = cost.estimate(stack)
     images = image_inputs(stack)
     if args.json:

@@ -30,7 +30,7 @@ from gpucluster.plan import PLAN_OPERATOR_IP, Declared, planned_asg_name, planne
 from gpucluster.project import EXAMPLES_DIR, pulumi_program
 from gpucluster.render import kube, prometheus
 from gpucluster.spec import catalog, cost, eks
-from gpucluster.spec.model import OPERATOR, Stack, load_stack, validate
+from gpucluster.spec.model import OPERATOR, SpecError, Stack, load_stack, validate
 
 SCHEMAS = ROOT / "tests" / "schemas"
 TEAM_K8S = ROOT / "stacks" / "Pulumi.team-k8s.yaml"
@@ -242,6 +242,48 @@ def test_access_entries() -> None:
     assert statement["Action"] == "eks:DescribeCluster"
     assert statement["Resource"] == f"arn:aws:eks:{stack.region}:123456789012:cluster/{name}"
 
+
+
+def test_each_persons_principals_join_the_team_group() -> None:
+    """`users:` on kubernetes: every principal of every person gets the team role's access (an entry in the team's
+    group, EKS's edit policy in the team's namespace only), so kubectl runs as their own identity; nothing more."""
+    alice = "arn:aws:iam::123456789012:role/researchers/alice"
+    bob = ["arn:aws:iam::123456789012:role/bob", "arn:aws:iam::123456789012:user/bob"]
+    stack, declared = variant(TEAM_K8S, users=[{"name": "alice", "principals": [alice]},
+                                               {"name": "bob", "principals": bob, "admin": True}])
+    entries = {e.inputs["principalArn"]: e for e in of_type(declared, "eks/accessEntry:AccessEntry")}
+    assocs = {a.inputs["principalArn"]: a for a in of_type(declared,
+                                                            "eks/accessPolicyAssociation:AccessPolicyAssociation")}
+    team = f"arn:aws:iam::123456789012:role/{stack.cluster_name}-team"
+    for principal in (alice, *bob):
+        entry, assoc = entries[principal], assocs[principal]
+        assert entry.inputs["type"] == "STANDARD"
+        # The team's: the same group (Kueue's user role in the namespace) and the same association, an admin too.
+        assert entry.inputs["kubernetesGroups"] == entries[team].inputs["kubernetesGroups"] == [
+            f"gpucluster:{stack.spec.team}"]
+        assert {k: v for k, v in assoc.inputs.items() if k != "principalArn"} == \
+            {k: v for k, v in assocs[team].inputs.items() if k != "principalArn"}
+        assert assoc.inputs["accessScope"] == {"type": "namespace", "namespaces": [stack.spec.team]}
+        assert entry.urn in assoc.dependencies
+    # Removing a person removes their entries; nobody else's change.
+    _, declared = variant(TEAM_K8S, users=[{"name": "alice", "principals": [alice]}])
+    assert {e.inputs["principalArn"] for e in of_type(declared, "eks/accessEntry:AccessEntry")} == \
+        set(entries) - set(bob)
+
+
+def test_a_cluster_admins_role_cannot_also_be_a_person() -> None:
+    """EKS takes one access entry per principal: a role in kubernetes.admin_role_arns listed for a person is refused
+    with its path, not at `up`."""
+    admin = "arn:aws:iam::123456789012:role/platform-admins"
+    doc = yaml.safe_load(TEAM_K8S.read_text())["config"]
+    doc["gpucluster:cluster"]["kubernetes"] = {"version": "1.35", "admin_role_arns": [admin],
+                                               "public_access_cidrs": ["operator"]}
+    doc["gpucluster:cluster"]["users"] = [{"name": "bob", "principals": ["arn:aws:iam::123456789012:user/bob", admin]}]
+    with pytest.raises(SpecError) as bad:
+        validate("k8s-variant", doc)
+    assert bad.value.problems == [("gpucluster:cluster.users[0].principals[1]", f"{admin!r} is also in kubernetes."
+                                   "admin_role_arns: EKS gives a principal one access entry, and the admins' is the "
+                                   "cluster's admin")]
 
 # --- 2. GPU pools -----------------------------------------------------------------------------------------------
 

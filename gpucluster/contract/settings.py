@@ -414,9 +414,16 @@ def head_instance_name(cluster: str) -> str:
 
 
 def session_document_name(cluster: str, kind: str) -> str:
-    """A Session Manager document of the cluster (components/team_access.py); kind: user | admin | dashboard.
-    `gpucluster dashboard` names the dashboard's in the command it prints."""
+    """A Session Manager document of the cluster (components/team_access.py); kind: user | admin | dashboard, or
+    user-<person> (person_session_document_name). `gpucluster dashboard` names the dashboard's in the command it
+    prints."""
     return f"{cluster}-{kind}-session"
+
+
+def person_session_document_name(cluster: str, person: str) -> str:
+    """The Session Manager document of one of the stack's people (`users:`): a shell on the head as that person. The
+    `user-` prefix keeps it apart from the other kinds whatever the person's name."""
+    return session_document_name(cluster, f"user-{person}")
 
 
 def command_document_name(cluster: str, kind: str) -> str:

@@ -713,6 +713,12 @@ def _user_set_problems(spec: dict[str, Any]) -> list[tuple[tuple[str | int, ...]
     principals: dict[tuple[str, ...], tuple[int, int]] = {}
     pools = spec.get("pools")
     gpus = cluster_gpus(pools if isinstance(pools, list) else [])
+    # On kubernetes each principal gets one access entry, which EKS allows once per principal (EKS user guide,
+    # "Create access entries"): a cluster admin's role cannot also be a person's.
+    section = spec.get("kubernetes") if spec.get("scheduler", "slurm") == "kubernetes" else None
+    listed_admins = section.get("admin_role_arns") if isinstance(section, dict) else None
+    admins = {principal_key(arn) for arn in listed_admins if isinstance(arn, str)} - {None} \
+        if isinstance(listed_admins, list) else set()
     for i, user in enumerate(users):
         if not isinstance(user, dict):
             continue
@@ -737,6 +743,9 @@ def _user_set_problems(spec: dict[str, Any]) -> list[tuple[tuple[str | int, ...]
             key = principal_key(arn) if isinstance(arn, str) else None
             if key is None:
                 continue
+            if key in admins:
+                problems.append((("users", i, "principals", j), f"{arn!r} is also in kubernetes.admin_role_arns: "
+                                 "EKS gives a principal one access entry, and the admins' is the cluster's admin"))
             if key in principals and principals[key][0] != i:
                 first, at = principals[key]
                 problems.append((("users", i, "principals", j), f"{arn!r} is also users[{first}].principals[{at}]: "
@@ -793,8 +802,8 @@ class ClusterSpec(_Model):
     image: ImageSpec = ImageSpec()
     # The people who use the cluster, each with an account of their own on every node (at least one person; names, uids
     # and principals unique). Left out: everyone connects as the shared login user (ubuntu), as before. The Kubernetes
-    # flavour takes the list too, without max_gpus (per-person limits are Slurm's); access entries for each person's
-    # principals there come later.
+    # flavour takes the list too, without max_gpus (per-person limits are Slurm's): each person's principals get an
+    # access entry in the team's group there (none of them may be in kubernetes.admin_role_arns).
     users: list[UserSpec] | None = Field(default=None, min_length=1)
 
     @property
