@@ -215,8 +215,8 @@ def test_the_heads_bad_input_is_2_with_its_reason(capsys: pytest.CaptureFixture[
 
 
 @pytest.mark.parametrize(("invocation", "said"), [
-    (ended("TimedOut", -1, details="DeliveryTimedOut"), "the head's SSM Agent did not take the command"),
-    (ended("TimedOut", -1, details="ExecutionTimedOut"), "the run took longer than the document allows"),
+    (ended("TimedOut", -1, details="Delivery Timed Out"), "the head's SSM Agent did not take the command"),
+    (ended("TimedOut", -1, details="Execution Timed Out"), "the run took longer than the document allows"),
     (ended("Cancelled", -1), "the command was cancelled"),
     (ended("Failed", -1, details="Undeliverable"), "ended Undeliverable on"),
     (ended("Failed", remote.OLD_AGENT_EXIT, stderr="the SSM Agent on the head passes no parameters"),
@@ -235,11 +235,22 @@ def test_a_command_that_did_not_run_through_is_1_with_the_reason(invocation: dic
 def test_a_cut_output_is_said_not_misparsed(code: int, capsys: pytest.CaptureFixture[str]) -> None:
     """The agent returns the first 24,000 characters and marks the cut; the head's exit code still stands."""
     whole = v.run_json(FAILED * 200)
-    cut = whole[:remote.OUTPUT_LIMIT - 40] + "\n" + remote.TRUNCATED_MARK
+    cut = whole[:remote.OUTPUT_LIMIT - 40] + "--output truncated--"  # the agent's own suffix (iohandler.go)
     session = StubbedSession().answers(ended("Success" if code == 0 else "Failed", code, cut))
     assert remote.run(STACK, [], session, no_sleep) == code
     out, err = capsys.readouterr()
     assert out == "" and "longer than Run Command returns (24,000 characters)" in err and "--last" in err
+
+
+def test_credentials_that_expire_while_waiting_say_the_run_goes_on_and_how_to_read_it(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A deep run lasts longer than many operators' session credentials: the head's run is not lost with them."""
+    session = StubbedSession().answers({"Status": "InProgress"}, {"error": "ExpiredTokenException"})
+    assert remote.run(STACK, [], session, no_sleep) == 1
+    session.all_answered()
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert "ExpiredTokenException" in err and "the run goes on on the head" in err
+    assert COMMAND_ID in err and f"verify {STACK.name} --last" in err
 
 
 def test_the_wait_is_bounded_and_says_its_progress(capsys: pytest.CaptureFixture[str]) -> None:

@@ -49,9 +49,11 @@ WORK_SECONDS = 20 * 60
 # SendCommand's delivery timeout (min 30 s): the head's agent takes a command within seconds when it is online.
 DELIVERY_SECONDS = 300
 # The SSM Agent cuts what GetCommandInvocation returns of stdout to its first 24,000 characters (SSM API reference,
-# StandardOutputContent) and marks the cut (amazon-ssm-agent, iohandler.TruncateOutput).
+# StandardOutputContent) and ends the cut with its OutputTruncatedSuffix (amazon-ssm-agent
+# agent/framework/processor/executer/iohandler/iohandler.go, DefaultOutputConfig; "---Output truncated---" there is
+# TruncateOutput's, for the plugin's short combined Output, not for StandardOutputContent).
 OUTPUT_LIMIT = 24_000
-TRUNCATED_MARK = "---Output truncated---"
+TRUNCATED_MARK = "--output truncated--"
 # ENV_VAR interpolation needs SSM Agent 3.3.2746.0 or later (Systems Manager user guide, "Troubleshooting parameter
 # handling issues"); an older agent sets no SSM_* variable: the script refuses rather than run other options.
 OLD_AGENT_EXIT = 3
@@ -196,9 +198,10 @@ def outcome(invocation: dict[str, Any], req: Request, stack: Stack) -> int:
     stdout, stderr = invocation.get("StandardOutputContent", ""), invocation.get("StandardErrorContent", "")
     head = invocation.get("InstanceId", "the head")
     if status == "TimedOut":
-        why = {"DeliveryTimedOut": f"the head's SSM Agent did not take the command within {DELIVERY_SECONDS} s "
+        # StatusDetails' words, spaces and all (SSM API reference, GetCommandInvocation's StatusDetails).
+        why = {"Delivery Timed Out": f"the head's SSM Agent did not take the command within {DELIVERY_SECONDS} s "
                                    "(is it online? `aws ssm describe-instance-information`)",
-               "ExecutionTimedOut": f"the run took longer than the document allows "
+               "Execution Timed Out": f"the run took longer than the document allows "
                                     f"({execution_timeout_seconds(stack)} s) and was stopped; its jobs may still be "
                                     "in Slurm's queue (squeue on the head)"}
         return _fail(why.get(invocation.get("StatusDetails", ""), f"the command timed out "
@@ -251,19 +254,24 @@ def run(stack: Stack, head_args: list[str], session: Any,
         sent = ssm.send_command(InstanceIds=[head], DocumentName=document, Parameters=req.parameters(),
                                 TimeoutSeconds=DELIVERY_SECONDS,
                                 Comment=f"gpucluster verify{' --last' if req.last else ''}"[:100])
-        command_id = sent["Command"]["CommandId"]
-        print(f"verify: sent {document} to {head} (command {command_id}); "
-              f"{'reading the latest run' if req.last else 'a run takes minutes (scaling from zero)'}",
-              file=sys.stderr)
-        bound = DELIVERY_SECONDS + execution_timeout_seconds(stack) + 120  # the agent's last report
-        invocation = wait(ssm, command_id, head, bound, sleep=sleep)
     except NoCredentialsError:
         return _fail(NO_CREDENTIALS)
     except (BotoCoreError, ClientError) as exc:
         return _fail(f"AWS answered: {exc}")
+    command_id = sent["Command"]["CommandId"]
+    print(f"verify: sent {document} to {head} (command {command_id}); "
+          f"{'reading the latest run' if req.last else 'a run takes minutes (scaling from zero)'}", file=sys.stderr)
+    bound = DELIVERY_SECONDS + execution_timeout_seconds(stack) + 120  # the agent's last report
+    # Once sent, the run is the head's: losing our side (credentials that expire during an hour's deep run, the
+    # network, Ctrl-C) ends only the waiting.
+    goes_on = (f"the run goes on on the head (command {command_id}): `verify {stack.name} --last` prints it once it "
+               "has ended")
+    try:
+        invocation = wait(ssm, command_id, head, bound, sleep=sleep)
+    except (BotoCoreError, ClientError) as exc:
+        return _fail(f"stopped waiting, AWS answered: {exc}; {goes_on}")
     except KeyboardInterrupt:
-        return _fail(f"stopped waiting; the run goes on on the head: `verify {stack.name} --last` prints it once it "
-                     "has ended")
+        return _fail(f"stopped waiting; {goes_on}")
     if invocation is None:
         return _fail(f"no answer from {head} after {bound} s (command {command_id}): `verify {stack.name} --last` "
                      "prints the run if it ended")
