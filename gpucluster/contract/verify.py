@@ -125,7 +125,8 @@ RULES: dict[str, Rule] = {
                              "dashboard`, Prometheus' /targets) and the node's node-exporter service"),
     BUDGET_TOPIC: Rule("equal", "reachable",
                        "the head cannot reach the stack's topic, so budget alarms and alerts go nowhere: check the "
-                       "head role's sns:GetTopicAttributes and sns:Publish on the topic, and the VPC's SNS endpoint"),
+                       "head role's statements on the topic (VerifyTheTeamTopic: sns:GetTopicAttributes, which this "
+                       "check calls; TellTheTeam: sns:Publish) and the VPC's SNS endpoint"),
     GPU_IDLE_RULE: Rule("equal", "loaded",
                         "Prometheus has no GpuIdle rule: check /etc/prometheus/rules on the head and "
                         "`promtool check rules`, then restart prometheus"),
