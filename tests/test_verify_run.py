@@ -56,9 +56,9 @@ def test_the_job_writes_its_start_first_then_probes_each_node_then_runs_all_redu
     for word in (VERIFY_PROBE_PROGRAM, "--without-dcgm", "--fsx-mib=64", "probe-$SLURMD_NODENAME.json"):
         assert word in commands[1]
     assert commands[2:] == [
-        "export NCCL_DEBUG=INFO",
-        f"srun --mpi=pmix --ntasks-per-node={p5.gpus_per_node} {ALL_REDUCE_PERF} -b 8 -e {p5.all_reduce_bytes} "
-        f"-f 2 -g 1 > /fsx/.gpucluster/verify/run/p5-od/{vr.ALL_REDUCE_OUT} 2>&1"]
+        "export NCCL_DEBUG=INFO NCCL_BUFFSIZE=8388608 NCCL_P2P_NET_CHUNKSIZE=524288 PMIX_MCA_gds=hash",
+        f"srun --mpi=pmix --cpu-bind=none --ntasks-per-node={p5.gpus_per_node} {ALL_REDUCE_PERF} -b 8 -f 2 -g 1 "
+        f"-c 1 -n 100 -e {p5.all_reduce_bytes} > /fsx/.gpucluster/verify/run/p5-od/{vr.ALL_REDUCE_OUT} 2>&1"]
     one_node = vr.PoolPlan("g6", (), 1, v.DCGM_LEVEL, None, 1, None)
     assert "all_reduce_perf" not in vr.job_script(one_node, "/d") and "NCCL_DEBUG" not in vr.job_script(one_node, "/d")
 

@@ -127,20 +127,32 @@ def _per_node(command: list[str], output: str) -> str:
     return f"srun --ntasks-per-node=1 /bin/sh -c {shlex.quote(inner)}"
 
 
+# all_reduce_perf as the catalog's published figures were measured: aws-samples/awsome-distributed-training
+# micro-benchmarks/nccl-tests (commit 0162aac) slurm/nccl-tests.sbatch and slurm/nccl-tests-ami.sbatch: `-b 8 -e
+# <size> -f 2 -g 1 -c 1 -n 100` (one process per GPU, results checked, 100 timed iterations per size) with
+# NCCL_BUFFSIZE and NCCL_P2P_NET_CHUNKSIZE so set, ranks unbound (srun --cpu-bind=none; the AMI script's mpirun
+# --bind-to none: a task bound to one core would starve NCCL's proxy threads; aws-ofi-nccl's wiki, "CPU Binding").
+# PMIX_MCA_gds=hash: the same repository's nccl-tests.Dockerfile sets it ("Turn off PMIx Error",
+# open-mpi/ompi#7516): Slurm's PMIx plugin (built against the distribution's OpenPMIx) and the EFA installer's Open
+# MPI (its own PMIx) must not pick a shared-memory data store the other cannot read.
+ALL_REDUCE_ARGS = ("-b", "8", "-f", "2", "-g", "1", "-c", "1", "-n", "100")
+ALL_REDUCE_ENV = {"NCCL_DEBUG": "INFO", "NCCL_BUFFSIZE": "8388608", "NCCL_P2P_NET_CHUNKSIZE": "524288",
+                  "PMIX_MCA_gds": "hash"}
+
+
 def job_script(plan: PoolPlan, run_dir: str, options: ProbeOptions = ProbeOptions()) -> str:
-    """The user's batch job: its start time first, the probe on every node, then all_reduce_perf across them the way
-    nccl-tests' authors run it (NVIDIA/nccl-tests README.md, "Running multi-node with MPI": one process per GPU,
-    `-b 8 -e <size> -f 2 -g 1`; srun --mpi=pmix starts the ranks as Slurm sites do), with NCCL's INFO log, which names
-    the network and the libfabric provider NCCL chose (nccl_tests.transport)."""
+    """The user's batch job: its start time first, the probe on every node, then all_reduce_perf across them as the
+    published figures were measured (ALL_REDUCE_ARGS, ALL_REDUCE_ENV; srun --mpi=pmix starts the ranks as Slurm sites
+    do), with NCCL's INFO log, which names the network and the libfabric provider NCCL chose (nccl_tests.transport)."""
     where = shlex.quote(run_dir)
     probe = [PYTHON, VERIFY_PROBE_PROGRAM, "--without-dcgm", f"--fsx-dir={run_dir}", *options.args()]
     lines = ["#!/bin/bash", f"# gpucluster verify: pool {plan.pool}, {plan.nodes} node(s)",
              f"date +%s.%N > {where}/{STARTED_FILE}",
              _per_node(probe, f"{where}/probe")]
     if plan.all_reduce_bytes is not None:
-        lines += ["export NCCL_DEBUG=INFO",
-                  f"srun --mpi=pmix --ntasks-per-node={plan.gpus_per_node} {ALL_REDUCE_PERF} -b 8 "
-                  f"-e {plan.all_reduce_bytes} -f 2 -g 1 > {where}/{ALL_REDUCE_OUT} 2>&1"]
+        lines += ["export " + " ".join(f"{name}={value}" for name, value in ALL_REDUCE_ENV.items()),
+                  f"srun --mpi=pmix --cpu-bind=none --ntasks-per-node={plan.gpus_per_node} {ALL_REDUCE_PERF} "
+                  f"{' '.join(ALL_REDUCE_ARGS)} -e {plan.all_reduce_bytes} > {where}/{ALL_REDUCE_OUT} 2>&1"]
     return "\n".join(lines) + "\n"
 
 
