@@ -307,7 +307,7 @@ ROLE_ACTIONS = {
         "ec2:RunInstances", "ec2:CreateFleet", "ec2:CreateTags", "ec2:TerminateInstances", "ec2:DescribeInstances",
         "ec2:DescribeInstanceStatus", "ec2:DescribeLaunchTemplates", "ec2:DescribeLaunchTemplateVersions",
         "sts:DecodeAuthorizationMessage", "iam:PassRole", "ssm:GetParameter", "ssm:GetParameters", "ssm:PutParameter",
-        "s3:GetObject", "sns:Publish"},
+        "s3:GetObject", "sns:Publish", "sns:GetTopicAttributes"},
     "-compute": SSM_AGENT_ACTIONS | {"ssm:GetParameter", "ssm:GetParameters", "s3:GetObject",
                                      "cloudwatch:PutMetricData"},
     "-budget-action": {"iam:AttachRolePolicy", "iam:DetachRolePolicy"},
