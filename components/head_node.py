@@ -268,6 +268,9 @@ def head_statements(args: HeadNodeArgs, account: str, config_arn: str, munge_arn
         # Alertmanager (GpuIdle, GPU XID errors, ...), the interruptions service and the budget guardrail tell the
         # team: the stack's topic only, whatever pools and budget the stack has.
         {"Sid": "TellTheTeam", "Effect": "Allow", "Action": "sns:Publish", "Resource": topic_arn},
+        # `gpucluster verify`'s budget_topic check asks whether the head reaches that topic (GetTopicAttributes):
+        # reading its attributes only.
+        {"Sid": "VerifyTheTeamTopic", "Effect": "Allow", "Action": "sns:GetTopicAttributes", "Resource": topic_arn},
         SSM_AGENT,
         *([] if args.ebs_key_arn is None else ebs_key_statements(args.ebs_key_arn, region)),
     ]

@@ -134,7 +134,9 @@ def create_slurm_cluster(stack: Stack, examples_dir: Path) -> dict[str, object]:
     )
     team = TeamAccess(stack.cluster_name, TeamAccessArgs(cluster_name=stack.cluster_name, region=stack.region,
                                                          account_id=account, head_instance_id=head.instance_id,
-                                                         verify_document=verify_remote.command_document(stack),
+                                                         verify_document=verify_remote.command_document(stack, False),
+                                                         verify_deep_document=verify_remote.command_document(
+                                                             stack, True),
                                                          people=tuple(spec.users or ())), opts)
     deny = None if act is None else LaunchDeny(
         stack.cluster_name, LaunchDenyArgs(budget_name=budget.budget_name, act_threshold_percent=act,

@@ -4,8 +4,9 @@ port to Grafana on the head's loopback (no public endpoint, no inbound rule), an
 that the team's account admins attach to the team's users or roles. Each allows StartSession on this cluster's head
 node only, and only with its shell document or the dashboard's: without `ssm:SessionDocumentAccessCheck`, a caller
 could name AWS's default document and get `ssm-user`, who has sudo, or AWS-StartPortForwardingSession and reach any
-port of the head. Both allow one Run Command document, on the head only: `gpucluster verify` as root with checked
-options (gpucluster/aws/verify_remote.py), never AWS-RunShellScript, which would be any command as root.
+port of the head. Both allow a Run Command document, on the head only: `gpucluster verify` as root with checked
+options (gpucluster/aws/verify_remote.py), never AWS-RunShellScript, which would be any command as root; the admins'
+policy also allows its twin with --deep (an hour of the nodes under Slurm's root account, outside the team's limits).
 With people (`users:`), the login user's document gives way to one document per person (a shell as that person), and
 the users' policy allows each person's document only to that person's IAM principals.
 """
@@ -71,10 +72,10 @@ def dashboard_document(description: str) -> str:
     })
 
 
-def access_policy(instance_arn: str, document_arns: list[str], sessions: str, verify_arn: str,
+def access_policy(instance_arn: str, document_arns: list[str], sessions: str, verify_arns: list[str],
                   run_as_tag_free: bool, people: Sequence[tuple[str, Sequence[str]]] = ()) -> str:
     """StartSession on the head node with the given documents only; end and resume one's own sessions, stream
-    one's own; the verify document on the head node, and its commands' outcome.
+    one's own; the given verify documents on the head node, and their commands' outcome.
     `run_as_tag_free`: only for callers without an `SSMSessionRunAs` tag, which would override the document's user
     with any user of the node (slurm, which reaches instance metadata on the head; ssm-user, which has sudo).
     `sessions`: the ARN of the region's sessions of the account, up to `session/`.
@@ -101,9 +102,9 @@ def access_policy(instance_arn: str, document_arns: list[str], sessions: str, ve
         # `gpucluster dashboard` finds the running head by its tags. DescribeInstances has no resource-level
         # permissions: it names instances, not their data.
         {"Sid": "FindTheHeadNode", "Effect": "Allow", "Action": "ec2:DescribeInstances", "Resource": "*"},
-        # `gpucluster verify STACK`: this document, on this head only (SendCommand needs both resources).
+        # `gpucluster verify STACK`: these documents, on this head only (SendCommand needs both resources).
         {"Sid": "VerifyOnTheHeadNode", "Effect": "Allow", "Action": "ssm:SendCommand",
-         "Resource": [instance_arn, verify_arn]},
+         "Resource": [instance_arn, *verify_arns]},
         # Its outcome; neither action has resource-level permissions. They read commands' output, start nothing.
         {"Sid": "VerifyOutcome", "Effect": "Allow",
          "Action": ["ssm:GetCommandInvocation", "ssm:ListCommandInvocations"], "Resource": "*"},
@@ -121,7 +122,8 @@ class TeamAccessArgs:
     region: str
     account_id: pulumi.Input[str]  # components.iam.account_id
     head_instance_id: pulumi.Input[str]
-    verify_document: str  # gpucluster.aws.verify_remote.command_document(stack)
+    verify_document: str  # gpucluster.aws.verify_remote.command_document(stack, deep=False)
+    verify_deep_document: str  # gpucluster.aws.verify_remote.command_document(stack, deep=True): admins only
     people: Sequence[UserSpec] = ()  # the stack's `users:`; none: everyone connects as the login user
 
 
@@ -137,6 +139,7 @@ class TeamAccess(pulumi.ComponentResource):
     admin_document: pulumi.Output[str]
     dashboard_document: pulumi.Output[str]
     verify_document: pulumi.Output[str]
+    verify_deep_document: pulumi.Output[str]
     user_policy_arn: pulumi.Output[str]
     admin_policy_arn: pulumi.Output[str]
 
@@ -173,6 +176,9 @@ class TeamAccess(pulumi.ComponentResource):
         verify = aws.ssm.Document(
             f"{name}-verify-command", name=command_document_name(cluster, "verify"),
             document_type="Command", document_format="JSON", content=args.verify_document, opts=child(self))
+        verify_deep = aws.ssm.Document(
+            f"{name}-verify-deep-command", name=command_document_name(cluster, "verify-deep"),
+            document_type="Command", document_format="JSON", content=args.verify_deep_document, opts=child(self))
 
         def document_arn(document: aws.ssm.Document) -> pulumi.Output[str]:
             return pulumi.Output.concat(f"arn:aws:ssm:{args.region}:", args.account_id, ":document/", document.name)
@@ -185,23 +191,26 @@ class TeamAccess(pulumi.ComponentResource):
             policy=pulumi.Output.all(
                 instance_arn, document_arn(dashboard), sessions, document_arn(verify),
                 [document_arn(users)] if users else [], [document_arn(d) for d in people.values()]).apply(
-                lambda v: access_policy(v[0], [*v[4], v[1]], v[2], v[3], run_as_tag_free=True,
+                lambda v: access_policy(v[0], [*v[4], v[1]], v[2], [v[3]], run_as_tag_free=True,
                                         people=list(zip(v[5], principals, strict=True)))),
             opts=child(self))
         admin_policy = aws.iam.Policy(
             f"{name}-admin-access", description=f"gpucluster {cluster}: admin shell (sudo) on the head "
             "node", policy=pulumi.Output.all(
-                instance_arn, document_arn(admins), document_arn(dashboard), sessions, document_arn(verify)).apply(
-                lambda v: access_policy(v[0], [v[1], v[2]], v[3], v[4], run_as_tag_free=False)), opts=child(self))
+                instance_arn, document_arn(admins), document_arn(dashboard), sessions, document_arn(verify),
+                document_arn(verify_deep)).apply(
+                lambda v: access_policy(v[0], [v[1], v[2]], v[3], [v[4], v[5]], run_as_tag_free=False)),
+            opts=child(self))
         self.user_document = users.name if users else None
         self.person_documents = {person: document.name for person, document in people.items()}
         self.admin_document, self.dashboard_document = admins.name, dashboard.name
-        self.verify_document = verify.name
+        self.verify_document, self.verify_deep_document = verify.name, verify_deep.name
         self.user_policy_arn, self.admin_policy_arn = user_policy.arn, admin_policy.arn
         self.register_outputs({"user_document": self.user_document, "person_documents": self.person_documents,
                                "admin_document": self.admin_document,
                                "dashboard_document": self.dashboard_document,
                                "verify_document": self.verify_document,
+                               "verify_deep_document": self.verify_deep_document,
                                "user_policy_arn": self.user_policy_arn, "admin_policy_arn": self.admin_policy_arn})
 
 
@@ -219,7 +228,7 @@ def users_policy_problem(args: TeamAccessArgs) -> str | None:
     document = access_policy(
         f"arn:aws:ec2:{args.region}:{PLACEHOLDER_ACCOUNT}:instance/{PLACEHOLDER_INSTANCE}",
         [*shells, arn(session_document_name(cluster, "dashboard"))],
-        f"arn:aws:ssm:{args.region}:{PLACEHOLDER_ACCOUNT}:session/", arn(command_document_name(cluster, "verify")),
+        f"arn:aws:ssm:{args.region}:{PLACEHOLDER_ACCOUNT}:session/", [arn(command_document_name(cluster, "verify"))],
         run_as_tag_free=True, people=people)
     size = policy_characters(document)
     if size <= MANAGED_POLICY_MAX_CHARACTERS:

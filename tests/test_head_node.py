@@ -307,7 +307,7 @@ ROLE_ACTIONS = {
         "ec2:RunInstances", "ec2:CreateFleet", "ec2:CreateTags", "ec2:TerminateInstances", "ec2:DescribeInstances",
         "ec2:DescribeInstanceStatus", "ec2:DescribeLaunchTemplates", "ec2:DescribeLaunchTemplateVersions",
         "sts:DecodeAuthorizationMessage", "iam:PassRole", "ssm:GetParameter", "ssm:GetParameters", "ssm:PutParameter",
-        "s3:GetObject", "sns:Publish"},
+        "s3:GetObject", "sns:Publish", "sns:GetTopicAttributes"},
     "-compute": SSM_AGENT_ACTIONS | {"ssm:GetParameter", "ssm:GetParameters", "s3:GetObject",
                                      "cloudwatch:PutMetricData"},
     "-budget-action": {"iam:AttachRolePolicy", "iam:DetachRolePolicy"},
@@ -376,6 +376,9 @@ def test_the_head_may_publish_to_the_alerts_topic_whatever_the_stack(path: Path)
     head = _statements(_one(declared, "iam/rolePolicy:RolePolicy", "-head"))
     assert head["TellTheTeam"] == {"Sid": "TellTheTeam", "Effect": "Allow", "Action": "sns:Publish",
                                    "Resource": topic}
+    # verify's budget_topic check reads the topic with the head's role; the topic's policy grants services only.
+    assert head["VerifyTheTeamTopic"] == {"Sid": "VerifyTheTeamTopic", "Effect": "Allow",
+                                          "Action": "sns:GetTopicAttributes", "Resource": topic}
     settings = json.loads(_one(declared, "ssm/parameter:Parameter", "-config").inputs["insecureValue"])
     assert settings["alerts_topic_arn"] == topic  # where Alertmanager's receiver sends (bootstrap.alertmanager_config)
     # One grant (the interruptions service and the guardrail use it too), on the head role only.

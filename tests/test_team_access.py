@@ -21,6 +21,7 @@ import yaml
 from conftest import ROOT, of_type, planned
 from gpucluster import cli
 from gpucluster.aws import verify_remote
+from gpucluster.contract import verify as v
 from gpucluster.contract.settings import (
     GRAFANA_PORT,
     LOGIN_USER,
@@ -75,10 +76,12 @@ def test_sessions_on_the_head_node_as_the_login_user_or_as_admin() -> None:
         assert channel["Action"] == "ssmmessages:OpenDataChannel" and channel["Resource"] == sessions
         # What `gpucluster dashboard` calls (tests/test_dashboard_command.py).
         assert find["Action"] == "ec2:DescribeInstances"
-        # `gpucluster verify STACK`: the verify document on the head only, never AWS-RunShellScript (root).
-        verify = f"arn:aws:ssm:{region}:{ACCOUNT}:document/{cluster}-verify-command"
+        # `gpucluster verify STACK`: the verify document on the head only, never AWS-RunShellScript (root); --deep's
+        # (an hour of the nodes under Slurm's root account, outside the team's limits) for admins only.
+        verify = [f"arn:aws:ssm:{region}:{ACCOUNT}:document/{cluster}-{kind}-command"
+                  for kind in (["verify"] if kind == "user-access" else ["verify", "verify-deep"])]
         assert send == {"Sid": "VerifyOnTheHeadNode", "Effect": "Allow", "Action": "ssm:SendCommand",
-                        "Resource": [instance, verify]}
+                        "Resource": [instance, *verify]}
         assert outcome["Action"] == ["ssm:GetCommandInvocation", "ssm:ListCommandInvocations"]
         assert not {"ssm:SendCommand", "ssm:StartSession"} & set(json.dumps(outcome).split('"'))
     # Nothing else in the stack grants StartSession or SendCommand.
@@ -114,27 +117,32 @@ def test_dashboard_document_forwards_to_grafana_on_the_heads_loopback_only() -> 
     assert not any(pattern.fullmatch(port) for port in ("0", "65536", "99999", "030", "3000 ", "3000;22", ""))
 
 
-def test_verify_document_runs_gpucluster_verify_as_root_with_checked_parameters_only() -> None:
-    """The Run Command document runs the head's `gpucluster verify --json` (its script: tests/test_verify_remote.py);
+@pytest.mark.parametrize("kind", ["verify", "verify-deep"])
+def test_verify_document_runs_gpucluster_verify_as_root_with_checked_parameters_only(kind: str) -> None:
+    """The Run Command documents run the head's `gpucluster verify --json` (their script: tests/test_verify_remote.py);
     each parameter is a value checked by SendCommand (a pattern or a list) and reaches the script as an environment
-    variable, never as text spliced into it: no `{{ }}` anywhere in the script."""
+    variable, never as text spliced into it: no `{{ }}` anywhere in the script. Only the admins' one takes `deep`."""
     stack, declared = planned(ROOT / "stacks" / "Pulumi.team-a.yaml")
-    (document,) = [d for d in of_type(declared, "ssm/document:Document") if d.inputs["documentType"] == "Command"]
-    assert document.inputs["name"] == command_document_name(stack.cluster_name, "verify") == \
-        f"{stack.cluster_name}-verify-command"
+    documents = {d.inputs["name"]: d for d in of_type(declared, "ssm/document:Document")
+                 if d.inputs["documentType"] == "Command"}
+    assert set(documents) == {command_document_name(stack.cluster_name, k) for k in ("verify", "verify-deep")}
+    document = documents[f"{stack.cluster_name}-{kind}-command"]
     content = json.loads(document.inputs["content"])
     assert content["schemaVersion"] == "2.2"
     (step,) = content["mainSteps"]
     assert step["action"] == "aws:runShellScript" and step["inputs"]["runCommand"] == verify_remote.SCRIPT
     assert "{{" not in json.dumps(step)
-    # Long enough for --deep: the stack's ResumeTimeout (scaling from zero) and DCGM level 3 on top.
+    # As long as the head's run can take (its own limits summed, nodes booting up to the stack's ResumeTimeout), and
+    # no longer: --deep's DCGM level 3 holds the nodes an hour, level 1 minutes.
+    deep = kind == "verify-deep"
     timeout = int(step["inputs"]["timeoutSeconds"])
-    assert timeout > stack.spec.slurm.resume_timeout_seconds + verify_remote.DCGM_DEEP_SECONDS
-    assert timeout == verify_remote.execution_timeout_seconds(stack)
+    assert timeout == v.run_seconds(stack.spec.slurm.resume_timeout_seconds, deep)
+    assert timeout - v.dcgm_job_seconds(v.DCGM_DEEP_LEVEL if deep else v.DCGM_LEVEL) > (
+        stack.spec.slurm.resume_timeout_seconds + v.QUEUE_SECONDS + v.JOB_SECONDS + v.DCGM_START_SECONDS)
     parameters = content["parameters"]
-    assert set(parameters) == {"pools", "nodes", "deep", "last"}
+    assert set(parameters) == {"pools", "nodes", "last", *(["deep"] if deep else [])}
     assert all(p["type"] == "String" and p["interpolationType"] == "ENV_VAR" for p in parameters.values())
-    for name in ("deep", "last"):
+    for name in ("deep", "last") if deep else ("last",):
         assert parameters[name]["allowedValues"] == ["false", "true"] and parameters[name]["default"] == "false"
     pools, nodes = (re.compile(parameters[name]["allowedPattern"]) for name in ("pools", "nodes"))
     names = [p.name for p in stack.spec.pools]

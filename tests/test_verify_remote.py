@@ -35,6 +35,7 @@ POOLS = [p.name for p in STACK.spec.pools]
 HEAD = "i-0123456789abcdef0"
 COMMAND_ID = "11111111-2222-3333-4444-555555555555"
 DOCUMENT = command_document_name(STACK.cluster_name, "verify")
+DEEP_DOCUMENT = command_document_name(STACK.cluster_name, "verify-deep")  # the admins' only
 
 
 def no_sleep(seconds: float) -> None:
@@ -63,18 +64,18 @@ def test_sends_the_verify_document_to_the_running_head_with_the_options_as_param
     session.events.register("provide-client-params.ssm.SendCommand", lambda params, **_: requests.append(params))
     code = remote.run(STACK, ["--pool", POOLS[1], "--pool", POOLS[0], "--nodes", "2", "--deep"], session, no_sleep)
     (request,) = requests
-    assert request["DocumentName"] == DOCUMENT and request["InstanceIds"] == [head]
+    assert request["DocumentName"] == DEEP_DOCUMENT and request["InstanceIds"] == [head]
     # moto adds every instance of the account to a command sent without Targets: what it recorded is checked above
     # as sent, and here for the rest.
     (sent,) = session.client("ssm", region_name=STACK.region).list_commands()["Commands"]
-    assert sent["DocumentName"] == DOCUMENT and head in sent["InstanceIds"]
+    assert sent["DocumentName"] == DEEP_DOCUMENT and head in sent["InstanceIds"]
     assert sent["Parameters"] == {"pools": [f"{POOLS[1]} {POOLS[0]}"], "nodes": ["2"], "deep": ["true"],
                                   "last": ["false"]}
     assert sent["TimeoutSeconds"] == remote.DELIVERY_SECONDS
     # moto runs nothing on the head: its empty stdout is no run document, and is said so, not read as a pass.
     out, err = capsys.readouterr()
     assert code == 1 and out == ""
-    assert f"sent {DOCUMENT} to {head}" in err and "the head's output is no run document" in err
+    assert f"sent {DEEP_DOCUMENT} to {head}" in err and "the head's output is no run document" in err
 
 
 def test_last_sends_only_last(aws_env: str) -> None:
@@ -82,7 +83,19 @@ def test_last_sends_only_last(aws_env: str) -> None:
     launch(session.client("ec2", region_name=STACK.region), STACK.cluster_name, head_instance_name(STACK.cluster_name))
     remote.run(STACK, ["--last", "--json"], session, no_sleep)
     (sent,) = session.client("ssm", region_name=STACK.region).list_commands()["Commands"]
-    assert sent["Parameters"] == {"deep": ["false"], "last": ["true"]}  # pools and nodes: the document's defaults
+    # pools and nodes: the document's defaults; no deep, which everyone's document does not declare.
+    assert sent["Parameters"] == {"last": ["true"]} and sent["DocumentName"] == DOCUMENT
+
+
+def test_a_user_refused_the_deep_document_is_told_it_is_the_admins(capsys: pytest.CaptureFixture[str]) -> None:
+    session = StubbedSession(sends=False)
+    session.stubs["ec2"].add_response("describe_instances", {"Reservations": [{"Instances": [{"InstanceId": HEAD}]}]})
+    session.stubs["ssm"].add_client_error(
+        "send_command", service_error_code="AccessDeniedException",
+        service_message=f"not authorized to perform ssm:SendCommand on {DEEP_DOCUMENT}")
+    assert remote.run(STACK, ["--deep"], session.answers(), no_sleep) == 1
+    said = capsys.readouterr().err
+    assert f"--deep sends {DEEP_DOCUMENT}, which only the stack's admin access policy allows" in said
 
 
 def test_no_running_head_is_said_and_sends_nothing(aws_env: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -215,8 +228,8 @@ def test_the_heads_bad_input_is_2_with_its_reason(capsys: pytest.CaptureFixture[
 
 
 @pytest.mark.parametrize(("invocation", "said"), [
-    (ended("TimedOut", -1, details="DeliveryTimedOut"), "the head's SSM Agent did not take the command"),
-    (ended("TimedOut", -1, details="ExecutionTimedOut"), "the run took longer than the document allows"),
+    (ended("TimedOut", -1, details="Delivery Timed Out"), "the head's SSM Agent did not take the command"),
+    (ended("TimedOut", -1, details="Execution Timed Out"), "the run took longer than the document allows"),
     (ended("Cancelled", -1), "the command was cancelled"),
     (ended("Failed", -1, details="Undeliverable"), "ended Undeliverable on"),
     (ended("Failed", remote.OLD_AGENT_EXIT, stderr="the SSM Agent on the head passes no parameters"),
@@ -235,11 +248,22 @@ def test_a_command_that_did_not_run_through_is_1_with_the_reason(invocation: dic
 def test_a_cut_output_is_said_not_misparsed(code: int, capsys: pytest.CaptureFixture[str]) -> None:
     """The agent returns the first 24,000 characters and marks the cut; the head's exit code still stands."""
     whole = v.run_json(FAILED * 200)
-    cut = whole[:remote.OUTPUT_LIMIT - 40] + "\n" + remote.TRUNCATED_MARK
+    cut = whole[:remote.OUTPUT_LIMIT - 40] + "--output truncated--"  # the agent's own suffix (iohandler.go)
     session = StubbedSession().answers(ended("Success" if code == 0 else "Failed", code, cut))
     assert remote.run(STACK, [], session, no_sleep) == code
     out, err = capsys.readouterr()
     assert out == "" and "longer than Run Command returns (24,000 characters)" in err and "--last" in err
+
+
+def test_credentials_that_expire_while_waiting_say_the_run_goes_on_and_how_to_read_it(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A deep run lasts longer than many operators' session credentials: the head's run is not lost with them."""
+    session = StubbedSession().answers({"Status": "InProgress"}, {"error": "ExpiredTokenException"})
+    assert remote.run(STACK, [], session, no_sleep) == 1
+    session.all_answered()
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert "ExpiredTokenException" in err and "the run goes on on the head" in err
+    assert COMMAND_ID in err and f"verify {STACK.name} --last" in err
 
 
 def test_the_wait_is_bounded_and_says_its_progress(capsys: pytest.CaptureFixture[str]) -> None:

@@ -56,9 +56,9 @@ def test_the_job_writes_its_start_first_then_probes_each_node_then_runs_all_redu
     for word in (VERIFY_PROBE_PROGRAM, "--without-dcgm", "--fsx-mib=64", "probe-$SLURMD_NODENAME.json"):
         assert word in commands[1]
     assert commands[2:] == [
-        "export NCCL_DEBUG=INFO",
-        f"srun --mpi=pmix --ntasks-per-node={p5.gpus_per_node} {ALL_REDUCE_PERF} -b 8 -e {p5.all_reduce_bytes} "
-        f"-f 2 -g 1 > /fsx/.gpucluster/verify/run/p5-od/{vr.ALL_REDUCE_OUT} 2>&1"]
+        "export NCCL_DEBUG=INFO NCCL_BUFFSIZE=8388608 NCCL_P2P_NET_CHUNKSIZE=524288 PMIX_MCA_gds=hash",
+        f"srun --mpi=pmix --cpu-bind=none --ntasks-per-node={p5.gpus_per_node} {ALL_REDUCE_PERF} -b 8 -f 2 -g 1 "
+        f"-c 1 -n 100 -e {p5.all_reduce_bytes} > /fsx/.gpucluster/verify/run/p5-od/{vr.ALL_REDUCE_OUT} 2>&1"]
     one_node = vr.PoolPlan("g6", (), 1, v.DCGM_LEVEL, None, 1, None)
     assert "all_reduce_perf" not in vr.job_script(one_node, "/d") and "NCCL_DEBUG" not in vr.job_script(one_node, "/d")
 
@@ -111,11 +111,25 @@ def test_a_node_without_readings_fails_every_check_saying_why(tmp_path: Path) ->
 def test_a_job_that_never_started_fails_its_pool_with_slurms_reason() -> None:
     plan = plan_of((v.SCALE_FROM_ZERO_SECONDS, {"max": 600}), (v.GPUS, {"count": 8}),
                    (v.NCCL_ALL_REDUCE_BUSBW_GBPS, {"min": 100}))
-    why = "job 7 did not start in 601 s (Slurm's reason: ReqNodeNotAvail); cancelled"
+    why = "job 7's nodes were still booting 601 s after Slurm gave them to it; cancelled"
     results = vr.judge_pool(plan, vr.PoolReadings(missing=why))
     assert [r.result for r in results] == [v.FAIL] * len(plan.checks)
     scale = results[0]
     assert scale.measured is None and scale.fix.startswith(why) and scale.fix.endswith(v.RULES[scale.check].fix)
+
+
+@pytest.mark.parametrize(("reason", "word"), [("Resources", v.WARN), ("Priority", v.WARN),
+                                              ("AssocGrpGRESMinutes", v.WARN), ("QOSMaxNodePerUserLimit", v.WARN),
+                                              ("ReqNodeNotAvail", v.FAIL), ("PartitionDown", v.FAIL)])
+def test_a_job_slurm_held_back_warns_when_the_pool_is_busy_and_fails_otherwise(reason: str, word: str) -> None:
+    """A busy pool or a team at its GPU-minute quota is not a broken pool: nothing was measured, Slurm's reason says
+    why; a partition down or unavailable nodes are faults."""
+    plan = plan_of((v.SCALE_FROM_ZERO_SECONDS, {"max": 600}), (v.GPUS, {"count": 8}))
+    held = vr.Tracked("7", 0.0, 600.0, 600.0, 60.0, ended=True, held=reason,
+                      why=f"job 7 waited 601 s for nodes (Slurm's reason: {reason}); cancelled")
+    results = vr.held_results(plan, held)
+    assert {r.result for r in results} == {word} and len(results) == len(plan.checks)
+    assert all(held.why in r.fix and r.measured is None for r in results)
 
 
 def test_dcgm_comes_from_roots_job_and_its_absence_is_a_failure(tmp_path: Path) -> None:
@@ -168,26 +182,38 @@ def job(state: str, reason: str = "None", nodes: tuple[str, ...] = ()) -> slurm_
 def test_a_job_still_pending_at_its_limit_is_cancelled_with_its_reason() -> None:
     now = [0.0]
     slurm = FakeSlurm([{"7": job("PENDING", "Resources")}])
-    tracked = vr.Tracked("7", 0.0, 600.0, 0.0, 60.0)
+    tracked = vr.Tracked("7", 0.0, 600.0, 600.0, 60.0)
     vr.wait(slurm, [tracked], clock=lambda: now[0], pause=lambda s: now.__setitem__(0, now[0] + 100))
-    assert slurm.cancelled == ["7"] and not tracked.started
-    assert "did not start in 700 s" in tracked.why and "Resources" in tracked.why
+    assert slurm.cancelled == ["7"] and not tracked.started and tracked.held == "Resources"
+    assert "waited 700 s for nodes" in tracked.why and "Resources" in tracked.why
 
 
 def test_a_job_whose_nodes_are_still_booting_at_its_limit_has_not_started() -> None:
     now = [0.0]
     booting = slurm_json.Job("7", frozenset({"RUNNING", vr.BOOTING}), "p", ("p-1", "p-2"), "", "None")
     slurm = FakeSlurm([{"7": booting}])
-    tracked = vr.Tracked("7", 0.0, 600.0, 0.0, 60.0)
+    tracked = vr.Tracked("7", 0.0, 600.0, 600.0, 60.0)
     vr.wait(slurm, [tracked], clock=lambda: now[0], pause=lambda s: now.__setitem__(0, now[0] + 100))
-    assert slurm.cancelled == ["7"] and "its nodes were still booting" in tracked.why
+    assert slurm.cancelled == ["7"] and "nodes were still booting 700 s" in tracked.why and not tracked.held
+
+
+def test_the_boot_limit_counts_from_slurm_giving_the_nodes_not_from_the_submission() -> None:
+    """Queued 500 s behind other work, then booted in 400 s: within a 600 s boot limit, so it starts, and its boot
+    is measured from the last look that found it waiting."""
+    now = [0.0]
+    booting = slurm_json.Job("7", frozenset({"RUNNING", vr.BOOTING}), "p", ("p-1", "p-2"), "", "None")
+    slurm = FakeSlurm([{"7": job("PENDING", "Resources")}] * 6 + [{"7": booting}] * 4
+                      + [{"7": job("RUNNING", nodes=("p-1", "p-2"))}, {"7": job("COMPLETED", nodes=("p-1", "p-2"))}])
+    tracked = vr.Tracked("7", 0.0, 600.0, 600.0, 60.0)
+    vr.wait(slurm, [tracked], clock=lambda: now[0], pause=lambda s: now.__setitem__(0, now[0] + 100))
+    assert slurm.cancelled == [] and tracked.started and tracked.waited_until == 500.0
 
 
 def test_a_job_that_ran_and_completed_keeps_its_nodes_and_no_complaint() -> None:
     now = [0.0]
     slurm = FakeSlurm([{"7": job("PENDING")}, {"7": job("RUNNING", nodes=("p-1", "p-2"))},
                        {"7": job("COMPLETED", nodes=("p-1", "p-2"))}])
-    tracked = vr.Tracked("7", 0.0, 600.0, 0.0, 60.0)
+    tracked = vr.Tracked("7", 0.0, 600.0, 600.0, 60.0)
     vr.wait(slurm, [tracked], clock=lambda: now[0], pause=lambda s: now.__setitem__(0, now[0] + 1))
     assert (tracked.started, tracked.nodes, tracked.why, slurm.cancelled) == (True, ("p-1", "p-2"), "", [])
 
@@ -253,3 +279,105 @@ def test_on_the_head_a_run_needs_root(monkeypatch: pytest.MonkeyPatch, tmp_path:
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert cli.main(["verify", "--last"]) == cli.EXIT_BAD_INPUT
     assert "run it as root" in capsys.readouterr().err
+
+
+class ScriptedCluster(vr.Slurm):
+    """A pool of two nodes on a fake clock: the user's job waits for nodes until t=10, boots them until t=100, runs
+    until t=300; a job with --dependency=afterany on it waits until then and runs 60 s. The nodes power off 30 s after
+    the last job (SuspendTime); `warm`: they were up from the start. A job's start writes its start time where its
+    --chdir says, as the job script's first line does."""
+
+    def __init__(self, clock: list[float], warm: bool = False):
+        super().__init__(pwd_name())
+        self.clock, self.warm = clock, warm
+        self.submitted: list[tuple[float, list[str]]] = []
+
+    def submit(self, args: list[str], script: str, as_user: bool) -> str:
+        self.submitted.append((self.clock[0], args))
+        return str(len(self.submitted))
+
+    def state(self, job_id: str) -> tuple[str, str]:
+        now, args = self.clock[0], self.submitted[int(job_id) - 1][1]
+        if any(a.startswith("--dependency=afterany:") for a in args):
+            return ("PENDING", "Dependency") if now < 300 else ("RUNNING", "None") if now < 360 else ("COMPLETED", "")
+        if now < 10:
+            return "PENDING", "Resources"
+        if now < 100 and not self.warm:
+            return "CONFIGURING", "None"
+        if now < 300:
+            chdir = next(a.split("=", 1)[1] for a in args if a.startswith("--chdir="))
+            started = Path(chdir) / vr.STARTED_FILE
+            if not started.exists():
+                started.write_text(f"{now}\n")
+            return "RUNNING", "None"
+        return "COMPLETED", ""
+
+    def jobs(self) -> dict[str, slurm_json.Job]:
+        answer = {}
+        for job_id in map(str, range(1, len(self.submitted) + 1)):
+            word, reason = self.state(job_id)
+            flags = {"RUNNING", vr.BOOTING} if word == "CONFIGURING" else {word}
+            nodes = ("p-1", "p-2") if word != "PENDING" else ()
+            answer[job_id] = slurm_json.Job(job_id, frozenset(flags), "p", nodes, "", reason)
+        return answer
+
+    def node_states(self) -> dict[str, frozenset[str]]:
+        off = (self.clock[0] < 10 and not self.warm) or self.clock[0] > 390
+        return {n: frozenset({"IDLE", "CLOUD", "POWERED_DOWN"} if off else {"IDLE", "CLOUD"}) for n in ("p-1", "p-2")}
+
+
+def pwd_name() -> str:
+    import pwd
+
+    return pwd.getpwuid(os.getuid()).pw_name
+
+
+def scripted_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, warm: bool
+                 ) -> tuple[ScriptedCluster, dict[str, v.Result], list[float]]:
+    """measure() over ScriptedCluster, Prometheus answering that it scrapes both nodes from t=150 on."""
+    clock = [0.0]
+    asked: list[float] = []
+
+    def prometheus(base: str, path: str) -> Any:
+        asked.append(clock[0])
+        health = "up" if clock[0] >= 150 else "unknown"
+        return {"activeTargets": [{"labels": {"job": "node", "node": n}, "health": health} for n in ("p-1", "p-2")]}
+
+    monkeypatch.setattr(vr, "prometheus_get", prometheus)
+    plan = [v.Check("p", v.SCALE_FROM_ZERO_SECONDS, {"max": 600}), v.Check("p", v.DCGM_DIAG, {"level": 1}),
+            v.Check("p", v.PROMETHEUS_SCRAPES, {"nodes": 2}), v.Check("p", v.NAMES_RESOLVE, {"nodes": 2})]
+    slurm = ScriptedCluster(clock, warm)
+    setup = vr.Setup(ClusterSettings("c", "us-east-1", {}), user=pwd_name(), verify_dir=tmp_path)
+    _, results = vr.measure(plan, setup, slurm, clock=lambda: clock[0],
+                            pause=lambda s: clock.__setitem__(0, clock[0] + 10))
+    return slurm, {r.check: r for r in results}, asked
+
+
+def test_roots_dcgm_job_is_queued_behind_the_users_job_on_its_nodes_as_soon_as_it_starts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Submitted while the user's job runs (so Slurm gives it the nodes as that job ends, before SuspendTime can
+    power them off), on exactly its nodes, after it; the scale-up measured from Slurm giving the nodes to the start;
+    Prometheus asked only while the nodes are up."""
+    slurm, results, asked = scripted_run(tmp_path, monkeypatch, warm=False)
+    (user_at, user_args), (dcgm_at, dcgm_args) = slurm.submitted
+    assert 100 <= dcgm_at < 300  # while the user's job ran
+    assert {"--nodelist=p-1,p-2", "--dependency=afterany:1"} <= set(dcgm_args)
+    assert f"--time={-(-v.dcgm_job_seconds(v.DCGM_LEVEL) // 60)}" in dcgm_args  # level 1: minutes, not an hour
+    assert results[v.SCALE_FROM_ZERO_SECONDS].result == v.PASS
+    assert results[v.SCALE_FROM_ZERO_SECONDS].measured == 100.0 - 0.0  # from the last look that found it waiting
+    assert results[v.PROMETHEUS_SCRAPES].measured == 2 and results[v.PROMETHEUS_SCRAPES].result == v.PASS
+    assert asked and all(100 <= t <= 390 for t in asked)
+
+
+def test_a_warm_pool_says_its_scale_up_was_not_measured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, results, _ = scripted_run(tmp_path, monkeypatch, warm=True)
+    scale = results[v.SCALE_FROM_ZERO_SECONDS]
+    assert scale.result == v.WARN and "already up" in scale.fix and scale.measured is None
+    assert v.run_from_json(v.run_json([scale])) == [scale]  # the warning's reason is kept in the run document
+
+
+def test_the_level_1_diagnostic_has_one_limit_for_the_probe_and_the_health_check() -> None:
+    """node/devices.py keeps its own copy (the burn-in's pod has only that file): the two must agree."""
+    from gpucluster.node import devices
+
+    assert devices.DCGM_SECONDS == v.DCGM_LEVEL_SECONDS[v.DCGM_LEVEL]

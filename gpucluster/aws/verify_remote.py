@@ -1,11 +1,15 @@
 """`gpucluster verify STACK` from the operator's machine: the run happens on the stack's head node, as root, through
 Session Manager's Run Command with the caller's credentials (no Pulumi CLI or state).
 
-The cluster's verify document (components/team_access.py creates it from `command_document`) runs exactly
-`/usr/local/bin/gpucluster verify --json [--pool P ...] [--nodes N] [--deep] [--last]` on the head; its four
-parameters are values, never shell: each has an allowedPattern or allowedValues that SendCommand checks, and the agent
-hands them to the script as environment variables (interpolationType ENV_VAR), not as text spliced into it. The team's
-access policies may send that document to the head only: never AWS-RunShellScript, which would be root on the head.
+The cluster's verify documents (components/team_access.py creates them from `command_document`) run exactly
+`/usr/local/bin/gpucluster verify --json [--pool P ...] [--nodes N] [--deep] [--last]` on the head; their parameters
+are values, never shell: each has an allowedPattern or allowedValues that SendCommand checks, and the agent hands them
+to the script as environment variables (interpolationType ENV_VAR), not as text spliced into it. The team's access
+policies may send them to the head only: never AWS-RunShellScript, which would be root on the head.
+
+Two documents, because root's DCGM job runs under Slurm's root account, outside the team's limits: the users' one
+(`verify`) has no `deep` parameter, so a user's run holds its nodes minutes; only the admins' policy allows the one
+with it (`verify-deep`), whose level 3 diagnostic holds them an hour. `--deep` sends the latter.
 
 `run` sends it, polls GetCommandInvocation until the command ends (bounded by the document's own timeouts), and maps
 the outcome: the head's exit 0, 1 and 2 are this command's; a command that was not delivered, timed out or was
@@ -27,31 +31,27 @@ from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
 from gpucluster.aws.head import NO_CREDENTIALS, HeadNotFound, running_head
 from gpucluster.contract.settings import command_document_name
-from gpucluster.contract.verify import VerifyFormatError, run_from_json, run_json, run_table
+from gpucluster.contract.verify import VerifyFormatError, run_from_json, run_json, run_seconds, run_table
 from gpucluster.spec.model import POOL_NAME_RE, Stack
 
 EXIT_BAD_INPUT = 2  # the head's exit for bad input, passed on as is
 HEAD_COMMAND = "/usr/local/bin/gpucluster"  # gpucluster/node/bootstrap.py command_line writes it on the head
-DOCUMENT_KIND = "verify"
+DOCUMENT_KIND = "verify"  # everyone's: no --deep
+DEEP_DOCUMENT_KIND = "verify-deep"  # the admins': --deep too
 
 # --- the document ----------------------------------------------------------------------------------------------------
 _POOL = POOL_NAME_RE.removeprefix("^").removesuffix("$")
 POOLS_PATTERN = f"^({_POOL}( {_POOL})*)?$"  # pool names, one space apart; "": every pool
 NODES_PATTERN = "^([1-9][0-9]{0,3})?$"  # 1-9999 (a pool has at most 1024 nodes); "": the plan's default
 FLAG_VALUES = ["false", "true"]
-# The execution timeout: the slowest start Slurm waits for (the stack's ResumeTimeout: scaling from zero), plus
-# DCGM's level 3 diagnostic, which NVIDIA's dcgmi-diag reference says "normally lasts approximately 15 minutes"
-# (docs.nvidia.com/datacenter/dcgm/latest/reference/command-line-reference/dcgmi/dcgmi-diag.html): allowed twice
-# that (the nodes run it at once, each at its own pace), plus the job's own work (probes, the all_reduce sweep,
-# /fsx throughput, Slurm scheduling both jobs).
-DCGM_DEEP_SECONDS = 30 * 60
-WORK_SECONDS = 20 * 60
 # SendCommand's delivery timeout (min 30 s): the head's agent takes a command within seconds when it is online.
 DELIVERY_SECONDS = 300
 # The SSM Agent cuts what GetCommandInvocation returns of stdout to its first 24,000 characters (SSM API reference,
-# StandardOutputContent) and marks the cut (amazon-ssm-agent, iohandler.TruncateOutput).
+# StandardOutputContent) and ends the cut with its OutputTruncatedSuffix (amazon-ssm-agent
+# agent/framework/processor/executer/iohandler/iohandler.go, DefaultOutputConfig; "---Output truncated---" there is
+# TruncateOutput's, for the plugin's short combined Output, not for StandardOutputContent).
 OUTPUT_LIMIT = 24_000
-TRUNCATED_MARK = "---Output truncated---"
+TRUNCATED_MARK = "--output truncated--"
 # ENV_VAR interpolation needs SSM Agent 3.3.2746.0 or later (Systems Manager user guide, "Troubleshooting parameter
 # handling issues"); an older agent sets no SSM_* variable: the script refuses rather than run other options.
 OLD_AGENT_EXIT = 3
@@ -73,33 +73,42 @@ SCRIPT = [
 ]
 
 
-def execution_timeout_seconds(stack: Stack) -> int:
-    return stack.spec.slurm.resume_timeout_seconds + DCGM_DEEP_SECONDS + WORK_SECONDS
+def execution_timeout_seconds(stack: Stack, deep: bool) -> int:
+    """The longest the head's run can take (contract.verify.run_seconds, the run's own limits summed), its nodes
+    booting for at most the stack's ResumeTimeout (Slurm gives up on them then)."""
+    return run_seconds(stack.spec.slurm.resume_timeout_seconds, deep)
 
 
-def command_document(stack: Stack) -> str:
-    """The cluster's verify document (schema 2.2, JSON): gpucluster verify --json as root on the head."""
+def document_kind(deep: bool) -> str:
+    return DEEP_DOCUMENT_KIND if deep else DOCUMENT_KIND
+
+
+def command_document(stack: Stack, deep: bool) -> str:
+    """A verify document of the cluster (schema 2.2, JSON): gpucluster verify --json as root on the head; `deep`:
+    the admins' one, with the `deep` parameter and the time a level 3 diagnostic takes."""
 
     def parameter(description: str, **rule: object) -> dict[str, object]:
         return {"type": "String", "description": description, "interpolationType": "ENV_VAR", **rule}
 
+    deep_parameter = {"deep": parameter("The longer diagnostics (DCGM level 3)", default="false",
+                                        allowedValues=FLAG_VALUES)} if deep else {}
     return json.dumps({
         "schemaVersion": "2.2",
         "description": f"gpucluster {stack.cluster_name}: gpucluster verify on the head node (as root), its run "
-                       "document on stdout",
+                       f"document on stdout{' (--deep allowed)' if deep else ''}",
         "parameters": {
             "pools": parameter("Pools to verify, one space apart (empty: every pool)", default="",
                                allowedPattern=POOLS_PATTERN),
             "nodes": parameter("Nodes per pool (empty: 2 where a pool allows, else its max_nodes)", default="",
                                allowedPattern=NODES_PATTERN),
-            "deep": parameter("The longer diagnostics (DCGM level 3)", default="false", allowedValues=FLAG_VALUES),
+            **deep_parameter,
             "last": parameter("Print the latest run instead of running", default="false",
                               allowedValues=FLAG_VALUES),
         },
         "mainSteps": [{
             "action": "aws:runShellScript", "name": "verify",
             "precondition": {"StringEquals": ["platformType", "Linux"]},
-            "inputs": {"timeoutSeconds": str(execution_timeout_seconds(stack)), "runCommand": SCRIPT},
+            "inputs": {"timeoutSeconds": str(execution_timeout_seconds(stack, deep)), "runCommand": SCRIPT},
         }],
     })
 
@@ -116,8 +125,9 @@ class Request:
     as_json: bool = False
 
     def parameters(self) -> dict[str, list[str]]:
-        """SendCommand's Parameters; the document's defaults stand for what was not asked."""
-        chosen = {"deep": [str(self.deep).lower()], "last": [str(self.last).lower()]}
+        """SendCommand's Parameters; the document's defaults stand for what was not asked (everyone's document has
+        no `deep`: SendCommand refuses a parameter a document does not declare)."""
+        chosen = {"last": [str(self.last).lower()], **({"deep": ["true"]} if self.deep else {})}
         if self.pools:
             chosen["pools"] = [" ".join(self.pools)]
         if self.nodes is not None:
@@ -196,11 +206,12 @@ def outcome(invocation: dict[str, Any], req: Request, stack: Stack) -> int:
     stdout, stderr = invocation.get("StandardOutputContent", ""), invocation.get("StandardErrorContent", "")
     head = invocation.get("InstanceId", "the head")
     if status == "TimedOut":
-        why = {"DeliveryTimedOut": f"the head's SSM Agent did not take the command within {DELIVERY_SECONDS} s "
+        # StatusDetails' words, spaces and all (SSM API reference, GetCommandInvocation's StatusDetails).
+        why = {"Delivery Timed Out": f"the head's SSM Agent did not take the command within {DELIVERY_SECONDS} s "
                                    "(is it online? `aws ssm describe-instance-information`)",
-               "ExecutionTimedOut": f"the run took longer than the document allows "
-                                    f"({execution_timeout_seconds(stack)} s) and was stopped; its jobs may still be "
-                                    "in Slurm's queue (squeue on the head)"}
+               "Execution Timed Out": f"the run took longer than the document allows "
+                                    f"({execution_timeout_seconds(stack, req.deep)} s) and was stopped; its jobs "
+                                    "may still be in Slurm's queue (squeue on the head)"}
         return _fail(why.get(invocation.get("StatusDetails", ""), f"the command timed out "
                                                                   f"({invocation.get('StatusDetails', '')})"))
     if status == "Cancelled":
@@ -246,24 +257,31 @@ def run(stack: Stack, head_args: list[str], session: Any,
     except HeadNotFound as exc:
         return _fail(str(exc))
     ssm = session.client("ssm", region_name=stack.region)
-    document = command_document_name(stack.cluster_name, DOCUMENT_KIND)
+    document = command_document_name(stack.cluster_name, document_kind(req.deep))
     try:
         sent = ssm.send_command(InstanceIds=[head], DocumentName=document, Parameters=req.parameters(),
                                 TimeoutSeconds=DELIVERY_SECONDS,
                                 Comment=f"gpucluster verify{' --last' if req.last else ''}"[:100])
-        command_id = sent["Command"]["CommandId"]
-        print(f"verify: sent {document} to {head} (command {command_id}); "
-              f"{'reading the latest run' if req.last else 'a run takes minutes (scaling from zero)'}",
-              file=sys.stderr)
-        bound = DELIVERY_SECONDS + execution_timeout_seconds(stack) + 120  # the agent's last report
-        invocation = wait(ssm, command_id, head, bound, sleep=sleep)
     except NoCredentialsError:
         return _fail(NO_CREDENTIALS)
     except (BotoCoreError, ClientError) as exc:
-        return _fail(f"AWS answered: {exc}")
+        denied = isinstance(exc, ClientError) and "AccessDenied" in exc.response.get("Error", {}).get("Code", "")
+        return _fail(f"AWS answered: {exc}" + (f"; --deep sends {document}, which only the stack's admin access "
+                                                 "policy allows" if denied and req.deep else ""))
+    command_id = sent["Command"]["CommandId"]
+    print(f"verify: sent {document} to {head} (command {command_id}); "
+          f"{'reading the latest run' if req.last else 'a run takes minutes (scaling from zero)'}", file=sys.stderr)
+    bound = DELIVERY_SECONDS + execution_timeout_seconds(stack, req.deep) + 120  # the agent's last report
+    # Once sent, the run is the head's: losing our side (credentials that expire during an hour's deep run, the
+    # network, Ctrl-C) ends only the waiting.
+    goes_on = (f"the run goes on on the head (command {command_id}): `verify {stack.name} --last` prints it once it "
+               "has ended")
+    try:
+        invocation = wait(ssm, command_id, head, bound, sleep=sleep)
+    except (BotoCoreError, ClientError) as exc:
+        return _fail(f"stopped waiting, AWS answered: {exc}; {goes_on}")
     except KeyboardInterrupt:
-        return _fail(f"stopped waiting; the run goes on on the head: `verify {stack.name} --last` prints it once it "
-                     "has ended")
+        return _fail(f"stopped waiting; {goes_on}")
     if invocation is None:
         return _fail(f"no answer from {head} after {bound} s (command {command_id}): `verify {stack.name} --last` "
                      "prints the run if it ended")

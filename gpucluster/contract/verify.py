@@ -4,7 +4,7 @@ the run on the head node measures them and judges each with `judge`, reading its
 
     plan: {"checks": [{"pool": P, "check": NAME, "expect": {...}}, ...]}
     run:  {"checks": [{"pool": P, "check": NAME, "expect": {...}, "measured": M, "result": "pass"|"warn"|"fail",
-                       "fix": "..." (failures only)}, ...]}
+                       "fix": "..." (failures, and warnings that say why nothing was measured)}, ...]}
 
 A check's `expect` holds the figure it is compared with under the key its kind names (count, min, max, or a value that
 must be equal); an `expect` without that key says the figure is unknown (an instance type without a published
@@ -30,6 +30,10 @@ DCGM_LEVEL, DCGM_DEEP_LEVEL = 1, 3  # DCGM diagnostic levels: 1 takes seconds, 3
 # Level 3 takes "approximately 15 minutes" (NVIDIA's dcgmi-diag reference, --run): a deep run's limit is four times
 # that, for a large GPU count or a slow first start of the host engine.
 DCGM_DEEP_SECONDS = 4 * 15 * 60
+# Level 1 "normally lasting seconds" (the same reference); node/devices.py holds the same figure for the health check
+# (the burn-in's pod has only that file; tests/test_verify_run.py holds the two equal).
+DCGM_SECONDS = 300
+DCGM_LEVEL_SECONDS = {DCGM_LEVEL: DCGM_SECONDS, DCGM_DEEP_LEVEL: DCGM_DEEP_SECONDS}
 FSX_MOUNTED = "fsx_mounted"  # {}: /fsx is a Lustre mount
 NCCL_EFA_PLUGIN = "nccl_efa_plugin"  # {"found": true}: aws-ofi-nccl where NCCL loads it (NVIDIA EFA pools)
 METADATA_REFUSED = "metadata_refused"  # {"refused": true}: a job cannot reach the instance metadata service
@@ -41,7 +45,7 @@ NCCL_TRANSPORT = "nccl_transport"  # {"provider": "efa"}: the libfabric provider
 FSX_WRITE_MBPS = "fsx_write_mbps"  # {"min": X}: sequential write throughput on /fsx, MB/s
 FSX_READ_MBPS = "fsx_read_mbps"  # {"min": X}: sequential read throughput on /fsx, MB/s
 # The pool.
-SCALE_FROM_ZERO_SECONDS = "scale_from_zero_seconds"  # {"max": S}: from the job's submission to its start
+SCALE_FROM_ZERO_SECONDS = "scale_from_zero_seconds"  # {"max": S}: from getting powered-off nodes to the job's start
 PROMETHEUS_SCRAPES = "prometheus_scrapes"  # {"nodes": N}: the job's nodes whose exporters Prometheus scrapes (up)
 # The cluster (pool CLUSTER): what the head offers every pool.
 CLUSTER = "(cluster)"  # the pool name of the cluster's checks: no pool can have it (POOL_NAME_RE)
@@ -55,6 +59,35 @@ DEFAULT_ALL_REDUCE_BYTES = 1 << 30
 # The last run per pool on the team's board: node_exporter's textfile collector on the head reads these.
 RESULT_METRIC = "gpucluster_verify_result"  # {pool, check}: RESULT_CODES of the pool's last run
 RUN_TIME_METRIC = "gpucluster_verify_run_timestamp_seconds"  # {pool}: when its last run ended (Unix time)
+
+# --- how long a run may take: the head's run (node/verify_run.py) waits by these, and the operator's Run Command
+# document (aws/verify_remote.py) allows their sum (run_seconds), so that the document never stops a run that the
+# run itself would have let go on.
+# A job queued behind other work (Slurm's reason Resources, Priority, a QOS or association limit) is waited for this
+# long before its nodes are given to it; its pool's checks then say Slurm's reason.
+QUEUE_SECONDS = 10 * 60
+# After its nodes are up, the user's job has this long: the probe (4 GiB written and read back per node, seconds at
+# FSx's throughput) and nccl-tests' sweep to the largest size (100 iterations per size: seconds each on EFA, minutes
+# over sockets).
+JOB_SECONDS = 20 * 60
+# Root's DCGM job follows the user's job on the same nodes (afterany): Slurm starts it at its next scheduling pass.
+DCGM_START_SECONDS = 5 * 60
+DCGM_JOB_SLACK_SECONDS = 120  # the root job's Slurm overhead beyond the diagnostic's own limit
+RUN_SLACK_SECONDS = 5 * 60  # sbatch, Slurm's passes, the cluster's checks and keeping the run
+
+
+def dcgm_job_seconds(level: int) -> int:
+    """Root's DCGM job's time limit at a diagnostic level: a level 1 run's nodes are held minutes, not an hour."""
+    return DCGM_LEVEL_SECONDS[level] + DCGM_JOB_SLACK_SECONDS
+
+
+def run_seconds(start_seconds: float, deep: bool) -> int:
+    """The longest a run can take when its slowest pool's nodes may take `start_seconds` to boot: queued, booted, the
+    user's job, root's DCGM job after it (the pools run side by side)."""
+    level = DCGM_DEEP_LEVEL if deep else DCGM_LEVEL
+    return int(QUEUE_SECONDS + start_seconds + JOB_SECONDS + DCGM_START_SECONDS + dcgm_job_seconds(level)
+               + RUN_SLACK_SECONDS)
+
 
 ResultWord = Literal["pass", "warn", "fail"]
 PASS: Final = "pass"
@@ -125,7 +158,8 @@ RULES: dict[str, Rule] = {
                              "dashboard`, Prometheus' /targets) and the node's node-exporter service"),
     BUDGET_TOPIC: Rule("equal", "reachable",
                        "the head cannot reach the stack's topic, so budget alarms and alerts go nowhere: check the "
-                       "head role's sns:GetTopicAttributes and sns:Publish on the topic, and the VPC's SNS endpoint"),
+                       "head role's statements on the topic (VerifyTheTeamTopic: sns:GetTopicAttributes, which this "
+                       "check calls; TellTheTeam: sns:Publish) and the VPC's SNS endpoint"),
     GPU_IDLE_RULE: Rule("equal", "loaded",
                         "Prometheus has no GpuIdle rule: check /etc/prometheus/rules on the head and "
                         "`promtool check rules`, then restart prometheus"),
@@ -147,7 +181,8 @@ class Check:
 
 @dataclass(frozen=True)
 class Result:
-    """A check as a run judged it: the plan's entry, the figure measured, the verdict, the fix of a failure."""
+    """A check as a run judged it: the plan's entry, the figure measured, the verdict, the fix of a failure (or why a
+    warning measured nothing)."""
 
     pool: str
     check: str
@@ -159,7 +194,7 @@ class Result:
     def as_dict(self) -> dict[str, object]:
         doc = asdict(self)
         doc["expect"] = dict(self.expect)
-        if self.result != FAIL:
+        if not self.fix:  # a failure's fix, or why a warning measured nothing (a run's note)
             del doc["fix"]
         return doc
 

@@ -395,7 +395,8 @@ installer's Open MPI"
   [[ -n $nccl_home ]] || die "no include/nccl.h in ${NCCL_HOMES[*]}: the parent image lacks NCCL's headers"
   clone_source nccl-tests "$ROOT$NCCL_TESTS_DIR"
   # LD_RUN_PATH (ld(1): the run path of an executable linked without -rpath, as nccl-tests links its tests): the
-  # binary loads the Open MPI and NCCL it was built against, whatever a job's LD_LIBRARY_PATH says.
+  # binary finds the Open MPI and NCCL it was built against without a job's LD_LIBRARY_PATH. Ubuntu's linker writes
+  # it as DT_RUNPATH (--enable-new-dtags), which ld.so searches after LD_LIBRARY_PATH: a job that sets one wins.
   LD_RUN_PATH="$MPI_HOME/lib:$nccl_home/lib:$CUDA_HOME/lib64" make -C "$ROOT$NCCL_TESTS_DIR" -j "$(nproc)" MPI=1 \
     MPI_HOME="$ROOT$MPI_HOME" CUDA_HOME="$ROOT$CUDA_HOME" NCCL_HOME="$ROOT$nccl_home"
   [[ -x $ROOT$ALL_REDUCE_PERF ]] || die "nccl-tests built no $ALL_REDUCE_PERF"

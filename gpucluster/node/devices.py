@@ -14,7 +14,8 @@ import subprocess
 from pathlib import Path
 
 TOOL_SECONDS = 10  # one tool call; the Prolog makes at most three
-DCGM_SECONDS = 300  # `dcgmi diag -r 1` takes about a minute
+# `dcgmi diag -r 1` takes about a minute; contract/verify.py DCGM_SECONDS is the same (a test holds them equal)
+DCGM_SECONDS = 300
 # Where the images put the tools: slurmd runs its HealthCheckProgram and Prolog with a bare PATH (/bin, /usr/bin...).
 TOOL_DIRS = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin", "/opt/amazon/efa/bin",
              "/opt/aws/neuron/bin")

@@ -51,9 +51,9 @@ from gpucluster.contract.settings import (
 )
 from gpucluster.contract.verify import (
     DCGM_DEEP_LEVEL,
-    DCGM_DEEP_SECONDS,
     DCGM_DIAG,
     DCGM_LEVEL,
+    DCGM_LEVEL_SECONDS,
     ECC_UNCORRECTED,
     EFA_DEVICES,
     FSX_MOUNTED,
@@ -66,7 +66,6 @@ from gpucluster.contract.verify import (
     NEURON_DEVICES,
 )
 from gpucluster.node.devices import (
-    DCGM_SECONDS,
     TOOL_DIRS,
     count_neuron_devices,
     dcgm_problems,
@@ -76,8 +75,6 @@ from gpucluster.node.devices import (
     tool,
 )
 
-# Level 1 "normally lasting seconds" (NVIDIA's dcgmi-diag reference, --run); level 3: contract DCGM_DEEP_SECONDS.
-DCGM_LEVEL_SECONDS = {DCGM_LEVEL: DCGM_SECONDS, DCGM_DEEP_LEVEL: DCGM_DEEP_SECONDS}
 EFA_DRIVER = "efa"  # the PCI driver's name (linux drivers/infiniband/hw/efa/efa_main.c: DRV_MODULE_NAME)
 LUSTRE_FS_TYPE = "lustre"
 # Lustre's client writes its version, "2.15.6\n", to /sys/fs/lustre/version (lustre/obdclass/obd_sysfs.c version_show,

@@ -4,12 +4,18 @@
 For every chosen pool at once, a batch job of the login user (settings.LOGIN_USER; root submits it through runuser)
 asks for the plan's node count of that pool alone (its partition, --constraint on the pool's node feature,
 --exclusive), so Slurm scales the pool from zero. The job writes its start time first (scale_from_zero_seconds: from
-the submission the run recorded), runs verify_probe.py once per node (each node's JSON to a file of its own in the
-run's directory on /fsx, owned by the user) and, on NVIDIA pools of two nodes or more, nccl-tests' all_reduce_perf
-across them. DCGM's host engine answers root only (contract/lockdown.py DCGM_CHAIN): once the user's job has ended, a
-short job of root's on the same nodes (still up: Slurm suspends them only after SuspendTime idle) runs the probe's
-DCGM diagnostic alone. Meanwhile the head's Prometheus is asked whether it scrapes the job's nodes. A job that does
-not start within the plan's scale-from-zero limit is cancelled, and its pool's checks fail with Slurm's reason.
+Slurm giving the job its nodes, when the run last saw it waiting, to that start), runs verify_probe.py once per node
+(each node's JSON to a file of its own in the run's directory on /fsx, owned by the user) and, on NVIDIA pools of two
+nodes or more, nccl-tests' all_reduce_perf across them. DCGM's host engine answers root only (contract/lockdown.py
+DCGM_CHAIN): as soon as the user's job starts, root submits a short job on exactly its nodes that Slurm starts once
+the user's job has ended (--dependency=afterany), before SuspendTime could power an idle node off, and that runs the
+probe's DCGM diagnostic alone. While the pool's nodes are up (a job of the run holds them, or Slurm says they are),
+the head's Prometheus is asked whether it scrapes them.
+
+A pool whose nodes were all up when the run submitted its job (a warm pool) scales nothing: scale_from_zero_seconds
+warns that it was not measured. A job that Slurm does not give nodes within QUEUE_SECONDS is cancelled: when Slurm's
+reason is other work or the team's limits (Resources, Priority, a QOS or association limit) the pool's checks warn
+with that reason, any other reason fails them; nodes still booting past the plan's scale-from-zero limit fail them.
 
 Every check is judged with contract.verify.judge_reading: a per-node check by the pool's worst node (named in the
 fix), /fsx throughput by the sum of the nodes' concurrent figures. The run document lands in settings.VERIFY_DIR
@@ -48,21 +54,21 @@ from gpucluster.contract.settings import (
     VERIFY_TEXTFILE,
     ClusterSettings,
 )
+from gpucluster.contract.verify import DCGM_START_SECONDS, JOB_SECONDS, QUEUE_SECONDS
 from gpucluster.node import nccl_tests, textfile
 
 PYTHON = "/usr/bin/python3"  # the node programs' interpreter on every node
 STARTED_FILE = "started"  # in a pool's run directory: the job's first act, its start time (Unix seconds)
 ALL_REDUCE_OUT = "all_reduce.out"
-# After its nodes are up, the user's job has this long: the probe (4 GiB written and read back per node, seconds at
-# FSx's throughput) and nccl-tests' sweep to the largest size (seconds per size on EFA; minutes over sockets).
-JOB_SECONDS = 20 * 60
-DCGM_JOB_SLACK_SECONDS = 120  # the root job's Slurm overhead beyond the diagnostic's own limit
 # Prometheus finds a new node at its next file_sd refresh and scrapes it at its next interval (render/prometheus.py:
-# seconds each); a node it has not scraped this long after the job started is not being scraped.
+# a minute and 30 s); a node it has not scraped this long after the job started is not being scraped. Shorter than
+# JOB_SECONDS: this wait adds nothing to contract.verify.run_seconds.
 PROMETHEUS_SECONDS = 120
 POLL_SECONDS = 2.0  # between looks at Slurm's jobs and Prometheus' targets
 SEVERITY = {v.PASS: 0, v.WARN: 1, v.FAIL: 2}
 BOOTING = "CONFIGURING"  # a job's state flag while its nodes boot
+POWERED_OFF = frozenset({"POWERED_DOWN", "POWERING_DOWN"})  # a node that a job must boot (again)
+NOT_UP = POWERED_OFF | {"POWER_DOWN", "POWERING_UP", "DOWN"}  # a node whose exporter Prometheus cannot reach
 PER_NODE = (v.GPUS, v.NEURON_DEVICES, v.EFA_DEVICES, v.ECC_UNCORRECTED, v.DCGM_DIAG, v.FSX_MOUNTED, v.NCCL_EFA_PLUGIN,
             v.METADATA_REFUSED, v.NAMES_RESOLVE)
 SUMMED = (v.FSX_WRITE_MBPS, v.FSX_READ_MBPS)  # the nodes write and read at once: /fsx carried the sum
@@ -127,20 +133,32 @@ def _per_node(command: list[str], output: str) -> str:
     return f"srun --ntasks-per-node=1 /bin/sh -c {shlex.quote(inner)}"
 
 
+# all_reduce_perf as the catalog's published figures were measured: aws-samples/awsome-distributed-training
+# micro-benchmarks/nccl-tests (commit 0162aac) slurm/nccl-tests.sbatch and slurm/nccl-tests-ami.sbatch: `-b 8 -e
+# <size> -f 2 -g 1 -c 1 -n 100` (one process per GPU, results checked, 100 timed iterations per size) with
+# NCCL_BUFFSIZE and NCCL_P2P_NET_CHUNKSIZE so set, ranks unbound (srun --cpu-bind=none; the AMI script's mpirun
+# --bind-to none: a task bound to one core would starve NCCL's proxy threads; aws-ofi-nccl's wiki, "CPU Binding").
+# PMIX_MCA_gds=hash: the same repository's nccl-tests.Dockerfile sets it ("Turn off PMIx Error",
+# open-mpi/ompi#7516): Slurm's PMIx plugin (built against the distribution's OpenPMIx) and the EFA installer's Open
+# MPI (its own PMIx) must not pick a shared-memory data store the other cannot read.
+ALL_REDUCE_ARGS = ("-b", "8", "-f", "2", "-g", "1", "-c", "1", "-n", "100")
+ALL_REDUCE_ENV = {"NCCL_DEBUG": "INFO", "NCCL_BUFFSIZE": "8388608", "NCCL_P2P_NET_CHUNKSIZE": "524288",
+                  "PMIX_MCA_gds": "hash"}
+
+
 def job_script(plan: PoolPlan, run_dir: str, options: ProbeOptions = ProbeOptions()) -> str:
-    """The user's batch job: its start time first, the probe on every node, then all_reduce_perf across them the way
-    nccl-tests' authors run it (NVIDIA/nccl-tests README.md, "Running multi-node with MPI": one process per GPU,
-    `-b 8 -e <size> -f 2 -g 1`; srun --mpi=pmix starts the ranks as Slurm sites do), with NCCL's INFO log, which names
-    the network and the libfabric provider NCCL chose (nccl_tests.transport)."""
+    """The user's batch job: its start time first, the probe on every node, then all_reduce_perf across them as the
+    published figures were measured (ALL_REDUCE_ARGS, ALL_REDUCE_ENV; srun --mpi=pmix starts the ranks as Slurm sites
+    do), with NCCL's INFO log, which names the network and the libfabric provider NCCL chose (nccl_tests.transport)."""
     where = shlex.quote(run_dir)
     probe = [PYTHON, VERIFY_PROBE_PROGRAM, "--without-dcgm", f"--fsx-dir={run_dir}", *options.args()]
     lines = ["#!/bin/bash", f"# gpucluster verify: pool {plan.pool}, {plan.nodes} node(s)",
              f"date +%s.%N > {where}/{STARTED_FILE}",
              _per_node(probe, f"{where}/probe")]
     if plan.all_reduce_bytes is not None:
-        lines += ["export NCCL_DEBUG=INFO",
-                  f"srun --mpi=pmix --ntasks-per-node={plan.gpus_per_node} {ALL_REDUCE_PERF} -b 8 "
-                  f"-e {plan.all_reduce_bytes} -f 2 -g 1 > {where}/{ALL_REDUCE_OUT} 2>&1"]
+        lines += ["export " + " ".join(f"{name}={value}" for name, value in ALL_REDUCE_ENV.items()),
+                  f"srun --mpi=pmix --cpu-bind=none --ntasks-per-node={plan.gpus_per_node} {ALL_REDUCE_PERF} "
+                  f"{' '.join(ALL_REDUCE_ARGS)} -e {plan.all_reduce_bytes} > {where}/{ALL_REDUCE_OUT} 2>&1"]
     return "\n".join(lines) + "\n"
 
 
@@ -152,14 +170,15 @@ def dcgm_script(plan: PoolPlan, run_dir: str) -> str:
                       ]) + "\n"
 
 
-def sbatch_args(plan: PoolPlan, run_dir: str, minutes: int, nodelist: str = "") -> list[str]:
+def sbatch_args(plan: PoolPlan, run_dir: str, minutes: int, nodelist: str = "", after: str = "") -> list[str]:
     """The pool's nodes only: its partition, and each of its nodes carries the pool's name as a feature (slurm.conf).
-    `nodelist`: exactly those nodes (root's DCGM job on the user job's)."""
+    `nodelist`: exactly those nodes (root's DCGM job on the user job's), once job `after` has ended."""
     who = "dcgm" if nodelist else "job"
     return ["sbatch", "--parsable", f"--job-name=gpucluster-verify-{plan.pool}", f"--partition={plan.pool}",
             f"--constraint={plan.pool}", f"--nodes={plan.nodes}", "--exclusive", f"--time={minutes}",
             f"--output={run_dir}/{who}.out", f"--chdir={run_dir}",
-            *([f"--nodelist={nodelist}", f"--account={SLURM_ROOT_ACCOUNT}"] if nodelist else [])]
+            *([f"--nodelist={nodelist}", f"--account={SLURM_ROOT_ACCOUNT}"] if nodelist else []),
+            *([f"--dependency=afterany:{after}"] if after else [])]
 
 
 # --- Slurm ----------------------------------------------------------------------------------------------------------
@@ -185,45 +204,65 @@ class Slurm:
     def cancel(self, job: str) -> None:
         subprocess.run(["scancel", job], capture_output=True, timeout=60)
 
+    def node_states(self) -> dict[str, frozenset[str]]:
+        out = subprocess.run(["scontrol", *slurm_json.SHOW_NODES], capture_output=True, text=True, timeout=60,
+                             check=True).stdout
+        return {node.name: node.state for node in slurm_json.nodes(out)}
+
 
 @dataclass
 class Tracked:
-    """A job the run waits for."""
+    """A job the run waits for: Slurm has `queue_seconds` from its submission to give it nodes, the nodes
+    `boot_seconds` from then to start it, the job `run_seconds` from its start to end."""
 
     job_id: str
     submitted: float
-    start_by: float  # cancelled if still pending then
-    end_by: float  # cancelled if still running then (measured from its start)
+    queue_seconds: float
+    boot_seconds: float
     run_seconds: float
+    waited_until: float = 0.0  # the last look that found it waiting for nodes (its submission when none did)
     nodes: tuple[str, ...] = ()
     started: bool = False
+    started_at: float = 0.0
     ended: bool = False
     why: str = ""  # what kept its measurements from being taken ("" when it ran to its end)
+    held: str = ""  # Slurm's reason, when it was cancelled still waiting for nodes
+
+    def __post_init__(self) -> None:
+        self.waited_until = self.waited_until or self.submitted
 
 
 def wait(slurm: Slurm, tracked: list[Tracked], clock: Callable[[], float] = time.time,
-         pause: Callable[[float], None] = time.sleep, on_start: Callable[[Tracked], None] = lambda t: None) -> None:
-    """Until every job has ended: a job pending past its start_by or running past its end_by is cancelled, and says
-    why. `on_start` runs once for each job as it is seen started."""
+         pause: Callable[[float], None] = time.sleep, on_start: Callable[[Tracked], None] = lambda t: None,
+         watch: Callable[[float], None] = lambda now: None) -> None:
+    """Until every job has ended (`tracked` may grow: on_start may add a job): a job waiting for nodes past its
+    queue_seconds, booting past its boot_seconds or running past its run_seconds is cancelled, and says why.
+    `on_start` runs once for each job as it is seen started; `watch` once per look."""
     while not all(t.ended for t in tracked):
         jobs = slurm.jobs()
         now = clock()
-        for t in (t for t in tracked if not t.ended):
+        for t in [t for t in tracked if not t.ended]:
             job = jobs.get(t.job_id)
-            # CONFIGURING: Slurm gave it nodes that are still booting (or running the Prolog).
-            if job is not None and (job.pending or BOOTING in job.state):
-                if now > t.start_by:
+            if job is not None and job.pending:
+                t.waited_until = now
+                if now - t.submitted > t.queue_seconds:
                     slurm.cancel(t.job_id)
-                    reason = "its nodes were still booting" if BOOTING in job.state else (
-                        f"Slurm's reason: {job.reason or 'none given'}")
-                    t.ended, t.why = True, f"job {t.job_id} did not start in {now - t.submitted:.0f} s ({reason}); " \
-                                           "cancelled"
+                    t.held = job.reason or "none given"
+                    t.ended, t.why = True, (f"job {t.job_id} waited {now - t.submitted:.0f} s for nodes (Slurm's "
+                                            f"reason: {t.held}); cancelled")
+                continue
+            # CONFIGURING: Slurm gave it nodes that are still booting (or running the Prolog).
+            if job is not None and BOOTING in job.state:
+                if now - t.waited_until > t.boot_seconds:
+                    slurm.cancel(t.job_id)
+                    t.ended, t.why = True, (f"job {t.job_id}'s nodes were still booting {now - t.waited_until:.0f} s "
+                                            "after Slurm gave them to it; cancelled")
                 continue
             if job is not None and job.active:
                 if not t.started:
-                    t.started, t.nodes, t.end_by = True, job.nodes, now + t.run_seconds
+                    t.started, t.nodes, t.started_at = True, job.nodes, now
                     on_start(t)
-                elif now > t.end_by:
+                elif now > t.started_at + t.run_seconds:
                     slurm.cancel(t.job_id)
                     t.ended, t.why = True, f"job {t.job_id} ran out of its {t.run_seconds:.0f} s; cancelled"
                 continue
@@ -233,6 +272,7 @@ def wait(slurm: Slurm, tracked: list[Tracked], clock: Callable[[], float] = time
                 t.nodes = job.nodes
             if job is not None and "COMPLETED" not in job.state:
                 t.why = f"job {t.job_id} ended {'+'.join(sorted(job.state))} ({job.reason or 'no reason given'})"
+        watch(now)
         if not all(t.ended for t in tracked):
             pause(POLL_SECONDS)
 
@@ -256,6 +296,7 @@ class PoolReadings:
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
     across: dict[str, Any] = field(default_factory=dict)
     scale_seconds: float | None = None
+    scale_warning: str = ""  # why the scale-up was not measured though the job ran (its nodes were already up)
     scraped: int | None = None
     missing: str = ""  # why a reading is absent: the job's fate
 
@@ -274,7 +315,9 @@ def judge_pool(plan: PoolPlan, readings: PoolReadings) -> list[v.Result]:
     """Every check of the pool judged on what its jobs measured."""
     results = []
     for check in plan.checks:
-        if check.check == v.SCALE_FROM_ZERO_SECONDS:
+        if check.check == v.SCALE_FROM_ZERO_SECONDS and readings.scale_warning:
+            results.append(v.Result(check.pool, check.check, check.expect, None, v.WARN, readings.scale_warning))
+        elif check.check == v.SCALE_FROM_ZERO_SECONDS:
             results.append(v.judge_reading(check, readings.scale_seconds if readings.scale_seconds is not None
                                            else _absent(readings.missing)))
         elif check.check == v.PROMETHEUS_SCRAPES:
@@ -287,6 +330,22 @@ def judge_pool(plan: PoolPlan, readings: PoolReadings) -> list[v.Result]:
         else:
             results.append(worst_node(check, readings))
     return results
+
+
+# Slurm's reasons for a job that waits on other work or on the team's own limits (squeue(1), JOB REASON CODES): the pool
+# is busy, not broken. Any other reason (a partition down, nodes unavailable, a constraint no node has) is a fault.
+BUSY_REASONS = ("Resources", "Priority")
+LIMIT_PREFIXES = ("QOS", "Assoc")
+
+
+def held_results(plan: PoolPlan, job: Tracked) -> list[v.Result]:
+    """A pool whose job Slurm never gave nodes: every check warns with Slurm's reason when the pool is busy or the team
+    at a limit (nothing was measured, nothing is known broken), and fails with it otherwise."""
+    if job.held in BUSY_REASONS or job.held.startswith(LIMIT_PREFIXES):
+        note = (f"not measured: {job.why}: the pool's nodes are busy or the team is at a Slurm limit "
+                "(`squeue`, `sshare`); verify it again when it has idle nodes")
+        return [v.Result(c.pool, c.check, c.expect, None, v.WARN, note) for c in plan.checks]
+    return [v.judge_reading(c, _absent(job.why)) for c in plan.checks]
 
 
 def worst_node(check: v.Check, readings: PoolReadings) -> v.Result:
@@ -402,10 +461,12 @@ def run_time(path: Path) -> float:
     return float(calendar.timegm(time.strptime(path.name.split("-", 1)[0], "%Y%m%dT%H%M%SZ")))
 
 
-def measure(checks: list[v.Check], setup: Setup, slurm: Slurm) -> tuple[str, list[v.Result]]:
+def measure(checks: list[v.Check], setup: Setup, slurm: Slurm, clock: Callable[[], float] = time.time,
+            pause: Callable[[float], None] = time.sleep) -> tuple[str, list[v.Result]]:
     """Runs the jobs, judges every check; returns the run's name and its results."""
     plans = pool_plans(checks)
-    started = time.time()
+    by_pool = {p.pool: p for p in plans}
+    started = clock()
     name = run_name(started, [p.pool for p in plans])
     owner = pwd.getpwnam(setup.user)
     root_dir = setup.verify_dir / name
@@ -415,45 +476,67 @@ def measure(checks: list[v.Check], setup: Setup, slurm: Slurm) -> tuple[str, lis
         for path in (d, d.parent):
             os.chown(path, owner.pw_uid, owner.pw_gid)
 
+    # Which nodes a job must boot: those powered off now (a job given only up nodes scales nothing).
+    powered_off = {node for node, state in slurm.node_states().items() if state & POWERED_OFF}
     user_jobs: dict[str, Tracked] = {}
     for plan in plans:
-        submitted = time.time()
+        submitted = clock()
         job = slurm.submit(sbatch_args(plan, str(dirs[plan.pool]), JOB_SECONDS // 60),
                            job_script(plan, str(dirs[plan.pool]), setup.probe), as_user=True)
-        # Always-on nodes start it at once; a pool held some other way (a closed partition) gets the job's time.
-        start_by = submitted + (plan.start_seconds if plan.start_seconds is not None else JOB_SECONDS)
-        user_jobs[plan.pool] = Tracked(job, submitted, start_by, 0.0, JOB_SECONDS)
-    wait(slurm, list(user_jobs.values()))
-
+        # Always-on nodes start it at once; they get the job's time to boot should something else hold them.
+        boot = plan.start_seconds if plan.start_seconds is not None else JOB_SECONDS
+        user_jobs[plan.pool] = Tracked(job, submitted, QUEUE_SECONDS, boot, JOB_SECONDS)
+    tracked = list(user_jobs.values())
     dcgm_jobs: dict[str, Tracked] = {}
-    for plan in plans:
-        user_job = user_jobs[plan.pool]
-        if plan.dcgm_level is not None and user_job.started and user_job.nodes:
-            # The deep diagnostic's limit at any level: the probe's own limit per level ends a hung one sooner.
-            seconds = v.DCGM_DEEP_SECONDS + DCGM_JOB_SLACK_SECONDS
-            try:
-                job = slurm.submit(sbatch_args(plan, str(dirs[plan.pool]), -(-seconds // 60),
-                                               ",".join(user_job.nodes)), dcgm_script(plan, str(dirs[plan.pool])),
-                                   as_user=False)
-            except RunError as exc:  # only the diagnostic is lost (root with no Slurm association, say)
-                dcgm_jobs[plan.pool] = Tracked("", time.time(), 0.0, 0.0, 0.0, ended=True,
-                                               why=f"root's DCGM job was refused: {exc}")
-                continue
-            # Its nodes are up and idle: a job that does not start at once is held by something else.
-            dcgm_jobs[plan.pool] = Tracked(job, time.time(), time.time() + JOB_SECONDS, 0.0, seconds)
-    scraped = prometheus_scrapes(setup.prometheus, plans, user_jobs)
-    wait(slurm, list(dcgm_jobs.values()))
+    scrapes = Scrapes(setup.prometheus, plans)
+
+    def dcgm_after(user_job: Tracked) -> None:
+        """Root's DCGM job on the user job's nodes, queued behind it: it holds them from the user job's end on."""
+        pool = next((pool for pool, t in user_jobs.items() if t is user_job), None)
+        if pool is None:
+            return  # root's DCGM job itself starting
+        plan = by_pool[pool]
+        scrapes.start(pool, user_job.nodes, clock())
+        if plan.dcgm_level is None or not user_job.nodes:
+            return
+        seconds = v.dcgm_job_seconds(plan.dcgm_level)
+        try:
+            job = slurm.submit(sbatch_args(plan, str(dirs[pool]), -(-seconds // 60), ",".join(user_job.nodes),
+                                           after=user_job.job_id), dcgm_script(plan, str(dirs[pool])), as_user=False)
+        except RunError as exc:  # only the diagnostic is lost (root with no Slurm association, say)
+            dcgm_jobs[pool] = Tracked("", clock(), 0.0, 0.0, 0.0, ended=True,
+                                      why=f"root's DCGM job was refused: {exc}")
+            return
+        # It waits for the user's job (at most JOB_SECONDS), then gets nodes that are up and idle.
+        dcgm_jobs[pool] = Tracked(job, clock(), JOB_SECONDS + DCGM_START_SECONDS, DCGM_START_SECONDS, seconds)
+        tracked.append(dcgm_jobs[pool])
+
+    def held_by_the_run() -> set[str]:
+        return {node for t in tracked if t.started and not t.ended for node in t.nodes}
+
+    wait(slurm, tracked, clock, pause, on_start=dcgm_after,
+         watch=lambda now: scrapes.look(now, held_by_the_run(), slurm))
+    while scrapes.waiting(clock()):  # the jobs ended first: asked while Slurm says the nodes are still up
+        scrapes.look(clock(), set(), slurm)
+        if scrapes.waiting(clock()):
+            pause(POLL_SECONDS)
 
     results: list[v.Result] = []
     for plan in plans:
         user_job, d = user_jobs[plan.pool], dirs[plan.pool]
-        readings = PoolReadings(missing=user_job.why, scraped=scraped.get(plan.pool))
+        if user_job.held:
+            results += held_results(plan, user_job)
+            continue
+        readings = PoolReadings(missing=user_job.why, scraped=scrapes.counts.get(plan.pool))
         if user_job.started:
             readings.nodes = node_readings(d, user_job.nodes, dcgm_jobs[plan.pool].why if plan.pool in dcgm_jobs
                                            else "")
             readings.across = across_readings(d, user_job.why)
+            if plan.start_seconds is not None and not set(user_job.nodes) & powered_off:
+                readings.scale_warning = ("not measured: the pool's nodes were already up when the run submitted "
+                                          "its job; verify again once they have powered down (SuspendTime idle)")
             try:
-                readings.scale_seconds = round(float((d / STARTED_FILE).read_text()) - user_job.submitted, 1)
+                readings.scale_seconds = round(float((d / STARTED_FILE).read_text()) - user_job.waited_until, 1)
             except (OSError, ValueError):
                 readings.missing = readings.missing or f"the job wrote no start time ({d / STARTED_FILE})"
         results += judge_pool(plan, readings)
@@ -461,25 +544,45 @@ def measure(checks: list[v.Check], setup: Setup, slurm: Slurm) -> tuple[str, lis
     return name, results
 
 
-def prometheus_scrapes(base: str, plans: list[PoolPlan], jobs: dict[str, Tracked],
-                       clock: Callable[[], float] = time.time, pause: Callable[[float], None] = time.sleep
-                       ) -> dict[str, int]:
-    """pool -> how many of its job's nodes Prometheus scrapes, for pools whose plan asks; waits (bounded by
-    PROMETHEUS_SECONDS from the job's submission onward) until it scrapes them all."""
-    asked = {p.pool: jobs[p.pool].nodes for p in plans
-             if jobs[p.pool].started and any(c.check == v.PROMETHEUS_SCRAPES for c in p.checks)}
-    counts: dict[str, int] = {}
-    deadline = clock() + PROMETHEUS_SECONDS
-    while asked:
+class Scrapes:
+    """How many of each pool's job's nodes the head's Prometheus scrapes (their node exporter's target up), for
+    pools whose plan asks; asked only while the nodes are up, from the user job's start for PROMETHEUS_SECONDS or
+    until it scrapes them all. The count kept is the highest seen: a node that powered off later was scraped."""
+
+    def __init__(self, base: str, plans: list[PoolPlan]):
+        self.base = base
+        self.asked = {p.pool for p in plans if any(c.check == v.PROMETHEUS_SCRAPES for c in p.checks)}
+        self.nodes: dict[str, tuple[str, ...]] = {}
+        self.until: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+
+    def start(self, pool: str, nodes: tuple[str, ...], now: float) -> None:
+        if pool in self.asked:
+            self.nodes[pool], self.until[pool], self.counts[pool] = nodes, now + PROMETHEUS_SECONDS, 0
+
+    def waiting(self, now: float) -> list[str]:
+        return [pool for pool, nodes in self.nodes.items()
+                if self.counts[pool] < len(nodes) and now <= self.until[pool]]
+
+    def look(self, now: float, held: set[str], slurm: Slurm) -> None:
+        """One look for the waiting pools whose nodes are all up: held by a job of the run, or so in Slurm's eyes."""
+        pools = self.waiting(now)
+        if not pools:
+            return
+        if not all(set(self.nodes[pool]) <= held for pool in pools):
+            states = slurm.node_states()
+            held = held | {node for node, state in states.items() if not state & NOT_UP}
+            for pool in [pool for pool in pools if not set(self.nodes[pool]) <= held]:
+                self.until[pool] = 0.0  # powered off (or going): Prometheus can no longer scrape it
+            pools = [pool for pool in pools if set(self.nodes[pool]) <= held]
+        if not pools:
+            return
         try:
-            targets = prometheus_get(base, "targets?state=active")
+            targets = prometheus_get(self.base, "targets?state=active")
         except (OSError, ValueError, KeyError):
-            targets = {}
-        counts = {pool: scraped_nodes(targets, nodes) for pool, nodes in asked.items()}
-        if all(counts[pool] == len(nodes) for pool, nodes in asked.items()) or clock() > deadline:
-            break
-        pause(POLL_SECONDS)
-    return counts
+            return
+        for pool in pools:
+            self.counts[pool] = max(self.counts[pool], scraped_nodes(targets, self.nodes[pool]))
 
 
 # --- what the run leaves -----------------------------------------------------------------------------------------

@@ -130,6 +130,9 @@ def test_verify_passes_on_nodes_scaled_from_zero_then_names_each_fault(
     assert failures[v.NCCL_TRANSPORT].measured == "socket"
     assert failures[v.METADATA_REFUSED].measured is False and "a token" in failures[v.METADATA_REFUSED].fix
     assert {node for node, _ in cluster.boots} == {f"{POOL}-1", f"{POOL}-2"}  # the same nodes: no fresh instance
+    # Those nodes were up when the job was submitted: nothing scaled, and the run says so instead of passing.
+    scale = checks[v.SCALE_FROM_ZERO_SECONDS]
+    assert scale.result == v.WARN and scale.measured is None and "already up" in scale.fix, scale
 
     # `verify --last` prints the newest run as it was kept, and its verdict.
     last = cluster.head.enter("/usr/local/bin/gpucluster", "verify", "--last", "--json", check=False)
