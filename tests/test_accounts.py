@@ -141,8 +141,17 @@ def test_the_people_reach_compute_nodes_signed_with_the_munge_key(tmp_path: Path
 SACCTMGR = """#!/bin/sh
 echo "sacctmgr $*" >> "$CALLS"
 case "$*" in
-  *"list associations"*) printf '\\nalice\\nbob\\ncarol\\n' ;;
+  *"list associations"*) printf '\\nalice\\nbob\\ncarol\\ndave\\n' ;;
   *"delete user where name=carol"*) exit 1 ;;  # carol still has a running job: Slurm refuses
+esac
+"""
+
+# carol left the stack (her account keeps the mark); dave was added by an admin by hand.
+GETENT = f"""#!/bin/sh
+case "$2" in
+  carol) echo "carol:x:20003:20003:{accounts.MARK}:/home/carol:{accounts.NOLOGIN}" ;;
+  dave) echo "dave:x:3000:3000::/home/dave:/bin/bash" ;;
+  *) exit 2 ;;
 esac
 """
 
@@ -152,7 +161,8 @@ def run_accounting(stack_text: str, tmp_path: Path) -> list[str]:
     stack_file.write_text(stack_text)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, text in (("sacctmgr", SACCTMGR), ("scancel", '#!/bin/sh\necho "scancel $*" >> "$CALLS"\n')):
+    for name, text in (("sacctmgr", SACCTMGR), ("scancel", '#!/bin/sh\necho "scancel $*" >> "$CALLS"\n'),
+                       ("getent", GETENT)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     calls = tmp_path / "calls"
@@ -181,12 +191,13 @@ def test_someone_no_longer_listed_loses_pending_jobs_and_association_or_else_sub
     stack = load_stack(ROOT_DIR / "stacks" / "Pulumi.team-a.yaml")
     team = stack.spec.team
     listed = {person.name for person in stack.spec.people}
-    assert listed == {"alice", "bob"}  # the stand-in's associations: alice, bob and carol, who left the stack
+    assert listed == {"alice", "bob"}  # the stand-in's associations: alice, bob, carol (who left) and dave
     calls = run_accounting(team_a(), tmp_path)
     assert f"scancel --state=PENDING --account={team} --user=carol" in calls
     assert f"sacctmgr -i delete user where name=carol account={team}" in calls
     assert f"sacctmgr -i modify user where name=carol account={team} set MaxSubmitJobs=0" in calls  # delete refused
-    assert not [c for c in calls if ("delete" in c or "scancel" in c) and ("alice" in c or "bob" in c)]
+    assert not [c for c in calls if ("delete" in c or "scancel" in c or "MaxSubmitJobs=0" in c)
+                and any(name in c for name in ("alice", "bob", "dave"))]
 
 
 def test_without_people_the_login_user_is_the_teams_only_user(tmp_path: Path) -> None:

@@ -36,9 +36,10 @@ from pathlib import Path
 from typing import Callable
 
 from gpucluster.contract.lockdown import PRIVILEGED_GROUPS
+from gpucluster.contract.people import ACCOUNT_MARK
 from gpucluster.contract.settings import LOGIN_USER, SHARED_PEOPLE_FILE, PersonSettings, load_people
 
-MARK = "gpucluster person"  # the GECOS field of every account made here
+MARK = ACCOUNT_MARK  # the GECOS field of every account made here
 SHELL = "/bin/bash"
 NOLOGIN = "/usr/sbin/nologin"
 SUDOERS = "etc/sudoers.d/gpucluster-admins"  # under the node's root

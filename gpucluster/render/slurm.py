@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from gpucluster.contract import settings
+from gpucluster.contract import people as people_rules, settings
 from gpucluster.render import job_submit
 from gpucluster.spec import cost
 from gpucluster.spec.catalog import Accelerator
@@ -328,8 +328,9 @@ def accounting_script(stack: Stack) -> str:
     of the stack's people (the shared login user without `users:`), their `max_gpus` as a limit on GPUs in use at
     once (GrpTRES=gres/gpu on the user's association: a job beyond it pends with AssocGrpGRES); fair share between
     them (slurm.conf's PriorityWeightFairshare). Someone the stack no longer lists loses their pending jobs and their
-    association; while jobs of theirs still run, Slurm keeps the association (sacctmgr refuses to delete it), which
-    then takes no new job (MaxSubmitJobs=0) and goes at a later update. Idempotent: `add` of what exists is a no-op,
+    association (only those the cluster made: a user an admin added by hand stays); while jobs of theirs still run,
+    Slurm keeps the association (sacctmgr refuses to delete it), which then takes no new job (MaxSubmitJobs=0) and
+    goes at a later update. Idempotent: `add` of what exists is a no-op,
     `modify` sets the limits anew. Root is not in the team's account, so the team's caps never stop an admin's job:
     it submits under Slurm's own root account (`gpucluster verify`'s DCGM job, run as root because DCGM's host engine
     answers root only)."""
@@ -353,8 +354,13 @@ def accounting_script(stack: Stack) -> str:
             own.append(f"GrpTRES=gres/gpu={max_gpus or -1}")
         lines.append(f"sacctmgr -i modify user where name={user} account={team} set {' '.join(own)}")
     listed = " ".join(users)
+    # Only whom the cluster made: a person the stack dropped (their account keeps its mark), the login user once the
+    # stack lists people. A user an admin added by hand keeps their association.
+    managed = f'[ "$(getent passwd "$user" | cut -d: -f5)" = "{people_rules.ACCOUNT_MARK}" ]' + (
+        f' || [ "$user" = {settings.LOGIN_USER} ]' if people else "")
     lines += [f"for user in $(sacctmgr -n -P list associations where account={team} format=user); do",
               f'  case " {listed} " in *" $user "*) continue ;; esac',
+              f"  {managed} || continue",
               f'  scancel --state=PENDING --account={team} --user="$user" >/dev/null 2>&1 || true',
               f'  sacctmgr -i delete user where name="$user" account={team} >/dev/null 2>&1 ||',
               f'    sacctmgr -i modify user where name="$user" account={team} set MaxSubmitJobs=0',
