@@ -195,8 +195,8 @@ def test_someone_no_longer_listed_loses_pending_jobs_and_association_or_else_sub
     calls = run_accounting(team_a(), tmp_path)
     assert f"scancel --state=PENDING --account={team} --user=carol" in calls
     assert f"sacctmgr -i delete user where name=carol account={team}" in calls
-    assert f"sacctmgr -i modify user where name=carol account={team} set MaxSubmitJobs=0" in calls  # delete refused
-    assert not [c for c in calls if ("delete" in c or "scancel" in c or "MaxSubmitJobs=0" in c)
+    assert f"sacctmgr -i modify user where name=carol account={team} set GrpSubmitJobs=0" in calls  # delete refused
+    assert not [c for c in calls if ("delete" in c or "scancel" in c or "GrpSubmitJobs=0" in c)
                 and any(name in c for name in ("alice", "bob", "dave"))]
 
 

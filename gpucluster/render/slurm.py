@@ -329,28 +329,28 @@ def accounting_script(stack: Stack) -> str:
     once (GrpTRES=gres/gpu on the user's association: a job beyond it pends with AssocGrpGRES); fair share between
     them (slurm.conf's PriorityWeightFairshare). Someone the stack no longer lists loses their pending jobs and their
     association (only those the cluster made: a user an admin added by hand stays); while jobs of theirs still run,
-    Slurm keeps the association (sacctmgr refuses to delete it), which then takes no new job (MaxSubmitJobs=0) and
-    goes at a later update. Idempotent: `add` of what exists is a no-op,
-    `modify` sets the limits anew. Root is not in the team's account, so the team's caps never stop an admin's job:
-    it submits under Slurm's own root account (`gpucluster verify`'s DCGM job, run as root because DCGM's host engine
-    answers root only)."""
+    Slurm keeps the association (sacctmgr refuses to delete it), which then takes no new job (GrpSubmitJobs=0) and
+    goes at a later update. Idempotent: `add` of what exists is a no-op, `modify` sets the limits anew. Root is not
+    in the team's account, so the team's caps never stop an admin's job: it submits under Slurm's own root account
+    (`gpucluster verify`'s DCGM job, run as root because DCGM's host engine answers root only)."""
     team = stack.spec.team
     quota = cost.gpu_hour_quota(stack)
     lines = ["#!/bin/sh", "# Rendered by gpucluster: the team's Slurm account, GPU-hour quota and caps on jobs.",
              f"sacctmgr -i add cluster {stack.cluster_name} >/dev/null 2>&1 || true",
              f"sacctmgr -i add account {team} Description='team {team}' Organization={team} >/dev/null 2>&1 || true"]
     limit = f"gres/gpu={quota * 60}" if quota is not None else "gres/gpu=-1"
-    caps = job_limits(stack)
-    lines.append(f"sacctmgr -i modify account where name={team} set GrpTRESMins={limit} "
-                 + " ".join(f"{key}={value}" for key, value in caps.items()))
+    caps = " ".join(f"{key}={value}" for key, value in job_limits(stack).items())
+    lines.append(f"sacctmgr -i modify account where name={team} set GrpTRESMins={limit} {caps}")
     people = stack.spec.people
     users = {person.name: person.max_gpus for person in people} or {settings.LOGIN_USER: None}
     counts_gpus = "gpu" in accelerator_gres(stack)  # max_gpus: NVIDIA GPUs (Neuron devices are no GPUs)
     for user, max_gpus in users.items():
         lines.append(f"sacctmgr -i add user {user} Account={team} DefaultAccount={team} >/dev/null 2>&1 || true")
-        # MaxSubmitJobs anew: a person listed again after a removal had it set to 0.
-        own = [f"MaxSubmitJobs={caps['MaxSubmitJobs']}"]
-        if counts_gpus:
+        # GrpSubmitJobs cleared: a person listed again after a removal had it at 0. (A Grp* limit, not the Max* ones
+        # the user's association takes from the account's as long as it has none of its own.)
+        own = ["GrpSubmitJobs=-1"]
+        if counts_gpus:  # sacctmgr(1), Slurm 24.11: GrpTRES bounds what running jobs of "this association and all
+            # associations which are children of this association" hold; a user's association has no children.
             own.append(f"GrpTRES=gres/gpu={max_gpus or -1}")
         lines.append(f"sacctmgr -i modify user where name={user} account={team} set {' '.join(own)}")
     listed = " ".join(users)
@@ -363,7 +363,7 @@ def accounting_script(stack: Stack) -> str:
               f"  {managed} || continue",
               f'  scancel --state=PENDING --account={team} --user="$user" >/dev/null 2>&1 || true',
               f'  sacctmgr -i delete user where name="$user" account={team} >/dev/null 2>&1 ||',
-              f'    sacctmgr -i modify user where name="$user" account={team} set MaxSubmitJobs=0',
+              f'    sacctmgr -i modify user where name="$user" account={team} set GrpSubmitJobs=0',
               "done"]
     lines.append(f"sacctmgr -i add user root Account={settings.SLURM_ROOT_ACCOUNT} >/dev/null 2>&1 || true")
     return "\n".join(lines) + "\n"
