@@ -131,9 +131,10 @@ def test_the_people_reach_compute_nodes_signed_with_the_munge_key(tmp_path: Path
     assert accounts.published(path, key) == (ALICE, BOB)
     forged = path.read_text().replace('\\"admin\\": false', '\\"admin\\": true')
     assert forged != path.read_text()
-    path.write_text(forged)
-    with pytest.raises(accounts.UnsignedFile):
-        accounts.published(path, key)
+    for planted in (forged, "not json", '["a list"]'):
+        path.write_text(planted)
+        with pytest.raises(accounts.UnsignedFile):
+            accounts.published(path, key)
 
 
 # --- Slurm: the associations ------------------------------------------------------------------------------------------
@@ -212,3 +213,22 @@ def test_fair_share_orders_the_teams_people() -> None:
     settings = dict(line.split("=", 1) for line in conf.splitlines() if "=" in line and not line.startswith("#"))
     assert settings["PriorityType"] == "priority/multifactor"
     assert int(settings["PriorityWeightFairshare"]) > 0
+
+
+def test_the_prolog_serves_on_with_a_planted_file_and_stops_at_a_clash(monkeypatch: pytest.MonkeyPatch) -> None:
+    """health.py's Prolog: a file the head did not sign changes nothing and keeps no job off the node; a clash is the
+    node's problem (it goes DOWN with it, the job requeued elsewhere)."""
+    from gpucluster.node import health
+
+    def planted() -> None:
+        raise accounts.UnsignedFile("/fsx/.gpucluster/people.json is not signed")
+
+    monkeypatch.setattr(accounts, "published", planted)
+    assert health.people_accounts() == ""
+
+    def clash(people: tuple[PersonSettings, ...]) -> list[str]:
+        raise accounts.AccountError("alice (uid 20001): id 20001 is the node's account carl's")
+
+    monkeypatch.setattr(accounts, "published", lambda: (ALICE,))
+    monkeypatch.setattr(accounts, "settle", clash)
+    assert health.people_accounts() == "accounts: alice (uid 20001): id 20001 is the node's account carl's"

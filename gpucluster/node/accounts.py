@@ -182,6 +182,8 @@ def published(path: Path = Path(SHARED_PEOPLE_FILE), key: Path = MUNGE_KEY) -> t
         document = json.loads(path.read_text())
     except FileNotFoundError:
         return None
+    except ValueError as exc:  # not JSON, not UTF-8: nothing the head wrote
+        raise UnsignedFile(f"{path} is not the head's: {exc}") from None
     body = document.get("people", "") if isinstance(document, dict) else ""
     expected = _signature(str(body).encode(), key.read_bytes())
     if not hmac.compare_digest(expected, str(document.get("hmac_sha256", "")) if body else ""):
