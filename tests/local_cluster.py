@@ -803,7 +803,7 @@ class LocalCluster:
             bundle_bucket=bucket, bundle_key=bundle_key, head_address=self.head_address, state_volume_id=self.volume_id,
             fsx_dns_name="fs-0123456789abcdef0.fsx.us-east-1.amazonaws.com", fsx_mount_name="abcdefgh",
             munge_key_parameter=userdata.munge_key_parameter(self.stack), slurmctld_port=self.layout.controller_port,
-            all_or_nothing=self.stack.spec.slurm.all_or_nothing,
+            all_or_nothing=self.stack.spec.slurm.all_or_nothing, people=self.stack.spec.people,
             # A node DOWN for a passing cause is retried after 5 s here instead of 10 min (the stack file's minimum
             # is a minute): tests shorten timers, not sleep.
             capacity_retry_seconds=5,
@@ -852,7 +852,7 @@ class LocalCluster:
         key = bundle.key(data)
         self.aws("s3").put_object(Bucket=self.settings.bundle_bucket, Key=key, Body=data)
         self.settings = replace(self.settings, pools=self._pool_settings(self.ec2(), self.settings.pools),
-                                bundle_key=key)
+                                bundle_key=key, people=stack.spec.people)
         self.aws("ssm").put_parameter(Name=self.userdata.config_parameter(stack), Type="String",
                                       Value=self.settings.to_json(), Overwrite=True)
 

@@ -318,7 +318,7 @@ def test_an_update_restarts_the_services_on_the_units_it_wrote(tmp_path: Path, m
     monkeypatch.setattr(bootstrap, "BUNDLE", tmp_path / "bundle")
     steps: list[str] = []
     for name in ("slurm_files", "node_control_units", "budget_guardrail", "node_names", "grow_state_volume",
-                 "head_monitoring", "command_line", "shared_examples"):
+                 "head_monitoring", "command_line", "shared_examples", "people_accounts", "people_homes"):
         monkeypatch.setattr(bootstrap, name, lambda *args, name=name: steps.append(name))
     monkeypatch.setattr(bootstrap, "run", lambda *args, **kw: steps.append(" ".join(args)))
     settings = contract.ClusterSettings(cluster="c1", region="us-east-1", pools={}, interruption_queue_url="q",
@@ -328,6 +328,8 @@ def test_an_update_restarts_the_services_on_the_units_it_wrote(tmp_path: Path, m
     assert {"node_control_units", "budget_guardrail", "node_names"} <= set(steps[:reload])
     restarts = [step for step in steps if step.startswith("systemctl restart")]
     assert len(restarts) == 3 and all(steps.index(step) > reload for step in restarts)
+    # The people first, their associations at once: a removal never waits for nodes the stack drops to drain.
+    assert steps[:3] == ["people_accounts", "people_homes", f"sh {tmp_path}/bundle/accounting.sh"]
 
 
 def test_plugstack_keeps_only_the_spank_plugins_the_image_has(tmp_path: Path) -> None:

@@ -108,13 +108,13 @@ def test_a_stack_key_changes_the_rendered_script_bound() -> None:
 def test_the_accounting_script_sets_the_team_and_per_user_caps_on_the_account() -> None:
     stack = with_slurm(load_stack(TEAM_A), max_submitted_jobs_per_user=11, max_running_jobs_per_user=7,
                        max_submitted_jobs=31, max_running_jobs=17)
-    script = slurm.accounting_script(stack, ("ubuntu",)).splitlines()
+    script = slurm.accounting_script(stack).splitlines()
     team = stack.spec.team
     [modify] = [line for line in script if line.startswith(f"sacctmgr -i modify account where name={team} set")]
     assert modify.split()[8:] == ["GrpSubmitJobs=31", "GrpJobs=17", "MaxSubmitJobs=11", "MaxJobs=7"]
     # The account is set before its users are added (who take its Max* limits), and root is never made a member:
     # root's jobs (verify's DCGM diagnostic) run under Slurm's root account, outside the team's caps.
-    assert script.index(modify) < next(i for i, line in enumerate(script) if "add user ubuntu" in line)
+    assert script.index(modify) < next(i for i, line in enumerate(script) if "add user alice" in line)
     assert [line.split(" >")[0] for line in script if "root" in line] == [
         f"sacctmgr -i add user root Account={SLURM_ROOT_ACCOUNT}"]
     assert SLURM_ROOT_ACCOUNT != team

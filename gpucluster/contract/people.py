@@ -60,6 +60,10 @@ UBUNTU_SYSTEM = (
 IMAGE_ACCOUNTS = ("munge", "mysql", "prometheus", "grafana", "cwagent", "slurm", "docker", "ubuntu", "ssm-user")
 RESERVED_NAMES = frozenset((*BASE_PASSWD, *UBUNTU_SYSTEM, *IMAGE_ACCOUNTS))
 
+# The GECOS field of every person's account the nodes make (gpucluster/node/accounts.py): how the nodes and the
+# accounting script tell the people the cluster made, listed or removed since, from accounts made by anyone else.
+ACCOUNT_MARK = "gpucluster person"
+
 
 def assigned_uid(name: str) -> int:
     """The uid of a person whose stack entry gives none: the first 8 bytes of the SHA-256 of the name (UTF-8), read

@@ -95,6 +95,8 @@ LOGIN_USER = "ubuntu"
 SHARED_DIR = "/fsx"  # the Lustre file system, on every node
 SHARED_HOME = f"{SHARED_DIR}/home"  # bind-mounted at /home on every node: code, venvs and job output follow the job
 NODE_HOSTS_FILE = f"{SHARED_DIR}/.gpucluster/hosts"  # registered nodes' names and addresses, kept by the head
+# The stack's people, signed by the head for the compute nodes' Prolog (gpucluster/node/accounts.py).
+SHARED_PEOPLE_FILE = f"{SHARED_DIR}/.gpucluster/people.json"
 SHARED_EXAMPLES = f"{SHARED_DIR}/examples"  # the bundle's examples, copied anew by the head at every boot and update
 # `gpucluster verify`: one JSON file per run (gpucluster/contract/verify.py), kept on the shared file system.
 VERIFY_DIR = f"{SHARED_DIR}/.gpucluster/verify"
@@ -254,7 +256,7 @@ class PersonSettings:
     max_gpus: int | None = None  # GPUs in use at once; None: no limit of their own
 
 
-def _people(raw: Any) -> tuple[PersonSettings, ...]:
+def load_people(raw: Any) -> tuple[PersonSettings, ...]:
     """The settings' people, checked with the stack's own rules (gpucluster.contract.people): a document that breaks
     them stops the loader, every problem at once, before a node makes an account from it."""
     if not isinstance(raw, list):
@@ -375,7 +377,7 @@ class ClusterSettings:
                               f"pools.{name}") for name, spec in raw.pop("pools", {}).items()}
         budget = raw.pop("budget", None)
         budget_settings = _build(BudgetSettings, budget, "budget") if budget else None
-        people = _people(raw.pop("people", []))
+        people = load_people(raw.pop("people", []))
         settings: ClusterSettings = _build(cls, {**raw, "pools": pools, "budget": budget_settings, "people": people},
                                            "settings")
         return settings  # typed here: _build makes whichever settings class it is given

@@ -32,6 +32,7 @@ from gpucluster.contract import (
 )
 from gpucluster.contract.hostlist import compress_hostlist, expand_hostlist
 from gpucluster.contract.settings import ClusterSettings, PoolSettings, read_env_file
+from gpucluster.node import accounts
 from gpucluster.node.metadata import imds
 from gpucluster.node.safe_paths import foreign, own_directory, replace_tree, set_aside
 
@@ -148,6 +149,21 @@ def install_munge_key(staged: Path = Path(contract.MUNGE_KEY_STAGED), path: Path
     os.replace(tmp, path)
 
 
+def people_accounts(s: ClusterSettings) -> None:
+    """The stack's people as accounts on this node (gpucluster/node/accounts.py), before slurmd or a session can
+    start; a name or uid another account has here fails the boot, naming both."""
+    for change in accounts.settle(s.people):
+        log.info("accounts: %s", change)
+
+
+def people_homes(s: ClusterSettings) -> None:
+    """The head's part, once /fsx is mounted: the people's homes (0700), then the people signed for the compute
+    nodes' Prolog. The login user's home as always without `users:`."""
+    shared_home(users=s.accounts, mode=0o700 if s.people else 0o750)
+    own_directory(Path(contract.SHARED_PEOPLE_FILE).parent)
+    accounts.publish(s.people)
+
+
 def lock_down(role: str) -> None:
     """The lockdown cloud-init's bootcmd ran before the network came up, once more now that the image's packages are
     all there (on a stock AMI the slurm user exists only after build_image.sh), with the guard of DCGM's host engine
@@ -186,11 +202,12 @@ def mount_lustre(dns_name: str, mount_name: str, where: str = contract.SHARED_DI
 
 
 def shared_home(shared: Path = Path(contract.SHARED_HOME), home: Path = Path("/home"),
-                users: tuple[str, ...] = (contract.LOGIN_USER,)) -> None:
+                users: tuple[str, ...] = (contract.LOGIN_USER,), mode: int = 0o750) -> None:
     """Home directories on the Lustre file system, the same on the head and on every compute node, so that code,
     venvs and job output in ~ are where the job runs (HyperPod does the same; ParallelCluster exports /home from its
-    head over NFS). /home is a bind mount of it (in fstab, after /fsx, for reboots). The login user's home is made
-    from /etc/skel the first time; `useradd -m` on the head then makes new users' homes there too.
+    head over NFS). /home is a bind mount of it (in fstab, after /fsx, for reboots). Each of `users` (the login user,
+    or the stack's people: then `mode` 0700, theirs alone) gets a home from /etc/skel the first time; the cluster never
+    deletes one, gives it back to root or changes its mode afterwards (a removed person's stays).
     /fsx is world-writable and outlives the head: /fsx/home is root's own directory (anything a user made there first
     is set aside), and a home is made complete, owned by its user, in a directory only root can enter, then renamed
     into place; a home that is there is left as it is (root writes nothing into it), one that is not a directory
@@ -205,7 +222,7 @@ def shared_home(shared: Path = Path(contract.SHARED_HOME), home: Path = Path("/h
         if why := foreign(mine, None):  # a home is kept whoever owns it; a link or a file is not one
             set_aside(mine, why)
         if not os.path.lexists(mine):
-            replace_tree(functools.partial(skeleton, uid=account.pw_uid, gid=account.pw_gid), mine, 0o750)
+            replace_tree(functools.partial(skeleton, uid=account.pw_uid, gid=account.pw_gid), mine, mode)
     # _netdev and nofail, like /fsx: a Lustre that is slow to come back must not hold a reboot in emergency mode.
     fstab_entry(f"{shared} {home} none bind,nosuid,nodev,_netdev,nofail,"
                 f"x-systemd.requires-mounts-for={contract.SHARED_DIR} 0 0")
@@ -369,6 +386,7 @@ def controller_up() -> None:
 
 
 def head(s: ClusterSettings) -> None:
+    people_accounts(s)
     state_volume(s.state_volume_id)
     install_munge_key()
     start("munge")
@@ -395,7 +413,7 @@ def head(s: ClusterSettings) -> None:
     mount_lustre(s.fsx_dns_name, s.fsx_mount_name)
     # Root's own entries on /fsx first, then /fsx open to all: on a new file system no user can make a path root is
     # about to write (a later boot finds it world-writable: safe_paths then sets aside what root did not make).
-    shared_home()
+    people_homes(s)
     shared_examples()
     own_directory(Path(contract.NODE_HOSTS_FILE).parent)
     os.chmod(contract.SHARED_DIR, 0o1777)  # like /tmp: all may submit from and write into /fsx, only owners delete
@@ -463,7 +481,11 @@ def update(s: ClusterSettings) -> bool:
     Slurm files; slurmctld restarts when node definitions changed (it keeps its queue and running jobs in its state
     files; slurmd and jobs run on), else it rereads them; `scontrol reconfigure` sends them to the configless nodes;
     accounts and quota are set anew. New nodes launch from the pools' new launch template versions (their default).
-    Returns whether everything was applied."""
+    The people go first, whatever else waits: their accounts and homes, the compute nodes' copy (their Prolog
+    applies it before each job), then their associations. Returns whether everything was applied."""
+    people_accounts(s)
+    people_homes(s)
+    run("sh", str(BUNDLE / "accounting.sh"))  # again below, once slurmctld has the new files (new gres types)
     old = (SLURM_ETC / "slurm.conf").read_text()
     new = (BUNDLE / "slurm" / "slurm.conf").read_text()
     gone = sorted(conf_nodes(old) - conf_nodes(new))
@@ -737,6 +759,7 @@ def configuration_holds() -> bool:
 
 
 def compute(s: ClusterSettings, env: dict[str, str]) -> None:
+    people_accounts(s)
     hosts_entry(s.head_address)
     install_munge_key()
     start("munge")
@@ -750,7 +773,9 @@ def compute(s: ClusterSettings, env: dict[str, str]) -> None:
     # NCCL keeps its buffers in /dev/shm: allow most of the node's memory.
     run("mount", "-o", "remount,size=90%", "/dev/shm", check=False)
     mount_lustre(s.fsx_dns_name, s.fsx_mount_name)
-    shared_home()
+    # The head makes the people's homes (before their associations exist, so before any job of theirs): only the
+    # bind mount here. The login user's home as always without `users:`.
+    shared_home(users=() if s.people else (contract.LOGIN_USER,))
     local_scratch()
     container_storage()
     metrics = gpu_metrics(pool.name, s.region)

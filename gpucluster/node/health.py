@@ -53,6 +53,7 @@ from gpucluster.contract.settings import (
     named_pool,
     read_env_file,
 )
+from gpucluster.node import accounts
 from gpucluster.node.devices import (
     DCGM_SECONDS,
     TOOL_DIRS,
@@ -328,6 +329,23 @@ def container_directories(uid: int, gid: int, base: Path = Path(ENROOT_DIR)) -> 
     return problems
 
 
+def people_accounts() -> str:
+    """The people as the head last published them (a changed stack reaches running compute nodes so): accounts made,
+    locked or unlocked before the job starts (gpucluster/node/accounts.py). Returns the problem that keeps this node
+    from serving them ("" when none): a name or uid another account has here. A file the head did not sign changes
+    nothing here."""
+    try:
+        people = accounts.published()
+        if people is not None:
+            for change in accounts.settle(people):
+                print(f"gpucluster prolog: accounts: {change}", file=sys.stderr)
+    except accounts.UnsignedFile as exc:
+        print(f"gpucluster prolog: {exc}", file=sys.stderr)
+    except (accounts.AccountError, RuntimeError, OSError, ValueError) as exc:  # a clash, a failed tool, a bad file
+        return f"accounts: {exc}"
+    return ""
+
+
 def main(argv: list[str]) -> int:
     path = os.environ.get("PATH", "").split(":")
     os.environ["PATH"] = ":".join(path + [d for d in TOOL_DIRS if d not in path])
@@ -350,6 +368,10 @@ def main(argv: list[str]) -> int:
         drain(node, problems)
         return 1 if mode == "prolog" else 0
     if mode == "prolog":
+        if problem := people_accounts():
+            print(f"gpucluster prolog on {node}: {problem}", file=sys.stderr)
+            set_down(node, [problem])
+            return 1
         uid = int(os.environ["SLURM_JOB_UID"])
         gid = int(os.environ.get("SLURM_JOB_GID") or pwd.getpwuid(uid).pw_gid)
         for problem in container_directories(uid, gid):

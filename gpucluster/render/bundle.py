@@ -22,8 +22,6 @@ from gpucluster.render import dashboards, monitoring, prometheus, slurm, verify
 from gpucluster.spec import bom
 from gpucluster.spec.model import Stack, stack_file
 
-# Who submits jobs on the head node: the image's login user (Ubuntu). Add others with `sacctmgr add user`.
-CLUSTER_USERS = (settings.LOGIN_USER,)
 EXAMPLES = ("launch.sh", "ddp_train.py", "ddp.sbatch", "all_reduce.py", "all_reduce.sbatch", "ddp_container.sbatch")
 
 
@@ -54,7 +52,7 @@ def contents(stack: Stack, examples_dir: Path,
     files[str(Path(settings.VERIFY_PLAN).relative_to(settings.BUNDLE_DIR))] = (
         plan_json(verify.plan(stack)).encode(), 0o644)
     files["accounting.sql"] = (slurm.ACCOUNTING_DB_SQL.encode(), 0o644)
-    files["accounting.sh"] = (slurm.accounting_script(stack, CLUSTER_USERS).encode(), 0o755)
+    files["accounting.sh"] = (slurm.accounting_script(stack).encode(), 0o755)
     files |= {name: (text.encode(), 0o644)
               for name, text in (monitoring.node_config(stack, pool) for pool in monitoring.watched_pools(stack))}
     files |= {name: (text.encode(), 0o644)

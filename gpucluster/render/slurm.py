@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from gpucluster.contract import settings
+from gpucluster.contract import people as people_rules, settings
 from gpucluster.render import job_submit
 from gpucluster.spec import cost
 from gpucluster.spec.catalog import Accelerator
@@ -157,7 +157,7 @@ def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
     pools = spec.pools
     timers = spec.slurm
     always_on = [hostlist(p.name, 1, p.min_nodes) for p in pools if p.min_nodes]
-    gres_types = sorted({g.split(":")[0] for p in pools if (g := gres(p))})
+    gres_types = accelerator_gres(stack)
     lines: list[str | None] = [
         f"# Rendered by gpucluster for stack {stack.name}. "
         "Change the stack file and run `pulumi up`; edits here are lost.",
@@ -253,7 +253,11 @@ def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         # Every job runs under the team's account, and within its GPU-hours: `safe` starts a job only if its time
         # limit fits in what is left, so partitions carry a default time limit.
         "AccountingStorageEnforce=associations,limits,qos,safe",
+        # Fair share between the team's people: who used less of the team's GPU-hours lately goes first (the
+        # factor's weight; the others are 0 by default). Usage never decays (half-life 0), it resets each month,
+        # with the quota.
         "PriorityType=priority/multifactor",
+        "PriorityWeightFairshare=10000",
         "PriorityUsageResetPeriod=MONTHLY",
         "PriorityDecayHalfLife=0",
         f"JobAcctGatherType=jobacct_gather/{'cgroup' if layout.cgroups else 'linux'}",
@@ -313,12 +317,24 @@ def job_limits(stack: Stack) -> dict[str, int]:
             "MaxSubmitJobs": limits.max_submitted_jobs_per_user, "MaxJobs": limits.max_running_jobs_per_user}
 
 
-def accounting_script(stack: Stack, users: tuple[str, ...]) -> str:
+def accelerator_gres(stack: Stack) -> list[str]:
+    """The accelerators' gres names the cluster schedules and counts (gres.conf, AccountingStorageTRES)."""
+    return sorted({g.split(":")[0] for p in stack.spec.pools if (g := gres(p))})
+
+
+def accounting_script(stack: Stack) -> str:
     """sacctmgr commands the head node runs once slurmctld is up (and again at each `pulumi up`): the team's account
-    with its monthly GPU-minutes and its caps on jobs, and the users who submit under it. Idempotent: `add` of what
-    exists is a no-op, `modify` sets the limits anew. Root is not in the team's account, so the team's caps never
-    stop an admin's job: it submits under Slurm's own root account (`gpucluster verify`'s DCGM job, run as root
-    because DCGM's host engine answers root only)."""
+    with its monthly GPU-minutes (the whole team's, shared) and its caps on jobs; an association under it for each
+    of the stack's people and one for the login user (everyone's without `users:`; with people, nobody connects as
+    it and it is the cluster's own: `gpucluster verify` submits its measuring jobs as it), `max_gpus` as a limit on
+    GPUs in use at once (GrpTRES=gres/gpu on the user's association: a job beyond it pends with AssocGrpGRES); fair
+    share between
+    them (slurm.conf's PriorityWeightFairshare). Someone the stack no longer lists loses their pending jobs and their
+    association (only those the cluster made: a user an admin added by hand stays); while jobs of theirs still run,
+    Slurm keeps the association (sacctmgr refuses to delete it), which then takes no new job (GrpSubmitJobs=0) and
+    goes at a later update. Idempotent: `add` of what exists is a no-op, `modify` sets the limits anew. Root is not
+    in the team's account, so the team's caps never stop an admin's job: it submits under Slurm's own root account
+    (`gpucluster verify`'s DCGM job, run as root because DCGM's host engine answers root only)."""
     team = stack.spec.team
     quota = cost.gpu_hour_quota(stack)
     lines = ["#!/bin/sh", "# Rendered by gpucluster: the team's Slurm account, GPU-hour quota and caps on jobs.",
@@ -327,8 +343,29 @@ def accounting_script(stack: Stack, users: tuple[str, ...]) -> str:
     limit = f"gres/gpu={quota * 60}" if quota is not None else "gres/gpu=-1"
     caps = " ".join(f"{key}={value}" for key, value in job_limits(stack).items())
     lines.append(f"sacctmgr -i modify account where name={team} set GrpTRESMins={limit} {caps}")
-    lines += [f"sacctmgr -i add user {user} Account={team} DefaultAccount={team} >/dev/null 2>&1 || true"
-              for user in users]
+    people = stack.spec.people
+    users = {person.name: person.max_gpus for person in people} | {settings.LOGIN_USER: None}
+    counts_gpus = "gpu" in accelerator_gres(stack)  # max_gpus: NVIDIA GPUs (Neuron devices are no GPUs)
+    for user, max_gpus in users.items():
+        lines.append(f"sacctmgr -i add user {user} Account={team} DefaultAccount={team} >/dev/null 2>&1 || true")
+        # GrpSubmitJobs cleared: a person listed again after a removal had it at 0. (A Grp* limit, not the Max* ones
+        # the user's association takes from the account's as long as it has none of its own.)
+        own = ["GrpSubmitJobs=-1"]
+        if counts_gpus:  # sacctmgr(1), Slurm 24.11: GrpTRES bounds what running jobs of "this association and all
+            # associations which are children of this association" hold; a user's association has no children.
+            own.append(f"GrpTRES=gres/gpu={max_gpus or -1}")
+        lines.append(f"sacctmgr -i modify user where name={user} account={team} set {' '.join(own)}")
+    listed = " ".join(users)
+    # Only whom the cluster made: a person the stack dropped (their account keeps its mark). A user an admin added by
+    # hand keeps their association.
+    managed = f'[ "$(getent passwd "$user" | cut -d: -f5)" = "{people_rules.ACCOUNT_MARK}" ]'
+    lines += [f"for user in $(sacctmgr -n -P list associations where account={team} format=user); do",
+              f'  case " {listed} " in *" $user "*) continue ;; esac',
+              f"  {managed} || continue",
+              f'  scancel --state=PENDING --account={team} --user="$user" >/dev/null 2>&1 || true',
+              f'  sacctmgr -i delete user where name="$user" account={team} >/dev/null 2>&1 ||',
+              f'    sacctmgr -i modify user where name="$user" account={team} set GrpSubmitJobs=0',
+              "done"]
     lines.append(f"sacctmgr -i add user root Account={settings.SLURM_ROOT_ACCOUNT} >/dev/null 2>&1 || true")
     return "\n".join(lines) + "\n"
 

@@ -1,0 +1,243 @@
+"""The people's accounts on a node (gpucluster/node/accounts.py), made by the real shadow tools (useradd, usermod,
+groupadd with --prefix) in a temporary root, and the admins' sudo rules checked by the real visudo; the signed copy
+the compute nodes' Prolog applies; the accounting script's associations, run against a recording sacctmgr."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gpucluster.contract.lockdown import PRIVILEGED_GROUPS
+from gpucluster.contract.settings import LOGIN_USER, PersonSettings
+from gpucluster.node import accounts
+from gpucluster.render import slurm
+from gpucluster.spec.model import load_stack
+
+ROOT_DIR = Path(__file__).resolve().parent.parent
+ALICE = PersonSettings(name="alice", uid=20001, gid=20001, max_gpus=1)
+BOB = PersonSettings(name="bob", uid=20002, gid=20002, admin=True)
+IMAGE_PASSWD = f"root:x:0:0:root:/root:/bin/bash\n{LOGIN_USER}:x:1000:1000::/home/{LOGIN_USER}:/bin/bash\n"
+IMAGE_GROUP = f"root:x:0:\n{LOGIN_USER}:x:1000:\nsudo:x:27:{LOGIN_USER}\ndocker:x:999:\n"
+
+needs_tools = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("useradd"),
+                                 reason="the shadow tools, as root")
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Path:
+    """A node's account files as an image has them: root, the login user in sudo, an empty docker group."""
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    (etc / "passwd").write_text(IMAGE_PASSWD)
+    (etc / "group").write_text(IMAGE_GROUP)
+    for name, text in (("shadow", f"root:*:19000:0:99999:7:::\n{LOGIN_USER}:!:19000:0:99999:7:::\n"),
+                       ("gshadow", f"root:*::\n{LOGIN_USER}:!::\nsudo:*::{LOGIN_USER}\ndocker:!::\n")):
+        (etc / name).write_text(text)
+        (etc / name).chmod(0o600)
+    return tmp_path
+
+
+def entry(root: Path, table: str, name: str) -> list[str]:
+    return next(line.split(":") for line in (root / "etc" / table).read_text().splitlines()
+                if line.split(":")[0] == name)
+
+
+@needs_tools
+def test_a_person_is_made_with_their_ids_a_locked_password_and_a_group_of_their_own(node: Path) -> None:
+    assert accounts.settle((ALICE,), node) == ["made alice (uid 20001)", f"locked {LOGIN_USER}"]
+    assert entry(node, "passwd", "alice") == ["alice", "x", "20001", "20001", accounts.MARK, "/home/alice", "/bin/bash"]
+    assert entry(node, "group", "alice")[:3] == ["alice", "x", "20001"]
+    assert entry(node, "shadow", "alice")[1] == "!"  # no password: none to log in with
+    assert not (node / accounts.SUDOERS).exists()
+    assert accounts.settle((ALICE,), node) == []  # a second boot or update changes nothing
+
+
+@needs_tools
+def test_without_people_the_login_user_is_left_as_the_image_has_it(node: Path) -> None:
+    assert accounts.settle((), node) == []
+    assert (node / "etc" / "passwd").read_text() == IMAGE_PASSWD
+    assert (node / "etc" / "group").read_text() == IMAGE_GROUP
+
+
+@needs_tools
+def test_a_removed_person_is_locked_and_kept_and_a_person_listed_again_gets_in_again(node: Path) -> None:
+    accounts.settle((ALICE, BOB), node)
+    assert accounts.settle((ALICE,), node) == ["locked bob", "admins' sudo rules rewritten"]
+    bob = entry(node, "passwd", "bob")
+    assert bob[2] == "20002" and bob[6] == accounts.NOLOGIN  # kept: his files on /fsx keep their name
+    shadow = entry(node, "shadow", "bob")
+    assert shadow[1].startswith("!") and shadow[7] == "1"  # expired since 2 January 1970
+    assert accounts.settle((ALICE, BOB), node) == ["unlocked bob", "admins' sudo rules rewritten"]
+    assert entry(node, "passwd", "bob")[6] == "/bin/bash" and entry(node, "shadow", "bob")[7] == ""
+
+
+@needs_tools
+def test_a_name_or_uid_the_node_gives_another_account_stops_everything_naming_both(node: Path) -> None:
+    with (node / "etc" / "passwd").open("a") as passwd:
+        passwd.write("carl:x:20001:1000::/home/carl:/bin/bash\nbob:x:1500:1000::/home/bob:/bin/bash\n")
+    before = {name: (node / "etc" / name).read_text() for name in ("passwd", "group", "shadow")}
+    with pytest.raises(accounts.AccountError) as refused:
+        accounts.settle((ALICE, BOB), node)
+    assert str(refused.value) == ("alice (uid 20001): id 20001 is the node's account carl's; "
+                                  "bob (uid 20002): the node's account bob exists with id 1500")
+    assert {name: (node / "etc" / name).read_text() for name in before} == before  # nothing renumbered or made
+
+
+@needs_tools
+def test_no_person_keeps_a_privileged_group(node: Path) -> None:
+    accounts.settle((ALICE, BOB), node)
+    group = (node / "etc" / "group").read_text()
+    (node / "etc" / "group").write_text(group.replace("docker:x:999:", "docker:x:999:alice,bob"))
+    assert "took alice out of docker" in accounts.settle((ALICE, BOB), node)
+    members = {fields[0]: fields[3].split(",") for fields in
+               (line.split(":") for line in (node / "etc" / "group").read_text().splitlines())}
+    assert not {"alice", "bob"} & {m for name in PRIVILEGED_GROUPS for m in members.get(name, [])}
+
+
+@pytest.mark.skipif(not Path("/usr/sbin/visudo").exists(), reason="sudo's visudo")
+def test_only_admins_get_sudo_in_one_file_that_visudo_accepts(tmp_path: Path) -> None:
+    assert accounts.sudo_rules((ALICE, BOB), tmp_path)
+    rules = tmp_path / accounts.SUDOERS
+    assert stat.S_IMODE(rules.stat().st_mode) == 0o440
+    granted = [line.split()[0] for line in rules.read_text().splitlines() if line and not line.startswith("#")]
+    assert granted == ["bob"]
+    assert subprocess.run(["/usr/sbin/visudo", "-cf", str(rules)], capture_output=True).returncode == 0
+    assert not accounts.sudo_rules((ALICE, BOB), tmp_path)  # unchanged
+    assert accounts.sudo_rules((ALICE,), tmp_path) and not rules.exists()  # no admin left: no file
+
+
+def test_a_rule_visudo_refuses_never_takes_effect(tmp_path: Path) -> None:
+    def refuse(*args: str) -> None:
+        raise RuntimeError(f"{' '.join(args)}: syntax error")
+
+    if not Path("/usr/sbin/visudo").exists():
+        pytest.skip("sudo's visudo")
+    with pytest.raises(RuntimeError):
+        accounts.sudo_rules((BOB,), tmp_path, run=refuse)
+    assert not (tmp_path / accounts.SUDOERS).exists()
+
+
+def test_the_people_reach_compute_nodes_signed_with_the_munge_key(tmp_path: Path) -> None:
+    key, path = tmp_path / "munge.key", tmp_path / "people.json"
+    key.write_bytes(os.urandom(1024))
+    assert accounts.published(path, key) is None  # nothing published yet: the boot's own settings hold
+    accounts.publish((ALICE, BOB), path, key)
+    assert accounts.published(path, key) == (ALICE, BOB)
+    forged = path.read_text().replace('\\"admin\\": false', '\\"admin\\": true')
+    assert forged != path.read_text()
+    for planted in (forged, "not json", '["a list"]'):
+        path.write_text(planted)
+        with pytest.raises(accounts.UnsignedFile):
+            accounts.published(path, key)
+
+
+# --- Slurm: the associations ------------------------------------------------------------------------------------------
+
+SACCTMGR = """#!/bin/sh
+echo "sacctmgr $*" >> "$CALLS"
+case "$*" in
+  *"list associations"*) printf '\\nalice\\nbob\\ncarol\\ndave\\n' ;;
+  *"delete user where name=carol"*) exit 1 ;;  # carol still has a running job: Slurm refuses
+esac
+"""
+
+# carol left the stack (her account keeps the mark); dave was added by an admin by hand.
+GETENT = f"""#!/bin/sh
+case "$2" in
+  carol) echo "carol:x:20003:20003:{accounts.MARK}:/home/carol:{accounts.NOLOGIN}" ;;
+  dave) echo "dave:x:3000:3000::/home/dave:/bin/bash" ;;
+  *) exit 2 ;;
+esac
+"""
+
+
+def run_accounting(stack_text: str, tmp_path: Path) -> list[str]:
+    stack_file = tmp_path / "Pulumi.team-t.yaml"
+    stack_file.write_text(stack_text)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("sacctmgr", SACCTMGR), ("scancel", '#!/bin/sh\necho "scancel $*" >> "$CALLS"\n'),
+                       ("getent", GETENT)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    calls = tmp_path / "calls"
+    script = slurm.accounting_script(load_stack(stack_file))
+    subprocess.run(["sh", "-c", script], check=True, env={"PATH": f"{bin_dir}:/usr/bin:/bin", "CALLS": str(calls)})
+    return calls.read_text().splitlines()
+
+
+def team_a() -> str:
+    return (ROOT_DIR / "stacks" / "Pulumi.team-a.yaml").read_text()
+
+
+def test_each_person_is_an_association_under_the_team_with_max_gpus_as_its_gpu_limit(tmp_path: Path) -> None:
+    stack = load_stack(ROOT_DIR / "stacks" / "Pulumi.team-a.yaml")
+    team = stack.spec.team
+    calls = run_accounting(team_a(), tmp_path)
+    for person in stack.spec.people:
+        assert f"sacctmgr -i add user {person.name} Account={team} DefaultAccount={team}" in calls
+        [limits] = [c for c in calls if c.startswith(f"sacctmgr -i modify user where name={person.name} ")]
+        assert f"GrpTRES=gres/gpu={person.max_gpus or -1}" in limits.split()
+    # The team's quota stays on the account, shared.
+    assert any(c.startswith(f"sacctmgr -i modify account where name={team} set GrpTRESMins=gres/gpu=") for c in calls)
+
+
+def test_someone_no_longer_listed_loses_pending_jobs_and_association_or_else_submits_nothing(tmp_path: Path) -> None:
+    stack = load_stack(ROOT_DIR / "stacks" / "Pulumi.team-a.yaml")
+    team = stack.spec.team
+    listed = {person.name for person in stack.spec.people}
+    assert listed == {"alice", "bob"}  # the stand-in's associations: alice, bob, carol (who left) and dave
+    calls = run_accounting(team_a(), tmp_path)
+    assert f"scancel --state=PENDING --account={team} --user=carol" in calls
+    assert f"sacctmgr -i delete user where name=carol account={team}" in calls
+    assert f"sacctmgr -i modify user where name=carol account={team} set GrpSubmitJobs=0" in calls  # delete refused
+    assert not [c for c in calls if ("delete" in c or "scancel" in c or "GrpSubmitJobs=0" in c)
+                and any(name in c for name in ("alice", "bob", "dave"))]
+
+
+def test_with_people_the_login_user_keeps_its_association_for_verifys_jobs(tmp_path: Path) -> None:
+    """Nobody connects as the login user once the stack lists people (its account is locked), but `gpucluster
+    verify` submits its measuring jobs as it (root through runuser): its association stays in the team's account."""
+    team = load_stack(ROOT_DIR / "stacks" / "Pulumi.team-a.yaml").spec.team
+    calls = run_accounting(team_a(), tmp_path)
+    assert f"sacctmgr -i add user {LOGIN_USER} Account={team} DefaultAccount={team}" in calls
+    assert not [c for c in calls if ("delete" in c or "scancel" in c or "GrpSubmitJobs=0" in c) and LOGIN_USER in c]
+
+
+def test_without_people_the_login_user_is_the_teams_only_user(tmp_path: Path) -> None:
+    document = yaml.safe_load(team_a())
+    del document["config"]["gpucluster:cluster"]["users"]
+    adds = [c for c in run_accounting(yaml.safe_dump(document), tmp_path) if " add user " in c]
+    assert [c.split()[4] for c in adds] == [LOGIN_USER, "root"]
+
+
+def test_fair_share_orders_the_teams_people() -> None:
+    conf = slurm.slurm_conf(load_stack(ROOT_DIR / "stacks" / "Pulumi.team-a.yaml"))
+    settings = dict(line.split("=", 1) for line in conf.splitlines() if "=" in line and not line.startswith("#"))
+    assert settings["PriorityType"] == "priority/multifactor"
+    assert int(settings["PriorityWeightFairshare"]) > 0
+
+
+def test_the_prolog_serves_on_with_a_planted_file_and_stops_at_a_clash(monkeypatch: pytest.MonkeyPatch) -> None:
+    """health.py's Prolog: a file the head did not sign changes nothing and keeps no job off the node; a clash is the
+    node's problem (it goes DOWN with it, the job requeued elsewhere)."""
+    from gpucluster.node import health
+
+    def planted() -> None:
+        raise accounts.UnsignedFile("/fsx/.gpucluster/people.json is not signed")
+
+    monkeypatch.setattr(accounts, "published", planted)
+    assert health.people_accounts() == ""
+
+    def clash(people: tuple[PersonSettings, ...]) -> list[str]:
+        raise accounts.AccountError("alice (uid 20001): id 20001 is the node's account carl's")
+
+    monkeypatch.setattr(accounts, "published", lambda: (ALICE,))
+    monkeypatch.setattr(accounts, "settle", clash)
+    assert health.people_accounts() == "accounts: alice (uid 20001): id 20001 is the node's account carl's"
