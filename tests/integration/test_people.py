@@ -11,7 +11,7 @@ from typing import Callable
 import pytest
 
 from conftest import FIXTURES
-from gpucluster.contract.settings import BUNDLE_DIR
+from gpucluster.contract.settings import BUNDLE_DIR, LOGIN_USER
 from gpucluster.spec.model import Stack, load_stack
 from local_cluster import LocalCluster
 
@@ -126,4 +126,5 @@ def test_people_have_accounts_homes_and_limits_of_their_own_and_a_change_reaches
     cluster.head.enter("sh", f"{BUNDLE_DIR}/accounting.sh")
     users = cluster.run("sacctmgr", "-n", "-P", "list", "associations", "where",
                         f"account={stack.spec.team}", "format=user")
-    assert set(users.split()) == {"alice", "carol", "root"}, users  # root: the harness's hand-added user stays
+    # root: the harness's hand-added user stays; the login user: verify's identity, which nobody connects as.
+    assert set(users.split()) == {"alice", "carol", "root", LOGIN_USER}, users
