@@ -1,29 +1,52 @@
-"""`python -m gpucluster plan` as a user runs it: a cold process, no credentials, no network."""
+"""`python -m gpucluster plan` as a user runs it: no credentials, no network; `cold` proves it in a fresh process
+(the entry point, the imports), the rest run the command line in this process over the session's shared plans."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import pytest
 
-from conftest import ROOT
-from gpucluster.spec.model import load_stack
+from conftest import ROOT, planned
+from gpucluster import cli, project
+from gpucluster.plan import Declared
+from gpucluster.spec.model import Stack, load_stack, resolve_stack_file
 
-# The module on one xdist worker, so that the plans its tests share are made once (run below).
+# The module on one xdist worker, so that the command lines its tests share are run once (run below).
 pytestmark = pytest.mark.xdist_group("cli")
 
 
-@functools.cache  # one cold process per distinct command line a session: several tests read the same plan
-def run(*args: str) -> subprocess.CompletedProcess[str]:
+def cold(*args: str) -> subprocess.CompletedProcess[str]:
+    """`python -m gpucluster ARGS` in a fresh process, without AWS credentials."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env["AWS_SHARED_CREDENTIALS_FILE"] = env["AWS_CONFIG_FILE"] = os.devnull  # prove no credentials are needed
     return subprocess.run([sys.executable, "-m", "gpucluster", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
+
+
+@functools.cache  # once per distinct command line a session: several tests read the same plan
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    """The command line's main() here, its output captured; `plan` takes the program's run under the mock runtime from
+    the session's shared plans (conftest.planned: the same program, stack file and account), which a cold process
+    would make anew each time (tests/test_cli.py's `cold` proves that path once)."""
+    def shared_run(stack: Stack, program: Any, **_: Any) -> list[Declared]:
+        stack_arg = args[1] if len(args) > 1 and not args[1].startswith("-") else "dev"
+        return list(planned(resolve_stack_file(stack_arg, project.STACKS_DIR).resolve())[1])
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), mock.patch.object(
+            cli, "run_program", shared_run), contextlib.chdir(ROOT):
+        code = cli.main(list(args))
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 
 def test_plan_json_shape() -> None:
@@ -66,7 +89,7 @@ def test_plan_shows_the_people_as_the_nodes_will_have_them() -> None:
 
 
 def test_plan_by_path_and_text_output() -> None:
-    out = run("plan", "stacks/Pulumi.dev.yaml")
+    out = cold("plan", "stacks/Pulumi.dev.yaml")
     assert out.returncode == 0, out.stderr
     assert "gpucluster:pool:GpuPool  gpucluster-dev-g6-spot" in out.stdout
     assert "  aws:ec2/launchTemplate:LaunchTemplate  gpucluster-dev-g6-spot-lt" in out.stdout
