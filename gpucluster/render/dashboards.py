@@ -75,9 +75,10 @@ VERIFY_RUN_TIMES = (f"1000 * (0 * {VERIFY_RESULTS} + on(pool) group_left() "
                     f"max by (pool) ({verify.RUN_TIME_METRIC}))")
 # Each person's GPU-hours this month (Slurm's, reset monthly: the latest value is the month's), their share of the
 # team's, and that share of the month's spend: an allocation by GPU-hours, as `gpucluster cost` prints it. Not priced
-# by the pools' gpucluster_pool_gpu_hour_usd: Slurm counts a person's gres/gpu without its type, so their GPU-hours
-# are not split by pool and no join on `pool` exists. max by (user): one series per person even if a replaced head
-# still has one in the window; `> 0`: no share (NaN, not +Inf) before the team's first GPU-minute.
+# by the pools' gpucluster_pool_gpu_hour_usd: Slurm counts gres/gpu without its type (slurm.conf's
+# AccountingStorageTRES, render/slurm.py), so a person's GPU-hours are not split by pool and no join on `pool` exists.
+# max by (user): one series per person even if a replaced head still has one in the window; `> 0`: no share (NaN, not
+# +Inf) before the team's first GPU-minute.
 PERSON_HOURS = "max by (user) (gpucluster_person_gpu_used_seconds)"
 PERSON_GPU_HOURS = f"{PERSON_HOURS} / 3600"
 PERSON_SHARE = f"{PERSON_HOURS} / scalar(max(gpucluster_gpu_used_seconds) > 0)"
