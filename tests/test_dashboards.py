@@ -348,3 +348,38 @@ def test_the_verify_panel_shows_each_check_of_a_pool_with_that_pools_run_time(tm
     test["tests"][0]["promql_expr_test"][1]["exp_samples"][0]["value"] = 1000 * run_time['pool="g6"']
     (tmp_path / "test.yml").write_text(yaml.safe_dump(test))
     assert promtool("test", "rules", str(tmp_path / "test.yml")).returncode != 0
+
+
+def test_the_person_table_gives_each_persons_gpu_hours_and_shares(tmp_path: Path) -> None:
+    """promtool evaluates the cost board's table by person on the head's series: alice used 30 GPU-hours of the
+    team's 40 and bob 10 (his series also from a replaced head, with the same figure), of a month's spend of $1,000.
+    Each row is the person's hours, share and that share of the spend."""
+    board = cost_board(STACKS["Pulumi.team-a.yaml"])
+    table_panel = next(p for p in panels(board) if p["title"] == "GPU-hours and spend by person")
+    hours_expr, share_expr, spend_expr = (t["expr"] for t in table_panel["targets"])
+    used = {"alice": 30.0, "bob": 10.0}
+    team, spent = sum(used.values()), 1000.0
+    head = 'instance="head:9100", job="node", node="head"'
+    series = [{"series": f'gpucluster_person_gpu_used_seconds{{user="{u}", {head}}}', "values": f"{3600 * h}x4"}
+              for u, h in used.items()]
+    series += [{"series": 'gpucluster_person_gpu_used_seconds{user="bob", instance="old-head:9100"}',
+                "values": f"{3600 * used['bob']}x4"},
+               {"series": f"gpucluster_gpu_used_seconds{{{head}}}", "values": f"{3600 * team}x4"},
+               {"series": f"gpucluster_budget_actual_usd{{{head}}}", "values": f"{spent}x4"}]
+
+    def rows(value: Any) -> list[dict[str, Any]]:
+        return [{"labels": f'{{user="{u}"}}', "value": value(h)} for u, h in used.items()]
+
+    test: dict[str, Any] = {"rule_files": [], "evaluation_interval": "30s", "tests": [{
+        "interval": "30s", "input_series": series,
+        "promql_expr_test": [
+            {"expr": hours_expr, "eval_time": "1m", "exp_samples": rows(lambda h: h)},
+            {"expr": share_expr, "eval_time": "1m", "exp_samples": rows(lambda h: h / team)},
+            {"expr": spend_expr, "eval_time": "1m", "exp_samples": rows(lambda h: spent * h / team)}]}]}
+    (tmp_path / "test.yml").write_text(yaml.safe_dump(test))
+    done = promtool("test", "rules", str(tmp_path / "test.yml"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    # A wrong share of the spend fails the same test, so the pass above means something.
+    test["tests"][0]["promql_expr_test"][2]["exp_samples"][0]["value"] = spent
+    (tmp_path / "test.yml").write_text(yaml.safe_dump(test))
+    assert promtool("test", "rules", str(tmp_path / "test.yml")).returncode != 0

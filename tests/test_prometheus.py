@@ -209,7 +209,8 @@ def test_the_head_figures_parse_and_say_what_slurm_says() -> None:
                              job(5, "COMPLETED", "trn-2", "trn"),  # ended: squeue would not list it
                              job(6, "COMPLETED+COMPLETING", "trn-2", "trn")])
     text = (metrics.pool_prices(s) + metrics.slurm_nodes(nodes, s) + metrics.slurm_jobs(jobs) + metrics.gpu_hours(
-        "vision||cpu=5000,mem=1000,gres/gpu=2700|gres/gpu=6000\nvision|ubuntu|cpu=5000,gres/gpu=2700|\n", "vision"))
+        "vision||cpu=5000,mem=1000,gres/gpu=2700|gres/gpu=6000\nvision|ubuntu|cpu=5000,gres/gpu=2700|\n", "vision",
+        ("ubuntu",)))
     assert 'gpucluster_slurm_node_state{node="p5-od-2",pool="p5-od",state="drained"} 1' in text
     assert 'gpucluster_slurm_node_state{node="trn-2",pool="trn",state="draining"} 1' in text
     assert 'gpucluster_slurm_node_state{node="p5-od-3",pool="p5-od",state="powered_down"} 1' in text
@@ -224,6 +225,43 @@ def test_the_head_figures_parse_and_say_what_slurm_says() -> None:
     checked = subprocess.run([tool("promtool"), "check", "metrics"], input=text, capture_output=True, text=True,
                              timeout=30)
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+# `sshare -n -P -a -A vision -o Account,User,GrpTRESRaw,GrpTRESMins` as Slurm 24.11 prints it (tests/test_spend.py
+# has the whole tree): the account's row, then its users' rows a level deeper. dave is a user an admin added by hand.
+TEAM_SSHARE = (" vision||cpu=9000,gres/gpu=4800,gres/gpumem=0|gres/gpu=60000\n"
+               "  vision|alice|cpu=6000,gres/gpu=3600,gres/gpumem=0|\n"
+               "  vision|bob|cpu=3000,gres/gpu=1170,gres/gpumem=0|\n"
+               "  vision|dave|cpu=0,gres/gpu=0,gres/gpumem=0|\n"
+               "  vision|ubuntu|cpu=0,gres/gpu=30,gres/gpumem=0|\n")
+
+
+def test_each_persons_gpu_time_is_labelled_with_their_name_and_only_the_stacks_people(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The head's round asks sshare for every user of the team account (-a) and writes a series per person of the
+    stack and one for the login user (verify's jobs); someone else's association adds no label value."""
+    people = tuple(settings.PersonSettings(name, uid, uid) for name, uid in (("alice", 20001), ("bob", 20002)))
+    asked: list[tuple[str, ...]] = []
+
+    def command(*args: str) -> str:
+        asked.append(args)
+        if args[0] != "sshare":
+            raise OSError(f"{args[0]}: not on this machine")
+        return TEAM_SSHARE
+
+    monkeypatch.setattr(metrics, "command", command)
+    text = metrics.head_figures(cluster_settings(people=people))
+    sshare = next(args for args in asked if args[0] == "sshare")
+    assert "-a" in sshare and sshare[sshare.index("-A") + 1] == "vision"
+    per_person = dict(re.findall(r'^gpucluster_person_gpu_used_seconds\{user="(\w+)"\} (\S+)$', text, re.M))
+    assert per_person == {"alice": str(3600 * 60), "bob": str(1170 * 60), "ubuntu": str(30 * 60)}
+    assert f"gpucluster_gpu_used_seconds {4800 * 60}\n" in text
+    checked = subprocess.run([tool("promtool"), "check", "metrics"], input=text, capture_output=True, text=True,
+                             timeout=30)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    # Without people, the login user is everyone's.
+    alone = metrics.head_figures(cluster_settings())
+    assert re.findall(r'^gpucluster_person_gpu_used_seconds\{user="(\w+)"\}', alone, re.M) == ["ubuntu"]
 
 
 def test_the_compute_figures_read_efa_and_lustre_counters(tmp_path: Path) -> None:
@@ -304,7 +342,8 @@ def test_the_gpucluster_metrics_we_name_are_what_our_programs_write(tmp_path: Pa
         (tmp_path / "gpucluster-budget.prom").read_text(), metrics.pool_prices(s),
         metrics.slurm_nodes(document("nodes", [node("p5-od-1")]), s),
         metrics.slurm_jobs(document("jobs", [job(1, "RUNNING", "p5-od-1", "p5-od")])),
-        metrics.gpu_hours("vision||gres/gpu=1|gres/gpu=2\n", "vision"), metrics.efa_bytes(tmp_path),
+        metrics.gpu_hours("vision||gres/gpu=1|gres/gpu=2\n vision|alice|gres/gpu=1|\n", "vision", ("alice",)),
+        metrics.efa_bytes(tmp_path),
         metrics.lustre_bytes("llite.fsx-1.stats=\n"
                              "read_bytes 1 samples [bytes] 1 1 1\nwrite_bytes 1 samples [bytes] 1 1 1\n")])
     assert exposed_names(written) == prometheus.EXPORTED["gpucluster_metrics"]

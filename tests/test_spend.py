@@ -7,11 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+import pytest
 from botocore.stub import Stubber
 
 from conftest import ROOT
 from gpucluster.aws import spend
 from gpucluster.project import EXAMPLES_DIR
+from gpucluster.spec import cost
 from gpucluster.spec.model import load_stack
 
 TEAM_A = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")
@@ -35,7 +37,7 @@ def test_spend_and_forecast_by_the_stack_tag() -> None:
                            "Granularity": "MONTHLY", "Filter": TAG})
         result = spend.spend(client, TEAM_A, TODAY)
     assert result.month_to_date == 180000.50 and result.forecast == 275000.50 and not result.notes
-    lines = spend.report(TEAM_A, result, {"root": 20005.0, "vision": 20000.0, "other": 5.0})
+    lines = spend.report(TEAM_A, result, spend.GpuHours({"root": 20005.0, "vision": 20000.0, "other": 5.0}, {}))
     assert "Spent this month:    $180,000.50 (72% of the budget)" in lines
     assert "Forecast for month:  $275,000.50 - over budget" in lines
     assert "GPU-hours:           20,000.0 of 36,337 (55%) for account vision" in lines
@@ -55,17 +57,75 @@ def test_denied_and_missing_forecast_are_said_not_crashed() -> None:
         in spend.report(TEAM_A, result, None)
 
 
-def test_gpu_hours_from_sshare_account_rows() -> None:
-    # As the node image's Slurm (24.11) prints it, seen in the rehearsal (and checked against the real one in
-    # tests/integration): minutes per TRES, gres/gpumem and gres/gpuutil beside gres/gpu, no trailing separator.
-    out = ("root||cpu=0,mem=0,energy=0,node=0,billing=0,fs/disk=0,vmem=0,pages=0,gres/gpu=0,gres/gpumem=0,"
-           "gres/gpuutil=0\n"
-           " root|root|cpu=0,mem=0,energy=0,node=0,billing=0,fs/disk=0,vmem=0,pages=0,gres/gpu=0,gres/gpumem=0,"
-           "gres/gpuutil=0\n"
-           " vision||cpu=7200,mem=9000,node=60,billing=7200,gres/gpu=91230,gres/gpumem=5000,gres/gpuutil=40\n"
-           "  vision|alice|cpu=7200,mem=9000,node=60,billing=7200,gres/gpu=90000,gres/gpumem=5000,gres/gpuutil=40\n"
-           " speech||cpu=3,mem=0,gres/gpumem=0\n")
-    assert spend.gpu_hours_by_account(out) == {"root": 0.0, "vision": 1520.5, "speech": 0.0}
+# As the node image's Slurm (24.11) prints `sshare -n -P -a -o Account,User,GrpTRESRaw`, seen in the rehearsal (and
+# checked against the real one in tests/integration): accounts indented by depth, each user row one level below its
+# account and naming it, minutes per TRES with gres/gpumem and gres/gpuutil beside gres/gpu, no trailing separator.
+SSHARE = ("root||cpu=0,mem=0,energy=0,node=0,billing=0,fs/disk=0,vmem=0,pages=0,gres/gpu=0,gres/gpumem=0,"
+          "gres/gpuutil=0\n"
+          " root|root|cpu=0,mem=0,energy=0,node=0,billing=0,fs/disk=0,vmem=0,pages=0,gres/gpu=0,gres/gpumem=0,"
+          "gres/gpuutil=0\n"
+          " vision||cpu=7200,mem=9000,node=60,billing=7200,gres/gpu=91230,gres/gpumem=5000,gres/gpuutil=40\n"
+          "  vision|alice|cpu=7200,mem=9000,node=60,billing=7200,gres/gpu=68400,gres/gpumem=5000,gres/gpuutil=40\n"
+          "  vision|bob|cpu=0,mem=0,gres/gpu=22800,gres/gpumem=0\n"
+          "  vision|ubuntu|cpu=0,mem=0,gres/gpu=30,gres/gpumem=0\n"
+          " speech||cpu=3,mem=0,gres/gpumem=0\n"
+          "  speech|carol|cpu=3,mem=0,gres/gpumem=0\n")
+
+
+def test_gpu_hours_from_sshare_account_and_user_rows() -> None:
+    used = spend.gpu_hours(SSHARE)
+    assert used.accounts == {"root": 0.0, "vision": 91230 / 60, "speech": 0.0}
+    assert used.users == {("root", "root"): 0.0, ("vision", "alice"): 68400 / 60, ("vision", "bob"): 22800 / 60,
+                          ("vision", "ubuntu"): 30 / 60, ("speech", "carol"): 0.0}
+
+
+def person_lines(lines: list[str]) -> dict[str, list[str]]:
+    """The report's rows by person: name -> the row's other words."""
+    start = next(i for i, line in enumerate(lines) if line.startswith("GPU-hours by person"))
+    rows = [line.split() for line in lines[start + 1:] if line.startswith("  ")]
+    return {row[0]: row[1:] for row in rows}
+
+
+def test_each_persons_gpu_hours_and_their_share_of_the_spend() -> None:
+    """alice used three quarters of the team's GPU-hours, bob a quarter, the login user (verify's jobs) a sliver:
+    the spend is shared out in the same proportions, and the people's shares add up to the spend."""
+    spent = 100000.0
+    used = spend.gpu_hours(SSHARE)
+    team = used.accounts["vision"]
+    lines = spend.report(TEAM_A, spend.Spend(spent, None, []), used)
+    rows = person_lines(lines)
+    assert list(rows) == ["alice", "bob", "ubuntu"]  # most first; carol is speech's
+    for name, hours in (("alice", 68400 / 60), ("bob", 22800 / 60)):
+        assert rows[name] == [f"{hours:,.1f}", f"{100 * hours / team:.0f}%", f"${spent * hours / team:,.2f}"]
+    assert " ".join(rows["ubuntu"]).endswith("(the cluster's own: verify's jobs)")
+    allocated = sum(float(row[2].strip("$").replace(",", "")) for row in rows.values())
+    assert allocated == pytest.approx(spent, abs=0.01 * len(rows))
+    assert ("GPU-hours by person (the month's spend allocated by share of GPU-hours, not a bill):") in lines
+    quota = cost.gpu_hour_quota(TEAM_A)
+    assert quota and f"GPU-hours:           {team:,.1f} of {quota:,} ({100 * team / quota:.0f}%) for account vision" \
+        in lines
+
+
+def test_without_people_the_login_user_is_the_whole_team_and_an_unread_spend_is_said() -> None:
+    dev = load_stack(ROOT / "stacks" / "Pulumi.dev.yaml")
+    out = "platform||gres/gpu=600\n platform|ubuntu|gres/gpu=600\n"
+    rows = person_lines(spend.report(dev, spend.Spend(None, None, []), spend.gpu_hours(out)))
+    assert rows == {"ubuntu": ["10.0", "100%", "unknown"]}
+
+
+def test_a_person_who_sees_only_their_own_usage_is_told_so() -> None:
+    """Slurm's PrivateData=usage: sshare run by alice lists her association only, not the team account's row; the
+    report says so rather than print the team's GPU-hours as nought."""
+    lines = spend.report(TEAM_A, spend.Spend(1000.0, None, []), spend.gpu_hours("  vision|alice|gres/gpu=120\n"))
+    assert "GPU-hours:           only your own: Slurm shows account vision's to root (an admin's sudo)" in lines
+    assert person_lines(lines) == {"alice": ["2.0"]} and "GPU-hours by person:" in lines
+    assert not any(line.startswith("GPU-hours:           0.0") for line in lines)
+
+
+def test_a_stack_with_no_gpu_use_yet_lists_nobody() -> None:
+    lines = spend.report(TEAM_A, spend.Spend(10.0, None, []), spend.gpu_hours("root||gres/gpu=0\n vision||\n"))
+    assert f"GPU-hours:           0.0 of {cost.gpu_hour_quota(TEAM_A):,} (0%) for account vision" in lines
+    assert not any("by person" in line for line in lines)
 
 
 def test_month_bounds() -> None:

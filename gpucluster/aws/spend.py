@@ -1,5 +1,5 @@
 """`python -m gpucluster cost STACK`: this month's spend by the stack's tag, the forecast, the budget, and (on the head
-node) GPU-hours per Slurm account against the team's quota."""
+node) GPU-hours per Slurm account against the team's quota and per person, with each person's share of the spend."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import subprocess
 from dataclasses import dataclass
 from typing import Any
 
+from gpucluster.contract import settings
 from gpucluster.spec import cost
 from gpucluster.spec.cost import COST_TAG, money
 from gpucluster.spec.model import Stack
@@ -78,29 +79,45 @@ def from_budget(budgets: Any, account: str, stack: Stack, ce_error: str) -> Spen
                  [f"from the AWS Budget {stack.budget_name} (Cost Explorer: {ce_error}); refreshed a few times a day"])
 
 
-def gpu_hours_by_account(sshare_output: str) -> dict[str, float]:
-    """GPU-hours per account from `sshare -n -P -a -o Account,User,GrpTRESRaw`: the TRES-minutes each association
-    used since the monthly reset, the very figure GrpTRESMins is enforced against (live, unlike sreport's hourly
-    rollups). Account rows have no user; sshare indents accounts by depth."""
-    hours: dict[str, float] = {}
+@dataclass(frozen=True)
+class GpuHours:
+    """GPU-hours this month from `sshare -n -P -a -o Account,User,GrpTRESRaw`: the TRES-minutes each association used
+    since the monthly reset, the very figure GrpTRESMins is enforced against (live, unlike sreport's hourly rollups)."""
+
+    accounts: dict[str, float]  # an account's own row: its users' and sub-accounts' use summed
+    users: dict[tuple[str, str], float]  # (account, user): a person's association under an account
+
+
+def gpu_hours(sshare_output: str) -> GpuHours:
+    """Account rows have no user; user rows name their account in the first field. sshare indents both by depth in
+    the tree (a user row one level below its account), so the account is read stripped."""
+    accounts: dict[str, float] = {}
+    users: dict[tuple[str, str], float] = {}
     for line in sshare_output.splitlines():
         fields = line.split("|")
-        if len(fields) >= 3 and not fields[1]:
-            used = dict(item.split("=", 1) for item in fields[2].split(",") if "=" in item)
-            hours[fields[0].strip()] = int(used.get("gres/gpu", 0)) / 60
-    return hours
+        if len(fields) < 3:
+            continue
+        used = dict(item.split("=", 1) for item in fields[2].split(",") if "=" in item)
+        hours = int(used.get("gres/gpu", 0)) / 60
+        account, user = fields[0].strip(), fields[1].strip()
+        if user:
+            users[(account, user)] = hours
+        else:
+            accounts[account] = hours
+    return GpuHours(accounts, users)
 
 
-def slurm_gpu_hours(env: dict[str, str] | None = None) -> dict[str, float] | None:
-    """From Slurm, when this runs on the head node (sshare present); None elsewhere."""
+def slurm_gpu_hours(env: dict[str, str] | None = None) -> GpuHours | None:
+    """From Slurm, when this runs on the head node (sshare present); None elsewhere. Slurm's PrivateData=usage
+    (render/slurm.py PRIVATE_DATA) shows someone who is not root only their own associations."""
     if not shutil.which("sshare", path=(env or {}).get("PATH")):
         return None
     out = subprocess.run(["sshare", "-n", "-P", "-a", "-o", "Account,User,GrpTRESRaw"], capture_output=True,
                          text=True, check=True, env=env)
-    return gpu_hours_by_account(out.stdout)
+    return gpu_hours(out.stdout)
 
 
-def report(stack: Stack, result: Spend, gpu_hours: dict[str, float] | None) -> list[str]:
+def report(stack: Stack, result: Spend, gpu_hours: GpuHours | None) -> list[str]:
     budget = stack.spec.budget.monthly_usd
     share = f" ({100 * result.month_to_date / budget:.0f}% of the budget)" if result.month_to_date is not None else ""
     lines = [f"Stack {stack.name} (team {stack.spec.team}), tag {COST_TAG}={stack.name}",
@@ -109,14 +126,47 @@ def report(stack: Stack, result: Spend, gpu_hours: dict[str, float] | None) -> l
              + (" - over budget" if result.forecast is not None and result.forecast > budget else ""),
              f"Budget:              {money(budget)}"]
     quota = cost.gpu_hour_quota(stack)
+    team = stack.spec.team
     if gpu_hours is None:
         lines.append("GPU-hours:           run this on the head node to read Slurm accounting")
+    elif team not in gpu_hours.accounts and any(account == team for account, _ in gpu_hours.users):
+        # Slurm's PrivateData=usage: someone who is not root sees their own association only.
+        lines.append(f"GPU-hours:           only your own: Slurm shows account {team}'s to root (an admin's sudo)")
+        lines += by_person(stack, gpu_hours, None, None)
     else:
-        used = gpu_hours.get(stack.spec.team, 0.0)
+        used = gpu_hours.accounts.get(team, 0.0)
         of = f" of {quota:,} ({100 * used / quota:.0f}%)" if quota else ""
-        lines.append(f"GPU-hours:           {used:,.1f}{of} for account {stack.spec.team}")
+        lines.append(f"GPU-hours:           {used:,.1f}{of} for account {team}")
         # root is the sum of all accounts, not an account of its own
-        lines += [f"  {account}: {h:,.1f}" for account, h in sorted(gpu_hours.items())
-                  if account not in (stack.spec.team, "root")]
+        lines += [f"  {account}: {h:,.1f}" for account, h in sorted(gpu_hours.accounts.items())
+                  if account not in (team, "root")]
+        lines += by_person(stack, gpu_hours, used, result.month_to_date)
     lines += [f"Note: {n}" for n in result.notes]
+    return lines
+
+
+def by_person(stack: Stack, gpu_hours: GpuHours, team_hours: float | None, spent: float | None) -> list[str]:
+    """The team account's user associations, most GPU-hours first: each person's GPU-hours, their share of the
+    team's, and that share of the month's spend. An allocation by GPU-hours, not a bill: the head node, storage and
+    network are shared out with the GPUs, and every GPU-hour counts the same whatever its pool's price (Slurm's
+    GrpTRESRaw counts gres/gpu without its type)."""
+    team = stack.spec.team
+    rows = sorted(((user, hours) for (account, user), hours in gpu_hours.users.items() if account == team),
+                  key=lambda row: (-row[1], row[0]))
+    if not rows:
+        return []
+    people = {person.name for person in stack.spec.people}
+    width = max(len(user) for user, _ in rows)
+    lines = ["GPU-hours by person" + (" (the month's spend allocated by share of GPU-hours, not a bill)" if team_hours
+                                     else "") + ":"]
+    for user, hours in rows:
+        line = f"  {user:<{width}}  {hours:>10,.1f}"
+        if team_hours:
+            allocated = spent * hours / team_hours if spent is not None else None
+            line += f"  {100 * hours / team_hours:>3.0f}%  {money(allocated):>14}"
+        if people and user == settings.LOGIN_USER:
+            line += "  (the cluster's own: verify's jobs)"
+        elif people and user not in people:
+            line += "  (not in the stack's users:)"
+        lines.append(line.rstrip())
     return lines

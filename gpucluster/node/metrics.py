@@ -2,8 +2,9 @@
 """The figures no exporter has, for node_exporter's textfile collector (settings.METRICS_PROGRAM into TEXTFILE_DIR).
 
 `metrics.py head` (gpucluster-metrics.service on the head, as root): Slurm's nodes by state, jobs by
-partition and state, the team's GPU time this month against its quota (Slurm's own account of them: the account's
-GrpTRESRaw and GrpTRESMins for gres/gpu, reset monthly), each pool's price of a GPU-hour (for the cost board).
+partition and state, the team's GPU time this month against its quota and each person's part of it (Slurm's own
+account of them: the associations' GrpTRESRaw and GrpTRESMins for gres/gpu, reset monthly), each pool's price of a
+GPU-hour (for the cost board).
 `metrics.py compute` (on every compute node): EFA's hardware byte counters per device and the Lustre
 client's bytes read and written. Every INTERVAL_SECONDS, into one file by rename, so a scrape never sees half of it.
 A source that fails (slurmctld restarting, no Lustre yet) leaves its figures out for that round, with a log line.
@@ -23,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this program is part of (the bundle's lib/)
 from gpucluster.contract import slurm_json
-from gpucluster.contract.settings import TEXTFILE_DIR, ClusterSettings
+from gpucluster.contract.settings import LOGIN_USER, TEXTFILE_DIR, ClusterSettings
 from gpucluster.node.textfile import family, sample, write
 
 INTERVAL_SECONDS = 30  # prometheus.SCRAPE_SECONDS
@@ -69,19 +70,30 @@ def tres_minutes(tres: str, name: str = "gres/gpu") -> float | None:
     return float(found.group(1)) if found else None
 
 
-def gpu_hours(sshare_output: str, account: str) -> str:
-    """From `sshare -n -P -A ACCOUNT -o Account,User,GrpTRESRaw,GrpTRESMins`: the account's own row (no user)."""
+def gpu_hours(sshare_output: str, account: str, users: tuple[str, ...]) -> str:
+    """From `sshare -n -P -a -A ACCOUNT -o Account,User,GrpTRESRaw,GrpTRESMins`: the account's own row (no user) for
+    the team's GPU time and quota, and the rows of `users` under it (each person's association, sshare indents them a
+    level below the account) for each one's GPU time. Only `users`: the label's values stay the stack's people."""
+    team = ""
+    people: list[str] = []
     for line in sshare_output.splitlines():
         fields = [f.strip() for f in line.split("|")]
-        if len(fields) == 4 and fields[0] == account and not fields[1]:
+        if len(fields) != 4 or fields[0] != account:
+            continue
+        if not fields[1]:
             used, quota = tres_minutes(fields[2]), tres_minutes(fields[3])
-            text = family("gpucluster_gpu_used_seconds", "gauge", "GPU time the team used this month (Slurm).",
+            team = family("gpucluster_gpu_used_seconds", "gauge", "GPU time the team used this month (Slurm).",
                           [sample("gpucluster_gpu_used_seconds", (used or 0) * 60)])
             if quota is not None:
-                text += family("gpucluster_gpu_quota_seconds", "gauge", "The team's monthly GPU time quota.",
+                team += family("gpucluster_gpu_quota_seconds", "gauge", "The team's monthly GPU time quota.",
                                [sample("gpucluster_gpu_quota_seconds", quota * 60)])
-            return text
-    return ""
+        elif fields[1] in users:
+            people.append(sample("gpucluster_person_gpu_used_seconds", (tres_minutes(fields[2]) or 0) * 60,
+                                 user=fields[1]))
+    if not team:
+        return ""
+    return team + family("gpucluster_person_gpu_used_seconds", "gauge",
+                         "GPU time each of the stack's people (and the login user) used this month (Slurm).", people)
 
 
 def pool_prices(settings: ClusterSettings) -> str:
@@ -129,8 +141,8 @@ def head_figures(settings: ClusterSettings) -> str:
     sources = (
         (slurm_nodes, ("scontrol", *slurm_json.SHOW_NODES), (settings,)),
         (slurm_jobs, ("scontrol", *slurm_json.SHOW_JOBS), ()),
-        (gpu_hours, ("sshare", "-n", "-P", "-A", settings.team, "-o", "Account,User,GrpTRESRaw,GrpTRESMins"),
-         (settings.team,)),
+        (gpu_hours, ("sshare", "-n", "-P", "-a", "-A", settings.team, "-o", "Account,User,GrpTRESRaw,GrpTRESMins"),
+         (settings.team, (*settings.accounts, LOGIN_USER))),
     )
     for render, args, extra in sources:
         try:

@@ -73,6 +73,16 @@ VERIFY_RESULTS = f"max by (pool, check) ({verify.RESULT_METRIC})"
 # for Grafana's date units.
 VERIFY_RUN_TIMES = (f"1000 * (0 * {VERIFY_RESULTS} + on(pool) group_left() "
                     f"max by (pool) ({verify.RUN_TIME_METRIC}))")
+# Each person's GPU-hours this month (Slurm's, reset monthly: the latest value is the month's), their share of the
+# team's, and that share of the month's spend: an allocation by GPU-hours, as `gpucluster cost` prints it. Not priced
+# by the pools' gpucluster_pool_gpu_hour_usd: Slurm counts gres/gpu without its type (slurm.conf's
+# AccountingStorageTRES, render/slurm.py), so a person's GPU-hours are not split by pool and no join on `pool` exists.
+# max by (user): one series per person even if a replaced head still has one in the window; `> 0`: no share (NaN, not
+# +Inf) before the team's first GPU-minute.
+PERSON_HOURS = "max by (user) (gpucluster_person_gpu_used_seconds)"
+PERSON_GPU_HOURS = f"{PERSON_HOURS} / 3600"
+PERSON_SHARE = f"{PERSON_HOURS} / scalar(max(gpucluster_gpu_used_seconds) > 0)"
+PERSON_SPEND = f"{PERSON_SHARE} * scalar(max(gpucluster_budget_actual_usd))"
 RESULT_COLOURS = {verify.PASS: "green", verify.WARN: "orange", verify.FAIL: "red"}
 GPU_HOURS = "suffix: GPU-h"  # a Grafana custom unit
 USD = "currencyUSD"
@@ -307,6 +317,7 @@ def cost(stack: Stack) -> dashboard.Dashboard:
             .with_panel(series("GPU-hours used against the quota", GPU_HOURS,
                                query("max(gpucluster_gpu_used_seconds) / 3600", "used"),
                                query("max(gpucluster_gpu_quota_seconds) / 3600", "quota"), span=6))
+            .with_panel(person_table())
             .with_row(dashboard.Row("Idle GPUs"))
             .with_panel(single("Idle GPU-hours", GPU_HOURS, f"sum({IDLE_HOURS_BY_POOL})", idle_description))
             .with_panel(single("Cost of idle GPUs", USD, f"sum({IDLE_COST_BY_POOL})", idle_description))
@@ -316,6 +327,25 @@ def cost(stack: Stack) -> dashboard.Dashboard:
             .with_panel(idle_table(idle_description))
             .with_panel(series("Idle GPUs per pool", "short", query("sum by (pool) (gpucluster:gpu_idle)", "{{pool}}"))
                         .stacking(common_builders.StackingConfig().mode(common.StackingMode.NORMAL))))
+
+
+def person_table() -> table.Panel:
+    description = ("Slurm's account of each person's GPU-hours this month (sacct and sshare show the same), their "
+                   "share of the team's, and that share of the month's spend: an allocation by GPU-hours, not a bill.")
+    panel = with_queries(table.Panel().title("GPU-hours and spend by person").description(description)
+                         .span(24).height(8),
+                         query(PERSON_GPU_HOURS, instant=True, as_table=True),
+                         query(PERSON_SHARE, instant=True, as_table=True),
+                         query(PERSON_SPEND, instant=True, as_table=True))
+    return (panel.with_transformation(DataTransformerConfig(id_val="merge", options={}))
+            .with_transformation(DataTransformerConfig(id_val="organize", options={
+                "excludeByName": {"Time": True},
+                "renameByName": {"user": "Person", "Value #A": "GPU-hours", "Value #B": "Share of the team's",
+                                 "Value #C": "Share of the spend"}}))
+            .sort_by([common_builders.TableSortByFieldState().display_name("GPU-hours").desc(True)])
+            .override_by_name("GPU-hours", [DynamicConfigValue(id_val="unit", value=GPU_HOURS)])
+            .override_by_name("Share of the team's", [DynamicConfigValue(id_val="unit", value="percentunit")])
+            .override_by_name("Share of the spend", [DynamicConfigValue(id_val="unit", value=USD)]))
 
 
 def idle_table(description: str) -> table.Panel:

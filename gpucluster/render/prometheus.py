@@ -46,12 +46,13 @@ EXPORTED: dict[str, frozenset[str]] = {
         "node_filesystem_avail_bytes", "node_filesystem_size_bytes", "node_network_receive_bytes_total",
         "node_network_transmit_bytes_total", "node_load1", "up"}),
     # Our programs, through node_exporter's textfile collector: METRICS_PROGRAM on the compute nodes (EFA's hardware
-    # counters, the Lustre client's byte counts) and on the head (Slurm's queue and nodes, the GPU-hour quota, the
-    # pools' prices), and the budget guardrail on the head (the budget).
+    # counters, the Lustre client's byte counts) and on the head (Slurm's queue and nodes, the GPU-hour quota, each
+    # person's GPU time, the pools' prices), and the budget guardrail on the head (the budget).
     "gpucluster_metrics": frozenset({
         "gpucluster_efa_rx_bytes_total", "gpucluster_efa_tx_bytes_total", "gpucluster_lustre_read_bytes_total",
         "gpucluster_lustre_write_bytes_total", "gpucluster_slurm_node_state", "gpucluster_slurm_jobs",
-        "gpucluster_gpu_used_seconds", "gpucluster_gpu_quota_seconds", "gpucluster_pool_gpu_hour_usd",
+        "gpucluster_gpu_used_seconds", "gpucluster_gpu_quota_seconds", "gpucluster_person_gpu_used_seconds",
+        "gpucluster_pool_gpu_hour_usd",
         "gpucluster_budget_limit_usd", "gpucluster_budget_actual_usd", "gpucluster_budget_forecast_usd"}),
     # `gpucluster verify` on the head, through the same collector: the last run's result per pool and check.
     "gpucluster_verify": frozenset({verify.RESULT_METRIC, verify.RUN_TIME_METRIC}),

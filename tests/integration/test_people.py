@@ -11,6 +11,7 @@ from typing import Callable
 import pytest
 
 from conftest import FIXTURES
+from gpucluster.aws import spend
 from gpucluster.contract.settings import BUNDLE_DIR, LOGIN_USER
 from gpucluster.spec.model import Stack, load_stack
 from local_cluster import LocalCluster
@@ -91,6 +92,15 @@ def test_people_have_accounts_homes_and_limits_of_their_own_and_a_change_reaches
     # Slurm's fair share knows both under the team's account; bob's second GPU is one too many, alice's job runs.
     shares = cluster.run("sshare", "-a", "-n", "-P", "-o", "Account,User").split()
     assert {f"{stack.spec.team}|alice", f"{stack.spec.team}|bob"} <= set(shares), shares
+    # `gpucluster cost` by person: root (an admin's sudo) reads each person's row under the team's account beside the
+    # team's own; alice without sudo reads her own row only (PrivateData=usage), and no account's.
+    everyone = spend.slurm_gpu_hours(cluster.env)
+    assert everyone is not None and stack.spec.team in everyone.accounts
+    assert {(stack.spec.team, "alice"), (stack.spec.team, "bob")} <= set(everyone.users), everyone
+    own = as_person(cluster, "alice", "sshare", "-n", "-P", "-a", "-o", "Account,User,GrpTRESRaw")
+    assert own.returncode == 0, own.stderr
+    assert set(spend.gpu_hours(own.stdout).users) == {(stack.spec.team, "alice")}, own.stdout
+    assert not spend.gpu_hours(own.stdout).accounts, own.stdout
     second = submit(cluster, "bob", "-p", "standby", "--gres=gpu:1", "--wrap", "true")
     cluster.wait("bob's second job to meet his limit",
                  lambda: job_field(cluster, second, "Reason") == "AssocGrpGRES", 30)
