@@ -96,9 +96,12 @@ def access_policy(instance_arn: str, document_arns: list[str], sessions: str, ve
            "Condition": {"ArnEquals": {"aws:PrincipalArn": list(principals)}}} for document, principals in people),
         {"Sid": "OwnSessionsOnly", "Effect": "Allow", "Action": ["ssm:TerminateSession", "ssm:ResumeSession"],
          "Resource": f"{sessions}*", "Condition": {"StringEquals": {SESSION_OWNER_TAG: "${aws:userid}"}}},
-        # The caller's end of the session's data channel (the AWS CLI's session plugin).
+        # The caller's end of the session's data channel (the AWS CLI's session plugin). Opening it takes the token
+        # that StartSession or ResumeSession returned, both bounded above; a session's id starts with the IAM user's
+        # or the role session's name, never with aws:userid (SESSION_OWNER_TAG's note), so AWS's quickstart pattern
+        # session/${aws:userid}-* would match no role's session: the account's sessions in this region.
         {"Sid": "OwnSessionChannel", "Effect": "Allow", "Action": "ssmmessages:OpenDataChannel",
-         "Resource": sessions + "${aws:userid}-*"},
+         "Resource": f"{sessions}*"},
         # `gpucluster dashboard` finds the running head by its tags. DescribeInstances has no resource-level
         # permissions: it names instances, not their data.
         {"Sid": "FindTheHeadNode", "Effect": "Allow", "Action": "ec2:DescribeInstances", "Resource": "*"},

@@ -43,6 +43,26 @@ def node(tmp_path: Path) -> Path:
     return tmp_path
 
 
+def test_a_nodes_accounts_are_settled_one_call_at_a_time(node: Path) -> None:
+    """Slurm runs the Prologs of jobs starting together side by side: each call's commands run under the node's lock,
+    so a second call waits and finds the first one's accounts (a second groupadd of a person would fail)."""
+    import fcntl
+
+    held: list[bool] = []
+
+    def run(*args: str) -> None:
+        with open(node / accounts.SETTLE_LOCK.lstrip("/"), "a") as other:  # another open file: as another Prolog
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                held.append(True)
+            else:
+                held.append(False)
+
+    accounts.settle((ALICE,), node, run=run)
+    assert held and all(held)
+
+
 def entry(root: Path, table: str, name: str) -> list[str]:
     return next(line.split(":") for line in (root / "etc" / table).read_text().splitlines()
                 if line.split(":")[0] == name)

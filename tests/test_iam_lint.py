@@ -50,8 +50,8 @@ SUPPRESSED = {
     ("UNKNOWN_CONDITION_FOR_ACTION", "admin-access", SESSION_DOCUMENT_CHECK):
         "as for user-access: the admin document, only with its own name",
     ("RESOURCE_MISMATCH", "user-access", "ssmmessages:OpenDataChannel"):
-        "parliament's database has no resource type for it; AWS's current Session Manager end-user policies scope it "
-        "to the caller's own sessions (arn:aws:ssm:...:session/${aws:userid}-*), as here",
+        "parliament's database has no resource type for it; the policy scopes it to the region's sessions of the "
+        "account (opening a channel takes the token of a StartSession or ResumeSession the policy bounds)",
     ("RESOURCE_MISMATCH", "admin-access", "ssmmessages:OpenDataChannel"):
         "as for user-access",
     ("PERMISSIONS_MANAGEMENT_ACTIONS", "budget-action", "iam:attachrolepolicy"):

@@ -72,8 +72,9 @@ def test_sessions_on_the_head_node_as_the_login_user_or_as_admin() -> None:
         assert own["Action"] == ["ssm:TerminateSession", "ssm:ResumeSession"]
         assert own["Resource"] == f"arn:aws:ssm:{region}:{ACCOUNT}:session/*"
         assert own["Condition"] == {"StringEquals": {"ssm:resourceTag/aws:ssmmessages:session-id": "${aws:userid}"}}
-        sessions = f"arn:aws:ssm:{region}:{ACCOUNT}:session/${{aws:userid}}-*"
-        assert channel["Action"] == "ssmmessages:OpenDataChannel" and channel["Resource"] == sessions
+        # The data channel of a session the caller started or resumed (its token): a session id starts with the user's
+        # or the role session's name, never with aws:userid, so no pattern of the caller's id would match a role's.
+        assert channel["Action"] == "ssmmessages:OpenDataChannel" and channel["Resource"] == own["Resource"]
         # What `gpucluster dashboard` calls (tests/test_dashboard_command.py).
         assert find["Action"] == "ec2:DescribeInstances"
         # `gpucluster verify STACK`: the verify document on the head only, never AWS-RunShellScript (root); --deep's

@@ -25,6 +25,7 @@ and modes) from making accounts or admins there. Standard library only; idempote
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import hmac
 import json
@@ -47,6 +48,7 @@ MUNGE_KEY = Path("/etc/munge/munge.key")
 
 log = logging.getLogger("gpucluster-accounts")
 
+SETTLE_LOCK = "/run/gpucluster-accounts.lock"  # held while a node's accounts are settled
 Runner = Callable[..., object]  # runs one command (argv), raising on failure
 
 
@@ -86,7 +88,16 @@ def clashes(people: tuple[PersonSettings, ...], passwd: list[list[str]], group: 
 
 def settle(people: tuple[PersonSettings, ...], root: Path = Path("/"), run: Runner = _run) -> list[str]:
     """This node's accounts as the stack lists them; returns what changed, for the log. Raises AccountError, naming
-    every clash, before it changes anything."""
+    every clash, before it changes anything. One at a time on a node: Slurm runs the Prologs of jobs that start
+    together side by side (no PrologFlags=Serial), and a second groupadd of the same person would fail."""
+    lock = root / SETTLE_LOCK.lstrip("/")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        return _settle(people, root, run)
+
+
+def _settle(people: tuple[PersonSettings, ...], root: Path, run: Runner) -> list[str]:
     etc = root / "etc"
     prefix = [] if root == Path("/") else ["--prefix", str(root)]
     passwd, group = _table(etc / "passwd"), _table(etc / "group")
