@@ -56,6 +56,7 @@ from gpucluster.contract.settings import (
 )
 from gpucluster.contract.verify import DCGM_START_SECONDS, JOB_SECONDS, QUEUE_SECONDS
 from gpucluster.node import nccl_tests, textfile
+from gpucluster.node.slurm_control import SlurmControl
 
 PYTHON = "/usr/bin/python3"  # the node programs' interpreter on every node
 STARTED_FILE = "started"  # in a pool's run directory: the job's first act, its start time (Unix seconds)
@@ -182,11 +183,12 @@ def sbatch_args(plan: PoolPlan, run_dir: str, minutes: int, nodelist: str = "", 
 
 
 # --- Slurm ----------------------------------------------------------------------------------------------------------
-class Slurm:
-    """sbatch, scontrol and scancel as the run calls them; `user` submits the measuring jobs (runuser when the run
-    is root's and the user is another)."""
+class Slurm(SlurmControl):
+    """Slurm's controller (SlurmControl's scontrol, its timeout and its logged errors), and sbatch and scancel as the
+    run calls them; `user` submits the measuring jobs (runuser when the run is root's and the user is another)."""
 
     def __init__(self, user: str):
+        super().__init__()
         self.user = user
 
     def submit(self, args: list[str], script: str, as_user: bool) -> str:
@@ -197,17 +199,13 @@ class Slurm:
         return done.stdout.strip().split(";")[0]
 
     def jobs(self) -> dict[str, slurm_json.Job]:
-        out = subprocess.run(["scontrol", *slurm_json.SHOW_JOBS], capture_output=True, text=True, timeout=60,
-                             check=True).stdout
-        return {job.job_id: job for job in slurm_json.jobs(out)}
+        return {job.job_id: job for job in slurm_json.jobs(self._run(*slurm_json.SHOW_JOBS))}
 
     def cancel(self, job: str) -> None:
-        subprocess.run(["scancel", job], capture_output=True, timeout=60)
+        subprocess.run(["scancel", job], capture_output=True, timeout=60)  # a job that ended meanwhile: nothing to do
 
     def node_states(self) -> dict[str, frozenset[str]]:
-        out = subprocess.run(["scontrol", *slurm_json.SHOW_NODES], capture_output=True, text=True, timeout=60,
-                             check=True).stdout
-        return {node.name: node.state for node in slurm_json.nodes(out)}
+        return {node.name: node.state for node in self.nodes()}
 
 
 @dataclass
