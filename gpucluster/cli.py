@@ -1,6 +1,8 @@
 """gpucluster's command line.
 
     python -m gpucluster plan [STACK] [--json]   what a stack creates and costs, offline (default stack: dev)
+    python -m gpucluster plan STACK --against OLD [--json|--markdown]   what changes from OLD (a stack file or
+                                                 git:REV) and what it does to the price, offline
     python -m gpucluster render STACK --out DIR  the user data EC2 gets, the head's Slurm, Prometheus and Grafana files,
                                                  the node images' bill of materials (image/bom.json)
     python -m gpucluster preflight STACK         the account's quotas, capacity and prices for the stack (0 ok, 1 fail)
@@ -159,6 +161,8 @@ def image_lines(images: dict[str, Any]) -> list[str]:
 
 
 def plan(args: argparse.Namespace) -> int:
+    if args.markdown and not args.against:
+        return _usage("plan", ["--markdown needs --against OLD (it prints the change, for a pull request)"], args.json)
     stack = _load(args.stack)
     if not project.PROGRAM.exists():  # the head node's bundle carries the library, not the Pulumi program
         print(f"plan runs the Pulumi program ({project.PROGRAM.name} and components/), which is not here: run it from "
@@ -166,6 +170,8 @@ def plan(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     from pulumi import RunError
 
+    if args.against:
+        return plan_against(args, stack)
     try:
         declared = run_program(stack, project.pulumi_program())
     except RunError as exc:  # what the program refuses in the stack's own terms, naming the key (as `pulumi up` would)
@@ -208,6 +214,46 @@ def plan(args: argparse.Namespace) -> int:
         print()
     print("\n".join(cost_table(stack, estimate)))
     return 0
+
+
+def plan_against(args: argparse.Namespace, stack: Stack) -> int:
+    """What changes between OLD and STACK, and its price (gpucluster/plan_diff.py)."""
+    from pulumi import RunError
+
+    from gpucluster import plan_diff
+
+    try:
+        old = plan_diff.old_stack(resolve_stack_file(args.stack, project.STACKS_DIR), args.against)
+        result = plan_diff.diff(stack, old, args.against, lambda s: run_program(s, project.pulumi_program()))
+    except plan_diff.AgainstError as exc:
+        return _usage("plan", [str(exc)], args.json)
+    except SpecError as exc:
+        if args.json:
+            return _json_errors([(path, f"{exc.source}: {message}") for path, message in exc.problems])
+        raise
+    except RunError as exc:
+        return _usage("plan", [str(exc)], args.json)
+    if args.json:
+        json.dump(result.as_json(), sys.stdout, indent=1, sort_keys=True)
+        print()
+    else:
+        print("\n".join(plan_diff.markdown(result) if args.markdown else plan_diff.text(result)))
+    return 0
+
+
+def _usage(command: str, problems: list[str], as_json: bool) -> int:
+    """Bad input or usage (exit 2): each problem on stderr, or with --json as {"errors": [...]} on stdout."""
+    if as_json:
+        return _json_errors([("", problem) for problem in problems])
+    for problem in problems:
+        print(f"{command}: {problem}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def _json_errors(problems: list[tuple[str, str]]) -> int:
+    json.dump({"errors": [{"path": path, "message": message} for path, message in problems]}, sys.stdout, indent=1)
+    print()
+    return EXIT_BAD_INPUT
 
 
 def render(args: argparse.Namespace) -> int:
@@ -474,6 +520,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("stack", nargs="?", default="dev",
                    help="a stack name under stacks/ or a path to a stack file (default: dev)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--against", metavar="OLD",
+                   help="compare with OLD: another stack file, or git:REV (this stack's file at that revision; "
+                        "a file missing there: everything is added). Prints the resources added, changed and removed "
+                        "by component and the change in $/h at min and max size and in the month at max")
+    p.add_argument("--markdown", action="store_true", help="with --against: a block for a pull request's comment")
     p.set_defaults(func=plan)
     r = sub.add_parser("render", help="write the user data, Slurm files and image BOM of a stack")
     r.add_argument("stack", help="a stack name under stacks/ or a path to a stack file")
