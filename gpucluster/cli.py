@@ -324,7 +324,7 @@ def spend(args: argparse.Namespace) -> int:
         account = None
     result = money.spend(session.client("ce", region_name="us-east-1"), stack, dt.date.today(),
                          budgets=session.client("budgets", region_name="us-east-1"), account=account)
-    print("\n".join(money.report(stack, result, money.slurm_gpu_hours())))
+    print("\n".join(money.report(stack, result, money.head_gpu_hours(stack))))
     return 0
 
 
