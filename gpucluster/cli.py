@@ -7,6 +7,8 @@
                                                  the node images' bill of materials (image/bom.json)
     python -m gpucluster preflight STACK         the account's quotas, capacity and prices for the stack (0 ok, 1 fail)
     python -m gpucluster cost STACK              this month's spend by the stack's tag, forecast, GPU-hours
+    python -m gpucluster cost --all [STACK ...] [--json]   the cost board across teams: spend, forecast, budget,
+                                                 GPU-hours, idle GPU-hours (exit 1: a team over or forecast over)
     python -m gpucluster leftovers STACK         what is still tagged with the stack (after a destroy), per month
     python -m gpucluster dashboard STACK [--run] [--local-port N]   Grafana through a Session Manager port forward
     python -m gpucluster verify STACK --plan [--json] [--pool NAME ...] [--nodes N] [--deep]   the checks a verify
@@ -308,7 +310,8 @@ def preflight(args: argparse.Namespace) -> int:
 
 
 def spend(args: argparse.Namespace) -> int:
-    """This month's spend, forecast and GPU-hours; Cost Explorer lives in us-east-1 whatever the stack's region."""
+    """This month's spend, forecast and GPU-hours; Cost Explorer lives in us-east-1 whatever the stack's region.
+    `--all`, several stacks or `--json`: the cost board (gpucluster/aws/cost_board.py)."""
     import datetime as dt
 
     import boto3
@@ -316,7 +319,9 @@ def spend(args: argparse.Namespace) -> int:
 
     from gpucluster.aws import spend as money
 
-    stack = _load(args.stack)
+    if args.all or args.json or len(args.stacks) != 1:
+        return cost_board(args)
+    stack = _load(args.stacks[0])
     session = boto3.Session()
     try:
         account = session.client("sts", region_name=stack.region).get_caller_identity()["Account"]
@@ -326,6 +331,51 @@ def spend(args: argparse.Namespace) -> int:
                          budgets=session.client("budgets", region_name="us-east-1"), account=account)
     print("\n".join(money.report(stack, result, money.head_gpu_hours(stack))))
     return 0
+
+
+def cost_board(args: argparse.Namespace) -> int:
+    """One row per stack (the files given, or every stack under stacks/ with --all) and a total; exit 1 when a team
+    is over its budget or forecast to be, or its spend could not be read."""
+    import datetime as dt
+
+    import boto3
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from gpucluster.aws import cost_board as board
+    from gpucluster.render import prometheus
+
+    if not args.stacks and not args.all:
+        return _usage("cost", ["say which stacks: STACK ..., or --all for every stack under stacks/"], args.json)
+    paths = [resolve_stack_file(s, project.STACKS_DIR) for s in args.stacks] or \
+        sorted(project.STACKS_DIR.glob("Pulumi.*.yaml"))
+    stacks, problems = [], []
+    for path in paths:
+        try:
+            stacks.append(load_stack(path))
+        except SpecError as exc:
+            problems += [(p, f"{exc.source}: {message}") for p, message in exc.problems]
+    if problems or not stacks:
+        problems = problems or [("", f"no stack files in {project.STACKS_DIR}")]
+        if args.json:
+            return _json_errors(problems)
+        for key, message in problems:
+            print(f"cost: {message}{f' ({key})' if key else ''}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    session = boto3.Session()
+    try:
+        account = session.client("sts", region_name=stacks[0].region).get_caller_identity()["Account"]
+    except (BotoCoreError, ClientError):  # said by the board's notes: the budgets cannot be listed
+        account = None
+    now = dt.datetime.now(dt.timezone.utc)
+    rows, notes = board.board(stacks, session.client("ce", region_name="us-east-1"),
+                              session.client("budgets", region_name="us-east-1"), account, now.date(),
+                              lambda s: board.head_usage(s, prometheus.idle_gpu_hours_query, now))
+    if args.json:
+        json.dump(board.as_json(rows, notes), sys.stdout, indent=1, sort_keys=True)
+        print()
+    else:
+        print("\n".join(board.text(rows, notes, now.date())))
+    return board.exit_code(rows)
 
 
 def leftovers(args: argparse.Namespace) -> int:
@@ -533,8 +583,18 @@ def parser() -> argparse.ArgumentParser:
     f = sub.add_parser("preflight", help="check the AWS account (quotas, capacity, offers, prices) for a stack")
     f.add_argument("stack", help="a stack name under stacks/ or a path to a stack file")
     f.set_defaults(func=preflight)
-    c = sub.add_parser("cost", help="this month's spend, forecast and GPU-hours of a stack (AWS credentials)")
-    c.add_argument("stack", help="a stack name under stacks/ or a path to a stack file")
+    c = sub.add_parser("cost", help="this month's spend, forecast and GPU-hours of a stack, or the cost board across "
+                                    "teams (AWS credentials)",
+                       description="STACK: one stack's spend, forecast, budget and (on its head node) GPU-hours. "
+                                   "--all, several stacks or --json: the cost board, one row per team (spend, "
+                                   "forecast, budget, GPU-hours, idle GPU-hours) and a total. Exit 0 ok; 1 when a "
+                                   "team is over its budget or forecast to be, or its spend could not be read; "
+                                   "2 bad input.")
+    c.add_argument("stacks", nargs="*", metavar="STACK",
+                   help="stack names under stacks/ or paths to stack files (--all without any: every stack there)")
+    c.add_argument("--all", action="store_true", help="the board across teams (every stack under stacks/ unless "
+                                                      "stacks are given)")
+    c.add_argument("--json", action="store_true", help="the board as one JSON object")
     c.set_defaults(func=spend)
     left = sub.add_parser("leftovers", help="what is still tagged with a stack, and its monthly cost (AWS credentials)")
     left.add_argument("stack", help="a stack name under stacks/ or a path to a stack file")

@@ -40,13 +40,11 @@ def spend(ce: Any, stack: Stack, today: dt.date, budgets: Any = None, account: s
     tag: `budgets` and `account` given."""
     from botocore.exceptions import BotoCoreError, ClientError
 
-    start, end = month_bounds(today)
     notes: list[str] = []
-    so_far = forecast = None
+    so_far = None
     try:
-        reply = ce.get_cost_and_usage(
-            TimePeriod={"Start": start.isoformat(), "End": max(today, start + dt.timedelta(days=1)).isoformat()},
-            Granularity="MONTHLY", Metrics=["UnblendedCost"], Filter=_tag_filter(stack))
+        reply = ce.get_cost_and_usage(TimePeriod=month_to_date(today), Granularity="MONTHLY",
+                                      Metrics=["UnblendedCost"], Filter=_tag_filter(stack))
         so_far = sum(float(r["Total"]["UnblendedCost"]["Amount"]) for r in reply["ResultsByTime"])
     except ClientError as exc:
         if budgets is not None and account:
@@ -55,16 +53,34 @@ def spend(ce: Any, stack: Stack, today: dt.date, budgets: Any = None, account: s
     except BotoCoreError as exc:  # no credentials, no network
         notes.append(f"spend not read: {exc}")
         return Spend(None, None, notes)
-    if today + dt.timedelta(days=1) < end:
-        try:
-            reply = ce.get_cost_forecast(
-                TimePeriod={"Start": (today + dt.timedelta(days=1)).isoformat(), "End": end.isoformat()},
-                Metric="UNBLENDED_COST", Granularity="MONTHLY", Filter=_tag_filter(stack))
-            forecast = (so_far or 0.0) + float(reply["Total"]["Amount"])
-        except ClientError as exc:
-            # Cost Explorer forecasts only once it has enough history for the filter.
-            notes.append(f"no forecast: {exc.response['Error']['Code']} (needs ce:GetCostForecast and some history)")
-    return Spend(so_far, forecast, notes)
+    forecast, why = month_forecast(ce, stack, today, so_far)
+    return Spend(so_far, forecast, notes + ([why] if why else []))
+
+
+def month_to_date(today: dt.date) -> dict[str, str]:
+    """Cost Explorer's period for this month so far (its End is exclusive, and after its Start)."""
+    start, _ = month_bounds(today)
+    return {"Start": start.isoformat(), "End": max(today, start + dt.timedelta(days=1)).isoformat()}
+
+
+def month_forecast(ce: Any, stack: Stack, today: dt.date, so_far: float | None) -> tuple[float | None, str | None]:
+    """The whole month: spend so far plus Cost Explorer's forecast for the days left (None on the month's last day,
+    when there is none left to forecast), and why there is none. GetCostForecast takes no GroupBy: one call a stack."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    _, end = month_bounds(today)
+    if today + dt.timedelta(days=1) >= end:
+        return None, None
+    try:
+        reply = ce.get_cost_forecast(
+            TimePeriod={"Start": (today + dt.timedelta(days=1)).isoformat(), "End": end.isoformat()},
+            Metric="UNBLENDED_COST", Granularity="MONTHLY", Filter=_tag_filter(stack))
+    except ClientError as exc:
+        # Cost Explorer forecasts only once it has enough history for the filter.
+        return None, f"no forecast: {exc.response['Error']['Code']} (needs ce:GetCostForecast and some history)"
+    except BotoCoreError as exc:
+        return None, f"no forecast: {exc}"
+    return (so_far or 0.0) + float(reply["Total"]["Amount"]), None
 
 
 def from_budget(budgets: Any, account: str, stack: Stack, ce_error: str) -> Spend:
