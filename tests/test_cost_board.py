@@ -264,3 +264,23 @@ def test_on_a_head_whose_slurm_does_not_answer_both_figures_say_why(tmp_path: Pa
     assert usage.gpu_hours == usage.idle_gpu_hours
     assert isinstance(usage.gpu_hours, str) and usage.gpu_hours.startswith("Slurm did not answer (sshare exited 1")
     assert off_the_head(team_a) == cost_board.Usage(cost_board.HEAD_ONLY, cost_board.HEAD_ONLY)
+
+
+def test_where_neither_cost_explorer_nor_the_list_of_budgets_is_allowed_each_stacks_budget_is_read() -> None:
+    """As the head's role: budgets:ViewBudget on its own budget only (components/head_node.py), no Cost Explorer."""
+    client, budgets = ce(), boto3.client("budgets", region_name="us-east-1", aws_access_key_id="t",
+                                         aws_secret_access_key="t")
+    team_a = BY_NAME["team-a"]
+    with Stubber(client) as ce_stub, Stubber(budgets) as budget_stub:
+        ce_stub.add_client_error("get_cost_and_usage", service_error_code="AccessDeniedException")
+        budget_stub.add_client_error("describe_budgets", service_error_code="AccessDeniedException")
+        budget_stub.add_response("describe_budget", {"Budget": {
+            "BudgetName": team_a.budget_name, "BudgetType": "COST", "TimeUnit": "MONTHLY",
+            "CalculatedSpend": {"ActualSpend": {"Amount": "1000.5", "Unit": "USD"},
+                                "ForecastedSpend": {"Amount": "2000", "Unit": "USD"}}}},
+            {"AccountId": ACCOUNT, "BudgetName": team_a.budget_name})
+        (row,), notes = cost_board.board([team_a], client, budgets, ACCOUNT, TODAY, off_the_head)
+        budget_stub.assert_no_pending_responses()
+    assert (row.deployed, row.spent, row.forecast) == (True, 1000.5, 2000.0)
+    assert row.notes[0].startswith(f"from the AWS Budget {team_a.budget_name} (Cost Explorer: AccessDeniedException)")
+    assert notes[0].startswith("whether each stack is deployed is unknown: budgets not listed: AccessDeniedException")

@@ -181,6 +181,11 @@ def board(stacks: list[Stack], ce: Any, budgets: Any, account: str | None, today
             calculated = known_budgets[stack.budget_name].get("CalculatedSpend", {})
             so_far, forecast = (float(calculated[key]["Amount"]) if key in calculated else None
                                 for key in ("ActualSpend", "ForecastedSpend"))
+        elif known_budgets is None and budgets is not None and account:
+            # Neither Cost Explorer nor the list of budgets (the head's role reads its own budget only): this one.
+            own = spend.from_budget(budgets, account, stack, ce_why or "")
+            so_far, forecast, row_notes = own.month_to_date, own.forecast, list(own.notes)
+            deployed = True if so_far is not None else None
         rows.append(Row(stack.name, stack.spec.team, deployed, so_far, forecast, float(stack.spec.budget.monthly_usd),
                         usage(stack) if deployed is not False else Usage(NOT_DEPLOYED, NOT_DEPLOYED),
                         tuple(row_notes)))
