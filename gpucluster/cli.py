@@ -1,10 +1,14 @@
 """gpucluster's command line.
 
     python -m gpucluster plan [STACK] [--json]   what a stack creates and costs, offline (default stack: dev)
+    python -m gpucluster plan STACK --against OLD [--json|--markdown]   what changes from OLD (a stack file or
+                                                 git:REV) and what it does to the price, offline
     python -m gpucluster render STACK --out DIR  the user data EC2 gets, the head's Slurm, Prometheus and Grafana files,
                                                  the node images' bill of materials (image/bom.json)
     python -m gpucluster preflight STACK         the account's quotas, capacity and prices for the stack (0 ok, 1 fail)
     python -m gpucluster cost STACK              this month's spend by the stack's tag, forecast, GPU-hours
+    python -m gpucluster cost --all [STACK ...] [--json]   the cost board across teams: spend, forecast, budget,
+                                                 GPU-hours, idle GPU-hours (exit 1: a team over or forecast over)
     python -m gpucluster leftovers STACK         what is still tagged with the stack (after a destroy), per month
     python -m gpucluster dashboard STACK [--run] [--local-port N]   Grafana through a Session Manager port forward
     python -m gpucluster verify STACK --plan [--json] [--pool NAME ...] [--nodes N] [--deep]   the checks a verify
@@ -159,6 +163,8 @@ def image_lines(images: dict[str, Any]) -> list[str]:
 
 
 def plan(args: argparse.Namespace) -> int:
+    if args.markdown and not args.against:
+        return _usage("plan", ["--markdown needs --against OLD (it prints the change, for a pull request)"], args.json)
     stack = _load(args.stack)
     if not project.PROGRAM.exists():  # the head node's bundle carries the library, not the Pulumi program
         print(f"plan runs the Pulumi program ({project.PROGRAM.name} and components/), which is not here: run it from "
@@ -166,6 +172,8 @@ def plan(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     from pulumi import RunError
 
+    if args.against:
+        return plan_against(args, stack)
     try:
         declared = run_program(stack, project.pulumi_program())
     except RunError as exc:  # what the program refuses in the stack's own terms, naming the key (as `pulumi up` would)
@@ -208,6 +216,46 @@ def plan(args: argparse.Namespace) -> int:
         print()
     print("\n".join(cost_table(stack, estimate)))
     return 0
+
+
+def plan_against(args: argparse.Namespace, stack: Stack) -> int:
+    """What changes between OLD and STACK, and its price (gpucluster/plan_diff.py)."""
+    from pulumi import RunError
+
+    from gpucluster import plan_diff
+
+    try:
+        old = plan_diff.old_stack(resolve_stack_file(args.stack, project.STACKS_DIR), args.against)
+        result = plan_diff.diff(stack, old, args.against, lambda s: run_program(s, project.pulumi_program()))
+    except plan_diff.AgainstError as exc:
+        return _usage("plan", [str(exc)], args.json)
+    except SpecError as exc:
+        if args.json:
+            return _json_errors([(path, f"{exc.source}: {message}") for path, message in exc.problems])
+        raise
+    except RunError as exc:
+        return _usage("plan", [str(exc)], args.json)
+    if args.json:
+        json.dump(result.as_json(), sys.stdout, indent=1, sort_keys=True)
+        print()
+    else:
+        print("\n".join(plan_diff.markdown(result) if args.markdown else plan_diff.text(result)))
+    return 0
+
+
+def _usage(command: str, problems: list[str], as_json: bool) -> int:
+    """Bad input or usage (exit 2): each problem on stderr, or with --json as {"errors": [...]} on stdout."""
+    if as_json:
+        return _json_errors([("", problem) for problem in problems])
+    for problem in problems:
+        print(f"{command}: {problem}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def _json_errors(problems: list[tuple[str, str]]) -> int:
+    json.dump({"errors": [{"path": path, "message": message} for path, message in problems]}, sys.stdout, indent=1)
+    print()
+    return EXIT_BAD_INPUT
 
 
 def render(args: argparse.Namespace) -> int:
@@ -262,7 +310,8 @@ def preflight(args: argparse.Namespace) -> int:
 
 
 def spend(args: argparse.Namespace) -> int:
-    """This month's spend, forecast and GPU-hours; Cost Explorer lives in us-east-1 whatever the stack's region."""
+    """This month's spend, forecast and GPU-hours; Cost Explorer lives in us-east-1 whatever the stack's region.
+    `--all`, several stacks or `--json`: the cost board (gpucluster/aws/cost_board.py)."""
     import datetime as dt
 
     import boto3
@@ -270,7 +319,9 @@ def spend(args: argparse.Namespace) -> int:
 
     from gpucluster.aws import spend as money
 
-    stack = _load(args.stack)
+    if args.all or args.json or len(args.stacks) != 1:
+        return cost_board(args)
+    stack = _load(args.stacks[0])
     session = boto3.Session()
     try:
         account = session.client("sts", region_name=stack.region).get_caller_identity()["Account"]
@@ -278,8 +329,53 @@ def spend(args: argparse.Namespace) -> int:
         account = None
     result = money.spend(session.client("ce", region_name="us-east-1"), stack, dt.date.today(),
                          budgets=session.client("budgets", region_name="us-east-1"), account=account)
-    print("\n".join(money.report(stack, result, money.slurm_gpu_hours())))
+    print("\n".join(money.report(stack, result, money.head_gpu_hours(stack))))
     return 0
+
+
+def cost_board(args: argparse.Namespace) -> int:
+    """One row per stack (the files given, or every stack under stacks/ with --all) and a total; exit 1 when a team
+    is over its budget or forecast to be, or its spend could not be read."""
+    import datetime as dt
+
+    import boto3
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from gpucluster.aws import cost_board as board
+    from gpucluster.render import prometheus
+
+    if not args.stacks and not args.all:
+        return _usage("cost", ["say which stacks: STACK ..., or --all for every stack under stacks/"], args.json)
+    paths = [resolve_stack_file(s, project.STACKS_DIR) for s in args.stacks] or \
+        sorted(project.STACKS_DIR.glob("Pulumi.*.yaml"))
+    stacks, problems = [], []
+    for path in paths:
+        try:
+            stacks.append(load_stack(path))
+        except SpecError as exc:
+            problems += [(p, f"{exc.source}: {message}") for p, message in exc.problems]
+    if problems or not stacks:
+        problems = problems or [("", f"no stack files in {project.STACKS_DIR}")]
+        if args.json:
+            return _json_errors(problems)
+        for key, message in problems:
+            print(f"cost: {message}{f' ({key})' if key else ''}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    session = boto3.Session()
+    try:
+        account = session.client("sts", region_name=stacks[0].region).get_caller_identity()["Account"]
+    except (BotoCoreError, ClientError):  # said by the board's notes: the budgets cannot be listed
+        account = None
+    now = dt.datetime.now(dt.timezone.utc)
+    rows, notes = board.board(stacks, session.client("ce", region_name="us-east-1"),
+                              session.client("budgets", region_name="us-east-1"), account, now.date(),
+                              lambda s: board.head_usage(s, prometheus.idle_gpu_hours_query, now))
+    if args.json:
+        json.dump(board.as_json(rows, notes), sys.stdout, indent=1, sort_keys=True)
+        print()
+    else:
+        print("\n".join(board.text(rows, notes, now.date())))
+    return board.exit_code(rows)
 
 
 def leftovers(args: argparse.Namespace) -> int:
@@ -474,6 +570,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("stack", nargs="?", default="dev",
                    help="a stack name under stacks/ or a path to a stack file (default: dev)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--against", metavar="OLD",
+                   help="compare with OLD: another stack file, or git:REV (this stack's file at that revision; "
+                        "a file missing there: everything is added). Prints the resources added, changed and removed "
+                        "by component and the change in $/h at min and max size and in the month at max")
+    p.add_argument("--markdown", action="store_true", help="with --against: a block for a pull request's comment")
     p.set_defaults(func=plan)
     r = sub.add_parser("render", help="write the user data, Slurm files and image BOM of a stack")
     r.add_argument("stack", help="a stack name under stacks/ or a path to a stack file")
@@ -482,8 +583,18 @@ def parser() -> argparse.ArgumentParser:
     f = sub.add_parser("preflight", help="check the AWS account (quotas, capacity, offers, prices) for a stack")
     f.add_argument("stack", help="a stack name under stacks/ or a path to a stack file")
     f.set_defaults(func=preflight)
-    c = sub.add_parser("cost", help="this month's spend, forecast and GPU-hours of a stack (AWS credentials)")
-    c.add_argument("stack", help="a stack name under stacks/ or a path to a stack file")
+    c = sub.add_parser("cost", help="this month's spend, forecast and GPU-hours of a stack, or the cost board across "
+                                    "teams (AWS credentials)",
+                       description="STACK: one stack's spend, forecast, budget and (on its head node) GPU-hours. "
+                                   "--all, several stacks or --json: the cost board, one row per team (spend, "
+                                   "forecast, budget, GPU-hours, idle GPU-hours) and a total. Exit 0 ok; 1 when a "
+                                   "team is over its budget or forecast to be, or its spend could not be read; "
+                                   "2 bad input.")
+    c.add_argument("stacks", nargs="*", metavar="STACK",
+                   help="stack names under stacks/ or paths to stack files (--all without any: every stack there)")
+    c.add_argument("--all", action="store_true", help="the board across teams (every stack under stacks/ unless "
+                                                      "stacks are given)")
+    c.add_argument("--json", action="store_true", help="the board as one JSON object")
     c.set_defaults(func=spend)
     left = sub.add_parser("leftovers", help="what is still tagged with a stack, and its monthly cost (AWS credentials)")
     left.add_argument("stack", help="a stack name under stacks/ or a path to a stack file")

@@ -54,7 +54,7 @@ def test_denied_and_missing_forecast_are_said_not_crashed() -> None:
     assert result.notes == ["spend not read: AccessDeniedException (needs ce:GetCostAndUsage)",
                             "no forecast: DataUnavailableException (needs ce:GetCostForecast and some history)"]
     assert "GPU-hours:           run this on the head node to read Slurm accounting" \
-        in spend.report(TEAM_A, result, None)
+        in spend.report(TEAM_A, result, spend.OFF_THE_HEAD)
 
 
 # As the node image's Slurm (24.11) prints `sshare -n -P -a -o Account,User,GrpTRESRaw`, seen in the rehearsal (and
@@ -185,3 +185,57 @@ def test_where_cost_explorer_is_denied_the_stacks_budget_answers() -> None:
         assert missing.month_to_date is None
         assert missing.notes[0].startswith("spend not read: Cost Explorer AccessDeniedException, and the budget "
                                            "gpucluster-dev-monthly:")
+
+
+def test_a_machine_with_slurms_client_is_not_taken_for_the_head(tmp_path: Path) -> None:
+    """An operator's machine with Slurm's client (this one has Debian's, whose sshare finds no controller and exits
+    1): `cost` says where GPU-hours are read instead of ending in sshare's CalledProcessError."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from gpucluster.contract.settings import SETTINGS_FILE
+
+    sshare = shutil.which("sshare")
+    assert sshare, "the test machine has Slurm's client (slurm-client): this test is about such a machine"
+    assert not Path(SETTINGS_FILE).exists(), "this machine is no head node"
+    env = {"PATH": f"{Path(sshare).parent}:{os.environ['PATH']}", "AWS_ACCESS_KEY_ID": "x",
+           "AWS_SECRET_ACCESS_KEY": "x", "AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_MAX_ATTEMPTS": "1",
+           "HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-m", "gpucluster", "cost", "team-a"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    assert f"GPU-hours:           {spend.OFF_THE_HEAD}" in out.stdout.splitlines()
+
+
+def head_settings(folder: Path, cluster: str) -> Path:
+    from gpucluster.contract.settings import ClusterSettings
+
+    path = folder / "cluster.json"
+    path.write_text(ClusterSettings(cluster=cluster, region="us-east-1", pools={}).to_json())
+    return path
+
+
+def test_the_head_is_known_by_its_settings_file_naming_the_stacks_cluster(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the stack's head, sshare is asked (here Debian's finds no controller: what it says is the report's line, not
+    a traceback); on another cluster's head, or with no or a broken settings file, it is not."""
+    import shutil
+
+    sshare = shutil.which("sshare")
+    assert sshare
+    monkeypatch.setenv("PATH", str(Path(sshare).parent))
+    ours = head_settings(tmp_path, TEAM_A.cluster_name)
+    assert spend.on_the_head(TEAM_A, ours)
+    unanswered = spend.head_gpu_hours(TEAM_A, ours)
+    assert isinstance(unanswered, str) and unanswered.startswith("Slurm did not answer (sshare exited 1: ")
+    assert f"GPU-hours:           {unanswered}" in spend.report(TEAM_A, spend.Spend(None, None, []), unanswered)
+
+    (tmp_path / "other").mkdir()
+    other = head_settings(tmp_path / "other", "gpucluster-team-b")
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    for settings_file in (other, broken, tmp_path / "missing.json"):
+        assert not spend.on_the_head(TEAM_A, settings_file)
+        assert spend.head_gpu_hours(TEAM_A, settings_file) == spend.OFF_THE_HEAD

@@ -4,15 +4,17 @@ node) GPU-hours per Slurm account against the team's quota and per person, with 
 from __future__ import annotations
 
 import datetime as dt
-import shutil
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from gpucluster.contract import settings
 from gpucluster.spec import cost
 from gpucluster.spec.cost import COST_TAG, money
 from gpucluster.spec.model import Stack
+
+SSHARE_SECONDS = 60  # sshare asks slurmctld, which answers within its MessageTimeout when it runs
 
 
 @dataclass(frozen=True)
@@ -38,13 +40,11 @@ def spend(ce: Any, stack: Stack, today: dt.date, budgets: Any = None, account: s
     tag: `budgets` and `account` given."""
     from botocore.exceptions import BotoCoreError, ClientError
 
-    start, end = month_bounds(today)
     notes: list[str] = []
-    so_far = forecast = None
+    so_far = None
     try:
-        reply = ce.get_cost_and_usage(
-            TimePeriod={"Start": start.isoformat(), "End": max(today, start + dt.timedelta(days=1)).isoformat()},
-            Granularity="MONTHLY", Metrics=["UnblendedCost"], Filter=_tag_filter(stack))
+        reply = ce.get_cost_and_usage(TimePeriod=month_to_date(today), Granularity="MONTHLY",
+                                      Metrics=["UnblendedCost"], Filter=_tag_filter(stack))
         so_far = sum(float(r["Total"]["UnblendedCost"]["Amount"]) for r in reply["ResultsByTime"])
     except ClientError as exc:
         if budgets is not None and account:
@@ -53,16 +53,34 @@ def spend(ce: Any, stack: Stack, today: dt.date, budgets: Any = None, account: s
     except BotoCoreError as exc:  # no credentials, no network
         notes.append(f"spend not read: {exc}")
         return Spend(None, None, notes)
-    if today + dt.timedelta(days=1) < end:
-        try:
-            reply = ce.get_cost_forecast(
-                TimePeriod={"Start": (today + dt.timedelta(days=1)).isoformat(), "End": end.isoformat()},
-                Metric="UNBLENDED_COST", Granularity="MONTHLY", Filter=_tag_filter(stack))
-            forecast = (so_far or 0.0) + float(reply["Total"]["Amount"])
-        except ClientError as exc:
-            # Cost Explorer forecasts only once it has enough history for the filter.
-            notes.append(f"no forecast: {exc.response['Error']['Code']} (needs ce:GetCostForecast and some history)")
-    return Spend(so_far, forecast, notes)
+    forecast, why = month_forecast(ce, stack, today, so_far)
+    return Spend(so_far, forecast, notes + ([why] if why else []))
+
+
+def month_to_date(today: dt.date) -> dict[str, str]:
+    """Cost Explorer's period for this month so far (its End is exclusive, and after its Start)."""
+    start, _ = month_bounds(today)
+    return {"Start": start.isoformat(), "End": max(today, start + dt.timedelta(days=1)).isoformat()}
+
+
+def month_forecast(ce: Any, stack: Stack, today: dt.date, so_far: float | None) -> tuple[float | None, str | None]:
+    """The whole month: spend so far plus Cost Explorer's forecast for the days left (None on the month's last day,
+    when there is none left to forecast), and why there is none. GetCostForecast takes no GroupBy: one call a stack."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    _, end = month_bounds(today)
+    if today + dt.timedelta(days=1) >= end:
+        return None, None
+    try:
+        reply = ce.get_cost_forecast(
+            TimePeriod={"Start": (today + dt.timedelta(days=1)).isoformat(), "End": end.isoformat()},
+            Metric="UNBLENDED_COST", Granularity="MONTHLY", Filter=_tag_filter(stack))
+    except ClientError as exc:
+        # Cost Explorer forecasts only once it has enough history for the filter.
+        return None, f"no forecast: {exc.response['Error']['Code']} (needs ce:GetCostForecast and some history)"
+    except BotoCoreError as exc:
+        return None, f"no forecast: {exc}"
+    return (so_far or 0.0) + float(reply["Total"]["Amount"]), None
 
 
 def from_budget(budgets: Any, account: str, stack: Stack, ce_error: str) -> Spend:
@@ -107,17 +125,49 @@ def gpu_hours(sshare_output: str) -> GpuHours:
     return GpuHours(accounts, users)
 
 
-def slurm_gpu_hours(env: dict[str, str] | None = None) -> GpuHours | None:
-    """From Slurm, when this runs on the head node (sshare present); None elsewhere. Slurm's PrivateData=usage
-    (render/slurm.py PRIVATE_DATA) shows someone who is not root only their own associations."""
-    if not shutil.which("sshare", path=(env or {}).get("PATH")):
-        return None
-    out = subprocess.run(["sshare", "-n", "-P", "-a", "-o", "Account,User,GrpTRESRaw"], capture_output=True,
-                         text=True, check=True, env=env)
+class SlurmUnanswered(Exception):
+    """sshare failed or hung on the head node (slurmctld or slurmdbd down): said in the report, not a traceback."""
+
+
+# What the report says of GPU-hours off the head node: only Slurm's accounting there has them.
+OFF_THE_HEAD = "run this on the head node to read Slurm accounting"
+
+
+def on_the_head(stack: Stack, settings_file: str | Path = settings.SETTINGS_FILE) -> bool:
+    """Whether this runs on the stack's own head node: its settings file (written by the bootstrap, readable by all)
+    is here and names the stack's cluster. Not "sshare is on PATH": an operator's or a login machine may have Slurm's
+    client, and another cluster's head has sshare too but not this stack's accounting."""
+    try:
+        return settings.ClusterSettings.load(settings_file).cluster == stack.cluster_name
+    except (OSError, ValueError):  # missing, unreadable or not settings (SettingsError is a ValueError)
+        return False
+
+
+def slurm_gpu_hours(env: dict[str, str] | None = None) -> GpuHours:
+    """From Slurm, on the head node. Slurm's PrivateData=usage (render/slurm.py PRIVATE_DATA) shows someone who is
+    not root only their own associations."""
+    try:
+        out = subprocess.run(["sshare", "-n", "-P", "-a", "-o", "Account,User,GrpTRESRaw"], capture_output=True,
+                             text=True, env=env, timeout=SSHARE_SECONDS)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise SlurmUnanswered(f"sshare: {exc}") from None
+    if out.returncode != 0:
+        raise SlurmUnanswered(f"sshare exited {out.returncode}: {out.stderr.strip() or 'no message'}")
     return gpu_hours(out.stdout)
 
 
-def report(stack: Stack, result: Spend, gpu_hours: GpuHours | None) -> list[str]:
+def head_gpu_hours(stack: Stack, settings_file: str | Path = settings.SETTINGS_FILE) -> GpuHours | str:
+    """The stack's GPU-hours where they can be read (its head node), else what the report says instead."""
+    if not on_the_head(stack, settings_file):
+        return OFF_THE_HEAD
+    try:
+        return slurm_gpu_hours()
+    except SlurmUnanswered as exc:
+        return f"Slurm did not answer ({exc})"
+
+
+def report(stack: Stack, result: Spend, gpu_hours: GpuHours | str) -> list[str]:
+    """`gpu_hours`: Slurm's, or why there are none (head_gpu_hours)."""
     budget = stack.spec.budget.monthly_usd
     share = f" ({100 * result.month_to_date / budget:.0f}% of the budget)" if result.month_to_date is not None else ""
     lines = [f"Stack {stack.name} (team {stack.spec.team}), tag {COST_TAG}={stack.name}",
@@ -127,8 +177,8 @@ def report(stack: Stack, result: Spend, gpu_hours: GpuHours | None) -> list[str]
              f"Budget:              {money(budget)}"]
     quota = cost.gpu_hour_quota(stack)
     team = stack.spec.team
-    if gpu_hours is None:
-        lines.append("GPU-hours:           run this on the head node to read Slurm accounting")
+    if isinstance(gpu_hours, str):
+        lines.append(f"GPU-hours:           {gpu_hours}")
     elif team not in gpu_hours.accounts and any(account == team for account, _ in gpu_hours.users):
         # Slurm's PrivateData=usage: someone who is not root sees their own association only.
         lines.append(f"GPU-hours:           only your own: Slurm shows account {team}'s to root (an admin's sudo)")

@@ -117,6 +117,12 @@ RECORDING_RULES = (
 )
 
 
+def idle_gpu_hours_query(seconds: int) -> str:
+    """The GPUs' idle hours over the last `seconds` by the GpuIdle alert's measure (gpucluster:gpu_idle, evaluated
+    every SCRAPE_SECONDS): what `gpucluster cost --all` reads on the head."""
+    return f"sum(sum_over_time(gpucluster:gpu_idle[{seconds}s])) * {SCRAPE_SECONDS} / 3600"
+
+
 def alert_rules() -> list[dict[str, object]]:
     minutes = monitoring.IDLE_MINUTES
     return [

@@ -95,7 +95,7 @@ def test_people_have_accounts_homes_and_limits_of_their_own_and_a_change_reaches
     # `gpucluster cost` by person: root (an admin's sudo) reads each person's row under the team's account beside the
     # team's own; alice without sudo reads her own row only (PrivateData=usage), and no account's.
     everyone = spend.slurm_gpu_hours(cluster.env)
-    assert everyone is not None and stack.spec.team in everyone.accounts
+    assert stack.spec.team in everyone.accounts
     assert {(stack.spec.team, "alice"), (stack.spec.team, "bob")} <= set(everyone.users), everyone
     own = as_person(cluster, "alice", "sshare", "-n", "-P", "-a", "-o", "Account,User,GrpTRESRaw")
     assert own.returncode == 0, own.stderr

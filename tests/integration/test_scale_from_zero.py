@@ -233,6 +233,6 @@ def test_gpu_hour_quota_holds_jobs_that_would_exceed_it(cluster: LocalCluster) -
     # `gpucluster cost` on the head node reads the same figure Slurm enforces: one GPU for a minute and a bit
     # (Slurm counts whole minutes; root sums the accounts under it).
     used = spend.slurm_gpu_hours(cluster.env)
-    assert used is not None and used.accounts == pytest.approx({"root": 1 / 60, "local": 1 / 60})
+    assert used.accounts == pytest.approx({"root": 1 / 60, "local": 1 / 60})
     # and by person: the job's user (the harness submits as root, a user of the team's account here) used all of it.
     assert used.users[("local", "root")] == pytest.approx(1 / 60), used
