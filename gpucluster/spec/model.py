@@ -1097,6 +1097,24 @@ def _stack_name_problems(stack: str) -> list[tuple[str, str]]:
     return []
 
 
+# Every key of the spec that names an availability zone: each must be a zone of aws:region (a test walks the models
+# for keys named *availability_zone and expects them here).
+ZONE_KEYS: tuple[tuple[str, ...], ...] = (("availability_zone",), ("kubernetes", "control_plane_availability_zone"))
+
+
+def _zone_problems(raw: dict[str, Any], region: str) -> list[tuple[str, str]]:
+    """Zones outside the stack's region (a malformed zone is its field's own error)."""
+    problems = []
+    for loc in ZONE_KEYS:
+        value: Any = raw
+        for key in loc:
+            value = value.get(key) if isinstance(value, dict) else None
+        if isinstance(value, str) and re.fullmatch(r"[a-z]{2}(-[a-z]+)+-\d[a-z]", value) \
+                and not re.fullmatch(re.escape(region) + "[a-z]", value):
+            problems.append((_path(loc), f"{value} is not in region {region}"))
+    return problems
+
+
 def validate(stack: str, config: dict[str, Any], source: str = "") -> Stack:
     """Validate the `config:` mapping of a stack file. Raises SpecError listing every problem: field errors, the
     rules across fields and the region's, all at once (a field error does not hide the others)."""
@@ -1126,11 +1144,8 @@ def validate(stack: str, config: dict[str, Any], source: str = "") -> Stack:
                                           _user_set_problems(raw))
                       if (p, m) not in found]
             problems += found
-        az = raw.get("availability_zone")
-        if isinstance(region, str) and not _region_problems(region) and isinstance(az, str) \
-                and re.fullmatch(r"[a-z]{2}(-[a-z]+)+-\d[a-z]", az) \
-                and not re.fullmatch(re.escape(region) + "[a-z]", az):
-            problems.append((_path(("availability_zone",)), f"{az} is not in region {region}"))
+        if isinstance(region, str) and not _region_problems(region):
+            problems += _zone_problems(raw, region)
     if problems or spec is None or not isinstance(region, str):  # a region that is no string is among the problems
         raise SpecError(source or stack, problems)
     return Stack(name=stack, region=region, spec=spec)
