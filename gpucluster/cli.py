@@ -33,7 +33,7 @@ from gpucluster.contract.settings import GRAFANA_PORT, LOGIN_USER, SETTINGS_FILE
 from gpucluster.contract.verify import CLUSTER, Check, VerifyFormatError, plan_from_json, plan_json
 from gpucluster.plan import NEW_ACCOUNT, Declared, run_program
 from gpucluster.render import verify as planning
-from gpucluster.spec import catalog, cost, eks
+from gpucluster.spec import catalog, cost, eks, model
 from gpucluster.spec.model import OPERATOR, SpecError, Stack, load_stack, resolve_stack_file, way_in_warning
 from gpucluster.spec.ubuntu_lock import LOCK_FILE
 
@@ -43,6 +43,10 @@ BOM_PATH = "image/bom.json"  # under render's --out
 
 def _load(stack_arg: str) -> Stack:
     return load_stack(resolve_stack_file(stack_arg, project.STACKS_DIR))
+
+
+def _load_among_siblings(stack_arg: str) -> Stack:
+    return model.load_stack_among_siblings(resolve_stack_file(stack_arg, project.STACKS_DIR))
 
 
 def people(stack: Stack) -> list[dict[str, object]]:
@@ -159,7 +163,7 @@ def image_lines(images: dict[str, Any]) -> list[str]:
 
 
 def plan(args: argparse.Namespace) -> int:
-    stack = _load(args.stack)
+    stack = _load_among_siblings(args.stack)
     if not project.PROGRAM.exists():  # the head node's bundle carries the library, not the Pulumi program
         print(f"plan runs the Pulumi program ({project.PROGRAM.name} and components/), which is not here: run it from "
               "a checkout of the repository. Here: render, preflight, cost.", file=sys.stderr)
@@ -253,7 +257,7 @@ def preflight(args: argparse.Namespace) -> int:
 
     from gpucluster.aws import preflight as checks
 
-    stack = _load(args.stack)
+    stack = _load_among_siblings(args.stack)
     report = checks.run(stack, boto3.Session())
     print("\n".join(checks.render(stack, report)))
     print()

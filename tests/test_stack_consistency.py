@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 from pydantic import BaseModel
 
+from conftest import ROOT
+from gpucluster import cli
 from gpucluster.spec import model
-from gpucluster.spec.model import ZONE_KEYS, ClusterSpec, SpecError, validate
+from gpucluster.spec.model import ZONE_KEYS, ClusterSpec, SpecError, load_stack_among_siblings, validate
 
 
 def zone_fields(cls: type[BaseModel], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
@@ -52,3 +55,44 @@ def test_each_zone_in_another_region_is_named(zone: str, control_plane_zone: str
 
 def test_zones_of_the_region_pass() -> None:
     assert validate("vision", kubernetes_stack("us-east-1", "us-east-1a", "us-east-1b")).region == "us-east-1"
+
+
+def write_stack(folder: Path, name: str, region: str, cidr: str) -> Path:
+    text = (ROOT / "stacks" / "Pulumi.dev.yaml").read_text()
+    text = text.replace("aws:region: us-east-1", f"aws:region: {region}").replace("us-east-1a", f"{region}a")
+    path = folder / f"Pulumi.{name}.yaml"
+    path.write_text(text.replace("vpc_cidr: 10.40.0.0/16", f"vpc_cidr: {cidr}"))
+    return path
+
+
+def test_overlapping_vpcs_of_one_region_are_refused_naming_both_files(tmp_path: Path) -> None:
+    mine = write_stack(tmp_path, "vision", "us-east-1", "10.40.0.0/16")
+    other = write_stack(tmp_path, "speech", "us-east-1", "10.40.16.0/20")
+    write_stack(tmp_path, "apart", "us-east-1", "10.41.0.0/16")
+    with pytest.raises(SpecError) as err:
+        load_stack_among_siblings(mine)
+    assert err.value.source == str(mine)
+    assert err.value.problems == [(f"{model.CONFIG_KEY}.network.vpc_cidr",
+                                   f"10.40.0.0/16 overlaps 10.40.16.0/20 of {other} (network.vpc_cidr, also in "
+                                   "us-east-1): give each stack of a region a range of its own")]
+
+
+def test_plan_refuses_the_overlap_as_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    mine = write_stack(tmp_path, "vision", "us-east-1", "10.40.0.0/16")
+    other = write_stack(tmp_path, "speech", "us-east-1", "10.40.0.0/16")
+    assert cli.main(["plan", str(mine)]) == 2
+    err = capsys.readouterr().err
+    assert str(mine) in err and str(other) in err and "network.vpc_cidr" in err and "Traceback" not in err
+
+
+def test_the_same_range_in_other_regions_or_unreadable_siblings_pass(tmp_path: Path) -> None:
+    mine = write_stack(tmp_path, "vision", "us-east-1", "10.40.0.0/16")
+    write_stack(tmp_path, "west", "us-west-2", "10.40.0.0/16")
+    (tmp_path / "Pulumi.broken.yaml").write_text("config: [10.40.0.0/16\n")
+    (tmp_path / "Pulumi.alias.yaml").write_text("config: &a {aws:region: us-east-1, x: *a}\n")
+    assert load_stack_among_siblings(mine).name == "vision"
+
+
+def test_the_shipped_stacks_keep_apart() -> None:
+    for path in sorted((ROOT / "stacks").glob("Pulumi.*.yaml")):
+        assert load_stack_among_siblings(path).name == path.name.split(".")[1]

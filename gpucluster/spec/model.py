@@ -1376,6 +1376,54 @@ def load_stack(path: Path) -> Stack:
     return validate(name, doc["config"], str(path))
 
 
+def _new_vpc(path: Path) -> tuple[str, ipaddress.IPv4Network] | None:
+    """The region and new VPC range a stack file asks for, read without validating it (a sibling's own problems are
+    its own plan's to tell); None when it names none that parses."""
+    try:
+        _, doc = _parse(path, _read_text(path))
+    except SpecError:
+        return None
+    config = doc.get("config") if isinstance(doc, dict) else None
+    cluster = config.get(CONFIG_KEY) if isinstance(config, dict) else None
+    network = cluster.get("network") if isinstance(cluster, dict) else None
+    region = config.get(REGION_KEY) if isinstance(config, dict) else None
+    cidr = network.get("vpc_cidr") if isinstance(network, dict) else None
+    try:
+        return (region, ipaddress.IPv4Network(cidr)) if isinstance(region, str) and isinstance(cidr, str) else None
+    except ValueError:
+        return None
+
+
+def sibling_overlaps(path: Path, stack: Stack) -> list[tuple[str, str]]:
+    """The stack's new VPC against those of the other stack files of its directory in its region: teams' VPCs are
+    peered or joined to a transit gateway later, which overlapping ranges rule out. Each sibling is only read (the
+    same bounded reader), never planned."""
+    cidr = stack.spec.network.vpc_cidr
+    if cidr is None:
+        return []
+    mine = ipaddress.IPv4Network(cidr)
+    problems = []
+    siblings = sorted({*path.parent.glob("Pulumi.*.yaml"), *path.parent.glob("Pulumi.*.yml")})
+    for sibling in siblings:
+        if sibling.resolve() == path.resolve():
+            continue
+        found = _new_vpc(sibling)
+        if found and found[0] == stack.region and found[1].overlaps(mine):
+            problems.append((_path(("network", "vpc_cidr")),
+                             f"{cidr} overlaps {found[1]} of {sibling} (network.vpc_cidr, also in {stack.region}): "
+                             "give each stack of a region a range of its own"))
+    return problems
+
+
+def load_stack_among_siblings(path: Path) -> Stack:
+    """load_stack, and the stack's VPC range apart from its siblings' (plan and preflight)."""
+    stack = load_stack(path)
+    overlaps = sibling_overlaps(path, stack)
+    if overlaps:
+        raise SpecError(str(path), overlaps)
+    return stack
+
+
 def stack_from_pulumi_config() -> Stack:
     """The validated stack of the running Pulumi program; bad config stops it with the messages and no traceback."""
     import pulumi
