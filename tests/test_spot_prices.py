@@ -39,10 +39,12 @@ def test_a_spot_pool_is_typically_its_ceiling_less_the_regions_savings(region: s
     (pool,) = cost.estimate(stack).pools
     savings, band = catalog.SPOT_ADVISOR["g6.xlarge"][region]
     ceiling = catalog.ACCELERATED["g6.xlarge"].on_demand_usd_per_hour
+    typical = pool.typical_usd_per_node_hour
+    assert ceiling is not None and typical is not None
     assert pool.usd_per_node_hour == ceiling  # the totals stay at the ceiling
-    assert pool.typical_usd_per_node_hour == pytest.approx(ceiling * (1 - savings / 100))
+    assert typical == pytest.approx(ceiling * (1 - savings / 100))
     assert pool.spot is not None and pool.spot.interruptions == catalog.INTERRUPTION_BANDS[band]
-    assert pool.typical_hourly_max == pytest.approx(pool.typical_usd_per_node_hour * pool.max_nodes)
+    assert pool.typical_hourly_max == pytest.approx(typical * pool.max_nodes)
 
 
 def test_a_type_without_published_savings_gets_no_typical_price_and_the_plan_says_so() -> None:
