@@ -28,6 +28,7 @@ import json
 import os
 import sys
 from collections import defaultdict
+from datetime import date
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ from gpucluster.contract.settings import GRAFANA_PORT, LOGIN_USER, SETTINGS_FILE
 from gpucluster.contract.verify import CLUSTER, Check, VerifyFormatError, plan_from_json, plan_json
 from gpucluster.plan import NEW_ACCOUNT, Declared, run_program
 from gpucluster.render import verify as planning
-from gpucluster.spec import catalog, cost, eks
+from gpucluster.spec import catalog, cost, eks, model
 from gpucluster.spec.model import OPERATOR, SpecError, Stack, load_stack, resolve_stack_file, way_in_warning
 from gpucluster.spec.ubuntu_lock import LOCK_FILE
 
@@ -47,6 +48,10 @@ BOM_PATH = "image/bom.json"  # under render's --out
 
 def _load(stack_arg: str) -> Stack:
     return load_stack(resolve_stack_file(stack_arg, project.STACKS_DIR))
+
+
+def _load_among_siblings(stack_arg: str) -> Stack:
+    return model.load_stack_among_siblings(resolve_stack_file(stack_arg, project.STACKS_DIR))
 
 
 def people(stack: Stack) -> list[dict[str, object]]:
@@ -72,7 +77,7 @@ def people_lines(stack: Stack) -> list[str]:
         for row in table]
 
 
-def cost_table(stack: Stack, estimate: cost.CostEstimate) -> list[str]:
+def cost_table(stack: Stack, estimate: cost.CostEstimate, today: date) -> list[str]:
     rows = [("pool", "type", "capacity", "$/node-h", "nodes", "$/h at min", "$/h at max", "priced as")]
     for p in estimate.pools:
         rows.append(
@@ -99,6 +104,7 @@ def cost_table(stack: Stack, estimate: cost.CostEstimate) -> list[str]:
         f"{cost.money(estimate.hourly_max)} at max size",
         f"Month at max size:               {cost.money(estimate.monthly_at_max)} against a budget of "
         f"{cost.money(estimate.budget_monthly)}",
+        *spot_lines(stack, estimate),
     ]
     kept = cost.kept_on_destroy(stack)
     lines.append("Kept after `pulumi destroy`:     " + ("; ".join(
@@ -120,6 +126,28 @@ def cost_table(stack: Stack, estimate: cost.CostEstimate) -> list[str]:
         )
     lines.append(f"Reference prices: {catalog.PRICE_SOURCE}, recorded {catalog.PRICE_DATE}; 'priced as' says which "
                  "rate each pool uses.")
+    stale = cost.stale_price_warning(today)
+    if stale:
+        lines.append(f"WARNING: {stale}.")
+    return lines
+
+
+def spot_lines(stack: Stack, estimate: cost.CostEstimate) -> list[str]:
+    """Each spot pool priced at its on-demand ceiling: its typical price beside it, or why there is none."""
+    ceiling = [p for p in estimate.pools if p.priced_as == "on-demand (spot upper bound)"]
+    lines = []
+    for p in ceiling:
+        typical = p.typical_usd_per_node_hour
+        if p.spot is None or typical is None:
+            lines.append(f"Spot pool {p.name}: the Spot Instance Advisor published no savings for {p.instance_type} in "
+                         f"{stack.region}: priced at the on-demand ceiling only.")
+        else:
+            lines.append(f"Spot pool {p.name}: typically {cost.money(typical)}/node-h ({p.spot.savings_percent}% under "
+                         f"on-demand in {stack.region} over 30 days, interruption frequency {p.spot.interruptions}; "
+                         f"Spot Instance Advisor, recorded {catalog.SPOT_DATE}); the rows above are its ceiling.")
+    if any(p.spot for p in ceiling):
+        lines.append(f"Cluster per hour at max size with spot at typical prices: "
+                     f"{cost.money(estimate.typical_hourly_max)}")
     return lines
 
 
@@ -165,7 +193,7 @@ def image_lines(images: dict[str, Any]) -> list[str]:
 def plan(args: argparse.Namespace) -> int:
     if args.markdown and not args.against:
         return _usage("plan", ["--markdown needs --against OLD (it prints the change, for a pull request)"], args.json)
-    stack = _load(args.stack)
+    stack = _load_among_siblings(args.stack)
     if not project.PROGRAM.exists():  # the head node's bundle carries the library, not the Pulumi program
         print(f"plan runs the Pulumi program ({project.PROGRAM.name} and components/), which is not here: run it from "
               "a checkout of the repository. Here: render, preflight, cost.", file=sys.stderr)
@@ -192,6 +220,7 @@ def plan(args: argparse.Namespace) -> int:
                 for d in declared
             ],
             "cost": estimate.summary(),
+            "price_warning": cost.stale_price_warning(date.today()),
             "people": people(stack),
         }
         json.dump(doc, sys.stdout, indent=1, sort_keys=True)
@@ -214,7 +243,7 @@ def plan(args: argparse.Namespace) -> int:
     if images:
         print("\n".join(image_lines(images)))
         print()
-    print("\n".join(cost_table(stack, estimate)))
+    print("\n".join(cost_table(stack, estimate, date.today())))
     return 0
 
 
@@ -301,11 +330,11 @@ def preflight(args: argparse.Namespace) -> int:
 
     from gpucluster.aws import preflight as checks
 
-    stack = _load(args.stack)
+    stack = _load_among_siblings(args.stack)
     report = checks.run(stack, boto3.Session())
     print("\n".join(checks.render(stack, report)))
     print()
-    print("\n".join(cost_table(stack, cost.estimate(stack, hourly_overrides=report.spot_prices))))
+    print("\n".join(cost_table(stack, cost.estimate(stack, hourly_overrides=report.spot_prices), date.today())))
     return 1 if report.failed else 0
 
 

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from datetime import date
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -132,9 +133,9 @@ def test_no_node_images_line_without_images() -> None:
 
     stack = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")
     estimate = cost.estimate(stack)
-    assert any(line.startswith("Node images:") for line in cli.cost_table(stack, estimate))
+    assert any(line.startswith("Node images:") for line in cli.cost_table(stack, estimate, date(2025, 7, 1)))
     assert not any(line.startswith("Node images:")
-                   for line in cli.cost_table(stack, dataclasses.replace(estimate, images=[])))
+                   for line in cli.cost_table(stack, dataclasses.replace(estimate, images=[]), date(2025, 7, 1)))
 
 
 def test_every_class_of_problem_at_once_exit_2(tmp_path) -> None:

@@ -4,8 +4,10 @@ Uses the caller's AWS credentials (boto3's usual chain: AWS_PROFILE, environment
 Per pool: offered in the AZ, EFA, the vCPU quota of its family and market, its capacity reservation, the spot
 placement score, the AMI parameter, and live spot prices, which then update the cost table. Every check says pass, warn
 or fail, and how to fix a failure. Per account: the spot service-linked role (a stack with a spot pool) and the default
-EBS key (gpucluster.spec.account says why both matter). Per Kubernetes stack: the EKS version, its add-ons, and the way
-into the cluster's API from this machine. An API that is denied or unavailable is a warning naming the permission.
+EBS key (gpucluster.spec.account says why both matter). Per region: the VPC-level quotas a new VPC consumes (VPCs,
+internet and NAT gateways, Elastic IPs, endpoints) against what the account already uses. Per Kubernetes stack: the
+EKS version, its add-ons, and the way into the cluster's API from this machine. An API that is denied or unavailable
+is a warning naming the permission.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from functools import partial
 from typing import Any, Callable, Literal
 
 from gpucluster.aws import checkip
-from gpucluster.spec import account, bom, eks
+from gpucluster.spec import account, bom, cost, eks
 from gpucluster.spec.model import OPERATOR, PoolSpec, Stack, way_in_warning
 
 Status = Literal["pass", "warn", "fail"]
@@ -353,6 +355,87 @@ def spot_price(ec2: Any, pool: PoolSpec, az: str) -> tuple[Check, float | None]:
     return Check(pool.name, "spot price", "pass", f"${price:.4f}/h now in {az}{saving}"), price
 
 
+@dataclass(frozen=True)
+class Limit:
+    """A per-region (per-AZ, per-VPC) quota the new VPC of components/network.py consumes: the quota's code, what the
+    stack adds, and the EC2 call that counts what the account already has."""
+
+    service: str  # Service Quotas' service code
+    code: str
+    title: str
+    need: int
+    describe: str  # the EC2 permission that counts the usage ("" when the usage is the new VPC's own: none yet)
+
+
+# Quota codes from AWS's Amazon VPC and Amazon EC2 quota pages (Service Quotas: vpc and ec2), as the quota-checking
+# tools of others use them (aws-samples' quota monitors and OpenShift's installer, read with the search tools). Each is
+# what Network._new_vpc creates: the VPC, its internet gateway, one NAT gateway in the stack's AZ with its Elastic IP,
+# the S3 gateway endpoint, and the Session Manager interface endpoints inside the new VPC.
+NETWORK_LIMITS = (
+    Limit("vpc", "L-F678F1CE", "VPCs per Region", 1, "DescribeVpcs"),
+    Limit("vpc", "L-A4707A72", "Internet gateways per Region", 1, "DescribeInternetGateways"),
+    Limit("vpc", "L-FE5A380F", "NAT gateways per Availability Zone", 1, "DescribeNatGateways, ec2:DescribeSubnets"),
+    Limit("ec2", "L-0263D0A3", "EC2-VPC Elastic IPs", 1, "DescribeAddresses"),
+    Limit("vpc", "L-1B52E74A", "Gateway VPC endpoints per Region", 1, "DescribeVpcEndpoints"),
+    Limit("vpc", "L-29B6F2EB", "Interface VPC endpoints per VPC", len(cost.SSM_ENDPOINTS), ""),
+)
+# What no longer counts against a quota.
+GONE_STATES = {"deleted", "deleting", "failed", "rejected", "expired"}
+
+
+def _every(ec2: Any, operation: str, key: str, **kwargs: Any) -> list[dict[str, Any]]:
+    if ec2.can_paginate(operation):
+        return [item for page in ec2.get_paginator(operation).paginate(**kwargs) for item in page[key]]
+    return list(getattr(ec2, operation)(**kwargs)[key])
+
+
+def network_usage(ec2: Any, code: str, az: str) -> int:
+    """What the account already holds against quota `code` in this region (the stack's AZ for NAT gateways)."""
+    if code == "L-F678F1CE":
+        return len(_every(ec2, "describe_vpcs", "Vpcs"))
+    if code == "L-A4707A72":
+        return len(_every(ec2, "describe_internet_gateways", "InternetGateways"))
+    if code == "L-FE5A380F":
+        live = [g["SubnetId"] for g in _every(ec2, "describe_nat_gateways", "NatGateways",
+                                               Filter=[{"Name": "state", "Values": ["pending", "available"]}])]
+        zones = {s["SubnetId"]: s["AvailabilityZone"]
+                 for s in _every(ec2, "describe_subnets", "Subnets", SubnetIds=sorted(set(live)))} if live else {}
+        return sum(zones.get(subnet) == az for subnet in live)
+    if code == "L-0263D0A3":
+        return len(_every(ec2, "describe_addresses", "Addresses", Filters=[{"Name": "domain", "Values": ["vpc"]}]))
+    if code == "L-1B52E74A":
+        return sum(e.get("State", "").lower() not in GONE_STATES for e in _every(
+            ec2, "describe_vpc_endpoints", "VpcEndpoints",
+            Filters=[{"Name": "vpc-endpoint-type", "Values": ["Gateway"]}]))
+    return 0  # per VPC: the new VPC holds nothing yet
+
+
+def _limit(ec2: Any, quotas: Any, limit: Limit, stack: Stack) -> Check:
+    value = quotas.get_service_quota(ServiceCode=limit.service, QuotaCode=limit.code)["Quota"]["Value"]
+    used = network_usage(ec2, limit.code, stack.spec.availability_zone)
+    where = f" in {stack.spec.availability_zone}" if limit.code == "L-FE5A380F" else ""
+    figures = f"{limit.code} {limit.title}: {value:.0f}, {used} used{where}, {limit.need} more for this stack"
+    if used + limit.need <= value:
+        return Check(None, "limit", "pass", figures)
+    return Check(None, "limit", "fail", figures,
+                 f"free {used + limit.need - value:.0f}, or aws service-quotas request-service-quota-increase "
+                 f"--region {stack.region} --service-code {limit.service} --quota-code {limit.code} "
+                 f"--desired-value {used + limit.need}")
+
+
+def check_network_limits(ec2: Any, quotas: Any, stack: Stack) -> list[Check]:
+    """Each per-region limit the stack's new VPC consumes, against the account's quota and current usage (the fifth
+    team's VPC in a region fails here, not halfway through `pulumi up`)."""
+    if not stack.spec.network.creates_vpc:
+        return [Check(None, "limit", "pass", "an existing network: the stack adds no VPC, gateway, address or "
+                                             "endpoint")]
+    checks = []
+    for limit in NETWORK_LIMITS:
+        permission = "servicequotas:GetServiceQuota" + (f", ec2:{limit.describe}" if limit.describe else "")
+        checks += guarded(None, "limit", permission, partial(_limit, ec2, quotas, limit, stack))
+    return checks
+
+
 @dataclass
 class Report:
     checks: list[Check]
@@ -385,6 +468,7 @@ def run(stack: Stack, session: Any, checkip_url: str = checkip.CHECKIP_URL) -> R
     for pool in stack.spec.pools:
         checks += _pool_checks(stack, pool, ec2, ssm, zone_ids, prices)
     checks += check_quotas(quotas, stack, region)
+    checks += check_network_limits(ec2, quotas, stack)
     if stack.spec.scheduler == "kubernetes":
         client, version = session.client("eks", region_name=region), stack.spec.eks.version
         checks += guarded(None, "k8s version", "eks:DescribeClusterVersions",

@@ -259,6 +259,89 @@ AWS_REGIONS = frozenset({
 })
 
 
+# Spot: what AWS's Spot Instance Advisor published for Linux, per region: the savings over On-Demand in percent
+# ("Savings compared to On-Demand are calculated over the last 30 days", averaged across the region's AZs) and the
+# frequency of interruption, the band of the rate at which Spot reclaimed capacity in the trailing month. Read from the
+# advisor's feed (https://spot-bid-advisor.s3.amazonaws.com/spot-advisor-data.json, "s" and "r" of spot_advisor.<region>
+# .Linux.<type>) as copied into alexei-led/spotinfo's internal/spot/data/spot-advisor-data.json at commit 5bdc33c
+# (SPOT_DATE). A type the feed has no figure for in a region (p5e, p6-b200 and trn2 anywhere) gets no typical price
+# there: the plan shows the on-demand ceiling alone and says so. `preflight` reads the live spot price instead. Left out
+# on purpose: p5.48xlarge in ca-central-1, where the feed gives -62% (a typical price above the on-demand ceiling: the
+# figure cannot be read as a discount on the catalog's rate).
+SPOT_DATE = "2025-06-28"
+SPOT_SOURCE = "AWS Spot Instance Advisor feed (spot-advisor-data.json), Linux, savings over the last 30 days"
+INTERRUPTION_BANDS = ("<5%", "5-10%", "10-15%", "15-20%", ">20%")
+# type: {region: (savings over on-demand %, interruption band index)}
+SPOT_ADVISOR: dict[str, dict[str, tuple[int, int]]] = {
+    "g5.xlarge": {"ap-northeast-1": (51, 2), "ap-northeast-2": (48, 4), "ap-south-1": (69, 4),
+        "ap-southeast-2": (71, 3), "ap-southeast-3": (76, 4), "ca-central-1": (61, 4), "eu-central-1": (59, 4),
+        "eu-north-1": (72, 1), "eu-west-1": (56, 2), "eu-west-2": (66, 1), "il-central-1": (61, 3),
+        "me-central-1": (62, 1), "sa-east-1": (82, 4), "us-east-1": (59, 4), "us-east-2": (58, 2),
+        "us-west-2": (63, 4)},
+    "g5.12xlarge": {"ap-northeast-1": (69, 4), "ap-northeast-2": (56, 0), "ap-south-1": (68, 4),
+        "ap-southeast-2": (83, 4), "ap-southeast-3": (89, 1), "ca-central-1": (64, 3), "eu-central-1": (80, 4),
+        "eu-north-1": (76, 4), "eu-west-1": (56, 4), "eu-west-2": (67, 4), "il-central-1": (62, 4),
+        "me-central-1": (76, 0), "sa-east-1": (82, 0), "us-east-1": (58, 4), "us-east-2": (63, 4),
+        "us-west-2": (70, 4)},
+    "g5.48xlarge": {"ap-northeast-1": (67, 0), "ap-northeast-2": (16, 0), "ap-south-1": (89, 1),
+        "ap-southeast-2": (80, 0), "ap-southeast-3": (89, 0), "ca-central-1": (44, 1), "eu-central-1": (54, 0),
+        "eu-north-1": (87, 2), "eu-west-1": (57, 0), "eu-west-2": (64, 0), "il-central-1": (16, 0),
+        "me-central-1": (9, 0), "sa-east-1": (43, 0), "us-east-1": (71, 4), "us-east-2": (77, 4),
+        "us-west-2": (72, 4)},
+    "g6.xlarge": {"ap-northeast-1": (56, 4), "ap-northeast-2": (71, 4), "ap-south-1": (76, 2),
+        "ap-southeast-2": (68, 0), "ap-southeast-5": (51, 2), "ca-central-1": (61, 1), "eu-central-1": (64, 2),
+        "eu-central-2": (69, 3), "eu-north-1": (69, 1), "eu-south-2": (60, 2), "eu-west-2": (64, 3),
+        "eu-west-3": (59, 4), "sa-east-1": (86, 3), "us-east-1": (49, 4), "us-east-2": (58, 4), "us-west-2": (47, 4)},
+    "g6.12xlarge": {"ap-northeast-1": (62, 4), "ap-northeast-2": (76, 3), "ap-south-1": (89, 1),
+        "ap-southeast-2": (71, 1), "ap-southeast-5": (35, 2), "ca-central-1": (65, 0), "eu-central-1": (65, 0),
+        "eu-central-2": (68, 3), "eu-north-1": (74, 1), "eu-south-2": (66, 4), "eu-west-2": (65, 3),
+        "eu-west-3": (56, 4), "sa-east-1": (89, 2), "us-east-1": (59, 4), "us-east-2": (60, 4), "us-west-2": (62, 4)},
+    "g6.48xlarge": {"ap-northeast-1": (69, 2), "ap-northeast-2": (69, 0), "ap-south-1": (89, 1),
+        "ap-southeast-2": (88, 1), "ap-southeast-5": (38, 4), "ca-central-1": (64, 1), "eu-central-1": (89, 0),
+        "eu-central-2": (69, 2), "eu-north-1": (88, 4), "eu-south-2": (48, 3), "eu-west-2": (65, 2),
+        "eu-west-3": (72, 2), "sa-east-1": (89, 1), "us-east-1": (69, 4), "us-east-2": (78, 4), "us-west-2": (72, 4)},
+    "g6e.xlarge": {"ap-northeast-1": (65, 0), "ap-northeast-2": (55, 1), "eu-central-1": (68, 4),
+        "eu-north-1": (63, 4), "eu-south-2": (77, 2), "us-east-1": (58, 1), "us-east-2": (65, 4),
+        "us-west-2": (50, 4)},
+    "g6e.12xlarge": {"ap-northeast-1": (60, 0), "ap-northeast-2": (61, 0), "eu-central-1": (59, 2),
+        "eu-north-1": (70, 4), "eu-south-2": (62, 0), "us-east-1": (56, 4), "us-east-2": (57, 2),
+        "us-west-2": (54, 4)},
+    "g6e.48xlarge": {"ap-northeast-1": (69, 0), "ap-northeast-2": (71, 0), "eu-central-1": (78, 0),
+        "eu-north-1": (79, 0), "eu-south-2": (62, 4), "us-east-1": (68, 4), "us-east-2": (79, 4),
+        "us-west-2": (66, 2)},
+    "p4d.24xlarge": {"ap-northeast-1": (54, 0), "ap-northeast-2": (57, 0), "ap-south-1": (90, 0),
+        "ap-southeast-2": (79, 0), "eu-central-1": (47, 4), "eu-west-1": (34, 4), "sa-east-1": (90, 0),
+        "us-east-1": (67, 2), "us-east-2": (66, 1), "us-west-2": (53, 4)},
+    "p4de.24xlarge": {"ap-northeast-1": (90, 0), "ap-southeast-1": (90, 0), "eu-central-1": (90, 0),
+        "il-central-1": (90, 0), "us-east-1": (65, 0), "us-west-2": (67, 3)},
+    "p5.48xlarge": {"ap-northeast-1": (44, 2), "ap-south-1": (81, 1), "ap-southeast-2": (27, 3),
+        "eu-north-1": (55, 0), "eu-west-2": (39, 2), "sa-east-1": (83, 1),
+        "us-east-1": (52, 4), "us-east-2": (61, 1), "us-west-1": (73, 1), "us-west-2": (46, 1)},
+    "p5en.48xlarge": {"ap-northeast-1": (58, 1), "ap-northeast-2": (68, 1), "ap-south-1": (85, 0),
+        "ap-southeast-3": (85, 1), "eu-south-2": (70, 4), "us-east-1": (64, 0), "us-east-2": (65, 4),
+        "us-west-1": (90, 0), "us-west-2": (63, 0)},
+    "trn1.2xlarge": {"us-east-1": (74, 0), "us-east-2": (87, 0), "us-west-2": (72, 1)},
+    "trn1.32xlarge": {"us-east-1": (79, 0), "us-east-2": (90, 2), "us-west-2": (69, 0)},
+}
+
+
+@dataclass(frozen=True)
+class SpotFigure:
+    """The advisor's figures for a type in a region."""
+
+    savings_percent: int
+    interruption_band: int
+
+    @property
+    def interruptions(self) -> str:
+        return INTERRUPTION_BANDS[self.interruption_band]
+
+
+def spot_figure(instance_type: str, region: str) -> SpotFigure | None:
+    """The advisor's savings and interruption band for the type in the region; None when it published none."""
+    figure = SPOT_ADVISOR.get(instance_type, {}).get(region)
+    return SpotFigure(*figure) if figure else None
+
 # FSx for Lustre's disk throughput per TiB of SSD storage, MB/s, (read, write): the FSx for Lustre User Guide,
 # "Performance characteristics of SSD and HDD storage classes" (ssd-storage.html), the baseline column of disk
 # throughput. SCRATCH_2: 200 read, 100 write; PERSISTENT_2: its throughput tier both ways (125 and 250 burst to 500,

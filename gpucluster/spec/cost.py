@@ -1,12 +1,15 @@
 """What a stack costs, from the catalog's reference prices (offline) or live prices (preflight).
 
 Spot pools are priced at the on-demand rate: the offline plan cannot know the spot price, and on-demand is its upper
-bound. `preflight` passes live spot prices in `hourly_overrides`.
+bound (the totals and the budget warning use it). Beside it a spot pool shows a typical price: the on-demand rate less
+the savings the Spot Instance Advisor published for its type and the stack's region (catalog.SPOT_ADVISOR), where it
+published one. `preflight` passes live spot prices in `hourly_overrides`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import date
 
 from gpucluster.spec import catalog, eks
 from gpucluster.spec.model import CPU_NODES_NAME, HEAD_STATE_GIB, MIN_POOL_ROOT_GIB, ImageBuild, Stack
@@ -52,6 +55,8 @@ class PoolCost:
     min_nodes: int
     max_nodes: int
     priced_as: str  # "on-demand", "on-demand (spot upper bound)", "live spot", "no price"
+    # A spot pool priced at its ceiling: the advisor's figures for its type and region, when it published them.
+    spot: catalog.SpotFigure | None = None
 
     @property
     def hourly_min(self) -> float:
@@ -60,6 +65,31 @@ class PoolCost:
     @property
     def hourly_max(self) -> float:
         return (self.usd_per_node_hour or 0.0) * self.max_nodes
+
+    @property
+    def typical_usd_per_node_hour(self) -> float | None:
+        """What a node typically cost on spot: the ceiling less the advisor's 30-day savings. The advisor's savings are
+        against its region's on-demand rate, applied here to the reference region's (catalog.PRICE_REGION)."""
+        if self.spot is None or self.usd_per_node_hour is None:
+            return None
+        return self.usd_per_node_hour * (100 - self.spot.savings_percent) / 100
+
+    @property
+    def typical_hourly_max(self) -> float:
+        """At max size, at the typical price where there is one, else at the ceiling."""
+        typical = self.typical_usd_per_node_hour
+        return self.hourly_max if typical is None else typical * self.max_nodes
+
+    def row(self) -> dict[str, object]:
+        """The pool's figures as `plan --json` gives them."""
+        return {"pool": self.name, "instance_type": self.instance_type, "capacity": self.capacity,
+                "usd_per_node_hour": self.usd_per_node_hour, "priced_as": self.priced_as,
+                "min_nodes": self.min_nodes, "max_nodes": self.max_nodes,
+                "hourly_usd_min": round(self.hourly_min, 4), "hourly_usd_max": round(self.hourly_max, 4),
+                "typical_spot": None if self.spot is None else {
+                    "usd_per_node_hour": round(self.typical_usd_per_node_hour or 0.0, 4),
+                    "savings_percent": self.spot.savings_percent, "interruptions": self.spot.interruptions,
+                    "source": catalog.SPOT_SOURCE, "recorded": catalog.SPOT_DATE}}
 
 
 @dataclass(frozen=True)
@@ -110,6 +140,11 @@ class CostEstimate:
         return self.fixed_hourly + sum(p.hourly_max for p in self.pools)
 
     @property
+    def typical_hourly_max(self) -> float:
+        """At max size with the spot pools at their typical price (the ceiling where none is published)."""
+        return self.fixed_hourly + sum(p.typical_hourly_max for p in self.pools)
+
+    @property
     def monthly_at_min(self) -> float:
         return self.hourly_min * HOURS_PER_MONTH
 
@@ -126,10 +161,12 @@ class CostEstimate:
         """How many hours the cluster can run at full size before the month's budget is gone."""
         return self.budget_monthly / self.hourly_max if self.hourly_max else float("inf")
 
-    def summary(self) -> dict[str, float | list[str]]:
+    def summary(self) -> dict[str, object]:
         return {
+            "pools": [p.row() for p in self.pools],
             "hourly_usd_min": round(self.hourly_min, 4),
             "hourly_usd_max": round(self.hourly_max, 4),
+            "hourly_usd_max_typical_spot": round(self.typical_hourly_max, 4),
             "monthly_usd_at_min": round(self.monthly_at_min, 2),
             "monthly_usd_at_max": round(self.monthly_at_max, 2),
             "budget_monthly_usd": self.budget_monthly,
@@ -155,7 +192,9 @@ def estimate(stack: Stack, hourly_overrides: dict[str, float] | None = None) -> 
             how = "on-demand (spot upper bound)"
         else:
             how = "on-demand"
-        pools.append(PoolCost(pool.name, pool.instance_type, pool.capacity, price, pool.min_nodes, pool.max_nodes, how))
+        spot = catalog.spot_figure(pool.instance_type, stack.region) if how.startswith("on-demand (spot") else None
+        pools.append(PoolCost(pool.name, pool.instance_type, pool.capacity, price, pool.min_nodes, pool.max_nodes, how,
+                              spot))
     if spec.scheduler == "kubernetes":  # the CPU node group: on demand, from zero, like a pool
         cpu_nodes = spec.eks.cpu_nodes
         pools.append(PoolCost(CPU_NODES_NAME, cpu_nodes.instance_type, "on-demand",
@@ -189,6 +228,32 @@ def estimate(stack: Stack, hourly_overrides: dict[str, float] | None = None) -> 
         images=[_image_cost(build) for build in spec.image_builds],
         kubernetes_monthly=kubernetes,
     )
+
+
+# Reference prices older than this are flagged: AWS changes rates (the catalog's were recorded after the June 2025 GPU
+# price change) and spot savings move month to month.
+STALE_AFTER_MONTHS = 6
+
+
+def _months_between(earlier: date, later: date) -> int:
+    """Whole months from `earlier` to `later`."""
+    return (later.year - earlier.year) * 12 + later.month - earlier.month - (later.day < earlier.day)
+
+
+def stale_price_warning(today: date) -> str | None:
+    """A warning when the catalog's reference prices (on-demand rates, spot savings) are older than STALE_AFTER_MONTHS
+    on `today`; None while they are fresh."""
+    old = []
+    for what, recorded in (("on-demand rates", catalog.PRICE_DATE), ("spot savings", catalog.SPOT_DATE)):
+        day = date.fromisoformat(recorded)
+        year, month = divmod(day.month - 1 + STALE_AFTER_MONTHS, 12)
+        if today > date(day.year + year, month + 1, min(day.day, 28)):  # the 28th: every month has it
+            old.append(f"{what} recorded {recorded} ({_months_between(day, today)} months ago)")
+    if not old:
+        return None
+    return (f"the reference prices are older than {STALE_AFTER_MONTHS} months: {'; '.join(old)}. `preflight STACK` "
+            "reads the live spot prices of the account and region; the reference figures are refreshed in "
+            "gpucluster/spec/catalog.py (PRICE_DATE, SPOT_DATE)")
 
 
 def kubernetes_monthly() -> float:

@@ -1097,6 +1097,24 @@ def _stack_name_problems(stack: str) -> list[tuple[str, str]]:
     return []
 
 
+# Every key of the spec that names an availability zone: each must be a zone of aws:region (a test walks the models
+# for keys named *availability_zone and expects them here).
+ZONE_KEYS: tuple[tuple[str, ...], ...] = (("availability_zone",), ("kubernetes", "control_plane_availability_zone"))
+
+
+def _zone_problems(raw: dict[str, Any], region: str) -> list[tuple[str, str]]:
+    """Zones outside the stack's region (a malformed zone is its field's own error)."""
+    problems = []
+    for loc in ZONE_KEYS:
+        value: Any = raw
+        for key in loc:
+            value = value.get(key) if isinstance(value, dict) else None
+        if isinstance(value, str) and re.fullmatch(r"[a-z]{2}(-[a-z]+)+-\d[a-z]", value) \
+                and not re.fullmatch(re.escape(region) + "[a-z]", value):
+            problems.append((_path(loc), f"{value} is not in region {region}"))
+    return problems
+
+
 def validate(stack: str, config: dict[str, Any], source: str = "") -> Stack:
     """Validate the `config:` mapping of a stack file. Raises SpecError listing every problem: field errors, the
     rules across fields and the region's, all at once (a field error does not hide the others)."""
@@ -1126,11 +1144,8 @@ def validate(stack: str, config: dict[str, Any], source: str = "") -> Stack:
                                           _user_set_problems(raw))
                       if (p, m) not in found]
             problems += found
-        az = raw.get("availability_zone")
-        if isinstance(region, str) and not _region_problems(region) and isinstance(az, str) \
-                and re.fullmatch(r"[a-z]{2}(-[a-z]+)+-\d[a-z]", az) \
-                and not re.fullmatch(re.escape(region) + "[a-z]", az):
-            problems.append((_path(("availability_zone",)), f"{az} is not in region {region}"))
+        if isinstance(region, str) and not _region_problems(region):
+            problems += _zone_problems(raw, region)
     if problems or spec is None or not isinstance(region, str):  # a region that is no string is among the problems
         raise SpecError(source or stack, problems)
     return Stack(name=stack, region=region, spec=spec)
@@ -1186,8 +1201,8 @@ _YAML11_KIND = {"tag:yaml.org,2002:null": "null", "tag:yaml.org,2002:bool": "boo
 
 
 def _scalar_problem(node: yaml.ScalarNode) -> str | None:
-    if node.style is not None or not node.tag.startswith("tag:yaml.org,2002:"):
-        return None  # quoted, block or explicitly tagged: both readers agree
+    if node.style or not node.tag.startswith("tag:yaml.org,2002:"):
+        return None  # quoted, block or explicitly tagged: both readers agree (libyaml marks plain "", PyYAML None)
     # y/Y/n/N are booleans in the YAML 1.1 spec's bool type (and Go's yaml.v2) though PyYAML leaves them strings.
     v11 = "bool" if node.value in ("y", "Y", "n", "N") else _YAML11_KIND.get(node.tag, "str")
     v12 = _yaml12_kind(node.value)
@@ -1230,6 +1245,9 @@ def _node_problems(node: yaml.Node, path: list[str | int]) -> list[tuple[list[st
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
             out += _node_problems(item, path + [i])
+    elif isinstance(node, yaml.ScalarNode) and _long_int(node):
+        out.append((path, (f"an integer written in {len(node.value):,} characters: no figure of a stack file "
+                           f"needs more than {MAX_INT_CHARS}")))
     elif isinstance(node, yaml.ScalarNode):
         problem = _scalar_problem(node)
         if problem:
@@ -1247,22 +1265,105 @@ def _doc_path(path: list[str | int]) -> str:
     return ".".join(str(p) for p in path) or "file"
 
 
-def load_stack(path: Path) -> Stack:
-    name = stack_name_from_path(path)
+# A stack file is answered in bounded time and memory whatever it holds (issue 27): the shipped stacks are a few KiB
+# with a few hundred YAML nodes at most 6 levels deep, and no aliases. The caps sit far above any real stack file and
+# far below what would take seconds: libyaml's events cost about 3 us each here, PyYAML's pure-Python reader 40 us.
+MAX_STACK_BYTES = 1024 * 1024
+MAX_YAML_NODES = 20_000
+MAX_YAML_DEPTH = 32
+# Integers of the stack file are counts, sizes, uids and dollars: 18 digits hold any of them (and every int64).
+MAX_INT_CHARS = 18
+# What YAML's reader takes but no stack file needs and a terminal may act on: C0 controls other than tab, line feed
+# and carriage return, DEL, and C1 controls.
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+# libyaml's reader when PyYAML was built with it (Debian's python3-yaml and the PyPI wheels are); else PyYAML's own.
+_LOADER: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def _long_int(node: yaml.Node) -> bool:
+    return node.tag == "tag:yaml.org,2002:int" and len(node.value) > MAX_INT_CHARS
+
+
+class _StackLoader(_LOADER):  # type: ignore[valid-type,misc]  # the C or the Python loader, whichever PyYAML has
+    """Leaves an integer too long for any figure as its text (Python refuses to read one past 4300 digits with a
+    ValueError): _node_problems reports it with its path, and the file is refused."""
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int | str:
+        return str(node.value) if _long_int(node) else int(super().construct_yaml_int(node))
+
+
+_StackLoader.add_constructor("tag:yaml.org,2002:int", _StackLoader.construct_yaml_int)
+
+
+def _read_text(path: Path) -> str:
     try:
-        text = path.read_bytes().decode("utf-8")
+        with path.open("rb") as handle:
+            data = handle.read(MAX_STACK_BYTES + 1)
     except FileNotFoundError:
         raise SpecError(str(path), [("file", "no such stack file")]) from None
+    except OSError as exc:
+        raise SpecError(str(path), [("file", f"cannot read: {exc.strerror}")]) from None
+    if len(data) > MAX_STACK_BYTES:
+        raise SpecError(str(path), [("file", (f"larger than {MAX_STACK_BYTES // 1024} KiB: a stack file is a few KiB "
+                                              "(is this the right file?)"))])
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise SpecError(str(path), [("file", (f"not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
                                               f"{exc.start}): save the file as UTF-8"))]) from None
-    except OSError as exc:
-        raise SpecError(str(path), [("file", f"cannot read: {exc.strerror}")]) from None
+    found = list(_CONTROL.finditer(text))
+    if found:
+        first = found[0]
+        line = text.count("\n", 0, first.start()) + 1
+        column = first.start() - (text.rfind("\n", 0, first.start()) + 1) + 1
+        more = f" ({len(found) - 1} more after it)" if len(found) > 1 else ""
+        raise SpecError(str(path), [("file", (f"control character U+{ord(first.group()):04X} on line {line}, column "
+                                              f"{column}{more}: a stack file holds printable text, tabs and "
+                                              "newlines only"))])
+    return text
+
+
+def _shape_problem(text: str) -> str | None:
+    """What makes a document too costly to build, found on the event stream before any node is built: an alias (one
+    line of aliases can stand for billions of nodes, or for a list inside itself), nesting deeper than MAX_YAML_DEPTH
+    (the composer recurses) or more than MAX_YAML_NODES nodes."""
+    depth = nodes = 0
+    for event in yaml.parse(text, Loader=_LOADER):
+        where = f"line {event.start_mark.line + 1}" if event.start_mark else "the document"
+        if isinstance(event, yaml.AliasEvent):
+            return f"{where}: aliases (*{event.anchor}) are not taken in a stack file: write the value out"
+        if isinstance(event, yaml.NodeEvent):
+            nodes += 1
+            if nodes > MAX_YAML_NODES:
+                return f"{where}: more than {MAX_YAML_NODES:,} values: a stack file holds a few hundred"
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_YAML_DEPTH:
+                return f"{where}: nested deeper than {MAX_YAML_DEPTH} levels: a stack file nests about 6"
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+    return None
+
+
+def _parse(path: Path, text: str) -> tuple[yaml.Node | None, Any]:
+    """The stack file's node tree and document, refusing first what would cost unbounded time or memory."""
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise SpecError(str(path), [("file", f"not valid YAML: {exc}")]) from None
+        shape = _shape_problem(text)
+        if shape:
+            raise SpecError(str(path), [("file", shape)])
+        loader = _StackLoader(text)
+        try:
+            node = loader.get_single_node()
+            return node, loader.construct_document(node) if node is not None else None
+        finally:
+            loader.dispose()
+    except yaml.YAMLError as exc:  # PyYAML's message spans lines (problem, context, where): one line here
+        raise SpecError(str(path), [("file", "not valid YAML: " + " ".join(str(exc).split()))]) from None
+
+
+def load_stack(path: Path) -> Stack:
+    name = stack_name_from_path(path)
+    node, doc = _parse(path, _read_text(path))
     syntax = [(_doc_path(p), m) for p, m in _node_problems(node, [])] if node is not None else []
     if not isinstance(doc, dict) or not isinstance(doc.get("config"), dict):
         raise SpecError(str(path), syntax + [("config", "a stack file has a top-level `config:` mapping")])
@@ -1273,6 +1374,54 @@ def load_stack(path: Path) -> Stack:
     if syntax:
         raise SpecError(str(path), syntax)
     return validate(name, doc["config"], str(path))
+
+
+def _new_vpc(path: Path) -> tuple[str, ipaddress.IPv4Network] | None:
+    """The region and new VPC range a stack file asks for, read without validating it (a sibling's own problems are
+    its own plan's to tell); None when it names none that parses."""
+    try:
+        _, doc = _parse(path, _read_text(path))
+    except SpecError:
+        return None
+    config = doc.get("config") if isinstance(doc, dict) else None
+    cluster = config.get(CONFIG_KEY) if isinstance(config, dict) else None
+    network = cluster.get("network") if isinstance(cluster, dict) else None
+    region = config.get(REGION_KEY) if isinstance(config, dict) else None
+    cidr = network.get("vpc_cidr") if isinstance(network, dict) else None
+    try:
+        return (region, ipaddress.IPv4Network(cidr)) if isinstance(region, str) and isinstance(cidr, str) else None
+    except ValueError:
+        return None
+
+
+def sibling_overlaps(path: Path, stack: Stack) -> list[tuple[str, str]]:
+    """The stack's new VPC against those of the other stack files of its directory in its region: teams' VPCs are
+    peered or joined to a transit gateway later, which overlapping ranges rule out. Each sibling is only read (the
+    same bounded reader), never planned."""
+    cidr = stack.spec.network.vpc_cidr
+    if cidr is None:
+        return []
+    mine = ipaddress.IPv4Network(cidr)
+    problems = []
+    siblings = sorted({*path.parent.glob("Pulumi.*.yaml"), *path.parent.glob("Pulumi.*.yml")})
+    for sibling in siblings:
+        if sibling.resolve() == path.resolve():
+            continue
+        found = _new_vpc(sibling)
+        if found and found[0] == stack.region and found[1].overlaps(mine):
+            problems.append((_path(("network", "vpc_cidr")),
+                             f"{cidr} overlaps {found[1]} of {sibling} (network.vpc_cidr, also in {stack.region}): "
+                             "give each stack of a region a range of its own"))
+    return problems
+
+
+def load_stack_among_siblings(path: Path) -> Stack:
+    """load_stack, and the stack's VPC range apart from its siblings' (plan and preflight)."""
+    stack = load_stack(path)
+    overlaps = sibling_overlaps(path, stack)
+    if overlaps:
+        raise SpecError(str(path), overlaps)
+    return stack
 
 
 def stack_from_pulumi_config() -> Stack:
