@@ -6,7 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gpucluster.contract import settings
@@ -86,6 +86,8 @@ class GpuHours:
 
     accounts: dict[str, float]  # an account's own row: its users' and sub-accounts' use summed
     users: dict[tuple[str, str], float]  # (account, user): a person's association under an account
+    # What each account's jobs billed against the money quota (the billing TRES, cost.BILLING_UNITS_PER_USD).
+    billed_usd: dict[str, float] = field(default_factory=dict)
 
 
 def gpu_hours(sshare_output: str) -> GpuHours:
@@ -93,6 +95,7 @@ def gpu_hours(sshare_output: str) -> GpuHours:
     the tree (a user row one level below its account), so the account is read stripped."""
     accounts: dict[str, float] = {}
     users: dict[tuple[str, str], float] = {}
+    billed: dict[str, float] = {}
     for line in sshare_output.splitlines():
         fields = line.split("|")
         if len(fields) < 3:
@@ -104,7 +107,8 @@ def gpu_hours(sshare_output: str) -> GpuHours:
             users[(account, user)] = hours
         else:
             accounts[account] = hours
-    return GpuHours(accounts, users)
+            billed[account] = int(used.get("billing", 0)) / 60 / cost.BILLING_UNITS_PER_USD
+    return GpuHours(accounts, users, billed)
 
 
 def slurm_gpu_hours(env: dict[str, str] | None = None) -> GpuHours | None:
@@ -125,7 +129,7 @@ def report(stack: Stack, result: Spend, gpu_hours: GpuHours | None) -> list[str]
              f"Forecast for month:  {money(result.forecast)}"
              + (" - over budget" if result.forecast is not None and result.forecast > budget else ""),
              f"Budget:              {money(budget)}"]
-    quota = cost.gpu_hour_quota(stack)
+    quota = cost.quota(stack).usd
     team = stack.spec.team
     if gpu_hours is None:
         lines.append("GPU-hours:           run this on the head node to read Slurm accounting")
@@ -135,8 +139,10 @@ def report(stack: Stack, result: Spend, gpu_hours: GpuHours | None) -> list[str]
         lines += by_person(stack, gpu_hours, None, None)
     else:
         used = gpu_hours.accounts.get(team, 0.0)
-        of = f" of {quota:,} ({100 * used / quota:.0f}%)" if quota else ""
-        lines.append(f"GPU-hours:           {used:,.1f}{of} for account {team}")
+        billed = gpu_hours.billed_usd.get(team, 0.0)
+        share = f" ({100 * billed / quota:.0f}%)" if quota else ""
+        lines.append(f"Quota:               {money(billed)} of {money(quota)}{share} billed to account {team}")
+        lines.append(f"GPU-hours:           {used:,.1f} for account {team}")
         # root is the sum of all accounts, not an account of its own
         lines += [f"  {account}: {h:,.1f}" for account, h in sorted(gpu_hours.accounts.items())
                   if account not in (team, "root")]
