@@ -186,6 +186,9 @@ def plan(args: argparse.Namespace) -> int:
             "cost": estimate.summary(),
             "people": people(stack),
         }
+        if stack.spec.scheduler == "slurm":
+            partition, why = cost.default_partition(stack)
+            doc |= {"quota": cost.quota(stack).as_dict(), "default_partition": {"name": partition, "why": why}}
         json.dump(doc, sys.stdout, indent=1, sort_keys=True)
         print()
         return 0
@@ -207,6 +210,8 @@ def plan(args: argparse.Namespace) -> int:
         print("\n".join(image_lines(images)))
         print()
     print("\n".join(cost_table(stack, estimate)))
+    if stack.spec.scheduler == "slurm":
+        print("\n".join(cost.quota_lines(stack)))
     return 0
 
 

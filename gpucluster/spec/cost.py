@@ -283,7 +283,7 @@ def billed_node_hour_usd(pool: PoolSpec) -> tuple[float, str]:
     type the catalog has no price for, the catalog's highest price per accelerator-hour times its accelerators."""
     price = pool.itype.on_demand_usd_per_hour
     if price is not None:
-        return price, "on-demand"
+        return price, "on-demand (spot ceiling)" if pool.capacity == "spot" else "on-demand"
     return _ceiling_per_accelerator_hour() * pool.accelerator.count, "no price: the catalog's highest $/accelerator-h"
 
 
@@ -297,8 +297,8 @@ def quota(stack: Stack) -> Quota:
         usd, why = spec.budget.quota_usd_per_month, "budget.quota_usd_per_month"
     else:
         usd = max(spec.budget.monthly_usd - fixed, 0.0)
-        why = (f"budget.monthly_usd {money(spec.budget.monthly_usd)} less the fixed costs {money(fixed)} a month "
-               "(head node, network, Lustre, images)")
+        why = (f"budget.monthly_usd {money(spec.budget.monthly_usd)} less the fixed costs of {money(fixed)} a "
+               "month: head node, network, Lustre, images")
     pools = []
     for pool in spec.pools:
         node_hour, priced_as = billed_node_hour_usd(pool)
@@ -320,3 +320,18 @@ def default_partition(stack: Stack) -> tuple[str, str]:
     cheapest = min(candidates, key=lambda p: billed_node_hour_usd(p)[0] / p.accelerator.count)
     unit = "GPU-hour" if cheapest.accelerator.kind == "nvidia" else "Neuron device-hour"
     return cheapest.name, f"the cheapest {unit} (slurm.default_partition names another)"
+
+
+def quota_lines(stack: Stack) -> list[str]:
+    """`plan`'s account of the money quota and the default partition (scheduler: slurm)."""
+    spent = quota(stack)
+    partition, why = default_partition(stack)
+    lines = [f"Quota for jobs per month:        {money(spent.usd)} ({spent.why}); Slurm holds new jobs once it is "
+             "spent. What it buys in each pool, billed at:"]
+    rows = [(p.pool, f"{money(p.usd_per_accelerator_hour)}/{p.accelerator}-h", f"{p.accelerator_hours:,.0f} "
+             f"{p.accelerator}-hours", p.priced_as) for p in spent.pools]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines += ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+              for row in rows]
+    lines.append(f"Default partition (sbatch without -p): {partition}, {why}.")
+    return lines
