@@ -135,15 +135,16 @@ def test_spot_capacity_shortage_falls_back_to_on_demand(cluster: LocalCluster) -
 
 
 def submit_example(cluster: LocalCluster, sbatch_file: str, *args: str, partition: str = "standby") -> str:
-    """An example job as a user submits it from the directory holding examples/, on the CPU: the GPU count and the
-    partition are overridden on the command line, as the examples say. Returns its id."""
+    """An example job as a user submits it from the directory holding examples/, on the CPU: through
+    examples/submit.sh, which asks Slurm for the partition's GPUs per node (1: the local pools are g6.xlarge). Returns
+    its id."""
     torchrun = Path(sys.executable).with_name("torchrun")
     assert torchrun.exists(), "pip install torch==2.13.0 (make test does)"
     env_path = f"{torchrun.parent}:{os.environ['PATH']}"
     return subprocess.run(
-        ["sbatch", "--parsable", "-p", partition, "--gpus-per-node=1", "--output", str(cluster.root / "ex-%j.out"),
+        ["examples/submit.sh", "--parsable", "-p", partition, "--output", str(cluster.root / "ex-%j.out"),
          "--export", f"ALL,PATH={env_path},CHECKPOINT_DIR={cluster.root / 'checkpoints'}",  # not into the repository
-         str(ROOT / "examples" / sbatch_file), *args],
+         f"examples/{sbatch_file}", *args],
         cwd=ROOT, env=cluster.env, check=True, capture_output=True, text=True).stdout.strip()
 
 
