@@ -174,7 +174,7 @@ def plan(args: argparse.Namespace) -> int:
     estimate = cost.estimate(stack)
     images = image_inputs(stack)
     if args.json:
-        doc = {
+        doc: dict[str, object] = {
             "stack": stack.name,
             "region": stack.region,
             "images": images,
@@ -188,7 +188,8 @@ def plan(args: argparse.Namespace) -> int:
         }
         if stack.spec.scheduler == "slurm":
             partition, why = cost.default_partition(stack)
-            doc |= {"quota": cost.quota(stack).as_dict(), "default_partition": {"name": partition, "why": why}}
+            doc["quota"] = cost.quota(stack).as_dict()
+            doc["default_partition"] = {"name": partition, "why": why}
         json.dump(doc, sys.stdout, indent=1, sort_keys=True)
         print()
         return 0

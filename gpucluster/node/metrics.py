@@ -77,8 +77,9 @@ BILLING_CENTS_PER_USD = 100
 
 def gpu_hours(sshare_output: str, account: str, users: tuple[str, ...]) -> str:
     """From `sshare -n -P -a -A ACCOUNT -o Account,User,GrpTRESRaw,GrpTRESMins`: the account's own row (no user) for
-    the team's GPU time and its money quota (billing minutes: cent-minutes), and the rows of `users` under it (each person's association, sshare indents them a
-    level below the account) for each one's GPU time. Only `users`: the label's values stay the stack's people."""
+    the team's GPU time and its money quota (billing minutes: cent-minutes), and the rows of `users` under it (each
+    person's association, sshare indents them a level below the account) for each one's GPU time. Only `users`: the
+    label's values stay the stack's people."""
     team = ""
     people: list[str] = []
     for line in sshare_output.splitlines():

@@ -139,7 +139,8 @@ def billing_weights(members: list[PoolSpec]) -> dict[str, float]:
     for pool in members:
         cents = cost.billed_node_hour_usd(pool)[0] * cost.BILLING_UNITS_PER_USD
         name = _gres_name_type(pool.accelerator)[0]
-        for tres, count in (("CPU", pool.itype.vcpus), ("Mem", real_memory(pool)), (f"GRES/{name}", pool.accelerator.count)):
+        held = (("CPU", pool.itype.vcpus), ("Mem", real_memory(pool)), (f"GRES/{name}", pool.accelerator.count))
+        for tres, count in held:
             weights[tres] = max(weights.get(tres, 0.0), cents / count)
     return weights
 
@@ -342,17 +343,17 @@ def accelerator_gres(stack: Stack) -> list[str]:
 
 def accounting_script(stack: Stack) -> str:
     """sacctmgr commands the head node runs once slurmctld is up (and again at each `pulumi up`): the team's account
-    with its monthly money quota (the whole team's, shared; cost.quota) and its caps on jobs; an association under it for each
-    of the stack's people and one for the login user (everyone's without `users:`; with people, nobody connects as
-    it and it is the cluster's own: `gpucluster verify` submits its measuring jobs as it), `max_gpus` as a limit on
-    GPUs in use at once (GrpTRES=gres/gpu on the user's association: a job beyond it pends with AssocGrpGRES); fair
-    share between
-    them (slurm.conf's PriorityWeightFairshare). Someone the stack no longer lists loses their pending jobs and their
-    association (only those the cluster made: a user an admin added by hand stays); while jobs of theirs still run,
-    Slurm keeps the association (sacctmgr refuses to delete it), which then takes no new job (GrpSubmitJobs=0) and
-    goes at a later update. Idempotent: `add` of what exists is a no-op, `modify` sets the limits anew. Root is not
-    in the team's account, so the team's caps never stop an admin's job: it submits under Slurm's own root account
-    (`gpucluster verify`'s DCGM job, run as root because DCGM's host engine answers root only)."""
+    with its monthly money quota (the whole team's, shared; cost.quota) and its caps on jobs; an association under
+    it for each of the stack's people and one for the login user (everyone's without `users:`; with people, nobody
+    connects as it and it is the cluster's own: `gpucluster verify` submits its measuring jobs as it), `max_gpus` as
+    a limit on GPUs in use at once (GrpTRES=gres/gpu on the user's association: a job beyond it pends with
+    AssocGrpGRES); fair share between them (slurm.conf's PriorityWeightFairshare). Someone the stack no longer lists
+    loses their pending jobs and their association (only those the cluster made: a user an admin added by hand
+    stays); while jobs of theirs still run, Slurm keeps the association (sacctmgr refuses to delete it), which then
+    takes no new job (GrpSubmitJobs=0) and goes at a later update. Idempotent: `add` of what exists is a no-op,
+    `modify` sets the limits anew. Root is not in the team's account, so the team's caps never stop an admin's job:
+    it submits under Slurm's own root account (`gpucluster verify`'s DCGM job, run as root because DCGM's host
+    engine answers root only)."""
     team = stack.spec.team
     quota = cost.quota(stack)
     lines = ["#!/bin/sh", "# Rendered by gpucluster: the team's Slurm account, money quota and caps on jobs.",

@@ -65,7 +65,9 @@ def test_partitions_bill_their_nodes_price_and_the_default_is_the_plans(controll
     assert re.search(r"PriorityFlags\s+= .*MAX_TRES", ctl.run("scontrol", "show", "config"))
     for name, members in slurm.partitions(stack).items():
         shown = ctl.run("scontrol", "show", "partition", name)
-        billing = int(re.search(r"\bTRES=\S*\bbilling=(\d+)", shown).group(1))
+        found = re.search(r"\bTRES=\S*\bbilling=(\d+)", shown)
+        assert found, shown
+        billing = int(found.group(1))
         cents = sum(cost.billed_node_hour_usd(p)[0] * p.max_nodes for p in members) * cost.BILLING_UNITS_PER_USD
         assert billing == pytest.approx(cents, abs=1), shown
         assert ("Default=YES" in shown) == (name == cost.default_partition(stack)[0]), shown
