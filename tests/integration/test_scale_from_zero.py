@@ -238,10 +238,11 @@ def test_money_quota_holds_jobs_that_would_exceed_it(cluster: LocalCluster) -> N
     account = cluster.run("squeue", "-h", "-j", beyond, "-o", "%a").strip()
     assert account == "local"
     # `gpucluster cost` on the head node reads the same figures Slurm enforces: one GPU for a minute and a bit
-    # (Slurm counts whole minutes; root sums the accounts under it), billed at the GPU's price (Slurm truncates the
-    # job's billing to whole cents per hour).
+    # (Slurm counts whole minutes; root sums the accounts under it), billed at the GPU's price for the job's run time
+    # (Slurm truncates the job's billing to whole cents per hour, and the usage to whole cent-minutes).
     used = spend.slurm_gpu_hours(cluster.env)
     assert used is not None and used.accounts == pytest.approx({"root": 1 / 60, "local": 1 / 60})
-    assert used.billed_usd["local"] == pytest.approx(standby.usd_per_accelerator_hour / 60, rel=0.02)
+    seconds = int(cluster.run("sacct", "-n", "-X", "-j", fits, "-o", "ElapsedRaw").strip())
+    assert used.billed_usd["local"] == pytest.approx(standby.usd_per_accelerator_hour * seconds / 3600, rel=0.05)
     # and by person: the job's user (the harness submits as root, a user of the team's account here) used all of it.
     assert used.users[("local", "root")] == pytest.approx(1 / 60), used
