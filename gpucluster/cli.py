@@ -210,7 +210,7 @@ def plan(args: argparse.Namespace) -> int:
     estimate = cost.estimate(stack)
     images = image_inputs(stack)
     if args.json:
-        doc = {
+        doc: dict[str, object] = {
             "stack": stack.name,
             "region": stack.region,
             "images": images,
@@ -223,6 +223,10 @@ def plan(args: argparse.Namespace) -> int:
             "price_warning": cost.stale_price_warning(date.today()),
             "people": people(stack),
         }
+        if stack.spec.scheduler == "slurm":
+            partition, why = cost.default_partition(stack)
+            doc["quota"] = cost.quota(stack).as_dict()
+            doc["default_partition"] = {"name": partition, "why": why}
         json.dump(doc, sys.stdout, indent=1, sort_keys=True)
         print()
         return 0
@@ -244,6 +248,8 @@ def plan(args: argparse.Namespace) -> int:
         print("\n".join(image_lines(images)))
         print()
     print("\n".join(cost_table(stack, estimate, date.today())))
+    if stack.spec.scheduler == "slurm":
+        print("\n".join(cost.quota_lines(stack)))
     return 0
 
 

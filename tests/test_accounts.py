@@ -17,6 +17,7 @@ from gpucluster.contract.lockdown import PRIVILEGED_GROUPS
 from gpucluster.contract.settings import LOGIN_USER, PersonSettings
 from gpucluster.node import accounts
 from gpucluster.render import slurm
+from gpucluster.spec import cost
 from gpucluster.spec.model import load_stack
 
 ROOT_DIR = Path(__file__).resolve().parent.parent
@@ -204,8 +205,9 @@ def test_each_person_is_an_association_under_the_team_with_max_gpus_as_its_gpu_l
         assert f"sacctmgr -i add user {person.name} Account={team} DefaultAccount={team}" in calls
         [limits] = [c for c in calls if c.startswith(f"sacctmgr -i modify user where name={person.name} ")]
         assert f"GrpTRES=gres/gpu={person.max_gpus or -1}" in limits.split()
-    # The team's quota stays on the account, shared.
-    assert any(c.startswith(f"sacctmgr -i modify account where name={team} set GrpTRESMins=gres/gpu=") for c in calls)
+    # The team's money quota stays on the account, shared (cent-minutes of the billing TRES).
+    quota = f"GrpTRESMins=billing={cost.quota(stack).billing_minutes},gres/gpu=-1"
+    assert any(c.startswith(f"sacctmgr -i modify account where name={team} set {quota} ") for c in calls)
 
 
 def test_someone_no_longer_listed_loses_pending_jobs_and_association_or_else_submits_nothing(tmp_path: Path) -> None:

@@ -448,7 +448,7 @@ def test_shared_home_never_goes_through_what_a_user_planted_on_fsx(tmp_path: Pat
     assert not (fsx / "home" / "alice").is_symlink() and len(list((fsx / "home").glob("alice.set-aside-*"))) == 1
 
 
-def test_examples_are_copied_anew_and_never_through_a_planted_link(tmp_path: Path) -> None:
+def test_examples_are_copied_once_and_never_through_a_planted_link(tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("the bootstrap runs as root")
     source, victim, fsx = tmp_path / "bundle-examples", tmp_path / "etc", tmp_path / "fsx"
@@ -460,9 +460,12 @@ def test_examples_are_copied_anew_and_never_through_a_planted_link(tmp_path: Pat
     bootstrap.shared_examples(source, fsx / "examples")
     assert list(victim.iterdir()) == [] and (fsx / "examples" / "ddp" / "train.sbatch").read_text() == "v1"
     assert [p.is_symlink() for p in fsx.glob("examples.set-aside-*")] == [True]
-    (source / "ddp" / "train.sbatch").write_text("v2")  # a new bundle (an update)
+    (fsx / "examples" / "ddp" / "train.sbatch").write_text("an admin's edit")
+    (source / "ddp" / "train.sbatch").write_text("v2")  # a new bundle (an update, a boot), with a new example
+    (source / "submit.sh").write_text("new")
     bootstrap.shared_examples(source, fsx / "examples")
-    assert (fsx / "examples" / "ddp" / "train.sbatch").read_text() == "v2"
+    assert (fsx / "examples" / "ddp" / "train.sbatch").read_text() == "an admin's edit"
+    assert (fsx / "examples" / "submit.sh").read_text() == "new"
     assert sorted(p.name for p in fsx.iterdir() if not p.name.startswith("examples.set-aside")) == ["examples"]
 
 

@@ -20,6 +20,7 @@ import pytest
 from conftest import ROOT, planned
 from gpucluster import cli, project
 from gpucluster.plan import Declared
+from gpucluster.spec import cost
 from gpucluster.spec.model import Stack, load_stack, resolve_stack_file
 
 # The module on one xdist worker, so that the command lines its tests share are run once (run below).
@@ -87,6 +88,25 @@ def test_plan_shows_the_people_as_the_nodes_will_have_them() -> None:
     dev = run("plan", "dev")
     assert json.loads(run("plan", "dev", "--json").stdout)["people"] == []
     assert "People: none listed (users:): everyone connects as the shared login user ubuntu." in dev.stdout
+
+
+def test_plan_shows_the_money_quota_per_pool_and_the_default_partition() -> None:
+    """team-b: the quota in dollars and what it buys in each pool (its GPU- or Neuron device-hours), and which
+    partition takes a job without -p and why; --json carries the same figures."""
+    stack = load_stack(ROOT / "stacks" / "Pulumi.team-b.yaml")
+    quota, (partition, why) = cost.quota(stack), cost.default_partition(stack)
+    doc = json.loads(run("plan", "team-b", "--json").stdout)
+    assert doc["quota"]["usd_per_month"] == pytest.approx(quota.usd, abs=0.01)
+    assert {p["pool"]: p["accelerator_hours"] for p in doc["quota"]["pools"]} == {
+        p.pool: pytest.approx(p.accelerator_hours, abs=0.1) for p in quota.pools}
+    assert doc["default_partition"] == {"name": partition, "why": why}
+    text = run("plan", "team-b").stdout.splitlines()
+    assert any(line.startswith(f"Quota for jobs per month:        {cost.money(quota.usd)} (") for line in text)
+    for p in quota.pools:
+        assert any(line.split()[:3] == [p.pool, f"{cost.money(p.usd_per_accelerator_hour)}/{p.accelerator}-h",
+                                        f"{p.accelerator_hours:,.0f}"] for line in text), p
+    assert f"Default partition (sbatch without -p): {partition}, {why}." in text
+    assert "quota" not in json.loads(run("plan", "team-k8s", "--json").stdout)  # Kueue has no money quota
 
 
 def test_plan_by_path_and_text_output() -> None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from conftest import FIXTURES, ROOT
-from gpucluster.spec import cost
-from gpucluster.spec.model import load_stack
+from gpucluster.render import slurm
+from gpucluster.spec import catalog, cost
+from gpucluster.spec.model import PoolSpec, SpecError, Stack, load_stack, stack_config, validate
 
 
 def test_dev_stack_by_hand() -> None:
@@ -63,19 +64,87 @@ def test_budget_that_covers_full_size_is_not_flagged() -> None:
     assert not est.over_budget and est.hours_at_max_within_budget > 730
 
 
-def test_gpu_hour_quota_derived_from_budget_and_prices() -> None:
-    stack = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")  # $250,000; p5.48xlarge $55.04/h for 8 GPUs
-    assert cost.gpu_hour_quota(stack) == int(250000 / (55.04 / 8))
-    explicit = stack.spec.model_copy(
-        update={"budget": stack.spec.budget.model_copy(update={"gpu_hours_per_month": 5000})})
-    assert cost.gpu_hour_quota(type(stack)(stack.name, stack.region, explicit)) == 5000
+def mixed_stack(**budget: object) -> Stack:
+    """Issue 27's example: 4 x p5.48xlarge and 4 x g6.12xlarge against a $20,000 budget. The GPU-hour quota this
+    replaced gave it 4,024 GPU-hours (the pools' mean price): $27.7k at p5 rates."""
+    config = stack_config(load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml"))
+    spec = config["gpucluster:cluster"]
+    spec["pools"] = [{"name": "p5", "instance_type": "p5.48xlarge", "max_nodes": 4},
+                     {"name": "g6", "instance_type": "g6.12xlarge", "max_nodes": 4}]
+    spec["budget"] = {**spec["budget"], "monthly_usd": 20000, **budget}
+    return validate("mixed", config)
 
 
-def test_gpu_hour_quota_weights_pools_by_their_gpus() -> None:
-    stack = load_stack(ROOT / "stacks" / "Pulumi.team-b.yaml")  # p4d x4 (8 GPUs), g6e.12xlarge x4 (4 GPUs); trn1 none
-    gpus = 4 * 8 + 4 * 4
-    dollars = 4 * 21.96 + 4 * 10.49264
-    assert cost.gpu_hour_quota(stack) == int(40000 / (dollars / gpus))
+def whole_node_cents_per_hour(weights: dict[str, float], pool: PoolSpec) -> float:
+    """What Slurm bills for a job holding the whole node for an hour (PriorityFlags=MAX_TRES: its largest weighted
+    TRES)."""
+    gpu = "gpu" if pool.accelerator.kind == "nvidia" else "neuron"
+    held = {"CPU": pool.itype.vcpus, "Mem": slurm.real_memory(pool), f"GRES/{gpu}": pool.accelerator.count}
+    return max(weights[tres] * count for tres, count in held.items())
+
+
+def test_the_money_quota_of_a_mixed_stack_cannot_overshoot_its_budget() -> None:
+    stack = mixed_stack()
+    quota = cost.quota(stack)
+    fixed = cost.estimate(stack).fixed_hourly * cost.HOURS_PER_MONTH
+    assert quota.usd == pytest.approx(20000 - fixed)
+    # What Slurm enforces (GrpTRESMins=billing, cent-minutes), spent in full in any one pool, buys node-hours that
+    # cost no more than the quota: with the fixed costs, within the budget.
+    for pool in stack.spec.pools:
+        (members,) = [m for name, m in slurm.partitions(stack).items() if name == pool.name]
+        node_hour_cents = whole_node_cents_per_hour(slurm.billing_weights(members), pool)
+        price = pool.itype.on_demand_usd_per_hour
+        assert price is not None and node_hour_cents >= price * 100  # never bills less than it costs
+        node_hours = quota.billing_minutes / 60 / node_hour_cents
+        assert node_hours * price + fixed <= 20000
+    by_pool = {p.pool: p for p in quota.pools}
+    p5 = by_pool["p5"]
+    assert p5.usd_per_accelerator_hour == pytest.approx(55.04 / 8)
+    assert p5.accelerator_hours * 55.04 / 8 == pytest.approx(quota.usd)
+    assert by_pool["g6"].accelerator_hours > p5.accelerator_hours  # the same money buys more of the cheaper GPU
+
+
+def test_a_job_bills_its_largest_share_of_a_node() -> None:
+    """One GPU with the node's memory is the whole node to everyone else: it bills the whole node, not 1/8 of it."""
+    stack = mixed_stack()
+    (pool,) = [p for p in stack.spec.pools if p.name == "p5"]
+    weights = slurm.billing_weights([pool])
+    one_gpu = weights["GRES/gpu"] * 1
+    one_gpu_all_memory = max(one_gpu, weights["Mem"] * slurm.real_memory(pool))
+    assert one_gpu == pytest.approx(55.04 * 100 / 8)
+    assert one_gpu_all_memory == pytest.approx(55.04 * 100)
+
+
+def test_the_quota_given_in_the_stack_file_and_its_bound() -> None:
+    assert cost.quota(mixed_stack(quota_usd_per_month=5000)).usd == 5000
+    with pytest.raises(SpecError) as caught:
+        mixed_stack(quota_usd_per_month=20001)
+    assert [path for path, _ in caught.value.problems] == ["gpucluster:cluster.budget.quota_usd_per_month"]
+
+
+def test_an_unpriced_type_bills_at_the_catalogs_highest_accelerator_hour() -> None:
+    config = stack_config(mixed_stack())
+    config["gpucluster:cluster"]["pools"][0]["instance_type"] = "p5e.48xlarge"  # no reference price
+    stack = validate("mixed", config)
+    per_hour = {p.pool: p for p in cost.quota(stack).pools}["p5"]
+    assert per_hour.usd_per_accelerator_hour == max(
+        t.on_demand_usd_per_hour / t.accelerator.count for t in catalog.ACCELERATED.values()
+        if t.on_demand_usd_per_hour and t.accelerator)
+    assert per_hour.priced_as.startswith("no price")
+
+
+def test_default_partition_is_the_cheapest_gpu_pool_unless_named() -> None:
+    assert cost.default_partition(mixed_stack())[0] == "g6"
+    team_b = load_stack(ROOT / "stacks" / "Pulumi.team-b.yaml")  # Trainium is cheapest, but no CUDA runs there
+    assert cost.default_partition(team_b)[0] == "g6e"
+    config = stack_config(mixed_stack())
+    config["gpucluster:cluster"]["slurm"] = {"default_partition": "p5"}
+    assert cost.default_partition(validate("mixed", config)) == ("p5", "slurm.default_partition")
+    assert "PartitionName=p5 Nodes=p5-[1-4] Default=YES" in slurm.slurm_conf(validate("mixed", config))
+    config["gpucluster:cluster"]["slurm"] = {"default_partition": "p4"}
+    with pytest.raises(SpecError) as caught:
+        validate("mixed", config)
+    assert caught.value.problems == [("gpucluster:cluster.slurm.default_partition", "must name a pool: ['p5', 'g6']")]
 
 
 def test_image_costs_follow_what_is_baked() -> None:

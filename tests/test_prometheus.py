@@ -105,8 +105,8 @@ def test_the_alerts_fire_when_they_should_and_only_then(tmp_path: Path) -> None:
              {"series": 'DCGM_EXP_XID_ERRORS_COUNT{gpu="3",UUID="GPU-3",node="p5-od-1",xid="79"}', "values": "0 0 1 1"},
              # XID 13: an application's illegal memory access, the job's problem, not the GPU's.
              {"series": 'DCGM_EXP_XID_ERRORS_COUNT{gpu="2",UUID="GPU-2",node="p5-od-1",xid="13"}', "values": "1 1 1 1"},
-             {"series": "gpucluster_gpu_used_seconds", "values": "800 900 950"},
-             {"series": "gpucluster_gpu_quota_seconds", "values": "1000 1000 1000"},
+             {"series": "gpucluster_quota_used_usd", "values": "800 900 950"},
+             {"series": "gpucluster_quota_usd", "values": "1000 1000 1000"},
              {"series": 'gpucluster_slurm_node_state{node="p5-od-2",pool="p5-od",state="down"}', "values": "1x30"}],
          "alert_rule_test": [
              {"eval_time": "30s", "alertname": "GpuXidError", "exp_alerts": []},
@@ -114,10 +114,10 @@ def test_the_alerts_fire_when_they_should_and_only_then(tmp_path: Path) -> None:
                  "exp_labels": {"severity": "critical", "gpu": "3", "UUID": "GPU-3", "node": "p5-od-1", "xid": "79"},
                  "exp_annotations": {"summary": "GPU 3 of p5-od-1 reported XID 79", "description":
                                      "The health check drains a node whose XID needs a reset (see `sinfo -R`)."}}]},
-             {"eval_time": "0m", "alertname": "GpuHourQuotaNearlySpent", "exp_alerts": []},
-             {"eval_time": "30s", "alertname": "GpuHourQuotaNearlySpent", "exp_alerts": [{
+             {"eval_time": "0m", "alertname": "QuotaNearlySpent", "exp_alerts": []},
+             {"eval_time": "30s", "alertname": "QuotaNearlySpent", "exp_alerts": [{
                  "exp_labels": {"severity": "warning"},
-                 "exp_annotations": {"summary": "90% of the team's monthly GPU-hours are spent", "description":
+                 "exp_annotations": {"summary": "90% of the team's monthly quota for jobs is spent", "description":
                                      "Slurm holds new jobs of the team's account once the quota is spent."}}]},
              {"eval_time": "9m", "alertname": "NodeDown", "exp_alerts": []},
              {"eval_time": "11m", "alertname": "NodeDown", "exp_alerts": [{
@@ -209,7 +209,8 @@ def test_the_head_figures_parse_and_say_what_slurm_says() -> None:
                              job(5, "COMPLETED", "trn-2", "trn"),  # ended: squeue would not list it
                              job(6, "COMPLETED+COMPLETING", "trn-2", "trn")])
     text = (metrics.pool_prices(s) + metrics.slurm_nodes(nodes, s) + metrics.slurm_jobs(jobs) + metrics.gpu_hours(
-        "vision||cpu=5000,mem=1000,gres/gpu=2700|gres/gpu=6000\nvision|ubuntu|cpu=5000,gres/gpu=2700|\n", "vision",
+        "vision||cpu=5000,mem=1000,billing=90000,gres/gpu=2700|billing=360000,gres/gpu=-1\n"
+        "vision|ubuntu|cpu=5000,gres/gpu=2700|\n", "vision",
         ("ubuntu",)))
     assert 'gpucluster_slurm_node_state{node="p5-od-2",pool="p5-od",state="drained"} 1' in text
     assert 'gpucluster_slurm_node_state{node="trn-2",pool="trn",state="draining"} 1' in text
@@ -219,8 +220,9 @@ def test_the_head_figures_parse_and_say_what_slurm_says() -> None:
     assert 'gpucluster_slurm_jobs{partition="trn",state="running"} 1' in text
     assert 'gpucluster_slurm_jobs{partition="trn",state="completing"} 1' in text
     assert 'state="completed"' not in text
-    # 45 h, 100 h
-    assert "gpucluster_gpu_used_seconds 162000\n" in text and "gpucluster_gpu_quota_seconds 360000\n" in text
+    # 45 GPU-hours; 90000 and 360000 cent-minutes of billing are $15 and $60
+    assert "gpucluster_gpu_used_seconds 162000\n" in text
+    assert "gpucluster_quota_used_usd 15\n" in text and "gpucluster_quota_usd 60\n" in text
     assert 'gpucluster_pool_gpu_hour_usd{pool="p5-od"} 12.29\n' in text and 'pool="cpu"' not in text
     checked = subprocess.run([tool("promtool"), "check", "metrics"], input=text, capture_output=True, text=True,
                              timeout=30)
@@ -342,7 +344,7 @@ def test_the_gpucluster_metrics_we_name_are_what_our_programs_write(tmp_path: Pa
         (tmp_path / "gpucluster-budget.prom").read_text(), metrics.pool_prices(s),
         metrics.slurm_nodes(document("nodes", [node("p5-od-1")]), s),
         metrics.slurm_jobs(document("jobs", [job(1, "RUNNING", "p5-od-1", "p5-od")])),
-        metrics.gpu_hours("vision||gres/gpu=1|gres/gpu=2\n vision|alice|gres/gpu=1|\n", "vision", ("alice",)),
+        metrics.gpu_hours("vision||billing=1,gres/gpu=1|billing=2\n vision|alice|gres/gpu=1|\n", "vision", ("alice",)),
         metrics.efa_bytes(tmp_path),
         metrics.lustre_bytes("llite.fsx-1.stats=\n"
                              "read_bytes 1 samples [bytes] 1 1 1\nwrite_bytes 1 samples [bytes] 1 1 1\n")])

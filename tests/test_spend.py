@@ -37,10 +37,14 @@ def test_spend_and_forecast_by_the_stack_tag() -> None:
                            "Granularity": "MONTHLY", "Filter": TAG})
         result = spend.spend(client, TEAM_A, TODAY)
     assert result.month_to_date == 180000.50 and result.forecast == 275000.50 and not result.notes
-    lines = spend.report(TEAM_A, result, spend.GpuHours({"root": 20005.0, "vision": 20000.0, "other": 5.0}, {}))
+    quota = cost.quota(TEAM_A).usd
+    lines = spend.report(TEAM_A, result, spend.GpuHours({"root": 20005.0, "vision": 20000.0, "other": 5.0}, {},
+                                                        {"vision": quota / 4}))
     assert "Spent this month:    $180,000.50 (72% of the budget)" in lines
     assert "Forecast for month:  $275,000.50 - over budget" in lines
-    assert "GPU-hours:           20,000.0 of 36,337 (55%) for account vision" in lines
+    assert f"Quota:               {cost.money(quota / 4)} of {cost.money(quota)} (25%) billed to account vision" \
+        in lines
+    assert "GPU-hours:           20,000.0 for account vision" in lines
     assert "  other: 5.0" in lines and not any("root" in line for line in lines)
 
 
@@ -101,9 +105,9 @@ def test_each_persons_gpu_hours_and_their_share_of_the_spend() -> None:
     allocated = sum(float(row[2].strip("$").replace(",", "")) for row in rows.values())
     assert allocated == pytest.approx(spent, abs=0.01 * len(rows))
     assert ("GPU-hours by person (the month's spend allocated by share of GPU-hours, not a bill):") in lines
-    quota = cost.gpu_hour_quota(TEAM_A)
-    assert quota and f"GPU-hours:           {team:,.1f} of {quota:,} ({100 * team / quota:.0f}%) for account vision" \
-        in lines
+    assert f"GPU-hours:           {team:,.1f} for account vision" in lines
+    # the billing TRES in cent-minutes (sshare's billing=7200): what the team's jobs billed against the money quota
+    assert used.billed_usd["vision"] == pytest.approx(7200 / 60 / cost.BILLING_UNITS_PER_USD)
 
 
 def test_without_people_the_login_user_is_the_whole_team_and_an_unread_spend_is_said() -> None:
@@ -124,7 +128,8 @@ def test_a_person_who_sees_only_their_own_usage_is_told_so() -> None:
 
 def test_a_stack_with_no_gpu_use_yet_lists_nobody() -> None:
     lines = spend.report(TEAM_A, spend.Spend(10.0, None, []), spend.gpu_hours("root||gres/gpu=0\n vision||\n"))
-    assert f"GPU-hours:           0.0 of {cost.gpu_hour_quota(TEAM_A):,} (0%) for account vision" in lines
+    assert f"Quota:               $0.00 of {cost.money(cost.quota(TEAM_A).usd)} (0%) billed to account vision" in lines
+    assert "GPU-hours:           0.0 for account vision" in lines
     assert not any("by person" in line for line in lines)
 
 

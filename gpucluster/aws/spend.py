@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +104,8 @@ class GpuHours:
 
     accounts: dict[str, float]  # an account's own row: its users' and sub-accounts' use summed
     users: dict[tuple[str, str], float]  # (account, user): a person's association under an account
+    # What each account's jobs billed against the money quota (the billing TRES, cost.BILLING_UNITS_PER_USD).
+    billed_usd: dict[str, float] = field(default_factory=dict)
 
 
 def gpu_hours(sshare_output: str) -> GpuHours:
@@ -111,6 +113,7 @@ def gpu_hours(sshare_output: str) -> GpuHours:
     the tree (a user row one level below its account), so the account is read stripped."""
     accounts: dict[str, float] = {}
     users: dict[tuple[str, str], float] = {}
+    billed: dict[str, float] = {}
     for line in sshare_output.splitlines():
         fields = line.split("|")
         if len(fields) < 3:
@@ -122,7 +125,8 @@ def gpu_hours(sshare_output: str) -> GpuHours:
             users[(account, user)] = hours
         else:
             accounts[account] = hours
-    return GpuHours(accounts, users)
+            billed[account] = int(used.get("billing", 0)) / 60 / cost.BILLING_UNITS_PER_USD
+    return GpuHours(accounts, users, billed)
 
 
 class SlurmUnanswered(Exception):
@@ -175,7 +179,7 @@ def report(stack: Stack, result: Spend, gpu_hours: GpuHours | str) -> list[str]:
              f"Forecast for month:  {money(result.forecast)}"
              + (" - over budget" if result.forecast is not None and result.forecast > budget else ""),
              f"Budget:              {money(budget)}"]
-    quota = cost.gpu_hour_quota(stack)
+    quota = cost.quota(stack).usd
     team = stack.spec.team
     if isinstance(gpu_hours, str):
         lines.append(f"GPU-hours:           {gpu_hours}")
@@ -185,8 +189,10 @@ def report(stack: Stack, result: Spend, gpu_hours: GpuHours | str) -> list[str]:
         lines += by_person(stack, gpu_hours, None, None)
     else:
         used = gpu_hours.accounts.get(team, 0.0)
-        of = f" of {quota:,} ({100 * used / quota:.0f}%)" if quota else ""
-        lines.append(f"GPU-hours:           {used:,.1f}{of} for account {team}")
+        billed = gpu_hours.billed_usd.get(team, 0.0)
+        share = f" ({100 * billed / quota:.0f}%)" if quota else ""
+        lines.append(f"Quota:               {money(billed)} of {money(quota)}{share} billed to account {team}")
+        lines.append(f"GPU-hours:           {used:,.1f} for account {team}")
         # root is the sum of all accounts, not an account of its own
         lines += [f"  {account}: {h:,.1f}" for account, h in sorted(gpu_hours.accounts.items())
                   if account not in (team, "root")]

@@ -97,7 +97,7 @@ SHARED_HOME = f"{SHARED_DIR}/home"  # bind-mounted at /home on every node: code,
 NODE_HOSTS_FILE = f"{SHARED_DIR}/.gpucluster/hosts"  # registered nodes' names and addresses, kept by the head
 # The stack's people, signed by the head for the compute nodes' Prolog (gpucluster/node/accounts.py).
 SHARED_PEOPLE_FILE = f"{SHARED_DIR}/.gpucluster/people.json"
-SHARED_EXAMPLES = f"{SHARED_DIR}/examples"  # the bundle's examples, copied anew by the head at every boot and update
+SHARED_EXAMPLES = f"{SHARED_DIR}/examples"  # the bundle's examples, copied once by the head (bootstrap)
 # `gpucluster verify`: one JSON file per run (gpucluster/contract/verify.py), kept on the shared file system.
 VERIFY_DIR = f"{SHARED_DIR}/.gpucluster/verify"
 # A compute node's scratch space, never /tmp: on the instance store where there is one (a link to a directory on

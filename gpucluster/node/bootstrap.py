@@ -238,9 +238,21 @@ def skeleton(home: Path, uid: int, gid: int, skel: Path = Path("/etc/skel")) -> 
 
 
 def shared_examples(source: Path = BUNDLE / "examples", target: Path = Path(contract.SHARED_EXAMPLES)) -> None:
-    """The bundle's examples on /fsx, read-only for users: copied anew (a new bundle's) in a directory only root can
-    enter, then renamed into place. Never a copy into what is there, which a user may have made or linked first."""
-    replace_tree(lambda new: shutil.copytree(source, new), target)
+    """The bundle's examples on /fsx, read-only for users, copied once: in a directory only root can enter, then
+    renamed into place (never a copy into what a user may have made or linked first). Never overwritten after that,
+    at a boot or an update: an admin's edits stay, and a later bundle adds only the files the directory lacks (a new
+    example)."""
+    if foreign(target, 0) or not os.path.lexists(target):
+        replace_tree(lambda new: shutil.copytree(source, new), target)
+        return
+    for path in sorted(source.rglob("*")):  # parents before their contents
+        copy = target / path.relative_to(source)
+        if os.path.lexists(copy):
+            continue
+        if path.is_dir():
+            copy.mkdir(mode=0o755)
+        else:
+            shutil.copy2(path, copy)
 
 
 # --- head ------------------------------------------------------------------------------------------------------------

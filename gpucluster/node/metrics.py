@@ -65,15 +65,21 @@ def slurm_jobs(scontrol_json: str) -> str:
 
 
 def tres_minutes(tres: str, name: str = "gres/gpu") -> float | None:
-    """gres/gpu from a TRES list such as `cpu=120,gres/gpu=4800`; None when absent."""
+    """A TRES (gres/gpu unless named) from a list such as `cpu=120,billing=9000,gres/gpu=4800`; None when absent."""
     found = re.search(rf"(?:^|,){re.escape(name)}=(\d+)", tres)
     return float(found.group(1)) if found else None
 
 
+# Slurm's billing TRES counts US cents per hour (gpucluster.spec.cost.BILLING_UNITS_PER_USD; the node programs import
+# no library beyond the contract).
+BILLING_CENTS_PER_USD = 100
+
+
 def gpu_hours(sshare_output: str, account: str, users: tuple[str, ...]) -> str:
     """From `sshare -n -P -a -A ACCOUNT -o Account,User,GrpTRESRaw,GrpTRESMins`: the account's own row (no user) for
-    the team's GPU time and quota, and the rows of `users` under it (each person's association, sshare indents them a
-    level below the account) for each one's GPU time. Only `users`: the label's values stay the stack's people."""
+    the team's GPU time and its money quota (billing minutes: cent-minutes), and the rows of `users` under it (each
+    person's association, sshare indents them a level below the account) for each one's GPU time. Only `users`: the
+    label's values stay the stack's people."""
     team = ""
     people: list[str] = []
     for line in sshare_output.splitlines():
@@ -81,12 +87,15 @@ def gpu_hours(sshare_output: str, account: str, users: tuple[str, ...]) -> str:
         if len(fields) != 4 or fields[0] != account:
             continue
         if not fields[1]:
-            used, quota = tres_minutes(fields[2]), tres_minutes(fields[3])
+            used = tres_minutes(fields[2])
+            billed, quota = tres_minutes(fields[2], "billing"), tres_minutes(fields[3], "billing")
             team = family("gpucluster_gpu_used_seconds", "gauge", "GPU time the team used this month (Slurm).",
                           [sample("gpucluster_gpu_used_seconds", (used or 0) * 60)])
+            team += family("gpucluster_quota_used_usd", "gauge", "What the team's jobs billed this month (Slurm).",
+                           [sample("gpucluster_quota_used_usd", (billed or 0) / 60 / BILLING_CENTS_PER_USD)])
             if quota is not None:
-                team += family("gpucluster_gpu_quota_seconds", "gauge", "The team's monthly GPU time quota.",
-                               [sample("gpucluster_gpu_quota_seconds", quota * 60)])
+                team += family("gpucluster_quota_usd", "gauge", "The team's monthly money quota for jobs.",
+                               [sample("gpucluster_quota_usd", quota / 60 / BILLING_CENTS_PER_USD)])
         elif fields[1] in users:
             people.append(sample("gpucluster_person_gpu_used_seconds", (tres_minutes(fields[2]) or 0) * 60,
                                  user=fields[1]))

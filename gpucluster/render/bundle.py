@@ -22,7 +22,8 @@ from gpucluster.render import dashboards, monitoring, prometheus, slurm, verify
 from gpucluster.spec import bom
 from gpucluster.spec.model import Stack, stack_file
 
-EXAMPLES = ("launch.sh", "ddp_train.py", "ddp.sbatch", "all_reduce.py", "all_reduce.sbatch", "ddp_container.sbatch")
+EXAMPLES = ("submit.sh", "launch.sh", "ddp_train.py", "ddp.sbatch", "all_reduce.py", "all_reduce.sbatch",
+            "ddp_container.sbatch")
 
 
 LIB = Path(settings.LIB_DIR).relative_to(settings.BUNDLE_DIR)  # the library's place in the bundle

@@ -309,14 +309,15 @@ def cost(stack: Stack) -> dashboard.Dashboard:
             .with_row(dashboard.Row("GPU-hours"))
             .with_panel(single("GPU-hours used", GPU_HOURS, "max(gpucluster_gpu_used_seconds) / 3600",
                                "Slurm's account of the team's GPU-hours this month."))
-            .with_panel(single("GPU-hour quota", GPU_HOURS, "max(gpucluster_gpu_quota_seconds) / 3600",
-                               "Slurm holds the team's new jobs once it is spent."))
-            .with_panel(dial("Quota used", "percentunit", "max(gpucluster:gpu_quota_used:ratio)",
-                             "The GpuHourQuotaNearlySpent alert fires at the orange mark.", 1,
+            .with_panel(single("Quota for jobs", USD, "max(gpucluster_quota_usd)",
+                               "The month's money for jobs, billed at the pools' prices: Slurm holds the team's new "
+                               "jobs once it is spent."))
+            .with_panel(dial("Quota used", "percentunit", "max(gpucluster:quota_used:ratio)",
+                             "The QuotaNearlySpent alert fires at the orange mark.", 1,
                              steps("green", (prometheus.QUOTA_WARN_SHARE, "orange"), (1, "red"))))
-            .with_panel(series("GPU-hours used against the quota", GPU_HOURS,
-                               query("max(gpucluster_gpu_used_seconds) / 3600", "used"),
-                               query("max(gpucluster_gpu_quota_seconds) / 3600", "quota"), span=6))
+            .with_panel(series("Jobs' billing against the quota", USD,
+                               query("max(gpucluster_quota_used_usd)", "billed"),
+                               query("max(gpucluster_quota_usd)", "quota"), span=6))
             .with_panel(person_table())
             .with_row(dashboard.Row("Idle GPUs"))
             .with_panel(single("Idle GPU-hours", GPU_HOURS, f"sum({IDLE_HOURS_BY_POOL})", idle_description))

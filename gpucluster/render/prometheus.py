@@ -46,12 +46,13 @@ EXPORTED: dict[str, frozenset[str]] = {
         "node_filesystem_avail_bytes", "node_filesystem_size_bytes", "node_network_receive_bytes_total",
         "node_network_transmit_bytes_total", "node_load1", "up"}),
     # Our programs, through node_exporter's textfile collector: METRICS_PROGRAM on the compute nodes (EFA's hardware
-    # counters, the Lustre client's byte counts) and on the head (Slurm's queue and nodes, the GPU-hour quota, each
+    # counters, the Lustre client's byte counts) and on the head (Slurm's queue and nodes, the money quota, each
     # person's GPU time, the pools' prices), and the budget guardrail on the head (the budget).
     "gpucluster_metrics": frozenset({
         "gpucluster_efa_rx_bytes_total", "gpucluster_efa_tx_bytes_total", "gpucluster_lustre_read_bytes_total",
         "gpucluster_lustre_write_bytes_total", "gpucluster_slurm_node_state", "gpucluster_slurm_jobs",
-        "gpucluster_gpu_used_seconds", "gpucluster_gpu_quota_seconds", "gpucluster_person_gpu_used_seconds",
+        "gpucluster_gpu_used_seconds", "gpucluster_quota_used_usd", "gpucluster_quota_usd",
+        "gpucluster_person_gpu_used_seconds",
         "gpucluster_pool_gpu_hour_usd",
         "gpucluster_budget_limit_usd", "gpucluster_budget_actual_usd", "gpucluster_budget_forecast_usd"}),
     # `gpucluster verify` on the head, through the same collector: the last run's result per pool and check.
@@ -113,7 +114,7 @@ RECORDING_RULES = (
     # for its last 5 minutes, counting them idle once more.
     ("gpucluster:gpu_idle", f'max without (hpc_job) (avg_over_time(DCGM_FI_DEV_GPU_UTIL{{UUID!=""}}'
                             f'[{monitoring.IDLE_MINUTES}m])) < bool {monitoring.IDLE_PERCENT}'),
-    ("gpucluster:gpu_quota_used:ratio", "gpucluster_gpu_used_seconds / gpucluster_gpu_quota_seconds"),
+    ("gpucluster:quota_used:ratio", "gpucluster_quota_used_usd / gpucluster_quota_usd"),
 )
 
 
@@ -138,9 +139,9 @@ def alert_rules() -> list[dict[str, object]]:
          "labels": {"severity": "critical"},
          "annotations": {"summary": "GPU {{ $labels.gpu }} of {{ $labels.node }} reported XID {{ $labels.xid }}",
                          "description": "The health check drains a node whose XID needs a reset (see `sinfo -R`)."}},
-        {"alert": "GpuHourQuotaNearlySpent", "expr": f"gpucluster:gpu_quota_used:ratio >= {QUOTA_WARN_SHARE}",
+        {"alert": "QuotaNearlySpent", "expr": f"gpucluster:quota_used:ratio >= {QUOTA_WARN_SHARE}",
          "labels": {"severity": "warning"},
-         "annotations": {"summary": "{{ $value | humanizePercentage }} of the team's monthly GPU-hours are spent",
+         "annotations": {"summary": "{{ $value | humanizePercentage }} of the team's monthly quota for jobs is spent",
                          "description": "Slurm holds new jobs of the team's account once the quota is spent."}},
         {"alert": "NodeDown", "expr": 'gpucluster_slurm_node_state{state="down"} == 1', "for": "10m",
          "labels": {"severity": "warning"},

@@ -124,8 +124,25 @@ def partitions(stack: Stack) -> dict[str, list[PoolSpec]]:
 
 
 def default_partition(stack: Stack) -> str:
-    """Where a job that names no partition goes: the first pool's."""
-    return stack.spec.pools[0].name
+    """Where a job that names no partition goes (cost.default_partition says why)."""
+    return cost.default_partition(stack)[0]
+
+
+def billing_weights(members: list[PoolSpec]) -> dict[str, float]:
+    """A partition's TRESBillingWeights: each TRES of a node weighs the node's price per hour in cents (cost.py's
+    billing unit) divided by the node's count of it. With PriorityFlags=MAX_TRES a job bills the largest of its
+    weighted TRES (slurm.conf(5), Slurm 24.11): the price of the largest share of a node it holds, whether GPUs,
+    CPUs or memory (one GPU with all the memory bills the whole node). Mem is per MB, Slurm's memory unit. The highest
+    weight over the partition's pools (a spot pool falling back to another type), so no node bills less than it
+    costs."""
+    weights: dict[str, float] = {}
+    for pool in members:
+        cents = cost.billed_node_hour_usd(pool)[0] * cost.BILLING_UNITS_PER_USD
+        name = _gres_name_type(pool.accelerator)[0]
+        held = (("CPU", pool.itype.vcpus), ("Mem", real_memory(pool)), (f"GRES/{name}", pool.accelerator.count))
+        for tres, count in held:
+            weights[tres] = max(weights.get(tres, 0.0), cents / count)
+    return weights
 
 
 def _node_line(pool: PoolSpec, first_port: int | None) -> str:
@@ -250,13 +267,14 @@ def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         # With slurmdbd this names the munge socket of the accounting connection (not a password).
         f"AccountingStoragePass={layout.munge_socket}",
         f"AccountingStorageTRES={','.join(f'gres/{t}' for t in gres_types)}" if gres_types else None,
-        # Every job runs under the team's account, and within its GPU-hours: `safe` starts a job only if its time
-        # limit fits in what is left, so partitions carry a default time limit.
+        # Every job runs under the team's account, and within its money quota: `safe` starts a job only if its
+        # time limit fits in what is left, so partitions carry a default time limit.
         "AccountingStorageEnforce=associations,limits,qos,safe",
-        # Fair share between the team's people: who used less of the team's GPU-hours lately goes first (the
-        # factor's weight; the others are 0 by default). Usage never decays (half-life 0), it resets each month,
-        # with the quota.
+        # Fair share between the team's people: who spent less of the team's quota lately goes first (usage is the
+        # billing TRES; the factor's weight; the others are 0 by default). Usage never decays (half-life 0), it
+        # resets each month, with the quota. MAX_TRES: a job bills its largest share of a node (billing_weights).
         "PriorityType=priority/multifactor",
+        "PriorityFlags=MAX_TRES",
         "PriorityWeightFairshare=10000",
         "PriorityUsageResetPeriod=MONTHLY",
         "PriorityDecayHalfLife=0",
@@ -272,8 +290,9 @@ def slurm_conf(stack: Stack, layout: SlurmLayout = SlurmLayout()) -> str:
         default = " Default=YES" if name == default_partition(stack) else ""
         nodes = ",".join(hostlist(p.name, 1, p.max_nodes) for p in members)
         defaults = "".join(f" {key}={value}" for key, value in job_defaults(members).items())
+        weights = ",".join(f"{tres}={weight:.8g}" for tres, weight in billing_weights(members).items())
         lines.append(f"PartitionName={name} Nodes={nodes}{default} DefaultTime={DEFAULT_TIME} MaxTime=INFINITE"
-                     f"{defaults} State=UP")
+                     f"{defaults} TRESBillingWeights={weights} State=UP")
     return "\n".join(line for line in lines if line is not None) + "\n"
 
 
@@ -324,23 +343,24 @@ def accelerator_gres(stack: Stack) -> list[str]:
 
 def accounting_script(stack: Stack) -> str:
     """sacctmgr commands the head node runs once slurmctld is up (and again at each `pulumi up`): the team's account
-    with its monthly GPU-minutes (the whole team's, shared) and its caps on jobs; an association under it for each
-    of the stack's people and one for the login user (everyone's without `users:`; with people, nobody connects as
-    it and it is the cluster's own: `gpucluster verify` submits its measuring jobs as it), `max_gpus` as a limit on
-    GPUs in use at once (GrpTRES=gres/gpu on the user's association: a job beyond it pends with AssocGrpGRES); fair
-    share between
-    them (slurm.conf's PriorityWeightFairshare). Someone the stack no longer lists loses their pending jobs and their
-    association (only those the cluster made: a user an admin added by hand stays); while jobs of theirs still run,
-    Slurm keeps the association (sacctmgr refuses to delete it), which then takes no new job (GrpSubmitJobs=0) and
-    goes at a later update. Idempotent: `add` of what exists is a no-op, `modify` sets the limits anew. Root is not
-    in the team's account, so the team's caps never stop an admin's job: it submits under Slurm's own root account
-    (`gpucluster verify`'s DCGM job, run as root because DCGM's host engine answers root only)."""
+    with its monthly money quota (the whole team's, shared; cost.quota) and its caps on jobs; an association under
+    it for each of the stack's people and one for the login user (everyone's without `users:`; with people, nobody
+    connects as it and it is the cluster's own: `gpucluster verify` submits its measuring jobs as it), `max_gpus` as
+    a limit on GPUs in use at once (GrpTRES=gres/gpu on the user's association: a job beyond it pends with
+    AssocGrpGRES); fair share between them (slurm.conf's PriorityWeightFairshare). Someone the stack no longer lists
+    loses their pending jobs and their association (only those the cluster made: a user an admin added by hand
+    stays); while jobs of theirs still run, Slurm keeps the association (sacctmgr refuses to delete it), which then
+    takes no new job (GrpSubmitJobs=0) and goes at a later update. Idempotent: `add` of what exists is a no-op,
+    `modify` sets the limits anew. Root is not in the team's account, so the team's caps never stop an admin's job:
+    it submits under Slurm's own root account (`gpucluster verify`'s DCGM job, run as root because DCGM's host
+    engine answers root only)."""
     team = stack.spec.team
-    quota = cost.gpu_hour_quota(stack)
-    lines = ["#!/bin/sh", "# Rendered by gpucluster: the team's Slurm account, GPU-hour quota and caps on jobs.",
+    quota = cost.quota(stack)
+    lines = ["#!/bin/sh", "# Rendered by gpucluster: the team's Slurm account, money quota and caps on jobs.",
              f"sacctmgr -i add cluster {stack.cluster_name} >/dev/null 2>&1 || true",
              f"sacctmgr -i add account {team} Description='team {team}' Organization={team} >/dev/null 2>&1 || true"]
-    limit = f"gres/gpu={quota * 60}" if quota is not None else "gres/gpu=-1"
+    # The quota in cent-minutes of the billing TRES; a cluster made before the money quota loses its GPU-minute one.
+    limit = f"billing={quota.billing_minutes}" + (",gres/gpu=-1" if "gpu" in accelerator_gres(stack) else "")
     caps = " ".join(f"{key}={value}" for key, value in job_limits(stack).items())
     lines.append(f"sacctmgr -i modify account where name={team} set GrpTRESMins={limit} {caps}")
     people = stack.spec.people

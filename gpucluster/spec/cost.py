@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import date
 
 from gpucluster.spec import catalog, eks
-from gpucluster.spec.model import CPU_NODES_NAME, HEAD_STATE_GIB, MIN_POOL_ROOT_GIB, ImageBuild, Stack
+from gpucluster.spec.model import CPU_NODES_NAME, HEAD_STATE_GIB, MIN_POOL_ROOT_GIB, ImageBuild, PoolSpec, Stack
 
 COST_TAG = "gpucluster:stack"  # the cost-allocation tag that budgets and spend reports filter on
 HOURS_PER_MONTH = 730  # AWS's own convention in its pricing calculator
@@ -298,16 +298,105 @@ def kept_on_destroy(stack: Stack) -> list[Kept]:
     return kept
 
 
-def gpu_hour_quota(stack: Stack) -> int | None:
-    """The team's monthly GPU-hours: the stack's own figure, or what the budget buys at the mean on-demand price per
-    GPU-hour of its NVIDIA pools (weighted by their GPUs at max size). None: no NVIDIA pool with a price."""
-    budget = stack.spec.budget
-    if budget.gpu_hours_per_month is not None:
-        return budget.gpu_hours_per_month
-    gpus = cost = 0.0
-    for pool in stack.spec.pools:
-        acc, price = pool.itype.accelerator, pool.itype.on_demand_usd_per_hour
-        if acc and acc.kind == "nvidia" and price:
-            gpus += acc.count * pool.max_nodes
-            cost += price * pool.max_nodes
-    return int(budget.monthly_usd / (cost / gpus)) if gpus else None
+# Slurm's billing TRES counts US cents per hour: each partition weighs what a job holds (TRESBillingWeights) so that
+# its billing is the price of its share of a node, and the team account's GrpTRESMins=billing is the month's quota
+# in cent-minutes (render/slurm.py).
+BILLING_UNITS_PER_USD = 100
+
+
+@dataclass(frozen=True)
+class PoolQuota:
+    """What the quota buys in one pool: its price per accelerator-hour as Slurm bills it, and how many hours."""
+
+    pool: str
+    accelerator: str  # gpu, neuron
+    usd_per_accelerator_hour: float
+    priced_as: str  # "on-demand", or the upper bound an unpriced type is billed at
+    accelerator_hours: float
+
+
+@dataclass(frozen=True)
+class Quota:
+    """The month's money the team's jobs may spend (Slurm enforces it, partition by partition, at the pools' prices)."""
+
+    usd: float
+    why: str
+    pools: tuple[PoolQuota, ...]
+
+    @property
+    def billing_minutes(self) -> int:
+        """GrpTRESMins=billing: the quota in cent-minutes (one cent per hour bills one unit for each minute)."""
+        return int(self.usd * BILLING_UNITS_PER_USD) * 60
+
+    def as_dict(self) -> dict[str, object]:
+        return {"usd_per_month": round(self.usd, 2), "why": self.why,
+                "pools": [{"pool": p.pool, "accelerator": p.accelerator,
+                           "usd_per_accelerator_hour": round(p.usd_per_accelerator_hour, 4),
+                           "priced_as": p.priced_as, "accelerator_hours": round(p.accelerator_hours, 1)}
+                          for p in self.pools]}
+
+
+def _ceiling_per_accelerator_hour() -> float:
+    """The highest on-demand price of one accelerator-hour in the catalog: what an unpriced type is billed at, so
+    that its jobs cannot spend more of the quota than they cost."""
+    return max(t.on_demand_usd_per_hour / t.accelerator.count for t in catalog.ACCELERATED.values()
+               if t.accelerator and t.on_demand_usd_per_hour)
+
+
+def billed_node_hour_usd(pool: PoolSpec) -> tuple[float, str]:
+    """What one node-hour of the pool bills against the quota: its on-demand price (a spot pool's ceiling), or, for a
+    type the catalog has no price for, the catalog's highest price per accelerator-hour times its accelerators."""
+    price = pool.itype.on_demand_usd_per_hour
+    if price is not None:
+        return price, "on-demand (spot ceiling)" if pool.capacity == "spot" else "on-demand"
+    return _ceiling_per_accelerator_hour() * pool.accelerator.count, "no price: the catalog's highest $/accelerator-h"
+
+
+def quota(stack: Stack) -> Quota:
+    """The Slurm team account's monthly money quota: budget.quota_usd_per_month, or the budget less the cluster's
+    fixed costs (what bills whether jobs run or not), so that jobs and fixed costs together stay within the budget.
+    (Slurm stacks only: Kueue has no accumulated-usage limit.)"""
+    spec = stack.spec
+    fixed = estimate(stack).fixed_hourly * HOURS_PER_MONTH
+    if spec.budget.quota_usd_per_month is not None:
+        usd, why = spec.budget.quota_usd_per_month, "budget.quota_usd_per_month"
+    else:
+        usd = max(spec.budget.monthly_usd - fixed, 0.0)
+        why = (f"budget.monthly_usd {money(spec.budget.monthly_usd)} less the fixed costs of {money(fixed)} a "
+               "month: head node, network, Lustre, images")
+    pools = []
+    for pool in spec.pools:
+        node_hour, priced_as = billed_node_hour_usd(pool)
+        per_hour = node_hour / pool.accelerator.count
+        pools.append(PoolQuota(pool.name, "gpu" if pool.accelerator.kind == "nvidia" else "neuron", per_hour,
+                               priced_as, usd / per_hour))
+    return Quota(usd, why, tuple(pools))
+
+
+def default_partition(stack: Stack) -> tuple[str, str]:
+    """Where a job that names no partition goes, and why: slurm.default_partition, or the pool whose GPU-hour bills
+    least (the first of equals; a CUDA script without `-p` must not land on Trainium), or with no NVIDIA pool the
+    cheapest Neuron device-hour."""
+    chosen = stack.spec.slurm.default_partition
+    if chosen is not None:
+        return chosen, "slurm.default_partition"
+    pools = stack.spec.pools
+    candidates = [p for p in pools if p.accelerator.kind == "nvidia"] or pools
+    cheapest = min(candidates, key=lambda p: billed_node_hour_usd(p)[0] / p.accelerator.count)
+    unit = "GPU-hour" if cheapest.accelerator.kind == "nvidia" else "Neuron device-hour"
+    return cheapest.name, f"the cheapest {unit} (slurm.default_partition names another)"
+
+
+def quota_lines(stack: Stack) -> list[str]:
+    """`plan`'s account of the money quota and the default partition (scheduler: slurm)."""
+    spent = quota(stack)
+    partition, why = default_partition(stack)
+    lines = [f"Quota for jobs per month:        {money(spent.usd)} ({spent.why}); Slurm holds new jobs once it is "
+             "spent. What it buys in each pool, billed at:"]
+    rows = [(p.pool, f"{money(p.usd_per_accelerator_hour)}/{p.accelerator}-h", f"{p.accelerator_hours:,.0f} "
+             f"{p.accelerator}-hours", p.priced_as) for p in spent.pools]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines += ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+              for row in rows]
+    lines.append(f"Default partition (sbatch without -p): {partition}, {why}.")
+    return lines

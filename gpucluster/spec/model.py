@@ -360,12 +360,22 @@ class BudgetSpec(_Model):
     # Percent of the monthly budget in actual spend at which the cluster stops starting GPU nodes: the head node's
     # guardrail closes the partitions and an AWS Budgets action denies the head node's launches. null: alert only.
     act_threshold_percent: int | None = Field(default=100, ge=1, le=1000)
-    # GPU-hours the team's Slurm account may use per month (Slurm GrpTRESMins on gres/gpu, reset monthly). Default:
-    # what monthly_usd buys at the pools' mean on-demand price per GPU-hour.
-    gpu_hours_per_month: int | None = Field(default=None, ge=0)
+    # US dollars the team's jobs may spend per month (scheduler: slurm), at most monthly_usd. Slurm bills each job the
+    # on-demand price of its share of a node (a spot pool at its ceiling) and holds new jobs once the month's quota is
+    # spent (GrpTRESMins on its billing TRES, reset monthly). Default: monthly_usd less the cluster's fixed costs
+    # (head node, network, Lustre, images), so that jobs and fixed costs together stay within the budget.
+    quota_usd_per_month: float | None = Field(default=None, ge=0)
     # Cost-allocation tags are account-wide and only the payer account may switch them on; turn this off in a member
     # account of an AWS Organization and ask the payer to activate `gpucluster:stack` once.
     activate_cost_allocation_tag: bool = True
+
+    @model_validator(mode="after")
+    def _quota_within_budget(self) -> BudgetSpec:
+        if self.quota_usd_per_month is not None and self.quota_usd_per_month > self.monthly_usd:
+            raise _rule_errors("budget", [(("quota_usd_per_month",), (
+                f"{self.quota_usd_per_month:g} is more than monthly_usd ({self.monthly_usd:g}): the quota must not "
+                "let jobs spend past the budget"))], None)
+        return self
 
     @field_validator("thresholds_percent")
     @classmethod
@@ -417,6 +427,10 @@ class SlurmSpec(_Model):
     # code belong on /fsx. slurmctld keeps each job's script and environment on the head's state volume: a bound
     # whose worst case (10000 jobs, Slurm's MaxJobCount) does not fit in a quarter of it (over 3194 KiB) is refused.
     max_batch_script_kib: int = Field(default=512, ge=16, le=64 * 1024)
+    # The partition (a pool's name) of jobs that name none (`sbatch` without `-p`). Default: the NVIDIA pool whose
+    # GPU-hour is cheapest (with none, the cheapest Neuron pool), so a forgotten `-p` never lands on the dearest
+    # nodes; `plan` says which.
+    default_partition: str | None = None
 
     @model_validator(mode="after")
     def _limits(self) -> SlurmSpec:
@@ -836,6 +850,9 @@ class ClusterSpec(_Model):
         problems += _scheduler_problems({**self.model_dump(exclude_unset=True), "scheduler": self.scheduler})
         problems += _image_problems(self.image, self.parent_roles)
         problems += _user_set_problems(self.model_dump())
+        names = [p.name for p in self.pools]
+        if self.slurm.default_partition is not None and self.slurm.default_partition not in names:
+            problems.append((("slurm", "default_partition"), f"must name a pool: {names}"))
         if problems:
             raise _rule_errors("cluster", problems, None)
         return self

@@ -25,6 +25,7 @@ from gpucluster.contract.settings import (
     POOL_TAG,
     PROMETHEUS_PORT,
 )
+from gpucluster.spec import cost
 from local_cluster import LocalCluster, spot_warning
 
 pytestmark = pytest.mark.rehearsal
@@ -135,15 +136,16 @@ def test_spot_capacity_shortage_falls_back_to_on_demand(cluster: LocalCluster) -
 
 
 def submit_example(cluster: LocalCluster, sbatch_file: str, *args: str, partition: str = "standby") -> str:
-    """An example job as a user submits it from the directory holding examples/, on the CPU: the GPU count and the
-    partition are overridden on the command line, as the examples say. Returns its id."""
+    """An example job as a user submits it from the directory holding examples/, on the CPU: through
+    examples/submit.sh, which asks Slurm for the partition's GPUs per node (1: the local pools are g6.xlarge). Returns
+    its id."""
     torchrun = Path(sys.executable).with_name("torchrun")
     assert torchrun.exists(), "pip install torch==2.13.0 (make test does)"
     env_path = f"{torchrun.parent}:{os.environ['PATH']}"
     return subprocess.run(
-        ["sbatch", "--parsable", "-p", partition, "--gpus-per-node=1", "--output", str(cluster.root / "ex-%j.out"),
+        ["examples/submit.sh", "--parsable", "-p", partition, "--output", str(cluster.root / "ex-%j.out"),
          "--export", f"ALL,PATH={env_path},CHECKPOINT_DIR={cluster.root / 'checkpoints'}",  # not into the repository
-         str(ROOT / "examples" / sbatch_file), *args],
+         f"examples/{sbatch_file}", *args],
         cwd=ROOT, env=cluster.env, check=True, capture_output=True, text=True).stdout.strip()
 
 
@@ -216,23 +218,31 @@ def test_example_ddp_job_survives_a_spot_warning_and_trains_across_two_nodes(clu
     assert all(AWS_OFI_NCCL_LIB_DIR in r[6].split(":") for r in ranks), text[-3000:]
 
 
-def test_gpu_hour_quota_holds_jobs_that_would_exceed_it(cluster: LocalCluster) -> None:
-    """The team account's monthly GPU-minutes (derived here from a $500 budget at g6.xlarge prices: 621 GPU-hours)
-    admit a job whose time limit fits, and hold one that would run past them, with Slurm's quota reason."""
-    quota = cluster.run("sacctmgr", "-n", "-P", "show", "assoc", "where", "account=local", "user=",
+def test_money_quota_holds_jobs_that_would_exceed_it(cluster: LocalCluster) -> None:
+    """The team account's monthly quota in money (the $500 budget less the stack's fixed costs, as cent-minutes of
+    Slurm's billing TRES) admits a job whose time limit fits, and holds one that would bill past it, with Slurm's quota
+    reason; the job that ran billed its GPU's price for its minute."""
+    quota = cost.quota(cluster.stack)
+    shown = cluster.run("sacctmgr", "-n", "-P", "show", "assoc", "where", "account=local", "user=",
                         "format=GrpTRESMins").split()
-    assert quota == ["gres/gpu=37260"]
+    assert shown == [f"billing={quota.billing_minutes}"]
+    (standby,) = [p for p in quota.pools if p.pool == "standby"]
+    month = 30 * 24
+    assert standby.usd_per_accelerator_hour * month > quota.usd  # a GPU for 30 days costs more than the quota
     fits = submit(cluster, "-p", "standby", "--gpus=1", "--time=60", "--wrap", "sleep 62")
-    beyond = submit(cluster, "-p", "standby", "--gpus=1", "--time=30-00:00:00", "--wrap", "true")
+    beyond = submit(cluster, "-p", "standby", "--gpus=1", f"--time={month * 60}", "--wrap", "true")
     cluster.wait(f"job {fits} to complete", lambda: cluster.job_state(fits) == "COMPLETED", 180)
     assert cluster.job_state(beyond) == "PENDING"
     reason = cluster.run("squeue", "-h", "-j", beyond, "-o", "%r").strip()
-    assert reason == "AssocGrpGRESMinutes", reason
+    assert reason == "AssocGrpBillingMinutes", reason
     account = cluster.run("squeue", "-h", "-j", beyond, "-o", "%a").strip()
     assert account == "local"
-    # `gpucluster cost` on the head node reads the same figure Slurm enforces: one GPU for a minute and a bit
-    # (Slurm counts whole minutes; root sums the accounts under it).
+    # `gpucluster cost` on the head node reads the same figures Slurm enforces: one GPU for a minute and a bit
+    # (Slurm counts whole minutes; root sums the accounts under it), billed at the GPU's price for the job's run time
+    # (Slurm truncates the job's billing to whole cents per hour, and the usage to whole cent-minutes).
     used = spend.slurm_gpu_hours(cluster.env)
     assert used.accounts == pytest.approx({"root": 1 / 60, "local": 1 / 60})
+    seconds = int(cluster.run("sacct", "-n", "-X", "-j", fits, "-o", "ElapsedRaw").strip())
+    assert used.billed_usd["local"] == pytest.approx(standby.usd_per_accelerator_hour * seconds / 3600, rel=0.05)
     # and by person: the job's user (the harness submits as root, a user of the team's account here) used all of it.
     assert used.users[("local", "root")] == pytest.approx(1 / 60), used
