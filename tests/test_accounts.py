@@ -148,6 +148,36 @@ def test_on_the_head_a_removed_persons_processes_are_killed_and_the_account_dele
 
 
 @needs_tools
+def test_a_slurm_jobs_processes_are_slurms_and_a_program_named_slurmstepd_is_no_job(tmp_path: Path) -> None:
+    """A job of the removed person's runs on (Slurm ends it, or it ends); a program of theirs that merely bears
+    slurmstepd's name shelters nothing: only a root slurmstepd's descendants are a job's."""
+    stepd = tmp_path / "slurmstepd"
+    shutil.copy("/bin/sh", stepd)
+    as_bob = f"setpriv --reuid={BOB.uid} --regid={BOB.uid} --clear-groups"
+    job = subprocess.Popen([str(stepd), "-c", f"{as_bob} sleep 600; true"])  # root's slurmstepd, bob's job under it
+    fake = subprocess.Popen([*as_bob.split(), str(stepd), "-c", "sleep 600; true"])  # bob's own "slurmstepd"
+    try:
+        deadline = time.monotonic() + 10
+        while len(accounts.job_processes() & {job.pid}) == 0 or not _children(job.pid):
+            assert time.monotonic() < deadline, "the job's processes did not start"
+            time.sleep(0.05)
+        jobs = _children(job.pid)
+        killed = accounts.end_processes(BOB.uid)
+        assert fake.pid in killed and not set(jobs) & set(killed)
+        assert fake.wait(timeout=10) == -signal.SIGKILL and job.poll() is None
+    finally:
+        for process in (job, fake):
+            subprocess.run(["pkill", "-KILL", "-P", str(process.pid)], check=False)
+            process.kill()
+            process.wait()
+
+
+def _children(pid: int) -> list[int]:
+    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(child) for child in found]
+
+
+@needs_tools
 def test_an_account_the_cluster_did_not_make_is_never_touched_whatever_its_gecos(node: Path) -> None:
     """Only the root-owned list says what the cluster made: an admin's account with the people's GECOS mark stays."""
     with (node / "etc" / "passwd").open("a") as passwd:

@@ -212,16 +212,19 @@ def _settle(people: tuple[PersonSettings, ...], root: Path, run: Runner, session
 def end_processes(uid: int, proc: Path = Path("/proc")) -> list[int]:
     """SIGKILL to every process whose real or effective uid is `uid` (a removed person's shells, Session Manager's
     among them, and whatever they started), until none is left (one may fork while another is killed); returns
-    their pids. Nothing to catch first: what a removed person left running is not theirs to finish."""
+    their pids. Nothing to catch first: what a removed person left running is not theirs to finish. A Slurm job's
+    processes are Slurm's to end (the README: a removed person's running jobs run on): the head runs no job, and
+    the boot rehearsal, whose nodes share this machine's one PID space, has the compute nodes' jobs beside it."""
     ended: list[int] = []
     for _ in range(5):
+        jobs = job_processes(proc)
         found = []
         for status in proc.glob("[0-9]*/status"):
             try:
                 uids = next(line.split()[1:3] for line in status.read_text().splitlines() if line.startswith("Uid:"))
             except (OSError, StopIteration):  # gone meanwhile
                 continue
-            if str(uid) in uids:
+            if str(uid) in uids and int(status.parent.name) not in jobs:
                 found.append(int(status.parent.name))
         if not found:
             break
@@ -233,6 +236,30 @@ def end_processes(uid: int, proc: Path = Path("/proc")) -> list[int]:
             ended.append(pid)
         time.sleep(0.1)  # the kernel reaps them; a second pass finds what they forked meanwhile
     return sorted(set(ended))
+
+
+def job_processes(proc: Path = Path("/proc")) -> set[int]:
+    """Root's slurmstepd processes and all their descendants. By root's executable, not by name: anyone can name a
+    program of theirs slurmstepd, nobody but root can run one as root."""
+    parents: dict[int, int] = {}
+    steps = set()
+    for stat_file in proc.glob("[0-9]*/stat"):
+        pid = int(stat_file.parent.name)
+        try:
+            parents[pid] = int(stat_file.read_text().rsplit(")", 1)[1].split()[1])
+            if os.path.basename(os.readlink(stat_file.parent / "exe")) == "slurmstepd" and \
+                    stat_file.parent.stat().st_uid == 0:
+                steps.add(pid)
+        except (OSError, IndexError, ValueError):  # gone meanwhile, or a kernel thread (no exe)
+            continue
+    found = set(steps)
+    for pid in parents:
+        chain = [pid]
+        while chain[-1] in parents and chain[-1] not in found and len(chain) < 4096:
+            chain.append(parents[chain[-1]])
+        if chain[-1] in found:
+            found.update(chain)
+    return found
 
 
 def sudoers(people: tuple[PersonSettings, ...]) -> str:
