@@ -114,7 +114,8 @@ def test_people_have_accounts_homes_and_limits_of_their_own_and_a_change_reaches
     release_alice.touch()
     cluster.wait(f"job {mine} to finish", lambda: cluster.job_state(mine) == "COMPLETED", 60)
     cluster.head.enter("sh", "-c", "runuser -u bob -- sleep 600 >/dev/null 2>&1 &")  # as his open session's shell
-    assert cluster.head.enter("pgrep", "-u", "bob", check=False).returncode == 0
+    cluster.wait("bob's shell on the head",
+                 lambda: cluster.head.enter("pgrep", "-u", "bob", check=False).returncode == 0, 10)
     old_people = (cluster.fsx / ".gpucluster" / "people.json").read_bytes()  # signed, with bob and without carol
     cluster.apply(people_stack(tmp_path, "alice", "carol"))
     log = cluster.update()
@@ -146,7 +147,9 @@ def test_people_have_accounts_homes_and_limits_of_their_own_and_a_change_reaches
     again = submit(cluster, "carol", "-p", "spot", "-w", node, "--wrap", "id -un > ran-again")
     cluster.wait("carol's job beside the old file", lambda: cluster.job_state(again) == "COMPLETED", 60)
     assert (home / "carol" / "ran-again").read_text().strip() == "carol"
+    # Applied, the old file would have unlocked bob and locked carol.
     assert booted.enter("getent", "passwd", "bob").stdout.strip().endswith(":/usr/sbin/nologin")
+    assert booted.enter("getent", "passwd", "carol").stdout.strip().endswith(":/bin/bash")
 
     release_bob.touch()
     cluster.wait(f"bob's job {first} to finish", lambda: cluster.job_state(first) == "COMPLETED", 60)
