@@ -158,10 +158,11 @@ def test_a_slurm_jobs_processes_are_slurms_and_a_program_named_slurmstepd_is_no_
     fake = subprocess.Popen([*as_bob.split(), str(stepd), "-c", "sleep 600; true"])  # bob's own "slurmstepd"
     try:
         deadline = time.monotonic() + 10
-        while len(accounts.job_processes() & {job.pid}) == 0 or not _children(job.pid):
+        while not _children(job.pid):
             assert time.monotonic() < deadline, "the job's processes did not start"
             time.sleep(0.05)
         jobs = _children(job.pid)
+        assert set(jobs) <= accounts.job_processes(accounts._processes(Path("/proc")))
         killed = accounts.end_processes(BOB.uid)
         assert fake.pid in killed and not set(jobs) & set(killed)
         assert fake.wait(timeout=10) == -signal.SIGKILL and job.poll() is None

@@ -217,15 +217,9 @@ def end_processes(uid: int, proc: Path = Path("/proc")) -> list[int]:
     the boot rehearsal, whose nodes share this machine's one PID space, has the compute nodes' jobs beside it."""
     ended: list[int] = []
     for _ in range(5):
-        jobs = job_processes(proc)
-        found = []
-        for status in proc.glob("[0-9]*/status"):
-            try:
-                uids = next(line.split()[1:3] for line in status.read_text().splitlines() if line.startswith("Uid:"))
-            except (OSError, StopIteration):  # gone meanwhile
-                continue
-            if str(uid) in uids and int(status.parent.name) not in jobs:
-                found.append(int(status.parent.name))
+        processes = _processes(proc)
+        jobs = job_processes(processes)
+        found = [pid for pid, (_, uids, _) in processes.items() if uid in uids[:2] and pid not in jobs]
         if not found:
             break
         for pid in found:
@@ -238,25 +232,28 @@ def end_processes(uid: int, proc: Path = Path("/proc")) -> list[int]:
     return sorted(set(ended))
 
 
-def job_processes(proc: Path = Path("/proc")) -> set[int]:
-    """Root's slurmstepd processes and all their descendants. By root's executable, not by name: anyone can name a
-    program of theirs slurmstepd, nobody but root can run one as root."""
-    parents: dict[int, int] = {}
-    steps = set()
-    for stat_file in proc.glob("[0-9]*/stat"):
-        pid = int(stat_file.parent.name)
+def _processes(proc: Path) -> dict[int, tuple[str, list[int], int]]:
+    """pid -> (name, [real, effective, saved, fs uid], parent pid), from /proc/PID/status (readable for any process,
+    whatever its namespace or dumpability)."""
+    found = {}
+    for status in proc.glob("[0-9]*/status"):
         try:
-            parents[pid] = int(stat_file.read_text().rsplit(")", 1)[1].split()[1])
-            if os.path.basename(os.readlink(stat_file.parent / "exe")) == "slurmstepd" and \
-                    stat_file.parent.stat().st_uid == 0:
-                steps.add(pid)
-        except (OSError, IndexError, ValueError):  # gone meanwhile, or a kernel thread (no exe)
+            fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
+            found[int(status.parent.name)] = (fields["Name"].strip(), [int(u) for u in fields["Uid"].split()],
+                                              int(fields["PPid"]))
+        except (OSError, KeyError, ValueError):  # gone meanwhile
             continue
-    found = set(steps)
-    for pid in parents:
+    return found
+
+
+def job_processes(processes: dict[int, tuple[str, list[int], int]]) -> set[int]:
+    """Root's slurmstepd processes and all their descendants. Root's: anyone can name a program of theirs
+    slurmstepd, nobody but root can run one as root."""
+    found = {pid for pid, (name, uids, _) in processes.items() if name == "slurmstepd" and uids[0] == 0}
+    for pid in processes:
         chain = [pid]
-        while chain[-1] in parents and chain[-1] not in found and len(chain) < 4096:
-            chain.append(parents[chain[-1]])
+        while chain[-1] in processes and chain[-1] not in found and len(chain) < 4096:
+            chain.append(processes[chain[-1]][2])
         if chain[-1] in found:
             found.update(chain)
     return found

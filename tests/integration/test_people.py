@@ -113,15 +113,17 @@ def test_people_have_accounts_homes_and_limits_of_their_own_and_a_change_reaches
     # PAM: only `id bob` failing stops a session as him).
     release_alice.touch()
     cluster.wait(f"job {mine} to finish", lambda: cluster.job_state(mine) == "COMPLETED", 60)
-    cluster.head.enter("sh", "-c", "runuser -u bob -- sleep 600 >/dev/null 2>&1 &")  # as his open session's shell
-    cluster.wait("bob's shell on the head",
-                 lambda: cluster.head.enter("pgrep", "-u", "bob", check=False).returncode == 0, 10)
+    # As his open session's shell. (The rehearsal's nodes share one PID space: his job's processes are in the head's
+    # /proc too, and must survive: a job is Slurm's to end.)
+    shell = ["pgrep", "-u", str(bob.uid), "-f", "sleep 601"]
+    cluster.head.enter("sh", "-c", "runuser -u bob -- sleep 601 >/dev/null 2>&1 &")
+    cluster.wait("bob's shell on the head", lambda: cluster.head.enter(*shell, check=False).returncode == 0, 10)
     old_people = (cluster.fsx / ".gpucluster" / "people.json").read_bytes()  # signed, with bob and without carol
     cluster.apply(people_stack(tmp_path, "alice", "carol"))
     log = cluster.update()
     assert "the changed stack is applied" in log, log
     assert "killed bob's processes" in log and "deleted bob" in log and "terminate-session" in log, log
-    assert cluster.head.enter("pgrep", "-u", str(bob.uid), check=False).returncode == 1
+    assert cluster.head.enter(*shell, check=False).returncode == 1
     assert cluster.job_state(first) == "RUNNING"
     assert cluster.job_state(second) == "CANCELLED"
     refused = as_person(cluster, "bob", "sbatch", "-p", "standby", "--wrap", "true")
