@@ -325,6 +325,11 @@ esac
 # The head's list of the accounts the cluster made: carol left the stack; dave, added by an admin by hand, is not in
 # it (whatever his GECOS says).
 MADE = "alice:20001\nbob:20002\ncarol:20003\n"
+# The team's pending jobs (job id, owner's uid): 101 carol's, 102 alice's, 103 dave's.
+SQUEUE = """#!/bin/sh
+echo "squeue $*" >> "$CALLS"
+printf '101 20003\\n102 20001\\n103 3000\\n'
+"""
 
 
 def run_accounting(stack_text: str, tmp_path: Path,
@@ -333,7 +338,8 @@ def run_accounting(stack_text: str, tmp_path: Path,
     stack_file.write_text(stack_text)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, text in (("sacctmgr", SACCTMGR), ("scancel", '#!/bin/sh\necho "scancel $*" >> "$CALLS"\n')):
+    for name, text in (("sacctmgr", SACCTMGR), ("scancel", '#!/bin/sh\necho "scancel $*" >> "$CALLS"\n'),
+                       ("squeue", SQUEUE)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     calls = tmp_path / "calls"
@@ -368,10 +374,12 @@ def test_someone_no_longer_listed_loses_pending_jobs_and_association_or_else_sub
     listed = {person.name for person in stack.spec.people}
     assert listed == {"alice", "bob"}  # the stand-in's associations: alice, bob, carol (who left) and dave
     calls = run_accounting(team_a(), tmp_path)
-    assert f"scancel --state=PENDING --account={team} --user=carol" in calls
+    # Her pending jobs by her uid (her account is gone from the head), only hers, once: dave is nobody the cluster made.
+    assert f"squeue -h -t PENDING -A {team} -o %i %U" in calls
+    assert [c for c in calls if c.startswith("scancel")] == ["scancel 101"]
     assert f"sacctmgr -i delete user where name=carol account={team}" in calls
     assert f"sacctmgr -i modify user where name=carol account={team} set GrpSubmitJobs=0" in calls  # delete refused
-    assert not [c for c in calls if ("delete" in c or "scancel" in c or "GrpSubmitJobs=0" in c)
+    assert not [c for c in calls if ("delete" in c or "GrpSubmitJobs=0" in c)
                 and any(name in c for name in ("alice", "bob", "dave"))]
 
 

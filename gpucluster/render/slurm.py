@@ -365,11 +365,14 @@ def _leavers(stack: Stack) -> list[str]:
     listed = " ".join(_team_users(stack))
     # Only whom the cluster made (the head's root-owned list, which keeps a removed person's name; never the GECOS
     # mark, which anyone making an account can copy): a user an admin added by hand keeps their association.
-    made = f'grep -q "^$user:" {settings.PEOPLE_ACCOUNTS_FILE} 2>/dev/null'
+    made = f'uid=$(grep "^$user:" {settings.PEOPLE_ACCOUNTS_FILE} 2>/dev/null | cut -d: -f2)'
+    # Their pending jobs by uid: the head deleted their account, and scancel --user takes only a name it can resolve.
+    pending = (f"squeue -h -t PENDING -A {team} -o '%i %U' | "
+               'while read -r job owner; do [ "$owner" = "$uid" ] && scancel "$job"; done')
     return [f"for user in $(sacctmgr -n -P list associations where account={team} format=user); do",
             f'  case " {listed} " in *" $user "*) continue ;; esac',
-            f"  {made} || continue",
-            f'  scancel --state=PENDING --account={team} --user="$user" >/dev/null 2>&1 || true',
+            f'  {made}; [ -n "$uid" ] || continue',
+            f"  {pending} >/dev/null 2>&1 || true",
             f'  sacctmgr -i delete user where name="$user" account={team} >/dev/null 2>&1 ||',
             f'    sacctmgr -i modify user where name="$user" account={team} set GrpSubmitJobs=0',
             "done"]
