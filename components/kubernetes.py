@@ -8,6 +8,7 @@ software is a pinned helm.v3.Release.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from gpucluster.aws import checkip
 from gpucluster.contract import settings
 from gpucluster.render import kube, kube_health
 from gpucluster.spec import eks
-from gpucluster.spec.model import CONFIG_KEY, OPERATOR, PoolSpec, Stack
+from gpucluster.spec.model import CONFIG_KEY, OPERATOR, PoolSpec, Stack, principal_key
 
 ACCESS_POLICY = "arn:aws:eks::aws:cluster-access-policy/"
 # The node role joins the cluster and pulls images; the VPC CNI's IP management is its own Pod Identity role, so that
@@ -218,12 +219,16 @@ class EksCluster(pulumi.ComponentResource):
         return {a: addons[a] for a in names}
 
     def _admins(self, name: str, cluster: aws.eks.Cluster, role_arns: Sequence[str]) -> None:
-        for i, arn in enumerate(role_arns):
-            entry = aws.eks.AccessEntry(f"{name}-admin-{i}", cluster_name=cluster.name, principal_arn=arn,
-                                        type="STANDARD", opts=child(self))
-            aws.eks.AccessPolicyAssociation(f"{name}-admin-{i}", cluster_name=cluster.name, principal_arn=arn,
+        for i, arn in enumerate(role_arns):  # by the principal, as the people's (member_resource says why)
+            resource = member_resource(name, arn, "admin")
+            aliases = [pulumi.Alias(name=f"{name}-admin-{i}")]
+            entry = aws.eks.AccessEntry(resource, cluster_name=cluster.name, principal_arn=arn, type="STANDARD",
+                                        opts=child(self, delete_before_replace=True, aliases=aliases))
+            aws.eks.AccessPolicyAssociation(resource, cluster_name=cluster.name, principal_arn=arn,
                                             policy_arn=ACCESS_POLICY + "AmazonEKSClusterAdminPolicy",
-                                            access_scope={"type": "cluster"}, opts=child(self, depends_on=[entry]))
+                                            access_scope={"type": "cluster"},
+                                            opts=child(self, depends_on=[entry], delete_before_replace=True,
+                                                       aliases=aliases))
 
     def _team(self, name: str, stack: Stack, cluster: aws.eks.Cluster,
               account_id: pulumi.Input[str]) -> pulumi.Output[str]:
@@ -244,17 +249,33 @@ class EksCluster(pulumi.ComponentResource):
         their own identity (the API server's audit log names it). Per-person limits are Slurm's: none here."""
         for person in stack.spec.users or ():
             for i, arn in enumerate(person.principals):
-                self._team_member(f"{name}-user-{person.name}-{i}", stack, cluster, arn)
+                # Named by the principal, not by its place (member_resource). Older releases named it by place: the
+                # alias takes over an entry of that name at the first `up`.
+                self._team_member(member_resource(name, arn), stack, cluster, arn,
+                                  aliases=[pulumi.Alias(name=f"{name}-user-{person.name}-{i}")])
 
     def _team_member(self, resource: str, stack: Stack, cluster: aws.eks.Cluster,
-                     principal_arn: pulumi.Input[str]) -> None:
-        """An access entry in the team's group, with EKS's edit policy in the team's namespace only."""
+                     principal_arn: pulumi.Input[str], aliases: Sequence[pulumi.Alias] = ()) -> None:
+        """An access entry in the team's group, with EKS's edit policy in the team's namespace only. Replaced
+        delete-first: a new principal ARN (its path changed) would otherwise make the principal's second entry."""
         entry = aws.eks.AccessEntry(resource, cluster_name=cluster.name, principal_arn=principal_arn,
-                                    type="STANDARD", kubernetes_groups=[kube.team_group(stack)], opts=child(self))
+                                    type="STANDARD", kubernetes_groups=[kube.team_group(stack)],
+                                    opts=child(self, delete_before_replace=True, aliases=list(aliases)))
         aws.eks.AccessPolicyAssociation(resource, cluster_name=cluster.name, principal_arn=principal_arn,
                                         policy_arn=ACCESS_POLICY + "AmazonEKSEditPolicy",
                                         access_scope={"type": "namespace", "namespaces": [kube.namespace_name(stack)]},
-                                        opts=child(self, depends_on=[entry]))
+                                        opts=child(self, depends_on=[entry], delete_before_replace=True,
+                                                   aliases=list(aliases)))
+
+
+def member_resource(name: str, principal_arn: str, kind: str = "member") -> str:
+    """A principal's access entry: named by a short hash of who the ARN names (spec.model.principal_key: IAM names
+    are unique in an account regardless of case and path), so the name holds whatever list, and place, it is in:
+    EKS takes one access entry per principal, and a name that moved with the principal would have Pulumi create its
+    second entry before deleting the first (the `up` fails)."""
+    key = principal_key(principal_arn)
+    digest = hashlib.sha256("/".join(key or (principal_arn,)).encode()).hexdigest()[:12]
+    return f"{name}-{kind}-{digest}"
 
 
 def addon_configuration(stack: Stack, addon: str) -> str | None:

@@ -39,7 +39,15 @@ from gpucluster.contract.verify import CLUSTER, Check, VerifyFormatError, plan_f
 from gpucluster.plan import NEW_ACCOUNT, Declared, run_program
 from gpucluster.render import verify as planning
 from gpucluster.spec import catalog, cost, eks, model
-from gpucluster.spec.model import OPERATOR, SpecError, Stack, load_stack, resolve_stack_file, way_in_warning
+from gpucluster.spec.model import (
+    OPERATOR,
+    SpecError,
+    Stack,
+    load_stack,
+    resolve_stack_file,
+    sso_role_warnings,
+    way_in_warning,
+)
 from gpucluster.spec.ubuntu_lock import LOCK_FILE
 
 EXIT_BAD_INPUT = 2
@@ -74,7 +82,7 @@ def people_lines(stack: Stack) -> list[str]:
     accounts = ", each with an account of their own (uid = gid) on every node" if slurm else " (users:)"
     return [f"People: {len(rows)}{accounts}:"] + [
         "  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        for row in table]
+        for row in table] + [f"WARNING: {where}: {why}." for where, why in sso_role_warnings(stack.spec)]
 
 
 def cost_table(stack: Stack, estimate: cost.CostEstimate, today: date) -> list[str]:

@@ -262,8 +262,9 @@ def test_bundle_object_holds_the_rendered_files(shipped: Shipped) -> None:
     image = {str(Path(contract.BUNDLE_BOM).relative_to(contract.BUNDLE_DIR))}
     assert image == {"image/bom.json"}
     verify_plan = {str(Path(contract.VERIFY_PLAN).relative_to(contract.BUNDLE_DIR))}  # `gpucluster verify`'s figures
-    assert programs | {"accounting.sql", "accounting.sh"} | slurm_files | {f"examples/{n}" for n in bundle.EXAMPLES} | \
-        metrics | library | image | verify_plan == names
+    leavers = {str(Path(contract.PEOPLE_LEAVERS_SCRIPT).relative_to(contract.BUNDLE_DIR))}  # the update timer's
+    assert programs | {"accounting.sql", "accounting.sh"} | leavers | slurm_files | \
+        {f"examples/{n}" for n in bundle.EXAMPLES} | metrics | library | image | verify_plan == names
     assert {name for name in names if name.startswith("lib/") and modes[name] == 0o755} == programs
 
 

@@ -271,6 +271,35 @@ def test_each_persons_principals_join_the_team_group() -> None:
         set(entries) - set(bob)
 
 
+def test_a_principal_keeps_its_access_entry_when_the_people_are_reordered_or_a_principal_moves() -> None:
+    """EKS takes one access entry per principal: between two plans, each principal's entry keeps its resource name
+    whatever the order of the people or of their principals, and wherever it moves, so that `up` updates it in place
+    instead of creating the principal's second entry before deleting the first (which EKS refuses)."""
+    roles = [f"arn:aws:iam::123456789012:role/r{i}" for i in range(3)]
+
+    def names(users: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
+        _, declared = variant(TEAM_K8S, users=users)
+        entries = {e.inputs["principalArn"]: e for e in of_type(declared, "eks/accessEntry:AccessEntry")}
+        assocs = {a.inputs["principalArn"]: a.name
+                  for a in of_type(declared, "eks/accessPolicyAssociation:AccessPolicyAssociation")}
+        assert all(entries[arn].delete_before_replace for arn in roles if arn in entries)  # a new ARN: deleted first
+        return {arn: (entries[arn].name, assocs[arn]) for arn in roles if arn in entries}
+
+    before = names([{"name": "alice", "principals": roles[:2]}, {"name": "bob", "principals": roles[2:]}])
+    reordered = names([{"name": "bob", "principals": roles[2:]}, {"name": "alice", "principals": roles[1::-1]}])
+    moved = names([{"name": "alice", "principals": roles[1:2]}, {"name": "bob", "principals": [roles[2], roles[0]]}])
+    assert len({entry for entry, _ in before.values()}) == len(roles)
+    assert before == reordered == moved
+
+    def admin_names(admins: list[str]) -> dict[str, str]:
+        _, declared = variant(TEAM_K8S, kubernetes={"version": "1.35", "admin_role_arns": admins,
+                                                    "public_access_cidrs": ["operator"]})
+        return {e.inputs["principalArn"]: e.name for e in of_type(declared, "eks/accessEntry:AccessEntry")
+                if e.inputs["principalArn"] in roles}
+
+    assert admin_names(roles) == admin_names(roles[::-1]) != {}
+
+
 def test_a_cluster_admins_role_cannot_also_be_a_person() -> None:
     """EKS takes one access entry per principal: a role in kubernetes.admin_role_arns listed for a person is refused
     with its path, not at `up`."""

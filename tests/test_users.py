@@ -13,10 +13,19 @@ from typing import Any
 import pytest
 
 from conftest import ROOT
+from gpucluster.cli import people_lines
 from gpucluster.contract import lockdown, people, settings
 from gpucluster.contract.settings import ClusterSettings, PersonSettings, SettingsError
 from gpucluster.spec import catalog
-from gpucluster.spec.model import CONFIG_KEY, SpecError, load_stack, principal_key, stack_config, validate
+from gpucluster.spec.model import (
+    CONFIG_KEY,
+    SpecError,
+    load_stack,
+    principal_key,
+    sso_role_warnings,
+    stack_config,
+    validate,
+)
 from rehearsal_image import REHEARSAL_ROOTFS
 
 ROLE = "arn:aws:iam::123456789012:role/"
@@ -227,6 +236,27 @@ def test_one_principal_for_two_people_is_refused(again: str) -> None:
     found = _problems(_config(_person("alice"), {"name": "bob", "principals": [ROLE + "bob", again]}))
     assert found == [f"gpucluster:cluster.users[1].principals[1]: {again!r} is also users[0].principals[0]: a "
                      "principal connects as one person only"]
+
+
+SSO_ROLE = ROLE + "aws-reserved/sso.amazonaws.com/eu-west-2/AWSReservedSSO_Researchers_1234567890abcdef"
+
+
+def test_a_permission_set_role_for_two_people_is_refused() -> None:
+    """Every user a permission set is assigned to signs in as its one role: listed for two people, either could
+    connect as both."""
+    found = _problems(_config({"name": "alice", "principals": [SSO_ROLE]},
+                              {"name": "bob", "principals": [ROLE + "bob", SSO_ROLE]}))
+    assert found == [f"gpucluster:cluster.users[1].principals[1]: {SSO_ROLE!r} is also users[0].principals[0]: a "
+                     "principal connects as one person only"]
+
+
+def test_a_permission_set_role_is_warned_about_with_its_path_and_the_alternative() -> None:
+    stack = validate("dev", _config({"name": "alice", "principals": [ROLE + "alice", SSO_ROLE]}, _person("bob")))
+    ((where, why),) = sso_role_warnings(stack.spec)
+    assert where == "gpucluster:cluster.users[0].principals[1]"
+    assert "each of them may connect as alice" in why and "a role of their own" in why and "aws:userid" in why
+    assert f"WARNING: {where}: {why}." in people_lines(stack)  # what `plan` prints
+    assert sso_role_warnings(validate("dev", _config(_person("alice"), _person("bob"))).spec) == []
 
 
 def test_one_principal_listed_twice_for_one_person_is_refused() -> None:

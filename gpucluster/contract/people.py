@@ -60,8 +60,9 @@ UBUNTU_SYSTEM = (
 IMAGE_ACCOUNTS = ("munge", "mysql", "prometheus", "grafana", "cwagent", "slurm", "docker", "ubuntu", "ssm-user")
 RESERVED_NAMES = frozenset((*BASE_PASSWD, *UBUNTU_SYSTEM, *IMAGE_ACCOUNTS))
 
-# The GECOS field of every person's account the nodes make (gpucluster/node/accounts.py): how the nodes and the
-# accounting script tell the people the cluster made, listed or removed since, from accounts made by anyone else.
+# The GECOS field of every person's account the nodes make (gpucluster/node/accounts.py): a hint for whoever reads
+# /etc/passwd. Never how the cluster tells its accounts from others (anyone making an account can write it): that is
+# the root-owned list settings.PEOPLE_ACCOUNTS_FILE.
 ACCOUNT_MARK = "gpucluster person"
 
 

@@ -97,6 +97,13 @@ SHARED_HOME = f"{SHARED_DIR}/home"  # bind-mounted at /home on every node: code,
 NODE_HOSTS_FILE = f"{SHARED_DIR}/.gpucluster/hosts"  # registered nodes' names and addresses, kept by the head
 # The stack's people, signed by the head for the compute nodes' Prolog (gpucluster/node/accounts.py).
 SHARED_PEOPLE_FILE = f"{SHARED_DIR}/.gpucluster/people.json"
+# Root's, on every node (gpucluster/node/accounts.py; on the head the state volume, which a replaced head keeps):
+# the accounts the cluster made on this node ("name:uid" lines, kept after a removal), the only ones it ever removes;
+# and the people file's generation: on the head the last one it published, on a compute node the highest it applied.
+PEOPLE_ACCOUNTS_FILE = f"{STATE_DIR}/people-accounts"
+PEOPLE_GENERATION_FILE = f"{STATE_DIR}/people-generation"
+# The head's update timer runs it every minute: a removed person's association goes once their last job has ended.
+PEOPLE_LEAVERS_SCRIPT = f"{BUNDLE_DIR}/people-leavers.sh"
 SHARED_EXAMPLES = f"{SHARED_DIR}/examples"  # the bundle's examples, copied once by the head (bootstrap)
 # `gpucluster verify`: one JSON file per run (gpucluster/contract/verify.py), kept on the shared file system.
 VERIFY_DIR = f"{SHARED_DIR}/.gpucluster/verify"

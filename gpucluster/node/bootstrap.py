@@ -149,11 +149,21 @@ def install_munge_key(staged: Path = Path(contract.MUNGE_KEY_STAGED), path: Path
     os.replace(tmp, path)
 
 
-def people_accounts(s: ClusterSettings) -> None:
+def people_accounts(s: ClusterSettings, role: str) -> None:
     """The stack's people as accounts on this node (gpucluster/node/accounts.py), before slurmd or a session can
-    start; a name or uid another account has here fails the boot, naming both."""
-    for change in accounts.settle(s.people):
+    start; a name or uid another account has here fails the boot, naming both. The head is where people connect: a
+    removed person's processes are killed there and their account deleted; the log names what is left to do at AWS.
+    A compute node takes its accounts from the settings it booted with, as new as any people file the head published
+    before this moment: it applies no file of an older generation (one brought back to /fsx)."""
+    changes = accounts.settle(s.people, sessions_here=role == "head")
+    for change in changes:
         log.info("accounts: %s", change)
+    if role == "head" and any(change.startswith("deleted ") for change in changes):
+        log.warning("accounts: a removed person's open Session Manager sessions stay open at AWS until they end: list "
+                    "them with `aws ssm describe-sessions --state Active` and end them with `aws ssm "
+                    "terminate-session --session-id ...` (docs/how-to/people.md)")
+    if role == "compute":
+        accounts.record_generation(accounts.clock_generation())
 
 
 def people_homes(s: ClusterSettings) -> None:
@@ -398,8 +408,8 @@ def controller_up() -> None:
 
 
 def head(s: ClusterSettings) -> None:
-    people_accounts(s)
-    state_volume(s.state_volume_id)
+    state_volume(s.state_volume_id)  # first: it keeps the list of the accounts the cluster made (accounts.py)
+    people_accounts(s, "head")
     install_munge_key()
     start("munge")
     database_dir()
@@ -442,11 +452,14 @@ BUSY = {"ALLOCATED", "MIXED", "COMPLETING", "POWER_UP", "POWERING_UP"}  # a job 
 
 def update_timer(systemd: Path = SYSTEMD) -> None:
     """Every minute the fetcher reads the settings (one GetParameters call) and, when a `pulumi up` changed them, the
-    bundle they name; then `bootstrap.py head --update`. The fetcher is the bundle's copy, so it is the new one."""
+    bundle they name; then `bootstrap.py head --update`. The fetcher is the bundle's copy, so it is the new one.
+    First, whatever the update does: the associations of people the stack removed go once their last job has ended
+    (sacctmgr refused while it ran); a failure there ("-") is logged and keeps no update from running."""
     (systemd / f"{contract.UPDATE_UNIT}.service").write_text(unit(
         "gpucluster: apply a changed stack (pulumi up) on the running head", "Service",
-        ["Type=oneshot", f"ExecStart=/usr/bin/python3 {contract.BUNDLE_FETCHER} "
-                         f"{contract.NODE_ENV_FILE} --update {contract.APPLIED_FILE}"], wanted_by=None,
+        ["Type=oneshot", f"ExecStart=-/bin/sh {contract.PEOPLE_LEAVERS_SCRIPT}",
+         f"ExecStart=/usr/bin/python3 {contract.BUNDLE_FETCHER} "
+         f"{contract.NODE_ENV_FILE} --update {contract.APPLIED_FILE}"], wanted_by=None,
         ordered_after=contract.BOOT_UNIT))  # never beside a boot's own bootstrap
     (systemd / f"{contract.UPDATE_UNIT}.timer").write_text(unit(
         "gpucluster: look for a changed stack every minute", "Timer", ["OnActiveSec=60s", "OnUnitActiveSec=60s"],
@@ -495,7 +508,7 @@ def update(s: ClusterSettings) -> bool:
     accounts and quota are set anew. New nodes launch from the pools' new launch template versions (their default).
     The people go first, whatever else waits: their accounts and homes, the compute nodes' copy (their Prolog
     applies it before each job), then their associations. Returns whether everything was applied."""
-    people_accounts(s)
+    people_accounts(s, "head")
     people_homes(s)
     run("sh", str(BUNDLE / "accounting.sh"))  # again below, once slurmctld has the new files (new gres types)
     old = (SLURM_ETC / "slurm.conf").read_text()
@@ -771,7 +784,7 @@ def configuration_holds() -> bool:
 
 
 def compute(s: ClusterSettings, env: dict[str, str]) -> None:
-    people_accounts(s)
+    people_accounts(s, "compute")
     hosts_entry(s.head_address)
     install_munge_key()
     start("munge")

@@ -332,14 +332,13 @@ def container_directories(uid: int, gid: int, base: Path = Path(ENROOT_DIR)) -> 
 def people_accounts() -> str:
     """The people as the head last published them (a changed stack reaches running compute nodes so): accounts made,
     locked or unlocked before the job starts (gpucluster/node/accounts.py). Returns the problem that keeps this node
-    from serving them ("" when none): a name or uid another account has here. A file the head did not sign changes
-    nothing here."""
+    from serving them ("" when none): a name or uid another account has here. A file the head did not sign, or an
+    older one than this node applied (a copy brought back), changes nothing here: logged, the node keeps its
+    accounts and serves on."""
     try:
-        people = accounts.published()
-        if people is not None:
-            for change in accounts.settle(people):
-                print(f"gpucluster prolog: accounts: {change}", file=sys.stderr)
-    except accounts.UnsignedFile as exc:
+        for change in accounts.apply_published():
+            print(f"gpucluster prolog: accounts: {change}", file=sys.stderr)
+    except (accounts.UnsignedFile, accounts.OlderFile) as exc:
         print(f"gpucluster prolog: {exc}", file=sys.stderr)
     except (accounts.AccountError, RuntimeError, OSError, ValueError) as exc:  # a clash, a failed tool, a bad file
         return f"accounts: {exc}"

@@ -54,6 +54,8 @@ def contents(stack: Stack, examples_dir: Path,
         plan_json(verify.plan(stack)).encode(), 0o644)
     files["accounting.sql"] = (slurm.ACCOUNTING_DB_SQL.encode(), 0o644)
     files["accounting.sh"] = (slurm.accounting_script(stack).encode(), 0o755)
+    files[str(Path(settings.PEOPLE_LEAVERS_SCRIPT).relative_to(settings.BUNDLE_DIR))] = (
+        slurm.leavers_script(stack).encode(), 0o755)
     files |= {name: (text.encode(), 0o644)
               for name, text in (monitoring.node_config(stack, pool) for pool in monitoring.watched_pools(stack))}
     files |= {name: (text.encode(), 0o644)

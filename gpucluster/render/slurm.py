@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from gpucluster.contract import people as people_rules, settings
+from gpucluster.contract import settings
 from gpucluster.render import job_submit
 from gpucluster.spec import cost
 from gpucluster.spec.catalog import Accelerator
@@ -347,10 +347,8 @@ def accounting_script(stack: Stack) -> str:
     it for each of the stack's people and one for the login user (everyone's without `users:`; with people, nobody
     connects as it and it is the cluster's own: `gpucluster verify` submits its measuring jobs as it), `max_gpus` as
     a limit on GPUs in use at once (GrpTRES=gres/gpu on the user's association: a job beyond it pends with
-    AssocGrpGRES); fair share between them (slurm.conf's PriorityWeightFairshare). Someone the stack no longer lists
-    loses their pending jobs and their association (only those the cluster made: a user an admin added by hand
-    stays); while jobs of theirs still run, Slurm keeps the association (sacctmgr refuses to delete it), which then
-    takes no new job (GrpSubmitJobs=0) and goes at a later update. Idempotent: `add` of what exists is a no-op,
+    AssocGrpGRES); fair share between them (slurm.conf's PriorityWeightFairshare). Then the leavers
+    (`leavers_script`). Idempotent: `add` of what exists is a no-op,
     `modify` sets the limits anew. Root is not in the team's account, so the team's caps never stop an admin's job:
     it submits under Slurm's own root account (`gpucluster verify`'s DCGM job, run as root because DCGM's host
     engine answers root only)."""
@@ -363,10 +361,8 @@ def accounting_script(stack: Stack) -> str:
     limit = f"billing={quota.billing_minutes}" + (",gres/gpu=-1" if "gpu" in accelerator_gres(stack) else "")
     caps = " ".join(f"{key}={value}" for key, value in job_limits(stack).items())
     lines.append(f"sacctmgr -i modify account where name={team} set GrpTRESMins={limit} {caps}")
-    people = stack.spec.people
-    users = {person.name: person.max_gpus for person in people} | {settings.LOGIN_USER: None}
     counts_gpus = "gpu" in accelerator_gres(stack)  # max_gpus: NVIDIA GPUs (Neuron devices are no GPUs)
-    for user, max_gpus in users.items():
+    for user, max_gpus in _team_users(stack).items():
         lines.append(f"sacctmgr -i add user {user} Account={team} DefaultAccount={team} >/dev/null 2>&1 || true")
         # GrpSubmitJobs cleared: a person listed again after a removal had it at 0. (A Grp* limit, not the Max* ones
         # the user's association takes from the account's as long as it has none of its own.)
@@ -375,19 +371,41 @@ def accounting_script(stack: Stack) -> str:
             # associations which are children of this association" hold; a user's association has no children.
             own.append(f"GrpTRES=gres/gpu={max_gpus or -1}")
         lines.append(f"sacctmgr -i modify user where name={user} account={team} set {' '.join(own)}")
-    listed = " ".join(users)
-    # Only whom the cluster made: a person the stack dropped (their account keeps its mark). A user an admin added by
-    # hand keeps their association.
-    managed = f'[ "$(getent passwd "$user" | cut -d: -f5)" = "{people_rules.ACCOUNT_MARK}" ]'
-    lines += [f"for user in $(sacctmgr -n -P list associations where account={team} format=user); do",
-              f'  case " {listed} " in *" $user "*) continue ;; esac',
-              f"  {managed} || continue",
-              f'  scancel --state=PENDING --account={team} --user="$user" >/dev/null 2>&1 || true',
-              f'  sacctmgr -i delete user where name="$user" account={team} >/dev/null 2>&1 ||',
-              f'    sacctmgr -i modify user where name="$user" account={team} set GrpSubmitJobs=0',
-              "done"]
+    lines += _leavers(stack)
     lines.append(f"sacctmgr -i add user root Account={settings.SLURM_ROOT_ACCOUNT} >/dev/null 2>&1 || true")
     return "\n".join(lines) + "\n"
+
+
+def _team_users(stack: Stack) -> dict[str, int | None]:
+    """The team's users and their max_gpus: the people and the login user."""
+    return {person.name: person.max_gpus for person in stack.spec.people} | {settings.LOGIN_USER: None}
+
+
+def _leavers(stack: Stack) -> list[str]:
+    team = stack.spec.team
+    listed = " ".join(_team_users(stack))
+    # Only whom the cluster made (the head's root-owned list, which keeps a removed person's name; never the GECOS
+    # mark, which anyone making an account can copy): a user an admin added by hand keeps their association.
+    made = f'uid=$(grep "^$user:" {settings.PEOPLE_ACCOUNTS_FILE} 2>/dev/null | cut -d: -f2)'
+    # Their pending jobs by uid: the head deleted their account, and scancel --user takes only a name it can resolve.
+    pending = (f"squeue -h -t PENDING -A {team} -o '%i %U' | "
+               'while read -r job owner; do [ "$owner" = "$uid" ] && scancel "$job"; done')
+    return [f"for user in $(sacctmgr -n -P list associations where account={team} format=user); do",
+            f'  case " {listed} " in *" $user "*) continue ;; esac',
+            f'  {made}; [ -n "$uid" ] || continue',
+            f"  {pending} >/dev/null 2>&1 || true",
+            f'  sacctmgr -i delete user where name="$user" account={team} >/dev/null 2>&1 ||',
+            f'    sacctmgr -i modify user where name="$user" account={team} set GrpSubmitJobs=0',
+            "done"]
+
+
+def leavers_script(stack: Stack) -> str:
+    """Someone the stack no longer lists loses their pending jobs and their association. While jobs of theirs still
+    run, Slurm keeps the association (sacctmgr refuses to delete it), which then takes no new job (GrpSubmitJobs=0):
+    the head's update timer runs this every minute (settings.PEOPLE_LEAVERS_SCRIPT), so the association goes within a
+    minute of their last job's end, with no `pulumi up`. Part of the accounting script too."""
+    return "\n".join(["#!/bin/sh", "# Rendered by gpucluster: the associations of people the stack removed.",
+                      *_leavers(stack)]) + "\n"
 
 
 # sacct and sreport ask slurmdbd, which has its own PrivateData (no `cloud`: nodes are slurmctld's).

@@ -1009,6 +1009,32 @@ def way_in_warning(spec: ClusterSpec) -> str | None:
             "kubernetes.public_access_cidrs")
 
 
+# IAM Identity Center's permission-set roles: one per permission set assigned to an account, named
+# AWSReservedSSO_<set>_<unique suffix> under role/aws-reserved/sso.amazonaws.com/<region>/ (IAM Identity Center user
+# guide, "Referencing permission sets in resource policies, Amazon EKS, and AWS KMS").
+SSO_ROLE_PREFIX = "awsreservedsso_"  # principal_key's names are lowercased
+
+
+def sso_role_warnings(spec: ClusterSpec) -> list[tuple[str, str]]:
+    """(config path, warning) for each person's principal that is an IAM Identity Center permission-set role: one
+    role for everyone the permission set is assigned to, so aws:PrincipalArn (what the person's Session document's
+    policy and their EKS access entry match) cannot tell them apart. (Listed for two people it is refused like any
+    principal listed twice.)"""
+    found = []
+    for i, user in enumerate(spec.users or ()):
+        for j, arn in enumerate(user.principals):
+            key = principal_key(arn)
+            if key is not None and key[2] == "role" and key[3].startswith(SSO_ROLE_PREFIX):
+                found.append((f"{CONFIG_KEY}.users[{i}].principals[{j}]",
+                              f"{arn} is an IAM Identity Center permission-set role, which every user the permission "
+                              f"set is assigned to signs in as: each of them may connect as {user.name}. Give each "
+                              "person a role of their own (a permission set per person, or an IAM role each person "
+                              "assumes). Telling the permission set's users apart would need their session's "
+                              "aws:userid (AROA...:<username>), which starts with the role's unique id: IAM assigns "
+                              "it when Identity Center creates the role, and a stack file cannot name it"))
+    return found
+
+
 @dataclass(frozen=True)
 class Stack:
     """A validated stack: its name (from the file name), region and cluster spec."""

@@ -1,6 +1,8 @@
 """The stack's people on the boot rehearsal's cluster (tests/local_cluster.py): each an account of their own on the
 head and on compute nodes scaled from zero, a home of their own, an association of their own in Slurm with their
-max_gpus; and a changed `users:` list applied in place by the head's update (`pulumi up` on day 2), no reboot."""
+max_gpus; and a changed `users:` list applied in place by the head's update (`pulumi up` on day 2), no reboot: a
+removed person's processes on the head killed and account deleted there, their association gone at the update
+timer's next tick after their last job, and an older signed people file brought back into /fsx refused."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import pytest
 
 from conftest import FIXTURES
 from gpucluster.aws import spend
-from gpucluster.contract.settings import BUNDLE_DIR, LOGIN_USER
+from gpucluster.contract.settings import LOGIN_USER
 from gpucluster.spec.model import Stack, load_stack
 from local_cluster import LocalCluster
 
@@ -106,17 +108,29 @@ def test_people_have_accounts_homes_and_limits_of_their_own_and_a_change_reaches
                  lambda: job_field(cluster, second, "Reason") == "AssocGrpGRES", 30)
     assert cluster.job_state(second) == "PENDING" and cluster.job_state(mine) == "RUNNING"
 
-    # Day 2: bob leaves, carol comes. bob's running job runs on, his pending one goes; his home stays.
+    # Day 2: bob leaves, carol comes. bob's running job runs on, his pending one goes; his home stays. On the head,
+    # where his Session Manager shells run, his processes are killed and his account deleted (the agent never asks
+    # PAM: only `id bob` failing stops a session as him).
     release_alice.touch()
     cluster.wait(f"job {mine} to finish", lambda: cluster.job_state(mine) == "COMPLETED", 60)
+    # As his open session's shell. (The rehearsal's nodes share one PID space: his job's processes are in the head's
+    # /proc too, and must survive: a job is Slurm's to end.)
+    shell = ["pgrep", "-u", str(bob.uid), "-f", "sleep 601"]
+    cluster.head.enter("sh", "-c", "runuser -u bob -- sleep 601 >/dev/null 2>&1 &")
+    cluster.wait("bob's shell on the head", lambda: cluster.head.enter(*shell, check=False).returncode == 0, 10)
+    old_people = (cluster.fsx / ".gpucluster" / "people.json").read_bytes()  # signed, with bob and without carol
     cluster.apply(people_stack(tmp_path, "alice", "carol"))
     log = cluster.update()
     assert "the changed stack is applied" in log, log
+    assert "killed bob's processes" in log and "deleted bob" in log and "terminate-session" in log, log
+    assert cluster.head.enter(*shell, check=False).returncode == 1
     assert cluster.job_state(first) == "RUNNING"
     assert cluster.job_state(second) == "CANCELLED"
-    refused = as_person(cluster, "bob", "sbatch", "-p", "standby", "--wrap", "true")
-    assert refused.returncode != 0, refused.stdout
-    assert cluster.head.enter("getent", "passwd", "bob").stdout.strip().endswith(":/usr/sbin/nologin")
+    assert cluster.head.enter("id", "bob", check=False).returncode != 0  # what the SSM agent asks
+    # Slurm takes no job of his while his running job keeps his association (sacctmgr refuses to delete it).
+    submit_limit = ["sacctmgr", "-n", "-P", "list", "associations", "where", "user=bob",
+                    f"account={stack.spec.team}", "format=GrpSubmit"]
+    assert cluster.run(*submit_limit).split() == ["0"]
     assert (home / "bob").stat().st_uid == bob.uid
 
     # carol's job runs on the node alice's job had, which booted before carol was in the stack.
@@ -128,12 +142,24 @@ def test_people_have_accounts_homes_and_limits_of_their_own_and_a_change_reaches
     assert (home / "carol" / "ran-as").read_text().strip() == "carol"
     assert (home / "carol" / "ran-as").stat().st_uid == carol.uid
     booted = cluster.nodes[next(i for i, name in cluster.registry().items() if name == node)]
+    # A compute node locks him and keeps the account: no session reaches it, and a job of his may still run there.
     assert booted.enter("getent", "passwd", "bob").stdout.strip().endswith(":/usr/sbin/nologin")
+
+    # The people file of before the change, signed by the head at the time, brought back into /fsx (as an S3 import
+    # could): the node refuses it, keeps carol and keeps bob locked, and serves on.
+    (cluster.fsx / ".gpucluster" / "people.json").write_bytes(old_people)
+    again = submit(cluster, "carol", "-p", "spot", "-w", node, "--wrap", "id -un > ran-again")
+    cluster.wait("carol's job beside the old file", lambda: cluster.job_state(again) == "COMPLETED", 60)
+    assert (home / "carol" / "ran-again").read_text().strip() == "carol"
+    # Applied, the old file would have unlocked bob and locked carol.
+    assert booted.enter("getent", "passwd", "bob").stdout.strip().endswith(":/usr/sbin/nologin")
+    assert booted.enter("getent", "passwd", "carol").stdout.strip().endswith(":/bin/bash")
 
     release_bob.touch()
     cluster.wait(f"bob's job {first} to finish", lambda: cluster.job_state(first) == "COMPLETED", 60)
-    # The next run of the accounting script (the next update's) deletes his association, now that nothing of his runs.
-    cluster.head.enter("sh", f"{BUNDLE_DIR}/accounting.sh")
+    # The update timer's next tick, with no stack change, deletes his association now that nothing of his runs.
+    log = cluster.update()
+    assert "applying it in place" not in log, log
     users = cluster.run("sacctmgr", "-n", "-P", "list", "associations", "where",
                         f"account={stack.spec.team}", "format=user")
     # root: the harness's hand-added user stays; the login user: verify's identity, which nobody connects as.
