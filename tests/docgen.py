@@ -240,9 +240,29 @@ def stack_file_page() -> str:
     return "\n".join(lines) + "\n"
 
 
+HELP_COLUMNS = "100"
+
+
+def subcommands(top: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    # argparse has no public way to list a parser's subcommands.
+    return next(a for a in top._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
 def help_text(*args: str) -> str:
-    """`python -m gpucluster ARGS --help` as a user's terminal of 100 columns shows it."""
-    env = {**os.environ, "COLUMNS": "100"}
+    """`python -m gpucluster ARGS --help` as a user's terminal of 100 columns shows it: argparse's help, made in this
+    process (a process per command costs seconds of CPU; test_docs runs the command once to prove it prints this)."""
+    from unittest import mock
+
+    from gpucluster.cli import parser
+
+    top = parser()
+    with mock.patch.dict(os.environ, {"COLUMNS": HELP_COLUMNS}):  # argparse wraps to the terminal's width
+        return (subcommands(top)[args[0]] if args else top).format_help()
+
+
+def help_printed(*args: str) -> str:
+    """What `python -m gpucluster ARGS --help` prints, run as a user runs it."""
+    env = {**os.environ, "COLUMNS": HELP_COLUMNS}
     return subprocess.run([sys.executable, "-m", "gpucluster", *args, "--help"], cwd=ROOT, env=env, check=True,
                           capture_output=True, text=True).stdout
 
@@ -251,8 +271,7 @@ def cli_page() -> str:
     """docs/reference/cli.md."""
     from gpucluster.cli import parser
 
-    # argparse has no public way to list a parser's subcommands.
-    commands = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    commands = subcommands(parser())
     lines = [
         "# Command line",
         "",

@@ -186,7 +186,7 @@ def test_moving_a_parent_changes_only_that_images_recipe() -> None:
     """A newer GPU parent in the stack file: the compute image's recipe takes another AMI (a rebake at `up`); the
     head's stays. An id given for the region is taken as is."""
     config = _config("team-a")
-    before = _recipes(run_program(validate("team-a", config), pulumi_program()))
+    before = _recipes(list(planned(ROOT / "stacks" / "Pulumi.team-a.yaml")[1]))  # the session's plan of the file
     newer = "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 24.04) 20261020"
     config["gpucluster:cluster"]["image"] = {"parent_images": {"gpu": {"name": newer, "owner": "amazon"}}}
     stack = validate("team-a", config)

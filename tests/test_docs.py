@@ -67,6 +67,12 @@ def test_generated_reference_pages_match_the_code(page: Path) -> None:
     assert page.read_text() == text, f"{page.relative_to(ROOT)} is stale: {docgen.REGENERATE}"
 
 
+def test_the_command_prints_the_help_the_cli_page_shows() -> None:
+    """The page's help is made in-process (docgen.help_text); one real process of the entry point prints the same."""
+    assert docgen.help_printed("plan") == docgen.help_text("plan")
+    assert docgen.help_printed() == docgen.help_text()
+
+
 def test_every_stack_key_has_a_row_with_its_description() -> None:
     page = docgen.STACK_FILE_PAGE.read_text()
     keys = list(docgen.keys())

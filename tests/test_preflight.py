@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import io
 import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import boto3
 import pytest
@@ -17,6 +20,7 @@ from botocore.stub import Stubber
 from moto import mock_aws
 
 from conftest import FIXTURES, ROOT, reset_moto
+from gpucluster import cli
 from gpucluster.aws import preflight
 from gpucluster.spec import bom
 from gpucluster.spec.model import load_stack
@@ -37,10 +41,21 @@ def stack_file(tmp_path: Path, ami: str | None, parents: dict[str, dict[str, str
     return path
 
 
-def run_cli(path: Path, url: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
-    return subprocess.run([sys.executable, "-m", "gpucluster", "preflight", str(path)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+def run_cli(path: Path, url: str, *, cold: bool = False) -> subprocess.CompletedProcess[str]:
+    """`python -m gpucluster preflight PATH` against the moto server at `url`: the command line's main() in this
+    process (a fresh one costs seconds of CPU in imports), or with `cold` a fresh process as a user starts it
+    (test_preflight_against_moto: the entry point, once). The command makes its own boto3.Session from the
+    environment."""
+    env = {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
+    args = ["preflight", str(path)]
+    if cold:
+        return subprocess.run([sys.executable, "-m", "gpucluster", *args], cwd=ROOT, env={**os.environ, **env},
+                              capture_output=True, text=True, timeout=300)
+    out, err = io.StringIO(), io.StringIO()
+    with mock.patch.dict(os.environ, env), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+            contextlib.chdir(ROOT):
+        code = cli.main(args)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def spot_role(iam: Any) -> None:
@@ -72,7 +87,7 @@ def test_preflight_against_moto(moto_url: str, tmp_path: Path) -> None:
     spot_role(boto3.client("iam", region_name="us-west-2", endpoint_url=moto_url, aws_access_key_id="t",
                            aws_secret_access_key="t"))
     image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
-    done = run_cli(stack_file(tmp_path, image, parents), moto_url)
+    done = run_cli(stack_file(tmp_path, image, parents), moto_url, cold=True)
     out = done.stdout
     assert done.returncode == 0, out + done.stderr
     assert f"PASS head ami    {bom.PARENT_IMAGES['head'].name} ({MOTO_ACCOUNT}): ami-" in out

@@ -172,27 +172,54 @@ def test_example_ddp_job_survives_a_spot_warning_and_trains_across_two_nodes(clu
     """The DDP example on two spot nodes. EC2's warning for one of them reaches the head's queue: the interruptions
     service drains the node, the job gets SIGUSR1 and checkpoints, is requeued (5 s later here), EC2 takes the
     instance, the reconciler gives the node back, and the job runs again on a fresh node from the checkpoint's step,
-    not step 0. Both ranks train and end with the same weights."""
-    steps = 1500  # running when the warning comes (a couple of hundred steps later), done soon after the resume
+    not step 0. Both ranks train and end with the same weights.
+
+    The resumed run's time is measured on the first run, on this machine today (a loaded machine reaches its nodes,
+    starts torch and trains many times slower than a quiet one), not guessed."""
+    # Still training when the signal comes (the warning goes out as step 0 shows: a quiet machine trains a few
+    # hundred steps a second), and seconds of training left after the resume.
+    steps = 1500
     checkpoints = cluster.root / "checkpoints"
+    submitted = time.monotonic()
     job = submit_example(cluster, "ddp.sbatch", "--steps", str(steps), "--checkpoint-every", str(10 * steps),
                          partition="spot")  # only the signal makes a checkpoint
     output = cluster.root / f"ex-{job}.out"
-    cluster.wait(f"job {job} to train", lambda: output.exists() and "step 0 " in output.read_text(), 240)
+    cluster.wait(f"job {job} to run", lambda: cluster.job_state(job) == "RUNNING", 240)
+    # The node to warn and its instance, found while torch starts: nothing stands between step 0 and the warning.
     node = cluster.run("scontrol", "show", "hostnames", cluster.run("squeue", "-h", "-j", job, "-o", "%N").strip())
     node = node.split()[0]
     instance = cluster.instances()[node]
+    cluster.wait(f"job {job} to train", lambda: output.exists() and "step 0 " in output.read_text(), 240)
+    training = time.monotonic()
 
     warned_at = time.time()
     cluster.aws("sqs").send_message(QueueUrl=cluster.interruptions, MessageBody=spot_warning(instance))
     cluster.wait("the checkpoint the signal asks for", lambda: "(signalled)" in output.read_text(), 60)
+    first_signalled = int(re.findall(r"checkpoint at step (\d+) \(signalled\)", output.read_text())[0])
+    # At most a step's seconds: the signal's own way to the job counts as steps too.
+    step_seconds = (time.monotonic() - training) / max(first_signalled, 1)
+    measured = (f"the first run trained from {training - submitted:.0f} s after its submission, "
+                f"{step_seconds * 1000:.1f} ms a step")
     reason = cluster.run("sinfo", "-h", "-R", "-n", node, "-o", "%E")
     assert f"gpucluster: replace: spot interruption warning for {instance}" in reason, reason
     cluster.wait(f"job {job} to be requeued", lambda: "Restarts=1" in cluster.run("scontrol", "show", "job", job), 60)
-    # EC2 reclaims the instance two minutes after its warning; the reconciler then gives the node a fresh start.
+    # Its first run has ended (the job pending again) long before EC2 reclaims the instance, two minutes after its
+    # warning: Slurm gives a step's processes KillWait (30 s). Taken while the job still completes, the batch step's
+    # node would leave the other node's step waiting out MessageTimeout (60 s) for its vanished srun (seen: 111 s).
+    cluster.wait(f"job {job}'s first run to end", lambda: cluster.job_state(job) == "PENDING", 120)
     cluster.ec2().terminate_instances(InstanceIds=[instance])
+    # The reconciler then gives the node a fresh start.
     cluster.wait(f"{node} to be replaced", lambda: "replace" in cluster.reconcile(), 60)
-    cluster.wait(f"job {job} to complete", lambda: cluster.job_state(job) in {"COMPLETED", "FAILED"}, 300)
+    # The resumed run gets three times what the first one took to start training and to train the steps left, and
+    # the requeued job's hold (the credential's lifetime) and the replaced node's power-down on top.
+    left = steps - first_signalled
+    deadline = time.monotonic() + 3 * (training - submitted + left * step_seconds) + (
+        (cluster.layout.cred_expire or 0) + cluster.layout.suspend_timeout)
+    cluster.wait(f"job {job} to resume ({measured})",
+                 lambda: "resumed from " in output.read_text() or cluster.job_state(job) in {"FAILED", "COMPLETED"},
+                 deadline - time.monotonic())
+    cluster.wait(f"job {job} to train its last {left} steps ({measured})",
+                 lambda: cluster.job_state(job) in {"COMPLETED", "FAILED"}, deadline - time.monotonic())
     text = output.read_text()
     assert cluster.job_state(job) == "COMPLETED", text[-20000:]
     first_run, resumed = text.split("resumed from ", 1)
