@@ -176,3 +176,12 @@ def test_a_section_that_is_not_a_mapping_is_told_without_python_names(section: s
     with pytest.raises(SpecError) as caught:
         validate("s1", cfg)
     assert caught.value.problems == [(where, "Input should be a valid dictionary")]
+
+
+def test_the_gpu_hour_quota_key_names_the_money_quota_that_replaced_it() -> None:
+    cfg = _config()
+    cfg["gpucluster:cluster"]["budget"]["gpu_hours_per_month"] = 4024
+    with pytest.raises(SpecError) as bad:
+        validate("s1", cfg)
+    assert ("gpucluster:cluster.budget.gpu_hours_per_month: renamed: quota_usd_per_month (the quota in US dollars, "
+            "which a mix of pools cannot overshoot; default: the budget less the fixed costs)") in bad.value.render()

@@ -1101,6 +1101,8 @@ PATTERN_HELP = {
 # Keys an earlier release read, and what took their place.
 RENAMED = {
     "keep_on_destroy": "keep_file_system_on_destroy (default false) and keep_bucket_on_destroy (default true)",
+    "gpu_hours_per_month": "quota_usd_per_month (the quota in US dollars, which a mix of pools cannot overshoot; "
+                           "default: the budget less the fixed costs)",
 }
 
 
