@@ -396,14 +396,12 @@ def dashboard(args: argparse.Namespace) -> int:
     forward itself is the AWS CLI's and its Session Manager plugin's: the document fixes the head's end to Grafana."""
     import shlex
 
-    import boto3
-
     from gpucluster.aws.head import HeadNotFound, running_head
     from gpucluster.contract.settings import session_document_name
 
     stack = _load(args.stack)
     try:
-        head = running_head(boto3.Session(region_name=stack.region).client("ec2"), stack)
+        head = running_head(aws_session(stack.region).client("ec2"), stack)
     except HeadNotFound as exc:
         raise UserError([("", f"dashboard: {exc}")], EXIT_FAILED) from None
     command = ["aws", "ssm", "start-session", "--region", stack.region, "--target", head, "--document-name",
@@ -452,11 +450,9 @@ def verify(args: argparse.Namespace) -> int:
         return 0
     here = ClusterSettings.load(SETTINGS_FILE) if Path(SETTINGS_FILE).exists() else None
     if stack is not None and (here is None or here.cluster != stack.cluster_name):
-        import boto3
-
         from gpucluster.aws import verify_remote
 
-        return verify_remote.run(stack, head_arguments(args), boto3.Session())
+        return verify_remote.run(stack, head_arguments(args), aws_session())
     if here is None:
         _bad_input([f"STACK is needed off the head node (no {SETTINGS_FILE} here)"])
     if os.geteuid() != 0:
@@ -678,9 +674,11 @@ def main(argv: list[str] | None = None) -> int:
         args = parser().parse_args(argv)
         return int(args.func(args))
     except UsageError as exc:
-        if not as_json:
+        if as_json:
+            print_errors([("", exc.message)], as_json, PROG)
+        else:  # as argparse says it
             exc.command.print_usage(sys.stderr)
-        print_errors([("", exc.message)], as_json, exc.command.prog)
+            print(f"{exc.command.prog}: error: {exc.message}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except UserError as exc:
         print_errors(exc.problems, as_json, PROG, exc.source)

@@ -8,6 +8,7 @@ import functools
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ from unittest import mock
 import pytest
 
 from conftest import ROOT, planned
-from gpucluster import cli, project
+from gpucluster import cli, cli_errors, completion, project
 from gpucluster.plan import Declared
 from gpucluster.spec.model import Stack, load_stack, resolve_stack_file
 
@@ -216,3 +217,169 @@ def test_events_lists_what_happened_to_nodes_and_jobs(tmp_path: Path) -> None:
     assert out.stdout.splitlines()[0] == ("2026-11-30T16:00:00Z  spot interruption warning  instance=i-0abc "
                                           "jobs=41,42 node=p5-spot-1")
     assert run("events", "--log", str(tmp_path / "none")).returncode == 1
+
+
+# The exit-code convention (README "Exit codes", gpucluster/cli_errors.py) for every command the parser has: a
+# command added later is run here without being named.
+COMMANDS = completion.commands(cli.parser())
+WITH_STACK = sorted(name for name, command in COMMANDS.items()
+                    if any(action.dest == "stack" for action in command._actions))
+# Commands that read the account: without credentials they cannot do anything, and say so (exit 2).
+NEED_AWS = {"preflight", "cost", "leftovers", "dashboard", "verify"}
+
+
+def no_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Nothing for botocore to find: no AWS_* variable, empty config and credentials files, no instance metadata."""
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    for name in ("AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
+        (tmp_path / name).write_text("")
+        monkeypatch.setenv(name, str(tmp_path / name))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+def main_here(*args: str) -> subprocess.CompletedProcess[str]:
+    """cli.main uncached (run() caches by command line; these depend on the environment), plan from the shared plans."""
+    def shared_run(stack: Stack, program: Any, **_: Any) -> list[Declared]:
+        return list(planned(project.find_stack(stack.name).resolve())[1])
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), mock.patch.object(
+            cli, "run_program", shared_run), contextlib.chdir(ROOT):
+        code = cli.main(list(args))
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
+
+
+def test_every_command_is_in_the_convention() -> None:
+    assert {"plan", "render", "preflight", "cost", "leftovers", "verify", "events"} <= set(COMMANDS)
+    assert NEED_AWS <= set(WITH_STACK)
+    for name, command in COMMANDS.items():
+        assert "--json" in completion.options(command), f"{name} takes no --json"
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_a_usage_error_exits_2_as_text_or_json(name: str) -> None:
+    """argparse's own errors (a required argument missing comes first for some), through the convention."""
+    text = main_here(name, "--no-such-option")
+    assert text.returncode == 2 and text.stdout == "" and "Traceback" not in text.stderr
+    assert text.stderr.startswith("usage: gpucluster ")  # the command's usage, or the top's for an unknown option
+    assert re.match(rf"gpucluster( {name})?: error: ", text.stderr.splitlines()[-1]), text.stderr
+    as_json = main_here(name, "--no-such-option", "--json")
+    assert as_json.returncode == 2 and as_json.stderr == ""
+    (error,) = json.loads(as_json.stdout)["errors"]
+    assert error["path"] == "" and error["message"] == text.stderr.splitlines()[-1].split(": error: ", 1)[1]
+
+
+@pytest.mark.parametrize("name", WITH_STACK)
+@pytest.mark.parametrize("stack,path", [("no-such-stack", ""),
+                                        ("tests/bad_stacks/Pulumi.many-problems.yaml",
+                                         "gpucluster:cluster.pools[0].min_nodes")])
+def test_a_bad_stack_exits_2_for_every_command(name: str, stack: str, path: str, tmp_path: Path) -> None:
+    args = [name, stack, *(["--out", str(tmp_path)] if name == "render" else [])]
+    text = main_here(*args)
+    assert (text.returncode, text.stdout) == (2, ""), text.stderr
+    assert "Traceback" not in text.stderr
+    as_json = main_here(*args, "--json")
+    assert as_json.returncode == 2 and as_json.stderr == ""
+    errors = json.loads(as_json.stdout)["errors"]
+    assert path in {e["path"] for e in errors}, errors
+
+
+@pytest.mark.parametrize("name", WITH_STACK)
+def test_without_credentials_an_aws_command_exits_2_saying_so(name: str, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    no_credentials(monkeypatch, tmp_path)
+    monkeypatch.setattr(cli, "SETTINGS_FILE", str(tmp_path / "absent.json"))  # not on a head node
+    args = [name, "dev", *(["--out", str(tmp_path / "out")] if name == "render" else [])]
+    done = main_here(*args, "--json")
+    assert "Traceback" not in done.stderr
+    if name not in NEED_AWS:
+        assert done.returncode == 0, done.stdout  # offline: credentials play no part
+        return
+    assert done.returncode == 2 and done.stderr == "", done.stdout
+    assert json.loads(done.stdout) == {"errors": [{"path": "", "message": cli_errors.NO_CREDENTIALS}]}
+
+
+def test_preflight_with_expired_credentials_exits_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An expired token makes every AWS call fail: preflight says so once instead of passing on warnings."""
+    from botocore.exceptions import ClientError
+
+    def expired(*args: Any, **kwargs: Any) -> Any:
+        raise ClientError({"Error": {"Code": "ExpiredToken", "Message": "The security token included in the request "
+                                                                        "is expired"}}, "GetRole")
+
+    for name, value in (("AWS_ACCESS_KEY_ID", "t"), ("AWS_SECRET_ACCESS_KEY", "t"), ("AWS_SESSION_TOKEN", "t")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr("botocore.client.BaseClient._make_api_call", expired)
+    done = main_here("preflight", "dev")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == "gpucluster: the AWS credentials are not valid (ExpiredToken): renew them (aws sso login, " \
+                          "or new keys)\n"
+
+
+def test_the_entry_point_without_credentials(tmp_path: Path) -> None:
+    """One cold process: the console entry's path (gpucluster.__main__), botocore's own search for credentials."""
+    for name in ("config", "credentials"):
+        (tmp_path / name).write_text("")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")} | {
+        "AWS_CONFIG_FILE": str(tmp_path / "config"), "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "credentials"),
+        "AWS_EC2_METADATA_DISABLED": "true"}
+    done = subprocess.run([sys.executable, "-m", "gpucluster", "preflight", "dev"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr
+    assert done.stderr == f"gpucluster: {cli_errors.NO_CREDENTIALS}\n"
+
+
+def test_a_reader_that_goes_away_ends_it_quietly() -> None:
+    """`gpucluster ... | head`: the pipe's reader is gone before the command writes (its end closed first, so the
+    write fails every time): no BrokenPipeError traceback, the status a shell gives a program SIGPIPE ended."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run([sys.executable, "-m", "gpucluster", "completion", "bash"], cwd=ROOT, stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (141, "")
+
+
+def test_render_onto_a_file_and_events_last_0_are_bad_input(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    done = main_here("render", "dev", "--out", str(tmp_path / "file"))
+    assert done.returncode == 2 and done.stderr == f"gpucluster: --out: {tmp_path / 'file'} is a file: name a " \
+                                                   "directory to write into\n"
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "slurm").write_text("")  # a file where render makes a directory
+    done = main_here("render", "dev", "--out", str(tmp_path / "dir"), "--json")
+    assert done.returncode == 2 and json.loads(done.stdout)["errors"][0]["path"] == "--out"
+    for last in ("0", "-1", "x"):
+        done = main_here("events", "--last", last)
+        assert done.returncode == 2 and "N must be a whole number >= 1" in done.stderr
+
+
+def test_an_unsupported_python_is_told_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpucluster import __main__ as entry_point
+
+    monkeypatch.setattr(sys, "version_info", (3, 10, 12, "final", 0))
+    with pytest.raises(SystemExit) as exited:
+        entry_point.entry()
+    assert exited.value.code == f"gpucluster needs Python 3.11 or newer; {sys.executable} is 3.10.12"
+
+
+def test_bash_completion_offers_the_parsers_commands_options_and_stacks() -> None:
+    script = run("completion", "bash").stdout
+
+    def complete(*words: str) -> set[str]:
+        line = " ".join(f"'{w}'" for w in words)
+        done = subprocess.run(["bash", "-c", f'{script}\nCOMP_WORDS=(gpucluster {line}); '
+                               f'COMP_CWORD={len(words)}; _gpucluster; printf "%s\\n" "${{COMPREPLY[@]}}"'],
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return set(done.stdout.split())
+
+    assert complete("") == {*COMMANDS, "-h", "--help", "--version"}
+    assert complete("plan", "--") == {"--help", "--json"}
+    assert complete("render", "--") == {"--help", "--json", "--out"}
+    assert {p.name.removeprefix("Pulumi.").removesuffix(".yaml")
+            for p in (ROOT / "stacks").glob("Pulumi.*.yaml")} <= complete("plan", "")
+    assert complete("plan", "te") >= {"team-a", "team-b"}
