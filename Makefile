@@ -1,6 +1,6 @@
 # The commands of the README. Each sets up what it needs on a fresh machine first.
 #   make plan [STACK=dev]   offline plan of a stack and its cost (no AWS account, no Pulumi CLI); installs the runtime
-#                           requirements only (`pip install .` gives the same as the `gpucluster` command)
+#                           requirements only, and the `gpucluster` command in .venv/bin
 #   make test               the whole test suite: its three lanes (tests/lanes.py) in parallel worker processes
 #   make test-fast          the unit lane alone: no Slurm daemon, no local cluster
 VENV ?= .venv
@@ -28,9 +28,12 @@ TEST_WORKERS ?= 6
 # with python3-venv: installed when the first try fails.
 APT_INSTALL := DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get -o DPkg::Lock::Timeout=300 install -y -q
 PIP_INSTALL := $(PY) -m pip install --quiet --disable-pip-version-check
-$(VENV)/.runtime: requirements.txt
+# The runtime stamp installs this checkout too (editable, pyproject.toml), which puts the `gpucluster` command in
+# $(VENV)/bin.
+$(VENV)/.runtime: requirements.txt pyproject.toml
 	python3 -m venv $(VENV) || { $(SUDO) apt-get update -q && $(APT_INSTALL) python3-venv && python3 -m venv $(VENV); }
 	$(PIP_INSTALL) -r requirements.txt
+	$(PIP_INSTALL) --no-deps -e .
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.runtime requirements-dev.txt

@@ -1,20 +1,23 @@
 """gpucluster's command line.
 
-    python -m gpucluster plan [STACK] [--json]   what a stack creates and costs, offline (default stack: dev)
-    python -m gpucluster render STACK --out DIR  the user data EC2 gets, the head's Slurm, Prometheus and Grafana files,
-                                                 the node images' bill of materials (image/bom.json)
-    python -m gpucluster preflight STACK         the account's quotas, capacity and prices for the stack (0 ok, 1 fail)
-    python -m gpucluster cost STACK              this month's spend by the stack's tag, forecast, GPU-hours
-    python -m gpucluster leftovers STACK         what is still tagged with the stack (after a destroy), per month
-    python -m gpucluster dashboard STACK [--run] [--local-port N]   Grafana through a Session Manager port forward
-    python -m gpucluster verify STACK --plan [--json] [--pool NAME ...] [--nodes N] [--deep]   the checks a verify
-                                                 run makes and the figures each must reach, offline
-    python -m gpucluster verify STACK [--json] [--pool NAME ...] [--nodes N] [--deep]   a verify run on the stack's
-                                                 head node (through Session Manager; `--last`: its latest run)
-    gpucluster verify [--json] [--last] [--pool NAME ...] [--nodes N] [--deep]   on the head node, as root: the run
-    gpucluster events [--last N]                 on the head node: recent interruptions, drains, requeues, replacements
-    python -m gpucluster image-lock --snapshot ID [--archive URL]   (maintainers, internet) lock the image's Ubuntu
-                                                 packages to what the Ubuntu snapshot ID serves
+  gpucluster plan [STACK] [--json]      what a stack creates and costs, offline (default stack: dev)
+  gpucluster render STACK --out DIR     the user data EC2 gets, the head's Slurm, Prometheus and Grafana files,
+                                        the node images' bill of materials (image/bom.json)
+  gpucluster preflight STACK            the account's quotas, capacity and prices for the stack
+  gpucluster cost STACK                 this month's spend by the stack's tag, forecast, GPU-hours
+  gpucluster leftovers STACK            what is still tagged with the stack (after a destroy), per month
+  gpucluster dashboard STACK [--run] [--local-port N]   Grafana through a Session Manager port forward
+  gpucluster verify STACK --plan [--pool NAME ...] [--nodes N] [--deep]   the checks a verify run makes and the
+                                        figures each must reach, offline
+  gpucluster verify STACK [--pool NAME ...] [--nodes N] [--deep] [--last]   a verify run on the stack's head node
+                                        (through Session Manager; --last: its latest run)
+  gpucluster verify [--last] [--pool NAME ...] [--nodes N] [--deep]   on the head node, as root: the run
+  gpucluster events [--last N]          on the head node: recent interruptions, drains, requeues, replacements
+  gpucluster image-lock --snapshot ID [--archive URL]   (maintainers, internet) lock the image's Ubuntu packages to
+                                        what the Ubuntu snapshot ID serves
+  gpucluster completion bash|zsh        a shell completion script: eval "$(gpucluster completion bash)"
+
+Every command takes --json (one JSON object on stdout, errors included).
 """
 
 from __future__ import annotations

@@ -36,9 +36,10 @@ def test_pip_install_gives_the_command_that_plans_from_anywhere(tmp_path: Path) 
     source, venv, elsewhere = tmp_path / "source", tmp_path / "venv", tmp_path / "elsewhere"
     source.mkdir()
     for name in SOURCES:
-        copy = shutil.copytree if (ROOT / name).is_dir() else shutil.copy
-        copy(ROOT / name, source / name, **({"ignore": shutil.ignore_patterns("__pycache__")}
-                                            if (ROOT / name).is_dir() else {}))
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(ROOT / name, source / name)
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
     python = venv / "bin" / "python"
     purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],

@@ -1,4 +1,4 @@
-"""What is still tagged with a stack, and what it bills: `python -m gpucluster leftovers STACK`, after a destroy.
+"""What is still tagged with a stack, and what it bills: `gpucluster leftovers STACK`, after a destroy.
 
 The Resource Groups Tagging API lists every resource of the region that carries the stack's tag; each is priced from
 the same reference rates as the plan, where its size or type can be read. The API also lists a resource for a while

@@ -1,4 +1,4 @@
-"""`python -m gpucluster preflight STACK`: can this account run this stack, before `pulumi up`?
+"""`gpucluster preflight STACK`: can this account run this stack, before `pulumi up`?
 
 Uses the caller's AWS credentials (boto3's usual chain: AWS_PROFILE, environment, SSO; AWS_ENDPOINT_URL is honoured).
 Per pool: offered in the AZ, EFA, the vCPU quota of its family and market, its capacity reservation, the spot
