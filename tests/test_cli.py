@@ -20,7 +20,8 @@ import pytest
 from conftest import ROOT, planned
 from gpucluster import cli, cli_errors, completion, project
 from gpucluster.plan import Declared
-from gpucluster.spec.model import Stack, load_stack, resolve_stack_file
+from gpucluster.spec.cost import gpu_hour_quota
+from gpucluster.spec.model import Stack, load_stack
 
 # The module on one xdist worker, so that the command lines its tests share are run once (run below).
 pytestmark = pytest.mark.xdist_group("cli")
@@ -34,20 +35,25 @@ def cold(*args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=120)
 
 
-@functools.cache  # once per distinct command line a session: several tests read the same plan
-def run(*args: str) -> subprocess.CompletedProcess[str]:
+def main_here(*args: str) -> subprocess.CompletedProcess[str]:
     """The command line's main() here, its output captured; `plan` takes the program's run under the mock runtime from
     the session's shared plans (conftest.planned: the same program, stack file and account), which a cold process
     would make anew each time (tests/test_cli.py's `cold` proves that path once)."""
     def shared_run(stack: Stack, program: Any, **_: Any) -> list[Declared]:
         stack_arg = args[1] if len(args) > 1 and not args[1].startswith("-") else "dev"
-        return list(planned(resolve_stack_file(stack_arg, project.STACKS_DIR).resolve())[1])
+        return list(planned(project.find_stack(stack_arg).resolve())[1])
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), mock.patch.object(
             cli, "run_program", shared_run), contextlib.chdir(ROOT):
         code = cli.main(list(args))
     return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
+
+
+@functools.cache  # once per distinct command line a session: several tests read the same plan
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    """main_here, once per command line (for those whose answer does not depend on the environment)."""
+    return main_here(*args)
 
 
 def test_plan_json_shape() -> None:
@@ -67,6 +73,15 @@ def test_plan_json_shape() -> None:
     assert cost["budget_monthly_usd"] == 250000
     assert 0 < cost["hourly_usd_min"] < cost["hourly_usd_max"]
     assert cost["monthly_usd_at_max"] == pytest.approx(cost["hourly_usd_max"] * 730, rel=1e-4)
+    # The rows and fixed costs the text's table shows add up to its totals; the budget and the quota beside them.
+    stack = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")
+    assert [row["name"] for row in cost["pools"]] == [pool.name for pool in stack.spec.pools]
+    fixed_hourly = sum(cost["fixed_monthly_usd"].values()) / 730
+    for end in ("min", "max"):
+        assert cost[f"hourly_usd_{end}"] == pytest.approx(
+            fixed_hourly + sum(row[f"hourly_usd_{end}"] for row in cost["pools"]), abs=0.01)
+    assert cost["over_budget"] == (cost["monthly_usd_at_max"] > cost["budget_monthly_usd"])
+    assert cost["gpu_hour_quota"] == gpu_hour_quota(stack)
 
 
 def test_plan_shows_the_people_as_the_nodes_will_have_them() -> None:
@@ -236,18 +251,6 @@ def no_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
         (tmp_path / name).write_text("")
         monkeypatch.setenv(name, str(tmp_path / name))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-
-
-def main_here(*args: str) -> subprocess.CompletedProcess[str]:
-    """cli.main uncached (run() caches by command line; these depend on the environment), plan from the shared plans."""
-    def shared_run(stack: Stack, program: Any, **_: Any) -> list[Declared]:
-        return list(planned(project.find_stack(stack.name).resolve())[1])
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), mock.patch.object(
-            cli, "run_program", shared_run), contextlib.chdir(ROOT):
-        code = cli.main(list(args))
-    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 
 def test_every_command_is_in_the_convention() -> None:
