@@ -1,5 +1,6 @@
 # The commands of the README. Each sets up what it needs on a fresh machine first.
-#   make plan [STACK=dev]   offline plan of a stack and its cost (no AWS account, no Pulumi CLI)
+#   make plan [STACK=dev]   offline plan of a stack and its cost (no AWS account, no Pulumi CLI); installs the runtime
+#                           requirements only, and the `gpucluster` command in .venv/bin
 #   make test               the whole test suite: its three lanes (tests/lanes.py) in parallel worker processes
 #   make test-fast          the unit lane alone: no Slurm daemon, no local cluster
 VENV ?= .venv
@@ -22,14 +23,24 @@ TEST_WORKERS ?= 6
 
 .PHONY: plan test test-fast setup lanes bench system-packages rehearsal-rootfs
 
-# Debian's and Ubuntu's python3 makes a venv only with python3-venv: installed when the first try fails.
+# Two stamps: the runtime (requirements.txt, what `make plan` needs: about a minute) and the development tools on top
+# (requirements-dev.txt: tests, lint, docs; what `make test` needs). Debian's and Ubuntu's python3 makes a venv only
+# with python3-venv: installed when the first try fails.
 APT_INSTALL := DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get -o DPkg::Lock::Timeout=300 install -y -q
-$(VENV)/.installed: requirements.txt requirements-dev.txt
+PIP_INSTALL := $(PY) -m pip install --quiet --disable-pip-version-check
+# The runtime stamp installs this checkout too (editable, pyproject.toml), which puts the `gpucluster` command in
+# $(VENV)/bin.
+$(VENV)/.runtime: requirements.txt pyproject.toml
 	python3 -m venv $(VENV) || { $(SUDO) apt-get update -q && $(APT_INSTALL) python3-venv && python3 -m venv $(VENV); }
-	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
+	$(PIP_INSTALL) -r requirements.txt
+	$(PIP_INSTALL) --no-deps -e .
 	touch $@
 
-plan: $(VENV)/.installed
+$(VENV)/.installed: $(VENV)/.runtime requirements-dev.txt
+	$(PIP_INSTALL) -r requirements-dev.txt
+	touch $@
+
+plan: $(VENV)/.runtime
 	$(PY) -m gpucluster plan $(STACK)
 
 system-packages:

@@ -1,10 +1,6 @@
-"""The Pulumi program: read the stack's spec, build the cluster, export its outputs."""
+"""The Pulumi program's entry, as Pulumi's Python host runs it (Pulumi.yaml): components.program."""
 
-import pulumi
-
-from components.cluster import create_cluster
+from components.program import main
 from gpucluster.project import EXAMPLES_DIR
-from gpucluster.spec.model import stack_from_pulumi_config
 
-for key, value in create_cluster(stack_from_pulumi_config(), EXAMPLES_DIR).items():
-    pulumi.export(key, value)
+main(EXAMPLES_DIR)

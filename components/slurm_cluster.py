@@ -167,7 +167,7 @@ def create_slurm_cluster(stack: Stack, examples_dir: Path) -> dict[str, object]:
                     for person, document in team.person_documents.items()} if team.user_document is None
         else start_session(stack.region, head.instance_id, team.user_document),
         "connect_admin": start_session(stack.region, head.instance_id, team.admin_document),
-        # Grafana through a Session Manager port forward (either policy): `python -m gpucluster dashboard STACK`.
+        # Grafana through a Session Manager port forward (either policy): `gpucluster dashboard STACK`.
         "connect_dashboard": team.dashboard_document,
         "user_access_policy_arn": team.user_policy_arn,
         "admin_access_policy_arn": team.admin_policy_arn,

@@ -1,65 +1,89 @@
 """gpucluster's command line.
 
-    python -m gpucluster plan [STACK] [--json]   what a stack creates and costs, offline (default stack: dev)
-    python -m gpucluster plan STACK --against OLD [--json|--markdown]   what changes from OLD (a stack file or
-                                                 git:REV) and what it does to the price, offline
-    python -m gpucluster render STACK --out DIR  the user data EC2 gets, the head's Slurm, Prometheus and Grafana files,
-                                                 the node images' bill of materials (image/bom.json)
-    python -m gpucluster preflight STACK         the account's quotas, capacity and prices for the stack (0 ok, 1 fail)
-    python -m gpucluster cost STACK              this month's spend by the stack's tag, forecast, GPU-hours
-    python -m gpucluster cost --all [STACK ...] [--json]   the cost board across teams: spend, forecast, budget,
-                                                 GPU-hours, idle GPU-hours (exit 1: a team over or forecast over)
-    python -m gpucluster leftovers STACK         what is still tagged with the stack (after a destroy), per month
-    python -m gpucluster dashboard STACK [--run] [--local-port N]   Grafana through a Session Manager port forward
-    python -m gpucluster verify STACK --plan [--json] [--pool NAME ...] [--nodes N] [--deep]   the checks a verify
-                                                 run makes and the figures each must reach, offline
-    python -m gpucluster verify STACK [--json] [--pool NAME ...] [--nodes N] [--deep]   a verify run on the stack's
-                                                 head node (through Session Manager; `--last`: its latest run)
-    gpucluster verify [--json] [--last] [--pool NAME ...] [--nodes N] [--deep]   on the head node, as root: the run
-    gpucluster events [--last N]                 on the head node: recent interruptions, drains, requeues, replacements
-    python -m gpucluster image-lock --snapshot ID [--archive URL]   (maintainers, internet) lock the image's Ubuntu
-                                                 packages to what the Ubuntu snapshot ID serves
+  gpucluster plan [STACK] [--json]      what a stack creates and costs, offline (default stack: dev)
+  gpucluster plan STACK --against OLD [--markdown]   what changes from OLD (a stack file or git:REV) and what it
+                                        does to the price, offline
+  gpucluster render STACK --out DIR     the user data EC2 gets, the head's Slurm, Prometheus and Grafana files,
+                                        the node images' bill of materials (image/bom.json)
+  gpucluster preflight STACK            the account's quotas, capacity and prices for the stack
+  gpucluster cost STACK                 this month's spend by the stack's tag, forecast, GPU-hours
+  gpucluster cost --all [STACK ...]     the cost board across teams: spend, forecast, budget, GPU-hours, idle
+                                        GPU-hours (exit 1: a team over its budget or forecast to be)
+  gpucluster leftovers STACK            what is still tagged with the stack (after a destroy), per month
+  gpucluster dashboard STACK [--run] [--local-port N]   Grafana through a Session Manager port forward
+  gpucluster verify STACK --plan [--pool NAME ...] [--nodes N] [--deep]   the checks a verify run makes and the
+                                        figures each must reach, offline
+  gpucluster verify STACK [--pool NAME ...] [--nodes N] [--deep] [--last]   a verify run on the stack's head node
+                                        (through Session Manager; --last: its latest run)
+  gpucluster verify [--last] [--pool NAME ...] [--nodes N] [--deep]   on the head node, as root: the run
+  gpucluster events [--last N]          on the head node: recent interruptions, drains, requeues, replacements
+  gpucluster image-lock --snapshot ID [--archive URL]   (maintainers, internet) lock the image's Ubuntu packages to
+                                        what the Ubuntu snapshot ID serves
+  gpucluster completion bash|zsh        a shell completion script: eval "$(gpucluster completion bash)"
+
+Every command takes --json (one JSON object on stdout, errors included).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import signal
 import sys
 from collections import defaultdict
 from datetime import date
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from gpucluster import project
+from gpucluster import __version__, completion, project
 from gpucluster.aws import checkip
+from gpucluster.cli_errors import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    NO_CREDENTIALS,
+    UserError,
+    credentials_problem,
+    print_errors,
+)
 from gpucluster.contract.settings import GRAFANA_PORT, LOGIN_USER, SETTINGS_FILE, VERIFY_PLAN, ClusterSettings
 from gpucluster.contract.verify import CLUSTER, Check, VerifyFormatError, plan_from_json, plan_json
 from gpucluster.plan import NEW_ACCOUNT, Declared, run_program
 from gpucluster.render import verify as planning
 from gpucluster.spec import catalog, cost, eks, model
 from gpucluster.spec.model import (
+    CONFIG_KEY,
     OPERATOR,
+    REGION_KEY,
     SpecError,
     Stack,
     load_stack,
-    resolve_stack_file,
     sso_role_warnings,
     way_in_warning,
 )
 from gpucluster.spec.ubuntu_lock import LOCK_FILE
 
-EXIT_BAD_INPUT = 2
+PROG = "gpucluster"
 BOM_PATH = "image/bom.json"  # under render's --out
 
 
+def _stack_path(stack_arg: str) -> Path:
+    path = project.find_stack(stack_arg)
+    if not project.is_stack_path(stack_arg) and not path.exists():
+        looked = " or ".join(str(d) for d in project.stack_dirs())
+        unset = "" if os.environ.get(project.STACKS_ENV) else f" (${project.STACKS_ENV} is not set)"
+        raise UserError([("", f"no such stack file: Pulumi.{stack_arg}.yaml is not in {looked}{unset}")])
+    return path
+
+
 def _load(stack_arg: str) -> Stack:
-    return load_stack(resolve_stack_file(stack_arg, project.STACKS_DIR))
+    return load_stack(_stack_path(stack_arg))
 
 
 def _load_among_siblings(stack_arg: str) -> Stack:
-    return model.load_stack_among_siblings(resolve_stack_file(stack_arg, project.STACKS_DIR))
+    """The stack, refused when its VPC range overlaps another stack file's of its directory and region."""
+    return model.load_stack_among_siblings(_stack_path(stack_arg))
 
 
 def people(stack: Stack) -> list[dict[str, object]]:
@@ -159,6 +183,33 @@ def spot_lines(stack: Stack, estimate: cost.CostEstimate) -> list[str]:
     return lines
 
 
+def config_problem(text: str) -> tuple[str, str]:
+    """(path, message) of a refusal that begins with the config key it is about ("gpucluster:cluster.users: ...")."""
+    path, _, message = text.partition(": ")
+    return (path, message) if path.startswith((CONFIG_KEY, REGION_KEY)) and " " not in path else ("", text)
+
+
+def cost_json(estimate: cost.CostEstimate) -> dict[str, object]:
+    """What the text's cost table says beyond the summary's totals and pool rows: the fixed costs and the budget
+    warning (the quota and the default partition beside them: `plan`)."""
+    return {
+        "fixed_monthly_usd": {"head_node": round(estimate.head_node_monthly, 2),
+                              "lustre": round(estimate.lustre_monthly, 2),
+                              "network": round(estimate.network_monthly, 2),
+                              "kubernetes": round(estimate.kubernetes_monthly, 2),
+                              "image_snapshots": round(estimate.image_snapshots_monthly, 2)},
+        "over_budget": estimate.over_budget,
+        "hours_at_max_within_budget": (round(estimate.hours_at_max_within_budget, 1) if estimate.over_budget
+                                       else None),
+        "price_date": catalog.PRICE_DATE,
+    }
+
+
+def print_json(doc: object) -> None:
+    json.dump(doc, sys.stdout, indent=1, sort_keys=True)
+    print()
+
+
 def resource_tree(declared: list[Declared]) -> list[str]:
     """Resources grouped under the component that owns them."""
     children: dict[str, list[Declared]] = defaultdict(list)
@@ -200,12 +251,12 @@ def image_lines(images: dict[str, Any]) -> list[str]:
 
 def plan(args: argparse.Namespace) -> int:
     if args.markdown and not args.against:
-        return _usage("plan", ["--markdown needs --against OLD (it prints the change, for a pull request)"], args.json)
+        raise UserError([("--markdown", "needs --against OLD (it prints the change, for a pull request)")])
     stack = _load_among_siblings(args.stack)
-    if not project.PROGRAM.exists():  # the head node's bundle carries the library, not the Pulumi program
-        print(f"plan runs the Pulumi program ({project.PROGRAM.name} and components/), which is not here: run it from "
-              "a checkout of the repository. Here: render, preflight, cost.", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    if not project.has_program():  # the head node's bundle carries the library, not the Pulumi program
+        raise UserError([("", "plan runs the Pulumi program (components/), which is not installed here: run it "
+                              "where gpucluster is installed (pip install) or from a checkout. Here: render, "
+                              "preflight, cost.")])
     from pulumi import RunError
 
     if args.against:
@@ -213,8 +264,7 @@ def plan(args: argparse.Namespace) -> int:
     try:
         declared = run_program(stack, project.pulumi_program())
     except RunError as exc:  # what the program refuses in the stack's own terms, naming the key (as `pulumi up` would)
-        print(exc, file=sys.stderr)
-        return EXIT_BAD_INPUT
+        raise UserError([config_problem(str(exc))]) from None
     estimate = cost.estimate(stack)
     images = image_inputs(stack)
     if args.json:
@@ -227,7 +277,7 @@ def plan(args: argparse.Namespace) -> int:
                  "retain_on_delete": d.retain_on_delete}
                 for d in declared
             ],
-            "cost": estimate.summary(),
+            "cost": estimate.summary() | cost_json(estimate),
             "price_warning": cost.stale_price_warning(date.today()),
             "people": people(stack),
         }
@@ -235,8 +285,7 @@ def plan(args: argparse.Namespace) -> int:
             partition, why = cost.default_partition(stack)
             doc["quota"] = cost.quota(stack).as_dict()
             doc["default_partition"] = {"name": partition, "why": why}
-        json.dump(doc, sys.stdout, indent=1, sort_keys=True)
-        print()
+        print_json(doc)
         return 0
     print(f"Stack {stack.name}: team {stack.spec.team}, {stack.region} / {stack.spec.availability_zone}, "
           f"{len(declared)} resources (offline plan, mock runtime; '<... at up>' marks values AWS computes)")
@@ -268,48 +317,37 @@ def plan_against(args: argparse.Namespace, stack: Stack) -> int:
     from gpucluster import plan_diff
 
     try:
-        old = plan_diff.old_stack(resolve_stack_file(args.stack, project.STACKS_DIR), args.against)
+        old = plan_diff.old_stack(_stack_path(args.stack), args.against)
         result = plan_diff.diff(stack, old, args.against, lambda s: run_program(s, project.pulumi_program()))
     except plan_diff.AgainstError as exc:
-        return _usage("plan", [str(exc)], args.json)
-    except SpecError as exc:
-        if args.json:
-            return _json_errors([(path, f"{exc.source}: {message}") for path, message in exc.problems])
-        raise
+        raise UserError([("--against", str(exc))]) from None
     except RunError as exc:
-        return _usage("plan", [str(exc)], args.json)
+        raise UserError([config_problem(str(exc))]) from None
     if args.json:
-        json.dump(result.as_json(), sys.stdout, indent=1, sort_keys=True)
-        print()
+        print_json(result.as_json())
     else:
         print("\n".join(plan_diff.markdown(result) if args.markdown else plan_diff.text(result)))
     return 0
 
 
-def _usage(command: str, problems: list[str], as_json: bool) -> int:
-    """Bad input or usage (exit 2): each problem on stderr, or with --json as {"errors": [...]} on stdout."""
-    if as_json:
-        return _json_errors([("", problem) for problem in problems])
-    for problem in problems:
-        print(f"{command}: {problem}", file=sys.stderr)
-    return EXIT_BAD_INPUT
-
-
-def _json_errors(problems: list[tuple[str, str]]) -> int:
-    json.dump({"errors": [{"path": path, "message": message} for path, message in problems]}, sys.stdout, indent=1)
-    print()
-    return EXIT_BAD_INPUT
-
-
 def render(args: argparse.Namespace) -> int:
     """The exact user data EC2 gets, the files the head node writes, and the images' bill of materials."""
+    stack = _load(args.stack)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UserError([("--out", f"{out} is a file: name a directory to write into")])
+    try:
+        if stack.spec.scheduler == "kubernetes":
+            return _render_kubernetes(stack, out, args.json)
+        return _render_slurm(stack, out, args.json)
+    except OSError as exc:  # a file in the way of a directory, no permission, a full disk
+        raise UserError([("--out", f"cannot write under {out}: {exc.strerror}: {exc.filename}")]) from None
+
+
+def _render_slurm(stack: Stack, out: Path, as_json: bool) -> int:
     from gpucluster.render import dashboards, prometheus, slurm, userdata
     from gpucluster.spec import bom
 
-    stack = _load(args.stack)
-    out = Path(args.out)
-    if stack.spec.scheduler == "kubernetes":
-        return _render_kubernetes(stack, out)
     files = dict(userdata.all_user_data(stack))
     files |= {f"slurm/{name}": text for name, text in slurm.all_files(stack).items()}
     files |= prometheus.files(stack) | dashboards.files(stack)  # byte for byte what the head's bundle carries
@@ -317,6 +355,10 @@ def render(args: argparse.Namespace) -> int:
     for name, text in files.items():
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_text(text)
+    if as_json:
+        print_json({"files": [{"path": str(out / name), "bytes": len(files[name].encode())} for name in sorted(files)],
+                    "user_data_limit": userdata.EC2_USER_DATA_LIMIT})
+        return 0
     for name in sorted(files):
         size = len(files[name].encode())
         limit = f"  ({size} of {userdata.EC2_USER_DATA_LIMIT} bytes)" if name.endswith(".user-data") else ""
@@ -324,32 +366,53 @@ def render(args: argparse.Namespace) -> int:
     return 0
 
 
-def _render_kubernetes(stack: Stack, out: Path) -> int:
+def _render_kubernetes(stack: Stack, out: Path, as_json: bool) -> int:
     """The Kubernetes objects of the stack (for reference) and its first job (for `kubectl apply -f`), as YAML."""
     import yaml
 
     from gpucluster.render import kube
 
     (out / "kubernetes").mkdir(parents=True, exist_ok=True)
+    written = []
     for name, manifests in kube.render_files(stack, project.EXAMPLES_DIR).items():
         path = out / "kubernetes" / name
         path.write_text(kube.render_header(name) + yaml.safe_dump_all(manifests, sort_keys=False))
-        print(path)
+        written.append(path)
+    if as_json:
+        print_json({"files": [{"path": str(path), "bytes": path.stat().st_size} for path in written]})
+    else:
+        print("\n".join(map(str, written)))
     return 0
 
 
 def preflight(args: argparse.Namespace) -> int:
-    """Checks against the caller's account; exit 0 when nothing fails, 1 when a check fails."""
-    import boto3
-
+    """Checks against the caller's account; exit 0 when nothing fails, 1 when a check fails, 2 without credentials."""
     from gpucluster.aws import preflight as checks
 
     stack = _load_among_siblings(args.stack)
-    report = checks.run(stack, boto3.Session())
-    print("\n".join(checks.render(stack, report)))
-    print()
-    print("\n".join(cost_table(stack, cost.estimate(stack, hourly_overrides=report.spot_prices), date.today())))
-    return 1 if report.failed else 0
+    session = aws_session()
+    report = checks.run(stack, session)
+    estimate = cost.estimate(stack, hourly_overrides=report.spot_prices)
+    if args.json:
+        print_json({"stack": stack.name, "region": stack.region, "failed": report.failed,
+                    "checks": [dataclasses.asdict(check) for check in report.checks],
+                    "cost": estimate.summary() | cost_json(estimate)})
+    else:
+        print("\n".join(checks.render(stack, report)))
+        print()
+        print("\n".join(cost_table(stack, estimate, date.today())))
+    return EXIT_FAILED if report.failed else 0
+
+
+def aws_session(region: str | None = None) -> Any:
+    """The caller's boto3 session; no credentials anywhere (environment, profile, SSO, instance role) is bad input
+    (exit 2) here, before a command that reads many APIs could take each refusal for a finding."""
+    import boto3
+
+    session = boto3.Session(region_name=region)
+    if session.get_credentials() is None:
+        raise UserError([("", NO_CREDENTIALS)])
+    return session
 
 
 def spend(args: argparse.Namespace) -> int:
@@ -357,7 +420,6 @@ def spend(args: argparse.Namespace) -> int:
     `--all`, several stacks or `--json`: the cost board (gpucluster/aws/cost_board.py)."""
     import datetime as dt
 
-    import boto3
     from botocore.exceptions import BotoCoreError, ClientError
 
     from gpucluster.aws import spend as money
@@ -365,10 +427,12 @@ def spend(args: argparse.Namespace) -> int:
     if args.all or args.json or len(args.stacks) != 1:
         return cost_board(args)
     stack = _load(args.stacks[0])
-    session = boto3.Session()
+    session = aws_session()
     try:
         account = session.client("sts", region_name=stack.region).get_caller_identity()["Account"]
-    except (BotoCoreError, ClientError):  # said by the Cost Explorer call below, with the same cause
+    except (BotoCoreError, ClientError) as exc:  # said by the Cost Explorer call below, with the same cause
+        if credentials_problem(exc):
+            raise
         account = None
     result = money.spend(session.client("ce", region_name="us-east-1"), stack, dt.date.today(),
                          budgets=session.client("budgets", region_name="us-east-1"), account=account)
@@ -381,16 +445,15 @@ def cost_board(args: argparse.Namespace) -> int:
     is over its budget or forecast to be, or its spend could not be read."""
     import datetime as dt
 
-    import boto3
     from botocore.exceptions import BotoCoreError, ClientError
 
     from gpucluster.aws import cost_board as board
     from gpucluster.render import prometheus
 
     if not args.stacks and not args.all:
-        return _usage("cost", ["say which stacks: STACK ..., or --all for every stack under stacks/"], args.json)
-    paths = [resolve_stack_file(s, project.STACKS_DIR) for s in args.stacks] or \
-        sorted(project.STACKS_DIR.glob("Pulumi.*.yaml"))
+        raise UserError([("", "say which stacks: STACK ..., or --all for every stack under ./stacks")])
+    paths = [_stack_path(s) for s in args.stacks] or next(
+        (found for directory in project.stack_dirs() if (found := sorted(directory.glob("Pulumi.*.yaml")))), [])
     stacks, problems = [], []
     for path in paths:
         try:
@@ -398,13 +461,8 @@ def cost_board(args: argparse.Namespace) -> int:
         except SpecError as exc:
             problems += [(p, f"{exc.source}: {message}") for p, message in exc.problems]
     if problems or not stacks:
-        problems = problems or [("", f"no stack files in {project.STACKS_DIR}")]
-        if args.json:
-            return _json_errors(problems)
-        for key, message in problems:
-            print(f"cost: {message}{f' ({key})' if key else ''}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    session = boto3.Session()
+        raise UserError(problems or [("", f"no stack files in {' or '.join(map(str, project.stack_dirs()))}")])
+    session = aws_session()
     try:
         account = session.client("sts", region_name=stacks[0].region).get_caller_identity()["Account"]
     except (BotoCoreError, ClientError):  # said by the board's notes: the budgets cannot be listed
@@ -414,63 +472,65 @@ def cost_board(args: argparse.Namespace) -> int:
                               session.client("budgets", region_name="us-east-1"), account, now.date(),
                               lambda s: board.head_usage(s, prometheus.idle_gpu_hours_query, now))
     if args.json:
-        json.dump(board.as_json(rows, notes), sys.stdout, indent=1, sort_keys=True)
-        print()
+        print_json(board.as_json(rows, notes))
     else:
         print("\n".join(board.text(rows, notes, now.date())))
     return board.exit_code(rows)
 
 
 def leftovers(args: argparse.Namespace) -> int:
-    """Resources still tagged with the stack, with what each bills per month."""
-    import boto3
+    """Resources still tagged with the stack, with what each bills per month: exit 1 while any of them bills."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     from gpucluster.aws import leftovers as left
 
     stack = _load(args.stack)
-    session = boto3.Session(region_name=stack.region)
+    session = aws_session(stack.region)
     clients = {name: session.client(name) for name in ("resourcegroupstaggingapi", "ec2", "fsx", "s3")}
     try:
         found = left.find(clients, stack.name)
     except (BotoCoreError, ClientError) as exc:
-        print(f"leftovers: AWS answered: {exc}", file=sys.stderr)
-        return 1
-    print("\n".join(left.report(stack.name, stack.region, found)))
-    return 0
+        if credentials_problem(exc):
+            raise
+        raise UserError([("", f"AWS answered: {exc}")], EXIT_FAILED) from None
+    if args.json:
+        print_json({"stack": stack.name, "region": stack.region, "monthly_usd": left.monthly_total(found),
+                    "still_bills": left.still_bills(found), "resources": [dataclasses.asdict(f) for f in found]})
+    else:
+        print("\n".join(left.report(stack.name, stack.region, found)))
+    return EXIT_FAILED if left.still_bills(found) else 0
 
 
 def dashboard(args: argparse.Namespace) -> int:
     """The command that forwards a local port to Grafana on the stack's running head node, and the URL to open; with
     --run, that command replaces this process (os.execvp), so the user's terminal holds the forward until Ctrl-C. The
     forward itself is the AWS CLI's and its Session Manager plugin's: the document fixes the head's end to Grafana."""
-    import os
     import shlex
-
-    import boto3
 
     from gpucluster.aws.head import HeadNotFound, running_head
     from gpucluster.contract.settings import session_document_name
 
     stack = _load(args.stack)
     try:
-        head = running_head(boto3.Session(region_name=stack.region).client("ec2"), stack)
+        head = running_head(aws_session(stack.region).client("ec2"), stack)
     except HeadNotFound as exc:
-        print(f"dashboard: {exc}", file=sys.stderr)
-        return 1
+        raise UserError([("", f"dashboard: {exc}")], EXIT_FAILED) from None
     command = ["aws", "ssm", "start-session", "--region", stack.region, "--target", head, "--document-name",
                session_document_name(stack.cluster_name, "dashboard"), "--parameters",
                f"localPortNumber={args.local_port}"]
+    url = f"http://localhost:{args.local_port}/"
+    if args.json and not args.run:
+        print_json({"command": command, "url": url})
+        return 0
     print(shlex.join(command))
-    print(f"Grafana: http://localhost:{args.local_port}/ (while the command runs)")
+    print(f"Grafana: {url} (while the command runs)")
     if args.run:
         sys.stdout.flush()  # execvp drops this process's buffers
         try:
             os.execvp(command[0], command)
         except FileNotFoundError:
-            print("dashboard: the AWS CLI (aws) is not on PATH; it needs AWS's Session Manager plugin too",
-                  file=sys.stderr)
-            return 1
+            raise UserError([("", "dashboard: the AWS CLI (aws) is not on PATH; it needs AWS's Session Manager "
+                                  "plugin too")], EXIT_FAILED) from None
     return 0
 
 
@@ -490,26 +550,24 @@ def verify(args: argparse.Namespace) -> int:
     if args.last and (args.plan or args.pool or args.nodes is not None or args.deep):
         problems.append("--last prints the latest run as it was: it takes no --plan, --pool, --nodes or --deep")
     if problems:
-        return _bad_input(problems)
+        _bad_input(problems)
     stack = _load(args.stack) if args.stack else None
     if args.plan and stack is not None:
         try:
             planned = planning.plan(stack, _plan_options(args))
         except planning.PlanError as exc:
-            return _bad_input(exc.problems)
+            _bad_input(exc.problems)
         print(plan_json(planned) if args.json else "\n".join(planning.table(planned)))
         return 0
     here = ClusterSettings.load(SETTINGS_FILE) if Path(SETTINGS_FILE).exists() else None
     if stack is not None and (here is None or here.cluster != stack.cluster_name):
-        import boto3
-
         from gpucluster.aws import verify_remote
 
-        return verify_remote.run(stack, head_arguments(args), boto3.Session())
+        return verify_remote.run(stack, head_arguments(args), aws_session())
     if here is None:
-        return _bad_input([f"STACK is needed off the head node (no {SETTINGS_FILE} here)"])
+        _bad_input([f"STACK is needed off the head node (no {SETTINGS_FILE} here)"])
     if os.geteuid() != 0:
-        return _bad_input(["a run submits the login user's jobs and DCGM's diagnostic as root: run it as root "
+        _bad_input(["a run submits the login user's jobs and DCGM's diagnostic as root: run it as root "
                            "(sudo gpucluster verify)"])
     from gpucluster.node import verify_run
 
@@ -518,15 +576,13 @@ def verify(args: argparse.Namespace) -> int:
     try:
         checks = head_plan(args, stack or head_stack(here.cluster))
     except (planning.PlanError, VerifyFormatError) as exc:
-        return _bad_input(getattr(exc, "problems", [str(exc)]))
+        _bad_input(getattr(exc, "problems", [str(exc)]))
     setup = verify_run.Setup(here, probe=verify_run.ProbeOptions(args.fsx_mib, args.fsx_type))
     return verify_run.run(checks, args.json, setup)
 
 
-def _bad_input(problems: list[str]) -> int:
-    for problem in problems:
-        print(f"verify: {problem}", file=sys.stderr)
-    return EXIT_BAD_INPUT
+def _bad_input(problems: list[str]) -> NoReturn:
+    raise UserError([("", f"verify: {problem}") for problem in problems])
 
 
 def _plan_options(args: argparse.Namespace) -> planning.Options:
@@ -541,11 +597,12 @@ def head_arguments(args: argparse.Namespace) -> list[str]:
 
 
 def head_stack(cluster: str) -> Stack:
-    """The head node's own stack file, in the bundle (project.STACKS_DIR there)."""
-    found = [stack for stack in map(load_stack, sorted(project.STACKS_DIR.glob("Pulumi.*.yaml")))
-             if stack.cluster_name == cluster]
+    """The head node's own stack file, in the bundle ($GPUCLUSTER_STACKS there: the head's `gpucluster` wrapper)."""
+    files = [path for directory in project.stack_dirs() for path in sorted(directory.glob("Pulumi.*.yaml"))]
+    found = [stack for stack in map(load_stack, files) if stack.cluster_name == cluster]
     if not found:
-        raise VerifyFormatError(f"no stack file of cluster {cluster} in {project.STACKS_DIR}")
+        looked = " or ".join(str(d) for d in project.stack_dirs())
+        raise VerifyFormatError(f"no stack file of cluster {cluster} in {looked}")
     return found[0]
 
 
@@ -566,9 +623,11 @@ def events(args: argparse.Namespace) -> int:
 
     path = Path(args.log or EVENTS_LOG)
     if not path.exists():
-        print(f"no events yet ({path} does not exist; it is on the head node)", file=sys.stderr)
-        return 1
+        raise UserError([("", f"no events yet ({path} does not exist; it is on the head node)")], EXIT_FAILED)
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][-args.last:]
+    if args.json:
+        print_json({"events": rows})
+        return 0
     for row in rows:
         details = " ".join(f"{k}={','.join(v) if isinstance(v, list) else v}" for k, v in sorted(row.items())
                            if k not in ("time", "event"))
@@ -586,33 +645,37 @@ def image_lock(args: argparse.Namespace) -> int:
     from gpucluster.spec import bom, ubuntu_lock
 
     if not re.fullmatch(ubuntu_lock.SNAPSHOT_RE, args.snapshot):
-        print(f"image-lock: {args.snapshot!r} is not a snapshot id (UTC YYYYMMDDTHHMMSSZ)", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        raise UserError([("--snapshot", f"{args.snapshot!r} is not a snapshot id (UTC YYYYMMDDTHHMMSSZ)")])
     archive = (args.archive or ubuntu_lock.archive_url(args.snapshot)).rstrip("/")
     indexes = []
     for path in ubuntu_lock.index_paths():
-        with urllib.request.urlopen(f"{archive}/{path}", timeout=120) as answer:
-            indexes.append(lzma.decompress(answer.read()).decode())
-        print(f"read {archive}/{path}")
+        try:
+            with urllib.request.urlopen(f"{archive}/{path}", timeout=120) as answer:
+                indexes.append(lzma.decompress(answer.read()).decode())
+        except (OSError, lzma.LZMAError) as exc:  # URLError is an OSError: no network, a 404, a timeout
+            raise UserError([("", f"image-lock: cannot read {archive}/{path}: {exc}")], EXIT_FAILED) from None
+        print(f"read {archive}/{path}", file=sys.stderr if args.json else sys.stdout)
     try:
         versions = ubuntu_lock.newest(indexes, bom.UBUNTU_PACKAGES)
     except KeyError as exc:
-        print(f"image-lock: {exc.args[0]}", file=sys.stderr)
-        return 1
+        raise UserError([("", f"image-lock: {exc.args[0]}")], EXIT_FAILED) from None
     lock = Path(args.lock)
     lock.write_text(ubuntu_lock.with_entry(ubuntu_lock.load(lock) if lock.exists() else {}, args.snapshot, versions))
-    print(f"{lock}: {len(versions)} packages under {args.snapshot}")
+    if args.json:
+        print_json({"lock": str(lock), "snapshot": args.snapshot, "packages": versions})
+    else:
+        print(f"{lock}: {len(versions)} packages under {args.snapshot}")
     return 0
 
 
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="python -m gpucluster", description=__doc__,
-                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # the docstring's table
-    sub = top.add_subparsers(dest="command", required=True)
+    top = Parser(prog=PROG, description=__doc__, epilog=EPILOG,
+                 formatter_class=argparse.RawDescriptionHelpFormatter)  # the docstring's table, line by line
+    top.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("plan", help="show what a stack creates and costs, offline")
-    p.add_argument("stack", nargs="?", default="dev",
-                   help="a stack name under stacks/ or a path to a stack file (default: dev)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("stack", nargs="?", default="dev", help=f"{project.STACK_HELP} (default: dev)")
+    _json_flag(p)
     p.add_argument("--against", metavar="OLD",
                    help="compare with OLD: another stack file, or git:REV (this stack's file at that revision; "
                         "a file missing there: everything is added). Prints the resources added, changed and removed "
@@ -620,11 +683,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", action="store_true", help="with --against: a block for a pull request's comment")
     p.set_defaults(func=plan)
     r = sub.add_parser("render", help="write the user data, Slurm files and image BOM of a stack")
-    r.add_argument("stack", help="a stack name under stacks/ or a path to a stack file")
-    r.add_argument("--out", required=True, help="directory to write into")
+    r.add_argument("stack", help=project.STACK_HELP)
+    r.add_argument("--out", required=True, help="directory to write into (made if missing; files in it replaced)")
+    _json_flag(r, 'print {"files": [{"path", "bytes"}, ...]} instead of the paths')
     r.set_defaults(func=render)
     f = sub.add_parser("preflight", help="check the AWS account (quotas, capacity, offers, prices) for a stack")
-    f.add_argument("stack", help="a stack name under stacks/ or a path to a stack file")
+    f.add_argument("stack", help=project.STACK_HELP)
+    _json_flag(f)
     f.set_defaults(func=preflight)
     c = sub.add_parser("cost", help="this month's spend, forecast and GPU-hours of a stack, or the cost board across "
                                     "teams (AWS credentials)",
@@ -634,28 +699,29 @@ def parser() -> argparse.ArgumentParser:
                                    "team is over its budget or forecast to be, or its spend could not be read; "
                                    "2 bad input.")
     c.add_argument("stacks", nargs="*", metavar="STACK",
-                   help="stack names under stacks/ or paths to stack files (--all without any: every stack there)")
+                   help=f"{project.STACK_HELP}; several: the board (--all without any: every stack under ./stacks)")
     c.add_argument("--all", action="store_true", help="the board across teams (every stack under stacks/ unless "
                                                       "stacks are given)")
-    c.add_argument("--json", action="store_true", help="the board as one JSON object")
+    _json_flag(c, "the board as one JSON object")
     c.set_defaults(func=spend)
     left = sub.add_parser("leftovers", help="what is still tagged with a stack, and its monthly cost (AWS credentials)")
-    left.add_argument("stack", help="a stack name under stacks/ or a path to a stack file")
+    left.add_argument("stack", help=project.STACK_HELP)
+    _json_flag(left)
     left.set_defaults(func=leftovers)
     d = sub.add_parser("dashboard", help="Grafana on the head node through a Session Manager port forward "
                                          "(AWS credentials, the AWS CLI and its Session Manager plugin)")
-    d.add_argument("stack", help="a stack name under stacks/ or a path to a stack file")
+    d.add_argument("stack", help=project.STACK_HELP)
     d.add_argument("--run", action="store_true", help="run the forward here (until Ctrl-C) instead of printing it")
     d.add_argument("--local-port", type=_tcp_port, default=GRAFANA_PORT,
                    help=f"the port on this machine to open Grafana at (default {GRAFANA_PORT})")
+    _json_flag(d, 'print {"command": [...], "url": ...} (without --run)')
     d.set_defaults(func=dashboard)
     ver = sub.add_parser("verify", help="prove a cluster through Slurm: devices, DCGM, EFA, NCCL, /fsx, monitoring "
                                         "(on its head node, or from here with STACK); --plan: the checks, offline")
-    ver.add_argument("stack", nargs="?", help="a stack name under stacks/ or a path to a stack file (not needed on "
-                                              "the head node)")
+    ver.add_argument("stack", nargs="?", help=f"{project.STACK_HELP} (not needed on the head node)")
     ver.add_argument("--plan", action="store_true", help="print the checks and thresholds, run nothing")
     ver.add_argument("--last", action="store_true", help="print the latest run kept on the head node")
-    ver.add_argument("--json", action="store_true", help='print {"checks": [{"pool", "check", "expect", ...}, ...]}')
+    _json_flag(ver, 'print {"checks": [{"pool", "check", "expect", ...}, ...]}')
     ver.add_argument("--pool", action="append", metavar="NAME",
                      help="a pool to verify (repeatable; default: every pool)")
     ver.add_argument("--nodes", type=int, metavar="N",
@@ -666,7 +732,8 @@ def parser() -> argparse.ArgumentParser:
     ver.add_argument("--fsx-type", help=argparse.SUPPRESS)
     ver.set_defaults(func=verify)
     e = sub.add_parser("events", help="on the head node: recent spot warnings, drains, requeues and replacements")
-    e.add_argument("--last", type=int, default=50, help="how many (default 50)")
+    e.add_argument("--last", type=_at_least_one, default=50, metavar="N", help="how many, N >= 1 (default 50)")
+    _json_flag(e, 'print {"events": [...]}, each as the log has it')
     e.add_argument("--log", help=argparse.SUPPRESS)  # another events log (tests)
     e.set_defaults(func=events)
     lock = sub.add_parser("image-lock", help="(maintainers; internet, no AWS) lock the image's Ubuntu packages to the "
@@ -675,14 +742,93 @@ def parser() -> argparse.ArgumentParser:
     lock.add_argument("--archive", help="read the indexes here instead of https://snapshot.ubuntu.com/ubuntu/ID (an "
                                         "archive that served the same indexes at that time)")
     lock.add_argument("--lock", default=str(LOCK_FILE), help=argparse.SUPPRESS)  # another lock file (tests)
+    _json_flag(lock, 'print {"lock", "snapshot", "packages"}; the indexes read go to stderr')
     lock.set_defaults(func=image_lock)
+    comp = sub.add_parser("completion", help="print a shell completion script: eval \"$(gpucluster completion bash)\"")
+    comp.add_argument("shell", choices=completion.SHELLS)
+    _json_flag(comp, 'print {"shell", "script"}')
+    comp.set_defaults(func=shell_completion)
     return top
 
 
+def _json_flag(command: argparse.ArgumentParser, what: str = "print one JSON object") -> None:
+    """Every command takes --json; its errors then print as {"errors": [...]} too (gpucluster.cli_errors)."""
+    command.add_argument("--json", action="store_true", help=what)
+
+
+def _at_least_one(text: str) -> int:
+    count = int(text) if text.lstrip("-").isdigit() else 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: N must be a whole number >= 1")
+    return count
+
+
+def shell_completion(args: argparse.Namespace) -> int:
+    script = completion.script(parser(), args.shell, project.STACKS_ENV)
+    if args.json:
+        print_json({"shell": args.shell, "script": script})
+    else:
+        print(script, end="")
+    return 0
+
+
+class UsageError(Exception):
+    def __init__(self, command: argparse.ArgumentParser, message: str):
+        super().__init__(message)
+        self.command, self.message = command, message
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's usage errors raised rather than exited on, so that main() prints them as every other error (as
+    JSON with --json); their exit code stays argparse's, 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(self, message)
+
+
+EPILOG = f"""\
+STACK: {project.STACK_HELP}.
+Exit codes: 0 ok; 1 a check failed or something still bills; 2 bad input or usage (a stack's problems, a bad option,
+no or expired AWS credentials). With --json, errors print as {{"errors": [{{"path": ..., "message": ...}}]}}."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    """One command line; every user error ends here, printed once as the convention says (gpucluster.cli_errors)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    as_json = "--json" in argv
     try:
+        args = parser().parse_args(argv)
         return int(args.func(args))
-    except SpecError as exc:
-        print(exc.render(), file=sys.stderr)
+    except UsageError as exc:
+        if as_json:
+            print_errors([("", exc.message)], as_json, PROG)
+        else:  # as argparse says it
+            exc.command.print_usage(sys.stderr)
+            print(f"{exc.command.prog}: error: {exc.message}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except UserError as exc:
+        print_errors(exc.problems, as_json, PROG, exc.source)
+        return exc.code
+    except SpecError as exc:
+        print_errors(exc.problems, as_json, PROG, exc.source)
+        return EXIT_BAD_INPUT
+    except Exception as exc:
+        problem = credentials_problem(exc)  # from wherever in a command botocore found them missing or expired
+        if problem is None:
+            raise
+        print_errors([("", problem)], as_json, PROG)
+        return EXIT_BAD_INPUT
+
+
+def run() -> int:
+    """The process's entry (`python -m gpucluster`, the `gpucluster` command): main(); a reader that goes away
+    (`gpucluster plan | head`) ends it quietly, with the status a shell gives a program SIGPIPE ended (141)."""
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python's advice (the signal module's docs, "Note on SIGPIPE"): point stdout at /dev/null, so that the
+        # interpreter's own flush at exit cannot raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+    return code

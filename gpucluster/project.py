@@ -1,27 +1,62 @@
-"""Where the project's own files are: in a checkout, the repository around the library; on the head node, the bundle's
-lib/, which mirrors it for what the command line reads (the stack's file). Only the top (cli, plan, the Pulumi program)
-imports this; the layers below are handed paths."""
+"""Where the command line finds what is not the library: stack files, the Pulumi program, the first-job examples.
+The library never reaches up into a checkout for them: a stack is a path, or a bare name looked up under ./stacks and
+then $GPUCLUSTER_STACKS (the head node's wrapper points it at the bundle's stacks); the program's components are a
+package installed beside gpucluster (pyproject.toml); the examples are the package's data when installed, the
+checkout's examples/ otherwise. Only the top (cli, plan, the Pulumi program) imports this; the layers below are handed
+paths."""
 
 from __future__ import annotations
 
-import runpy
-import sys
+import os
 from pathlib import Path
 from typing import Callable
 
-ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES_DIR = ROOT / "examples"
-STACKS_DIR = ROOT / "stacks"
-PROGRAM = ROOT / "__main__.py"  # the Pulumi program: only in a checkout, with components/
+PACKAGE_DIR = Path(__file__).resolve().parent
+# pyproject.toml installs the checkout's examples/ as the package's examples/; in a checkout (or `pip install -e .`,
+# or the head's bundle) they are beside the package, where the wheel's copy is not.
+_INSTALLED_EXAMPLES = PACKAGE_DIR / "examples"
+EXAMPLES_DIR = _INSTALLED_EXAMPLES if _INSTALLED_EXAMPLES.is_dir() else PACKAGE_DIR.parent / "examples"
+STACKS_DIR = Path("stacks")  # relative: the current directory's
+STACKS_ENV = "GPUCLUSTER_STACKS"
+STACK_HELP = f"a path to a stack file, or a stack name: ./stacks/Pulumi.NAME.yaml, else ${STACKS_ENV}/Pulumi.NAME.yaml"
+
+
+def stack_dirs() -> list[Path]:
+    """Where a bare stack name is looked up, in order."""
+    extra = os.environ.get(STACKS_ENV)
+    return [STACKS_DIR, *([Path(extra)] if extra else [])]
+
+
+def is_stack_path(stack: str) -> bool:
+    return Path(stack).suffix in (".yaml", ".yml") or "/" in stack
+
+
+def find_stack(stack: str) -> Path:
+    """STACK as the command line takes it (STACK_HELP); a name found nowhere gives the first place looked, whose
+    absence the stack's loader reports."""
+    if is_stack_path(stack):
+        return Path(stack)
+    candidates = [directory / f"Pulumi.{stack}.yaml" for directory in stack_dirs()]
+    return next((path for path in candidates if path.exists()), candidates[0])
+
+
+def has_program() -> bool:
+    """The Pulumi program and what it needs (components, Pulumi's SDK) are installed: a checkout's venv or `pip
+    install`, not the head node's bundle and venv."""
+    try:
+        import components.program  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def pulumi_program() -> Callable[[], None]:
-    """The checkout's Pulumi program as Pulumi's Python host runs it (`__main__.py` as __main__, the checkout on the
-    path for components/): what `plan` hands to the mock runtime."""
+    """The Pulumi program (components.program) as Pulumi's Python host runs it through __main__.py: what `plan`
+    hands to the mock runtime."""
 
     def run() -> None:
-        if str(ROOT) not in sys.path:
-            sys.path.insert(0, str(ROOT))
-        runpy.run_path(str(PROGRAM), run_name="__main__")
+        from components.program import main
+
+        main(EXAMPLES_DIR)
 
     return run

@@ -8,6 +8,7 @@ import functools
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from datetime import date
@@ -18,10 +19,10 @@ from unittest import mock
 import pytest
 
 from conftest import ROOT, planned
-from gpucluster import cli, project
+from gpucluster import cli, cli_errors, completion, project
 from gpucluster.plan import Declared
 from gpucluster.spec import cost
-from gpucluster.spec.model import Stack, load_stack, resolve_stack_file
+from gpucluster.spec.model import Stack, load_stack
 
 # The module on one xdist worker, so that the command lines its tests share are run once (run below).
 pytestmark = pytest.mark.xdist_group("cli")
@@ -35,20 +36,25 @@ def cold(*args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=120)
 
 
-@functools.cache  # once per distinct command line a session: several tests read the same plan
-def run(*args: str) -> subprocess.CompletedProcess[str]:
+def main_here(*args: str) -> subprocess.CompletedProcess[str]:
     """The command line's main() here, its output captured; `plan` takes the program's run under the mock runtime from
     the session's shared plans (conftest.planned: the same program, stack file and account), which a cold process
     would make anew each time (tests/test_cli.py's `cold` proves that path once)."""
     def shared_run(stack: Stack, program: Any, **_: Any) -> list[Declared]:
         stack_arg = args[1] if len(args) > 1 and not args[1].startswith("-") else "dev"
-        return list(planned(resolve_stack_file(stack_arg, project.STACKS_DIR).resolve())[1])
+        return list(planned(project.find_stack(stack_arg).resolve())[1])
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), mock.patch.object(
             cli, "run_program", shared_run), contextlib.chdir(ROOT):
         code = cli.main(list(args))
     return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
+
+
+@functools.cache  # once per distinct command line a session: several tests read the same plan
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    """main_here, once per command line (for those whose answer does not depend on the environment)."""
+    return main_here(*args)
 
 
 def test_plan_json_shape() -> None:
@@ -68,6 +74,14 @@ def test_plan_json_shape() -> None:
     assert cost["budget_monthly_usd"] == 250000
     assert 0 < cost["hourly_usd_min"] < cost["hourly_usd_max"]
     assert cost["monthly_usd_at_max"] == pytest.approx(cost["hourly_usd_max"] * 730, rel=1e-4)
+    # The rows and fixed costs the text's table shows add up to its totals, the budget beside them.
+    stack = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")
+    assert [row["pool"] for row in cost["pools"]] == [pool.name for pool in stack.spec.pools]
+    fixed_hourly = sum(cost["fixed_monthly_usd"].values()) / 730
+    for end in ("min", "max"):
+        assert cost[f"hourly_usd_{end}"] == pytest.approx(
+            fixed_hourly + sum(row[f"hourly_usd_{end}"] for row in cost["pools"]), abs=0.01)
+    assert cost["over_budget"] == (cost["monthly_usd_at_max"] > cost["budget_monthly_usd"])
 
 
 def test_plan_shows_the_people_as_the_nodes_will_have_them() -> None:
@@ -122,15 +136,21 @@ def test_plan_by_path_and_text_output() -> None:
     assert "aws:iam/serviceLinkedRole:ServiceLinkedRole  gpucluster-dev-spot-role" in out.stdout
 
 
-@pytest.mark.parametrize("stack,message", [
-    ("tests/bad_stacks/Pulumi.many-problems.yaml", "gpucluster:cluster.pools[0].min_nodes: must be <= max_nodes"),
-    ("no-such-stack", "stacks/Pulumi.no-such-stack.yaml: 1 problem(s):\n  file: no such stack file"),
+@pytest.mark.parametrize("stack,path,message", [
+    ("tests/bad_stacks/Pulumi.many-problems.yaml", "gpucluster:cluster.pools[0].min_nodes", "must be <= max_nodes"),
+    ("no-such-stack", "", "no such stack file: Pulumi.no-such-stack.yaml is not in stacks"),
+    ("stacks/Pulumi.no-such-stack.yaml", "file", "no such stack file"),
 ])
-def test_bad_input_exits_2_without_traceback(stack: str, message: str) -> None:
-    out = run("plan", stack, "--json")
-    assert out.returncode == 2
-    assert message in out.stderr
-    assert "Traceback" not in out.stderr and out.stdout == ""
+def test_bad_input_exits_2_without_traceback(stack: str, path: str, message: str) -> None:
+    """As text on stderr; with --json, as {"errors": [{"path", "message"}]} on stdout, nothing on stderr."""
+    text = run("plan", stack)
+    assert text.returncode == 2 and text.stdout == ""
+    assert (f"{path}: {message}" if path else message) in text.stderr
+    assert "Traceback" not in text.stderr
+    as_json = run("plan", stack, "--json")
+    assert as_json.returncode == 2 and as_json.stderr == ""
+    errors = json.loads(as_json.stdout)["errors"]
+    assert any(e["path"] == path and e["message"].startswith(message) for e in errors), errors
 
 
 def test_plan_text_shows_what_the_node_images_cost() -> None:
@@ -180,7 +200,8 @@ def test_every_class_of_problem_at_once_exit_2(tmp_path) -> None:
     )
     out = run("plan", str(path), "--json")
     assert out.returncode == 2, out.stderr
-    assert "Traceback" not in out.stderr and out.stdout == ""
+    assert out.stderr == ""
+    said = "\n".join(f"{e['path']}: {e['message']}" for e in json.loads(out.stdout)["errors"])
     for line in [
         "gpucluster:cluster.budget.monthly_usd: duplicate key",
         "gpucluster:cluster.pools[1].efa: 'yes' is a boolean in YAML 1.1",
@@ -192,7 +213,7 @@ def test_every_class_of_problem_at_once_exit_2(tmp_path) -> None:
         "gpucluster:cluster.budget.monthly_usd: Input should be a finite number",
         "gpucluster:cluster.budget.notify_emails[0]: not an email address: 'ops@@example.com'",
     ]:
-        assert f"  {line}" in out.stderr, out.stderr
+        assert line in said, said
 
 
 def test_not_utf8_exits_2_without_traceback() -> None:
@@ -230,3 +251,157 @@ def test_events_lists_what_happened_to_nodes_and_jobs(tmp_path: Path) -> None:
     assert out.stdout.splitlines()[0] == ("2026-11-30T16:00:00Z  spot interruption warning  instance=i-0abc "
                                           "jobs=41,42 node=p5-spot-1")
     assert run("events", "--log", str(tmp_path / "none")).returncode == 1
+
+
+# The exit-code convention (README "Exit codes", gpucluster/cli_errors.py) for every command the parser has: a
+# command added later is run here without being named.
+COMMANDS = completion.commands(cli.parser())
+WITH_STACK = sorted(name for name, command in COMMANDS.items()
+                    if any(action.dest == "stack" for action in command._actions))
+# Commands that read the account: without credentials they cannot do anything, and say so (exit 2).
+NEED_AWS = {"preflight", "cost", "leftovers", "dashboard", "verify"}
+
+
+def no_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Nothing for botocore to find: no AWS_* variable, empty config and credentials files, no instance metadata."""
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    for name in ("AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
+        (tmp_path / name).write_text("")
+        monkeypatch.setenv(name, str(tmp_path / name))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+def test_every_command_is_in_the_convention() -> None:
+    assert {"plan", "render", "preflight", "cost", "leftovers", "verify", "events"} <= set(COMMANDS)
+    assert NEED_AWS <= set(WITH_STACK)
+    for name, command in COMMANDS.items():
+        assert "--json" in completion.options(command), f"{name} takes no --json"
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_a_usage_error_exits_2_as_text_or_json(name: str) -> None:
+    """argparse's own errors (a required argument missing comes first for some), through the convention."""
+    text = main_here(name, "--no-such-option")
+    assert text.returncode == 2 and text.stdout == "" and "Traceback" not in text.stderr
+    assert text.stderr.startswith("usage: gpucluster ")  # the command's usage, or the top's for an unknown option
+    assert re.match(rf"gpucluster( {name})?: error: ", text.stderr.splitlines()[-1]), text.stderr
+    as_json = main_here(name, "--no-such-option", "--json")
+    assert as_json.returncode == 2 and as_json.stderr == ""
+    (error,) = json.loads(as_json.stdout)["errors"]
+    assert error["path"] == "" and error["message"] == text.stderr.splitlines()[-1].split(": error: ", 1)[1]
+
+
+@pytest.mark.parametrize("name", WITH_STACK)
+@pytest.mark.parametrize("stack,path", [("no-such-stack", ""),
+                                        ("tests/bad_stacks/Pulumi.many-problems.yaml",
+                                         "gpucluster:cluster.pools[0].min_nodes")])
+def test_a_bad_stack_exits_2_for_every_command(name: str, stack: str, path: str, tmp_path: Path) -> None:
+    args = [name, stack, *(["--out", str(tmp_path)] if name == "render" else [])]
+    text = main_here(*args)
+    assert (text.returncode, text.stdout) == (2, ""), text.stderr
+    assert "Traceback" not in text.stderr
+    as_json = main_here(*args, "--json")
+    assert as_json.returncode == 2 and as_json.stderr == ""
+    errors = json.loads(as_json.stdout)["errors"]
+    assert path in {e["path"] for e in errors}, errors
+
+
+@pytest.mark.parametrize("name", WITH_STACK)
+def test_without_credentials_an_aws_command_exits_2_saying_so(name: str, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    no_credentials(monkeypatch, tmp_path)
+    monkeypatch.setattr(cli, "SETTINGS_FILE", str(tmp_path / "absent.json"))  # not on a head node
+    args = [name, "dev", *(["--out", str(tmp_path / "out")] if name == "render" else [])]
+    done = main_here(*args, "--json")
+    assert "Traceback" not in done.stderr
+    if name not in NEED_AWS:
+        assert done.returncode == 0, done.stdout  # offline: credentials play no part
+        return
+    assert done.returncode == 2 and done.stderr == "", done.stdout
+    assert json.loads(done.stdout) == {"errors": [{"path": "", "message": cli_errors.NO_CREDENTIALS}]}
+
+
+def test_preflight_with_expired_credentials_exits_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An expired token makes every AWS call fail: preflight says so once instead of passing on warnings."""
+    from botocore.exceptions import ClientError
+
+    def expired(*args: Any, **kwargs: Any) -> Any:
+        raise ClientError({"Error": {"Code": "ExpiredToken", "Message": "The security token included in the request "
+                                                                        "is expired"}}, "GetRole")
+
+    for name, value in (("AWS_ACCESS_KEY_ID", "t"), ("AWS_SECRET_ACCESS_KEY", "t"), ("AWS_SESSION_TOKEN", "t")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr("botocore.client.BaseClient._make_api_call", expired)
+    done = main_here("preflight", "dev")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == "gpucluster: the AWS credentials are not valid (ExpiredToken): renew them (aws sso login, " \
+                          "or new keys)\n"
+
+
+def test_the_entry_point_without_credentials(tmp_path: Path) -> None:
+    """One cold process: the console entry's path (gpucluster.__main__), botocore's own search for credentials."""
+    for name in ("config", "credentials"):
+        (tmp_path / name).write_text("")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")} | {
+        "AWS_CONFIG_FILE": str(tmp_path / "config"), "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "credentials"),
+        "AWS_EC2_METADATA_DISABLED": "true"}
+    done = subprocess.run([sys.executable, "-m", "gpucluster", "preflight", "dev"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr
+    assert done.stderr == f"gpucluster: {cli_errors.NO_CREDENTIALS}\n"
+
+
+def test_a_reader_that_goes_away_ends_it_quietly() -> None:
+    """`gpucluster ... | head`: the pipe's reader is gone before the command writes (its end closed first, so the
+    write fails every time): no BrokenPipeError traceback, the status a shell gives a program SIGPIPE ended."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run([sys.executable, "-m", "gpucluster", "completion", "bash"], cwd=ROOT, stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (141, "")
+
+
+def test_render_onto_a_file_and_events_last_0_are_bad_input(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    done = main_here("render", "dev", "--out", str(tmp_path / "file"))
+    assert done.returncode == 2 and done.stderr == f"gpucluster: --out: {tmp_path / 'file'} is a file: name a " \
+                                                   "directory to write into\n"
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "slurm").write_text("")  # a file where render makes a directory
+    done = main_here("render", "dev", "--out", str(tmp_path / "dir"), "--json")
+    assert done.returncode == 2 and json.loads(done.stdout)["errors"][0]["path"] == "--out"
+    for last in ("0", "-1", "x"):
+        done = main_here("events", "--last", last)
+        assert done.returncode == 2 and "N must be a whole number >= 1" in done.stderr
+
+
+def test_an_unsupported_python_is_told_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpucluster import __main__ as entry_point
+
+    monkeypatch.setattr(sys, "version_info", (3, 10, 12, "final", 0))
+    with pytest.raises(SystemExit) as exited:
+        entry_point.entry()
+    assert exited.value.code == f"gpucluster needs Python 3.11 or newer; {sys.executable} is 3.10.12"
+
+
+def test_bash_completion_offers_the_parsers_commands_options_and_stacks() -> None:
+    script = run("completion", "bash").stdout
+
+    def complete(*words: str) -> set[str]:
+        line = " ".join(f"'{w}'" for w in words)
+        done = subprocess.run(["bash", "-c", f'{script}\nCOMP_WORDS=(gpucluster {line}); '
+                               f'COMP_CWORD={len(words)}; _gpucluster; printf "%s\\n" "${{COMPREPLY[@]}}"'],
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return set(done.stdout.split())
+
+    assert complete("") == {*COMMANDS, "-h", "--help", "--version"}
+    assert complete("plan", "--") == {"--help", "--json"}
+    assert complete("render", "--") == {"--help", "--json", "--out"}
+    assert {p.name.removeprefix("Pulumi.").removesuffix(".yaml")
+            for p in (ROOT / "stacks").glob("Pulumi.*.yaml")} <= complete("plan", "")
+    assert complete("plan", "te") >= {"team-a", "team-b"}

@@ -16,7 +16,7 @@ import boto3
 import pytest
 
 from conftest import ROOT, reset_moto
-from gpucluster import cli
+from gpucluster import cli, cli_errors
 from gpucluster.contract.settings import CLUSTER_TAG, POOL_TAG, head_instance_name, session_document_name
 from gpucluster.spec.model import load_stack
 
@@ -80,10 +80,10 @@ def test_no_running_head_is_said_and_exits_1(ec2: Any, moto_url: str) -> None:
     assert "Traceback" not in done.stderr
 
 
-def test_no_credentials_is_said_and_exits_1() -> None:
+def test_no_credentials_is_said_and_exits_2() -> None:
     done = run(None)
-    assert done.returncode == 1 and done.stdout == ""
-    assert "dashboard: no AWS credentials" in done.stderr and "Traceback" not in done.stderr
+    assert done.returncode == 2 and done.stdout == ""  # the convention: a missing precondition is bad input
+    assert done.stderr == f"gpucluster: {cli_errors.NO_CREDENTIALS}\n"
 
 
 def test_a_port_outside_1_to_65535_is_refused() -> None:

@@ -122,14 +122,21 @@ def test_every_tutorial_shell_block_says_where_it_runs(page: Path) -> None:
 
 
 def scratch_checkout(into: Path) -> Path:
-    """A copy of the repository's files whose .venv runs this interpreter, installed as far as `make` can tell."""
+    """A copy of the repository's files whose .venv runs this interpreter, installed as far as `make` can tell: its
+    `gpucluster` and `activate` stand in for what pip's install of the checkout writes (tests/test_package.py proves
+    that install), as this venv is not made by make."""
     skip = shutil.ignore_patterns(".venv", ".git", "site", "__pycache__", ".pytest_cache", "build", "out")
     repo = Path(shutil.copytree(ROOT, into / "repo", ignore=skip))
     python = repo / ".venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
     python.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
     python.chmod(0o755)
-    (repo / ".venv" / ".installed").touch()
+    command = repo / ".venv" / "bin" / "gpucluster"
+    command.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m gpucluster "$@"\n')
+    command.chmod(0o755)
+    (repo / ".venv" / "bin" / "activate").write_text(f'PATH={shlex.quote(str(python.parent))}:"$PATH"\n')
+    for stamp in (".runtime", ".installed"):
+        (repo / ".venv" / stamp).touch()
     return repo
 
 

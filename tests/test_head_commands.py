@@ -50,7 +50,8 @@ sys.meta_path.insert(0, NotOnTheHead())
 def head_command(root: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     """`python ARGS` as /usr/local/bin/gpucluster runs it: the library from the bundle, nothing from here, and none
     of the packages the head's venv lacks. `-m MODULE ...` and `-c CODE` as python takes them."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")} | {"PYTHONPATH": str(root / "lib")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")} | {
+        "PYTHONPATH": str(root / "lib"), "GPUCLUSTER_STACKS": str(root / "lib" / "stacks")}
     if args[0] == "-m":
         code = BLOCK + f"sys.argv = [{args[1]!r}, *sys.argv[1:]]\nrunpy.run_module({args[1]!r}, run_name='__main__')\n"
         args = ("-c", code, *args[2:])
@@ -87,7 +88,7 @@ def test_plan_from_the_bundle_says_where_to_run_it(tmp_path: Path) -> None:
     elsewhere.mkdir()
     done = head_command(root, "-m", "gpucluster", "plan", load_stack(path).name, cwd=elsewhere)
     assert done.returncode == 2
-    assert "plan runs the Pulumi program" in done.stderr and "checkout of the repository" in done.stderr
+    assert "plan runs the Pulumi program" in done.stderr and "from a checkout" in done.stderr
     assert "Traceback" not in done.stderr + done.stdout
 
 

@@ -4,9 +4,11 @@ of the Pulumi program (__main__.py), at module level or inside a function, again
 - contract imports only contract and the standard library (it runs on the nodes);
 - node (the node programs) imports contract and node, the standard library, boto3 and botocore;
 - spec imports contract and spec; render imports contract, spec, render and gpucluster.node (the programs as bytes,
-  never a program itself); aws imports contract, spec and aws;
+  never a program itself); aws imports contract, spec, aws and cli_errors (the command line's exit-code convention,
+  which imports nothing of the library);
 - components import anything in gpucluster but cli, plan, plan_diff and project;
-- only cli, plan, plan_diff and the entry points (python -m gpucluster, the Pulumi program) import project."""
+- only cli, plan, plan_diff and the entry points (python -m gpucluster, the Pulumi program) import project, which
+  runs the program (components) for plan."""
 
 from __future__ import annotations
 
@@ -27,8 +29,10 @@ BELOW_THE_TOP: dict[str, set[str]] = {
     "node source": set(),
     "spec": {"contract", "spec"},
     "render": {"contract", "spec", "render", "node source"},
-    "aws": {"contract", "spec", "aws"},
-    "project": set(),
+    "aws": {"contract", "spec", "aws", "cli_errors"},
+    "cli_errors": set(),
+    "completion": set(),  # the shell completion script, from the parser it is handed
+    "project": {"components"},  # plan's Pulumi program, imported when run
     "package": set(),  # gpucluster/__init__.py
     "components": {"contract", "node", "node source", "spec", "render", "aws", "components", "package"},
 }
@@ -67,7 +71,8 @@ def layer_of(module: str) -> str | None:
         return "package"
     if parts[1] == "node":
         return "node source" if len(parts) == 2 else "node"
-    if parts[1] in ("contract", "spec", "render", "aws", "cli", "plan", "plan_diff", "project"):
+    if parts[1] in ("contract", "spec", "render", "aws", "cli", "cli_errors", "completion", "plan", "plan_diff",
+                    "project"):
         return parts[1]
     raise AssertionError(f"{module} is in no layer: place it in the rule of tests/{Path(__file__).name}")
 

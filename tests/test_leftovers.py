@@ -3,6 +3,7 @@ priced; what is gone (a terminated instance) is not listed; another stack's reso
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import boto3
 import pytest
 
 from conftest import ROOT, reset_moto
+from gpucluster import cli
 from gpucluster.aws import leftovers
 from gpucluster.contract.settings import STACK_TAG
 from gpucluster.spec import catalog, cost
@@ -21,7 +23,8 @@ def tags(stack: str) -> list[dict[str, str]]:
     return [{"Key": STACK_TAG, "Value": stack}]
 
 
-def test_leftovers_lists_what_still_bills_with_its_monthly_cost(moto_url: str) -> None:
+def test_leftovers_lists_what_still_bills_with_its_monthly_cost(moto_url: str, monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
     reset_moto(moto_url)
 
     def client(service: str) -> Any:
@@ -64,7 +67,7 @@ def test_leftovers_lists_what_still_bills_with_its_monthly_cost(moto_url: str) -
     env = {**os.environ, "AWS_ENDPOINT_URL": moto_url, "AWS_ACCESS_KEY_ID": "t", "AWS_SECRET_ACCESS_KEY": "t"}
     done = subprocess.run([sys.executable, "-m", "gpucluster", "leftovers", "team-a"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 1, done.stderr  # something still bills: a teardown's check must not pass
     assert "4 resource(s) in us-east-1 still tagged gpucluster:stack=team-a:" in done.stdout, done.stdout
     assert running["InstanceId"] in done.stdout and gone["InstanceId"] not in done.stdout
     total = sum(item.monthly_usd or 0 for item in found.values())
@@ -72,6 +75,14 @@ def test_leftovers_lists_what_still_bills_with_its_monthly_cost(moto_url: str) -
     none = subprocess.run([sys.executable, "-m", "gpucluster", "leftovers", "dev"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert none.stdout.strip() == "Nothing in us-east-1 is tagged gpucluster:stack=dev.", none.stdout
+    assert none.returncode == 0, none.stderr
+    for name, value in (("AWS_ENDPOINT_URL", moto_url), ("AWS_ACCESS_KEY_ID", "t"), ("AWS_SECRET_ACCESS_KEY", "t")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(ROOT)
+    assert cli.main(["leftovers", "team-a", "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["still_bills"] is True and doc["monthly_usd"] == pytest.approx(total, abs=0.01)
+    assert sorted(r["kind"] for r in doc["resources"]) == sorted(found)
 
 
 @pytest.mark.parametrize(("arn", "kind", "ident"), [

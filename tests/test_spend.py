@@ -153,7 +153,8 @@ def test_the_head_nodes_command_runs_from_the_bundle_without_pulumi(tmp_path: Pa
     program = ("import sys; sys.modules['pulumi'] = None; sys.path.insert(0, sys.argv[1]); "
                "from gpucluster.cli import main; sys.exit(main(['cost', 'team-a']))")
     env = {"PATH": "/nonexistent", "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x",
-           "AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_MAX_ATTEMPTS": "1", "HOME": str(tmp_path)}
+           "AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_MAX_ATTEMPTS": "1", "HOME": str(tmp_path),
+           "GPUCLUSTER_STACKS": str(tmp_path / "lib" / "stacks")}  # as the head's wrapper sets it
     out = subprocess.run([sys.executable, "-I", "-c", program, str(tmp_path / "lib")], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

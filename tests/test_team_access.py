@@ -425,7 +425,7 @@ def test_the_users_policy_stays_within_iams_size_for_a_managed_policy(tmp_path: 
     crowded = tmp_path / "Pulumi.crowd.yaml"
     crowded.write_text(yaml.safe_dump(document))
     assert cli.main(["plan", str(crowded)]) == cli.EXIT_BAD_INPUT
-    assert re.fullmatch(refusal + r".*\n", capsys.readouterr().err)
+    assert re.fullmatch("gpucluster: " + refusal + r".*\n", capsys.readouterr().err)
     stack, declared, _ = _people_plan()
     (policy,) = [d for d in of_type(declared, "iam/policy:Policy") if d.name.endswith("-user-access")]
     assert sum(not c.isspace() for c in policy.inputs["policy"]) < 6144

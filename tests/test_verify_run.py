@@ -263,6 +263,8 @@ def test_verify_with_a_stack_off_its_head_runs_there_through_session_manager(
 
     monkeypatch.setattr(verify_remote, "run", run)
     monkeypatch.setattr(cli, "SETTINGS_FILE", str(tmp_path / "absent.json"))
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):  # credentials to hand on (none: exit 2 before)
+        monkeypatch.setenv(name, "t")
     assert cli.main(["verify", "team-a", "--pool", "p5-od", "--nodes", "2", "--deep", "--json"]) == 1
     (name, head_args, session), = called
     assert (name, head_args) == ("team-a", ["--json", "--pool", "p5-od", "--nodes=2", "--deep"])

@@ -1,4 +1,4 @@
-"""What is still tagged with a stack, and what it bills: `python -m gpucluster leftovers STACK`, after a destroy.
+"""What is still tagged with a stack, and what it bills: `gpucluster leftovers STACK`, after a destroy.
 
 The Resource Groups Tagging API lists every resource of the region that carries the stack's tag; each is priced from
 the same reference rates as the plan, where its size or type can be read. The API also lists a resource for a while
@@ -165,6 +165,16 @@ PRICERS = {
 }
 
 
+def monthly_total(leftovers: list[Leftover]) -> float:
+    """What the priced ones bill per month (the unpriced are free, billed by use, or unknown)."""
+    return round(sum(item.monthly_usd or 0.0 for item in leftovers), 2)
+
+
+def still_bills(leftovers: list[Leftover]) -> bool:
+    """Something left bills every month: `leftovers` exits 1, so a teardown's check cannot pass over it."""
+    return monthly_total(leftovers) > 0
+
+
 def report(stack_name: str, region: str, leftovers: list[Leftover]) -> list[str]:
     if not leftovers:
         return [f"Nothing in {region} is tagged {STACK_TAG}={stack_name}."]
@@ -173,8 +183,7 @@ def report(stack_name: str, region: str, leftovers: list[Leftover]) -> list[str]
     for item in leftovers:
         monthly = cost.money(item.monthly_usd) if item.monthly_usd is not None else "not priced"
         lines.append(f"  {item.kind.ljust(width)}  {monthly.rjust(11)}/month  {item.arn}  {item.detail}")
-    total = sum(item.monthly_usd or 0.0 for item in leftovers)
-    lines.append(f"Per month, priced ones: {cost.money(total)} (reference rates of {catalog.PRICE_DATE}). Delete "
-                 "what you no longer want in the console or with the AWS CLI; the API lists deleted resources for a "
-                 "while after.")
+    lines.append(f"Per month, priced ones: {cost.money(monthly_total(leftovers))} (reference rates of "
+                 f"{catalog.PRICE_DATE}). Delete what you no longer want in the console or with the AWS CLI; the "
+                 "API lists deleted resources for a while after.")
     return lines

@@ -1,4 +1,4 @@
-"""`python -m gpucluster preflight STACK`: can this account run this stack, before `pulumi up`?
+"""`gpucluster preflight STACK`: can this account run this stack, before `pulumi up`?
 
 Uses the caller's AWS credentials (boto3's usual chain: AWS_PROFILE, environment, SSO; AWS_ENDPOINT_URL is honoured).
 Per pool: offered in the AZ, EFA, the vCPU quota of its family and market, its capacity reservation, the spot
@@ -20,6 +20,7 @@ from functools import partial
 from typing import Any, Callable, Literal
 
 from gpucluster.aws import checkip
+from gpucluster.cli_errors import credentials_problem
 from gpucluster.spec import account, bom, cost, eks
 from gpucluster.spec.model import OPERATOR, PoolSpec, Stack, way_in_warning
 
@@ -53,21 +54,31 @@ def family_letter(instance_type: str) -> str:
 
 
 def guarded(pool: str | None, name: str, permission: str, probe: Callable[[], Check | list[Check]]) -> list[Check]:
-    """Run one check; an AWS error becomes a warning that names what was missing, never a crash."""
+    """Run one check; an AWS error becomes a warning that names what was missing, never a crash. Credentials that are
+    missing or no longer valid are raised instead: every check would warn, and a preflight that checked nothing is
+    not a pass (the command line says what is missing, exit 2)."""
     from botocore.exceptions import BotoCoreError, ClientError
     from botocore.parsers import ResponseParserError
 
     try:
         result = probe()
-    except ClientError as exc:
+    except (ClientError, BotoCoreError) as exc:
+        if credentials_problem(exc):
+            raise
+        return _warning(pool, name, permission, exc)
+    except ResponseParserError:
+        return [Check(pool, name, "warn", f"not checked, {permission} unavailable: the endpoint gave no valid answer")]
+    return result if isinstance(result, list) else [result]
+
+
+def _warning(pool: str | None, name: str, permission: str, exc: Exception) -> list[Check]:
+    from botocore.exceptions import ClientError
+
+    if isinstance(exc, ClientError):
         code = exc.response.get("Error", {}).get("Code", "Error")
         why = f"denied ({code}): grant {permission}" if code in DENIED else f"unavailable ({code}): {permission}"
         return [Check(pool, name, "warn", f"not checked, {why}")]
-    except ResponseParserError:
-        return [Check(pool, name, "warn", f"not checked, {permission} unavailable: the endpoint gave no valid answer")]
-    except BotoCoreError as exc:
-        return [Check(pool, name, "warn", f"not checked, {permission} unreachable: {exc}")]
-    return result if isinstance(result, list) else [result]
+    return [Check(pool, name, "warn", f"not checked, {permission} unreachable: {exc}")]
 
 
 def check_offered(ec2: Any, pool: PoolSpec, az: str) -> Check:

@@ -1,4 +1,4 @@
-"""`python -m gpucluster cost STACK`: this month's spend by the stack's tag, the forecast, the budget, and (on the head
+"""`gpucluster cost STACK`: this month's spend by the stack's tag, the forecast, the budget, and (on the head
 node) GPU-hours per Slurm account against the team's quota and per person, with each person's share of the spend."""
 
 from __future__ import annotations

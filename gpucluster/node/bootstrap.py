@@ -382,7 +382,9 @@ def command_line(bin_dir: Path = Path("/usr/local/bin")) -> None:
     image's venv (pydantic)."""
     command = bin_dir / "gpucluster"
     bin_dir.mkdir(parents=True, exist_ok=True)
-    command.write_text(f"#!/bin/sh\nPYTHONPATH={contract.LIB_DIR} exec {IMAGE_VENV}/bin/python -m gpucluster \"$@\"\n")
+    # Bare stack names: the bundle's stack file (gpucluster.project.stack_dirs, render/bundle.py STACKS_IN_LIB).
+    command.write_text(f"#!/bin/sh\nGPUCLUSTER_STACKS={contract.LIB_DIR}/stacks "
+                       f"PYTHONPATH={contract.LIB_DIR} exec {IMAGE_VENV}/bin/python -m gpucluster \"$@\"\n")
     command.chmod(0o755)
 
 

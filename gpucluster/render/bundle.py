@@ -27,7 +27,7 @@ EXAMPLES = ("submit.sh", "launch.sh", "ddp_train.py", "ddp.sbatch", "all_reduce.
 
 
 LIB = Path(settings.LIB_DIR).relative_to(settings.BUNDLE_DIR)  # the library's place in the bundle
-STACKS_IN_LIB = f"{LIB}/stacks"  # gpucluster.project.STACKS_DIR on the head node
+STACKS_IN_LIB = f"{LIB}/stacks"  # $GPUCLUSTER_STACKS on the head node (node/bootstrap.py command_line)
 
 
 def contents(stack: Stack, examples_dir: Path,
@@ -40,10 +40,11 @@ def contents(stack: Stack, examples_dir: Path,
     # The library: the node programs (executable) and what they import, and the command line for the admins on the
     # head node (`gpucluster cost|render|preflight`) with this stack's file beside it, as gpucluster.project expects.
     programs = {Path(program).relative_to(settings.LIB_DIR) for program in settings.NODE_PROGRAMS}
-    # Its data too: the spec reads the Ubuntu lock (ubuntu-lock.json) to check a stack file.
+    # Its data too: the spec reads the Ubuntu lock (ubuntu-lock.json) to check a stack file. Not the examples an
+    # installed package carries (pyproject.toml): they are the bundle's examples/, the same bytes from a checkout.
     modules = {source.relative_to(node.LIBRARY_DIR) for pattern in ("*.py", "*.json")
                for source in node.LIBRARY_DIR.joinpath("gpucluster").rglob(pattern)
-               if "__pycache__" not in source.parts}
+               if "__pycache__" not in source.parts and source.parent != node.LIBRARY_DIR / "gpucluster" / "examples"}
     files |= {f"{LIB}/{name.as_posix()}": ((node.LIBRARY_DIR / name).read_bytes(), 0o755 if name in programs else 0o644)
               for name in sorted(modules | programs)}
     files[f"{STACKS_IN_LIB}/Pulumi.{stack.name}.yaml"] = (stack_file(stack).encode(), 0o644)

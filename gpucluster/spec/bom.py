@@ -4,7 +4,7 @@
 What pins what:
 - the parent images, by exact dated name (AMI names are the same in every region, ids are not);
 - Ubuntu's own packages, by the archive snapshot the stack names (`image.ubuntu_snapshot`): their versions are what
-  that snapshot serves, resolved into ubuntu-lock.json by `python -m gpucluster image-lock`;
+  that snapshot serves, resolved into ubuntu-lock.json by `gpucluster image-lock`;
 - third-party apt repositories (Grafana's, AWS's CloudWatch agent and FSx Lustre client), which no Ubuntu snapshot
   freezes, by exact version here;
 - pip distributions, by version and the sha256 of the one wheel pip installs on the images' Python 3.12 x86_64

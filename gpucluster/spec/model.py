@@ -1203,14 +1203,6 @@ def stack_name_from_path(path: Path) -> str:
     return match.group(1)
 
 
-def resolve_stack_file(stack: str, stacks_dir: Path) -> Path:
-    """STACK is a stack name under stacks/ or a path to a stack file."""
-    candidate = Path(stack)
-    if candidate.suffix in (".yaml", ".yml") or "/" in stack:
-        return candidate
-    return stacks_dir / f"Pulumi.{stack}.yaml"
-
-
 def stack_config(stack: Stack) -> dict[str, Any]:
     """The `config:` mapping of the validated stack, as the stack file gave it (defaults left out, explicit nulls
     kept)."""

@@ -2,7 +2,7 @@
 
 An Ubuntu snapshot (https://snapshot.ubuntu.com/ubuntu/<ID>/, ID a UTC time YYYYMMDDTHHMMSSZ) serves the archive as it
 was at that instant. Its -updates and -security indexes list only the newest version of a package, so the version to
-install is the newest one across the pockets: `python -m gpucluster image-lock --snapshot ID` reads the indexes and
+install is the newest one across the pockets: `gpucluster image-lock --snapshot ID` reads the indexes and
 writes each BOM package's version under the ID in ubuntu-lock.json, and the bake installs exactly that (apt reads the
 same snapshot). Pure functions here; the command line does the download.
 """
@@ -22,7 +22,7 @@ RELEASE = "noble"  # Ubuntu 24.04, every parent image's release
 POCKETS = (RELEASE, f"{RELEASE}-updates", f"{RELEASE}-security")  # not -backports: apt does not take it by default
 COMPONENTS = ("main", "universe")
 ARCHITECTURE = "amd64"
-LOCK_COMMAND = "python -m gpucluster image-lock --snapshot"
+LOCK_COMMAND = "gpucluster image-lock --snapshot"
 
 
 def archive_url(snapshot: str) -> str:
