@@ -257,7 +257,7 @@ def test_events_lists_what_happened_to_nodes_and_jobs(tmp_path: Path) -> None:
 # command added later is run here without being named.
 COMMANDS = completion.commands(cli.parser())
 WITH_STACK = sorted(name for name, command in COMMANDS.items()
-                    if any(action.dest == "stack" for action in command._actions))
+                    if any(action.dest in ("stack", "stacks") for action in command._actions))
 # Commands that read the account: without credentials they cannot do anything, and say so (exit 2).
 NEED_AWS = {"preflight", "cost", "leftovers", "dashboard", "verify"}
 
@@ -400,7 +400,7 @@ def test_bash_completion_offers_the_parsers_commands_options_and_stacks() -> Non
         return set(done.stdout.split())
 
     assert complete("") == {*COMMANDS, "-h", "--help", "--version"}
-    assert complete("plan", "--") == {"--help", "--json"}
+    assert complete("plan", "--") == {"--help", "--json", "--against", "--markdown"}
     assert complete("render", "--") == {"--help", "--json", "--out"}
     assert {p.name.removeprefix("Pulumi.").removesuffix(".yaml")
             for p in (ROOT / "stacks").glob("Pulumi.*.yaml")} <= complete("plan", "")

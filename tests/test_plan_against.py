@@ -162,13 +162,13 @@ def test_a_revision_that_cannot_be_read_is_bad_input(tmp_path: Path) -> None:
     unknown = run("plan", str(path), "--against", "git:no-such-branch", "--json")
     assert unknown.returncode == 2
     (error,) = json.loads(unknown.stdout)["errors"]
-    assert error["path"] == "" and "no revision 'no-such-branch'" in error["message"]
+    assert error["path"] == "--against" and "no revision 'no-such-branch'" in error["message"]
 
     outside = changed_dev(tmp_path / "not-a-checkout")
     no_git = run("plan", str(outside), "--against", "git:HEAD")
     assert no_git.returncode == 2 and "is not in a git checkout" in no_git.stderr and not no_git.stdout
     markdown_alone = run("plan", str(outside), "--markdown")
-    assert markdown_alone.returncode == 2 and "--markdown needs --against OLD" in markdown_alone.stderr
+    assert markdown_alone.returncode == 2 and "--markdown: needs --against OLD" in markdown_alone.stderr
 
 
 def test_an_old_version_with_problems_is_named_by_its_revision(tmp_path: Path) -> None:
@@ -181,6 +181,6 @@ def test_an_old_version_with_problems_is_named_by_its_revision(tmp_path: Path) -
     changed_dev(repo)
     out = run("plan", str(path), "--against", "git:HEAD", "--json")
     assert out.returncode == 2
-    errors = json.loads(out.stdout)["errors"]
-    assert "gpucluster:cluster.pools[0].max_nodes" in [e["path"] for e in errors]
-    assert all(e["message"].startswith("HEAD:Pulumi.dev.yaml: ") for e in errors)
+    doc = json.loads(out.stdout)
+    assert "gpucluster:cluster.pools[0].max_nodes" in [e["path"] for e in doc["errors"]]
+    assert doc["source"] == "HEAD:Pulumi.dev.yaml"
