@@ -12,6 +12,11 @@
     python -m gpucluster verify STACK [--json] [--pool NAME ...] [--nodes N] [--deep]   a verify run on the stack's
                                                  head node (through Session Manager; `--last`: its latest run)
     gpucluster verify [--json] [--last] [--pool NAME ...] [--nodes N] [--deep]   on the head node, as root: the run
+    python -m gpucluster connect STACK [--admin] [--user NAME]   a shell on the head node (Session Manager)
+    python -m gpucluster ssh-config STACK [--user NAME]   a Host block for ~/.ssh/config: ssh, scp, rsync through
+                                                 Session Manager
+    python -m gpucluster status STACK [--json]   partitions open or closed and why, nodes, jobs, spend, GPU-hours
+                                                 (read on the head node through Run Command)
     gpucluster events [--last N]                 on the head node: recent interruptions, drains, requeues, replacements
     python -m gpucluster image-lock --snapshot ID [--archive URL]   (maintainers, internet) lock the image's Ubuntu
                                                  packages to what the Ubuntu snapshot ID serves
@@ -384,6 +389,51 @@ def verify(args: argparse.Namespace) -> int:
     return verify_run.run(checks, args.json, setup)
 
 
+def connect(args: argparse.Namespace) -> int:
+    import boto3
+
+    from gpucluster.aws import connect as session_manager
+
+    return session_manager.connect(_load(args.stack), args.admin, args.user, boto3.Session())
+
+
+def ssh_config(args: argparse.Namespace) -> int:
+    import boto3
+
+    from gpucluster.aws import connect as session_manager
+
+    stack_file = resolve_stack_file(args.stack, project.STACKS_DIR)
+    return session_manager.ssh_config(load_stack(stack_file), stack_file, args.user, boto3.Session())
+
+
+def ssh_proxy(args: argparse.Namespace) -> int:
+    import boto3
+
+    from gpucluster.aws import connect as session_manager
+
+    return session_manager.ssh_proxy(_load(args.stack), args.user, boto3.Session())
+
+
+def status(args: argparse.Namespace) -> int:
+    """On the head node: read here (gpucluster.node.status_run). Elsewhere, with STACK: through Run Command."""
+    here = ClusterSettings.load(SETTINGS_FILE) if Path(SETTINGS_FILE).exists() else None
+    stack = _load(args.stack) if args.stack else None
+    if stack is not None and (here is None or here.cluster != stack.cluster_name):
+        import boto3
+
+        from gpucluster.aws import status_remote
+
+        return status_remote.run(stack, args.json, boto3.Session())
+    if here is None:
+        message = f"STACK is needed off the head node (no {SETTINGS_FILE} here)"
+        print(json.dumps({"errors": [{"path": "", "message": message}]}) if args.json else f"status: {message}",
+              file=sys.stdout if args.json else sys.stderr)
+        return EXIT_BAD_INPUT
+    from gpucluster.node import status_run
+
+    return status_run.run(args.json, here)
+
+
 def _bad_input(problems: list[str]) -> int:
     for problem in problems:
         print(f"verify: {problem}", file=sys.stderr)
@@ -511,6 +561,30 @@ def parser() -> argparse.ArgumentParser:
     ver.add_argument("--fsx-mib", type=int, help=argparse.SUPPRESS)
     ver.add_argument("--fsx-type", help=argparse.SUPPRESS)
     ver.set_defaults(func=verify)
+    con = sub.add_parser("connect", help="a shell on the head node through Session Manager, as yourself (AWS "
+                                         "credentials, the AWS CLI and its Session Manager plugin)")
+    con.add_argument("stack", help="a stack name under stacks/ or a path to a stack file")
+    who = con.add_mutually_exclusive_group()
+    who.add_argument("--admin", action="store_true", help="the admins' shell (ssm-user, sudo)")
+    who.add_argument("--user", metavar="NAME", help="the person to connect as (default: the one whose principal "
+                                                    "you are signed in with)")
+    con.set_defaults(func=connect)
+    ssh = sub.add_parser("ssh-config", help="print a Host block for ~/.ssh/config: ssh, scp and rsync to the head "
+                                            "node through Session Manager")
+    ssh.add_argument("stack", help="a stack name under stacks/ or a path to a stack file")
+    ssh.add_argument("--user", metavar="NAME", help="the person to log in as (default: yours, by your principal)")
+    ssh.set_defaults(func=ssh_config)
+    proxy = sub.add_parser("ssh-proxy", help="(ssh's ProxyCommand, written by ssh-config) push the key for 60 s, "
+                                             "then stream to the head's port 22")
+    proxy.add_argument("stack", help="a stack name under stacks/ or a path to a stack file")
+    proxy.add_argument("--user", required=True, metavar="NAME", help="the OS user ssh logs in as")
+    proxy.set_defaults(func=ssh_proxy)
+    st = sub.add_parser("status", help="partitions open or closed and why, nodes per pool, jobs, spend against "
+                                       "budget, GPU-hours against quota (on the head node, or from here with STACK)")
+    st.add_argument("stack", nargs="?", help="a stack name under stacks/ or a path to a stack file (not needed on "
+                                             "the head node)")
+    st.add_argument("--json", action="store_true", help="print one JSON object")
+    st.set_defaults(func=status)
     e = sub.add_parser("events", help="on the head node: recent spot warnings, drains, requeues and replacements")
     e.add_argument("--last", type=int, default=50, help="how many (default 50)")
     e.add_argument("--log", help=argparse.SUPPRESS)  # another events log (tests)
