@@ -83,8 +83,8 @@ def test_sessions_on_the_head_node_as_the_login_user_or_as_admin() -> None:
         assert find["Action"] == "ec2:DescribeInstances"
         # `gpucluster verify STACK` and `status STACK`: their documents on the head only, never AWS-RunShellScript
         # (root); --deep's (an hour of the nodes under Slurm's root account, outside the team's limits) for admins only.
-        commands = [f"arn:aws:ssm:{region}:{ACCOUNT}:document/{cluster}-{kind}-command"
-                    for kind in (["verify", "status"] if kind == "user-access" else ["verify", "verify-deep", "status"])]
+        kinds = ["verify", "status"] if kind == "user-access" else ["verify", "verify-deep", "status"]
+        commands = [f"arn:aws:ssm:{region}:{ACCOUNT}:document/{cluster}-{k}-command" for k in kinds]
         assert send == {"Sid": "CommandsOnTheHeadNode", "Effect": "Allow", "Action": "ssm:SendCommand",
                         "Resource": [instance, *commands]}
         assert outcome["Action"] == ["ssm:GetCommandInvocation", "ssm:ListCommandInvocations"]
