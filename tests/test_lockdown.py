@@ -146,7 +146,7 @@ def test_only_root_and_the_daemons_get_instance_metadata(tmp_path: Path, role: s
     # Alertmanager (the packaged prometheus user) sends the head's alerts to SNS; compute nodes send none.
     assert answers["prometheus"] == "token" if role == "head" else "Connection refused" in answers["prometheus"], \
         answers
-    # sshd's EC2 Instance Connect key lookup on the head (`gpucluster ssh-proxy`); no node but the head is an SSH target.
+    # sshd's EC2 Instance Connect key lookup on the head (`gpucluster ssh-proxy`); only the head is an SSH target.
     eic = answers[lockdown.EIC_USER]
     assert eic == "token" if role == "head" else "Connection refused" in eic, answers
     for user in (LOGIN_USER, "nobody"):

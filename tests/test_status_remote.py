@@ -14,13 +14,13 @@ from typing import Any
 import boto3
 import pytest
 
-from conftest import ROOT, reset_moto
+from conftest import ROOT
 from gpucluster.aws import status_remote
 from gpucluster.contract.settings import command_document_name, head_instance_name
 from gpucluster.contract.status import table
 from gpucluster.spec.model import load_stack
 from test_dashboard_command import launch
-from test_verify_remote import COMMAND_ID, HEAD, StubbedSession, ended, no_sleep
+from test_verify_remote import COMMAND_ID, HEAD, StubbedSession, aws_env, ended, no_sleep  # noqa: F401 (a fixture)
 
 STACK = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")
 STATUS = {"cluster": STACK.cluster_name,
@@ -33,15 +33,8 @@ STATUS = {"cluster": STACK.cluster_name,
           "gpu_hours": {"used": 12.5, "quota": 100.0}}
 
 
-@pytest.fixture
-def aws_env(moto_url: str, monkeypatch: pytest.MonkeyPatch) -> str:
-    reset_moto(moto_url)
-    for name, value in (("AWS_ENDPOINT_URL", moto_url), ("AWS_ACCESS_KEY_ID", "t"), ("AWS_SECRET_ACCESS_KEY", "t")):
-        monkeypatch.setenv(name, value)
-    return moto_url
-
-
-def test_sends_the_status_document_to_the_running_head_only(aws_env: str, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.usefixtures("aws_env")
+def test_sends_the_status_document_to_the_running_head_only(capsys: pytest.CaptureFixture[str]) -> None:
     session = boto3.Session()
     ec2 = session.client("ec2", region_name=STACK.region)
     head = launch(ec2, STACK.cluster_name, head_instance_name(STACK.cluster_name))
@@ -73,7 +66,8 @@ def test_prints_the_heads_status_with_the_head_added(capsys: pytest.CaptureFixtu
     assert "  GPU-hours   12.5 used this month of 100.0 (the team's quota)" in lines
 
 
-def test_a_head_that_fails_or_is_missing_exits_1(aws_env: str, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.usefixtures("aws_env")
+def test_a_head_that_fails_or_is_missing_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
     session = StubbedSession().answers(ended("Failed", 1, "", "status: Slurm did not answer: timed out"))
     assert status_remote.run(STACK, False, session, no_sleep) == 1
     assert "Slurm did not answer" in capsys.readouterr().err

@@ -62,7 +62,7 @@ def run(stack: Stack, as_json: bool, session: Any, sleep: Callable[[float], None
         sent = ssm.send_command(InstanceIds=[head], DocumentName=document, TimeoutSeconds=DELIVERY_SECONDS,
                                 Comment="gpucluster status")
         invocation = wait(ssm, sent["Command"]["CommandId"], head, DELIVERY_SECONDS + EXECUTION_SECONDS + 60,
-                          sleep=sleep)
+                          sleep=sleep, command="status")
     except NoCredentialsError:
         return _fail(NO_CREDENTIALS, as_json)
     except (BotoCoreError, ClientError) as exc:
