@@ -22,7 +22,7 @@ class QuietSlurm(SlurmControl):
 
     def __init__(self, partitions: dict[str, str], used_minutes: int, quota_minutes: int | None) -> None:
         super().__init__()
-        self.answers = {
+        self.answers: dict[tuple[str, ...], str] = {
             slurm_json.SHOW_PARTITIONS: document("partitions", [partition(n, s) for n, s in partitions.items()]),
             slurm_json.SHOW_NODES: document("nodes", [
                 node("h100-1", "ALLOCATED+CLOUD"), node("h100-2", "IDLE+CLOUD+POWERED_DOWN"),
