@@ -45,8 +45,7 @@ DRIVER = textwrap.dedent('''
     # The image's login user as Ubuntu's cloud images make it: a sudo rule from cloud-init, in docker's group.
     # And Session Manager's user as the agent left it on an image's build instance: its home under /home.
     with open("/etc/passwd", "a") as f:
-        f.write("LOGIN:x:1100:1100::/home/LOGIN:/bin/bash\\nssm-user:x:1103:1103::/home/ssm-user:/bin/sh\\n"
-                "ec2-instance-connect:x:1104:1104::/nonexistent:/usr/sbin/nologin\\n")
+        f.write("LOGIN:x:1100:1100::/home/LOGIN:/bin/bash\\nssm-user:x:1103:1103::/home/ssm-user:/bin/sh\\n")
     with open("/etc/group", "a") as f:
         f.write("LOGIN:x:1100:\\ndocker:x:1101:LOGIN\\nlxd:x:1102:someone,LOGIN\\nssm-user:x:1103:\\n")
     os.makedirs("/etc/sudoers.d", exist_ok=True)
@@ -94,7 +93,7 @@ DRIVER = textwrap.dedent('''
                "    socket.create_connection(('127.0.0.1', int(sys.argv[1])), timeout=5).close()"
                "\\n    print('connected')\\nexcept OSError as exc:\\n    print(type(exc).__name__, exc)\\n")
     answers, alerts, dcgm = {}, {}, {}
-    for user in ("root", "SLURM", "LOGIN", "nobody", "prometheus", "ec2-instance-connect"):
+    for user in ("root", "SLURM", "LOGIN", "nobody", "prometheus"):
         entry = pwd.getpwnam(user)
         as_user = ["setpriv", f"--reuid={entry.pw_uid}", f"--regid={entry.pw_gid}", "--clear-groups",
                    "/usr/bin/python3"]
@@ -146,9 +145,6 @@ def test_only_root_and_the_daemons_get_instance_metadata(tmp_path: Path, role: s
     # Alertmanager (the packaged prometheus user) sends the head's alerts to SNS; compute nodes send none.
     assert answers["prometheus"] == "token" if role == "head" else "Connection refused" in answers["prometheus"], \
         answers
-    # sshd's EC2 Instance Connect key lookup on the head (`gpucluster ssh-proxy`); only the head is an SSH target.
-    eic = answers[lockdown.EIC_USER]
-    assert eic == "token" if role == "head" else "Connection refused" in eic, answers
     for user in (LOGIN_USER, "nobody"):
         assert "Connection refused" in answers[user], answers  # refused at once, not left to time out
     assert "-A GPUCLUSTER-IMDS -m owner --uid-owner 0 -j ACCEPT" in result["rules"], result["rules"]

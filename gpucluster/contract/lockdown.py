@@ -24,12 +24,8 @@ IMDS_CHAIN = "GPUCLUSTER-IMDS"
 # Who may reach instance metadata, per node role. The head's resume, suspend and reconciler programs run as the
 # slurm user (Slurm's SlurmUser) and launch and terminate instances; everything else that calls AWS runs as root
 # (the boot unit, the SSM and CloudWatch agents, the budget guardrail). On the head, Alertmanager (the packaged
-# `prometheus` user) sends alerts to the stack's topic with the role's credentials. sshd on the head runs EC2 Instance
-# Connect's AuthorizedKeysCommand as the package's own user, and that command reads the key a person pushed
-# (`gpucluster ssh-proxy`) from instance metadata (aws-ec2-instance-connect-config: eic_curl_authorized_keys, run as
-# AuthorizedKeysCommandUser ec2-instance-connect). No login user runs as any of them.
-EIC_USER = "ec2-instance-connect"
-IMDS_USERS = {"head": ("root", SLURM_USER, "prometheus", EIC_USER), "compute": ("root",)}
+# `prometheus` user) sends alerts to the stack's topic with the role's credentials. No login user runs as any of them.
+IMDS_USERS = {"head": ("root", SLURM_USER, "prometheus"), "compute": ("root",)}
 # Alertmanager's API on the head (127.0.0.1, no authentication): whoever posts there publishes to the stack's topic
 # with the head's role, and may silence alerts. Prometheus sends the alerts; root administers.
 ALERTS_CHAIN = "GPUCLUSTER-ALERTS"

@@ -16,6 +16,7 @@ Standard library only: the head runs it from the bundle.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections import Counter, defaultdict
@@ -25,10 +26,15 @@ from typing import Any
 from gpucluster.contract.settings import BUDGET_TEXTFILE, TEXTFILE_DIR, ClusterSettings
 from gpucluster.contract.status import BUDGET_WHY, QUOTA_WHY, node_state, table
 from gpucluster.node.budget import GuardrailState
-from gpucluster.node.metrics import tres_minutes
 from gpucluster.node.slurm_control import SlurmControl
 
 EXIT_FAILED = 1
+
+
+def tres_minutes(tres: str) -> float | None:
+    """gres/gpu of a TRES list such as `cpu=120,gres/gpu=4800`; None when absent."""
+    found = re.search(r"(?:^|,)gres/gpu=(\d+)", tres)
+    return float(found.group(1)) if found else None
 
 
 def team_gpu_minutes(sshare_output: str, account: str) -> tuple[float, float | None] | None:
