@@ -20,7 +20,7 @@ from components.node_access import NodeAccess, NodeAccessArgs
 from components.shared import create_shared_parts, shared_outputs
 from components.team_access import TeamAccess, TeamAccessArgs
 from components.teardown import Teardown, TeardownArgs
-from gpucluster.aws import verify_remote
+from gpucluster.aws import status_remote, verify_remote
 from gpucluster.render import bundle, userdata
 from gpucluster.spec import bom, cost
 from gpucluster.spec.model import Stack
@@ -137,6 +137,7 @@ def create_slurm_cluster(stack: Stack, examples_dir: Path) -> dict[str, object]:
                                                          verify_document=verify_remote.command_document(stack, False),
                                                          verify_deep_document=verify_remote.command_document(
                                                              stack, True),
+                                                         status_document=status_remote.command_document(stack),
                                                          people=tuple(spec.users or ())), opts)
     deny = None if act is None else LaunchDeny(
         stack.cluster_name, LaunchDenyArgs(budget_name=budget.budget_name, act_threshold_percent=act,

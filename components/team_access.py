@@ -8,7 +8,10 @@ port of the head. Both allow a Run Command document, on the head only: `gpuclust
 options (gpucluster/aws/verify_remote.py), never AWS-RunShellScript, which would be any command as root; the admins'
 policy also allows its twin with --deep (an hour of the nodes under Slurm's root account, outside the team's limits).
 With people (`users:`), the login user's document gives way to one document per person (a shell as that person), and
-the users' policy allows each person's document only to that person's IAM principals.
+the users' policy allows each person's document only to that person's IAM principals. Both policies run the status
+document (`gpucluster status`, read only, no parameters). SSH (`gpucluster ssh-config`) streams to sshd on the head's
+loopback through a document fixed to port 22; the users' policy lets each principal push an EC2 Instance Connect key
+for its own person's account only (the login user's without people).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from gpucluster.contract.settings import (
 )
 from gpucluster.spec.model import CONFIG_KEY, UserSpec
 
+SSH_PORT = 22  # sshd on the head, reached through Session Manager only: no security group opens it
 IDLE_SESSION_MINUTES = 60
 MAX_SESSION_MINUTES = 720  # a forgotten shell ends after a working day
 # A TCP port number, 1-65535: AWS-StartPortForwardingSession's pattern without its 0 ("any free port"), so that the
@@ -72,17 +76,29 @@ def dashboard_document(description: str) -> str:
     })
 
 
-def access_policy(instance_arn: str, document_arns: list[str], sessions: str, verify_arns: list[str],
-                  run_as_tag_free: bool, people: Sequence[tuple[str, Sequence[str]]] = ()) -> str:
+def ssh_document(description: str) -> str:
+    """A Session Manager stream to sshd on the head's loopback, for ssh's ProxyCommand (gpucluster/aws/connect.py):
+    AWS-StartSSHSession's shape with the port a constant of `properties`, not a parameter, so the document reaches
+    port 22 of the head and nothing else. Without `"type": "LocalPortForwarding"` the plugin pipes the session to
+    its stdin and stdout (session-manager-plugin portsession.go: StandardStreamForwarding)."""
+    return json.dumps({"schemaVersion": "1.0", "description": description, "sessionType": "Port",
+                       "properties": {"portNumber": str(SSH_PORT)}})
+
+
+def access_policy(instance_arn: str, document_arns: list[str], sessions: str, command_arns: list[str],
+                  run_as_tag_free: bool, people: Sequence[tuple[str, Sequence[str]]] = (),
+                  key_pushes: Sequence[tuple[str, Sequence[str]]] = ()) -> str:
     """StartSession on the head node with the given documents only; end and resume one's own sessions, stream
-    one's own; the given verify documents on the head node, and their commands' outcome.
+    one's own; the given Run Command documents (verify, status) on the head node, and their commands' outcome.
     `run_as_tag_free`: only for callers without an `SSMSessionRunAs` tag, which would override the document's user
     with any user of the node (slurm, which reaches instance metadata on the head; ssm-user, which has sudo).
     `sessions`: the ARN of the region's sessions of the account, up to `session/`.
     `people`: (document ARN, IAM principals) per person: StartSession with that document, which runs the shell as
     the person, only when the caller is one of the person's principals. aws:PrincipalArn is an IAM user's ARN, and for
     a role's sessions the role's ARN with its path, never the session's (IAM User Guide, AWS global condition context
-    keys: aws:PrincipalArn), so a role lists as itself and the session name its caller chose plays no part."""
+    keys: aws:PrincipalArn), so a role lists as itself and the session name its caller chose plays no part.
+    `key_pushes`: (OS user, IAM principals; none: any caller with the policy) per account one may log in to over SSH:
+    EC2 Instance Connect's SendSSHPublicKey to the head node for that OS user only (condition key ec2:osuser)."""
     condition: dict[str, dict[str, str]] = {"BoolIfExists": {"ssm:SessionDocumentAccessCheck": "true"}}
     if run_as_tag_free:
         condition["Null"] = {"aws:PrincipalTag/SSMSessionRunAs": "true"}
@@ -105,13 +121,25 @@ def access_policy(instance_arn: str, document_arns: list[str], sessions: str, ve
         # `gpucluster dashboard` finds the running head by its tags. DescribeInstances has no resource-level
         # permissions: it names instances, not their data.
         {"Sid": "FindTheHeadNode", "Effect": "Allow", "Action": "ec2:DescribeInstances", "Resource": "*"},
-        # `gpucluster verify STACK`: these documents, on this head only (SendCommand needs both resources).
-        {"Sid": "VerifyOnTheHeadNode", "Effect": "Allow", "Action": "ssm:SendCommand",
-         "Resource": [instance_arn, *verify_arns]},
+        # `gpucluster verify STACK` and `gpucluster status STACK`: these documents, on this head only (SendCommand
+        # needs both resources).
+        {"Sid": "CommandsOnTheHeadNode", "Effect": "Allow", "Action": "ssm:SendCommand",
+         "Resource": [instance_arn, *command_arns]},
         # Its outcome; neither action has resource-level permissions. They read commands' output, start nothing.
         {"Sid": "VerifyOutcome", "Effect": "Allow",
          "Action": ["ssm:GetCommandInvocation", "ssm:ListCommandInvocations"], "Resource": "*"},
+        # `gpucluster ssh-proxy`: a public key that sshd on the head accepts for 60 s, for one's own account only.
+        *({"Effect": "Allow", "Action": "ec2-instance-connect:SendSSHPublicKey", "Resource": instance_arn,
+           "Condition": {"StringEquals": {"ec2:osuser": os_user},
+                         **({"ArnEquals": {"aws:PrincipalArn": list(principals)}} if principals else {})}}
+          for os_user, principals in key_pushes),
     ]})
+
+
+def key_pushes(people: Sequence[UserSpec]) -> list[tuple[str, Sequence[str]]]:
+    """Whom the users' policy lets push an SSH key as whom: each person as themselves, by their principals; without
+    people, whoever holds the policy as the login user (the account everyone's shell already is)."""
+    return [(person.name, person.principals) for person in people] or [(LOGIN_USER, ())]
 
 
 def policy_characters(document: str) -> int:
@@ -127,6 +155,7 @@ class TeamAccessArgs:
     head_instance_id: pulumi.Input[str]
     verify_document: str  # gpucluster.aws.verify_remote.command_document(stack, deep=False)
     verify_deep_document: str  # gpucluster.aws.verify_remote.command_document(stack, deep=True): admins only
+    status_document: str  # gpucluster.aws.status_remote.command_document(stack): everyone's, read only
     people: Sequence[UserSpec] = ()  # the stack's `users:`; none: everyone connects as the login user
 
 
@@ -143,6 +172,8 @@ class TeamAccess(pulumi.ComponentResource):
     dashboard_document: pulumi.Output[str]
     verify_document: pulumi.Output[str]
     verify_deep_document: pulumi.Output[str]
+    status_document: pulumi.Output[str]
+    ssh_document: pulumi.Output[str]
     user_policy_arn: pulumi.Output[str]
     admin_policy_arn: pulumi.Output[str]
 
@@ -176,6 +207,13 @@ class TeamAccess(pulumi.ComponentResource):
             document_type="Session", document_format="JSON", content=dashboard_document(
                 f"gpucluster {cluster}: Grafana on the head node, forwarded to a port of your machine"),
             opts=child(self))
+        ssh = aws.ssm.Document(
+            f"{name}-ssh-session", name=session_document_name(cluster, "ssh"), document_type="Session",
+            document_format="JSON", content=ssh_document(
+                f"gpucluster {cluster}: sshd on the head node's loopback, for ssh's ProxyCommand"), opts=child(self))
+        status = aws.ssm.Document(
+            f"{name}-status-command", name=command_document_name(cluster, "status"),
+            document_type="Command", document_format="JSON", content=args.status_document, opts=child(self))
         verify = aws.ssm.Document(
             f"{name}-verify-command", name=command_document_name(cluster, "verify"),
             document_type="Command", document_format="JSON", content=args.verify_document, opts=child(self))
@@ -193,27 +231,31 @@ class TeamAccess(pulumi.ComponentResource):
             f"{name}-user-access", description=f"gpucluster {cluster}: shell on the head node as {LOGIN_USER}",
             policy=pulumi.Output.all(
                 instance_arn, document_arn(dashboard), sessions, document_arn(verify),
-                [document_arn(users)] if users else [], [document_arn(d) for d in people.values()]).apply(
-                lambda v: access_policy(v[0], [*v[4], v[1]], v[2], [v[3]], run_as_tag_free=True,
-                                        people=list(zip(v[5], principals, strict=True)))),
+                [document_arn(users)] if users else [], [document_arn(d) for d in people.values()],
+                document_arn(ssh), document_arn(status)).apply(
+                lambda v: access_policy(v[0], [*v[4], v[1], v[6]], v[2], [v[3], v[7]], run_as_tag_free=True,
+                                        people=list(zip(v[5], principals, strict=True)),
+                                        key_pushes=key_pushes(args.people))),
             opts=child(self))
         admin_policy = aws.iam.Policy(
             f"{name}-admin-access", description=f"gpucluster {cluster}: admin shell (sudo) on the head "
             "node", policy=pulumi.Output.all(
                 instance_arn, document_arn(admins), document_arn(dashboard), sessions, document_arn(verify),
-                document_arn(verify_deep)).apply(
-                lambda v: access_policy(v[0], [v[1], v[2]], v[3], [v[4], v[5]], run_as_tag_free=False)),
+                document_arn(verify_deep), document_arn(status)).apply(
+                lambda v: access_policy(v[0], [v[1], v[2]], v[3], [v[4], v[5], v[6]], run_as_tag_free=False)),
             opts=child(self))
         self.user_document = users.name if users else None
         self.person_documents = {person: document.name for person, document in people.items()}
         self.admin_document, self.dashboard_document = admins.name, dashboard.name
         self.verify_document, self.verify_deep_document = verify.name, verify_deep.name
+        self.status_document, self.ssh_document = status.name, ssh.name
         self.user_policy_arn, self.admin_policy_arn = user_policy.arn, admin_policy.arn
         self.register_outputs({"user_document": self.user_document, "person_documents": self.person_documents,
                                "admin_document": self.admin_document,
                                "dashboard_document": self.dashboard_document,
                                "verify_document": self.verify_document,
                                "verify_deep_document": self.verify_deep_document,
+                               "status_document": self.status_document, "ssh_document": self.ssh_document,
                                "user_policy_arn": self.user_policy_arn, "admin_policy_arn": self.admin_policy_arn})
 
 
@@ -230,9 +272,10 @@ def users_policy_problem(args: TeamAccessArgs) -> str | None:
     shells = [] if people else [arn(session_document_name(cluster, "user"))]
     document = access_policy(
         f"arn:aws:ec2:{args.region}:{PLACEHOLDER_ACCOUNT}:instance/{PLACEHOLDER_INSTANCE}",
-        [*shells, arn(session_document_name(cluster, "dashboard"))],
-        f"arn:aws:ssm:{args.region}:{PLACEHOLDER_ACCOUNT}:session/", [arn(command_document_name(cluster, "verify"))],
-        run_as_tag_free=True, people=people)
+        [*shells, arn(session_document_name(cluster, "dashboard")), arn(session_document_name(cluster, "ssh"))],
+        f"arn:aws:ssm:{args.region}:{PLACEHOLDER_ACCOUNT}:session/",
+        [arn(command_document_name(cluster, kind)) for kind in ("verify", "status")],
+        run_as_tag_free=True, people=people, key_pushes=key_pushes(args.people))
     size = policy_characters(document)
     if size <= MANAGED_POLICY_MAX_CHARACTERS:
         return None

@@ -16,6 +16,10 @@
   gpucluster verify STACK [--pool NAME ...] [--nodes N] [--deep] [--last]   a verify run on the stack's head node
                                         (through Session Manager; --last: its latest run)
   gpucluster verify [--last] [--pool NAME ...] [--nodes N] [--deep]   on the head node, as root: the run
+  gpucluster connect STACK [--admin] [--user NAME]   a shell on the head node (Session Manager)
+  gpucluster ssh-config STACK [--user NAME]   a Host block for ~/.ssh/config: ssh, scp, rsync through Session Manager
+  gpucluster status STACK               partitions open or closed and why, nodes, jobs, spend, the quota (read on the
+                                        head node through Run Command)
   gpucluster events [--last N]          on the head node: recent interruptions, drains, requeues, replacements
   gpucluster image-lock --snapshot ID [--archive URL]   (maintainers, internet) lock the image's Ubuntu packages to
                                         what the Ubuntu snapshot ID serves
@@ -585,6 +589,40 @@ def _bad_input(problems: list[str]) -> NoReturn:
     raise UserError([("", f"verify: {problem}") for problem in problems])
 
 
+def connect(args: argparse.Namespace) -> int:
+    from gpucluster.aws import connect as session_manager
+
+    return session_manager.connect(_load(args.stack), args.admin, args.user, aws_session())
+
+
+def ssh_config(args: argparse.Namespace) -> int:
+    from gpucluster.aws import connect as session_manager
+
+    stack_file = _stack_path(args.stack)
+    return session_manager.ssh_config(load_stack(stack_file), stack_file, args.user, aws_session())
+
+
+def ssh_proxy(args: argparse.Namespace) -> int:
+    from gpucluster.aws import connect as session_manager
+
+    return session_manager.ssh_proxy(_load(args.stack), args.user, aws_session())
+
+
+def status(args: argparse.Namespace) -> int:
+    """On the head node: read here (gpucluster.node.status_run). Elsewhere, with STACK: through Run Command."""
+    here = ClusterSettings.load(SETTINGS_FILE) if Path(SETTINGS_FILE).exists() else None
+    stack = _load(args.stack) if args.stack else None
+    if stack is not None and (here is None or here.cluster != stack.cluster_name):
+        from gpucluster.aws import status_remote
+
+        return status_remote.run(stack, args.json, aws_session())
+    if here is None:
+        raise UserError([("", f"STACK is needed off the head node (no {SETTINGS_FILE} here)")])
+    from gpucluster.node import status_run
+
+    return status_run.run(args.json, here)
+
+
 def _plan_options(args: argparse.Namespace) -> planning.Options:
     return planning.Options(tuple(args.pool or ()), args.nodes, args.deep)
 
@@ -731,6 +769,33 @@ def parser() -> argparse.ArgumentParser:
     ver.add_argument("--fsx-mib", type=int, help=argparse.SUPPRESS)
     ver.add_argument("--fsx-type", help=argparse.SUPPRESS)
     ver.set_defaults(func=verify)
+    con = sub.add_parser("connect", help="a shell on the head node through Session Manager, as yourself (AWS "
+                                         "credentials, the AWS CLI and its Session Manager plugin)")
+    con.add_argument("stack", help=project.STACK_HELP)
+    who = con.add_mutually_exclusive_group()
+    who.add_argument("--admin", action="store_true", help="the admins' shell (ssm-user, sudo)")
+    who.add_argument("--user", metavar="NAME", help="the person to connect as (default: the one whose principal "
+                                                    "you are signed in with)")
+    _json_flag(con, "problems as one JSON object (the shell itself is interactive)")
+    con.set_defaults(func=connect)
+    ssh = sub.add_parser("ssh-config", help="print a Host block for ~/.ssh/config: ssh, scp and rsync to the head "
+                                            "node through Session Manager")
+    ssh.add_argument("stack", help=project.STACK_HELP)
+    ssh.add_argument("--user", metavar="NAME", help="the person to log in as (default: yours, by your principal)")
+    _json_flag(ssh, "problems as one JSON object (the Host block is ssh's text)")
+    ssh.set_defaults(func=ssh_config)
+    proxy = sub.add_parser("ssh-proxy", help="(ssh's ProxyCommand, written by ssh-config) push the key for 60 s, "
+                                             "then stream to the head's port 22")
+    proxy.add_argument("stack", help=project.STACK_HELP)
+    proxy.add_argument("--user", required=True, metavar="NAME", help="the OS user ssh logs in as")
+    _json_flag(proxy, "problems as one JSON object (the stream itself is ssh's)")
+    proxy.set_defaults(func=ssh_proxy)
+    st = sub.add_parser("status", help="partitions open or closed and why, nodes per pool, jobs, spend against "
+                                       "budget, what jobs billed against the quota (on the head node, or from here "
+                                       "with STACK)")
+    st.add_argument("stack", nargs="?", help=f"{project.STACK_HELP} (not needed on the head node)")
+    _json_flag(st)
+    st.set_defaults(func=status)
     e = sub.add_parser("events", help="on the head node: recent spot warnings, drains, requeues and replacements")
     e.add_argument("--last", type=_at_least_one, default=50, metavar="N", help="how many, N >= 1 (default 50)")
     _json_flag(e, 'print {"events": [...]}, each as the log has it')

@@ -45,7 +45,7 @@ def test_sessions_on_the_head_node_as_the_login_user_or_as_admin() -> None:
     (head,) = of_type(declared, "ec2/instance:Instance")
     documents = {d.inputs["name"]: json.loads(d.inputs["content"]) for d in of_type(declared, "ssm/document:Document")
                  if d.inputs["documentType"] == "Session"}
-    assert set(documents) == {session_document_name(cluster, k) for k in ("user", "admin", "dashboard")}
+    assert set(documents) == {session_document_name(cluster, k) for k in ("user", "admin", "dashboard", "ssh")}
     assert session_document_name(cluster, "user") == f"{cluster}-user-session"
     user, admin = documents[f"{cluster}-user-session"], documents[f"{cluster}-admin-session"]
     assert user["sessionType"] == admin["sessionType"] == "Standard_Stream"
@@ -58,10 +58,14 @@ def test_sessions_on_the_head_node_as_the_login_user_or_as_admin() -> None:
     policies = access_policies(declared, cluster)
     instance = f"arn:aws:ec2:{region}:{ACCOUNT}:instance/{planned_id(head, region)}"
     for kind, policy in policies.items():
-        start, own, channel, find, send, outcome = policy["Statement"]
+        start, own, channel, find, send, outcome, *keys = policy["Statement"]
         document = f"arn:aws:ssm:{region}:{ACCOUNT}:document/{cluster}-{kind.split('-')[0]}-session"
         dashboard = f"arn:aws:ssm:{region}:{ACCOUNT}:document/{cluster}-dashboard-session"
-        assert start["Action"] == "ssm:StartSession" and start["Resource"] == [instance, document, dashboard], start
+        # The users' SSH stream (to port 22 only); the admins' shell is ssm-user's, whom no key is pushed for.
+        ssh = [f"arn:aws:ssm:{region}:{ACCOUNT}:document/{cluster}-ssh-session"] if kind == "user-access" else []
+        assert start["Action"] == "ssm:StartSession" and start["Resource"] == [instance, document, dashboard, *ssh]
+        assert keys == ([{"Effect": "Allow", "Action": "ec2-instance-connect:SendSSHPublicKey", "Resource": instance,
+                          "Condition": {"StringEquals": {"ec2:osuser": LOGIN_USER}}}] if kind == "user-access" else [])
         # Without the check, a caller could name AWS's default document and start as ssm-user, who has sudo.
         assert start["Condition"]["BoolIfExists"] == {"ssm:SessionDocumentAccessCheck": "true"}
         # A caller's SSMSessionRunAs tag would override the login user with any user of the node (slurm, ssm-user):
@@ -77,12 +81,12 @@ def test_sessions_on_the_head_node_as_the_login_user_or_as_admin() -> None:
         assert channel["Action"] == "ssmmessages:OpenDataChannel" and channel["Resource"] == own["Resource"]
         # What `gpucluster dashboard` calls (tests/test_dashboard_command.py).
         assert find["Action"] == "ec2:DescribeInstances"
-        # `gpucluster verify STACK`: the verify document on the head only, never AWS-RunShellScript (root); --deep's
-        # (an hour of the nodes under Slurm's root account, outside the team's limits) for admins only.
-        verify = [f"arn:aws:ssm:{region}:{ACCOUNT}:document/{cluster}-{kind}-command"
-                  for kind in (["verify"] if kind == "user-access" else ["verify", "verify-deep"])]
-        assert send == {"Sid": "VerifyOnTheHeadNode", "Effect": "Allow", "Action": "ssm:SendCommand",
-                        "Resource": [instance, *verify]}
+        # `gpucluster verify STACK` and `status STACK`: their documents on the head only, never AWS-RunShellScript
+        # (root); --deep's (an hour of the nodes under Slurm's root account, outside the team's limits) for admins only.
+        kinds = ["verify", "status"] if kind == "user-access" else ["verify", "verify-deep", "status"]
+        commands = [f"arn:aws:ssm:{region}:{ACCOUNT}:document/{cluster}-{k}-command" for k in kinds]
+        assert send == {"Sid": "CommandsOnTheHeadNode", "Effect": "Allow", "Action": "ssm:SendCommand",
+                        "Resource": [instance, *commands]}
         assert outcome["Action"] == ["ssm:GetCommandInvocation", "ssm:ListCommandInvocations"]
         assert not {"ssm:SendCommand", "ssm:StartSession"} & set(json.dumps(outcome).split('"'))
     # Nothing else in the stack grants StartSession or SendCommand.
@@ -126,7 +130,7 @@ def test_verify_document_runs_gpucluster_verify_as_root_with_checked_parameters_
     stack, declared = planned(ROOT / "stacks" / "Pulumi.team-a.yaml")
     documents = {d.inputs["name"]: d for d in of_type(declared, "ssm/document:Document")
                  if d.inputs["documentType"] == "Command"}
-    assert set(documents) == {command_document_name(stack.cluster_name, k) for k in ("verify", "verify-deep")}
+    assert set(documents) == {command_document_name(stack.cluster_name, k) for k in ("verify", "verify-deep", "status")}
     document = documents[f"{stack.cluster_name}-{kind}-command"]
     content = json.loads(document.inputs["content"])
     assert content["schemaVersion"] == "2.2"
@@ -301,7 +305,7 @@ def test_each_person_has_a_shell_document_as_themselves_and_a_connect_command() 
                  if d.inputs["documentType"] == "Session"}
     # No shared login user's document: people connect as themselves; the admins' and the dashboard's stay.
     assert set(documents) == {*(person_session_document_name(cluster, p.name) for p in people),
-                              session_document_name(cluster, "admin"), session_document_name(cluster, "dashboard")}
+                              *(session_document_name(cluster, k) for k in ("admin", "dashboard", "ssh"))}
     shared_shell = documents[session_document_name(cluster, "admin")]
     for person in people:
         shell = documents[f"{cluster}-user-{person.name}-session"]
@@ -430,3 +434,52 @@ def test_the_users_policy_stays_within_iams_size_for_a_managed_policy(tmp_path: 
     (policy,) = [d for d in of_type(declared, "iam/policy:Policy") if d.name.endswith("-user-access")]
     assert sum(not c.isspace() for c in policy.inputs["policy"]) < 6144
 
+
+
+KEY_TABLE = [
+    (ALICE, "alice", True), (ALICE, "bob", False), (ALICE, "root", False), (ALICE, LOGIN_USER, False),
+    (ALICE, "ssm-user", False), (BOB_ROLE, "bob", True), (BOB_USER, "bob", True), (BOB_USER, "alice", False),
+    (STRANGER, "alice", False), (STRANGER, LOGIN_USER, False),
+]
+
+
+@pytest.mark.parametrize(("principal", "os_user", "allowed"), KEY_TABLE,
+                         ids=[f"{p.rsplit(':', 1)[1]}->{u}" for p, u, _ in KEY_TABLE])
+def test_who_may_push_an_ssh_key_as_whom(principal: str, os_user: str, allowed: bool) -> None:
+    """EC2 Instance Connect's SendSSHPublicKey (`gpucluster ssh-proxy`): to the head only, as one's own person only."""
+    stack, declared, _ = _people_plan()
+    (head,) = of_type(declared, "ec2/instance:Instance")
+    instance = f"arn:aws:ec2:{stack.region}:{ACCOUNT}:instance/{planned_id(head, stack.region)}"
+    policies = access_policies(declared, stack.cluster_name)
+    context = {"aws:PrincipalArn": principal, "ec2:osuser": os_user}
+    action = "ec2-instance-connect:SendSSHPublicKey"
+    assert is_allowed(policies["user-access"], action, instance, context) is allowed
+    other = instance.rsplit("/", 1)[0] + "/i-0123456789abcdef0"
+    assert not is_allowed(policies["user-access"], action, other, context)
+    assert not is_allowed(policies["admin-access"], action, instance, context)  # no key for ssm-user (sudo)
+
+
+def test_ssh_goes_to_port_22_on_the_heads_loopback_only() -> None:
+    """The SSH document fixes the port (no parameter a caller could point at slurmctld or Alertmanager) and names no
+    host; it is a stream session (no LocalPortForwarding): ssh's ProxyCommand speaks through stdin and stdout."""
+    stack, declared = planned(ROOT / "stacks" / "Pulumi.team-b.yaml")
+    (document,) = [d for d in of_type(declared, "ssm/document:Document")
+                   if d.inputs["name"] == session_document_name(stack.cluster_name, "ssh")]
+    content = json.loads(document.inputs["content"])
+    assert content["sessionType"] == "Port" and content["properties"] == {"portNumber": "22"}
+    assert "parameters" not in content and "{{" not in document.inputs["content"]
+
+
+def test_status_document_runs_gpucluster_status_as_root_without_parameters() -> None:
+    stack, declared = planned(ROOT / "stacks" / "Pulumi.team-a.yaml")
+    (document,) = [d for d in of_type(declared, "ssm/document:Document")
+                   if d.inputs["name"] == command_document_name(stack.cluster_name, "status")]
+    content = json.loads(document.inputs["content"])
+    assert "parameters" not in content and "{{" not in document.inputs["content"]
+    (step,) = content["mainSteps"]
+    assert step["inputs"]["runCommand"][-1] == "exec /usr/local/bin/gpucluster status --json"
+    arn = f"arn:aws:ssm:{stack.region}:{ACCOUNT}:document/{document.inputs['name']}"
+    for policy in access_policies(declared, stack.cluster_name).values():
+        (head,) = of_type(declared, "ec2/instance:Instance")
+        instance = f"arn:aws:ec2:{stack.region}:{ACCOUNT}:instance/{planned_id(head, stack.region)}"
+        assert is_allowed(policy, "ssm:SendCommand", arn, {}) and is_allowed(policy, "ssm:SendCommand", instance, {})

@@ -104,7 +104,7 @@ def test_no_running_head_is_said_and_sends_nothing(aws_env: str, capsys: pytest.
     stopped = launch(ec2, STACK.cluster_name, head_instance_name(STACK.cluster_name))
     ec2.stop_instances(InstanceIds=[stopped])
     assert remote.run(STACK, [], session, no_sleep) == 1
-    assert f"no running head node(s) of {STACK.cluster_name} in {STACK.region} (is the stack up?" in \
+    assert f"no running head node(s) of {STACK.cluster_name} in {STACK.region} ({stopped} is stopped:" in \
         capsys.readouterr().err
     assert session.client("ssm", region_name=STACK.region).list_commands()["Commands"] == []
 

@@ -32,5 +32,17 @@ def running_head(ec2: Any, stack: Stack) -> str:
     heads = sorted(i["InstanceId"] for r in reservations for i in r["Instances"])
     if len(heads) != 1:  # the head is replaced delete-before-replace: two running ones are for a human to look at
         raise HeadNotFound(f"{len(heads) or 'no'} running head node(s) of {stack.cluster_name} in {stack.region}"
-                           f"{': ' + ', '.join(heads) if heads else ' (is the stack up? `pulumi up` starts it)'}")
+                           f"{': ' + ', '.join(heads) if heads else _not_running(ec2, stack)}")
     return heads[0]
+
+
+def _not_running(ec2: Any, stack: Stack) -> str:
+    """Why there is no running head: the head's instances in another state (stopped, starting), or none."""
+    reservations = ec2.describe_instances(Filters=[
+        {"Name": f"tag:{CLUSTER_TAG}", "Values": [stack.cluster_name]},
+        {"Name": "tag:Name", "Values": [head_instance_name(stack.cluster_name)]},
+        {"Name": "instance-state-name", "Values": ["pending", "stopping", "stopped", "shutting-down"]}])["Reservations"]
+    others = sorted(f"{i['InstanceId']} is {i['State']['Name']}" for r in reservations for i in r["Instances"])
+    if others:
+        return f" ({', '.join(others)}: `aws ec2 start-instances` or `pulumi up` brings it back)"
+    return " (is the stack up? `pulumi up` starts it)"

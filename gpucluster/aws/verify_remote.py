@@ -174,7 +174,8 @@ TERMINAL = ("Success", "Failed", "Cancelled", "TimedOut")  # GetCommandInvocatio
 
 
 def wait(ssm: Any, command_id: str, head: str, seconds: float, *, sleep: Callable[[float], None] = time.sleep,
-         clock: Callable[[], float] = time.monotonic, progress_every: float = 60) -> dict[str, Any] | None:
+         clock: Callable[[], float] = time.monotonic, progress_every: float = 60,
+         command: str = "verify") -> dict[str, Any] | None:
     """GetCommandInvocation until the command ends, backing off from 2 s to 30 s; None when `seconds` pass first.
     A progress line to stderr about once a `progress_every`."""
     start = clock()
@@ -193,8 +194,8 @@ def wait(ssm: Any, command_id: str, head: str, seconds: float, *, sleep: Callabl
         if now - start >= seconds:
             return None
         if now - said >= progress_every:
-            print(f"verify: {invocation['Status']} on {head} for {(now - start) / 60:.0f} min (command {command_id})",
-                  file=sys.stderr)
+            print(f"{command}: {invocation['Status']} on {head} for {(now - start) / 60:.0f} min "
+                  f"(command {command_id})", file=sys.stderr)
             said = now
         sleep(min(delay, max(seconds - (now - start), 0)))
         delay = min(delay * 1.5, 30.0)

@@ -135,6 +135,7 @@ PROMETHEUS_DATA_DIR = f"{STATE_DIR}/prometheus"  # on the state volume: a replac
 # node_exporter's textfile collector (Debian's and Ubuntu's default directory): the Slurm, budget, EFA and Lustre
 # figures our programs write as *.prom files.
 TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"
+BUDGET_TEXTFILE = "gpucluster-budget.prom"  # the budget guardrail's spend, read by `gpucluster status` too
 # The head's `gpucluster verify` writes each pool's last result here (contract/verify.py RESULT_METRIC).
 VERIFY_TEXTFILE = f"{TEXTFILE_DIR}/gpucluster_verify.prom"
 # A p5 has 192 vCPUs and 33 network interfaces: guest CPU time and each interface's sysfs class data would be a third
@@ -423,7 +424,7 @@ def head_instance_name(cluster: str) -> str:
 
 
 def session_document_name(cluster: str, kind: str) -> str:
-    """A Session Manager document of the cluster (components/team_access.py); kind: user | admin | dashboard, or
+    """A Session Manager document of the cluster (components/team_access.py); kind: user | admin | dashboard | ssh, or
     user-<person> (person_session_document_name). `gpucluster dashboard` names the dashboard's in the command it
     prints."""
     return f"{cluster}-{kind}-session"
@@ -436,8 +437,8 @@ def person_session_document_name(cluster: str, person: str) -> str:
 
 
 def command_document_name(cluster: str, kind: str) -> str:
-    """A Run Command document of the cluster (components/team_access.py); kind: verify (`gpucluster verify STACK`
-    from the operator's machine sends it to the head)."""
+    """A Run Command document of the cluster (components/team_access.py); kind: verify, verify-deep or status
+    (`gpucluster verify STACK` and `gpucluster status STACK` from the operator's machine send them to the head)."""
     return f"{cluster}-{kind}-command"
 
 

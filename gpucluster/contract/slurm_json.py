@@ -8,10 +8,21 @@ documents stay here. Standard library only: the nodes import it from the bundle 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from gpucluster.contract.hostlist import expand_hostlist
+
+# Slurm's billing TRES counts US cents per hour (gpucluster.spec.cost.BILLING_UNITS_PER_USD, which the node programs
+# cannot import): a job's billing minutes are cent-minutes.
+BILLING_CENTS_PER_USD = 100
+
+
+def tres_minutes(tres: str, name: str = "gres/gpu") -> float | None:
+    """A TRES (gres/gpu unless named) from a list such as `cpu=120,billing=9000,gres/gpu=4800`; None when absent."""
+    found = re.search(rf"(?:^|,){re.escape(name)}=(\d+)", tres)
+    return float(found.group(1)) if found else None
 
 # What scontrol runs for each reader.
 SHOW_NODES = ("show", "nodes", "--json")

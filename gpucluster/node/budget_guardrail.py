@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this program is part of (the bundle's lib/)
 from gpucluster.contract import reasons
-from gpucluster.contract.settings import TEXTFILE_DIR, BudgetSettings, ClusterSettings
+from gpucluster.contract.settings import BUDGET_TEXTFILE, TEXTFILE_DIR, BudgetSettings, ClusterSettings
 from gpucluster.node import sqs_poll
 from gpucluster.node.budget import BudgetSpend, GuardrailState, read_spend
 from gpucluster.node.program import setup_logging
@@ -46,7 +46,7 @@ def publish_spend(spend: BudgetSpend, directory: Path) -> None:
                ("forecast", spend.forecast, "AWS's forecast of this month's spend")]
     write("".join(family(f"gpucluster_budget_{name}_usd", "gauge", f"{text} (AWS Budgets).",
                          [sample(f"gpucluster_budget_{name}_usd", value)])
-                  for name, value, text in figures if value is not None), directory, "gpucluster-budget.prom")
+                  for name, value, text in figures if value is not None), directory, BUDGET_TEXTFILE)
 
 
 def month(now: float) -> str:

@@ -15,7 +15,6 @@ Standard library only.
 from __future__ import annotations
 
 import logging
-import re
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this program is part of (the bundle's lib/)
 from gpucluster.contract import slurm_json
 from gpucluster.contract.settings import LOGIN_USER, TEXTFILE_DIR, ClusterSettings
+from gpucluster.contract.slurm_json import BILLING_CENTS_PER_USD, tres_minutes
 from gpucluster.node.textfile import family, sample, write
 
 INTERVAL_SECONDS = 30  # prometheus.SCRAPE_SECONDS
@@ -62,17 +62,6 @@ def slurm_jobs(scontrol_json: str) -> str:
                      if (word := first_state(JOB_STATES, job.state)))
     samples = [sample("gpucluster_slurm_jobs", n, partition=p, state=s) for (p, s), n in sorted(counts.items())]
     return family("gpucluster_slurm_jobs", "gauge", "Jobs by partition and state.", samples)
-
-
-def tres_minutes(tres: str, name: str = "gres/gpu") -> float | None:
-    """A TRES (gres/gpu unless named) from a list such as `cpu=120,billing=9000,gres/gpu=4800`; None when absent."""
-    found = re.search(rf"(?:^|,){re.escape(name)}=(\d+)", tres)
-    return float(found.group(1)) if found else None
-
-
-# Slurm's billing TRES counts US cents per hour (gpucluster.spec.cost.BILLING_UNITS_PER_USD; the node programs import
-# no library beyond the contract).
-BILLING_CENTS_PER_USD = 100
 
 
 def gpu_hours(sshare_output: str, account: str, users: tuple[str, ...]) -> str:

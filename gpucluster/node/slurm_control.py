@@ -9,7 +9,7 @@ from pathlib import Path
 
 from gpucluster.contract import slurm_json
 from gpucluster.contract.hostlist import in_batches
-from gpucluster.contract.slurm_json import Node
+from gpucluster.contract.slurm_json import Job, Node
 from gpucluster.node import log
 
 SCONTROL_BATCH = 200  # nodes per scontrol update
@@ -37,6 +37,10 @@ class SlurmControl:
             # The exception's text has neither the tool's stderr nor the nodes; stderr is what says why.
             log.error("%s; stderr: %s", exc, error_text(exc).strip() or "(none)")
             raise
+
+    def _tool(self, name: str) -> str:
+        """Another Slurm command, from where scontrol is."""
+        return str(Path(self.scontrol).with_name(name)) if "/" in self.scontrol else name
 
     def _update(self, nodes: list[str], *settings: str) -> None:
         for batch in in_batches(sorted(nodes), SCONTROL_BATCH):
@@ -85,6 +89,10 @@ class SlurmControl:
         return idle
 
     # --- jobs -------------------------------------------------------------------------------------------------------
+    def queue(self) -> list[Job]:
+        """Every job slurmctld still knows (pending, running, recently ended)."""
+        return slurm_json.jobs(self._run(*slurm_json.SHOW_JOBS))
+
     def jobs_on(self, node: str) -> list[str]:
         """Ids of the jobs running on the node (`scontrol show node` lists none; `show jobs` does)."""
         return [job.job_id for job in slurm_json.jobs(self._run(*slurm_json.SHOW_JOBS))
@@ -100,8 +108,7 @@ class SlurmControl:
 
     def signal_job(self, job: str, signal_name: str) -> None:
         """To the batch step and every job step (`scancel --full`): the job's processes hear it, wherever they run."""
-        scancel = str(Path(self.scontrol).with_name("scancel")) if "/" in self.scontrol else "scancel"
-        self._call(scancel, f"--signal={signal_name}", "--full", job)
+        self._call(self._tool("scancel"), f"--signal={signal_name}", "--full", job)
 
     def requeue(self, job: str) -> None:
         self._run("requeue", job)
@@ -110,6 +117,12 @@ class SlurmControl:
     def partitions(self) -> dict[str, str]:
         """Partition name -> State (UP, DOWN, DRAIN, INACTIVE)."""
         return {p.name: p.state for p in slurm_json.partitions(self._run(*slurm_json.SHOW_PARTITIONS))}
+
+    def account_usage(self, account: str) -> str:
+        """`sshare` of the account and its users: Account|User|GrpTRESRaw|GrpTRESMins, live TRES-minutes (sreport
+        waits for the hourly rollup)."""
+        return self._call(self._tool("sshare"), "-n", "-P", "-a", "-A", account, "-o",
+                          "Account,User,GrpTRESRaw,GrpTRESMins")
 
     def set_partition_state(self, names: list[str], state: str) -> None:
         for name in names:

@@ -5,10 +5,13 @@ reopen when the spend falls back under the threshold, and by hand."""
 from __future__ import annotations
 
 import json
+from collections import Counter
+from typing import Any
 
 import pytest
 
 from gpucluster.contract.settings import BUDGET_STATE_FILE
+from gpucluster.spec import cost
 from local_cluster import LocalCluster
 
 pytestmark = pytest.mark.rehearsal
@@ -17,6 +20,39 @@ pytestmark = pytest.mark.rehearsal
 def partition_states(cluster: LocalCluster) -> dict[str, str]:
     rows = cluster.run("sinfo", "--noheader", "--format=%R %a").split("\n")
     return dict(row.split() for row in rows if row)
+
+
+def head_status(cluster: LocalCluster) -> dict[str, Any]:
+    """`gpucluster status --json` as root on the head, as its Run Command document runs it."""
+    env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root"}
+    done = cluster.head.enter("/usr/local/bin/gpucluster", "status", "--json", env=env, check=False, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    status: dict[str, Any] = json.loads(done.stdout)
+    return status
+
+
+def status_says_what_slurm_says(cluster: LocalCluster, spent: float) -> None:
+    """The head's status against sinfo and squeue, and against the plan's own budget and quota."""
+    status = head_status(cluster)
+    closed = partition_states(cluster)
+    assert {p["name"]: p["open"] for p in status["partitions"]} == {name: state == "up" for name, state in
+                                                                   closed.items()}
+    assert all(p["why"].startswith("budget: ") and f"spent ${spent:,.2f}" in p["why"]
+               for p in status["partitions"]), status["partitions"]
+    nodes = cluster.run("sinfo", "--noheader", "--Node", "--format=%N").split()
+    assert {pool: sum(states.values()) for pool, states in status["pools"].items()} == {
+        pool.name: sum(1 for n in set(nodes) if n.rpartition("-")[0] == pool.name) for pool in cluster.stack.spec.pools}
+    pending = Counter(cluster.run("squeue", "--noheader", "--states=PD", "--format=%r").split())
+    running = cluster.run("squeue", "--noheader", "--states=R", "--format=%i").split()
+    assert status["jobs"] == {"running": len(running), "pending": sum(pending.values()),
+                              "pending_reasons": dict(pending)}
+    assert status["pools"] and sum(s.get("busy", 0) for s in status["pools"].values()) >= 1  # the running job's
+    plan = cluster.stack.spec.budget
+    assert plan.act_threshold_percent is not None  # the local stack has the guardrail
+    assert status["budget"]["limit_usd"] == plan.monthly_usd and status["budget"]["spent_usd"] == spent
+    assert status["budget"]["act_at_usd"] == plan.monthly_usd * plan.act_threshold_percent / 100
+    assert status["quota"]["usd"] == pytest.approx(cost.quota(cluster.stack).usd, abs=0.01)
+    assert status["quota"]["used_usd"] >= 0 and status["gpu_hours"]["used"] >= 0
 
 
 def submit(cluster: LocalCluster, partition: str, command: str) -> str:
@@ -53,6 +89,7 @@ def test_spent_budget_closes_partitions_lets_running_jobs_finish_and_reopens(clu
     assert "spent $510.00 of its $500.00 monthly budget" in shown, shown
     # The job that was running when the budget ran out finishes normally.
     assert cluster.job_state(running) == "RUNNING"
+    status_says_what_slurm_says(cluster, spent=510.0)
     release.touch()
     cluster.wait(f"job {running} to complete", lambda: cluster.job_state(running) == "COMPLETED", 120)
     assert "finished" in (cluster.root / f"job-{running}.out").read_text()

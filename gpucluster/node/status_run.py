@@ -1,0 +1,112 @@
+"""`gpucluster status` on the head node: the cluster as its Slurm and its budget guardrail see it, as one JSON document
+(gpucluster.contract.status) or a table. Run Command's `<cluster>-status-command` runs it as root for
+`gpucluster status STACK` on the operator's machine (gpucluster/aws/status_remote.py).
+
+- partitions: open or closed, and why: closed by the budget guardrail (its state file says which it closed and
+  why), closed otherwise (an admin's scontrol), or open in Slurm but starting nothing because the team's money
+  quota is used up (the account's GrpTRESMins=billing, which Slurm enforces: its jobs pend);
+- nodes per pool by state; jobs running and pending, with Slurm's pending reasons counted;
+- the month's spend, budget and forecast as the guardrail last read them from AWS Budgets (its textfile for the
+  cost board: this program makes no AWS call, so it needs no credentials and answers in a second);
+- what the team's jobs billed against the quota, and its GPU-hours, live from sshare.
+
+Standard library only: the head runs it from the bundle.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+from gpucluster.contract.settings import BUDGET_TEXTFILE, TEXTFILE_DIR, ClusterSettings
+from gpucluster.contract.slurm_json import BILLING_CENTS_PER_USD, tres_minutes
+from gpucluster.contract.status import BUDGET_WHY, QUOTA_WHY, node_state, table
+from gpucluster.node.budget import GuardrailState
+from gpucluster.node.slurm_control import SlurmControl
+
+EXIT_FAILED = 1
+
+
+def team_usage(sshare_output: str, account: str) -> tuple[float, float, float | None] | None:
+    """(GPU-minutes used, billing minutes used, the quota in billing minutes or None) from the account's own row of
+    `sshare -n -P -a -A ACCOUNT -o Account,User,GrpTRESRaw,GrpTRESMins` (the row without a user); None when sshare
+    has no such row."""
+    for line in sshare_output.splitlines():
+        fields = [f.strip() for f in line.split("|")]
+        if len(fields) == 4 and fields[0] == account and not fields[1]:
+            return (tres_minutes(fields[2]) or 0.0, tres_minutes(fields[2], "billing") or 0.0,
+                    tres_minutes(fields[3], "billing"))
+    return None
+
+
+def usd(billing_minutes: float) -> float:
+    return round(billing_minutes / 60 / BILLING_CENTS_PER_USD, 2)
+
+
+def budget_figures(textfile: Path, act_threshold_percent: float) -> dict[str, Any] | None:
+    """The budget as the guardrail last published it (budget_guardrail.publish_spend); None before its first read."""
+    try:
+        text, as_of = textfile.read_text(), textfile.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith("gpucluster_budget_") and name.endswith("_usd"):
+            values[name.removeprefix("gpucluster_budget_").removesuffix("_usd")] = float(value)
+    if "limit" not in values or "actual" not in values:
+        return None
+    return {"limit_usd": values["limit"], "spent_usd": values["actual"], "forecast_usd": values.get("forecast"),
+            "act_at_usd": values["limit"] * act_threshold_percent / 100, "as_of": as_of}
+
+
+def collect(settings: ClusterSettings, slurm: SlurmControl, textfile_dir: Path = Path(TEXTFILE_DIR)) -> dict[str, Any]:
+    """The status document (contract.status) from Slurm, the guardrail's state and its published spend."""
+    usage = team_usage(slurm.account_usage(settings.team), settings.team) if settings.team else None
+    gpu_hours = None if usage is None else {"used": round(usage[0] / 60, 2)}
+    quota = None if usage is None else {"used_usd": usd(usage[1]), "usd": None if usage[2] is None else usd(usage[2])}
+    quota_spent = usage is not None and usage[2] is not None and usage[1] >= usage[2]
+    guard = GuardrailState.load(Path(settings.budget_state_file))
+    partitions = []
+    for name, state in sorted(slurm.partitions().items()):
+        if state != "UP":
+            why = (f"{BUDGET_WHY}: {guard.reason}" if guard.closed and name in guard.partitions
+                   else f"{state} by an admin (scontrol), not by the budget guardrail")
+        elif quota_spent and quota is not None:
+            why = (f"{QUOTA_WHY}: the team's jobs billed ${quota['used_usd']:,.2f} of its ${quota['usd']:,.2f} this "
+                   "month; its jobs pend until the month ends or the quota (budget.quota_usd_per_month) is raised")
+        else:
+            why = ""
+        partitions.append({"name": name, "open": not why, "state": state, "why": why})
+    pools: dict[str, Counter[str]] = defaultdict(Counter)
+    for pool in settings.pools:
+        pools[pool] = Counter()
+    for node in slurm.nodes():
+        if pool := settings.pool_of(node.name):
+            pools[pool][node_state(node.state)] += 1
+    jobs = slurm.queue()
+    pending = [job for job in jobs if job.pending]
+    budget = (budget_figures(textfile_dir / BUDGET_TEXTFILE, settings.budget.act_threshold_percent)
+              if settings.budget else None)
+    return {"cluster": settings.cluster, "partitions": partitions,
+            "pools": {pool: dict(sorted(counts.items())) for pool, counts in sorted(pools.items())},
+            "jobs": {"running": sum(job.active for job in jobs), "pending": len(pending),
+                     "pending_reasons": dict(Counter(job.reason or "None" for job in pending).most_common())},
+            "budget": budget, "gpu_hours": gpu_hours, "quota": quota}
+
+
+def run(as_json: bool, settings: ClusterSettings | None = None) -> int:
+    """Print the status; 1 with the reason when Slurm does not answer."""
+    settings = settings or ClusterSettings.load()
+    try:
+        status = collect(settings, SlurmControl(settings.scontrol))
+    except (OSError, subprocess.SubprocessError, ValueError) as exc:
+        print(f"status: Slurm did not answer: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    print(json.dumps(status, indent=1) if as_json else "\n".join(table(status)))
+    return 0
+

@@ -1,0 +1,181 @@
+"""`python -m gpucluster connect|ssh-config|ssh-proxy STACK` (gpucluster/aws/connect.py) against a moto server: the
+head found by its tags, the caller found among the stack's principals by STS (moto answers GetCallerIdentity for IAM
+users' keys and assumed roles' credentials as AWS does), the Session document chosen, and the AWS CLI exec'd.
+
+The seam: `aws` and `session-manager-plugin` on PATH are stand-ins that record their argv and exit. This machine has
+neither the AWS CLI nor AWS's Session Manager plugin (a closed-source binary), and a real session needs a real SSM
+Agent behind it; the command line exec'd in place of gpucluster is what these tests can prove, and is checked
+argument by argument."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+
+from conftest import ROOT, reset_moto
+from gpucluster.contract.settings import LOGIN_USER, head_instance_name
+from gpucluster.spec.model import load_stack
+from test_dashboard_command import launch  # a tagged instance in moto
+
+TEAM_A = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")  # people: alice (a role), bob (a role and a user)
+TEAM_B = load_stack(ROOT / "stacks" / "Pulumi.team-b.yaml")  # no people
+STAND_IN = '#!/bin/sh\nprintf "%s\\n" "$(basename "$0")" "$@" > "$RECORD"\n'
+
+
+@pytest.fixture
+def moto(moto_url: str) -> str:
+    reset_moto(moto_url)
+    return moto_url
+
+
+def aws_client(moto_url: str, service: str, stack: Any = TEAM_A, **credentials: str) -> Any:
+    keys = credentials or {"aws_access_key_id": "t", "aws_secret_access_key": "t"}
+    return boto3.client(service, region_name=stack.region, endpoint_url=moto_url, **keys)
+
+
+def head(moto_url: str, stack: Any = TEAM_A) -> str:
+    return launch(aws_client(moto_url, "ec2", stack), stack.cluster_name, head_instance_name(stack.cluster_name))
+
+
+def stand_ins(tmp_path: Path, *names: str) -> Path:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name in names:
+        (bin_dir / name).write_text(STAND_IN)
+        (bin_dir / name).chmod(0o755)
+    return bin_dir
+
+
+def run(tmp_path: Path, moto_url: str | None, *args: str, tools: tuple[str, ...] = ("aws", "session-manager-plugin"),
+        credentials: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    """The command in a process of its own (it execs); returns it and the argv the exec'd stand-in was given."""
+    record = tmp_path / "argv"
+    record.unlink(missing_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env |= {"AWS_SHARED_CREDENTIALS_FILE": os.devnull, "AWS_CONFIG_FILE": os.devnull,
+            "AWS_EC2_METADATA_DISABLED": "true", "RECORD": str(record), "HOME": str(tmp_path),
+            "PATH": f"{stand_ins(tmp_path, *tools)}:/usr/bin:/bin"}
+    if moto_url:
+        env |= {"AWS_ENDPOINT_URL": moto_url, **(credentials or {"AWS_ACCESS_KEY_ID": "t",
+                                                                  "AWS_SECRET_ACCESS_KEY": "t"})}
+    done = subprocess.run([sys.executable, "-m", "gpucluster", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert "Traceback" not in done.stderr, done.stderr
+    return done, record.read_text().splitlines() if record.exists() else []
+
+
+def start_session(stack: Any, instance: str, document: str) -> list[str]:
+    return ["aws", "ssm", "start-session", "--region", stack.region, "--target", instance, "--document-name",
+            document]
+
+
+def assumed_role(moto_url: str, path: str, name: str) -> dict[str, str]:
+    """Credentials of a session of the role path/name, as `aws sso login` or an assume-role profile gives them."""
+    iam = aws_client(moto_url, "iam")
+    role = iam.create_role(RoleName=name, Path=path, AssumeRolePolicyDocument="{}")["Role"]
+    creds = aws_client(moto_url, "sts").assume_role(RoleArn=role["Arn"], RoleSessionName=f"{name}-laptop")[
+        "Credentials"]
+    return {"AWS_ACCESS_KEY_ID": creds["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": creds["SecretAccessKey"],
+            "AWS_SESSION_TOKEN": creds["SessionToken"]}
+
+
+def test_a_person_gets_their_own_shell_by_their_principal(tmp_path: Path, moto: str) -> None:
+    instance = head(moto)
+    launch(aws_client(moto, "ec2"), "gpucluster-other", head_instance_name("gpucluster-other"))  # another stack's
+    cluster = TEAM_A.cluster_name
+    # alice signs in with her role (listed with its path /researchers/; an assumed role's ARN carries none).
+    done, argv = run(tmp_path, moto, "connect", "team-a", credentials=assumed_role(moto, "/researchers/", "alice"))
+    assert done.returncode == 0, done.stderr
+    assert argv == start_session(TEAM_A, instance, f"{cluster}-user-alice-session")
+    # bob with his IAM user's keys.
+    iam = aws_client(moto, "iam")
+    iam.create_user(UserName="bob")
+    key = iam.create_access_key(UserName="bob")["AccessKey"]
+    done, argv = run(tmp_path, moto, "connect", "team-a", credentials={
+        "AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]})
+    assert done.returncode == 0 and argv == start_session(TEAM_A, instance, f"{cluster}-user-bob-session")
+    # --user names the person; --admin the admins' shell (ssm-user, sudo).
+    done, argv = run(tmp_path, moto, "connect", "team-a", "--user", "bob")
+    assert done.returncode == 0 and argv[-1] == f"{cluster}-user-bob-session"
+    done, argv = run(tmp_path, moto, "connect", "team-a", "--admin")
+    assert done.returncode == 0 and argv[-1] == f"{cluster}-admin-session"
+
+
+def test_a_caller_who_is_nobody_in_the_stack_is_told_and_exits_2(tmp_path: Path, moto: str) -> None:
+    head(moto)
+    done, argv = run(tmp_path, moto, "connect", "team-a", credentials=assumed_role(moto, "/researchers/", "mallory"))
+    assert done.returncode == 2 and argv == []
+    assert "assumed" not in done.stderr and "role/mallory is none of the principals of" in done.stderr
+    done, argv = run(tmp_path, moto, "connect", "team-a", "--user", "carol")
+    assert done.returncode == 2 and argv == [] and "no person 'carol'" in done.stderr
+    done, argv = run(tmp_path, moto, "connect", "team-a", "--user", "alice", "--admin")
+    assert done.returncode == 2 and argv == []
+
+
+def test_without_people_everyone_is_the_login_user(tmp_path: Path, moto: str) -> None:
+    instance = head(moto, TEAM_B)
+    done, argv = run(tmp_path, moto, "connect", "team-b")
+    assert done.returncode == 0 and argv == start_session(TEAM_B, instance, f"{TEAM_B.cluster_name}-user-session")
+    done, argv = run(tmp_path, moto, "connect", "team-b", "--user", "alice")
+    assert done.returncode == 2 and argv == [] and f"everyone connects as {LOGIN_USER}" in done.stderr
+
+
+def test_no_head_or_a_stopped_one_exits_1(tmp_path: Path, moto: str) -> None:
+    done, argv = run(tmp_path, moto, "connect", "team-a", "--user", "alice")
+    assert done.returncode == 1 and argv == [] and "no running head node(s)" in done.stderr
+    stopped = head(moto)
+    aws_client(moto, "ec2").stop_instances(InstanceIds=[stopped])
+    done, argv = run(tmp_path, moto, "connect", "team-a", "--user", "alice")
+    assert done.returncode == 1 and argv == [] and f"{stopped} is stopped" in done.stderr
+
+
+def test_a_missing_aws_cli_or_plugin_exits_2_saying_where_to_get_it(tmp_path: Path, moto: str) -> None:
+    head(moto)
+    done, argv = run(tmp_path, moto, "connect", "team-a", "--user", "alice", tools=("aws",))
+    assert done.returncode == 2 and argv == []
+    assert "session-manager-plugin) is not on PATH" in done.stderr and "install-plugin.html" in done.stderr
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    done, argv = run(bare, moto, "connect", "team-a", "--user", "alice", tools=())
+    assert done.returncode == 2 and argv == [] and "the AWS CLI (aws) is not on PATH" in done.stderr
+
+
+def test_no_credentials_exits_1(tmp_path: Path) -> None:
+    done, argv = run(tmp_path, None, "connect", "team-a")
+    assert done.returncode == 1 and argv == [] and "no AWS credentials" in done.stderr
+
+
+def test_ssh_config_goes_through_session_manager_with_a_key_pushed_per_connection(tmp_path: Path, moto: str) -> None:
+    instance = head(moto)
+    cluster = TEAM_A.cluster_name
+    done, _ = run(tmp_path, moto, "ssh-config", "team-a", "--user", "alice")
+    assert done.returncode == 0, done.stderr
+    key = tmp_path / ".ssh" / f"gpucluster-{cluster}"
+    assert key.exists() and key.with_suffix(".pub").read_text().startswith("ssh-ed25519 ")
+    block = dict(line.strip().split(" ", 1) for line in done.stdout.splitlines() if not line.startswith("#"))
+    assert block["Host"] == cluster and block["User"] == "alice" and block["IdentityFile"] == str(key)
+    # ssh runs the ProxyCommand: it pushes the key as alice, then becomes the stream to the head's port 22.
+    proxy = shlex.split(block["ProxyCommand"])
+    assert proxy[proxy.index("-m") + 1:] == ["gpucluster", "ssh-proxy", str(ROOT / "stacks" / "Pulumi.team-a.yaml"),
+                                             "--user", "alice"]
+    done, argv = run(tmp_path, moto, *proxy[proxy.index("-m") + 1:][1:])
+    assert done.returncode == 0, done.stderr
+    assert argv == start_session(TEAM_A, instance, f"{cluster}-ssh-session")
+    # A second ssh-config keeps the key (known to nobody but this machine).
+    before = key.read_bytes()
+    assert run(tmp_path, moto, "ssh-config", "team-a", "--user", "alice")[0].returncode == 0
+    assert key.read_bytes() == before
+
+
+def test_ssh_proxy_refuses_an_account_the_stack_does_not_have(tmp_path: Path, moto: str) -> None:
+    head(moto)
+    assert run(tmp_path, moto, "ssh-config", "team-a", "--user", "alice")[0].returncode == 0
+    done, argv = run(tmp_path, moto, "ssh-proxy", "team-a", "--user", "root")
+    assert done.returncode == 2 and argv == [] and "no person 'root'" in done.stderr
