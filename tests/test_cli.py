@@ -259,7 +259,7 @@ COMMANDS = completion.commands(cli.parser())
 WITH_STACK = sorted(name for name, command in COMMANDS.items()
                     if any(action.dest in ("stack", "stacks") for action in command._actions))
 # Commands that read the account: without credentials they cannot do anything, and say so (exit 2).
-NEED_AWS = {"preflight", "cost", "leftovers", "dashboard", "verify"}
+NEED_AWS = {"preflight", "cost", "leftovers", "dashboard", "verify", "connect", "ssh-config", "ssh-proxy", "status"}
 
 
 def no_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -297,7 +297,8 @@ def test_a_usage_error_exits_2_as_text_or_json(name: str) -> None:
                                         ("tests/bad_stacks/Pulumi.many-problems.yaml",
                                          "gpucluster:cluster.pools[0].min_nodes")])
 def test_a_bad_stack_exits_2_for_every_command(name: str, stack: str, path: str, tmp_path: Path) -> None:
-    args = [name, stack, *(["--out", str(tmp_path)] if name == "render" else [])]
+    args = [name, stack, *(["--out", str(tmp_path)] if name == "render" else []),
+            *(["--user", "alice"] if name == "ssh-proxy" else [])]
     text = main_here(*args)
     assert (text.returncode, text.stdout) == (2, ""), text.stderr
     assert "Traceback" not in text.stderr
@@ -312,7 +313,8 @@ def test_without_credentials_an_aws_command_exits_2_saying_so(name: str, tmp_pat
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     no_credentials(monkeypatch, tmp_path)
     monkeypatch.setattr(cli, "SETTINGS_FILE", str(tmp_path / "absent.json"))  # not on a head node
-    args = [name, "dev", *(["--out", str(tmp_path / "out")] if name == "render" else [])]
+    args = [name, "dev", *(["--out", str(tmp_path / "out")] if name == "render" else []),
+            *(["--user", "alice"] if name == "ssh-proxy" else [])]
     done = main_here(*args, "--json")
     assert "Traceback" not in done.stderr
     if name not in NEED_AWS:

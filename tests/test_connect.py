@@ -147,9 +147,9 @@ def test_a_missing_aws_cli_or_plugin_exits_2_saying_where_to_get_it(tmp_path: Pa
     assert done.returncode == 2 and argv == [] and "the AWS CLI (aws) is not on PATH" in done.stderr
 
 
-def test_no_credentials_exits_1(tmp_path: Path) -> None:
+def test_no_credentials_exits_2(tmp_path: Path) -> None:
     done, argv = run(tmp_path, None, "connect", "team-a")
-    assert done.returncode == 1 and argv == [] and "no AWS credentials" in done.stderr
+    assert done.returncode == 2 and argv == [] and "no AWS credentials" in done.stderr
 
 
 def test_ssh_config_goes_through_session_manager_with_a_key_pushed_per_connection(tmp_path: Path, moto: str) -> None:

@@ -63,7 +63,7 @@ def test_prints_the_heads_status_with_the_head_added(capsys: pytest.CaptureFixtu
     assert lines == table({**STATUS, "head": {"instance_id": HEAD, "state": "running"}})
     assert "  partition   h100: CLOSED (budget: team a spent $510.00 of its $500.00 monthly budget)" in lines
     assert "  jobs        1 running, 3 pending (PartitionDown 2, Priority 1)" in lines
-    assert "  GPU-hours   12.5 used this month of 100.0 (the team's quota)" in lines
+    assert "  quota       $125.00 billed this month of $1,000.00 (the team's quota); 12.5 GPU-hours" in lines
 
 
 @pytest.mark.usefixtures("aws_env")
