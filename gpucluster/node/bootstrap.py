@@ -177,8 +177,8 @@ def people_homes(s: ClusterSettings) -> None:
 def lock_down(role: str) -> None:
     """The lockdown cloud-init's bootcmd ran before the network came up, once more now that the image's packages are
     all there (on a stock AMI the slurm user exists only after build_image.sh), with the guard of DCGM's host engine
-    (before any job can start). A failure fails the boot: a node whose users could reach the instance's credentials
-    must not serve."""
+    (before any job can start) and, on the head, sshd's key lookup let through (lockdown.BOOTSTRAP_IMDS_USERS). A
+    failure fails the boot: a node whose users could reach the instance's credentials must not serve."""
     run("sh", "-c", lockdown.script(role))
 
 
