@@ -10,10 +10,11 @@ STACK ?= dev
 # What the tests run on this machine: cloud-init's schema checker, shellcheck for build_image.sh, systemd-analyze
 # (tests/test_bootstrap.py), Slurm's scontrol (tests/test_bootstrap.py; it brings the slurm user), iptables, iproute2,
 # util-linux and sudo for the nodes' lockdown (tests/test_lockdown.py, which needs the prometheus user too), promtool
-# and amtool, which check what we render; mmdebstrap builds the rehearsal's node image. The Slurm daemons, munge,
-# MariaDB and the exporters run only inside the rehearsal's nodes, from that image.
+# and amtool, which check what we render; mmdebstrap builds the rehearsal's node image; sshd (openssh-server) reads
+# the head's sshd settings (tests/test_bootstrap.py). The Slurm daemons, munge, MariaDB and the exporters run only
+# inside the rehearsal's nodes, from that image.
 SYSTEM_PACKAGES := slurm-client cloud-init shellcheck systemd util-linux mount iptables iproute2 sudo \
-  prometheus prometheus-alertmanager mmdebstrap
+  prometheus prometheus-alertmanager mmdebstrap openssh-server
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 # Test worker processes (pytest-xdist). The unit lane's tests are CPU-bound: one per core. A local cluster's test

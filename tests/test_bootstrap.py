@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from gpucluster.contract import reasons, settings as contract
+from gpucluster.contract import lockdown, reasons, settings as contract
 from gpucluster.node import bootstrap
 from gpucluster.render import slurm, userdata
 from slurm_samples import document, node
@@ -617,3 +617,83 @@ def test_a_stock_ami_builds_its_image_from_the_bundles_bill_of_materials(tmp_pat
     assert ran == [("bash", contract.BUILD_IMAGE_SCRIPT, "head", contract.BUNDLE_BOM)]
     assert contract.BUILD_IMAGE_SCRIPT in contract.NODE_PROGRAMS  # in the bundle, where a compute node unpacks it
     assert contract.BUNDLE_BOM.startswith(contract.BUNDLE_DIR + "/") and "/lib/" not in contract.BUNDLE_BOM
+
+
+# --- sshd on the head, for `gpucluster ssh-proxy` ---------------------------------------------------------------------
+
+def sshd_settings(etc_ssh: Path, tmp_path: Path) -> dict[str, list[str]]:
+    """The settings the real sshd (Debian's openssh-server, make test installs it) takes from `etc_ssh` in place of
+    /etc/ssh (a mount namespace of its own, with the /run/sshd it insists on), as `sshd -T` prints them."""
+    assert bootstrap.SSHD.exists(), "install openssh-server (make test does)"
+    key = etc_ssh / "ssh_host_ed25519_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+    inside = (f"mount --bind {etc_ssh} /etc/ssh && mount -t tmpfs tmpfs /run && mkdir /run/sshd && "
+              f"{bootstrap.SSHD} -t && {bootstrap.SSHD} -T -C user=alice,host=laptop,addr=127.0.0.1")
+    done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-ec", inside],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    settings: dict[str, list[str]] = {}
+    for line in done.stdout.splitlines():
+        keyword, _, value = line.partition(" ")
+        settings.setdefault(keyword, []).append(value)
+    return settings
+
+
+def test_sshd_takes_our_settings_first_loopback_and_instance_connect_keys_only(tmp_path: Path) -> None:
+    """The drop-in as sshd reads it beside the packaged sshd_config (Include first, as Ubuntu's) and cloud-init's and
+    the cloud image's drop-ins, which would allow passwords and root: ours wins, being read first."""
+    etc_ssh = tmp_path / "ssh"
+    (etc_ssh / "sshd_config.d").mkdir(parents=True)
+    shutil.copy("/etc/ssh/sshd_config", etc_ssh / "sshd_config")
+    assert (etc_ssh / "sshd_config").read_text().lstrip().startswith("#") and \
+        "Include /etc/ssh/sshd_config.d/*.conf" in (etc_ssh / "sshd_config").read_text()
+    (etc_ssh / "sshd_config.d" / "50-cloud-init.conf").write_text("PasswordAuthentication yes\nPermitRootLogin yes\n")
+    (etc_ssh / "sshd_config.d" / "60-cloudimg-settings.conf").write_text("PasswordAuthentication yes\n")
+    (etc_ssh / "sshd_config.d" / bootstrap.SSHD_DROP_IN.name).write_text(bootstrap.sshd_config())
+    settings = sshd_settings(etc_ssh, tmp_path)
+    assert settings["listenaddress"] == ["127.0.0.1:22"]
+    assert settings["permitrootlogin"] == ["no"] and settings["passwordauthentication"] == ["no"]
+    assert settings["kbdinteractiveauthentication"] == ["no"] and settings["authenticationmethods"] == ["publickey"]
+    assert settings["authorizedkeysfile"] == ["none"]
+    assert settings["authorizedkeyscommand"] == [f"{bootstrap.EIC_KEYS_COMMAND} %u %f"]
+    assert settings["authorizedkeyscommanduser"] == [lockdown.EIC_USER]
+    # Without ours, the other drop-ins' passwords and root logins would be what sshd does.
+    (etc_ssh / "sshd_config.d" / bootstrap.SSHD_DROP_IN.name).unlink()
+    (etc_ssh / "ssh_host_ed25519_key").unlink()
+    (etc_ssh / "ssh_host_ed25519_key.pub").unlink()
+    assert sshd_settings(etc_ssh, tmp_path)["passwordauthentication"] == ["yes"]
+
+
+def test_ssh_server_binds_the_socket_to_loopback_and_restarts_it(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ubuntu 24.04's ssh.socket binds the port: its address is replaced, sshd's own daemon stopped (it holds the
+    old socket), the socket started and insisted on; sshd checks the configuration first."""
+    ran: list[str] = []
+
+    def systemctl(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        ran.append(" ".join(args))
+        answer = "enabled\n" if args[1:2] == ("is-enabled",) else "active\n"
+        return subprocess.CompletedProcess(args, 0, answer, "")
+
+    monkeypatch.setattr(bootstrap, "run", systemctl)
+    eic = tmp_path / "eic_run_authorized_keys"
+    eic.touch()
+    monkeypatch.setattr(bootstrap, "EIC_KEYS_COMMAND", str(eic))
+    monkeypatch.setattr(lockdown, "EIC_USER", "root")  # a user this machine has
+    drop_in = tmp_path / "sshd_config.d" / "10-gpucluster.conf"
+    bootstrap.ssh_server(drop_in, tmp_path / "systemd")
+    assert drop_in.read_text() == bootstrap.sshd_config()
+    socket = tmp_path / "systemd" / "ssh.socket.d" / "gpucluster.conf"
+    assert socket.read_text().splitlines()[1:] == ["ListenStream=", "ListenStream=127.0.0.1:22"]
+    assert ran.index(f"{bootstrap.SSHD} -t") < ran.index("systemctl stop ssh.service") \
+        < ran.index("systemctl restart ssh.socket") < ran.index("systemctl is-active ssh.socket")
+
+
+def test_a_head_image_without_instance_connect_boots_without_ssh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(bootstrap, "run", lambda *args, **kw: pytest.fail(f"ran {args}"))
+    monkeypatch.setattr(bootstrap, "EIC_KEYS_COMMAND", str(tmp_path / "absent"))
+    drop_in = tmp_path / "sshd_config.d" / "10-gpucluster.conf"
+    with caplog.at_level(logging.WARNING):
+        bootstrap.ssh_server(drop_in, tmp_path / "systemd")
+    assert not drop_in.exists() and "ec2-instance-connect" in caplog.text and str(tmp_path / "absent") in caplog.text

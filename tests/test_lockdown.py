@@ -34,9 +34,9 @@ METADATA = textwrap.dedent('''
 ''')
 
 DRIVER = textwrap.dedent('''
-    import json, os, pwd, subprocess, sys
+    import json, os, pwd, shutil, subprocess, sys
 
-    work, script = sys.argv[1], sys.argv[2]
+    work, scripts = sys.argv[1], sys.argv[2:]
     for top in ("/etc", "/var"):
         for d in ("up", "work"):
             os.makedirs(f"{work}{top}/{d}", exist_ok=True)
@@ -45,9 +45,10 @@ DRIVER = textwrap.dedent('''
     # The image's login user as Ubuntu's cloud images make it: a sudo rule from cloud-init, in docker's group.
     # And Session Manager's user as the agent left it on an image's build instance: its home under /home.
     with open("/etc/passwd", "a") as f:
-        f.write("LOGIN:x:1100:1100::/home/LOGIN:/bin/bash\\nssm-user:x:1103:1103::/home/ssm-user:/bin/sh\\n")
+        f.write("LOGIN:x:1100:1100::/home/LOGIN:/bin/bash\\nssm-user:x:1103:1103::/home/ssm-user:/bin/sh\\n"
+                "EIC:x:1104:1104::/nonexistent:/usr/sbin/nologin\\n")  # as ec2-instance-connect's preinst makes it
     with open("/etc/group", "a") as f:
-        f.write("LOGIN:x:1100:\\ndocker:x:1101:LOGIN\\nlxd:x:1102:someone,LOGIN\\nssm-user:x:1103:\\n")
+        f.write("LOGIN:x:1100:\\ndocker:x:1101:LOGIN\\nlxd:x:1102:someone,LOGIN\\nssm-user:x:1103:\\nEIC:x:1104:\\n")
     os.makedirs("/etc/sudoers.d", exist_ok=True)
     with open("/etc/sudoers.d/90-cloud-init-users", "w") as f:
         f.write("# Created by cloud-init\\n\\n# User rules for LOGIN\\nLOGIN ALL=(ALL) NOPASSWD:ALL\\n")
@@ -80,12 +81,25 @@ DRIVER = textwrap.dedent('''
         except OSError:
             time.sleep(0.1)
 
-    done = subprocess.run(["sh", "-c", open(script).read()], capture_output=True, text=True)
     probe = ("import urllib.request\\n"
              "request = urllib.request.Request('http://169.254.169.254/latest/api/token', method='PUT', "
              "headers={'X-aws-ec2-metadata-token-ttl-seconds': '60'})\\n"
              "try:\\n    print(urllib.request.urlopen(request, timeout=5).read().decode())\\n"
              "except OSError as exc:\\n    print(type(exc).__name__, exc)\\n")
+    # The runs in order (bootcmd's, then the bootstrap's). In every run after the first, each iptables call is
+    # followed by a probe as the login user: no step of a re-run over the rules in force may let it through.
+    os.makedirs(f"{work}/watch", exist_ok=True)
+    with open(f"{work}/watch/iptables", "w") as f:
+        f.write(f'#!/bin/sh\\n{shutil.which("iptables")} "$@"; rc=$?\\n'
+                f'setpriv --reuid=1100 --regid=1100 --clear-groups /usr/bin/python3 -c "$PROBE" >> {work}/watched\\n'
+                'exit $rc\\n')
+    os.chmod(f"{work}/watch/iptables", 0o755)
+    open(f"{work}/watched", "w").close()
+    for number, script in enumerate(scripts):
+        env = dict(os.environ, PROBE=probe, PATH=f"{work}/watch:{os.environ['PATH']}") if number else None
+        done = subprocess.run(["sh", "-c", open(script).read()], capture_output=True, text=True, env=env)
+        if done.returncode:
+            break
     import socket
     # Stand-ins for Alertmanager (head) and DCGM's host engine (compute): the port is what counts.
     listeners = [socket.create_server(("127.0.0.1", port)) for port in (ALERTMANAGER_PORT, DCGM_PORT)]
@@ -93,7 +107,7 @@ DRIVER = textwrap.dedent('''
                "    socket.create_connection(('127.0.0.1', int(sys.argv[1])), timeout=5).close()"
                "\\n    print('connected')\\nexcept OSError as exc:\\n    print(type(exc).__name__, exc)\\n")
     answers, alerts, dcgm = {}, {}, {}
-    for user in ("root", "SLURM", "LOGIN", "nobody", "prometheus"):
+    for user in ("root", "SLURM", "LOGIN", "nobody", "prometheus", "EIC"):
         entry = pwd.getpwnam(user)
         as_user = ["setpriv", f"--reuid={entry.pw_uid}", f"--regid={entry.pw_gid}", "--clear-groups",
                    "/usr/bin/python3"]
@@ -111,27 +125,31 @@ DRIVER = textwrap.dedent('''
                       "ssm_sudo": subprocess.run(["sudo", "-n", "-l", "-U", "ssm-user"], capture_output=True,
                                                  text=True).stdout,
                       "rules": subprocess.run(["iptables", "-S", "GPUCLUSTER-IMDS"], capture_output=True,
-                                              text=True).stdout}))
+                                              text=True).stdout,
+                      "watched": open(f"{work}/watched").read().splitlines()}))
     server.kill()
 ''').replace("LOGIN", LOGIN_USER).replace("SLURM", SLURM_USER).replace("SERVER", repr(METADATA)).replace(
-    "ALERTMANAGER_PORT", str(ALERTMANAGER_PORT)).replace("DCGM_PORT", str(DCGM_HOSTENGINE_PORT))
+    "ALERTMANAGER_PORT", str(ALERTMANAGER_PORT)).replace("DCGM_PORT", str(DCGM_HOSTENGINE_PORT)).replace(
+    "EIC", lockdown.EIC_USER)
 
 
-def run_in_namespaces(tmp_path: Path, role: str, times: int = 1, extra_rule: str = "") -> dict[str, Any]:
+def run_in_namespaces(tmp_path: Path, role: str, runs: tuple[bool, ...] = (False, True),
+                      extra_rule: str = "") -> dict[str, Any]:
+    """`runs`: the lockdown's runs in order, each by its `packages` (False: cloud-init's bootcmd, True: the
+    bootstrap's); by default a boot's two."""
     missing = [tool for tool in ("iptables", "unshare", "setpriv", "ip") if not shutil.which(tool)]
     assert not missing, f"install {missing} (make test does)"
-    script = tmp_path / "lockdown.sh"
-    script.write_text(lockdown.script(role))
+    scripts = []
+    for number, packages in enumerate(runs):
+        scripts.append(tmp_path / f"lockdown-{number}.sh")
+        scripts[-1].write_text(lockdown.script(role, packages=packages))
     driver = tmp_path / "driver.py"
-    text = DRIVER.replace("EXTRA_RULE", repr(extra_rule))
-    driver.write_text(text if times == 1 else text.replace(
-        'done = subprocess.run(["sh", "-c", open(script).read()], capture_output=True, text=True)',
-        'done = subprocess.run(["sh", "-c", open(script).read()], capture_output=True, text=True)\n'
-        'done = subprocess.run(["sh", "-c", open(script).read()], capture_output=True, text=True)'))
+    driver.write_text(DRIVER.replace("EXTRA_RULE", repr(extra_rule)))
     done = subprocess.run(["unshare", "--net", "--mount", "--propagation", "private", "/usr/bin/python3", str(driver),
-                           str(tmp_path / "etc"), str(script)], capture_output=True, text=True, timeout=120)
+                           str(tmp_path / "etc"), *map(str, scripts)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
 
 
 @pytest.mark.parametrize("role", ["head", "compute"])
@@ -145,9 +163,14 @@ def test_only_root_and_the_daemons_get_instance_metadata(tmp_path: Path, role: s
     # Alertmanager (the packaged prometheus user) sends the head's alerts to SNS; compute nodes send none.
     assert answers["prometheus"] == "token" if role == "head" else "Connection refused" in answers["prometheus"], \
         answers
+    # sshd's EC2 Instance Connect key lookup (`gpucluster ssh-proxy`): the head is the only SSH target.
+    eic = answers[lockdown.EIC_USER]
+    assert eic == "token" if role == "head" else "Connection refused" in eic, answers
     for user in (LOGIN_USER, "nobody"):
         assert "Connection refused" in answers[user], answers  # refused at once, not left to time out
     assert "-A GPUCLUSTER-IMDS -m owner --uid-owner 0 -j ACCEPT" in result["rules"], result["rules"]
+    # The bootstrap's run over bootcmd's rules: probed after each of its iptables calls, never open to the login user.
+    assert result["watched"] and all("Connection refused" in answer for answer in result["watched"]), result
     # Alertmanager's unauthenticated API on the head: Prometheus and root only (on compute nodes nothing listens).
     alerts = result["alerts"]
     if role == "head":
@@ -180,12 +203,25 @@ def test_the_login_user_loses_every_way_to_root(tmp_path: Path) -> None:
 
 
 def test_the_lockdown_runs_again_at_every_boot_without_piling_up_rules(tmp_path: Path) -> None:
-    """bootcmd runs it at every boot and the bootstrap once more: the chain is rebuilt, not appended to."""
-    result = run_in_namespaces(tmp_path, "head", times=2)
+    """bootcmd runs it at every boot and the bootstrap once more (a failed boot's retry again): each user's rule is
+    there once, the REJECT once and last."""
+    result = run_in_namespaces(tmp_path, "head", runs=(False, True, True))
     assert result["rc"] == 0, result["stderr"]
-    rules = result["rules"]
-    assert rules.count("-j ACCEPT") == len(lockdown.IMDS_USERS["head"]) and rules.count("-j REJECT") == 1, rules
+    rules = result["rules"].splitlines()
+    everyone = lockdown.IMDS_USERS["head"] + lockdown.BOOTSTRAP_IMDS_USERS["head"]
+    assert sum(rule.endswith("-j ACCEPT") for rule in rules) == len(everyone), rules
+    assert [rule for rule in rules if "REJECT" in rule] == rules[-1:], rules
     assert result["answers"]["root"] == "token" and result["answers"][LOGIN_USER] != "token"
+    assert all("Connection refused" in answer for answer in result["watched"]), result["watched"]
+
+
+def test_sshds_key_lookup_reaches_metadata_only_once_the_bootstrap_ran(tmp_path: Path) -> None:
+    """bootcmd's run (the user data's bytes) leaves ec2-instance-connect out: SSH to the head starts working with the
+    bootstrap's run, never before the lockdown is in force."""
+    result = run_in_namespaces(tmp_path, "head", runs=(False,))
+    assert result["rc"] == 0, result["stderr"]
+    assert "Connection refused" in result["answers"][lockdown.EIC_USER], result["answers"]
+    assert result["answers"][SLURM_USER] == "token", result["answers"]
 
 
 def test_an_unknown_role_is_refused() -> None:

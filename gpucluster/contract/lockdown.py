@@ -8,6 +8,9 @@
   containers; sudo and admin grant sudo; adm reads the system logs). cloud-init's own user set-up, which runs after
   bootcmd, gives it none either (userdata: `users`).
 - Session Manager's ssm-user (the admins') exists with its home off the shared file system.
+- Re-run over its own rules (the bootstrap's run, every boot after bootcmd's), it only adds: the chain ends in its
+  REJECT before any packet is sent to it and keeps it, so no moment lets a user's packet through (a flush and
+  rebuild would, for as long as the rebuild takes).
 
 cloud-init runs the script as `bootcmd` (every boot, before the network is online, so before Session Manager's agent
 can start a session and before slurmd can start a job); the bootstrap runs it again once the node's packages are
@@ -26,6 +29,16 @@ IMDS_CHAIN = "GPUCLUSTER-IMDS"
 # (the boot unit, the SSM and CloudWatch agents, the budget guardrail). On the head, Alertmanager (the packaged
 # `prometheus` user) sends alerts to the stack's topic with the role's credentials. No login user runs as any of them.
 IMDS_USERS = {"head": ("root", SLURM_USER, "prometheus"), "compute": ("root",)}
+# sshd's key lookup for `gpucluster ssh-proxy` on the head. Ubuntu's ec2-instance-connect package (Canonical's AWS
+# images carry it; aws/aws-ec2-instance-connect-config 1.1.17+) makes this system user (debian/preinst: adduser
+# --system --disabled-login --shell /usr/sbin/nologin --home /nonexistent) and has sshd run its
+# AuthorizedKeysCommand, /usr/share/ec2-instance-connect/eic_run_authorized_keys %u %f, as that user
+# (AuthorizedKeysCommandUser; debian/postinst's ssh.service drop-in). The command (eic_curl_authorized_keys) asks
+# instance metadata, IMDSv2, for the keys pushed for %u in the last 60 s (managed-ssh-keys/active-keys/<user>/) and
+# checks their signature. Only sshd starts processes as this user. Let through by the bootstrap's run only: until
+# then the head takes no SSH connection it needs, and bootcmd's script stays within the user data's bytes.
+EIC_USER = "ec2-instance-connect"
+BOOTSTRAP_IMDS_USERS = {"head": (EIC_USER,), "compute": ()}
 # Alertmanager's API on the head (127.0.0.1, no authentication): whoever posts there publishes to the stack's topic
 # with the head's role, and may silence alerts. Prometheus sends the alerts; root administers.
 ALERTS_CHAIN = "GPUCLUSTER-ALERTS"
@@ -52,18 +65,20 @@ def script(role: str, packages: bool = True) -> str:
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     chain, v4, v6 = IMDS_CHAIN, IMDS_ADDRESSES["iptables"], IMDS_ADDRESSES["ip6tables"]
-    users = " ".join(IMDS_USERS[role])
+    users = " ".join(IMDS_USERS[role] + (BOOTSTRAP_IMDS_USERS[role] if packages else ()))
     return "\n".join([
         "set -eu",
         # guard TOOL CHAIN PACKETS USERS: the packets go to the chain, which lets the users' through and rejects the
-        # rest.
+        # rest. Its REJECT comes first and stays last; each user's ACCEPT goes above it, once.
         "guard() {",
-        '  "$1" -w -N "$2" 2>/dev/null || "$1" -w -F "$2"',
-        '  "$1" -w -C OUTPUT $3 -j "$2" 2>/dev/null || "$1" -w -I OUTPUT 1 $3 -j "$2"',
+        '  t="$1 -w" c=$2',
+        "  $t -N $c 2>/dev/null || :",
+        "  $t -C $c -j REJECT 2>/dev/null || $t -A $c -j REJECT",
+        "  $t -C OUTPUT $3 -j $c 2>/dev/null || $t -I OUTPUT $3 -j $c",
         "  for user in $4; do",
-        '    if id -u "$user" >/dev/null 2>&1; then "$1" -w -A "$2" -m owner --uid-owner "$user" -j ACCEPT; fi',
+        '    rule="$c -m owner --uid-owner $user -j ACCEPT"',
+        "    if id -u $user >/dev/null 2>&1; then $t -C $rule 2>/dev/null || $t -I $rule; fi",
         "  done",
-        '  "$1" -w -A "$2" -j REJECT',
         "}",
         f'guard iptables {chain} "-d {v4}" "{users}"',
         *([f'guard iptables {ALERTS_CHAIN} "-o lo -p tcp --dport {ALERTMANAGER_PORT}" "{" ".join(ALERTS_USERS)}"']

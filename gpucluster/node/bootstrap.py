@@ -177,8 +177,8 @@ def people_homes(s: ClusterSettings) -> None:
 def lock_down(role: str) -> None:
     """The lockdown cloud-init's bootcmd ran before the network came up, once more now that the image's packages are
     all there (on a stock AMI the slurm user exists only after build_image.sh), with the guard of DCGM's host engine
-    (before any job can start). A failure fails the boot: a node whose users could reach the instance's credentials
-    must not serve."""
+    (before any job can start) and, on the head, sshd's key lookup let through (lockdown.BOOTSTRAP_IMDS_USERS). A
+    failure fails the boot: a node whose users could reach the instance's credentials must not serve."""
     run("sh", "-c", lockdown.script(role))
 
 
@@ -388,6 +388,66 @@ def command_line(bin_dir: Path = Path("/usr/local/bin")) -> None:
     command.chmod(0o755)
 
 
+# --- the head: sshd for `gpucluster ssh-proxy` ------------------------------------------------------------------------
+# The key a person pushes with EC2 Instance Connect is looked up by the ec2-instance-connect package's command, as its
+# own user (contract/lockdown.py EIC_USER says what it does and why that user reaches instance metadata).
+EIC_KEYS_COMMAND = "/usr/share/ec2-instance-connect/eic_run_authorized_keys"
+SSHD = Path("/usr/sbin/sshd")
+# sshd takes the first value it reads of a keyword, and Ubuntu's sshd_config starts with `Include
+# /etc/ssh/sshd_config.d/*.conf`, read in name order: 10- comes before cloud-init's 50- and the cloud image's 60-.
+SSHD_DROP_IN = Path("/etc/ssh/sshd_config.d/10-gpucluster.conf")
+# Ubuntu 24.04 starts sshd from ssh.socket (socket activation, Ubuntu 22.10 and later): the socket, not sshd, binds
+# the port, so the address is set there too (an empty ListenStream= drops the packaged and generated ones).
+SSH_SOCKET_DROP_IN = "[Socket]\nListenStream=\nListenStream=127.0.0.1:22\n"
+
+
+def sshd_config() -> str:
+    """The head's sshd: reached only through Session Manager's stream to the head's loopback, keys only from EC2
+    Instance Connect. No authorized_keys file: a pushed key is good for 60 s and for the name IAM let its pusher push
+    for, so each login is IAM's decision of that moment, in CloudTrail; a key file in a home on /fsx (which S3
+    imports write into) would outlive a person's access and could be planted."""
+    return "\n".join([
+        "# gpucluster: SSH through Session Manager only (`gpucluster ssh-config`), keys from EC2 Instance Connect.",
+        "ListenAddress 127.0.0.1",
+        "PermitRootLogin no",
+        "PasswordAuthentication no",
+        "KbdInteractiveAuthentication no",
+        "AuthenticationMethods publickey",
+        "AuthorizedKeysFile none",
+        f"AuthorizedKeysCommand {EIC_KEYS_COMMAND} %u %f",
+        f"AuthorizedKeysCommandUser {lockdown.EIC_USER}",
+        "",
+    ])
+
+
+def ssh_server(config: Path = SSHD_DROP_IN, systemd: Path = SYSTEMD) -> None:
+    """sshd as sshd_config() says, (re)started. Canonical's Ubuntu images carry sshd and ec2-instance-connect; an
+    image without them boots without SSH, with a warning: `gpucluster connect` still works."""
+    missing = [str(path) for path in (SSHD, Path(EIC_KEYS_COMMAND)) if not path.exists()]
+    if missing or not _exists_user(lockdown.EIC_USER):
+        log.warning("no SSH on this head (`gpucluster ssh-config`): the image lacks %s (packages openssh-server and "
+                    "ec2-instance-connect)", ", ".join(missing) or f"the user {lockdown.EIC_USER}")
+        return
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(sshd_config())
+    Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # privilege separation's, which sshd -t insists on
+    run(str(SSHD), "-t")  # the whole configuration as sshd will read it (a fault fails the boot, as for any unit)
+    if run("systemctl", "is-enabled", "ssh.socket", check=False).stdout.strip() == "enabled":
+        drop_in("ssh.socket", SSH_SOCKET_DROP_IN, systemd)
+        run("systemctl", "stop", "ssh.service")  # it holds the socket's old address
+        start("ssh.socket")
+    else:
+        start("ssh.service")
+
+
+def _exists_user(name: str) -> bool:
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        return False
+    return True
+
+
 def wait_for_port(port: int, host: str = "127.0.0.1", seconds: float = 60) -> None:
     """A daemon this one needs at its start: slurmctld's first start fails when slurmdbd does not answer yet ("no
     TRES"); a configless slurmd cannot start before its controller answers (a head being replaced)."""
@@ -444,6 +504,7 @@ def head(s: ClusterSettings) -> None:
     node_names()
     start("gpucluster-hosts.service")
     head_monitoring(s)
+    ssh_server()
 
 
 # --- the head: a changed stack applied in place -----------------------------------------------------------------------

@@ -92,8 +92,9 @@ def _cloud_config(stack: Stack, role: str, hostname: str | None, pool: PoolSpec 
         doc["preserve_hostname"] = True  # the bootstrap names the node after its Slurm node; a reboot keeps it
     doc |= {
         # bootcmd runs at every boot, early (cloud-init's init stage, before network-online.target): before Session
-        # Manager's agent or slurmd can start anything a user asked for.
-        "bootcmd": [["sh", "-c", lockdown.script(role, packages=False)]],
+        # Manager's agent or slurmd can start anything a user asked for. A string item: cloud-init writes it as it is
+        # into the script it runs with /bin/sh (cc_bootcmd, util.shellify), as `sh -c` would, in fewer bytes.
+        "bootcmd": [lockdown.script(role, packages=False)],
         # cloud-init sets users up after bootcmd: the login user as Ubuntu's default would be, but without sudo or
         # groups (Ubuntu's default user has sudo, adm, lxd...), so its first boot does not give back what the lockdown
         # took. Password login stays locked (Session Manager only).

@@ -100,6 +100,10 @@ SLURM_BUILD = ("build-essential", "pkgconf", "libmunge-dev", "libpmix-dev", "lib
 ENROOT_BUILD = ("git", "patch", "libcap2-bin")
 ENROOT_RUNTIME = ("curl", "gawk", "jq", "parallel", "squashfs-tools", "zstd", "bsdmainutils")
 # iptables: every boot's lockdown keeps instance metadata from users with it (gpucluster/contract/lockdown.py).
+# sshd and EC2 Instance Connect's key lookup (`gpucluster ssh-proxy`) are the head's parent's own: Canonical's
+# Ubuntu server images for AWS carry openssh-server and ec2-instance-connect (noble's 1.1.17-0ubuntu1 in main), and
+# the bake removes neither. Not named here, so the snapshot's lock does not pin them; the head's bootstrap checks
+# both and boots without SSH, with a warning, where they lack (node/bootstrap.py ssh_server).
 HEAD_APT = ("munge", *SLURM_BUILD, "libmariadb-dev", "mariadb-server", "python3-boto3", "python3-yaml",
             "iptables", "prometheus", "prometheus-alertmanager", "prometheus-node-exporter")
 COMPUTE_APT = ("munge", *SLURM_BUILD, *ENROOT_BUILD, *ENROOT_RUNTIME, "python3-boto3", "iptables",
