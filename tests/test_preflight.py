@@ -66,10 +66,13 @@ def spot_role(iam: Any) -> None:
                     '"Principal": {"Service": "spot.amazonaws.com"}, "Action": "sts:AssumeRole"}]}')
 
 
-def register_parents(url: str, roles: tuple[bom.ParentRole, ...] = bom.PARENT_ROLES) -> dict[str, dict[str, str]]:
+def register_parents(url: str, monkeypatch: pytest.MonkeyPatch, roles: tuple[bom.ParentRole, ...] = bom.PARENT_ROLES
+                     ) -> dict[str, dict[str, str]]:
     """In a fresh moto account, the BOM's parent releases of `roles` under their exact names, and image.parent_images
     naming every role's release with that account as owner (moto makes images as the caller's own only, and keeps an
-    architecture only for one made from an instance: register_image drops it)."""
+    architecture only for one made from an instance: register_image drops it). The account has moto's default
+    (amazon's) images, which the unit tests otherwise go without (conftest.py: moto_without_default_amis)."""
+    monkeypatch.setenv("MOTO_EC2_LOAD_DEFAULT_AMIS", "true")
     reset_moto(url)
     ec2 = boto3.client("ec2", region_name="us-west-2", endpoint_url=url, aws_access_key_id="t",
                        aws_secret_access_key="t")
@@ -80,8 +83,8 @@ def register_parents(url: str, roles: tuple[bom.ParentRole, ...] = bom.PARENT_RO
     return {role: {"name": parent.name, "owner": MOTO_ACCOUNT} for role, parent in bom.PARENT_IMAGES.items()}
 
 
-def test_preflight_against_moto(moto_url: str, tmp_path: Path) -> None:
-    parents = register_parents(moto_url)
+def test_preflight_against_moto(moto_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    parents = register_parents(moto_url, monkeypatch)
     ec2 = boto3.client("ec2", region_name="us-west-2", endpoint_url=moto_url, aws_access_key_id="t",
                        aws_secret_access_key="t")
     spot_role(boto3.client("iam", region_name="us-west-2", endpoint_url=moto_url, aws_access_key_id="t",
@@ -114,10 +117,11 @@ def test_a_failing_check_exits_1_with_its_fix(moto_url: str, tmp_path: Path) -> 
     assert "fix: fix ami_id, or remove it to boot the stack's own image" in done.stdout
 
 
-def test_pinned_parent_releases_are_looked_up_by_exact_name_and_owner(moto_url: str, tmp_path: Path) -> None:
+def test_pinned_parent_releases_are_looked_up_by_exact_name_and_owner(moto_url: str, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Pools without ami_id boot their image baked on the pinned parent, or with image.build false the parent itself:
     it must exist in the region under its exact name and owner (never the newest DLAMI through SSM)."""
-    parents = register_parents(moto_url, roles=("head", "gpu"))  # the Neuron release is not in this region
+    parents = register_parents(moto_url, monkeypatch, roles=("head", "gpu"))  # the Neuron release is not in this region
     done = run_cli(stack_file(tmp_path, None, parents), moto_url)
     out = done.stdout
     assert done.returncode == 1, out + done.stderr
