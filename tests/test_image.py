@@ -47,6 +47,8 @@ KERNEL_PACKAGES = {"linux-aws": "linux-meta-aws", "linux-image-aws": "linux-meta
                    "linux-headers-aws": "linux-meta-aws", f"linux-image-{KERNEL}": "linux-signed-aws",
                    f"linux-modules-{KERNEL}": "linux-aws", "linux-base": "linux-base"}
 PMIX_LIB = "/usr/lib/x86_64-linux-gnu/pmix2/lib/libpmix.so"
+DLAMI_NCCL_DIR = "/opt/amazon/ofi-nccl/lib/x86_64-linux-gnu"  # where the NVIDIA DLAMI has aws-ofi-nccl's plugin
+NEURON_TOOLS = ("neuron-monitor", "neuron-monitor-prometheus.py")  # the Neuron Deep Learning AMI's
 
 # Every stand-in command is one small bash script (STANDIN_CLIENT) that hands its call to a server in the test's own
 # process (StandinServer) and replays the answer: one interpreter for a whole build instead of one per command. The
@@ -55,9 +57,11 @@ STANDIN_CLIENT = r'''#!/bin/bash
 # Stand-in for a command this machine cannot run for real: it has no internet (apt, downloads, pip), and a package
 # manager, systemd, a compiler run over sources it cannot fetch or a kernel module here would change a machine others
 # share. The call goes to the test's stand-in server (tests/test_image.py: standin_answer) over bash's /dev/tcp.
+# python3 is a real one, as the image's system python3 with nothing but its standard library (-S: not the packages of
+# the venv that runs the tests).
 set -euo pipefail
 if [[ ${0##*/} == python3 && "${1:-} ${2:-}" != "-m venv" ]]; then  # the script's BOM reader and manifest writer
-  exec "$STANDIN_PYTHON" "$@"
+  exec "$STANDIN_PYTHON" -S "$@"
 fi
 exec 3<>"/dev/tcp/127.0.0.1/$STANDIN_PORT"
 # Unset and empty differ: "=value" when set, "" when not.
@@ -69,7 +73,7 @@ if ((error_size)); then IFS= read -r -N "$error_size" error <&3; printf '%s' "$e
 IFS= read -r -d '' output <&3 || true
 printf '%s' "$output"
 ((status == 0)) || exit "$status"
-if [[ ${0##*/} == python3 ]]; then exec "$STANDIN_PYTHON" "$@"; fi  # -m venv: a real venv
+if [[ ${0##*/} == python3 ]]; then exec "$STANDIN_PYTHON" -S "$@"; fi  # -m venv: a real venv
 '''
 
 
@@ -403,7 +407,7 @@ def runner(tmp_path: Path) -> Build:
     up with (`late_drift`: what installing the Lustre module changes); `downloads` what a URL serves; `agent`: the
     CloudWatch agent's version the parent image has; `enroot_commit`, `nccl_tests_commit`: what those tags name
     (default the BOM's); `nvidia_sdk`: the NVIDIA parent's files nccl-tests builds with; `ldd_missing`: the libraries
-    the built all_reduce_perf would not load."""
+    the built all_reduce_perf would not load; `keep_root`: the image's files as the last run left them."""
 
     def run(role: str, *, bom: Callable[[dict[str, Any]], None] | None = None, fail: Sequence[tuple[str, int]] = (),
             gpu_tools: tuple[str, ...] = GPU_TOOLS, agent: str | None = None, apparmor: bool = True,
@@ -412,15 +416,15 @@ def runner(tmp_path: Path) -> Build:
             pip_drift: dict[str, Any] | None = None, late_drift: dict[str, str] | None = None,
             downloads: dict[str, bytes] | None = None,
             slurm_without: Sequence[str] = (), slurm_built: str = bom_spec.SLURM_VERSION, slurm_uid: str = "",
-            dcgm_unit: bool = True, nccl_dir: str | None = "/opt/amazon/ofi-nccl/lib/x86_64-linux-gnu",
+            dcgm_unit: bool = True, nccl_dir: str | None = DLAMI_NCCL_DIR,
             kernel_packages: dict[str, str] = KERNEL_PACKAGES, enroot_profile: bool = True,
             enroot_commit: str | None = None, nccl_tests_commit: str | None = None,
             nvidia_sdk: tuple[str, ...] = NVIDIA_SDK, ldd_missing: Sequence[str] = (),
-            pmix_lib: bool = True, steps: str | None = None,
+            pmix_lib: bool = True, steps: str | None = None, keep_root: bool = False,
             edits: dict[str, str] | None = None,
             stack: Path = BOM_STACK) -> Run:
         bin_dir, root, state, files = (tmp_path / d for d in ("bin", "root", "state", "files"))
-        for d in (bin_dir, root, state, files):
+        for d in (bin_dir, state, files) if keep_root else (bin_dir, root, state, files):
             shutil.rmtree(d, ignore_errors=True)
             d.mkdir()
         standin = bin_dir / "standin"
@@ -437,7 +441,7 @@ def runner(tmp_path: Path) -> Build:
         if agent:  # the parent image's package, as dpkg knows it
             (state / "installed.json").write_text(json.dumps({"amazon-cloudwatch-agent": agent}))
         if nccl_dir and "nvidia-smi" in gpu_tools:  # the DLAMI's aws-ofi-nccl
-            (root / nccl_dir.lstrip("/")).mkdir(parents=True)
+            (root / nccl_dir.lstrip("/")).mkdir(parents=True, exist_ok=keep_root)
             (root / nccl_dir.lstrip("/") / "libnccl-net.so").touch()
         for path in nvidia_sdk if "nvidia-smi" in gpu_tools else ():
             (root / path.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
@@ -500,18 +504,20 @@ def build(tmp_path: Path) -> Build:
     return runner(tmp_path)
 
 
-def shared_build(tmp_path_factory: pytest.TempPathFactory, role: str) -> Run:
-    """One build of the role from the real BOM with every default for the whole session: under xdist the first
-    worker to need it builds it under a lock in the session's directory, the others read what it left there."""
+def shared_build(tmp_path_factory: pytest.TempPathFactory, role: str, name: str = "", **options: Any) -> Run:
+    """One build of the role from the real BOM (with the runner's `options`, under `name`) for the whole session:
+    under xdist the first worker to need it builds it under a lock in the session's directory, the others read what it
+    left there."""
+    name = name or role
     session = xdist_session_dir(tmp_path_factory)
     if session is None:
-        return runner(tmp_path_factory.mktemp(role))(role)
-    saved = session / f"image-build-{role}.json"
+        return runner(tmp_path_factory.mktemp(name))(role, **options)
+    saved = session / f"image-build-{name}.json"
     with open(saved.with_suffix(".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not saved.exists():
-            (where := session / f"image-build-{role}").mkdir()
-            run = runner(where)(role)
+            (where := session / f"image-build-{name}").mkdir()
+            run = runner(where)(role, **options)
             saved.write_text(json.dumps({**run.__dict__, "root": str(run.root)}))
     fields = json.loads(saved.read_text())
     return Run(**{**fields, "root": Path(fields["root"])})
@@ -526,6 +532,12 @@ def head(tmp_path_factory: pytest.TempPathFactory) -> Run:
 @pytest.fixture(scope="module")
 def compute(tmp_path_factory: pytest.TempPathFactory) -> Run:
     return shared_build(tmp_path_factory, "compute")
+
+
+@pytest.fixture(scope="module")
+def neuron(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """A compute image on the Neuron Deep Learning AMI: Neuron's tools, no NVIDIA driver (so no NCCL either)."""
+    return shared_build(tmp_path_factory, "compute", "neuron", gpu_tools=(), neuron_tools=NEURON_TOOLS)
 
 
 # --- the script as text ----------------------------------------------------------------------------------------------
@@ -659,7 +671,7 @@ def test_a_step_that_keeps_failing_stops_the_build_without_a_manifest(build: Bui
 
 def test_an_old_manifest_does_not_survive_a_failed_rebuild(build: Build) -> None:
     assert build("head").manifest.exists()
-    run = build("head", fail=[("mariadb-server", 99)])
+    run = build("head", fail=[("mariadb-server", 99)], keep_root=True)
     assert run.returncode != 0 and not run.manifest.exists()
 
 
@@ -976,9 +988,9 @@ def test_dcgm_host_engine_is_enabled_when_the_parent_has_it(build: Build, comput
     assert json.loads(run.manifest.read_text())["versions"]["dcgm_engine"] == "none"
 
 
-@pytest.mark.parametrize("directory", ["/opt/amazon/ofi-nccl/lib/x86_64-linux-gnu", "/opt/amazon/ofi-nccl/lib"])
-def test_nccls_efa_plugin_is_on_the_loaders_path(build: Build, directory: str) -> None:
-    run = build("compute", nccl_dir=directory)
+@pytest.mark.parametrize("directory", [DLAMI_NCCL_DIR, "/opt/amazon/ofi-nccl/lib"])
+def test_nccls_efa_plugin_is_on_the_loaders_path(build: Build, compute: Run, directory: str) -> None:
+    run = compute if directory == DLAMI_NCCL_DIR else build("compute", nccl_dir=directory)
     assert run.returncode == 0, run.stderr
     conf = run.root / pins()["OFI_NCCL_CONF"].lstrip("/")
     assert conf.parent.as_posix().endswith("/etc/ld.so.conf.d") and conf.read_text() == f"{directory}\n"
@@ -986,11 +998,10 @@ def test_nccls_efa_plugin_is_on_the_loaders_path(build: Build, directory: str) -
     assert json.loads(run.manifest.read_text())["versions"]["nccl_net_plugin"] == directory
 
 
-def test_an_nvidia_image_without_nccls_efa_plugin_fails(build: Build) -> None:
+def test_an_nvidia_image_without_nccls_efa_plugin_fails(build: Build, neuron: Run) -> None:
     run = build("compute", nccl_dir=None)
     assert run.returncode != 0 and "the parent image lacks aws-ofi-nccl" in run.stderr and not run.manifest.exists()
-    run = build("compute", gpu_tools=(), neuron_tools=("neuron-monitor", "neuron-monitor-prometheus.py"),
-                nccl_dir=None)
+    run = neuron
     assert run.returncode == 0, run.stderr  # a Trainium image has no NCCL
     assert not (run.root / pins()["OFI_NCCL_CONF"].lstrip("/")).exists()
 
@@ -1020,8 +1031,8 @@ def test_nccl_tests_is_built_at_the_boms_commit_against_the_images_mpi_cuda_and_
     assert json.loads(run.manifest.read_text())["versions"]["nccl_tests"] == f"{source['version']} {source['commit']}"
 
 
-def test_nccl_tests_is_for_nvidia_images_only(build: Build, head: Run) -> None:
-    run = build("compute", gpu_tools=(), neuron_tools=("neuron-monitor", "neuron-monitor-prometheus.py"))
+def test_nccl_tests_is_for_nvidia_images_only(neuron: Run, head: Run) -> None:
+    run = neuron
     assert run.returncode == 0, run.stderr
     url = run.bom["sources"]["nccl-tests"]["url"]
     assert not [c for c in run.commands("git") if url in c] and not run.commands("ldd")
@@ -1063,10 +1074,10 @@ def test_cloudwatch_agent_already_in_the_image_is_kept_at_the_boms_version_only(
     assert json.loads(run.manifest.read_text())["versions"]["cloudwatch_agent"] == version
 
 
-def test_nvidia_image_without_dcgm_fails_and_neuron_image_needs_none(build: Build) -> None:
+def test_nvidia_image_without_dcgm_fails_and_neuron_image_needs_none(build: Build, neuron: Run) -> None:
     run = build("compute", gpu_tools=("nvidia-smi", "docker", "nvidia-ctk"))
     assert run.returncode != 0 and "without DCGM" in run.stderr and run.calls == [] and not run.manifest.exists()
-    run = build("compute", gpu_tools=(), neuron_tools=("neuron-monitor", "neuron-monitor-prometheus.py"))
+    run = neuron
     assert run.returncode == 0, run.stderr
     versions = json.loads(run.manifest.read_text())["versions"]
     assert versions["dcgm"] == "none (no NVIDIA driver)" and versions["dcgm_exporter"] == "none"
@@ -1082,9 +1093,9 @@ def test_nvidia_image_without_its_container_runtime_fails_first(build: Build, mi
     assert run.calls == [] and not run.manifest.exists()
 
 
-@pytest.mark.parametrize("missing", ["neuron-monitor", "neuron-monitor-prometheus.py"])
+@pytest.mark.parametrize("missing", NEURON_TOOLS)
 def test_neuron_image_without_neuron_monitor_fails_first(build: Build, missing: str) -> None:
-    tools = tuple(t for t in ("neuron-monitor", "neuron-monitor-prometheus.py") if t != missing)
+    tools = tuple(t for t in NEURON_TOOLS if t != missing)
     run = build("compute", gpu_tools=(), neuron_tools=tools)
     assert run.returncode != 0 and f"a Neuron image without {pins()['NEURON_BIN']}/{missing}" in run.stderr
     assert run.calls == [] and not run.manifest.exists()
