@@ -44,11 +44,16 @@ class FakeSlurm(SlurmControl):
         self.calls.append(("signal", job, signal_name))
 
 
+# The session of every test's client: mock_aws hides boto3's default session, so boto3.client() would make a new one
+# per test and load botocore's models and endpoints again (a third of a test's CPU). moto takes any credentials.
+SESSION = boto3.session.Session()
+
+
 @pytest.fixture(name="ec2")
 def ec2_fixture():
     """An EC2 client of in-process moto (import the fixture by this name: test functions take `ec2`)."""
     with mock_aws():
-        yield boto3.client("ec2", region_name="us-east-1")
+        yield SESSION.client("ec2", region_name="us-east-1")
 
 
 def make_config(ec2, **overrides: Any) -> ClusterSettings:
