@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import hashlib
@@ -118,6 +119,26 @@ def moto_without_default_amis(request: pytest.FixtureRequest, monkeypatch: pytes
     in-process EC2). A test that looks up amazon's images sets MOTO_EC2_LOAD_DEFAULT_AMIS=true itself."""
     if request.node.get_closest_marker("unit"):
         monkeypatch.setenv("MOTO_EC2_LOAD_DEFAULT_AMIS", "false")
+
+
+@functools.cache
+def _moto_session() -> Any:
+    import boto3
+
+    return boto3.session.Session()
+
+
+@contextlib.contextmanager
+def in_process_moto() -> Iterator[None]:
+    """moto's mock_aws with one boto3 default session for the whole run: mock_aws hides boto3's own, so each test's
+    first boto3.client() made a new session and loaded botocore's models and endpoints again (a third of a short
+    test's CPU). moto takes any credentials."""
+    import boto3
+    from moto import mock_aws
+
+    with mock_aws():
+        boto3.DEFAULT_SESSION = _moto_session()  # mock_aws puts boto3's own back at its end
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ from typing import Any
 
 import boto3
 import pytest
-from moto import mock_aws
 
+from conftest import in_process_moto
 from gpucluster.contract import slurm_json
 from gpucluster.contract.settings import POOL_TAG, ClusterSettings, PoolSettings
 from gpucluster.node import fleet
@@ -44,16 +44,11 @@ class FakeSlurm(SlurmControl):
         self.calls.append(("signal", job, signal_name))
 
 
-# The session of every test's client: mock_aws hides boto3's default session, so boto3.client() would make a new one
-# per test and load botocore's models and endpoints again (a third of a test's CPU). moto takes any credentials.
-SESSION = boto3.session.Session()
-
-
 @pytest.fixture(name="ec2")
 def ec2_fixture():
     """An EC2 client of in-process moto (import the fixture by this name: test functions take `ec2`)."""
-    with mock_aws():
-        yield SESSION.client("ec2", region_name="us-east-1")
+    with in_process_moto():
+        yield boto3.client("ec2", region_name="us-east-1")
 
 
 def make_config(ec2, **overrides: Any) -> ClusterSettings:

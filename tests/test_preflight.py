@@ -17,9 +17,8 @@ import boto3
 import pytest
 import yaml
 from botocore.stub import Stubber
-from moto import mock_aws
 
-from conftest import FIXTURES, ROOT, reset_moto
+from conftest import FIXTURES, ROOT, in_process_moto, reset_moto
 from gpucluster import cli
 from gpucluster.aws import preflight
 from gpucluster.spec import bom
@@ -260,7 +259,7 @@ class Session:
 
 def test_missing_spot_role_is_made_by_a_slurm_stack() -> None:
     stack = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")
-    with mock_aws():
+    with in_process_moto():
         check = preflight.check_spot_role(boto3.client("iam", region_name="us-east-1"), stack)
     assert check.status == "pass" and check.pool is None and not check.fix
     assert check.detail.startswith("no AWSServiceRoleForEC2Spot in this account yet: `pulumi up` creates it for the "
@@ -271,7 +270,7 @@ def test_missing_spot_role_is_made_by_a_slurm_stack() -> None:
 def test_missing_spot_role_fails_a_kubernetes_stack_with_the_command_to_create_it() -> None:
     stack = load_stack(ROOT / "stacks" / "Pulumi.team-k8s.yaml")
     spot = ", ".join(p.name for p in stack.spec.pools if p.capacity == "spot")
-    with mock_aws():
+    with in_process_moto():
         check = preflight.check_spot_role(boto3.client("iam", region_name="us-east-1"), stack)
     assert check.status == "fail" and check.pool is None
     assert f"no AWSServiceRoleForEC2Spot in this account: spot launches ({spot}) fail" in check.detail
@@ -280,7 +279,7 @@ def test_missing_spot_role_fails_a_kubernetes_stack_with_the_command_to_create_i
 
 def test_existing_spot_role_passes() -> None:
     stack = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")
-    with mock_aws():
+    with in_process_moto():
         iam = boto3.client("iam", region_name="us-east-1")
         spot_role(iam)
         check = preflight.check_spot_role(iam, stack)
@@ -335,7 +334,7 @@ def _ebs_default(ec2: Any, key_id: str, by_default: bool = True) -> Stubber:
 def _ebs_key_check(stack_file: Path, enabled: bool = True) -> tuple[preflight.Check, str]:
     """The check in an account whose default EBS key is a customer managed key (moto's KMS), and that key's ARN."""
     stack = load_stack(stack_file)
-    with mock_aws():
+    with in_process_moto():
         kms = boto3.client("kms", region_name="us-east-1")
         key = kms.create_key(Description="the team's EBS key")["KeyMetadata"]
         if not enabled:
