@@ -17,6 +17,7 @@ import socketserver
 import subprocess
 import sys
 import threading
+import traceback
 import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -297,7 +298,10 @@ class StandinHandler(socketserver.StreamRequestHandler):
         for variable, value in (("DEBIAN_FRONTEND", frontend), ("LD_RUN_PATH", ld_run_path)):
             if value:
                 env[variable] = value.removeprefix("=")
-        status, error, output = standin_answer(Call(argv0, Path(cwd), args, env))
+        try:
+            status, error, output = standin_answer(Call(argv0, Path(cwd), args, env))
+        except Exception:  # a fault of the stand-in's own: the command fails with its traceback, for the test to show
+            status, error, output = 1, traceback.format_exc(), ""
         self.wfile.write(f"{status}\n{len(error)}\n{error}{output}".encode())
 
 # The BOM's pip wheel, standing in for pip's: run from the wheel (`python pip.whl/pip install pip.whl`), it installs a
