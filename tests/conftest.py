@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import hashlib
@@ -109,6 +110,35 @@ def start_cluster() -> Iterator[Callable[..., LocalCluster]]:
 def cluster(start_cluster: Callable[[], LocalCluster]) -> LocalCluster:
     """A fresh local cluster (start_cluster)."""
     return start_cluster()
+
+
+@pytest.fixture(autouse=True)
+def moto_without_default_amis(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unit tests run moto without its ~44,000 default AMIs, which it builds each time it makes or resets an EC2
+    backend (every mock_aws start and stop, every moto-api/reset: 0.25 s of CPU each, a third of a test against
+    in-process EC2). A test that looks up amazon's images sets MOTO_EC2_LOAD_DEFAULT_AMIS=true itself."""
+    if request.node.get_closest_marker("unit"):
+        monkeypatch.setenv("MOTO_EC2_LOAD_DEFAULT_AMIS", "false")
+
+
+@functools.cache
+def _moto_session() -> Any:
+    import boto3
+
+    return boto3.session.Session()
+
+
+@contextlib.contextmanager
+def in_process_moto() -> Iterator[None]:
+    """moto's mock_aws with one boto3 default session for the whole run: mock_aws hides boto3's own, so each test's
+    first boto3.client() made a new session and loaded botocore's models and endpoints again (a third of a short
+    test's CPU). moto takes any credentials."""
+    import boto3
+    from moto import mock_aws
+
+    with mock_aws():
+        boto3.DEFAULT_SESSION = _moto_session()  # mock_aws puts boto3's own back at its end
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ from typing import Any
 
 import boto3
 import pytest
-from moto import mock_aws
 
+from conftest import in_process_moto
 from gpucluster.contract import slurm_json
 from gpucluster.contract.settings import POOL_TAG, ClusterSettings, PoolSettings
 from gpucluster.node import fleet
@@ -47,7 +47,7 @@ class FakeSlurm(SlurmControl):
 @pytest.fixture(name="ec2")
 def ec2_fixture():
     """An EC2 client of in-process moto (import the fixture by this name: test functions take `ec2`)."""
-    with mock_aws():
+    with in_process_moto():
         yield boto3.client("ec2", region_name="us-east-1")
 
 

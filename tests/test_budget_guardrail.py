@@ -10,8 +10,8 @@ from pathlib import Path
 import boto3
 import pytest
 from botocore.stub import Stubber
-from moto import mock_aws
 
+from conftest import in_process_moto
 from gpucluster.contract import slurm_json
 from gpucluster.contract.settings import BudgetSettings, ClusterSettings
 from gpucluster.node import budget_guardrail as guardrail
@@ -59,7 +59,7 @@ class FakeSlurm(SlurmControl):
 
 @pytest.fixture
 def aws():
-    with mock_aws():
+    with in_process_moto():
         budgets = boto3.client("budgets", region_name="us-east-1")
         sns = boto3.client("sns", region_name="us-east-1")
         sqs = boto3.client("sqs", region_name="us-east-1")

@@ -18,7 +18,7 @@ import boto3
 import pytest
 from botocore.stub import Stubber
 
-from conftest import ALL_STACK_FILES, ROOT, reset_moto
+from conftest import ALL_STACK_FILES, ROOT, in_process_moto, reset_moto
 from gpucluster import cli
 from gpucluster.aws import cost_board
 from gpucluster.render import prometheus
@@ -43,9 +43,7 @@ def off_the_head(stack: Stack) -> cost_board.Usage:
 
 @pytest.fixture
 def budgets() -> Iterator[Any]:
-    from moto import mock_aws
-
-    with mock_aws():
+    with in_process_moto():
         client = boto3.client("budgets", region_name="us-east-1")
         for name in DEPLOYED:
             stack = BY_NAME[name]

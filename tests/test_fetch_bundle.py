@@ -21,9 +21,8 @@ import botocore.retries.standard
 import pytest
 from botocore.awsrequest import AWSResponse
 from botocore.exceptions import ClientError, NoCredentialsError
-from moto import mock_aws
 
-from conftest import ROOT
+from conftest import ROOT, in_process_moto
 from gpucluster.contract import settings as contract
 from gpucluster.contract.settings import ClusterSettings
 from gpucluster.project import EXAMPLES_DIR
@@ -97,7 +96,7 @@ def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     monkeypatch.setattr(botocore.retries.standard.ExponentialBackoff, "delay_amount", lambda self, context: 0)
     ticks = iter(range(0, 10**9, 100))
     monkeypatch.setattr(botocore.retries.bucket.Clock, "current_time", lambda self: next(ticks))
-    with mock_aws():
+    with in_process_moto():
         data = BUNDLE
         s3 = boto3.client("s3", region_name=STACK.region)
         s3.create_bucket(Bucket="gpucluster-dev-bundle")

@@ -11,9 +11,13 @@ import io
 import json
 import os
 import re
+import secrets
 import shutil
+import socketserver
 import subprocess
 import sys
+import threading
+import traceback
 import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,176 +48,261 @@ KERNEL_PACKAGES = {"linux-aws": "linux-meta-aws", "linux-image-aws": "linux-meta
                    "linux-headers-aws": "linux-meta-aws", f"linux-image-{KERNEL}": "linux-signed-aws",
                    f"linux-modules-{KERNEL}": "linux-aws", "linux-base": "linux-base"}
 PMIX_LIB = "/usr/lib/x86_64-linux-gnu/pmix2/lib/libpmix.so"
+DLAMI_NCCL_DIR = "/opt/amazon/ofi-nccl/lib/x86_64-linux-gnu"  # where the NVIDIA DLAMI has aws-ofi-nccl's plugin
+NEURON_TOOLS = ("neuron-monitor", "neuron-monitor-prometheus.py")  # the Neuron Deep Learning AMI's
 
-# One program behind every stand-in command; it records each call (with what it saw) as a JSON line.
-STANDIN = r'''
-"""Stand-in for a command this machine cannot run for real: it has no internet (apt, downloads, pip), and a package
-manager, systemd, a compiler run over sources it cannot fetch or a kernel module here would change a machine others
-share."""
-import json, os, sys
-from pathlib import Path
-
-name, args = Path(sys.argv[0]).name, sys.argv[1:]
-env = os.environ
-if name == "python3" and args[:2] != ["-m", "venv"]:  # the script's BOM reader and manifest writer: the real one
-    os.execv(sys.executable, [sys.executable, *args])
-call = " ".join([name, *args])
-root = env["GPUCLUSTER_IMAGE_ROOT"]
-snapshot = Path(root + env["STANDIN_SNAPSHOT_CONF"])
-record = {"cmd": [name, *args], "manifest_existed": Path(root + env["STANDIN_MANIFEST"]).exists(),
-          "debian_frontend": env.get("DEBIAN_FRONTEND"),
-          "snapshot": snapshot.read_text() if snapshot.exists() else None}
-state = Path(env["STANDIN_STATE"])
-for i, (pattern, times) in enumerate(json.loads(env.get("STANDIN_FAIL", "[]"))):
-    if pattern in call:
-        seen = state / f"fail-{i}"
-        count = int(seen.read_text()) if seen.exists() else 0
-        if count < times:
-            seen.write_text(str(count + 1))
-            record["failed"] = True
-if name == "pip" and "-r" in args:
-    record["requirements"] = Path(args[args.index("-r") + 1]).read_text().splitlines()
-if name in ("make", "configure"):
-    record["cwd"] = os.getcwd()
-    record["ld_run_path"] = env.get("LD_RUN_PATH")
-with open(env["STANDIN_LOG"], "a") as log:
-    log.write(json.dumps(record) + "\n")
-if record.get("failed"):
-    sys.exit(1)
-
-def arg_after(flag):
-    return args[args.index(flag) + 1]
-
-dpkg = state / "installed.json"  # what the stand-in apt-get installed: package -> version
-installed = json.loads(dpkg.read_text()) if dpkg.exists() else {}
-archive = json.loads(env["STANDIN_ARCHIVE"])  # what apt's indexes list: package -> versions
-
-fetched = state / "fetched.json"  # what the stand-in curl wrote: file -> URL
-if name == "curl":  # STANDIN_DOWNLOADS: URL -> a file with its bytes; any other URL serves a line naming it
-    url, downloads = args[-1], json.loads(env["STANDIN_DOWNLOADS"])
-    data = Path(downloads[url]).read_bytes() if url in downloads else f"stand-in download of {url}\n".encode()
-    Path(arg_after("-o")).write_bytes(data)
-    fetched.write_text(json.dumps({**(json.loads(fetched.read_text()) if fetched.exists() else {}),
-                                   str(Path(arg_after("-o")).resolve()): url}))
-elif name == "sha256sum":  # STANDIN_GENUINE: URL -> the sha256 of the real bytes there, which this machine cannot fetch
-    import hashlib
-    urls = json.loads(fetched.read_text()) if fetched.exists() else {}
-    url = urls.get(str(Path(args[0]).resolve()))
-    genuine = json.loads(env["STANDIN_GENUINE"])
-    print(f"{genuine[url] if url in genuine else hashlib.sha256(Path(args[0]).read_bytes()).hexdigest()}  {args[0]}")
-elif name == "git" and args[0] == "clone":
-    Path(args[-1]).mkdir(parents=True)
-elif name == "git" and args[2:] == ["rev-parse", "HEAD"]:  # STANDIN_COMMITS: what each clone names, by directory
-    print(json.loads(env["STANDIN_COMMITS"])[Path(args[1]).name])
-elif name == "uname":
-    print(env["STANDIN_KERNEL"])
-elif name == "gpg" and "--dearmor" in args:
-    Path(arg_after("-o")).write_bytes(Path(args[-1]).read_bytes())
-elif name == "gpg" and "--fingerprint" in args:
-    print(f"pub:-:4096:1:D58167303B789C72:::::::\nfpr:::::::::{env['STANDIN_GPG_FINGERPRINT']}:")
-elif name == "gpg" and "--show-keys" in args:  # STANDIN_KEYS: the URL a key came from -> its primary keys
-    url = Path(args[-1]).read_text().split()[-1]
-    for i, fpr in enumerate(json.loads(env["STANDIN_KEYS"])[url]):
-        print(f"pub:-:4096:1:{fpr[-16:]}:::::::\nfpr:::::::::{fpr}:\nsub:-:4096:1:{i:016X}:::::::\n"
-              f"fpr:::::::::{i:040X}:")
-elif name == "apt-cache" and args[0] == "madison":
-    for package in args[1:]:
-        for version in archive.get(package, []):
-            print(f"{package:>12} | {version:>10} | https://snapshot.ubuntu.com/ubuntu/20250601T000000Z noble/main "
-                  "amd64 Packages")
-elif name == "apt-cache" and args[0] == "show":
-    if args[1] not in archive:
-        sys.exit(100)
-    print(f"Package: {args[1]}\nVersion: {archive[args[1]][-1]}\n")
-elif name == "apt-get" and "install" in args:  # STANDIN_DPKG_DRIFT: what dpkg ends up with instead of the pin
-    files, drift = json.loads(env["STANDIN_PACKAGE_FILES"]), json.loads(env["STANDIN_DPKG_DRIFT"])
-    if any(a.startswith("lustre-client-modules-") for a in args):  # STANDIN_LATE_DRIFT: what this install moves
-        installed.update(json.loads(env["STANDIN_LATE_DRIFT"]))
-    for arg in [a for a in args[args.index("install") + 1:] if not a.startswith("-")]:
-        package, _, version = arg.partition("=")
-        if package.endswith(".deb"):  # AWS's .deb URLs name the version: .../<version>/<package>.deb
-            url = json.loads(fetched.read_text())[str(Path(package).resolve())]
-            package, version = Path(package).stem, url.split("/")[-2]
-        installed[package] = drift.get(package, version or archive[package][-1])
-        if not installed[package]:  # a drift to "": dpkg does not have it after all
-            del installed[package]
-        for path in files.get(package, []):
-            Path(root + path).parent.mkdir(parents=True, exist_ok=True)
-            Path(root + path).touch()
-    dpkg.write_text(json.dumps(installed))
-elif name == "dpkg-query":  # the formats build_image.sh asks for
-    fmt, packages = arg_after("-f"), args[args.index("-f") + 2:]
-    if "source:Package" in fmt:
-        for package, source in json.loads(env["STANDIN_KERNEL_PACKAGES"]).items():
-            print(f"ii  {package} {source}")
-    elif fmt == "${Version}":
-        if packages[0] not in installed:
-            sys.exit(1)
-        print(installed[packages[0]], end="")
-    else:
-        assert fmt == "${Package}\\t${db:Status-Abbrev}${Version}\\n", fmt
-        for package in packages:
-            if package in installed:
-                print(f"{package}\tii {installed[package]}")
-        sys.exit(0 if set(packages) <= set(installed) else 1)
-elif name == "tar":  # a GitHub tag archive: the tree of a configure script (Slurm) or a Makefile (pyxis)
-    tree = Path(arg_after("-C"))
-    tree.mkdir(parents=True, exist_ok=True)
-    if tree.name == "slurm":
-        (tree / "configure").symlink_to(sys.argv[0])
-elif name == "make" and Path(arg_after("-C")).name == "nccl-tests":  # its tests, in its tree's build/
-    built = Path(arg_after("-C")) / "build" / "all_reduce_perf"
-    built.parent.mkdir()
-    built.touch(mode=0o755)
-elif name == "ldd":  # STANDIN_LDD_MISSING: the libraries the binary's loader would not find
-    for library in json.loads(env["STANDIN_LDD_MISSING"]):
-        print(f"\t{library} => not found")
-    print("\tlibc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x00007f0000000000)")
-elif name == "make" and "install" in args:  # where the real Makefiles put what the script checks afterwards
-    destdir = arg_after("install").removeprefix("DESTDIR=")
-    if not destdir.startswith(root):
-        sys.exit(f"stand-in make: DESTDIR {destdir!r} is outside {root}")
-    if Path(arg_after("-C")).name == "pyxis":
-        made = ["/usr/local/lib/slurm/spank_pyxis.so"]
-    elif Path(arg_after("-C")).name == "enroot":  # STANDIN_ENROOT_PROFILE: whether its tree ships the AppArmor profile
-        made = ["/usr/bin/enroot", "/etc/enroot/enroot.conf"]
-        made += ["/usr/share/enroot/apparmor.profile"] if env["STANDIN_ENROOT_PROFILE"] == "yes" else []
-    else:  # Slurm, with the plugins its build dependencies allow (STANDIN_SLURM_WITHOUT: those it lacked)
-        without = json.loads(env["STANDIN_SLURM_WITHOUT"])
-        made = [f"/usr/lib/slurm/{p}" for p in ("mpi_pmix.so", "mpi_pmix_v5.so", "job_submit_lua.so", "cgroup_v2.so",
-                                                "proctrack_cgroup.so", "task_cgroup.so", "auth_munge.so",
-                                                "accounting_storage_mysql.so") if p not in without]
-        made += [f"/usr/lib/systemd/system/{u}" for u in ("slurmctld.service", "slurmd.service", "slurmdbd.service",
-                                                          "sackd.service")]
-        Path(destdir + "/usr/sbin").mkdir(parents=True, exist_ok=True)
-        Path(destdir + "/usr/sbin/slurmd").symlink_to(sys.argv[0])
-    for path in made:
-        Path(destdir + path).parent.mkdir(parents=True, exist_ok=True)
-        Path(destdir + path).touch(mode=0o755 if "/bin/" in path else 0o644)
-elif name == "slurmd" and args == ["-V"]:
-    print(f"slurm {env['STANDIN_SLURM_BUILT']}")
-elif name == "getent":  # STANDIN_SLURM_UID: the uid of a slurm user the parent image already has
-    sys.exit(0 if env["STANDIN_SLURM_UID"] else 2)
-elif name == "useradd":
-    (state / "slurm-uid").write_text(arg_after("--uid"))
-elif name == "id":
-    print(env["STANDIN_SLURM_UID"] or (state / "slurm-uid").read_text())
-elif name == "systemctl" and args[0] == "cat":
-    sys.exit(0 if env["STANDIN_DCGM_UNIT"] == "yes" else 1)
-elif name == "aa-enabled":
-    sys.exit(0 if env["STANDIN_APPARMOR"] == "yes" else 1)
-elif name == "python3":  # -m venv: a real venv, whose python runs the BOM's pip wheel and the script's check
-    os.execv(sys.executable, [sys.executable, *args])
-elif name == "pip":  # the venv's pip: installs the requirements as distributions of the venv, none fetched
-    drift = json.loads(env["STANDIN_PIP_DRIFT"])
-    (site,) = Path(sys.argv[0]).parent.parent.glob("lib/python*/site-packages")
-    pins = [line.split()[0].split("==") for line in record["requirements"]]
-    for distribution, version in pins + [p.split("==") for p in drift.get("extra", [])]:
-        version = drift.get(distribution, version)
-        info = site / f"{distribution}-{version}.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: {version}\n")
+# Every stand-in command is one small bash script (STANDIN_CLIENT) that hands its call to a server in the test's own
+# process (StandinServer) and replays the answer: one interpreter for a whole build instead of one per command. The
+# server records each call (with what it saw) as a JSON line.
+STANDIN_CLIENT = r'''#!/bin/bash
+# Stand-in for a command this machine cannot run for real: it has no internet (apt, downloads, pip), and a package
+# manager, systemd, a compiler run over sources it cannot fetch or a kernel module here would change a machine others
+# share. The call goes to the test's stand-in server (tests/test_image.py: standin_answer) over bash's /dev/tcp.
+# python3 is a real one, as the image's system python3 with nothing but its standard library (-S: not the packages of
+# the venv that runs the tests).
+set -euo pipefail
+if [[ ${0##*/} == python3 && "${1:-} ${2:-}" != "-m venv" ]]; then  # the script's BOM reader and manifest writer
+  exec "$STANDIN_PYTHON" -S "$@"
+fi
+exec 3<>"/dev/tcp/127.0.0.1/$STANDIN_PORT"
+# Unset and empty differ: "=value" when set, "" when not.
+printf '%s\0' "$STANDIN_TOKEN" "$0" "$PWD" "${DEBIAN_FRONTEND+=$DEBIAN_FRONTEND}" "${LD_RUN_PATH+=$LD_RUN_PATH}" \
+  "$#" "$@" >&3
+read -r status <&3
+read -r error_size <&3
+if ((error_size)); then IFS= read -r -N "$error_size" error <&3; printf '%s' "$error" >&2; fi
+IFS= read -r -d '' output <&3 || true
+printf '%s' "$output"
+((status == 0)) || exit "$status"
+if [[ ${0##*/} == python3 ]]; then exec "$STANDIN_PYTHON" -S "$@"; fi  # -m venv: a real venv
 '''
+
+
+@dataclass(frozen=True)
+class Call:
+    """One stand-in command as its client saw it: argv[0] as invoked, its working directory, its arguments and the
+    variables the script sets for it (`env`: the run's own, with those)."""
+    argv0: str
+    cwd: Path
+    args: list[str]
+    env: dict[str, str]
+
+    @property
+    def name(self) -> str:
+        return Path(self.argv0).name
+
+    def path(self, arg: str) -> Path:
+        return self.cwd / arg
+
+    def arg_after(self, flag: str) -> str:
+        return self.args[self.args.index(flag) + 1]
+
+
+def standin_answer(call: Call) -> tuple[int, str, str]:
+    """What the stand-in command does for this call: its exit status, stdout and stderr (recorded in STANDIN_LOG)."""
+    name, args, env, out = call.name, call.args, call.env, io.StringIO()
+    root = env["GPUCLUSTER_IMAGE_ROOT"]
+    snapshot = Path(root + env["STANDIN_SNAPSHOT_CONF"])
+    record: dict[str, Any] = {"cmd": [name, *args], "manifest_existed": Path(root + env["STANDIN_MANIFEST"]).exists(),
+                              "debian_frontend": env.get("DEBIAN_FRONTEND"),
+                              "snapshot": snapshot.read_text() if snapshot.exists() else None}
+    state = Path(env["STANDIN_STATE"])
+    for i, (pattern, times) in enumerate(json.loads(env.get("STANDIN_FAIL", "[]"))):
+        if pattern in " ".join([name, *args]):
+            seen = state / f"fail-{i}"
+            count = int(seen.read_text()) if seen.exists() else 0
+            if count < times:
+                seen.write_text(str(count + 1))
+                record["failed"] = True
+    if name == "pip" and "-r" in args:
+        record["requirements"] = call.path(call.arg_after("-r")).read_text().splitlines()
+    if name in ("make", "configure"):
+        record["cwd"] = str(call.cwd)
+        record["ld_run_path"] = env.get("LD_RUN_PATH")
+    with open(env["STANDIN_LOG"], "a") as log:
+        log.write(json.dumps(record) + "\n")
+    if record.get("failed"):
+        return 1, "", ""
+
+    dpkg = state / "installed.json"  # what the stand-in apt-get installed: package -> version
+    installed = json.loads(dpkg.read_text()) if dpkg.exists() else {}
+    archive = json.loads(env["STANDIN_ARCHIVE"])  # what apt's indexes list: package -> versions
+    fetched = state / "fetched.json"  # what the stand-in curl wrote: file -> URL
+    client = env["STANDIN_PROGRAM"]
+    if name == "curl":  # STANDIN_DOWNLOADS: URL -> a file with its bytes; any other URL serves a line naming it
+        url, downloads = args[-1], json.loads(env["STANDIN_DOWNLOADS"])
+        data = Path(downloads[url]).read_bytes() if url in downloads else served(url)
+        call.path(call.arg_after("-o")).write_bytes(data)
+        fetched.write_text(json.dumps({**(json.loads(fetched.read_text()) if fetched.exists() else {}),
+                                       str(call.path(call.arg_after("-o")).resolve()): url}))
+    elif name == "sha256sum":  # STANDIN_GENUINE: URL -> the sha256 of the real bytes there, which this machine
+        urls = json.loads(fetched.read_text()) if fetched.exists() else {}  # cannot fetch
+        source = urls.get(str(call.path(args[0]).resolve()))
+        genuine = json.loads(env["STANDIN_GENUINE"])
+        print(f"{genuine[source] if source in genuine else sha256(call.path(args[0]).read_bytes())}  {args[0]}",
+              file=out)
+    elif name == "git" and args[0] == "clone":
+        call.path(args[-1]).mkdir(parents=True)
+    elif name == "git" and args[2:] == ["rev-parse", "HEAD"]:  # STANDIN_COMMITS: what each clone names, by directory
+        print(json.loads(env["STANDIN_COMMITS"])[Path(args[1]).name], file=out)
+    elif name == "uname":
+        print(env["STANDIN_KERNEL"], file=out)
+    elif name == "gpg" and "--dearmor" in args:
+        call.path(call.arg_after("-o")).write_bytes(call.path(args[-1]).read_bytes())
+    elif name == "gpg" and "--fingerprint" in args:
+        print(f"pub:-:4096:1:D58167303B789C72:::::::\nfpr:::::::::{env['STANDIN_GPG_FINGERPRINT']}:", file=out)
+    elif name == "gpg" and "--show-keys" in args:  # STANDIN_KEYS: the URL a key came from -> its primary keys
+        url = call.path(args[-1]).read_text().split()[-1]
+        for i, fpr in enumerate(json.loads(env["STANDIN_KEYS"])[url]):
+            print(f"pub:-:4096:1:{fpr[-16:]}:::::::\nfpr:::::::::{fpr}:\nsub:-:4096:1:{i:016X}:::::::\n"
+                  f"fpr:::::::::{i:040X}:", file=out)
+    elif name == "apt-cache" and args[0] == "madison":
+        for package in args[1:]:
+            for version in archive.get(package, []):
+                print(f"{package:>12} | {version:>10} | https://snapshot.ubuntu.com/ubuntu/20250601T000000Z noble/main "
+                      "amd64 Packages", file=out)
+    elif name == "apt-cache" and args[0] == "show":
+        if args[1] not in archive:
+            return 100, "", ""
+        print(f"Package: {args[1]}\nVersion: {archive[args[1]][-1]}\n", file=out)
+    elif name == "apt-get" and "install" in args:  # STANDIN_DPKG_DRIFT: what dpkg ends up with instead of the pin
+        files, drift = json.loads(env["STANDIN_PACKAGE_FILES"]), json.loads(env["STANDIN_DPKG_DRIFT"])
+        if any(a.startswith("lustre-client-modules-") for a in args):  # STANDIN_LATE_DRIFT: what this install moves
+            installed.update(json.loads(env["STANDIN_LATE_DRIFT"]))
+        for arg in [a for a in args[args.index("install") + 1:] if not a.startswith("-")]:
+            package, _, version = arg.partition("=")
+            if package.endswith(".deb"):  # AWS's .deb URLs name the version: .../<version>/<package>.deb
+                url = json.loads(fetched.read_text())[str(call.path(package).resolve())]
+                package, version = Path(package).stem, url.split("/")[-2]
+            installed[package] = drift.get(package, version or archive[package][-1])
+            if not installed[package]:  # a drift to "": dpkg does not have it after all
+                del installed[package]
+            for path in files.get(package, []):
+                Path(root + path).parent.mkdir(parents=True, exist_ok=True)
+                Path(root + path).touch()
+        dpkg.write_text(json.dumps(installed))
+    elif name == "dpkg-query":  # the formats build_image.sh asks for
+        fmt, packages = call.arg_after("-f"), args[args.index("-f") + 2:]
+        if "source:Package" in fmt:
+            for package, source in json.loads(env["STANDIN_KERNEL_PACKAGES"]).items():
+                print(f"ii  {package} {source}", file=out)
+        elif fmt == "${Version}":
+            if packages[0] not in installed:
+                return 1, "", ""
+            print(installed[packages[0]], end="", file=out)
+        else:
+            if fmt != "${Package}\\t${db:Status-Abbrev}${Version}\\n":
+                return 1, f"stand-in dpkg-query: unexpected format {fmt!r}\n", ""
+            for package in packages:
+                if package in installed:
+                    print(f"{package}\tii {installed[package]}", file=out)
+            if not set(packages) <= set(installed):
+                return 1, "", out.getvalue()
+    elif name == "tar":  # a GitHub tag archive: the tree of a configure script (Slurm) or a Makefile (pyxis)
+        tree = call.path(call.arg_after("-C"))
+        tree.mkdir(parents=True, exist_ok=True)
+        if tree.name == "slurm":
+            (tree / "configure").symlink_to(client)
+    elif name == "make" and Path(call.arg_after("-C")).name == "nccl-tests":  # its tests, in its tree's build/
+        built = call.path(call.arg_after("-C")) / "build" / "all_reduce_perf"
+        built.parent.mkdir()
+        built.touch(mode=0o755)
+    elif name == "ldd":  # STANDIN_LDD_MISSING: the libraries the binary's loader would not find
+        for library in json.loads(env["STANDIN_LDD_MISSING"]):
+            print(f"\t{library} => not found", file=out)
+        print("\tlibc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x00007f0000000000)", file=out)
+    elif name == "make" and "install" in args:  # where the real Makefiles put what the script checks afterwards
+        destdir = call.arg_after("install").removeprefix("DESTDIR=")
+        if not destdir.startswith(root):
+            return 1, f"stand-in make: DESTDIR {destdir!r} is outside {root}\n", ""
+        if Path(call.arg_after("-C")).name == "pyxis":
+            made = ["/usr/local/lib/slurm/spank_pyxis.so"]
+        elif Path(call.arg_after("-C")).name == "enroot":  # STANDIN_ENROOT_PROFILE: whether its tree ships the profile
+            made = ["/usr/bin/enroot", "/etc/enroot/enroot.conf"]
+            made += ["/usr/share/enroot/apparmor.profile"] if env["STANDIN_ENROOT_PROFILE"] == "yes" else []
+        else:  # Slurm, with the plugins its build dependencies allow (STANDIN_SLURM_WITHOUT: those it lacked)
+            without = json.loads(env["STANDIN_SLURM_WITHOUT"])
+            made = [f"/usr/lib/slurm/{p}" for p in ("mpi_pmix.so", "mpi_pmix_v5.so", "job_submit_lua.so",
+                                                    "cgroup_v2.so", "proctrack_cgroup.so", "task_cgroup.so",
+                                                    "auth_munge.so", "accounting_storage_mysql.so")
+                    if p not in without]
+            made += [f"/usr/lib/systemd/system/{u}" for u in ("slurmctld.service", "slurmd.service",
+                                                              "slurmdbd.service", "sackd.service")]
+            Path(destdir + "/usr/sbin").mkdir(parents=True, exist_ok=True)
+            Path(destdir + "/usr/sbin/slurmd").symlink_to(client)
+        for path in made:
+            Path(destdir + path).parent.mkdir(parents=True, exist_ok=True)
+            Path(destdir + path).touch(mode=0o755 if "/bin/" in path else 0o644)
+    elif name == "slurmd" and args == ["-V"]:
+        print(f"slurm {env['STANDIN_SLURM_BUILT']}", file=out)
+    elif name == "getent":  # STANDIN_SLURM_UID: the uid of a slurm user the parent image already has
+        return (0 if env["STANDIN_SLURM_UID"] else 2), "", ""
+    elif name == "useradd":
+        (state / "slurm-uid").write_text(call.arg_after("--uid"))
+    elif name == "id":
+        print(env["STANDIN_SLURM_UID"] or (state / "slurm-uid").read_text(), file=out)
+    elif name == "systemctl" and args[0] == "cat":
+        return (0 if env["STANDIN_DCGM_UNIT"] == "yes" else 1), "", ""
+    elif name == "aa-enabled":
+        return (0 if env["STANDIN_APPARMOR"] == "yes" else 1), "", ""
+    elif name == "pip":  # the venv's pip: installs the requirements as distributions of the venv, none fetched
+        drift = json.loads(env["STANDIN_PIP_DRIFT"])
+        (site,) = call.path(call.argv0).parent.parent.glob("lib/python*/site-packages")
+        pip_pins = [line.split()[0].split("==") for line in record["requirements"]]
+        for distribution, version in pip_pins + [p.split("==") for p in drift.get("extra", [])]:
+            version = drift.get(distribution, version)
+            info = site / f"{distribution}-{version}.dist-info"
+            info.mkdir()
+            (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: {version}\n")
+    return 0, "", out.getvalue()
+
+
+class StandinServer(socketserver.TCPServer):
+    """The stand-ins' one interpreter: answers each client's call in turn (the build script runs one command at a
+    time) on a loopback port, only for clients that present the run's token (the machine is shared)."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        super().__init__(("127.0.0.1", 0), StandinHandler)
+        self.env, self.token = env, secrets.token_hex(16)
+        self.thread = threading.Thread(target=self.serve_forever, daemon=True)
+
+    def __enter__(self) -> StandinServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+        self.server_close()
+        self.thread.join()
+
+
+class StandinHandler(socketserver.StreamRequestHandler):
+    server: StandinServer
+    timeout = 60
+
+    def handle(self) -> None:
+        # token, argv0, cwd, "=DEBIAN_FRONTEND" or "", "=LD_RUN_PATH" or "", argc, args...: each ends in a NUL.
+        fields: list[str] = []
+        while len(fields) < 6 or len(fields) < 6 + int(fields[5]):
+            field = b""
+            while not field.endswith(b"\0"):
+                byte = self.rfile.read(1)
+                if not byte:
+                    return  # not a client of this run's: it hung up early
+                field += byte
+            fields.append(field[:-1].decode())
+            if fields[0] != self.server.token:
+                return
+        _, argv0, cwd, frontend, ld_run_path, _, *args = fields
+        env = dict(self.server.env)
+        for variable, value in (("DEBIAN_FRONTEND", frontend), ("LD_RUN_PATH", ld_run_path)):
+            if value:
+                env[variable] = value.removeprefix("=")
+        try:
+            status, error, output = standin_answer(Call(argv0, Path(cwd), args, env))
+        except Exception:  # a fault of the stand-in's own: the command fails with its traceback, for the test to show
+            status, error, output = 1, traceback.format_exc(), ""
+        self.wfile.write(f"{status}\n{len(error)}\n{error}{output}".encode())
 
 # The BOM's pip wheel, standing in for pip's: run from the wheel (`python pip.whl/pip install pip.whl`), it installs a
 # pip (the stand-in) into the venv that runs it, as pip's own bootstrap does.
@@ -322,7 +411,7 @@ def runner(tmp_path: Path) -> Build:
     up with (`late_drift`: what installing the Lustre module changes); `downloads` what a URL serves; `agent`: the
     CloudWatch agent's version the parent image has; `enroot_commit`, `nccl_tests_commit`: what those tags name
     (default the BOM's); `nvidia_sdk`: the NVIDIA parent's files nccl-tests builds with; `ldd_missing`: the libraries
-    the built all_reduce_perf would not load."""
+    the built all_reduce_perf would not load; `keep_root`: the image's files as the last run left them."""
 
     def run(role: str, *, bom: Callable[[dict[str, Any]], None] | None = None, fail: Sequence[tuple[str, int]] = (),
             gpu_tools: tuple[str, ...] = GPU_TOOLS, agent: str | None = None, apparmor: bool = True,
@@ -331,19 +420,19 @@ def runner(tmp_path: Path) -> Build:
             pip_drift: dict[str, Any] | None = None, late_drift: dict[str, str] | None = None,
             downloads: dict[str, bytes] | None = None,
             slurm_without: Sequence[str] = (), slurm_built: str = bom_spec.SLURM_VERSION, slurm_uid: str = "",
-            dcgm_unit: bool = True, nccl_dir: str | None = "/opt/amazon/ofi-nccl/lib/x86_64-linux-gnu",
+            dcgm_unit: bool = True, nccl_dir: str | None = DLAMI_NCCL_DIR,
             kernel_packages: dict[str, str] = KERNEL_PACKAGES, enroot_profile: bool = True,
             enroot_commit: str | None = None, nccl_tests_commit: str | None = None,
             nvidia_sdk: tuple[str, ...] = NVIDIA_SDK, ldd_missing: Sequence[str] = (),
-            pmix_lib: bool = True, steps: str | None = None,
+            pmix_lib: bool = True, steps: str | None = None, keep_root: bool = False,
             edits: dict[str, str] | None = None,
             stack: Path = BOM_STACK) -> Run:
         bin_dir, root, state, files = (tmp_path / d for d in ("bin", "root", "state", "files"))
-        for d in (bin_dir, root, state, files):
+        for d in (bin_dir, state, files) if keep_root else (bin_dir, root, state, files):
             shutil.rmtree(d, ignore_errors=True)
             d.mkdir()
         standin = bin_dir / "standin"
-        standin.write_text(f"#!{sys.executable}" + STANDIN)
+        standin.write_text(STANDIN_CLIENT)
         standin.chmod(0o755)
         for name in STANDIN_NAMES:
             if name in gpu_tools or name not in GPU_TOOLS:
@@ -356,7 +445,7 @@ def runner(tmp_path: Path) -> Build:
         if agent:  # the parent image's package, as dpkg knows it
             (state / "installed.json").write_text(json.dumps({"amazon-cloudwatch-agent": agent}))
         if nccl_dir and "nvidia-smi" in gpu_tools:  # the DLAMI's aws-ofi-nccl
-            (root / nccl_dir.lstrip("/")).mkdir(parents=True)
+            (root / nccl_dir.lstrip("/")).mkdir(parents=True, exist_ok=keep_root)
             (root / nccl_dir.lstrip("/") / "libnccl-net.so").touch()
         for path in nvidia_sdk if "nvidia-smi" in gpu_tools else ():
             (root / path.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
@@ -403,8 +492,11 @@ def runner(tmp_path: Path) -> Build:
         script = tmp_path / "build_image.sh"
         script.write_text(text)
         (tmp_path / "calls.jsonl").write_text("")
-        done = subprocess.run(["bash", str(script), role, str(tmp_path / "bom.json")], env=env, capture_output=True,
-                              text=True, timeout=120)
+        with StandinServer(env) as server:
+            env |= {"STANDIN_PYTHON": sys.executable, "STANDIN_PORT": str(server.server_address[1]),
+                    "STANDIN_TOKEN": server.token}
+            done = subprocess.run(["bash", str(script), role, str(tmp_path / "bom.json")], env=env,
+                                  capture_output=True, text=True, timeout=120)
         calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
         return Run(done.returncode, done.stderr, calls, root, bill)
 
@@ -416,18 +508,20 @@ def build(tmp_path: Path) -> Build:
     return runner(tmp_path)
 
 
-def shared_build(tmp_path_factory: pytest.TempPathFactory, role: str) -> Run:
-    """One build of the role from the real BOM with every default for the whole session: under xdist the first
-    worker to need it builds it under a lock in the session's directory, the others read what it left there."""
+def shared_build(tmp_path_factory: pytest.TempPathFactory, role: str, name: str = "", **options: Any) -> Run:
+    """One build of the role from the real BOM (with the runner's `options`, under `name`) for the whole session:
+    under xdist the first worker to need it builds it under a lock in the session's directory, the others read what it
+    left there."""
+    name = name or role
     session = xdist_session_dir(tmp_path_factory)
     if session is None:
-        return runner(tmp_path_factory.mktemp(role))(role)
-    saved = session / f"image-build-{role}.json"
+        return runner(tmp_path_factory.mktemp(name))(role, **options)
+    saved = session / f"image-build-{name}.json"
     with open(saved.with_suffix(".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not saved.exists():
-            (where := session / f"image-build-{role}").mkdir()
-            run = runner(where)(role)
+            (where := session / f"image-build-{name}").mkdir()
+            run = runner(where)(role, **options)
             saved.write_text(json.dumps({**run.__dict__, "root": str(run.root)}))
     fields = json.loads(saved.read_text())
     return Run(**{**fields, "root": Path(fields["root"])})
@@ -444,6 +538,12 @@ def compute(tmp_path_factory: pytest.TempPathFactory) -> Run:
     return shared_build(tmp_path_factory, "compute")
 
 
+@pytest.fixture(scope="module")
+def neuron(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """A compute image on the Neuron Deep Learning AMI: Neuron's tools, no NVIDIA driver (so no NCCL either)."""
+    return shared_build(tmp_path_factory, "compute", "neuron", gpu_tools=(), neuron_tools=NEURON_TOOLS)
+
+
 # --- the script as text ----------------------------------------------------------------------------------------------
 
 def test_shellcheck_is_clean() -> None:
@@ -451,6 +551,8 @@ def test_shellcheck_is_clean() -> None:
     assert shellcheck, "shellcheck is missing: install Debian's shellcheck package (make test's system packages)"
     done = subprocess.run([shellcheck, str(SCRIPT)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout
+    done = subprocess.run([shellcheck, "-"], input=STANDIN_CLIENT, capture_output=True, text=True)
+    assert done.returncode == 0, f"the stand-ins' client (STANDIN_CLIENT):\n{done.stdout}"
 
 
 def test_paths_are_the_settings_contract() -> None:
@@ -573,7 +675,7 @@ def test_a_step_that_keeps_failing_stops_the_build_without_a_manifest(build: Bui
 
 def test_an_old_manifest_does_not_survive_a_failed_rebuild(build: Build) -> None:
     assert build("head").manifest.exists()
-    run = build("head", fail=[("mariadb-server", 99)])
+    run = build("head", fail=[("mariadb-server", 99)], keep_root=True)
     assert run.returncode != 0 and not run.manifest.exists()
 
 
@@ -890,9 +992,9 @@ def test_dcgm_host_engine_is_enabled_when_the_parent_has_it(build: Build, comput
     assert json.loads(run.manifest.read_text())["versions"]["dcgm_engine"] == "none"
 
 
-@pytest.mark.parametrize("directory", ["/opt/amazon/ofi-nccl/lib/x86_64-linux-gnu", "/opt/amazon/ofi-nccl/lib"])
-def test_nccls_efa_plugin_is_on_the_loaders_path(build: Build, directory: str) -> None:
-    run = build("compute", nccl_dir=directory)
+@pytest.mark.parametrize("directory", [DLAMI_NCCL_DIR, "/opt/amazon/ofi-nccl/lib"])
+def test_nccls_efa_plugin_is_on_the_loaders_path(build: Build, compute: Run, directory: str) -> None:
+    run = compute if directory == DLAMI_NCCL_DIR else build("compute", nccl_dir=directory)
     assert run.returncode == 0, run.stderr
     conf = run.root / pins()["OFI_NCCL_CONF"].lstrip("/")
     assert conf.parent.as_posix().endswith("/etc/ld.so.conf.d") and conf.read_text() == f"{directory}\n"
@@ -900,11 +1002,10 @@ def test_nccls_efa_plugin_is_on_the_loaders_path(build: Build, directory: str) -
     assert json.loads(run.manifest.read_text())["versions"]["nccl_net_plugin"] == directory
 
 
-def test_an_nvidia_image_without_nccls_efa_plugin_fails(build: Build) -> None:
+def test_an_nvidia_image_without_nccls_efa_plugin_fails(build: Build, neuron: Run) -> None:
     run = build("compute", nccl_dir=None)
     assert run.returncode != 0 and "the parent image lacks aws-ofi-nccl" in run.stderr and not run.manifest.exists()
-    run = build("compute", gpu_tools=(), neuron_tools=("neuron-monitor", "neuron-monitor-prometheus.py"),
-                nccl_dir=None)
+    run = neuron
     assert run.returncode == 0, run.stderr  # a Trainium image has no NCCL
     assert not (run.root / pins()["OFI_NCCL_CONF"].lstrip("/")).exists()
 
@@ -934,8 +1035,8 @@ def test_nccl_tests_is_built_at_the_boms_commit_against_the_images_mpi_cuda_and_
     assert json.loads(run.manifest.read_text())["versions"]["nccl_tests"] == f"{source['version']} {source['commit']}"
 
 
-def test_nccl_tests_is_for_nvidia_images_only(build: Build, head: Run) -> None:
-    run = build("compute", gpu_tools=(), neuron_tools=("neuron-monitor", "neuron-monitor-prometheus.py"))
+def test_nccl_tests_is_for_nvidia_images_only(neuron: Run, head: Run) -> None:
+    run = neuron
     assert run.returncode == 0, run.stderr
     url = run.bom["sources"]["nccl-tests"]["url"]
     assert not [c for c in run.commands("git") if url in c] and not run.commands("ldd")
@@ -977,10 +1078,10 @@ def test_cloudwatch_agent_already_in_the_image_is_kept_at_the_boms_version_only(
     assert json.loads(run.manifest.read_text())["versions"]["cloudwatch_agent"] == version
 
 
-def test_nvidia_image_without_dcgm_fails_and_neuron_image_needs_none(build: Build) -> None:
+def test_nvidia_image_without_dcgm_fails_and_neuron_image_needs_none(build: Build, neuron: Run) -> None:
     run = build("compute", gpu_tools=("nvidia-smi", "docker", "nvidia-ctk"))
     assert run.returncode != 0 and "without DCGM" in run.stderr and run.calls == [] and not run.manifest.exists()
-    run = build("compute", gpu_tools=(), neuron_tools=("neuron-monitor", "neuron-monitor-prometheus.py"))
+    run = neuron
     assert run.returncode == 0, run.stderr
     versions = json.loads(run.manifest.read_text())["versions"]
     assert versions["dcgm"] == "none (no NVIDIA driver)" and versions["dcgm_exporter"] == "none"
@@ -996,9 +1097,9 @@ def test_nvidia_image_without_its_container_runtime_fails_first(build: Build, mi
     assert run.calls == [] and not run.manifest.exists()
 
 
-@pytest.mark.parametrize("missing", ["neuron-monitor", "neuron-monitor-prometheus.py"])
+@pytest.mark.parametrize("missing", NEURON_TOOLS)
 def test_neuron_image_without_neuron_monitor_fails_first(build: Build, missing: str) -> None:
-    tools = tuple(t for t in ("neuron-monitor", "neuron-monitor-prometheus.py") if t != missing)
+    tools = tuple(t for t in NEURON_TOOLS if t != missing)
     run = build("compute", gpu_tools=(), neuron_tools=tools)
     assert run.returncode != 0 and f"a Neuron image without {pins()['NEURON_BIN']}/{missing}" in run.stderr
     assert run.calls == [] and not run.manifest.exists()

@@ -11,9 +11,8 @@ from typing import Any
 
 import boto3
 import pytest
-from moto import mock_aws
 
-from conftest import ROOT, of_type
+from conftest import ROOT, in_process_moto, of_type
 from gpucluster.contract import settings
 from gpucluster.node import bootstrap, neuron_metrics as neuron
 from gpucluster.plan import Declared
@@ -93,7 +92,7 @@ def test_trainium_node_publishes_what_the_alarm_reads() -> None:
     config = json.loads(monitoring.neuron_publisher_config(TEAM_B, pool))
     ticks = iter(range(0, 1000, 20))  # a report every 20 s: three reports per 60 s period
     lines = [report({str(i): 90.0 for i in range(32)})] * 3 + [report({})] * 3 + ["not json"]
-    with mock_aws():
+    with in_process_moto():
         cloudwatch = boto3.client("cloudwatch", region_name=TEAM_B.region)
         assert neuron.publish(lines, config, cloudwatch, clock=lambda: float(next(ticks))) == 2
 

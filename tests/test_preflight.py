@@ -17,9 +17,8 @@ import boto3
 import pytest
 import yaml
 from botocore.stub import Stubber
-from moto import mock_aws
 
-from conftest import FIXTURES, ROOT, reset_moto
+from conftest import FIXTURES, ROOT, in_process_moto, reset_moto
 from gpucluster import cli
 from gpucluster.aws import preflight
 from gpucluster.spec import bom
@@ -66,10 +65,13 @@ def spot_role(iam: Any) -> None:
                     '"Principal": {"Service": "spot.amazonaws.com"}, "Action": "sts:AssumeRole"}]}')
 
 
-def register_parents(url: str, roles: tuple[bom.ParentRole, ...] = bom.PARENT_ROLES) -> dict[str, dict[str, str]]:
+def register_parents(url: str, monkeypatch: pytest.MonkeyPatch, roles: tuple[bom.ParentRole, ...] = bom.PARENT_ROLES
+                     ) -> dict[str, dict[str, str]]:
     """In a fresh moto account, the BOM's parent releases of `roles` under their exact names, and image.parent_images
     naming every role's release with that account as owner (moto makes images as the caller's own only, and keeps an
-    architecture only for one made from an instance: register_image drops it)."""
+    architecture only for one made from an instance: register_image drops it). The account has moto's default
+    (amazon's) images, which the unit tests otherwise go without (conftest.py: moto_without_default_amis)."""
+    monkeypatch.setenv("MOTO_EC2_LOAD_DEFAULT_AMIS", "true")
     reset_moto(url)
     ec2 = boto3.client("ec2", region_name="us-west-2", endpoint_url=url, aws_access_key_id="t",
                        aws_secret_access_key="t")
@@ -80,8 +82,8 @@ def register_parents(url: str, roles: tuple[bom.ParentRole, ...] = bom.PARENT_RO
     return {role: {"name": parent.name, "owner": MOTO_ACCOUNT} for role, parent in bom.PARENT_IMAGES.items()}
 
 
-def test_preflight_against_moto(moto_url: str, tmp_path: Path) -> None:
-    parents = register_parents(moto_url)
+def test_preflight_against_moto(moto_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    parents = register_parents(moto_url, monkeypatch)
     ec2 = boto3.client("ec2", region_name="us-west-2", endpoint_url=moto_url, aws_access_key_id="t",
                        aws_secret_access_key="t")
     spot_role(boto3.client("iam", region_name="us-west-2", endpoint_url=moto_url, aws_access_key_id="t",
@@ -114,10 +116,11 @@ def test_a_failing_check_exits_1_with_its_fix(moto_url: str, tmp_path: Path) -> 
     assert "fix: fix ami_id, or remove it to boot the stack's own image" in done.stdout
 
 
-def test_pinned_parent_releases_are_looked_up_by_exact_name_and_owner(moto_url: str, tmp_path: Path) -> None:
+def test_pinned_parent_releases_are_looked_up_by_exact_name_and_owner(moto_url: str, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Pools without ami_id boot their image baked on the pinned parent, or with image.build false the parent itself:
     it must exist in the region under its exact name and owner (never the newest DLAMI through SSM)."""
-    parents = register_parents(moto_url, roles=("head", "gpu"))  # the Neuron release is not in this region
+    parents = register_parents(moto_url, monkeypatch, roles=("head", "gpu"))  # the Neuron release is not in this region
     done = run_cli(stack_file(tmp_path, None, parents), moto_url)
     out = done.stdout
     assert done.returncode == 1, out + done.stderr
@@ -256,7 +259,7 @@ class Session:
 
 def test_missing_spot_role_is_made_by_a_slurm_stack() -> None:
     stack = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")
-    with mock_aws():
+    with in_process_moto():
         check = preflight.check_spot_role(boto3.client("iam", region_name="us-east-1"), stack)
     assert check.status == "pass" and check.pool is None and not check.fix
     assert check.detail.startswith("no AWSServiceRoleForEC2Spot in this account yet: `pulumi up` creates it for the "
@@ -267,7 +270,7 @@ def test_missing_spot_role_is_made_by_a_slurm_stack() -> None:
 def test_missing_spot_role_fails_a_kubernetes_stack_with_the_command_to_create_it() -> None:
     stack = load_stack(ROOT / "stacks" / "Pulumi.team-k8s.yaml")
     spot = ", ".join(p.name for p in stack.spec.pools if p.capacity == "spot")
-    with mock_aws():
+    with in_process_moto():
         check = preflight.check_spot_role(boto3.client("iam", region_name="us-east-1"), stack)
     assert check.status == "fail" and check.pool is None
     assert f"no AWSServiceRoleForEC2Spot in this account: spot launches ({spot}) fail" in check.detail
@@ -276,7 +279,7 @@ def test_missing_spot_role_fails_a_kubernetes_stack_with_the_command_to_create_i
 
 def test_existing_spot_role_passes() -> None:
     stack = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")
-    with mock_aws():
+    with in_process_moto():
         iam = boto3.client("iam", region_name="us-east-1")
         spot_role(iam)
         check = preflight.check_spot_role(iam, stack)
@@ -331,7 +334,7 @@ def _ebs_default(ec2: Any, key_id: str, by_default: bool = True) -> Stubber:
 def _ebs_key_check(stack_file: Path, enabled: bool = True) -> tuple[preflight.Check, str]:
     """The check in an account whose default EBS key is a customer managed key (moto's KMS), and that key's ARN."""
     stack = load_stack(stack_file)
-    with mock_aws():
+    with in_process_moto():
         kms = boto3.client("kms", region_name="us-east-1")
         key = kms.create_key(Description="the team's EBS key")["KeyMetadata"]
         if not enabled:

@@ -19,9 +19,8 @@ from typing import Any, Callable
 import boto3
 import pytest
 from botocore.stub import Stubber
-from moto import mock_aws
 
-from conftest import K8S_STACK_FILES, ROOT, of_type, planned
+from conftest import K8S_STACK_FILES, ROOT, in_process_moto, of_type, planned
 from gpucluster.node import budget_guardrail, queue_guardrail, sqs_poll
 from gpucluster.node.budget import BudgetSpend, read_spend
 from gpucluster.node.queue_guardrail import HELD_BY, Action, ClusterQueueApi, Guardrail, Settings, decide
@@ -351,7 +350,7 @@ def test_a_persons_change_between_read_and_patch_wins(api: tuple[ApiServer, Clus
 
 @pytest.fixture
 def sqs() -> Iterator[tuple[Any, str]]:
-    with mock_aws():
+    with in_process_moto():
         sqs = boto3.client("sqs", region_name="us-east-1")
         # No visibility timeout: a message kept after a failed check is received again at the next turn.
         yield sqs, sqs.create_queue(QueueName="guardrail", Attributes={"VisibilityTimeout": "0"})["QueueUrl"]

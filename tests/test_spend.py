@@ -10,7 +10,7 @@ import boto3
 import pytest
 from botocore.stub import Stubber
 
-from conftest import ROOT
+from conftest import ROOT, in_process_moto
 from gpucluster.aws import spend
 from gpucluster.project import EXAMPLES_DIR
 from gpucluster.spec import cost
@@ -168,9 +168,7 @@ def test_the_head_nodes_command_runs_from_the_bundle_without_pulumi(tmp_path: Pa
 
 def test_where_cost_explorer_is_denied_the_stacks_budget_answers() -> None:
     """The head node's role may read its own budget, not the account's costs."""
-    from moto import mock_aws
-
-    with mock_aws():
+    with in_process_moto():
         budgets = boto3.client("budgets", region_name="us-east-1")
         budgets.create_budget(AccountId="123456789012", Budget={
             "BudgetName": TEAM_A.budget_name, "BudgetType": "COST", "TimeUnit": "MONTHLY",

@@ -155,13 +155,17 @@ RESULTS = [
 FAILED = [*RESULTS, v.judge(v.Check(POOLS[1], v.GPUS, {"count": 8}), 7)]
 
 
+# Where the stubbed clients come from: one session for the module, as a new one loads botocore's models again (EC2's
+# is large). Each StubbedSession still has clients of its own.
+REAL_SESSION = boto3.Session(aws_access_key_id="t", aws_secret_access_key="t", region_name=STACK.region)
+
+
 class StubbedSession:
     """boto3.Session's client(): real botocore clients whose answers are queued with Stubber (validated against SSM's
     and EC2's API models)."""
 
     def __init__(self, sends: bool = True) -> None:
-        real = boto3.Session(aws_access_key_id="t", aws_secret_access_key="t", region_name=STACK.region)
-        self.clients = {name: real.client(name) for name in ("ec2", "ssm")}
+        self.clients = {name: REAL_SESSION.client(name) for name in ("ec2", "ssm")}
         self.stubs = {name: Stubber(client) for name, client in self.clients.items()}
         if sends:
             self.stubs["ec2"].add_response("describe_instances",
