@@ -469,7 +469,9 @@ def cost_board(args: argparse.Namespace) -> int:
     session = aws_session()
     try:
         account = session.client("sts", region_name=stacks[0].region).get_caller_identity()["Account"]
-    except (BotoCoreError, ClientError):  # said by the board's notes: the budgets cannot be listed
+    except (BotoCoreError, ClientError) as exc:  # said by the board's notes: the budgets cannot be listed
+        if credentials_problem(exc):
+            raise
         account = None
     now = dt.datetime.now(dt.timezone.utc)
     rows, notes = board.board(stacks, session.client("ce", region_name="us-east-1"),
