@@ -421,7 +421,8 @@ def aws_session(region: str | None = None) -> Any:
 
 def spend(args: argparse.Namespace) -> int:
     """This month's spend, forecast and GPU-hours; Cost Explorer lives in us-east-1 whatever the stack's region.
-    `--all`, several stacks or `--json`: the cost board (gpucluster/aws/cost_board.py)."""
+    `--all`, several stacks or `--json`: the cost board (gpucluster/aws/cost_board.py). Exit 1 as the board's: over
+    the budget or forecast to be, or the spend unread."""
     import datetime as dt
 
     from botocore.exceptions import BotoCoreError, ClientError
@@ -441,7 +442,7 @@ def spend(args: argparse.Namespace) -> int:
     result = money.spend(session.client("ce", region_name="us-east-1"), stack, dt.date.today(),
                          budgets=session.client("budgets", region_name="us-east-1"), account=account)
     print("\n".join(money.report(stack, result, money.head_gpu_hours(stack))))
-    return 0
+    return EXIT_FAILED if result.fails(stack.spec.budget.monthly_usd) else 0
 
 
 def cost_board(args: argparse.Namespace) -> int:
@@ -735,9 +736,9 @@ def parser() -> argparse.ArgumentParser:
                                     "teams (AWS credentials)",
                        description="STACK: one stack's spend, forecast, budget and (on its head node) GPU-hours. "
                                    "--all, several stacks or --json: the cost board, one row per team (spend, "
-                                   "forecast, budget, GPU-hours, idle GPU-hours) and a total. Exit 0 ok; 1 when a "
-                                   "team is over its budget or forecast to be, or its spend could not be read; "
-                                   "2 bad input.")
+                                   "forecast, budget, GPU-hours, idle GPU-hours) and a total. Either way, exit 0 "
+                                   "ok; 1 when a team is over its budget or forecast to be, or its spend could not "
+                                   "be read; 2 bad input.")
     c.add_argument("stacks", nargs="*", metavar="STACK",
                    help=f"{project.STACK_HELP}; several: the board (--all without any: every stack under ./stacks)")
     c.add_argument("--all", action="store_true", help="the board across teams (every stack under stacks/ unless "
