@@ -87,7 +87,8 @@ def _load(stack_arg: str) -> Stack:
 
 def _load_among_siblings(stack_arg: str) -> Stack:
     """The stack, refused when its VPC range overlaps another stack file's of its directory and region."""
-    return model.load_stack_among_siblings(_stack_path(stack_arg))
+    return model.load_stack_among_siblings(_stack_path(stack_arg),
+                                           lambda line: print(f"{PROG}: note: {line}", file=sys.stderr))
 
 
 def people(stack: Stack) -> list[dict[str, object]]:
