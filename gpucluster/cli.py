@@ -257,6 +257,8 @@ def image_lines(images: dict[str, Any]) -> list[str]:
 def plan(args: argparse.Namespace) -> int:
     if args.markdown and not args.against:
         raise UserError([("--markdown", "needs --against OLD (it prints the change, for a pull request)")])
+    if args.markdown and args.json:
+        raise UserError([("--markdown", "or --json: the change is printed one way, give one of them")])
     stack = _load_among_siblings(args.stack)
     if not project.has_program():  # the head node's bundle carries the library, not the Pulumi program
         raise UserError([("", "plan runs the Pulumi program (components/), which is not installed here: run it "
@@ -722,7 +724,8 @@ def parser() -> argparse.ArgumentParser:
                    help="compare with OLD: another stack file, or git:REV (this stack's file at that revision; "
                         "a file missing there: everything is added). Prints the resources added, changed and removed "
                         "by component and the change in $/h at min and max size and in the month at max")
-    p.add_argument("--markdown", action="store_true", help="with --against: a block for a pull request's comment")
+    p.add_argument("--markdown", action="store_true",
+                   help="with --against, not --json: a block for a pull request's comment")
     p.set_defaults(func=plan)
     r = sub.add_parser("render", help="write the user data, Slurm files and image BOM of a stack")
     r.add_argument("stack", help=project.STACK_HELP)
