@@ -87,7 +87,8 @@ def _load(stack_arg: str) -> Stack:
 
 def _load_among_siblings(stack_arg: str) -> Stack:
     """The stack, refused when its VPC range overlaps another stack file's of its directory and region."""
-    return model.load_stack_among_siblings(_stack_path(stack_arg))
+    return model.load_stack_among_siblings(_stack_path(stack_arg),
+                                           lambda line: print(f"{PROG}: note: {line}", file=sys.stderr))
 
 
 def people(stack: Stack) -> list[dict[str, object]]:
@@ -256,6 +257,8 @@ def image_lines(images: dict[str, Any]) -> list[str]:
 def plan(args: argparse.Namespace) -> int:
     if args.markdown and not args.against:
         raise UserError([("--markdown", "needs --against OLD (it prints the change, for a pull request)")])
+    if args.markdown and args.json:
+        raise UserError([("--markdown", "or --json: the change is printed one way, give one of them")])
     stack = _load_among_siblings(args.stack)
     if not project.has_program():  # the head node's bundle carries the library, not the Pulumi program
         raise UserError([("", "plan runs the Pulumi program (components/), which is not installed here: run it "
@@ -421,7 +424,8 @@ def aws_session(region: str | None = None) -> Any:
 
 def spend(args: argparse.Namespace) -> int:
     """This month's spend, forecast and GPU-hours; Cost Explorer lives in us-east-1 whatever the stack's region.
-    `--all`, several stacks or `--json`: the cost board (gpucluster/aws/cost_board.py)."""
+    `--all`, several stacks or `--json`: the cost board (gpucluster/aws/cost_board.py). Exit 1 as the board's: over
+    the budget or forecast to be, or the spend unread."""
     import datetime as dt
 
     from botocore.exceptions import BotoCoreError, ClientError
@@ -441,7 +445,7 @@ def spend(args: argparse.Namespace) -> int:
     result = money.spend(session.client("ce", region_name="us-east-1"), stack, dt.date.today(),
                          budgets=session.client("budgets", region_name="us-east-1"), account=account)
     print("\n".join(money.report(stack, result, money.head_gpu_hours(stack))))
-    return 0
+    return EXIT_FAILED if result.fails(stack.spec.budget.monthly_usd) else 0
 
 
 def cost_board(args: argparse.Namespace) -> int:
@@ -469,7 +473,9 @@ def cost_board(args: argparse.Namespace) -> int:
     session = aws_session()
     try:
         account = session.client("sts", region_name=stacks[0].region).get_caller_identity()["Account"]
-    except (BotoCoreError, ClientError):  # said by the board's notes: the budgets cannot be listed
+    except (BotoCoreError, ClientError) as exc:  # said by the board's notes: the budgets cannot be listed
+        if credentials_problem(exc):
+            raise
         account = None
     now = dt.datetime.now(dt.timezone.utc)
     rows, notes = board.board(stacks, session.client("ce", region_name="us-east-1"),
@@ -718,7 +724,8 @@ def parser() -> argparse.ArgumentParser:
                    help="compare with OLD: another stack file, or git:REV (this stack's file at that revision; "
                         "a file missing there: everything is added). Prints the resources added, changed and removed "
                         "by component and the change in $/h at min and max size and in the month at max")
-    p.add_argument("--markdown", action="store_true", help="with --against: a block for a pull request's comment")
+    p.add_argument("--markdown", action="store_true",
+                   help="with --against, not --json: a block for a pull request's comment")
     p.set_defaults(func=plan)
     r = sub.add_parser("render", help="write the user data, Slurm files and image BOM of a stack")
     r.add_argument("stack", help=project.STACK_HELP)
@@ -733,9 +740,9 @@ def parser() -> argparse.ArgumentParser:
                                     "teams (AWS credentials)",
                        description="STACK: one stack's spend, forecast, budget and (on its head node) GPU-hours. "
                                    "--all, several stacks or --json: the cost board, one row per team (spend, "
-                                   "forecast, budget, GPU-hours, idle GPU-hours) and a total. Exit 0 ok; 1 when a "
-                                   "team is over its budget or forecast to be, or its spend could not be read; "
-                                   "2 bad input.")
+                                   "forecast, budget, GPU-hours, idle GPU-hours) and a total. Either way, exit 0 "
+                                   "ok; 1 when a team is over its budget or forecast to be, or its spend could not "
+                                   "be read; 2 bad input.")
     c.add_argument("stacks", nargs="*", metavar="STACK",
                    help=f"{project.STACK_HELP}; several: the board (--all without any: every stack under ./stacks)")
     c.add_argument("--all", action="store_true", help="the board across teams (every stack under stacks/ unless "

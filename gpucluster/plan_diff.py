@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import subprocess
-import tempfile
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import IO, Any, cast
 
 from gpucluster.plan import Declared
 from gpucluster.spec import cost
-from gpucluster.spec.model import SpecError, Stack, load_stack
+from gpucluster.spec.model import MAX_STACK_BYTES, SpecError, Stack, load_stack
 
 GIT_PREFIX = "git:"
 STACK_LEVEL = "(stack)"  # what is declared directly under the stack (the provider), not inside a component
@@ -32,6 +31,8 @@ def old_stack(new_file: Path, against: str) -> Stack | None:
     """The OLD version, renamed to STACK's name: another stack file, or `git:REV`, the new file's own path at that
     revision (None: the file did not exist then, so the change adds the whole stack)."""
     if not against.startswith(GIT_PREFIX):
+        if not Path(against).exists():
+            raise AgainstError(f"no such stack file: {against} (OLD is a stack file's path, or git:REV)")
         return load_stack(Path(against))
     rev = against.removeprefix(GIT_PREFIX)
     if not rev:
@@ -43,21 +44,34 @@ def old_stack(new_file: Path, against: str) -> Stack | None:
     if _git(folder, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}").returncode != 0:
         raise AgainstError(f"{against}: no revision {rev!r} in the checkout at {top.stdout.strip()}")
     relative = new_file.resolve().relative_to(Path(top.stdout.strip()).resolve()).as_posix()
-    shown = _git(folder, "show", f"{rev}:{relative}")
-    if shown.returncode != 0:  # the revision has no such file: the stack is new
+    blob = f"{rev}:{relative}"
+    if _git(folder, "cat-file", "-e", blob).returncode != 0:  # the revision has no such file: the stack is new
         return None
-    with tempfile.TemporaryDirectory() as tmp:
-        copy = Path(tmp) / new_file.name
-        copy.write_text(shown.stdout)
-        try:
-            return load_stack(copy)
-        except SpecError as exc:  # said in the reader's terms: the file at the revision
-            raise SpecError(f"{rev}:{relative}", exc.problems) from None
+    try:  # the reader's checks on the revision's bytes (size, UTF-8, controls), said of the file at the revision
+        return load_stack(new_file, _blob_head(folder, blob))
+    except SpecError as exc:
+        raise SpecError(blob, exc.problems) from None
+
+
+def _blob_head(folder: Path, blob: str) -> bytes:
+    """The blob's bytes, at most MAX_STACK_BYTES + 1 of them (the reader refuses more): a revision may hold any
+    file under the stack file's name, and only what the reader looks at is read."""
+    with subprocess.Popen(["git", "-C", str(folder), "cat-file", "blob", blob], stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL) as git:
+        data = cast(IO[bytes], git.stdout).read(MAX_STACK_BYTES + 1)  # stdout=PIPE: never None
+        if len(data) > MAX_STACK_BYTES:
+            git.kill()
+        elif git.wait(timeout=60) != 0:
+            raise AgainstError(f"git cat-file could not read {blob}")
+    return data
 
 
 def _git(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
     try:
-        return subprocess.run(["git", "-C", str(folder), *args], capture_output=True, text=True, timeout=60)
+        # git's answers here are paths and messages: bytes that are not UTF-8 are kept as the file system's
+        # (os.fsdecode's surrogates), not a UnicodeDecodeError.
+        return subprocess.run(["git", "-C", str(folder), *args], capture_output=True, text=True,
+                              errors="surrogateescape", timeout=60)
     except FileNotFoundError:
         return subprocess.CompletedProcess(["git"], 127, "", "git is not installed")
 

@@ -324,8 +324,11 @@ def test_without_credentials_an_aws_command_exits_2_saying_so(name: str, tmp_pat
     assert json.loads(done.stdout) == {"errors": [{"path": "", "message": cli_errors.NO_CREDENTIALS}]}
 
 
-def test_preflight_with_expired_credentials_exits_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An expired token makes every AWS call fail: preflight says so once instead of passing on warnings."""
+EXPIRED = "the AWS credentials are not valid (ExpiredToken): renew them (aws sso login, or new keys)"
+
+
+def expired_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Credentials botocore finds, that every AWS call refuses as expired."""
     from botocore.exceptions import ClientError
 
     def expired(*args: Any, **kwargs: Any) -> Any:
@@ -335,10 +338,34 @@ def test_preflight_with_expired_credentials_exits_2(tmp_path: Path, monkeypatch:
     for name, value in (("AWS_ACCESS_KEY_ID", "t"), ("AWS_SECRET_ACCESS_KEY", "t"), ("AWS_SESSION_TOKEN", "t")):
         monkeypatch.setenv(name, value)
     monkeypatch.setattr("botocore.client.BaseClient._make_api_call", expired)
+
+
+def test_preflight_with_expired_credentials_exits_2(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An expired token makes every AWS call fail: preflight says so once instead of passing on warnings."""
+    expired_credentials(monkeypatch)
     done = main_here("preflight", "dev")
     assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr == "gpucluster: the AWS credentials are not valid (ExpiredToken): renew them (aws sso login, " \
-                          "or new keys)\n"
+    assert done.stderr == f"gpucluster: {EXPIRED}\n"
+
+
+@pytest.mark.parametrize("name", sorted(NEED_AWS))
+def test_with_expired_credentials_an_aws_command_exits_2_saying_so(name: str, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Expired (or revoked) credentials are the caller's to renew, like missing ones: exit 2, not a failed check.
+    team-a lists people, so connect and ssh-config ask AWS who the caller is; ssh-proxy gets as far as the head."""
+    expired_credentials(monkeypatch)
+    monkeypatch.setattr(cli, "SETTINGS_FILE", str(tmp_path / "absent.json"))  # not on a head node
+    monkeypatch.setenv("HOME", str(tmp_path))
+    key = tmp_path / ".ssh" / f"gpucluster-{load_stack(ROOT / 'stacks/Pulumi.team-a.yaml').cluster_name}.pub"
+    key.parent.mkdir()
+    key.write_text("ssh-ed25519 AAAA test\n")
+    # The Session Manager plugin is not installed here; nothing is started, the head is looked up first.
+    monkeypatch.setattr("gpucluster.aws.connect.missing_tools", lambda: None)
+    args = [name, "team-a", *(["--user", "alice"] if name == "ssh-proxy" else [])]
+    done = main_here(*args, "--json")
+    assert "Traceback" not in done.stderr
+    assert done.returncode == 2 and done.stderr == "", done.stdout
+    assert json.loads(done.stdout) == {"errors": [{"path": "", "message": EXPIRED}]}
 
 
 def test_the_entry_point_without_credentials(tmp_path: Path) -> None:

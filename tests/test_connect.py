@@ -18,8 +18,12 @@ from typing import Any
 
 import boto3
 import pytest
+from botocore.exceptions import ClientError
+from botocore.stub import Stubber
 
 from conftest import ROOT, reset_moto
+from gpucluster import cli_errors
+from gpucluster.aws import connect
 from gpucluster.contract.settings import LOGIN_USER, head_instance_name
 from gpucluster.spec.model import load_stack
 from test_dashboard_command import launch  # a tagged instance in moto
@@ -179,3 +183,47 @@ def test_ssh_proxy_refuses_an_account_the_stack_does_not_have(tmp_path: Path, mo
     assert run(tmp_path, moto, "ssh-config", "team-a", "--user", "alice")[0].returncode == 0
     done, argv = run(tmp_path, moto, "ssh-proxy", "team-a", "--user", "root")
     assert done.returncode == 2 and argv == [] and "no person 'root'" in done.stderr
+
+
+class RefusingSession:
+    """boto3.Session's client(): real botocore clients whose answers are queued with Stubber, so one call can refuse
+    the credentials while the calls before it answered (moto takes any credentials)."""
+
+    def __init__(self, refused: str, code: str) -> None:
+        real = boto3.Session(aws_access_key_id="t", aws_secret_access_key="t", region_name=TEAM_A.region)
+        self.clients = {name: real.client(name) for name in ("ec2", "sts", "ec2-instance-connect")}
+        ec2, connect = Stubber(self.clients["ec2"]), Stubber(self.clients["ec2-instance-connect"])
+        ec2.add_response("describe_instances",
+                         {"Reservations": [{"Instances": [{"InstanceId": "i-0123456789abcdef0"}]}]})
+        connect.add_client_error(refused, service_error_code=code)
+        sts = Stubber(self.clients["sts"])
+        sts.add_client_error("get_caller_identity", service_error_code=code)
+        for stub in (ec2, connect, sts):
+            stub.activate()
+
+    def client(self, name: str, region_name: str) -> Any:
+        return self.clients[name]
+
+
+@pytest.mark.parametrize("command", ["connect", "ssh-config", "ssh-proxy"])
+def test_credentials_refused_go_up_to_the_command_line_others_exit_1(command: str, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Expired credentials are the caller's to renew (the command line exits 2 saying so, tests/test_cli.py); any
+    other refusal is this command's to say (exit 1). ssh-proxy's refusal comes after the head was found."""
+    monkeypatch.setenv("PATH", f"{stand_ins(tmp_path, 'aws', 'session-manager-plugin')}:/usr/bin:/bin")
+    key = connect.key_path(TEAM_A, tmp_path).with_suffix(".pub")
+    key.parent.mkdir()
+    key.write_text(f"ssh-ed25519 {'A' * 68} test\n")  # EC2 Instance Connect's model: 80 characters at least
+
+    def call(code: str) -> int:
+        session = RefusingSession("send_ssh_public_key", code)
+        if command == "connect":
+            return connect.connect(TEAM_A, False, None, session)
+        if command == "ssh-config":
+            return connect.ssh_config(TEAM_A, ROOT / "stacks" / "Pulumi.team-a.yaml", None, session, home=tmp_path)
+        return connect.ssh_proxy(TEAM_A, "alice", session, home=tmp_path)
+
+    with pytest.raises(ClientError) as refused:
+        call("ExpiredToken")
+    assert cli_errors.credentials_problem(refused.value)
+    assert call("AccessDenied") == 1

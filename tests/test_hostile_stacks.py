@@ -14,8 +14,11 @@ is measured twice over:
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,7 +37,7 @@ def billion_laughs(leaf: str) -> str:
     return "\n".join(lines) + "\nconfig: {gpucluster:cluster: {team: *l8}}\n"
 
 
-CORPUS: dict[str, tuple[bytes, str]] = {  # name: (the file, what its one problem line says)
+CORPUS: dict[str, tuple[bytes | Callable[[Path], None], str]] = {  # name: (the file or what makes it, its one problem)
     "alias-bomb-yes": (billion_laughs("yes").encode(), "aliases (*l0) are not taken"),
     "alias-bomb-strings": (billion_laughs("lol").encode(), "aliases (*l0) are not taken"),
     "self-containing-list": (b"config: &a [*a]\n", "aliases (*a) are not taken"),
@@ -63,6 +66,10 @@ CORPUS: dict[str, tuple[bytes, str]] = {  # name: (the file, what its one proble
                   "more than 20,000 values"),
     "two-documents": (BASE.encode() + b"---\n" + BASE.encode(), "expected a single document"),
     "unclosed-flow": (b"config: [1, 2\n", "not valid YAML"),
+    # Nobody writes to the FIFO: a read waits forever (the child's time limit below fails the test then).
+    "fifo": (os.mkfifo, "not a regular file (a FIFO)"),
+    "directory": (Path.mkdir, "not a regular file (a directory)"),
+    "device": (lambda path: path.symlink_to("/dev/zero"), "not a regular file (a character device)"),
 }
 
 CHILD = """
@@ -95,7 +102,10 @@ def answers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     folder = tmp_path_factory.mktemp("hostile")
     files = {}
     for name, (data, _) in CORPUS.items():
-        (folder / f"Pulumi.{name}.yaml").write_bytes(data)
+        if isinstance(data, bytes):
+            (folder / f"Pulumi.{name}.yaml").write_bytes(data)
+        else:
+            data(folder / f"Pulumi.{name}.yaml")
         files[name] = str(folder / f"Pulumi.{name}.yaml")
     # Generous for the imports and a loaded machine; a file that blows the bound fails the assertions below.
     child = subprocess.run([sys.executable, "-c", CHILD, json.dumps(files)], cwd=ROOT, capture_output=True,

@@ -17,10 +17,10 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from gpucluster import cli
+from gpucluster import cli, plan_diff
 from gpucluster.plan import Declared, run_program
 from gpucluster.project import pulumi_program
-from gpucluster.spec.model import Stack, stack_config
+from gpucluster.spec.model import MAX_STACK_BYTES, Stack, stack_config
 
 DEV = ROOT / "stacks" / "Pulumi.dev.yaml"
 NEW_POOL = {"name": "g6-od", "instance_type": "g6.xlarge", "capacity": "on-demand", "min_nodes": 0, "max_nodes": 1}
@@ -169,6 +169,13 @@ def test_a_revision_that_cannot_be_read_is_bad_input(tmp_path: Path) -> None:
     assert no_git.returncode == 2 and "is not in a git checkout" in no_git.stderr and not no_git.stdout
     markdown_alone = run("plan", str(outside), "--markdown")
     assert markdown_alone.returncode == 2 and "--markdown: needs --against OLD" in markdown_alone.stderr
+    both = run("plan", str(outside), "--against", str(DEV), "--markdown", "--json")
+    assert both.returncode == 2 and json.loads(both.stdout) == {"errors": [{
+        "path": "--markdown", "message": "or --json: the change is printed one way, give one of them"}]}
+    for missing in ("nosuch", str(tmp_path / "Pulumi.gone.yaml")):
+        nothing = run("plan", str(outside), "--against", missing, "--json")
+        assert nothing.returncode == 2 and json.loads(nothing.stdout) == {"errors": [{
+            "path": "--against", "message": f"no such stack file: {missing} (OLD is a stack file's path, or git:REV)"}]}
 
 
 def test_an_old_version_with_problems_is_named_by_its_revision(tmp_path: Path) -> None:
@@ -184,3 +191,26 @@ def test_an_old_version_with_problems_is_named_by_its_revision(tmp_path: Path) -
     doc = json.loads(out.stdout)
     assert "gpucluster:cluster.pools[0].max_nodes" in [e["path"] for e in doc["errors"]]
     assert doc["source"] == "HEAD:Pulumi.dev.yaml"
+
+
+@pytest.mark.parametrize("old,problem", [
+    (DEV.read_bytes().replace(b"platform", b"plat\xe9form"), "not UTF-8 text (byte 0xe9 at offset"),
+    (DEV.read_bytes() + b"#" + b"x" * (2 * 1024 * 1024) + b"\n", "larger than 1024 KiB"),
+], ids=["latin-1", "2-mib"])
+def test_an_old_revision_goes_through_the_readers_checks(tmp_path: Path, old: bytes, problem: str) -> None:
+    """The revision's bytes, read at most to the reader's cap, refused as the same file on disk would be."""
+    repo = tmp_path / "repo"
+    path = changed_dev(repo)
+    git(repo, "init", "-q")
+    path.write_bytes(old)
+    git(repo, "add", ".")
+    git(repo, "commit", "-q", "-m", "hostile")
+    changed_dev(repo)
+    out = run("plan", str(path), "--against", "git:HEAD", "--json")
+    assert out.returncode == 2 and out.stderr == "", out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["source"] == "HEAD:Pulumi.dev.yaml"
+    (error,) = doc["errors"]
+    assert error["path"] == "file" and error["message"].startswith(problem), error
+    # Of a blob past the cap, no more than the reader needs to refuse it is read.
+    assert len(plan_diff._blob_head(repo, "HEAD:Pulumi.dev.yaml")) == min(len(old), MAX_STACK_BYTES + 1)

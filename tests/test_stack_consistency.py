@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +61,22 @@ def test_zones_of_the_region_pass() -> None:
     assert validate("vision", kubernetes_stack("us-east-1", "us-east-1a", "us-east-1b")).region == "us-east-1"
 
 
+@contextlib.contextmanager
+def bounded(seconds: float) -> Iterator[None]:
+    """A regression that reads a FIFO blocks in read(2) for good: SIGALRM's handler raises out of it (PEP 475 retries
+    a read only when the handler returns), so the test fails instead of hanging."""
+    def expire(*_: Any) -> None:
+        raise TimeoutError(f"still reading after {seconds} s: a FIFO was read")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def write_stack(folder: Path, name: str, region: str, cidr: str) -> Path:
     text = (ROOT / "stacks" / "Pulumi.dev.yaml").read_text()
     text = text.replace("aws:region: us-east-1", f"aws:region: {region}").replace("us-east-1a", f"{region}a")
@@ -70,7 +90,7 @@ def test_overlapping_vpcs_of_one_region_are_refused_naming_both_files(tmp_path: 
     other = write_stack(tmp_path, "speech", "us-east-1", "10.40.16.0/20")
     write_stack(tmp_path, "apart", "us-east-1", "10.41.0.0/16")
     with pytest.raises(SpecError) as err:
-        load_stack_among_siblings(mine)
+        load_stack_among_siblings(mine, pytest.fail)
     assert err.value.source == str(mine)
     assert err.value.problems == [(f"{model.CONFIG_KEY}.network.vpc_cidr",
                                    f"10.40.0.0/16 overlaps 10.40.16.0/20 of {other} (network.vpc_cidr, also in "
@@ -78,11 +98,16 @@ def test_overlapping_vpcs_of_one_region_are_refused_naming_both_files(tmp_path: 
 
 
 def test_plan_refuses_the_overlap_as_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A FIFO among the siblings is skipped (a read would wait for a writer forever), said in a note."""
     mine = write_stack(tmp_path, "vision", "us-east-1", "10.40.0.0/16")
     other = write_stack(tmp_path, "speech", "us-east-1", "10.40.0.0/16")
-    assert cli.main(["plan", str(mine)]) == 2
+    os.mkfifo(tmp_path / "Pulumi.pipe.yaml")
+    with bounded(30):
+        assert cli.main(["plan", str(mine)]) == 2
     err = capsys.readouterr().err
     assert str(mine) in err and str(other) in err and "network.vpc_cidr" in err and "Traceback" not in err
+    assert f"gpucluster: note: {tmp_path / 'Pulumi.pipe.yaml'} skipped in the check of VPC ranges: not a regular " \
+           "file (a FIFO)" in err.splitlines()[0]
 
 
 def test_the_same_range_in_other_regions_or_unreadable_siblings_pass(tmp_path: Path) -> None:
@@ -90,9 +115,16 @@ def test_the_same_range_in_other_regions_or_unreadable_siblings_pass(tmp_path: P
     write_stack(tmp_path, "west", "us-west-2", "10.40.0.0/16")
     (tmp_path / "Pulumi.broken.yaml").write_text("config: [10.40.0.0/16\n")
     (tmp_path / "Pulumi.alias.yaml").write_text("config: &a {aws:region: us-east-1, x: *a}\n")
-    assert load_stack_among_siblings(mine).name == "vision"
+    os.mkfifo(tmp_path / "Pulumi.pipe.yaml")  # nobody writes to it: reading it would wait forever
+    (tmp_path / "Pulumi.folder.yaml").mkdir()
+    notes: list[str] = []
+    with bounded(30):
+        assert load_stack_among_siblings(mine, notes.append).name == "vision"
+    assert notes == [f"{tmp_path / name} skipped in the check of VPC ranges: not a regular file ({kind}): a stack "
+                     "file is a file of text" for name, kind in (("Pulumi.folder.yaml", "a directory"),
+                                                                 ("Pulumi.pipe.yaml", "a FIFO"))]
 
 
 def test_the_shipped_stacks_keep_apart() -> None:
     for path in sorted((ROOT / "stacks").glob("Pulumi.*.yaml")):
-        assert load_stack_among_siblings(path).name == path.name.split(".")[1]
+        assert load_stack_among_siblings(path, pytest.fail).name == path.name.split(".")[1]

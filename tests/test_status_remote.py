@@ -13,9 +13,11 @@ from typing import Any
 
 import boto3
 import pytest
+from botocore.exceptions import ClientError
 
 from conftest import ROOT
 from gpucluster.aws import status_remote
+from gpucluster.cli_errors import credentials_problem
 from gpucluster.contract.settings import command_document_name, head_instance_name
 from gpucluster.contract.status import table
 from gpucluster.spec.model import load_stack
@@ -74,3 +76,21 @@ def test_a_head_that_fails_or_is_missing_exits_1(capsys: pytest.CaptureFixture[s
     assert status_remote.run(STACK, True, boto3.Session(), no_sleep) == 1  # moto: no head at all
     out, err = capsys.readouterr()
     assert "no running head node(s)" in json.loads(out)["errors"][0]["message"] and COMMAND_ID not in err
+
+
+@pytest.mark.parametrize("code,exits", [("ExpiredToken", None), ("AccessDeniedException", 1)])
+def test_credentials_refused_go_up_to_the_command_line(code: str, exits: int | None,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """The head found, then SendCommand refused: expired credentials are the caller's to renew (the command line
+    exits 2 saying so, tests/test_cli.py), any other refusal is status's to say (exit 1)."""
+    session = StubbedSession(sends=False)
+    session.stubs["ec2"].add_response("describe_instances", {"Reservations": [{"Instances": [{"InstanceId": HEAD}]}]})
+    session.stubs["ssm"].add_client_error("send_command", service_error_code=code)
+    session.answers()
+    if exits is None:
+        with pytest.raises(ClientError) as refused:
+            status_remote.run(STACK, True, session, no_sleep)
+        assert credentials_problem(refused.value) and capsys.readouterr().out == ""
+    else:
+        assert status_remote.run(STACK, True, session, no_sleep) == exits
+        assert code in json.loads(capsys.readouterr().out)["errors"][0]["message"]

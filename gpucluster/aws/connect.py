@@ -34,9 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+from botocore.exceptions import BotoCoreError, ClientError
 
-from gpucluster.aws.head import NO_CREDENTIALS, HeadNotFound, running_head
+from gpucluster.aws.head import HeadNotFound, running_head
+from gpucluster.cli_errors import credentials_problem
 from gpucluster.contract.settings import LOGIN_USER, person_session_document_name, session_document_name
 from gpucluster.spec.model import CONFIG_KEY, Stack
 
@@ -65,9 +66,9 @@ def caller_principal(sts: Any) -> str:
     the role (arn:aws:sts::ACCOUNT:assumed-role/ROLE/SESSION -> arn:aws:iam::ACCOUNT:role/ROLE)."""
     try:
         arn: str = sts.get_caller_identity()["Arn"]
-    except NoCredentialsError:
-        raise ConnectError(NO_CREDENTIALS, EXIT_FAILED) from None
     except (BotoCoreError, ClientError) as exc:
+        if credentials_problem(exc):  # the command line says what to renew (exit 2)
+            raise
         raise ConnectError(f"AWS answered: {exc}", EXIT_FAILED) from None
     prefix, _, rest = arn.partition(":assumed-role/")
     if rest:
@@ -212,9 +213,9 @@ def ssh_proxy(stack: Stack, user: str, session: Any, home: Path | None = None) -
         connect_client = session.client("ec2-instance-connect", region_name=stack.region)
         try:
             connect_client.send_ssh_public_key(InstanceId=head, InstanceOSUser=user, SSHPublicKey=key.read_text())
-        except NoCredentialsError:
-            raise ConnectError(NO_CREDENTIALS, EXIT_FAILED) from None
         except (BotoCoreError, ClientError) as exc:
+            if credentials_problem(exc):
+                raise
             raise ConnectError(f"EC2 Instance Connect refused the key for {user}: {exc}", EXIT_FAILED) from None
     except ConnectError as exc:
         print(f"ssh-proxy: {exc}", file=sys.stderr)

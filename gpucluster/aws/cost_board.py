@@ -54,7 +54,7 @@ class Row:
 
     @property
     def over_budget(self) -> bool:
-        return any(v is not None and v > self.budget for v in (self.spent, self.forecast))
+        return spend.over_budget(self.spent, self.forecast, self.budget)
 
     @property
     def unread(self) -> bool:

@@ -5,17 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+from botocore.exceptions import BotoCoreError, ClientError
 
+from gpucluster.cli_errors import credentials_problem
 from gpucluster.contract.settings import CLUSTER_TAG, head_instance_name
 from gpucluster.spec.model import Stack
 
-NO_CREDENTIALS = ("no AWS credentials: sign in (aws configure, aws sso login or AWS_PROFILE) with the stack's user or "
-                  "admin access policy attached")
-
 
 class HeadNotFound(Exception):
-    """No single running head node, or AWS would not say: one line for the operator."""
+    """No single running head node, or AWS would not say: one line for the operator. Credentials that are missing or
+    no longer valid are not this: botocore's error goes up for the command line to say (exit 2)."""
 
 
 def running_head(ec2: Any, stack: Stack) -> str:
@@ -25,9 +24,9 @@ def running_head(ec2: Any, stack: Stack) -> str:
             {"Name": f"tag:{CLUSTER_TAG}", "Values": [stack.cluster_name]},
             {"Name": "tag:Name", "Values": [head_instance_name(stack.cluster_name)]},
             {"Name": "instance-state-name", "Values": ["running"]}])["Reservations"]
-    except NoCredentialsError:
-        raise HeadNotFound(NO_CREDENTIALS) from None
     except (BotoCoreError, ClientError) as exc:
+        if credentials_problem(exc):
+            raise
         raise HeadNotFound(f"AWS answered: {exc}") from None
     heads = sorted(i["InstanceId"] for r in reservations for i in r["Instances"])
     if len(heads) != 1:  # the head is replaced delete-before-replace: two running ones are for a human to look at

@@ -23,6 +23,14 @@ class Spend:
     forecast: float | None  # the whole month: spend so far plus Cost Explorer's forecast for the rest
     notes: list[str]
 
+    def fails(self, budget: float) -> bool:
+        """What `cost` exits 1 for: over the budget or forecast to be, or a spend nobody could read."""
+        return self.month_to_date is None or over_budget(self.month_to_date, self.forecast, budget)
+
+
+def over_budget(spent: float | None, forecast: float | None, budget: float) -> bool:
+    return any(v is not None and v > budget for v in (spent, forecast))
+
 
 def month_bounds(today: dt.date) -> tuple[dt.date, dt.date]:
     start = today.replace(day=1)

@@ -14,10 +14,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+from botocore.exceptions import BotoCoreError, ClientError
 
-from gpucluster.aws.head import NO_CREDENTIALS, HeadNotFound, running_head
+from gpucluster.aws.head import HeadNotFound, running_head
 from gpucluster.aws.verify_remote import DELIVERY_SECONDS, HEAD_COMMAND, wait
+from gpucluster.cli_errors import credentials_problem
 from gpucluster.contract.settings import command_document_name
 from gpucluster.contract.status import StatusFormatError, status_from_json, table
 from gpucluster.spec.model import Stack
@@ -63,9 +64,9 @@ def run(stack: Stack, as_json: bool, session: Any, sleep: Callable[[float], None
                                 Comment="gpucluster status")
         invocation = wait(ssm, sent["Command"]["CommandId"], head, DELIVERY_SECONDS + EXECUTION_SECONDS + 60,
                           sleep=sleep, command="status")
-    except NoCredentialsError:
-        return _fail(NO_CREDENTIALS, as_json)
     except (BotoCoreError, ClientError) as exc:
+        if credentials_problem(exc):  # the command line says what to renew (exit 2)
+            raise
         return _fail(f"AWS answered: {exc}", as_json)
     if invocation is None or invocation["Status"] != "Success":
         said = (invocation or {}).get("StandardErrorContent", "").strip()

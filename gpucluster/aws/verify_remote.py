@@ -27,9 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+from botocore.exceptions import BotoCoreError, ClientError
 
-from gpucluster.aws.head import NO_CREDENTIALS, HeadNotFound, running_head
+from gpucluster.aws.head import HeadNotFound, running_head
+from gpucluster.cli_errors import credentials_problem
 from gpucluster.contract.settings import command_document_name
 from gpucluster.contract.verify import VerifyFormatError, run_from_json, run_json, run_seconds, run_table
 from gpucluster.spec.model import POOL_NAME_RE, Stack
@@ -263,9 +264,9 @@ def run(stack: Stack, head_args: list[str], session: Any,
         sent = ssm.send_command(InstanceIds=[head], DocumentName=document, Parameters=req.parameters(),
                                 TimeoutSeconds=DELIVERY_SECONDS,
                                 Comment=f"gpucluster verify{' --last' if req.last else ''}"[:100])
-    except NoCredentialsError:
-        return _fail(NO_CREDENTIALS)
     except (BotoCoreError, ClientError) as exc:
+        if credentials_problem(exc):  # the command line says what to renew (exit 2)
+            raise
         denied = isinstance(exc, ClientError) and "AccessDenied" in exc.response.get("Error", {}).get("Code", "")
         return _fail(f"AWS answered: {exc}" + (f"; --deep sends {document}, which only the stack's admin access "
                                                  "policy allows" if denied and req.deep else ""))

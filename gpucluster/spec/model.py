@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import re
-from collections.abc import Sequence
+import stat
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
@@ -1332,14 +1334,40 @@ class _StackLoader(_LOADER):  # type: ignore[valid-type,misc]  # the C or the Py
 _StackLoader.add_constructor("tag:yaml.org,2002:int", _StackLoader.construct_yaml_int)
 
 
-def _read_text(path: Path) -> str:
+class NotAFile(SpecError):
+    """A stack file's name on something that is not a regular file (a FIFO, a directory, a device)."""
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _read_bytes(path: Path) -> bytes:
+    """At most MAX_STACK_BYTES + 1 bytes of a regular file. Opened without blocking and looked at before any read:
+    reading a FIFO waits for a writer that may never come, a device may never end."""
     try:
-        with path.open("rb") as handle:
-            data = handle.read(MAX_STACK_BYTES + 1)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK changes nothing for a regular file's reads
     except FileNotFoundError:
         raise SpecError(str(path), [("file", "no such stack file")]) from None
     except OSError as exc:
         raise SpecError(str(path), [("file", f"cannot read: {exc.strerror}")]) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _KINDS if test(mode)), "not a file")
+            raise NotAFile(str(path), [("file", f"not a regular file ({kind}): a stack file is a file of text")])
+        with open(fd, "rb", closefd=False) as handle:
+            return handle.read(MAX_STACK_BYTES + 1)
+    except OSError as exc:
+        raise SpecError(str(path), [("file", f"cannot read: {exc.strerror}")]) from None
+    finally:
+        os.close(fd)
+
+
+def _read_text(path: Path, data: bytes | None = None) -> str:
+    """The stack file's text, or every reason it is not one; `data`: its bytes read elsewhere (a git revision's)."""
+    if data is None:
+        data = _read_bytes(path)
     if len(data) > MAX_STACK_BYTES:
         raise SpecError(str(path), [("file", (f"larger than {MAX_STACK_BYTES // 1024} KiB: a stack file is a few KiB "
                                               "(is this the right file?)"))])
@@ -1398,9 +1426,11 @@ def _parse(path: Path, text: str) -> tuple[yaml.Node | None, Any]:
         raise SpecError(str(path), [("file", "not valid YAML: " + " ".join(str(exc).split()))]) from None
 
 
-def load_stack(path: Path) -> Stack:
+def load_stack(path: Path, data: bytes | None = None) -> Stack:
+    """The stack file at `path`, or with `data` the bytes it held elsewhere (`plan --against git:REV`): the same
+    checks either way; the name is the path's."""
     name = stack_name_from_path(path)
-    node, doc = _parse(path, _read_text(path))
+    node, doc = _parse(path, _read_text(path, data))
     syntax = [(_doc_path(p), m) for p, m in _node_problems(node, [])] if node is not None else []
     if not isinstance(doc, dict) or not isinstance(doc.get("config"), dict):
         raise SpecError(str(path), syntax + [("config", "a stack file has a top-level `config:` mapping")])
@@ -1418,6 +1448,8 @@ def _new_vpc(path: Path) -> tuple[str, ipaddress.IPv4Network] | None:
     its own plan's to tell); None when it names none that parses."""
     try:
         _, doc = _parse(path, _read_text(path))
+    except NotAFile:
+        raise
     except SpecError:
         return None
     config = doc.get("config") if isinstance(doc, dict) else None
@@ -1431,10 +1463,10 @@ def _new_vpc(path: Path) -> tuple[str, ipaddress.IPv4Network] | None:
         return None
 
 
-def sibling_overlaps(path: Path, stack: Stack) -> list[tuple[str, str]]:
+def sibling_overlaps(path: Path, stack: Stack, note: Callable[[str], None]) -> list[tuple[str, str]]:
     """The stack's new VPC against those of the other stack files of its directory in its region: teams' VPCs are
     peered or joined to a transit gateway later, which overlapping ranges rule out. Each sibling is only read (the
-    same bounded reader), never planned."""
+    same bounded reader), never planned; one that is no regular file is skipped, with a `note`."""
     cidr = stack.spec.network.vpc_cidr
     if cidr is None:
         return []
@@ -1444,7 +1476,11 @@ def sibling_overlaps(path: Path, stack: Stack) -> list[tuple[str, str]]:
     for sibling in siblings:
         if sibling.resolve() == path.resolve():
             continue
-        found = _new_vpc(sibling)
+        try:
+            found = _new_vpc(sibling)
+        except NotAFile as exc:
+            note(f"{sibling} skipped in the check of VPC ranges: {exc.problems[0][1]}")
+            continue
         if found and found[0] == stack.region and found[1].overlaps(mine):
             problems.append((_path(("network", "vpc_cidr")),
                              f"{cidr} overlaps {found[1]} of {sibling} (network.vpc_cidr, also in {stack.region}): "
@@ -1452,10 +1488,11 @@ def sibling_overlaps(path: Path, stack: Stack) -> list[tuple[str, str]]:
     return problems
 
 
-def load_stack_among_siblings(path: Path) -> Stack:
-    """load_stack, and the stack's VPC range apart from its siblings' (plan and preflight)."""
+def load_stack_among_siblings(path: Path, note: Callable[[str], None]) -> Stack:
+    """load_stack, and the stack's VPC range apart from its siblings' (plan and preflight); `note` hears of a
+    sibling skipped."""
     stack = load_stack(path)
-    overlaps = sibling_overlaps(path, stack)
+    overlaps = sibling_overlaps(path, stack, note)
     if overlaps:
         raise SpecError(str(path), overlaps)
     return stack
