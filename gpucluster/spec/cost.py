@@ -304,6 +304,11 @@ def kept_on_destroy(stack: Stack) -> list[Kept]:
 BILLING_UNITS_PER_USD = 100
 
 
+def billing_minutes(usd: float) -> int:
+    """GrpTRESMins=billing: a quota in cent-minutes (one cent per hour bills one unit for each minute)."""
+    return int(usd * BILLING_UNITS_PER_USD) * 60
+
+
 @dataclass(frozen=True)
 class PoolQuota:
     """What the quota buys in one pool: its price per accelerator-hour as Slurm bills it, and how many hours."""
@@ -325,8 +330,7 @@ class Quota:
 
     @property
     def billing_minutes(self) -> int:
-        """GrpTRESMins=billing: the quota in cent-minutes (one cent per hour bills one unit for each minute)."""
-        return int(self.usd * BILLING_UNITS_PER_USD) * 60
+        return billing_minutes(self.usd)
 
     def as_dict(self) -> dict[str, object]:
         return {"usd_per_month": round(self.usd, 2), "why": self.why,
@@ -352,20 +356,24 @@ def billed_node_hour_usd(pool: PoolSpec) -> tuple[float, str]:
     return _ceiling_per_accelerator_hour() * pool.accelerator.count, "no price: the catalog's highest $/accelerator-h"
 
 
+def _quota_usd(stack: Stack) -> tuple[float, str]:
+    """The month's quota in dollars, and where it comes from (quota)."""
+    budget = stack.spec.budget
+    if budget.quota_usd_per_month is not None:
+        return budget.quota_usd_per_month, "budget.quota_usd_per_month"
+    fixed = estimate(stack).fixed_hourly * HOURS_PER_MONTH
+    return max(budget.monthly_usd - fixed, 0.0), (f"budget.monthly_usd {money(budget.monthly_usd)} less the fixed "
+                                                  f"costs of {money(fixed)} a month: head node, network, Lustre, "
+                                                  "images")
+
+
 def quota(stack: Stack) -> Quota:
     """The Slurm team account's monthly money quota: budget.quota_usd_per_month, or the budget less the cluster's
     fixed costs (what bills whether jobs run or not), so that jobs and fixed costs together stay within the budget.
     (Slurm stacks only: Kueue has no accumulated-usage limit.)"""
-    spec = stack.spec
-    fixed = estimate(stack).fixed_hourly * HOURS_PER_MONTH
-    if spec.budget.quota_usd_per_month is not None:
-        usd, why = spec.budget.quota_usd_per_month, "budget.quota_usd_per_month"
-    else:
-        usd = max(spec.budget.monthly_usd - fixed, 0.0)
-        why = (f"budget.monthly_usd {money(spec.budget.monthly_usd)} less the fixed costs of {money(fixed)} a "
-               "month: head node, network, Lustre, images")
+    usd, why = _quota_usd(stack)
     pools = []
-    for pool in spec.pools:
+    for pool in stack.spec.pools:
         node_hour, priced_as = billed_node_hour_usd(pool)
         per_hour = node_hour / pool.accelerator.count
         pools.append(PoolQuota(pool.name, "gpu" if pool.accelerator.kind == "nvidia" else "neuron", per_hour,
@@ -390,7 +398,7 @@ def default_partition(stack: Stack) -> tuple[str, str]:
 def quota_problems(stack: Stack) -> list[tuple[tuple[str, ...], str]]:
     """A quota that lets no job start (less than a cent: GrpTRESMins=billing=0), as (path under the cluster, message):
     Slurm would hold every job of the team with AssocGrpBillingMinutes from the first day. Slurm stacks only."""
-    if stack.spec.scheduler != "slurm" or quota(stack).billing_minutes > 0:
+    if stack.spec.scheduler != "slurm" or billing_minutes(_quota_usd(stack)[0]) > 0:
         return []
     budget, estimated = stack.spec.budget, estimate(stack)
     fixed = estimated.fixed_hourly * HOURS_PER_MONTH

@@ -360,10 +360,11 @@ class BudgetSpec(_Model):
     # Percent of the monthly budget in actual spend at which the cluster stops starting GPU nodes: the head node's
     # guardrail closes the partitions and an AWS Budgets action denies the head node's launches. null: alert only.
     act_threshold_percent: int | None = Field(default=100, ge=1, le=1000)
-    # US dollars the team's jobs may spend per month (scheduler: slurm), a cent to monthly_usd. Slurm bills each job the
-    # on-demand price of its share of a node (a spot pool at its ceiling) and holds new jobs once the month's quota is
-    # spent (GrpTRESMins on its billing TRES, reset monthly). Default: monthly_usd less the cluster's fixed costs
-    # (head node, network, Lustre, images), so that jobs and fixed costs together stay within the budget.
+    # US dollars the team's jobs may spend per month (scheduler: slurm): from a cent (0 would hold every job) to
+    # monthly_usd. Slurm bills each job the on-demand price of its share of a node (a spot pool at its ceiling) and
+    # holds new jobs once the month's quota is spent (GrpTRESMins on its billing TRES, reset monthly). Default:
+    # monthly_usd less the cluster's fixed costs (head node, network, Lustre, images), which must leave a quota, so
+    # that jobs and fixed costs together stay within the budget.
     quota_usd_per_month: float | None = Field(default=None, ge=0)
     # Cost-allocation tags are account-wide and only the payer account may switch them on; turn this off in a member
     # account of an AWS Organization and ask the payer to activate `gpucluster:stack` once.
@@ -1410,8 +1411,9 @@ def load_stack(path: Path) -> Stack:
         raise SpecError(str(path), syntax + [("config", "a stack file has a top-level `config:` mapping")])
     try:
         validate(name, doc["config"], str(path))
-    except SpecError as exc:
-        raise SpecError(str(path), syntax + [p for p in exc.problems if p not in syntax]) from None
+    except SpecError as exc:  # a key read in a YAML 1.1 form has its syntax problem only, not its misread value's
+        read_apart = {p for p, _ in syntax}
+        raise SpecError(str(path), syntax + [p for p in exc.problems if p[0] not in read_apart]) from None
     if syntax:
         raise SpecError(str(path), syntax)
     return validate(name, doc["config"], str(path))
