@@ -1411,9 +1411,8 @@ def load_stack(path: Path) -> Stack:
         raise SpecError(str(path), syntax + [("config", "a stack file has a top-level `config:` mapping")])
     try:
         validate(name, doc["config"], str(path))
-    except SpecError as exc:  # a key read in a YAML 1.1 form has its syntax problem only, not its misread value's
-        read_apart = {p for p, _ in syntax}
-        raise SpecError(str(path), syntax + [p for p in exc.problems if p[0] not in read_apart]) from None
+    except SpecError as exc:
+        raise SpecError(str(path), syntax + [p for p in exc.problems if p not in syntax]) from None
     if syntax:
         raise SpecError(str(path), syntax)
     return validate(name, doc["config"], str(path))
