@@ -2,23 +2,36 @@
 # Submit a batch script with every accelerator of each node it gets, as many as its partition's nodes have, read from
 # Slurm: the same example runs on an 8-GPU p5, a 4-GPU g6.12xlarge or a 1-GPU g6.xlarge pool. From the directory that
 # holds examples/ (on the cluster: /fsx, or your copy of it):
-#   examples/submit.sh [SBATCH OPTIONS] FILE.sbatch [ARGS...]
+#   examples/submit.sh [SBATCH OPTIONS] [--] SCRIPT [ARGS...]
 #   examples/submit.sh -p g6 -N 4 examples/ddp.sbatch --steps 2000
-# Without -p (or --partition=) the job goes to the cluster's default partition (sinfo marks it with *).
+#   examples/submit.sh -N 2 train.sh                  (any batch script: a file whose first line starts with #!)
+# The script is the first argument that is a file beginning with #!, which sbatch requires of a batch script; what
+# comes before it goes to sbatch, what follows to the script. `--` marks it outright: the argument after it is the
+# script. Without -p (or --partition=) the job goes to the cluster's default partition (sinfo marks it with *).
 set -euo pipefail
+usage="usage: examples/submit.sh [SBATCH OPTIONS] [--] SCRIPT [ARGS...]"
 options=()
 partition=
-while [ $# -gt 0 ] && [[ $1 != *.sbatch ]]; do
+script=
+while [ $# -gt 0 ]; do
   case $1 in
+    --) script=${2:-}; shift $(($# < 2 ? 1 : 2)); break ;;
     -p | --partition) partition=${2:?-p needs a partition}; options+=("$1" "$2"); shift 2; continue ;;
     -p*) partition=${1#-p} ;;
     --partition=*) partition=${1#--partition=} ;;
+    -*) ;;
+    *) # an option's value (-J name, -o out.log) unless it is a batch script
+      if [ -f "$1" ] && [ "$(head -c 2 -- "$1")" = '#!' ]; then script=$1; shift; break; fi ;;
   esac
   options+=("$1")
   shift
 done
-file=${1:?usage: examples/submit.sh [SBATCH OPTIONS] FILE.sbatch [ARGS...]}
-shift
+if [ -z "$script" ]; then
+  echo "$usage" >&2
+  echo "submit.sh: no batch script among the arguments: a file whose first line starts with #! (put -- before it" \
+    "to name it outright)" >&2
+  exit 2
+fi
 if [ -z "$partition" ]; then
   partition=$(sinfo -h -o '%P' | sed -n 's/\*$//p')
 fi
@@ -36,4 +49,4 @@ if [ -z "$best" ]; then
   exit 2
 fi
 if [ "${best%%:*}" = gpu ]; then request=--gpus-per-node=${best##*:}; else request=--gres=$best; fi
-exec sbatch -p "$partition" "$request" "${options[@]}" "$file" "$@"
+exec sbatch -p "$partition" "$request" "${options[@]}" "$script" "$@"

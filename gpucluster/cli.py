@@ -266,6 +266,8 @@ def plan(args: argparse.Namespace) -> int:
                               "preflight, cost.")])
     from pulumi import RunError
 
+    from gpucluster.render.slurm import job_time
+
     if args.against:
         return plan_against(args, stack)
     try:
@@ -290,7 +292,7 @@ def plan(args: argparse.Namespace) -> int:
         }
         if stack.spec.scheduler == "slurm":
             partition, why = cost.default_partition(stack)
-            doc["quota"] = cost.quota(stack).as_dict()
+            doc["quota"] = cost.quota(stack).as_dict() | job_time(stack).as_dict()
             doc["default_partition"] = {"name": partition, "why": why}
         print_json(doc)
         return 0
@@ -313,7 +315,7 @@ def plan(args: argparse.Namespace) -> int:
         print()
     print("\n".join(cost_table(stack, estimate, date.today())))
     if stack.spec.scheduler == "slurm":
-        print("\n".join(cost.quota_lines(stack)))
+        print("\n".join(cost.quota_lines(stack, job_time(stack))))
     return 0
 
 

@@ -21,6 +21,7 @@ import pytest
 from conftest import ROOT, planned
 from gpucluster import cli, cli_errors, completion, project
 from gpucluster.plan import Declared
+from gpucluster.render import slurm
 from gpucluster.spec import cost
 from gpucluster.spec.model import Stack, load_stack
 
@@ -120,7 +121,22 @@ def test_plan_shows_the_money_quota_per_pool_and_the_default_partition() -> None
         assert any(line.split()[:3] == [p.pool, f"{cost.money(p.usd_per_accelerator_hour)}/{p.accelerator}-h",
                                         f"{p.accelerator_hours:,.0f}"] for line in text), p
     assert f"Default partition (sbatch without -p): {partition}, {why}." in text
+    assert doc["quota"]["longest_whole_node_job_hours"] == pytest.approx(slurm.job_time(stack).longest_hours, abs=0.1)
     assert "quota" not in json.loads(run("plan", "team-k8s", "--json").stdout)  # Kueue has no money quota
+
+
+def test_a_budget_that_leaves_no_quota_exits_2(tmp_path: Path) -> None:
+    """dev with a budget below its fixed costs: its quota would be $0 and hold every job, so plan refuses it."""
+    import yaml
+
+    fixed = cost.estimate(load_stack(ROOT / "stacks" / "Pulumi.dev.yaml")).fixed_hourly * cost.HOURS_PER_MONTH
+    doc = yaml.safe_load((ROOT / "stacks" / "Pulumi.dev.yaml").read_text())
+    doc["config"]["gpucluster:cluster"]["budget"]["monthly_usd"] = int(fixed)
+    (tmp_path / "Pulumi.dev.yaml").write_text(yaml.safe_dump(doc))
+    out = main_here("plan", str(tmp_path / "Pulumi.dev.yaml"), "--json")
+    assert out.returncode == 2, out.stderr
+    (error,) = json.loads(out.stdout)["errors"]
+    assert error["path"] == "gpucluster:cluster.budget.monthly_usd" and cost.money(fixed) in error["message"]
 
 
 def test_plan_by_path_and_text_output() -> None:

@@ -158,3 +158,49 @@ def test_image_costs_follow_what_is_baked() -> None:
     unbaked = cost.estimate(type(stack)(stack.name, stack.region, stock))
     assert unbaked.images == [] and unbaked.image_build_usd == 0
     assert est.hourly_min - unbaked.hourly_min == pytest.approx(13.0 / 730)  # snapshots are a monthly fixed cost
+
+
+def test_a_budget_within_the_fixed_costs_leaves_no_quota_and_is_refused() -> None:
+    """A budget at the cluster's fixed costs would make the quota (the budget less them) $0: GrpTRESMins=billing=0,
+    and Slurm would hold every job from the first day. Refused, naming the key and the fixed costs; a quota of $0
+    given outright too. A dollar more of budget is a quota."""
+    config = stack_config(load_stack(ROOT / "stacks" / "Pulumi.dev.yaml"))
+    fixed = cost.estimate(validate("dev", config)).fixed_hourly * cost.HOURS_PER_MONTH
+    budget = config["gpucluster:cluster"]["budget"]
+    budget["monthly_usd"] = fixed
+    with pytest.raises(SpecError) as caught:
+        validate("dev", config)
+    ((path, message),) = caught.value.problems
+    assert path == "gpucluster:cluster.budget.monthly_usd" and cost.money(fixed) in message, message
+    budget["monthly_usd"] = fixed + 1
+    assert cost.quota(validate("dev", config)).billing_minutes > 0
+    budget["quota_usd_per_month"] = 0
+    with pytest.raises(SpecError) as caught:
+        validate("dev", config)
+    ((path, message),) = caught.value.problems
+    assert path == "gpucluster:cluster.budget.quota_usd_per_month" and cost.money(fixed) in message, message
+
+
+def test_the_longest_whole_node_job_and_the_default_time_against_the_quota() -> None:
+    """Slurm (AccountingStorageEnforce=safe) starts a job only if its time limit at its billing fits in what is left
+    of the quota: the longest whole-node job of each pool is the quota over what a whole node bills an hour, and
+    `plan` warns when a whole node of the default partition for DefaultTime (`sbatch` without --time) does not fit."""
+    stack = mixed_stack()
+    default = cost.default_partition(stack)[0]
+    node_usd = {name: whole_node_cents_per_hour(slurm.billing_weights(members), members[0]) / 100
+                for name, members in slurm.partitions(stack).items()}
+    assert slurm.whole_node_usd_per_hour(stack) == pytest.approx(node_usd)
+    default_job = node_usd[default] * slurm.DEFAULT_TIME_HOURS
+    short = mixed_stack(quota_usd_per_month=default_job / 2)
+    time = slurm.job_time(short)
+    assert time.longest_hours == pytest.approx({p: default_job / 2 / usd for p, usd in node_usd.items()})
+    assert time.longest_hours[default] == pytest.approx(slurm.DEFAULT_TIME_HOURS / 2)
+    assert not time.default_job_fits
+    (warning,) = [line for line in cost.quota_lines(short, time) if line.startswith("WARNING")]
+    assert f"({cost.money(default_job)})" in warning and "--time" in warning
+    for pool, hours in time.longest_hours.items():
+        assert any(line.split()[0] == pool and f"at most {hours:,.1f} h" in line
+                   for line in cost.quota_lines(short, time)), pool
+    enough = mixed_stack(quota_usd_per_month=default_job * 1.01)
+    assert slurm.job_time(enough).default_job_fits
+    assert not any(line.startswith("WARNING") for line in cost.quota_lines(enough, slurm.job_time(enough)))

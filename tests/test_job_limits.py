@@ -31,7 +31,7 @@ def config(**slurm_keys: object) -> dict:
         "team": "t1", "availability_zone": "us-east-1a", "network": {"vpc_cidr": "10.0.0.0/16"},
         "pools": [{"name": "gpu", "instance_type": "p5.48xlarge", "max_nodes": 2}],
         "storage": {"lustre": {"deployment_type": "SCRATCH_2", "storage_capacity_gib": 1200}},
-        "budget": {"monthly_usd": 10, "notify_emails": ["x@example.com"]}, "slurm": slurm_keys}}
+        "budget": {"monthly_usd": 20000, "notify_emails": ["x@example.com"]}, "slurm": slurm_keys}}
 
 
 def problems(**slurm_keys: object) -> list[tuple[str, str]]:

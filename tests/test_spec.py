@@ -57,7 +57,7 @@ def _config(**pool: object) -> dict:
             "pools": [{"name": "gpu", "instance_type": "p5.48xlarge", "max_nodes": 2, **pool}],
             "storage": {"lustre": {"deployment_type": "PERSISTENT_2", "storage_capacity_gib": 2400,
                                    "throughput_mb_per_tib": 125}},
-            "budget": {"monthly_usd": 10, "notify_emails": ["x@example.com"]},
+            "budget": {"monthly_usd": 20000, "notify_emails": ["x@example.com"]},
         },
     }
 

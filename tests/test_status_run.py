@@ -9,6 +9,7 @@ from pathlib import Path
 
 from gpucluster.contract import slurm_json
 from gpucluster.contract.settings import BUDGET_TEXTFILE, BudgetSettings, ClusterSettings, PoolSettings
+from gpucluster.contract.status import QUOTA_REASON
 from gpucluster.node import budget_guardrail, status_run
 from gpucluster.node.budget import BudgetSpend, GuardrailState
 from gpucluster.node.slurm_control import SlurmControl
@@ -86,3 +87,23 @@ def test_an_open_partition_of_a_spent_quota_starts_nothing(tmp_path: Path) -> No
     assert not h100["open"] and h100["why"].startswith("quota: the team's jobs billed $100.00 of its $100.00")
     below = status_run.collect(settings(tmp_path), QuietSlurm({"h100": "UP"}, 599_999, 600_000), tmp_path)
     assert below["partitions"][0]["open"]
+
+
+def test_a_partition_whose_jobs_wait_on_the_quota_says_so_before_it_is_spent(tmp_path: Path) -> None:
+    """AccountingStorageEnforce=safe holds a job whose time limit would bill past what is left of the quota
+    (AssocGrpBillingMinutes) while the quota is far from spent: its partition is reported with the count of such jobs
+    and what is left; a partition whose jobs wait on other things stays open."""
+    slurm = QuietSlurm({"h100": "UP", "l4": "UP"}, 60_000, 600_000)
+    slurm.answers[slurm_json.SHOW_JOBS] = document("jobs", [
+        job(1, "RUNNING", "h100-1", "h100"),
+        job(2, "PENDING", "", "h100", state_reason=QUOTA_REASON),
+        job(3, "PENDING", "", "h100,l4", state_reason=QUOTA_REASON),
+        job(4, "PENDING", "", "l4", state_reason="Priority")])
+    status = status_run.collect(settings(tmp_path), slurm, tmp_path)
+    h100, l4 = status["partitions"]
+    assert not h100["open"] and h100["why"].startswith(f"quota: 2 job(s) wait ({QUOTA_REASON})"), h100
+    assert "$90.00 left of the team's $100.00" in h100["why"]
+    assert not l4["open"] and l4["why"].startswith(f"quota: 1 job(s) wait ({QUOTA_REASON})"), l4
+    assert status["jobs"]["pending_reasons"] == {QUOTA_REASON: 2, "Priority": 1}
+    slurm.answers[slurm_json.SHOW_JOBS] = document("jobs", [job(4, "PENDING", "", "l4", state_reason="Priority")])
+    assert all(p["open"] for p in status_run.collect(settings(tmp_path), slurm, tmp_path)["partitions"])

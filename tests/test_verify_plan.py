@@ -25,14 +25,16 @@ TEAM_B = ROOT / "stacks" / "Pulumi.team-b.yaml"
 
 
 def variant(tmp_path: Path, source: Path, pool_changes: dict[str, Any] | None = None,
-            lustre: dict[str, Any] | None = None) -> Path:
-    """A copy of a stack file with every pool's keys and the Lustre section changed."""
+            lustre: dict[str, Any] | None = None, monthly_usd: float | None = None) -> Path:
+    """A copy of a stack file with every pool's keys, the Lustre section and the budget changed."""
     doc = yaml.safe_load(source.read_text())
     cluster = doc["config"]["gpucluster:cluster"]
     for pool in cluster["pools"]:
         pool.update(pool_changes or {})
     if lustre is not None:
         cluster["storage"]["lustre"] = lustre
+    if monthly_usd is not None:
+        cluster["budget"]["monthly_usd"] = monthly_usd
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / source.name
     path.write_text(yaml.safe_dump(doc))
@@ -207,7 +209,7 @@ def test_fsx_floors_follow_the_file_system_and_what_the_nodes_can_carry(tmp_path
     write, read = floors(load_stack(TEAM_B), "g6e")
     assert isinstance(write, int) and isinstance(read, int) and abs(2 * write - read) <= 1
     # Two g6.xlarge nodes cannot carry a big file system's throughput: their network is the bound
-    g6 = load_stack(variant(tmp_path / "c", DEV, lustre=big))
+    g6 = load_stack(variant(tmp_path / "c", DEV, lustre=big, monthly_usd=20000))  # a budget beyond the big Lustre
     one_node = catalog.ACCELERATED["g6.xlarge"].primary_network_gbps * planning.MB_PER_S_PER_GBPS
     g6_write, g6_read = floors(g6, "g6-spot")
     assert g6_write == g6_read and isinstance(g6_write, int) and g6_write <= 2 * one_node

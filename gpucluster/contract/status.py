@@ -24,7 +24,8 @@ NODE_STATES = (("DOWN", "down"), ("DRAIN", "drained"), ("POWERING_UP", "booting"
                ("POWERED_DOWN", "powered_down"), ("ALLOCATED", "busy"), ("MIXED", "busy"), ("COMPLETING", "busy"),
                ("IDLE", "idle"))
 BUDGET_WHY = "budget"  # a partition the budget guardrail closed
-QUOTA_WHY = "quota"  # the team's money quota is used up: Slurm starts none of its jobs
+QUOTA_WHY = "quota"  # the team's money quota is used up, or jobs of the partition wait on it
+QUOTA_REASON = "AssocGrpBillingMinutes"  # Slurm's pending reason of a job that would bill past the account's quota
 KEYS = ("cluster", "partitions", "pools", "jobs", "budget", "gpu_hours", "quota")
 
 

@@ -4,7 +4,8 @@
 
 - partitions: open or closed, and why: closed by the budget guardrail (its state file says which it closed and
   why), closed otherwise (an admin's scontrol), or open in Slurm but starting nothing because the team's money
-  quota is used up (the account's GrpTRESMins=billing, which Slurm enforces: its jobs pend);
+  quota is used up (the account's GrpTRESMins=billing, which Slurm enforces: its jobs pend), or with jobs whose time
+  limit does not fit in what is left of it (AssocGrpBillingMinutes);
 - nodes per pool by state; jobs running and pending, with Slurm's pending reasons counted;
 - the month's spend, budget and forecast as the guardrail last read them from AWS Budgets (its textfile for the
   cost board: this program makes no AWS call, so it needs no credentials and answers in a second);
@@ -24,7 +25,7 @@ from typing import Any
 
 from gpucluster.contract.settings import BUDGET_TEXTFILE, TEXTFILE_DIR, ClusterSettings
 from gpucluster.contract.slurm_json import BILLING_CENTS_PER_USD, tres_minutes
-from gpucluster.contract.status import BUDGET_WHY, QUOTA_WHY, node_state, table
+from gpucluster.contract.status import BUDGET_WHY, QUOTA_REASON, QUOTA_WHY, node_state, table
 from gpucluster.node.budget import GuardrailState
 from gpucluster.node.slurm_control import SlurmControl
 
@@ -70,6 +71,11 @@ def collect(settings: ClusterSettings, slurm: SlurmControl, textfile_dir: Path =
     gpu_hours = None if usage is None else {"used": round(usage[0] / 60, 2)}
     quota = None if usage is None else {"used_usd": usd(usage[1]), "usd": None if usage[2] is None else usd(usage[2])}
     quota_spent = usage is not None and usage[2] is not None and usage[1] >= usage[2]
+    jobs = slurm.queue()
+    pending = [job for job in jobs if job.pending]
+    # AccountingStorageEnforce=safe starts a job only if its time limit at its billing fits in what is left of the
+    # quota: jobs wait on it (AssocGrpBillingMinutes) long before it is all spent. A job may name several partitions.
+    on_quota = Counter(name for job in pending if job.reason == QUOTA_REASON for name in job.partition.split(","))
     guard = GuardrailState.load(Path(settings.budget_state_file))
     partitions = []
     for name, state in sorted(slurm.partitions().items()):
@@ -79,6 +85,11 @@ def collect(settings: ClusterSettings, slurm: SlurmControl, textfile_dir: Path =
         elif quota_spent and quota is not None:
             why = (f"{QUOTA_WHY}: the team's jobs billed ${quota['used_usd']:,.2f} of its ${quota['usd']:,.2f} this "
                    "month; its jobs pend until the month ends or the quota (budget.quota_usd_per_month) is raised")
+        elif on_quota[name]:
+            left = (f"the ${usd(usage[2] - usage[1]):,.2f} left of the team's ${usd(usage[2]):,.2f}"
+                    if usage is not None and usage[2] is not None else "what is left of the team's quota")
+            why = (f"{QUOTA_WHY}: {on_quota[name]} job(s) wait ({QUOTA_REASON}): their time limit at the partition's "
+                   f"price is more than {left} this month; a job with a shorter --time still starts")
         else:
             why = ""
         partitions.append({"name": name, "open": not why, "state": state, "why": why})
@@ -88,8 +99,6 @@ def collect(settings: ClusterSettings, slurm: SlurmControl, textfile_dir: Path =
     for node in slurm.nodes():
         if pool := settings.pool_of(node.name):
             pools[pool][node_state(node.state)] += 1
-    jobs = slurm.queue()
-    pending = [job for job in jobs if job.pending]
     budget = (budget_figures(textfile_dir / BUDGET_TEXTFILE, settings.budget.act_threshold_percent)
               if settings.budget else None)
     return {"cluster": settings.cluster, "partitions": partitions,

@@ -84,7 +84,8 @@ def gres(pool: PoolSpec) -> str | None:
     return f"{name}:{kind}:{acc.count}" if kind else f"{name}:{acc.count}"
 
 
-DEFAULT_TIME = "1-00:00:00"  # a job without --time gets a day; longer runs say so
+DEFAULT_TIME_HOURS = 24  # a job without --time gets a day; longer runs say so
+DEFAULT_TIME = f"{DEFAULT_TIME_HOURS // 24}-{DEFAULT_TIME_HOURS % 24:02d}:00:00"
 
 # Slurm allocates the lowest Weight first: a partition with a fallback pool fills spot, then reserved, then on-demand.
 WEIGHTS = {"spot": 1, "capacity-block": 10, "on-demand": 100}
@@ -138,11 +139,31 @@ def billing_weights(members: list[PoolSpec]) -> dict[str, float]:
     weights: dict[str, float] = {}
     for pool in members:
         cents = cost.billed_node_hour_usd(pool)[0] * cost.BILLING_UNITS_PER_USD
-        name = _gres_name_type(pool.accelerator)[0]
-        held = (("CPU", pool.itype.vcpus), ("Mem", real_memory(pool)), (f"GRES/{name}", pool.accelerator.count))
-        for tres, count in held:
+        for tres, count in _whole_node(pool):
             weights[tres] = max(weights.get(tres, 0.0), cents / count)
     return weights
+
+
+def _whole_node(pool: PoolSpec) -> tuple[tuple[str, int], ...]:
+    """The TRES a node of the pool has, as TRESBillingWeights names them, and how many (Mem in MB)."""
+    name = _gres_name_type(pool.accelerator)[0]
+    return ("CPU", pool.itype.vcpus), ("Mem", real_memory(pool)), (f"GRES/{name}", pool.accelerator.count)
+
+
+def whole_node_usd_per_hour(stack: Stack) -> dict[str, float]:
+    """What a job holding one whole node for an hour bills in each partition, in dollars: with MAX_TRES its largest
+    weighted TRES, on the partition's dearest node (a fallback pool's node of another type may bill above its
+    price). What `plan` divides the quota by for the longest whole-node job (cost.job_time)."""
+    billed = {}
+    for name, members in partitions(stack).items():
+        weights = billing_weights(members)
+        billed[name] = max(weights[tres] * count for pool in members for tres, count in _whole_node(pool))
+    return {name: cents / cost.BILLING_UNITS_PER_USD for name, cents in billed.items()}
+
+
+def job_time(stack: Stack) -> cost.JobTime:
+    """The quota against the partitions' DefaultTime and whole-node billing (`plan`)."""
+    return cost.job_time(stack, whole_node_usd_per_hour(stack), DEFAULT_TIME_HOURS)
 
 
 def _node_line(pool: PoolSpec, first_port: int | None) -> str:

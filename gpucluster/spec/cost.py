@@ -304,6 +304,11 @@ def kept_on_destroy(stack: Stack) -> list[Kept]:
 BILLING_UNITS_PER_USD = 100
 
 
+def billing_minutes(usd: float) -> int:
+    """GrpTRESMins=billing: a quota in cent-minutes (one cent per hour bills one unit for each minute)."""
+    return int(usd * BILLING_UNITS_PER_USD) * 60
+
+
 @dataclass(frozen=True)
 class PoolQuota:
     """What the quota buys in one pool: its price per accelerator-hour as Slurm bills it, and how many hours."""
@@ -325,8 +330,7 @@ class Quota:
 
     @property
     def billing_minutes(self) -> int:
-        """GrpTRESMins=billing: the quota in cent-minutes (one cent per hour bills one unit for each minute)."""
-        return int(self.usd * BILLING_UNITS_PER_USD) * 60
+        return billing_minutes(self.usd)
 
     def as_dict(self) -> dict[str, object]:
         return {"usd_per_month": round(self.usd, 2), "why": self.why,
@@ -352,20 +356,24 @@ def billed_node_hour_usd(pool: PoolSpec) -> tuple[float, str]:
     return _ceiling_per_accelerator_hour() * pool.accelerator.count, "no price: the catalog's highest $/accelerator-h"
 
 
+def _quota_usd(stack: Stack) -> tuple[float, str]:
+    """The month's quota in dollars, and where it comes from (quota)."""
+    budget = stack.spec.budget
+    if budget.quota_usd_per_month is not None:
+        return budget.quota_usd_per_month, "budget.quota_usd_per_month"
+    fixed = estimate(stack).fixed_hourly * HOURS_PER_MONTH
+    return max(budget.monthly_usd - fixed, 0.0), (f"budget.monthly_usd {money(budget.monthly_usd)} less the fixed "
+                                                  f"costs of {money(fixed)} a month: head node, network, Lustre, "
+                                                  "images")
+
+
 def quota(stack: Stack) -> Quota:
     """The Slurm team account's monthly money quota: budget.quota_usd_per_month, or the budget less the cluster's
     fixed costs (what bills whether jobs run or not), so that jobs and fixed costs together stay within the budget.
     (Slurm stacks only: Kueue has no accumulated-usage limit.)"""
-    spec = stack.spec
-    fixed = estimate(stack).fixed_hourly * HOURS_PER_MONTH
-    if spec.budget.quota_usd_per_month is not None:
-        usd, why = spec.budget.quota_usd_per_month, "budget.quota_usd_per_month"
-    else:
-        usd = max(spec.budget.monthly_usd - fixed, 0.0)
-        why = (f"budget.monthly_usd {money(spec.budget.monthly_usd)} less the fixed costs of {money(fixed)} a "
-               "month: head node, network, Lustre, images")
+    usd, why = _quota_usd(stack)
     pools = []
-    for pool in spec.pools:
+    for pool in stack.spec.pools:
         node_hour, priced_as = billed_node_hour_usd(pool)
         per_hour = node_hour / pool.accelerator.count
         pools.append(PoolQuota(pool.name, "gpu" if pool.accelerator.kind == "nvidia" else "neuron", per_hour,
@@ -387,16 +395,75 @@ def default_partition(stack: Stack) -> tuple[str, str]:
     return cheapest.name, f"the cheapest {unit} (slurm.default_partition names another)"
 
 
-def quota_lines(stack: Stack) -> list[str]:
-    """`plan`'s account of the money quota and the default partition (scheduler: slurm)."""
+def quota_problems(stack: Stack) -> list[tuple[tuple[str, ...], str]]:
+    """A quota that lets no job start (less than a cent: GrpTRESMins=billing=0), as (path under the cluster, message):
+    Slurm would hold every job of the team with AssocGrpBillingMinutes from the first day. Slurm stacks only."""
+    if stack.spec.scheduler != "slurm" or billing_minutes(_quota_usd(stack)[0]) > 0:
+        return []
+    budget, estimated = stack.spec.budget, estimate(stack)
+    fixed = estimated.fixed_hourly * HOURS_PER_MONTH
+    parts = (f"head node {money(estimated.head_node_monthly)}, network {money(estimated.network_monthly)}, Lustre "
+             f"{money(estimated.lustre_monthly)}, node images {money(estimated.image_snapshots_monthly)}")
+    held = "Slurm would hold every job of the team (AssocGrpBillingMinutes)"
+    if budget.quota_usd_per_month is not None:
+        left = money(budget.monthly_usd - fixed) if budget.monthly_usd > fixed else "nothing"
+        return [(("budget", "quota_usd_per_month"), (
+            f"{budget.quota_usd_per_month:g} leaves no quota for jobs: {held}. Give what jobs may spend a month "
+            f"(monthly_usd leaves {left} after the fixed costs of {money(fixed)}: {parts}), or remove the key for "
+            "that default"))]
+    return [(("budget", "monthly_usd"), (
+        f"{budget.monthly_usd:g} leaves no quota for jobs: the quota is monthly_usd less the cluster's fixed costs of "
+        f"{money(fixed)} a month ({parts}), and {held}. Raise monthly_usd above {money(fixed)} by what jobs may "
+        "spend, or set budget.quota_usd_per_month (jobs then spend past the budget)"))]
+
+
+@dataclass(frozen=True)
+class JobTime:
+    """How long a job may run under the quota (slurm.conf's AccountingStorageEnforce=safe: Slurm starts a job only if
+    its time limit times its billing fits in what is left of GrpTRESMins), per pool for one whole node, and whether a
+    whole node of the default partition fits for DefaultTime (what `sbatch` without --time asks for)."""
+
+    default_time_hours: float
+    default_partition: str
+    default_node_usd: float  # one whole node of the default partition for DefaultTime
+    longest_hours: dict[str, float]  # pool -> the longest one-whole-node job the month's quota allows
+
+    @property
+    def default_job_fits(self) -> bool:
+        return self.longest_hours[self.default_partition] >= self.default_time_hours
+
+    def as_dict(self) -> dict[str, object]:
+        return {"default_time_hours": self.default_time_hours, "default_whole_node_job_usd": round(
+                    self.default_node_usd, 2), "default_whole_node_job_fits": self.default_job_fits,
+                "longest_whole_node_job_hours": {pool: round(h, 1) for pool, h in self.longest_hours.items()}}
+
+
+def job_time(stack: Stack, whole_node_usd_per_hour: dict[str, float], default_time_hours: float) -> JobTime:
+    """`whole_node_usd_per_hour`: what a job holding a whole node bills an hour in each partition (render/slurm.py
+    whole_node_usd_per_hour, from its TRESBillingWeights); `default_time_hours`: the partitions' DefaultTime."""
+    usd = quota(stack).usd
+    partition = default_partition(stack)[0]
+    return JobTime(default_time_hours, partition, whole_node_usd_per_hour[partition] * default_time_hours,
+                   {pool.name: usd / whole_node_usd_per_hour[pool.name] for pool in stack.spec.pools})
+
+
+def quota_lines(stack: Stack, time: JobTime) -> list[str]:
+    """`plan`'s account of the money quota, the longest job it allows and the default partition (scheduler: slurm)."""
     spent = quota(stack)
     partition, why = default_partition(stack)
     lines = [f"Quota for jobs per month:        {money(spent.usd)} ({spent.why}); Slurm holds new jobs once it is "
-             "spent. What it buys in each pool, billed at:"]
+             "spent, and starts a job only if its --time fits in what is left. What it buys in each pool, billed at:"]
     rows = [(p.pool, f"{money(p.usd_per_accelerator_hour)}/{p.accelerator}-h", f"{p.accelerator_hours:,.0f} "
-             f"{p.accelerator}-hours", p.priced_as) for p in spent.pools]
+             f"{p.accelerator}-hours", f"one whole node for at most {time.longest_hours[p.pool]:,.1f} h",
+             p.priced_as) for p in spent.pools]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines += ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
               for row in rows]
     lines.append(f"Default partition (sbatch without -p): {partition}, {why}.")
+    if not time.default_job_fits:
+        lines.append(
+            f"WARNING: the quota ({money(spent.usd)}) is less than one whole node of {partition} bills in the "
+            f"{time.default_time_hours:g} hours a job without --time asks for ({money(time.default_node_usd)}): Slurm "
+            "never starts such a job (it pends with AssocGrpBillingMinutes). Jobs need a --time within the hours "
+            "above, or raise the quota (budget.monthly_usd or budget.quota_usd_per_month).")
     return lines

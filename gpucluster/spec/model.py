@@ -362,10 +362,11 @@ class BudgetSpec(_Model):
     # Percent of the monthly budget in actual spend at which the cluster stops starting GPU nodes: the head node's
     # guardrail closes the partitions and an AWS Budgets action denies the head node's launches. null: alert only.
     act_threshold_percent: int | None = Field(default=100, ge=1, le=1000)
-    # US dollars the team's jobs may spend per month (scheduler: slurm), at most monthly_usd. Slurm bills each job the
-    # on-demand price of its share of a node (a spot pool at its ceiling) and holds new jobs once the month's quota is
-    # spent (GrpTRESMins on its billing TRES, reset monthly). Default: monthly_usd less the cluster's fixed costs
-    # (head node, network, Lustre, images), so that jobs and fixed costs together stay within the budget.
+    # US dollars the team's jobs may spend per month (scheduler: slurm): from a cent (0 would hold every job) to
+    # monthly_usd. Slurm bills each job the on-demand price of its share of a node (a spot pool at its ceiling) and
+    # holds new jobs once the month's quota is spent (GrpTRESMins on its billing TRES, reset monthly). Default:
+    # monthly_usd less the cluster's fixed costs (head node, network, Lustre, images), which must leave a quota, so
+    # that jobs and fixed costs together stay within the budget.
     quota_usd_per_month: float | None = Field(default=None, ge=0)
     # Cost-allocation tags are account-wide and only the payer account may switch them on; turn this off in a member
     # account of an AWS Organization and ask the payer to activate `gpucluster:stack` once.
@@ -1193,6 +1194,10 @@ def validate(stack: str, config: dict[str, Any], source: str = "") -> Stack:
             problems += found
         if isinstance(region, str) and not _region_problems(region):
             problems += _zone_problems(raw, region)
+            if spec is not None:  # the quota needs the whole stack's fixed costs
+                from gpucluster.spec import cost  # cost builds on this module
+
+                problems += [(_path(loc), msg) for loc, msg in cost.quota_problems(Stack(stack, region, spec))]
     if problems or spec is None or not isinstance(region, str):  # a region that is no string is among the problems
         raise SpecError(source or stack, problems)
     return Stack(name=stack, region=region, spec=spec)
