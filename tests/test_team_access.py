@@ -271,6 +271,11 @@ def test_the_evaluator_refuses_what_it_does_not_model() -> None:
     assert not is_allowed(like, "ssm:StartSession", arn, {"aws:PrincipalArn": "arn:aws:iam::1:2:role/alice"})
 
 
+def _head_arn(stack: Stack, declared: tuple[Declared, ...]) -> str:
+    (head,) = of_type(declared, "ec2/instance:Instance")
+    return f"arn:aws:ec2:{stack.region}:{ACCOUNT}:instance/{planned_id(head, stack.region)}"
+
+
 @functools.cache
 def _people_plan(path: Any = TEAM_A, edit: Any = None) -> tuple[Stack, tuple[Declared, ...], dict[str, Any]]:
     """A Slurm stack with people, planned (once per stack file and edit); `edit` changes its cluster mapping first.
@@ -356,8 +361,7 @@ def _requested(stack: Stack, shell: str) -> str:
                          ids=[f"{p.rsplit(':', 1)[1]}->{s}" for p, s, _ in TABLE])
 def test_who_may_start_which_shell(principal: str, shell: str, allowed: bool) -> None:
     stack, declared, _ = _people_plan()
-    (head,) = of_type(declared, "ec2/instance:Instance")
-    instance = f"arn:aws:ec2:{stack.region}:{ACCOUNT}:instance/{planned_id(head, stack.region)}"
+    instance = _head_arn(stack, declared)
     users = access_policies(declared, stack.cluster_name)["user-access"]
     assert may_start_session(users, principal, instance, _requested(stack, shell)) is allowed
     # An SSMSessionRunAs tag would make Session Manager run the shell as any user it names: refused outright.
@@ -371,8 +375,7 @@ def test_the_admins_policy_is_the_platform_teams_ssm_user_shell_only() -> None:
     """The admins' policy is for whoever the account attaches it to (the platform team): ssm-user's shell and the
     dashboard; no person's shell, so it never lets one person be another."""
     stack, declared, _ = _people_plan()
-    (head,) = of_type(declared, "ec2/instance:Instance")
-    instance = f"arn:aws:ec2:{stack.region}:{ACCOUNT}:instance/{planned_id(head, stack.region)}"
+    instance = _head_arn(stack, declared)
     admins = access_policies(declared, stack.cluster_name)["admin-access"]
     for principal in (ALICE, BOB_ROLE, STRANGER):
         allowed = {shell for shell in (*SHELLS, "default", "dashboard")
@@ -397,8 +400,7 @@ def _remove_bob_add_carol(cluster: dict[str, Any]) -> None:
 
 def test_a_removed_person_can_no_longer_start_a_shell_and_a_new_one_can() -> None:
     stack, declared, outputs = _people_plan(edit=_remove_bob_add_carol)
-    (head,) = of_type(declared, "ec2/instance:Instance")
-    instance = f"arn:aws:ec2:{stack.region}:{ACCOUNT}:instance/{planned_id(head, stack.region)}"
+    instance = _head_arn(stack, declared)
     users = access_policies(declared, stack.cluster_name)["user-access"]
     names = {d.inputs["name"] for d in of_type(declared, "ssm/document:Document")}
     assert f"{stack.cluster_name}-user-bob-session" not in names and set(outputs["connect"]) == {"alice", "carol"}
@@ -448,8 +450,7 @@ KEY_TABLE = [
 def test_who_may_push_an_ssh_key_as_whom(principal: str, os_user: str, allowed: bool) -> None:
     """EC2 Instance Connect's SendSSHPublicKey (`gpucluster ssh-proxy`): to the head only, as one's own person only."""
     stack, declared, _ = _people_plan()
-    (head,) = of_type(declared, "ec2/instance:Instance")
-    instance = f"arn:aws:ec2:{stack.region}:{ACCOUNT}:instance/{planned_id(head, stack.region)}"
+    instance = _head_arn(stack, declared)
     policies = access_policies(declared, stack.cluster_name)
     context = {"aws:PrincipalArn": principal, "ec2:osuser": os_user}
     action = "ec2-instance-connect:SendSSHPublicKey"
@@ -480,6 +481,5 @@ def test_status_document_runs_gpucluster_status_as_root_without_parameters() -> 
     assert step["inputs"]["runCommand"][-1] == "exec /usr/local/bin/gpucluster status --json"
     arn = f"arn:aws:ssm:{stack.region}:{ACCOUNT}:document/{document.inputs['name']}"
     for policy in access_policies(declared, stack.cluster_name).values():
-        (head,) = of_type(declared, "ec2/instance:Instance")
-        instance = f"arn:aws:ec2:{stack.region}:{ACCOUNT}:instance/{planned_id(head, stack.region)}"
+        instance = _head_arn(stack, declared)
         assert is_allowed(policy, "ssm:SendCommand", arn, {}) and is_allowed(policy, "ssm:SendCommand", instance, {})
