@@ -1,4 +1,4 @@
-"""`python -m gpucluster connect|ssh-config|ssh-proxy STACK` (gpucluster/aws/connect.py) against a moto server: the
+"""`gpucluster connect|ssh-config|ssh-proxy STACK` (gpucluster/aws/connect.py) against a moto server: the
 head found by its tags, the caller found among the stack's principals by STS (moto answers GetCallerIdentity for IAM
 users' keys and assumed roles' credentials as AWS does), the Session document chosen, and the AWS CLI exec'd.
 
@@ -9,12 +9,15 @@ argument by argument."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import shlex
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import boto3
 import pytest
@@ -22,7 +25,7 @@ from botocore.exceptions import ClientError
 from botocore.stub import Stubber
 
 from conftest import ROOT, reset_moto
-from gpucluster import cli_errors
+from gpucluster import cli, cli_errors
 from gpucluster.aws import connect
 from gpucluster.contract.settings import LOGIN_USER, head_instance_name
 from gpucluster.spec.model import load_stack
@@ -57,9 +60,10 @@ def stand_ins(tmp_path: Path, *names: str) -> Path:
     return bin_dir
 
 
-def run(tmp_path: Path, moto_url: str | None, *args: str, tools: tuple[str, ...] = ("aws", "session-manager-plugin"),
-        credentials: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], list[str]]:
-    """The command in a process of its own (it execs); returns it and the argv the exec'd stand-in was given."""
+def environment(tmp_path: Path, moto_url: str | None, tools: tuple[str, ...],
+                credentials: dict[str, str] | None) -> dict[str, str]:
+    """What the command sees: no AWS_* of this machine's, moto's endpoint and the credentials given, the stand-ins on
+    PATH and a home of the test's own (ssh-config's key)."""
     record = tmp_path / "argv"
     record.unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
@@ -69,10 +73,43 @@ def run(tmp_path: Path, moto_url: str | None, *args: str, tools: tuple[str, ...]
     if moto_url:
         env |= {"AWS_ENDPOINT_URL": moto_url, **(credentials or {"AWS_ACCESS_KEY_ID": "t",
                                                                   "AWS_SECRET_ACCESS_KEY": "t"})}
-    done = subprocess.run([sys.executable, "-m", "gpucluster", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
+    return env
+
+
+def recorded(tmp_path: Path) -> list[str]:
+    record = tmp_path / "argv"
+    return record.read_text().splitlines() if record.exists() else []
+
+
+def run(tmp_path: Path, moto_url: str | None, *args: str, tools: tuple[str, ...] = ("aws", "session-manager-plugin"),
+        credentials: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    """The command in this process (a cold process per case cost seconds of CPU each; one test runs the real one,
+    test_the_command_becomes_the_aws_cli): its exec of the AWS CLI runs the stand-in and ends the command with the
+    stand-in's status, as the exec'd program's would. Returns the outcome and the argv the stand-in was given."""
+    def become(file: str, argv: list[str]) -> None:
+        raise SystemExit(subprocess.run(argv, check=False).returncode)
+
+    out, err = io.StringIO(), io.StringIO()
+    env = environment(tmp_path, moto_url, tools, credentials)
+    with mock.patch.dict(os.environ, env, clear=True), mock.patch("os.execvp", become), contextlib.chdir(ROOT), \
+            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(list(args))
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+    done = subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
     assert "Traceback" not in done.stderr, done.stderr
-    return done, record.read_text().splitlines() if record.exists() else []
+    return done, recorded(tmp_path)
+
+
+def test_the_command_becomes_the_aws_cli(tmp_path: Path, moto: str) -> None:
+    """The real entry point, in a process of its own: it execs the AWS CLI in its place."""
+    instance = head(moto)
+    done = subprocess.run([sys.executable, "-m", "gpucluster", "connect", "team-a", "--admin"], cwd=ROOT,
+                          env=environment(tmp_path, moto, ("aws", "session-manager-plugin"), None),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert recorded(tmp_path) == start_session(TEAM_A, instance, f"{TEAM_A.cluster_name}-admin-session")
 
 
 def start_session(stack: Any, instance: str, document: str) -> list[str]:
