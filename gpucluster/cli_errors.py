@@ -15,7 +15,6 @@ import json
 import sys
 from typing import TextIO
 
-EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 

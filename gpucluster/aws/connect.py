@@ -39,7 +39,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from gpucluster.aws.head import HeadNotFound, running_head
 from gpucluster.cli_errors import credentials_problem
 from gpucluster.contract.settings import LOGIN_USER, person_session_document_name, session_document_name
-from gpucluster.spec.model import CONFIG_KEY, Stack
+from gpucluster.spec.model import CONFIG_KEY, Stack, principal_key
 
 EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
 PLUGIN = "session-manager-plugin"  # the name the AWS CLI looks for on PATH
@@ -77,16 +77,10 @@ def caller_principal(sts: Any) -> str:
 
 
 def _same_principal(caller: str, listed: str) -> bool:
-    """An ARN of the caller against one of the stack's: the same account, kind and name. The path is left out: an
-    assumed role's ARN carries none, and IAM role and user names are unique in an account whatever their path."""
-    def key(arn: str) -> tuple[str, str, str]:
-        parts = arn.split(":", 5)  # arn:partition:iam::account:kind/path/name
-        if len(parts) != 6:
-            return (arn, "", "")
-        kind, _, name = parts[5].partition("/")
-        return parts[4], kind, name.rsplit("/", 1)[-1]
-
-    return key(caller) == key(listed)
+    """An ARN of the caller against one of the stack's, by model.principal_key (the path left out: an assumed role's
+    ARN carries none)."""
+    key = principal_key(caller)
+    return key is not None and key == principal_key(listed)
 
 
 def person_of(stack: Stack, caller: str) -> str:

@@ -95,8 +95,7 @@ class SlurmControl:
 
     def jobs_on(self, node: str) -> list[str]:
         """Ids of the jobs running on the node (`scontrol show node` lists none; `show jobs` does)."""
-        return [job.job_id for job in slurm_json.jobs(self._run(*slurm_json.SHOW_JOBS))
-                if job.active and node in job.nodes]
+        return [job.job_id for job in self.queue() if job.active and node in job.nodes]
 
     def pending_jobs(self) -> dict[str, str]:
         """Pending job id -> its AdminComment ("" when none)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import date
 
+from gpucluster.contract.slurm_json import BILLING_CENTS_PER_USD
 from gpucluster.spec import catalog, eks
 from gpucluster.spec.model import CPU_NODES_NAME, HEAD_STATE_GIB, MIN_POOL_ROOT_GIB, ImageBuild, PoolSpec, Stack
 
@@ -300,8 +301,8 @@ def kept_on_destroy(stack: Stack) -> list[Kept]:
 
 # Slurm's billing TRES counts US cents per hour: each partition weighs what a job holds (TRESBillingWeights) so that
 # its billing is the price of its share of a node, and the team account's GrpTRESMins=billing is the month's quota
-# in cent-minutes (render/slurm.py).
-BILLING_UNITS_PER_USD = 100
+# in cent-minutes (render/slurm.py). Named once in the contract, which the head's programs read it from.
+BILLING_UNITS_PER_USD = BILLING_CENTS_PER_USD
 
 
 def billing_minutes(usd: float) -> int:
