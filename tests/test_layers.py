@@ -7,8 +7,8 @@ of the Pulumi program (__main__.py), at module level or inside a function, again
   never a program itself); aws imports contract, spec, aws and cli_errors (the command line's exit-code convention,
   which imports nothing of the library);
 - components import anything in gpucluster but cli, plan, plan_diff and project;
-- only cli, plan, plan_diff and the entry points (python -m gpucluster, the Pulumi program) import project, which
-  runs the program (components) for plan."""
+- only cli, plan and the entry points (python -m gpucluster, the Pulumi program) import project, which runs the
+  program (components) for plan; plan_diff is handed the planning function."""
 
 from __future__ import annotations
 

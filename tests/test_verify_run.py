@@ -18,6 +18,7 @@ from gpucluster import cli
 from gpucluster.aws import verify_remote
 from gpucluster.contract import slurm_json, verify as v
 from gpucluster.contract.settings import ALL_REDUCE_PERF, VERIFY_PROBE_PROGRAM, ClusterSettings
+from gpucluster.contract.status import QUOTA_REASON
 from gpucluster.node import verify_run as vr
 from gpucluster.render import verify as planning
 from gpucluster.spec.model import load_stack
@@ -119,11 +120,11 @@ def test_a_job_that_never_started_fails_its_pool_with_slurms_reason() -> None:
 
 
 @pytest.mark.parametrize(("reason", "word"), [("Resources", v.WARN), ("Priority", v.WARN),
-                                              ("AssocGrpGRESMinutes", v.WARN), ("QOSMaxNodePerUserLimit", v.WARN),
+                                              (QUOTA_REASON, v.WARN), ("QOSMaxNodePerUserLimit", v.WARN),
                                               ("ReqNodeNotAvail", v.FAIL), ("PartitionDown", v.FAIL)])
 def test_a_job_slurm_held_back_warns_when_the_pool_is_busy_and_fails_otherwise(reason: str, word: str) -> None:
-    """A busy pool or a team at its GPU-minute quota is not a broken pool: nothing was measured, Slurm's reason says
-    why; a partition down or unavailable nodes are faults."""
+    """A busy pool or a team at its quota (Slurm's reason for the billing limit) is not a broken pool: nothing was
+    measured, Slurm's reason says why; a partition down or unavailable nodes are faults."""
     plan = plan_of((v.SCALE_FROM_ZERO_SECONDS, {"max": 600}), (v.GPUS, {"count": 8}))
     held = vr.Tracked("7", 0.0, 600.0, 600.0, 60.0, ended=True, held=reason,
                       why=f"job 7 waited 601 s for nodes (Slurm's reason: {reason}); cancelled")
