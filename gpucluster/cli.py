@@ -73,12 +73,10 @@ BOM_PATH = "image/bom.json"  # under render's --out
 
 
 def _stack_path(stack_arg: str) -> Path:
-    path = project.find_stack(stack_arg)
-    if not project.is_stack_path(stack_arg) and not path.exists():
-        looked = " or ".join(str(d) for d in project.stack_dirs())
-        unset = "" if os.environ.get(project.STACKS_ENV) else f" (${project.STACKS_ENV} is not set)"
-        raise UserError([("", f"no such stack file: Pulumi.{stack_arg}.yaml is not in {looked}{unset}")])
-    return path
+    try:
+        return project.find_stack(stack_arg)
+    except project.StackNotFound as exc:
+        raise UserError([("", str(exc))]) from None
 
 
 def _load(stack_arg: str) -> Stack:
@@ -471,7 +469,7 @@ def cost_board(args: argparse.Namespace) -> int:
         except SpecError as exc:
             problems += [(p, f"{exc.source}: {message}") for p, message in exc.problems]
     if problems or not stacks:
-        raise UserError(problems or [("", f"no stack files in {' or '.join(map(str, project.stack_dirs()))}")])
+        raise UserError(problems or [("", f"no stack files in {project.looked_in()}")])
     session = aws_session()
     try:
         account = session.client("sts", region_name=stacks[0].region).get_caller_identity()["Account"]
@@ -647,8 +645,7 @@ def head_stack(cluster: str) -> Stack:
     files = [path for directory in project.stack_dirs() for path in sorted(directory.glob("Pulumi.*.yaml"))]
     found = [stack for stack in map(load_stack, files) if stack.cluster_name == cluster]
     if not found:
-        looked = " or ".join(str(d) for d in project.stack_dirs())
-        raise VerifyFormatError(f"no stack file of cluster {cluster} in {looked}")
+        raise VerifyFormatError(f"no stack file of cluster {cluster} in {project.looked_in()}")
     return found[0]
 
 
