@@ -262,16 +262,11 @@ def plan(args: argparse.Namespace) -> int:
         raise UserError([("", "plan runs the Pulumi program (components/), which is not installed here: run it "
                               "where gpucluster is installed (pip install) or from a checkout. Here: render, "
                               "preflight, cost.")])
-    from pulumi import RunError
-
     from gpucluster.render.slurm import job_time
 
     if args.against:
         return plan_against(args, stack)
-    try:
-        declared = run_program(stack, project.pulumi_program())
-    except RunError as exc:  # what the program refuses in the stack's own terms, naming the key (as `pulumi up` would)
-        raise UserError([config_problem(str(exc))]) from None
+    declared = planned(stack)
     estimate = cost.estimate(stack)
     images = image_inputs(stack)
     if args.json:
@@ -317,19 +312,26 @@ def plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def plan_against(args: argparse.Namespace, stack: Stack) -> int:
-    """What changes between OLD and STACK, and its price (gpucluster/plan_diff.py)."""
+def planned(stack: Stack) -> list[Declared]:
+    """What the project's Pulumi program declares for the stack, offline; what it refuses in the stack's own terms is
+    bad input naming the key (as `pulumi up` would say it)."""
     from pulumi import RunError
 
+    try:
+        return run_program(stack, project.pulumi_program())
+    except RunError as exc:
+        raise UserError([config_problem(str(exc))]) from None
+
+
+def plan_against(args: argparse.Namespace, stack: Stack) -> int:
+    """What changes between OLD and STACK, and its price (gpucluster/plan_diff.py)."""
     from gpucluster import plan_diff
 
     try:
         old = plan_diff.old_stack(_stack_path(args.stack), args.against)
-        result = plan_diff.diff(stack, old, args.against, lambda s: run_program(s, project.pulumi_program()))
+        result = plan_diff.diff(stack, old, args.against, planned)
     except plan_diff.AgainstError as exc:
         raise UserError([("--against", str(exc))]) from None
-    except RunError as exc:
-        raise UserError([config_problem(str(exc))]) from None
     if args.json:
         print_json(result.as_json())
     else:
