@@ -192,22 +192,6 @@ def config_problem(text: str) -> tuple[str, str]:
     return (path, message) if path.startswith((CONFIG_KEY, REGION_KEY)) and " " not in path else ("", text)
 
 
-def cost_json(estimate: cost.CostEstimate) -> dict[str, object]:
-    """What the text's cost table says beyond the summary's totals and pool rows: the fixed costs and the budget
-    warning (the quota and the default partition beside them: `plan`)."""
-    return {
-        "fixed_monthly_usd": {"head_node": round(estimate.head_node_monthly, 2),
-                              "lustre": round(estimate.lustre_monthly, 2),
-                              "network": round(estimate.network_monthly, 2),
-                              "kubernetes": round(estimate.kubernetes_monthly, 2),
-                              "image_snapshots": round(estimate.image_snapshots_monthly, 2)},
-        "over_budget": estimate.over_budget,
-        "hours_at_max_within_budget": (round(estimate.hours_at_max_within_budget, 1) if estimate.over_budget
-                                       else None),
-        "price_date": catalog.PRICE_DATE,
-    }
-
-
 def print_json(doc: object) -> None:
     json.dump(doc, sys.stdout, indent=1, sort_keys=True)
     print()
@@ -279,7 +263,7 @@ def plan(args: argparse.Namespace) -> int:
                  "retain_on_delete": d.retain_on_delete}
                 for d in declared
             ],
-            "cost": estimate.summary() | cost_json(estimate),
+            "cost": estimate.summary(),
             "price_warning": cost.stale_price_warning(date.today()),
             "people": people(stack),
         }
@@ -405,7 +389,7 @@ def preflight(args: argparse.Namespace) -> int:
     if args.json:
         print_json({"stack": stack.name, "region": stack.region, "failed": report.failed,
                     "checks": [dataclasses.asdict(check) for check in report.checks],
-                    "cost": estimate.summary() | cost_json(estimate)})
+                    "cost": estimate.summary()})
     else:
         print("\n".join(checks.render(stack, report)))
         print()
