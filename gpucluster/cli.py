@@ -410,15 +410,15 @@ def aws_session(region: str | None = None) -> Any:
 
 def spend(args: argparse.Namespace) -> int:
     """This month's spend, forecast and GPU-hours; Cost Explorer lives in us-east-1 whatever the stack's region.
-    `--all`, several stacks or `--json`: the cost board (gpucluster/aws/cost_board.py). Exit 1 as the board's: over
-    the budget or forecast to be, or the spend unread."""
+    `--all` or several stacks: the cost board (gpucluster/aws/cost_board.py). Exit 1 as the board's: over the budget
+    or forecast to be, or the spend unread."""
     import datetime as dt
 
     from botocore.exceptions import BotoCoreError, ClientError
 
     from gpucluster.aws import spend as money
 
-    if args.all or args.json or len(args.stacks) != 1:
+    if args.all or len(args.stacks) != 1:
         return cost_board(args)
     stack = _load(args.stacks[0])
     session = aws_session()
@@ -430,7 +430,11 @@ def spend(args: argparse.Namespace) -> int:
         account = None
     result = money.spend(session.client("ce", region_name="us-east-1"), stack, dt.date.today(),
                          budgets=session.client("budgets", region_name="us-east-1"), account=account)
-    print("\n".join(money.report(stack, result, money.head_gpu_hours(stack))))
+    gpu_hours = money.head_gpu_hours(stack)
+    if args.json:
+        print_json(money.as_json(stack, result, gpu_hours))
+    else:
+        print("\n".join(money.report(stack, result, gpu_hours)))
     return EXIT_FAILED if result.fails(stack.spec.budget.monthly_usd) else 0
 
 
@@ -723,16 +727,17 @@ def parser() -> argparse.ArgumentParser:
     f.set_defaults(func=preflight)
     c = sub.add_parser("cost", help="this month's spend, forecast and GPU-hours of a stack, or the cost board across "
                                     "teams (AWS credentials)",
-                       description="STACK: one stack's spend, forecast, budget and (on its head node) GPU-hours. "
-                                   "--all, several stacks or --json: the cost board, one row per team (spend, "
-                                   "forecast, budget, GPU-hours, idle GPU-hours) and a total. Either way, exit 0 "
+                       description="STACK: one stack's spend, forecast, budget and (on its head node) GPU-hours "
+                                   "against the quota. --all or several stacks: the cost board, one row per team "
+                                   "(spend, forecast, budget, GPU-hours, idle GPU-hours) and a total. Either way, "
+                                   "--json prints the same as one JSON object; exit 0 "
                                    "ok; 1 when a team is over its budget or forecast to be, or its spend could not "
                                    "be read; 2 bad input.")
     c.add_argument("stacks", nargs="*", metavar="STACK",
                    help=f"{project.STACK_HELP}; several: the board (--all without any: every stack under ./stacks)")
     c.add_argument("--all", action="store_true", help="the board across teams (every stack under stacks/ unless "
                                                       "stacks are given)")
-    _json_flag(c, "the board as one JSON object")
+    _json_flag(c, "the report as one JSON object: one stack's, or the board's")
     c.set_defaults(func=spend)
     left = sub.add_parser("leftovers", help="what is still tagged with a stack, and its monthly cost (AWS credentials)")
     left.add_argument("stack", help=project.STACK_HELP)
