@@ -73,12 +73,10 @@ BOM_PATH = "image/bom.json"  # under render's --out
 
 
 def _stack_path(stack_arg: str) -> Path:
-    path = project.find_stack(stack_arg)
-    if not project.is_stack_path(stack_arg) and not path.exists():
-        looked = " or ".join(str(d) for d in project.stack_dirs())
-        unset = "" if os.environ.get(project.STACKS_ENV) else f" (${project.STACKS_ENV} is not set)"
-        raise UserError([("", f"no such stack file: Pulumi.{stack_arg}.yaml is not in {looked}{unset}")])
-    return path
+    try:
+        return project.find_stack(stack_arg)
+    except project.StackNotFound as exc:
+        raise UserError([("", str(exc))]) from None
 
 
 def _load(stack_arg: str) -> Stack:
@@ -194,22 +192,6 @@ def config_problem(text: str) -> tuple[str, str]:
     return (path, message) if path.startswith((CONFIG_KEY, REGION_KEY)) and " " not in path else ("", text)
 
 
-def cost_json(estimate: cost.CostEstimate) -> dict[str, object]:
-    """What the text's cost table says beyond the summary's totals and pool rows: the fixed costs and the budget
-    warning (the quota and the default partition beside them: `plan`)."""
-    return {
-        "fixed_monthly_usd": {"head_node": round(estimate.head_node_monthly, 2),
-                              "lustre": round(estimate.lustre_monthly, 2),
-                              "network": round(estimate.network_monthly, 2),
-                              "kubernetes": round(estimate.kubernetes_monthly, 2),
-                              "image_snapshots": round(estimate.image_snapshots_monthly, 2)},
-        "over_budget": estimate.over_budget,
-        "hours_at_max_within_budget": (round(estimate.hours_at_max_within_budget, 1) if estimate.over_budget
-                                       else None),
-        "price_date": catalog.PRICE_DATE,
-    }
-
-
 def print_json(doc: object) -> None:
     json.dump(doc, sys.stdout, indent=1, sort_keys=True)
     print()
@@ -264,16 +246,11 @@ def plan(args: argparse.Namespace) -> int:
         raise UserError([("", "plan runs the Pulumi program (components/), which is not installed here: run it "
                               "where gpucluster is installed (pip install) or from a checkout. Here: render, "
                               "preflight, cost.")])
-    from pulumi import RunError
-
     from gpucluster.render.slurm import job_time
 
     if args.against:
         return plan_against(args, stack)
-    try:
-        declared = run_program(stack, project.pulumi_program())
-    except RunError as exc:  # what the program refuses in the stack's own terms, naming the key (as `pulumi up` would)
-        raise UserError([config_problem(str(exc))]) from None
+    declared = planned(stack)
     estimate = cost.estimate(stack)
     images = image_inputs(stack)
     if args.json:
@@ -286,7 +263,7 @@ def plan(args: argparse.Namespace) -> int:
                  "retain_on_delete": d.retain_on_delete}
                 for d in declared
             ],
-            "cost": estimate.summary() | cost_json(estimate),
+            "cost": estimate.summary(),
             "price_warning": cost.stale_price_warning(date.today()),
             "people": people(stack),
         }
@@ -319,19 +296,26 @@ def plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def plan_against(args: argparse.Namespace, stack: Stack) -> int:
-    """What changes between OLD and STACK, and its price (gpucluster/plan_diff.py)."""
+def planned(stack: Stack) -> list[Declared]:
+    """What the project's Pulumi program declares for the stack, offline; what it refuses in the stack's own terms is
+    bad input naming the key (as `pulumi up` would say it)."""
     from pulumi import RunError
 
+    try:
+        return run_program(stack, project.pulumi_program())
+    except RunError as exc:
+        raise UserError([config_problem(str(exc))]) from None
+
+
+def plan_against(args: argparse.Namespace, stack: Stack) -> int:
+    """What changes between OLD and STACK, and its price (gpucluster/plan_diff.py)."""
     from gpucluster import plan_diff
 
     try:
         old = plan_diff.old_stack(_stack_path(args.stack), args.against)
-        result = plan_diff.diff(stack, old, args.against, lambda s: run_program(s, project.pulumi_program()))
+        result = plan_diff.diff(stack, old, args.against, planned)
     except plan_diff.AgainstError as exc:
         raise UserError([("--against", str(exc))]) from None
-    except RunError as exc:
-        raise UserError([config_problem(str(exc))]) from None
     if args.json:
         print_json(result.as_json())
     else:
@@ -405,7 +389,7 @@ def preflight(args: argparse.Namespace) -> int:
     if args.json:
         print_json({"stack": stack.name, "region": stack.region, "failed": report.failed,
                     "checks": [dataclasses.asdict(check) for check in report.checks],
-                    "cost": estimate.summary() | cost_json(estimate)})
+                    "cost": estimate.summary()})
     else:
         print("\n".join(checks.render(stack, report)))
         print()
@@ -426,15 +410,15 @@ def aws_session(region: str | None = None) -> Any:
 
 def spend(args: argparse.Namespace) -> int:
     """This month's spend, forecast and GPU-hours; Cost Explorer lives in us-east-1 whatever the stack's region.
-    `--all`, several stacks or `--json`: the cost board (gpucluster/aws/cost_board.py). Exit 1 as the board's: over
-    the budget or forecast to be, or the spend unread."""
+    `--all` or several stacks: the cost board (gpucluster/aws/cost_board.py). Exit 1 as the board's: over the budget
+    or forecast to be, or the spend unread."""
     import datetime as dt
 
     from botocore.exceptions import BotoCoreError, ClientError
 
     from gpucluster.aws import spend as money
 
-    if args.all or args.json or len(args.stacks) != 1:
+    if args.all or len(args.stacks) != 1:
         return cost_board(args)
     stack = _load(args.stacks[0])
     session = aws_session()
@@ -446,7 +430,11 @@ def spend(args: argparse.Namespace) -> int:
         account = None
     result = money.spend(session.client("ce", region_name="us-east-1"), stack, dt.date.today(),
                          budgets=session.client("budgets", region_name="us-east-1"), account=account)
-    print("\n".join(money.report(stack, result, money.head_gpu_hours(stack))))
+    gpu_hours = money.head_gpu_hours(stack)
+    if args.json:
+        print_json(money.as_json(stack, result, gpu_hours))
+    else:
+        print("\n".join(money.report(stack, result, gpu_hours)))
     return EXIT_FAILED if result.fails(stack.spec.budget.monthly_usd) else 0
 
 
@@ -471,7 +459,7 @@ def cost_board(args: argparse.Namespace) -> int:
         except SpecError as exc:
             problems += [(p, f"{exc.source}: {message}") for p, message in exc.problems]
     if problems or not stacks:
-        raise UserError(problems or [("", f"no stack files in {' or '.join(map(str, project.stack_dirs()))}")])
+        raise UserError(problems or [("", f"no stack files in {project.looked_in()}")])
     session = aws_session()
     try:
         account = session.client("sts", region_name=stacks[0].region).get_caller_identity()["Account"]
@@ -647,8 +635,7 @@ def head_stack(cluster: str) -> Stack:
     files = [path for directory in project.stack_dirs() for path in sorted(directory.glob("Pulumi.*.yaml"))]
     found = [stack for stack in map(load_stack, files) if stack.cluster_name == cluster]
     if not found:
-        looked = " or ".join(str(d) for d in project.stack_dirs())
-        raise VerifyFormatError(f"no stack file of cluster {cluster} in {looked}")
+        raise VerifyFormatError(f"no stack file of cluster {cluster} in {project.looked_in()}")
     return found[0]
 
 
@@ -740,16 +727,17 @@ def parser() -> argparse.ArgumentParser:
     f.set_defaults(func=preflight)
     c = sub.add_parser("cost", help="this month's spend, forecast and GPU-hours of a stack, or the cost board across "
                                     "teams (AWS credentials)",
-                       description="STACK: one stack's spend, forecast, budget and (on its head node) GPU-hours. "
-                                   "--all, several stacks or --json: the cost board, one row per team (spend, "
-                                   "forecast, budget, GPU-hours, idle GPU-hours) and a total. Either way, exit 0 "
+                       description="STACK: one stack's spend, forecast, budget and (on its head node) GPU-hours "
+                                   "against the quota. --all or several stacks: the cost board, one row per team "
+                                   "(spend, forecast, budget, GPU-hours, idle GPU-hours) and a total. Either way, "
+                                   "--json prints the same as one JSON object; exit 0 "
                                    "ok; 1 when a team is over its budget or forecast to be, or its spend could not "
                                    "be read; 2 bad input.")
     c.add_argument("stacks", nargs="*", metavar="STACK",
                    help=f"{project.STACK_HELP}; several: the board (--all without any: every stack under ./stacks)")
     c.add_argument("--all", action="store_true", help="the board across teams (every stack under stacks/ unless "
                                                       "stacks are given)")
-    _json_flag(c, "the board as one JSON object")
+    _json_flag(c, "the report as one JSON object: one stack's, or the board's")
     c.set_defaults(func=spend)
     left = sub.add_parser("leftovers", help="what is still tagged with a stack, and its monthly cost (AWS credentials)")
     left.add_argument("stack", help=project.STACK_HELP)

@@ -31,13 +31,25 @@ def is_stack_path(stack: str) -> bool:
     return Path(stack).suffix in (".yaml", ".yml") or "/" in stack
 
 
+class StackNotFound(LookupError):
+    """A bare stack name that is in none of stack_dirs()."""
+
+
+def looked_in() -> str:
+    """Where bare stack names are looked up, as a message says it (and that $GPUCLUSTER_STACKS is unset, if it is)."""
+    places = " or ".join(str(directory) for directory in stack_dirs())
+    return places if os.environ.get(STACKS_ENV) else f"{places} (${STACKS_ENV} is not set)"
+
+
 def find_stack(stack: str) -> Path:
-    """STACK as the command line takes it (STACK_HELP); a name found nowhere gives the first place looked, whose
-    absence the stack's loader reports."""
+    """STACK as the command line takes it (STACK_HELP): a path as given (the stack's loader says if it is missing),
+    or the first file of a bare name in stack_dirs(); StackNotFound when there is none."""
     if is_stack_path(stack):
         return Path(stack)
-    candidates = [directory / f"Pulumi.{stack}.yaml" for directory in stack_dirs()]
-    return next((path for path in candidates if path.exists()), candidates[0])
+    found = next((path for directory in stack_dirs() if (path := directory / f"Pulumi.{stack}.yaml").exists()), None)
+    if found is None:
+        raise StackNotFound(f"no such stack file: Pulumi.{stack}.yaml is not in {looked_in()}")
+    return found
 
 
 def has_program() -> bool:

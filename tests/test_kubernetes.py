@@ -971,7 +971,7 @@ def test_plan_json_for_a_kubernetes_stack(capsys: pytest.CaptureFixture[str]) ->
 
     assert main(["plan", str(TEAM_K8S), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["cost"]["kubernetes_monthly_usd"] > 73  # the control plane alone is $0.10 x 730 h
+    assert doc["cost"]["fixed_monthly_usd"]["kubernetes"] > 73  # the control plane alone is $0.10 x 730 h
     assert any(r["type"] == "aws:eks/cluster:Cluster" for r in doc["resources"])
     assert main(["plan", str(TEAM_K8S)]) == 0
     assert "EKS and system nodes per month" in capsys.readouterr().out

@@ -193,6 +193,21 @@ def test_an_old_version_with_problems_is_named_by_its_revision(tmp_path: Path) -
     assert doc["source"] == "HEAD:Pulumi.dev.yaml"
 
 
+def test_a_version_the_program_refuses_is_bad_input_naming_the_key(tmp_path: Path) -> None:
+    """The Pulumi program's own refusal (a team too large for its users' IAM policy, which only the program checks)
+    is exit 2 with the key, as `plan` says it, not a traceback."""
+    doc = yaml.safe_load(DEV.read_text())
+    doc["config"]["gpucluster:cluster"]["users"] = [{"name": f"researcher{i:02d}", "principals": [
+        f"arn:aws:iam::123456789012:role/researchers/researcher{i:02d}",
+        f"arn:aws:iam::123456789012:user/researcher{i:02d}"]} for i in range(30)]
+    crowded = tmp_path / "Pulumi.dev.yaml"
+    crowded.write_text(yaml.safe_dump(doc))
+    out = run("plan", str(crowded), "--against", str(DEV), "--json")
+    assert out.returncode == 2, out
+    (error,) = json.loads(out.stdout)["errors"]
+    assert error["path"] == "gpucluster:cluster.users" and "access policy would be" in error["message"]
+
+
 @pytest.mark.parametrize("old,problem", [
     (DEV.read_bytes().replace(b"platform", b"plat\xe9form"), "not UTF-8 text (byte 0xe9 at offset"),
     (DEV.read_bytes() + b"#" + b"x" * (2 * 1024 * 1024) + b"\n", "larger than 1024 KiB"),

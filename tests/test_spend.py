@@ -110,6 +110,39 @@ def test_each_persons_gpu_hours_and_their_share_of_the_spend() -> None:
     assert used.billed_usd["vision"] == pytest.approx(7200 / 60 / cost.BILLING_UNITS_PER_USD)
 
 
+def test_the_json_report_carries_the_texts_figures() -> None:
+    """`cost STACK --json`: the text report's content as one object, figure for figure."""
+    result = spend.Spend(100000.0, 260000.0, ["a note"])
+    used = spend.gpu_hours(SSHARE)
+    text, doc = spend.report(TEAM_A, result, used), spend.as_json(TEAM_A, result, used)
+    assert f"Spent this month:    {cost.money(doc['spent_usd'])} (40% of the budget)" in text
+    assert f"Forecast for month:  {cost.money(doc['forecast_usd'])} - over budget" in text and doc["over_budget"]
+    assert f"Budget:              {cost.money(doc['budget_usd'])}" in text
+    quota = doc["quota"]
+    assert any(line.startswith(f"Quota:               {cost.money(quota['billed_usd'])} of "
+                               f"{cost.money(quota['usd'])}") for line in text)
+    assert f"GPU-hours:           {doc['gpu_hours']:,.1f} for account vision" in text
+    assert doc["other_accounts_gpu_hours"] == {"speech": 0.0} and "  speech: 0.0" in text
+    rows = person_lines(text)
+    assert [p["user"] for p in doc["people"]] == list(rows)
+    for person in doc["people"]:
+        hours, share, allocated = rows[person["user"]][:3]
+        assert (f"{person['gpu_hours']:,.1f}", f"{person['share_percent']:.0f}%", cost.money(person["allocated_usd"])) \
+            == (hours, share, allocated)
+    assert doc["notes"] == ["a note"] and "Note: a note" in text
+    assert (doc["gpu_hours_unknown"], doc["tag"]) == (None, {"gpucluster:stack": "team-a"})
+
+
+def test_the_json_report_says_why_gpu_hours_are_missing() -> None:
+    off = spend.as_json(TEAM_A, spend.Spend(None, None, []), spend.OFF_THE_HEAD)
+    assert (off["gpu_hours"], off["gpu_hours_unknown"], off["quota"], off["people"]) == (None, spend.OFF_THE_HEAD,
+                                                                                        None, [])
+    assert off["spent_usd"] is None and not off["over_budget"]
+    own = spend.as_json(TEAM_A, spend.Spend(1000.0, None, []), spend.gpu_hours("  vision|alice|gres/gpu=120\n"))
+    assert own["gpu_hours"] is None and own["gpu_hours_unknown"].startswith("only your own")
+    assert own["people"] == [{"user": "alice", "gpu_hours": 2.0}]
+
+
 def test_without_people_the_login_user_is_the_whole_team_and_an_unread_spend_is_said() -> None:
     dev = load_stack(ROOT / "stacks" / "Pulumi.dev.yaml")
     out = "platform||gres/gpu=600\n platform|ubuntu|gres/gpu=600\n"

@@ -102,6 +102,32 @@ def test_prices_are_fresh_for_six_months_then_flagged_with_their_age() -> None:
     assert "`preflight STACK`" in both
 
 
+@pytest.mark.parametrize("recorded", ["2025-01-30", "2025-08-31", "2024-08-29"])
+def test_prices_recorded_late_in_a_month_are_not_flagged_early_and_say_their_age(
+        recorded: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Recorded on a day some months lack (the 29th to the 31st): never flagged on or before the same day six months
+    on, flagged for good after, and the age the warning gives is then never under STALE_AFTER_MONTHS."""
+    monkeypatch.setattr(catalog, "PRICE_DATE", recorded)
+    monkeypatch.setattr(catalog, "SPOT_DATE", recorded)
+    day = date.fromisoformat(recorded)
+    flagged = []
+    for offset in range(150, 220):
+        today = day + timedelta(days=offset)
+        warning = cost.stale_price_warning(today)
+        if warning is not None:
+            age = int(warning.split(f"recorded {recorded} (")[1].split(" months ago")[0])
+            assert age >= cost.STALE_AFTER_MONTHS, warning
+            flagged.append(today)
+        else:
+            assert not flagged, f"fresh again on {today} after being flagged on {flagged[0]}"
+    assert flagged
+    try:
+        same_day = six_months_after(recorded)
+    except ValueError:  # no such day six months on (31 August -> 31 February)
+        return
+    assert flagged[0] == same_day + timedelta(days=1)
+
+
 def test_the_cost_table_warns_on_the_day_given() -> None:
     stack = dev()
     estimate = cost.estimate(stack)

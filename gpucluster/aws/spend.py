@@ -234,3 +234,32 @@ def by_person(stack: Stack, gpu_hours: GpuHours, team_hours: float | None, spent
             line += "  (not in the stack's users:)"
         lines.append(line.rstrip())
     return lines
+
+
+def as_json(stack: Stack, result: Spend, gpu_hours: GpuHours | str) -> dict[str, Any]:
+    """`cost STACK --json`: report's figures as one object (keys as the cost board's rows name them); a figure nobody
+    could read is null, and why is in gpu_hours_unknown or notes."""
+    budget, team = stack.spec.budget.monthly_usd, stack.spec.team
+    doc: dict[str, Any] = {
+        "stack": stack.name, "team": team, "tag": {COST_TAG: stack.name}, "spent_usd": result.month_to_date,
+        "forecast_usd": result.forecast, "budget_usd": budget,
+        "over_budget": over_budget(result.month_to_date, result.forecast, budget), "quota": None, "gpu_hours": None,
+        "gpu_hours_unknown": None, "other_accounts_gpu_hours": {}, "people": [], "notes": result.notes}
+    if isinstance(gpu_hours, str):
+        return doc | {"gpu_hours_unknown": gpu_hours}
+    # The people's rows under the team's account, as by_person lists them (most GPU-hours first).
+    rows = sorted(((user, hours) for (account, user), hours in gpu_hours.users.items() if account == team),
+                  key=lambda row: (-row[1], row[0]))
+    if team not in gpu_hours.accounts and rows:  # Slurm's PrivateData=usage: the caller's own association (report)
+        return doc | {"gpu_hours_unknown": f"only your own: Slurm shows account {team}'s to root",
+                      "people": [{"user": user, "gpu_hours": hours} for user, hours in rows]}
+    used = gpu_hours.accounts.get(team, 0.0)
+    spent = result.month_to_date
+    return doc | {
+        "quota": {"usd": round(cost.quota(stack).usd, 2), "billed_usd": round(gpu_hours.billed_usd.get(team, 0.0), 2)},
+        "gpu_hours": used,
+        "other_accounts_gpu_hours": {account: hours for account, hours in sorted(gpu_hours.accounts.items())
+                                     if account not in (team, "root")},
+        "people": [{"user": user, "gpu_hours": hours, "share_percent": round(100 * hours / used, 1) if used else None,
+                    "allocated_usd": round(spent * hours / used, 2) if used and spent is not None else None}
+                   for user, hours in rows]}

@@ -9,7 +9,7 @@ published one. `preflight` passes live spot prices in `hourly_overrides`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import date
+from datetime import date, timedelta
 
 from gpucluster.contract.slurm_json import BILLING_CENTS_PER_USD
 from gpucluster.spec import catalog, eks
@@ -127,10 +127,18 @@ class CostEstimate:
         return sum(i.snapshot_monthly for i in self.images)
 
     @property
+    def fixed_monthly_parts(self) -> dict[str, float]:
+        """What bills every month whether jobs run or not, by part."""
+        return {"head_node": self.head_node_monthly, "lustre": self.lustre_monthly, "network": self.network_monthly,
+                "kubernetes": self.kubernetes_monthly, "image_snapshots": self.image_snapshots_monthly}
+
+    @property
+    def fixed_monthly(self) -> float:
+        return sum(self.fixed_monthly_parts.values())
+
+    @property
     def fixed_hourly(self) -> float:
-        monthly = (self.head_node_monthly + self.network_monthly + self.lustre_monthly + self.image_snapshots_monthly
-                   + self.kubernetes_monthly)
-        return monthly / HOURS_PER_MONTH
+        return self.fixed_monthly / HOURS_PER_MONTH
 
     @property
     def hourly_min(self) -> float:
@@ -163,6 +171,7 @@ class CostEstimate:
         return self.budget_monthly / self.hourly_max if self.hourly_max else float("inf")
 
     def summary(self) -> dict[str, object]:
+        """The estimate as `plan --json` and `preflight --json` give it under "cost"."""
         return {
             "pools": [p.row() for p in self.pools],
             "hourly_usd_min": round(self.hourly_min, 4),
@@ -173,8 +182,10 @@ class CostEstimate:
             "budget_monthly_usd": self.budget_monthly,
             "unpriced_pools": self.unpriced,
             "image_build_usd": round(self.image_build_usd, 2),
-            "image_snapshots_monthly_usd": round(self.image_snapshots_monthly, 2),
-            "kubernetes_monthly_usd": round(self.kubernetes_monthly, 2),
+            "fixed_monthly_usd": {part: round(usd, 2) for part, usd in self.fixed_monthly_parts.items()},
+            "over_budget": self.over_budget,
+            "hours_at_max_within_budget": round(self.hours_at_max_within_budget, 1) if self.over_budget else None,
+            "price_date": catalog.PRICE_DATE,
         }
 
 
@@ -247,8 +258,8 @@ def stale_price_warning(today: date) -> str | None:
     old = []
     for what, recorded in (("on-demand rates", catalog.PRICE_DATE), ("spot savings", catalog.SPOT_DATE)):
         day = date.fromisoformat(recorded)
-        year, month = divmod(day.month - 1 + STALE_AFTER_MONTHS, 12)
-        if today > date(day.year + year, month + 1, min(day.day, 28)):  # the 28th: every month has it
+        # Older than the limit: it was already reached yesterday (on the day itself they are just that old).
+        if _months_between(day, today - timedelta(days=1)) >= STALE_AFTER_MONTHS:
             old.append(f"{what} recorded {recorded} ({_months_between(day, today)} months ago)")
     if not old:
         return None
@@ -357,12 +368,11 @@ def billed_node_hour_usd(pool: PoolSpec) -> tuple[float, str]:
     return _ceiling_per_accelerator_hour() * pool.accelerator.count, "no price: the catalog's highest $/accelerator-h"
 
 
-def _quota_usd(stack: Stack) -> tuple[float, str]:
-    """The month's quota in dollars, and where it comes from (quota)."""
+def _quota_usd(stack: Stack, fixed: float) -> tuple[float, str]:
+    """The month's quota in dollars, and where it comes from (quota); `fixed`: the stack's fixed monthly costs."""
     budget = stack.spec.budget
     if budget.quota_usd_per_month is not None:
         return budget.quota_usd_per_month, "budget.quota_usd_per_month"
-    fixed = estimate(stack).fixed_hourly * HOURS_PER_MONTH
     return max(budget.monthly_usd - fixed, 0.0), (f"budget.monthly_usd {money(budget.monthly_usd)} less the fixed "
                                                   f"costs of {money(fixed)} a month: head node, network, Lustre, "
                                                   "images")
@@ -372,7 +382,7 @@ def quota(stack: Stack) -> Quota:
     """The Slurm team account's monthly money quota: budget.quota_usd_per_month, or the budget less the cluster's
     fixed costs (what bills whether jobs run or not), so that jobs and fixed costs together stay within the budget.
     (Slurm stacks only: Kueue has no accumulated-usage limit.)"""
-    usd, why = _quota_usd(stack)
+    usd, why = _quota_usd(stack, estimate(stack).fixed_monthly)
     pools = []
     for pool in stack.spec.pools:
         node_hour, priced_as = billed_node_hour_usd(pool)
@@ -399,10 +409,12 @@ def default_partition(stack: Stack) -> tuple[str, str]:
 def quota_problems(stack: Stack) -> list[tuple[tuple[str, ...], str]]:
     """A quota that lets no job start (less than a cent: GrpTRESMins=billing=0), as (path under the cluster, message):
     Slurm would hold every job of the team with AssocGrpBillingMinutes from the first day. Slurm stacks only."""
-    if stack.spec.scheduler != "slurm" or billing_minutes(_quota_usd(stack)[0]) > 0:
+    if stack.spec.scheduler != "slurm":
         return []
     budget, estimated = stack.spec.budget, estimate(stack)
-    fixed = estimated.fixed_hourly * HOURS_PER_MONTH
+    fixed = estimated.fixed_monthly
+    if billing_minutes(_quota_usd(stack, fixed)[0]) > 0:
+        return []
     parts = (f"head node {money(estimated.head_node_monthly)}, network {money(estimated.network_monthly)}, Lustre "
              f"{money(estimated.lustre_monthly)}, node images {money(estimated.image_snapshots_monthly)}")
     held = "Slurm would hold every job of the team (AssocGrpBillingMinutes)"
