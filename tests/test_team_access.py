@@ -18,6 +18,7 @@ import pulumi
 import pytest
 import yaml
 
+from components import team_access
 from conftest import ROOT, of_type, planned
 from gpucluster import cli
 from gpucluster.aws import verify_remote
@@ -444,6 +445,15 @@ def test_the_users_policy_stays_within_iams_size_for_a_managed_policy(tmp_path: 
     stack, declared, _ = _people_plan()
     (policy,) = [d for d in of_type(declared, "iam/policy:Policy") if d.name.endswith("-user-access")]
     assert sum(not c.isspace() for c in policy.inputs["policy"]) < 6144
+    # The check measured the policy declared: the same document, with stand-ins of the same length for the account's
+    # and the head's ids, which did not exist yet.
+    (head,) = of_type(declared, "ec2/instance:Instance")
+    people, instance_id = stack.spec.users or [], planned_id(head, stack.region)
+    assert team_access.users_policy(stack.cluster_name, people, team_access.PolicyArns(
+        stack.region, ACCOUNT, instance_id)) == policy.inputs["policy"]
+    measured = team_access.users_policy(stack.cluster_name, people, team_access.PolicyArns(
+        stack.region, team_access.PLACEHOLDER_ACCOUNT, team_access.PLACEHOLDER_INSTANCE))
+    assert team_access.policy_characters(measured) == sum(not c.isspace() for c in policy.inputs["policy"])
 
 
 
