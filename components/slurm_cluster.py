@@ -5,6 +5,7 @@ file system and budget (components/shared.py)."""
 from __future__ import annotations
 
 import base64
+import shlex
 from pathlib import Path
 
 import pulumi
@@ -21,6 +22,7 @@ from components.shared import create_shared_parts, shared_outputs
 from components.team_access import TeamAccess, TeamAccessArgs
 from components.teardown import Teardown, TeardownArgs
 from gpucluster.aws import status_remote, verify_remote
+from gpucluster.contract.settings import start_session_command
 from gpucluster.render import bundle, userdata
 from gpucluster.spec import bom, cost
 from gpucluster.spec.model import Stack
@@ -177,6 +179,7 @@ def create_slurm_cluster(stack: Stack, examples_dir: Path) -> dict[str, object]:
 
 
 def start_session(region: str, instance_id: pulumi.Input[str], document: pulumi.Input[str]) -> pulumi.Output[str]:
-    """The AWS CLI command that opens a Session Manager shell on the head with `document`."""
-    return pulumi.Output.concat("aws ssm start-session --region ", region, " --target ", instance_id,
-                                " --document-name ", document)
+    """The AWS CLI command that opens a Session Manager shell on the head with `document`, as `gpucluster connect`
+    runs it."""
+    return pulumi.Output.all(instance_id=instance_id, document=document).apply(
+        lambda known: shlex.join(start_session_command(region, **known)))

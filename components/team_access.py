@@ -25,8 +25,12 @@ import pulumi_aws as aws
 
 from components import child
 from gpucluster.contract.settings import (
+    ADMIN_SESSION,
+    DASHBOARD_SESSION,
     GRAFANA_PORT,
     LOGIN_USER,
+    SSH_SESSION,
+    USER_SESSION,
     command_document_name,
     person_session_document_name,
     session_document_name,
@@ -148,6 +152,50 @@ def policy_characters(document: str) -> int:
 
 
 @dataclass(frozen=True)
+class PolicyArns:
+    """The ARNs the access policies name: the head node, the region's sessions of the account, and the cluster's
+    documents by the names the component gives them. Account and instance ids are AWS's to assign; the size check
+    (users_policy_problem) renders the same policy with stand-ins of their lengths."""
+    region: str
+    account_id: str
+    instance_id: str
+
+    @property
+    def instance(self) -> str:
+        return f"arn:aws:ec2:{self.region}:{self.account_id}:instance/{self.instance_id}"
+
+    @property
+    def sessions(self) -> str:
+        return f"arn:aws:ssm:{self.region}:{self.account_id}:session/"
+
+    def document(self, name: str) -> str:
+        return f"arn:aws:ssm:{self.region}:{self.account_id}:document/{name}"
+
+
+def users_policy(cluster: str, people: Sequence[UserSpec], arns: PolicyArns) -> str:
+    """The users' policy: the login user's shell, or with people each person's (to their principals only); the
+    dashboard, SSH, verify and status."""
+    personal = [(arns.document(person_session_document_name(cluster, p.name)), p.principals) for p in people]
+    shells = [] if personal else [arns.document(session_document_name(cluster, USER_SESSION))]
+    return access_policy(
+        arns.instance, [*shells, *(arns.document(session_document_name(cluster, kind))
+                                   for kind in (DASHBOARD_SESSION, SSH_SESSION))],
+        arns.sessions, [arns.document(command_document_name(cluster, kind)) for kind in ("verify", "status")],
+        run_as_tag_free=True, people=personal, key_pushes=key_pushes(people))
+
+
+def admins_policy(cluster: str, arns: PolicyArns) -> str:
+    """The admins' policy: their shell (ssm-user, sudo), which a `SSMSessionRunAs` tag may not override here; the
+    dashboard, verify with and without --deep, and status."""
+    return access_policy(
+        arns.instance, [arns.document(session_document_name(cluster, kind))
+                        for kind in (ADMIN_SESSION, DASHBOARD_SESSION)],
+        arns.sessions, [arns.document(command_document_name(cluster, kind))
+                        for kind in ("verify", "verify-deep", "status")],
+        run_as_tag_free=False)
+
+
+@dataclass(frozen=True)
 class TeamAccessArgs:
     cluster_name: str
     region: str
@@ -183,9 +231,6 @@ class TeamAccess(pulumi.ComponentResource):
         too_big = users_policy_problem(args)
         if too_big:
             raise pulumi.RunError(too_big)
-        instance_arn = pulumi.Output.concat(f"arn:aws:ec2:{args.region}:", args.account_id, ":instance/",
-                                            args.head_instance_id)
-        sessions = pulumi.Output.concat(f"arn:aws:ssm:{args.region}:", args.account_id, ":session/")
 
         def shell(key: str, document_name: str, description: str, run_as: str | None) -> aws.ssm.Document:
             return aws.ssm.Document(
@@ -193,22 +238,22 @@ class TeamAccess(pulumi.ComponentResource):
                 content=session_document(f"gpucluster {cluster}: {description}", run_as), opts=child(self))
 
         users = None if args.people else shell(
-            "user", session_document_name(cluster, "user"), f"a shell on the head node as {LOGIN_USER} (no sudo)",
-            LOGIN_USER)
+            "user", session_document_name(cluster, USER_SESSION),
+            f"a shell on the head node as {LOGIN_USER} (no sudo)", LOGIN_USER)
         # Each person's shell runs as their own account, which the nodes make (admins: with sudo).
         people = {person.name: shell(f"user-{person.name}", person_session_document_name(cluster, person.name),
                                      f"a shell on the head node as {person.name}", person.name)
                   for person in args.people}
-        admins = shell("admin", session_document_name(cluster, "admin"),
+        admins = shell("admin", session_document_name(cluster, ADMIN_SESSION),
                        "an admin shell on the head node (ssm-user, sudo)", None)
         # Users and admins alike may open the dashboards: Grafana's own login decides what each may change there.
         dashboard = aws.ssm.Document(
-            f"{name}-dashboard-session", name=session_document_name(cluster, "dashboard"),
+            f"{name}-dashboard-session", name=session_document_name(cluster, DASHBOARD_SESSION),
             document_type="Session", document_format="JSON", content=dashboard_document(
                 f"gpucluster {cluster}: Grafana on the head node, forwarded to a port of your machine"),
             opts=child(self))
         ssh = aws.ssm.Document(
-            f"{name}-ssh-session", name=session_document_name(cluster, "ssh"), document_type="Session",
+            f"{name}-ssh-session", name=session_document_name(cluster, SSH_SESSION), document_type="Session",
             document_format="JSON", content=ssh_document(
                 f"gpucluster {cluster}: sshd on the head node's loopback, for ssh's ProxyCommand"), opts=child(self))
         status = aws.ssm.Document(
@@ -221,29 +266,20 @@ class TeamAccess(pulumi.ComponentResource):
             f"{name}-verify-deep-command", name=command_document_name(cluster, "verify-deep"),
             document_type="Command", document_format="JSON", content=args.verify_deep_document, opts=child(self))
 
-        def document_arn(document: aws.ssm.Document) -> pulumi.Output[str]:
-            return pulumi.Output.concat(f"arn:aws:ssm:{args.region}:", args.account_id, ":document/", document.name)
-
-        principals = [tuple(person.principals) for person in args.people]
+        ids = pulumi.Output.all(account_id=args.account_id, instance_id=args.head_instance_id)
+        # The policies name the documents by the names given above (PolicyArns) and come after them: no grant of a
+        # document that does not exist yet.
         # The descriptions stay as they were, also with people (whose shells are their own, not the login user's): a
         # changed one replaces the policy, and the old one, attached to the team's users, could not be deleted.
         user_policy = aws.iam.Policy(
             f"{name}-user-access", description=f"gpucluster {cluster}: shell on the head node as {LOGIN_USER}",
-            policy=pulumi.Output.all(
-                instance_arn, document_arn(dashboard), sessions, document_arn(verify),
-                [document_arn(users)] if users else [], [document_arn(d) for d in people.values()],
-                document_arn(ssh), document_arn(status)).apply(
-                lambda v: access_policy(v[0], [*v[4], v[1], v[6]], v[2], [v[3], v[7]], run_as_tag_free=True,
-                                        people=list(zip(v[5], principals, strict=True)),
-                                        key_pushes=key_pushes(args.people))),
-            opts=child(self))
+            policy=ids.apply(lambda known: users_policy(cluster, args.people, PolicyArns(args.region, **known))),
+            opts=child(self, depends_on=[*([users] if users else []), *people.values(), dashboard, ssh, verify,
+                                         status]))
         admin_policy = aws.iam.Policy(
             f"{name}-admin-access", description=f"gpucluster {cluster}: admin shell (sudo) on the head "
-            "node", policy=pulumi.Output.all(
-                instance_arn, document_arn(admins), document_arn(dashboard), sessions, document_arn(verify),
-                document_arn(verify_deep), document_arn(status)).apply(
-                lambda v: access_policy(v[0], [v[1], v[2]], v[3], [v[4], v[5], v[6]], run_as_tag_free=False)),
-            opts=child(self))
+            "node", policy=ids.apply(lambda known: admins_policy(cluster, PolicyArns(args.region, **known))),
+            opts=child(self, depends_on=[admins, dashboard, verify, verify_deep, status]))
         self.user_document = users.name if users else None
         self.person_documents = {person: document.name for person, document in people.items()}
         self.admin_document, self.dashboard_document = admins.name, dashboard.name
@@ -263,20 +299,8 @@ def users_policy_problem(args: TeamAccessArgs) -> str | None:
     """Why the users' policy would be over IAM's size limit for a managed policy, or None. Checked before anything is
     declared, on the policy rendered with ARNs of AWS's lengths, so that `plan` and the preview say so, not IAM
     half-way through an `up`."""
-    cluster = args.cluster_name
-
-    def arn(name: str) -> str:
-        return f"arn:aws:ssm:{args.region}:{PLACEHOLDER_ACCOUNT}:document/{name}"
-
-    people = [(arn(person_session_document_name(cluster, p.name)), p.principals) for p in args.people]
-    shells = [] if people else [arn(session_document_name(cluster, "user"))]
-    document = access_policy(
-        f"arn:aws:ec2:{args.region}:{PLACEHOLDER_ACCOUNT}:instance/{PLACEHOLDER_INSTANCE}",
-        [*shells, arn(session_document_name(cluster, "dashboard")), arn(session_document_name(cluster, "ssh"))],
-        f"arn:aws:ssm:{args.region}:{PLACEHOLDER_ACCOUNT}:session/",
-        [arn(command_document_name(cluster, kind)) for kind in ("verify", "status")],
-        run_as_tag_free=True, people=people, key_pushes=key_pushes(args.people))
-    size = policy_characters(document)
+    size = policy_characters(users_policy(args.cluster_name, args.people,
+                                          PolicyArns(args.region, PLACEHOLDER_ACCOUNT, PLACEHOLDER_INSTANCE)))
     if size <= MANAGED_POLICY_MAX_CHARACTERS:
         return None
     return (f"{CONFIG_KEY}.users: the team's users' access policy would be {size} characters, over IAM's "

@@ -508,16 +508,15 @@ def dashboard(args: argparse.Namespace) -> int:
     import shlex
 
     from gpucluster.aws.head import HeadNotFound, running_head
-    from gpucluster.contract.settings import session_document_name
+    from gpucluster.contract.settings import DASHBOARD_SESSION, session_document_name, start_session_command
 
     stack = _load(args.stack)
     try:
         head = running_head(aws_session(stack.region).client("ec2"), stack)
     except HeadNotFound as exc:
         raise UserError([("", f"dashboard: {exc}")], EXIT_FAILED) from None
-    command = ["aws", "ssm", "start-session", "--region", stack.region, "--target", head, "--document-name",
-               session_document_name(stack.cluster_name, "dashboard"), "--parameters",
-               f"localPortNumber={args.local_port}"]
+    command = start_session_command(stack.region, head, session_document_name(stack.cluster_name, DASHBOARD_SESSION),
+                                    {"localPortNumber": str(args.local_port)})
     url = f"http://localhost:{args.local_port}/"
     if args.json and not args.run:
         print_json({"command": command, "url": url})

@@ -113,6 +113,8 @@ def test_the_command_becomes_the_aws_cli(tmp_path: Path, moto: str) -> None:
 
 
 def start_session(stack: Any, instance: str, document: str) -> list[str]:
+    """The AWS CLI's command line, written out: the Slurm stack's `connect` outputs print it
+    (tests/test_team_access.py), `gpucluster dashboard` with its parameters (tests/test_dashboard_command.py)."""
     return ["aws", "ssm", "start-session", "--region", stack.region, "--target", instance, "--document-name",
             document]
 

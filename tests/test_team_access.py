@@ -18,6 +18,7 @@ import pulumi
 import pytest
 import yaml
 
+from components import team_access
 from conftest import ROOT, of_type, planned
 from gpucluster import cli
 from gpucluster.aws import verify_remote
@@ -35,11 +36,12 @@ from gpucluster.spec.model import Stack, validate
 
 ACCOUNT = MOCK_ACCOUNT
 TEAM_A = ROOT / "stacks" / "Pulumi.team-a.yaml"
+TEAM_B = ROOT / "stacks" / "Pulumi.team-b.yaml"
 
 
 def test_sessions_on_the_head_node_as_the_login_user_or_as_admin() -> None:
     """A stack without `users:`: everyone's shell is the login user's."""
-    stack, declared = planned(ROOT / "stacks" / "Pulumi.team-b.yaml")
+    stack, declared = planned(TEAM_B)
     assert stack.spec.users is None
     region, cluster = stack.region, stack.cluster_name
     (head,) = of_type(declared, "ec2/instance:Instance")
@@ -106,7 +108,7 @@ def access_policies(declared: tuple[Declared, ...], cluster: str) -> dict[str, d
 def test_dashboard_document_forwards_to_grafana_on_the_heads_loopback_only() -> None:
     """The caller chooses the local port and nothing else: no remote port parameter, no host (the agent then connects
     to localhost), so the document cannot reach another port of the head or anything the head reaches."""
-    stack, declared = planned(ROOT / "stacks" / "Pulumi.team-b.yaml")
+    stack, declared = planned(TEAM_B)
     (document,) = [d for d in of_type(declared, "ssm/document:Document")
                    if d.inputs["name"] == session_document_name(stack.cluster_name, "dashboard")]
     assert document.inputs["documentType"] == "Session" and document.inputs["documentFormat"] == "JSON"
@@ -321,10 +323,18 @@ def test_each_person_has_a_shell_document_as_themselves_and_a_connect_command() 
             {k: v for k, v in shared_shell["inputs"].items() if not k.startswith("runAs")}
     (head,) = of_type(declared, "ec2/instance:Instance")
     instance_id = planned_id(head, stack.region)
+    # The command `gpucluster connect` execs (tests/test_connect.py), as a line for the shell.
     assert outputs["connect"] == {
         p.name: f"aws ssm start-session --region {stack.region} --target {instance_id} --document-name "
                 f"{cluster}-user-{p.name}-session" for p in people}
-    assert outputs["connect_admin"].endswith(f"--document-name {cluster}-admin-session")
+    assert outputs["connect_admin"] == (f"aws ssm start-session --region {stack.region} --target {instance_id} "
+                                        f"--document-name {cluster}-admin-session")
+    # Without people, one command: the login user's shell.
+    shared, declared, outputs = _people_plan(TEAM_B)
+    (head,) = of_type(declared, "ec2/instance:Instance")
+    assert outputs["connect"] == (f"aws ssm start-session --region {shared.region} --target "
+                                  f"{planned_id(head, shared.region)} --document-name "
+                                  f"{shared.cluster_name}-user-session")
 
 
 # The table: principal x requested shell (the OS user it runs as) -> may start it, under the users' policy. Session
@@ -435,6 +445,15 @@ def test_the_users_policy_stays_within_iams_size_for_a_managed_policy(tmp_path: 
     stack, declared, _ = _people_plan()
     (policy,) = [d for d in of_type(declared, "iam/policy:Policy") if d.name.endswith("-user-access")]
     assert sum(not c.isspace() for c in policy.inputs["policy"]) < 6144
+    # The check measured the policy declared: the same document, with stand-ins of the same length for the account's
+    # and the head's ids, which did not exist yet.
+    (head,) = of_type(declared, "ec2/instance:Instance")
+    people, instance_id = stack.spec.users or [], planned_id(head, stack.region)
+    assert team_access.users_policy(stack.cluster_name, people, team_access.PolicyArns(
+        stack.region, ACCOUNT, instance_id)) == policy.inputs["policy"]
+    measured = team_access.users_policy(stack.cluster_name, people, team_access.PolicyArns(
+        stack.region, team_access.PLACEHOLDER_ACCOUNT, team_access.PLACEHOLDER_INSTANCE))
+    assert team_access.policy_characters(measured) == sum(not c.isspace() for c in policy.inputs["policy"])
 
 
 
@@ -463,7 +482,7 @@ def test_who_may_push_an_ssh_key_as_whom(principal: str, os_user: str, allowed: 
 def test_ssh_goes_to_port_22_on_the_heads_loopback_only() -> None:
     """The SSH document fixes the port (no parameter a caller could point at slurmctld or Alertmanager) and names no
     host; it is a stream session (no LocalPortForwarding): ssh's ProxyCommand speaks through stdin and stdout."""
-    stack, declared = planned(ROOT / "stacks" / "Pulumi.team-b.yaml")
+    stack, declared = planned(TEAM_B)
     (document,) = [d for d in of_type(declared, "ssm/document:Document")
                    if d.inputs["name"] == session_document_name(stack.cluster_name, "ssh")]
     content = json.loads(document.inputs["content"])

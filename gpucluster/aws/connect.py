@@ -38,7 +38,15 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from gpucluster.aws.head import HeadNotFound, running_head
 from gpucluster.cli_errors import credentials_problem
-from gpucluster.contract.settings import LOGIN_USER, person_session_document_name, session_document_name
+from gpucluster.contract.settings import (
+    ADMIN_SESSION,
+    LOGIN_USER,
+    SSH_SESSION,
+    USER_SESSION,
+    person_session_document_name,
+    session_document_name,
+    start_session_command,
+)
 from gpucluster.spec.model import CONFIG_KEY, Stack, principal_key
 
 EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
@@ -46,7 +54,6 @@ PLUGIN = "session-manager-plugin"  # the name the AWS CLI looks for on PATH
 PLUGIN_HELP = ("https://docs.aws.amazon.com/systems-manager/latest/userguide/"
                "session-manager-working-with-install-plugin.html")
 CLI_HELP = "https://docs.aws.amazon.com/cli/latest/userguide/getting-started-install.html"
-SSH_KIND = "ssh"  # <cluster>-ssh-session: the head's port 22, through Session Manager
 
 
 class ConnectError(Exception):
@@ -99,7 +106,7 @@ def shell(stack: Stack, admin: bool, user: str | None, sts: Any) -> Shell:
     if admin and user:
         raise ConnectError("--admin and --user are two different shells: give one", EXIT_BAD_INPUT)
     if admin:
-        return Shell(session_document_name(cluster, "admin"), "")
+        return Shell(session_document_name(cluster, ADMIN_SESSION), "")
     if user and not names:
         raise ConnectError(f"stack {stack.name} lists no people ({CONFIG_KEY}.users): everyone connects as "
                            f"{LOGIN_USER}, without --user", EXIT_BAD_INPUT)
@@ -107,13 +114,9 @@ def shell(stack: Stack, admin: bool, user: str | None, sts: Any) -> Shell:
         raise ConnectError(f"no person {user!r} in {CONFIG_KEY}.users of stack {stack.name}; its people: "
                            f"{', '.join(names)}", EXIT_BAD_INPUT)
     if not names:
-        return Shell(session_document_name(cluster, "user"), LOGIN_USER)
+        return Shell(session_document_name(cluster, USER_SESSION), LOGIN_USER)
     person = user or person_of(stack, caller_principal(sts))
     return Shell(person_session_document_name(cluster, person), person)
-
-
-def start_session(stack: Stack, head: str, document: str) -> list[str]:
-    return ["aws", "ssm", "start-session", "--region", stack.region, "--target", head, "--document-name", document]
 
 
 def missing_tools() -> str | None:
@@ -140,7 +143,7 @@ def connect(stack: Stack, admin: bool, user: str | None, session: Any) -> int:
         missing = missing_tools()
         if missing:
             raise ConnectError(missing, EXIT_BAD_INPUT)
-        command = start_session(stack, _head(stack, session), chosen.document)
+        command = start_session_command(stack.region, _head(stack, session), chosen.document)
     except ConnectError as exc:
         print(f"connect: {exc}", file=sys.stderr)
         return exc.code
@@ -214,6 +217,6 @@ def ssh_proxy(stack: Stack, user: str, session: Any, home: Path | None = None) -
     except ConnectError as exc:
         print(f"ssh-proxy: {exc}", file=sys.stderr)
         return exc.code
-    command = start_session(stack, head, session_document_name(stack.cluster_name, SSH_KIND))
+    command = start_session_command(stack.region, head, session_document_name(stack.cluster_name, SSH_SESSION))
     os.execvp(command[0], command)
     return EXIT_FAILED  # not reached

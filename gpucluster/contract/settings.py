@@ -423,11 +423,27 @@ def head_instance_name(cluster: str) -> str:
     return f"{cluster}-head"
 
 
+# The kinds of the cluster's Session Manager documents (session_document_name): the login user's shell, the admins'
+# (ssm-user, sudo), the port forward to Grafana and the stream to sshd for ssh's ProxyCommand.
+USER_SESSION, ADMIN_SESSION, DASHBOARD_SESSION, SSH_SESSION = "user", "admin", "dashboard", "ssh"
+
+
 def session_document_name(cluster: str, kind: str) -> str:
-    """A Session Manager document of the cluster (components/team_access.py); kind: user | admin | dashboard | ssh, or
+    """A Session Manager document of the cluster (components/team_access.py); kind: one of the *_SESSION kinds, or
     user-<person> (person_session_document_name). `gpucluster dashboard` names the dashboard's in the command it
     prints."""
     return f"{cluster}-{kind}-session"
+
+
+def start_session_command(region: str, instance_id: str, document: str,
+                          parameters: dict[str, str] | None = None) -> list[str]:
+    """The AWS CLI command line that opens a Session Manager session on the head node with one of the cluster's
+    documents: what `gpucluster connect|ssh-proxy|dashboard` exec and the Slurm stack's `connect` outputs print.
+    `parameters`: the document's, in the CLI's shorthand (aws ssm start-session --parameters key=value,...)."""
+    command = ["aws", "ssm", "start-session", "--region", region, "--target", instance_id, "--document-name", document]
+    if parameters:
+        command += ["--parameters", ",".join(f"{key}={value}" for key, value in parameters.items())]
+    return command
 
 
 def person_session_document_name(cluster: str, person: str) -> str:
