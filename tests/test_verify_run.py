@@ -274,14 +274,31 @@ def test_verify_with_a_stack_off_its_head_runs_there_through_session_manager(
     assert called[-1][1] == ["--last"]
 
 
-def test_on_the_head_a_run_needs_root(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_on_the_head_a_run_needs_root_and_last_does_not(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
     settings = tmp_path / "cluster.json"
     settings.write_text(ClusterSettings("c", "us-east-1", {}).to_json())
     monkeypatch.setattr(cli, "SETTINGS_FILE", str(settings))
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    assert cli.main(["verify", "--last"]) == cli.EXIT_BAD_INPUT
+    assert cli.main(["verify"]) == cli.EXIT_BAD_INPUT
     assert "run it as root" in capsys.readouterr().err
+    # The kept runs are readable by all (0644): --last needs no root.
+    monkeypatch.setattr(vr, "VERIFY_DIR", str(tmp_path))
+    vr.keep(vr.Setup(ClusterSettings("c", "us-east-1", {}), verify_dir=tmp_path, textfile=tmp_path / "t.prom"),
+            "20261201T100000Z-a", results_of("a", v.PASS))
+    assert cli.main(["verify", "--last", "--json"]) == 0
+    assert v.run_from_json(capsys.readouterr().out) == results_of("a", v.PASS)
+
+
+@pytest.mark.parametrize("damage", ["{not json", '{"checks": [{"pool": "a"}]}'])
+def test_last_says_in_one_line_that_a_damaged_newest_run_cannot_be_read(
+        damage: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "20261201T100000Z-a.json").write_text(damage)
+    assert vr.last(False, tmp_path) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err
+    (said,) = captured.err.splitlines()
+    assert said.startswith(f"verify: the latest run, {tmp_path / '20261201T100000Z-a.json'}, cannot be read")
 
 
 class ScriptedCluster(vr.Slurm):

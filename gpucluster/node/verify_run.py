@@ -646,12 +646,18 @@ def run(checks: list[v.Check], as_json: bool, setup: Setup) -> int:
     return exit_status(results)
 
 
-def last(as_json: bool, verify_dir: Path = Path(VERIFY_DIR)) -> int:
-    """The newest run kept: 0 when nothing failed in it, 1 when something did or there is none yet."""
+def last(as_json: bool, verify_dir: Path | None = None) -> int:
+    """The newest run kept (in VERIFY_DIR by default): 0 when nothing failed in it, 1 when something did, there is
+    none yet or it cannot be read."""
+    verify_dir = verify_dir or Path(VERIFY_DIR)
     files = run_files(verify_dir)
     if not files:
         print(f"verify: no run yet (none in {verify_dir})", file=sys.stderr)
         return 1
-    results = v.run_from_json(files[-1].read_text())
+    try:
+        results = v.run_from_json(files[-1].read_text())
+    except (OSError, ValueError) as exc:  # VerifyFormatError and json's errors are ValueErrors
+        print(f"verify: the latest run, {files[-1]}, cannot be read: {exc}", file=sys.stderr)
+        return 1
     print_results(results, as_json, files[-1])
     return exit_status(results)
