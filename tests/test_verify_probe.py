@@ -15,7 +15,9 @@ tests/nccl-tests/README.md says which line comes from where.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import re
 import socket
 import subprocess
@@ -28,7 +30,7 @@ import pytest
 
 from conftest import ROOT
 from gpucluster.contract import verify
-from gpucluster.contract.settings import AWS_OFI_NCCL_LIB_DIRS, NCCL_NET_PLUGIN_FILE, PoolSettings
+from gpucluster.contract.settings import AWS_OFI_NCCL_LIB_DIRS, NCCL_NET_PLUGIN_FILE, ClusterSettings, PoolSettings
 from gpucluster.node import nccl_tests, verify_probe
 from gpucluster.node.verify_probe import Sources
 from gpucluster.render import verify as verify_plan
@@ -307,6 +309,32 @@ def test_a_trainium_node_counts_neuron_devices_not_gpus(sources: Sources, tmp_pa
     measured = verify_probe.probe(TRN, "localhost", str(tmp_path), fsx_mib=4, sources=sources)
     assert measured["neuron_devices"] == {"count": 16} and measured["efa_devices"]["count"] == 32
     assert not {"gpus", "ecc_uncorrected", "dcgm_diag", "nccl_efa_plugin"} & set(measured)
+
+
+def test_main_prints_the_pools_readings_as_one_json_object(
+        sources: Sources, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The program as the verify jobs run it: the node's pool from node.env and the settings, the user's job
+    --without-dcgm, root's --dcgm-only (dcgmi found on PATH). Seams: the settings and node.env a node has, and the
+    sources fixture's stand-ins for the tools and files this machine lacks (main's own Sources() is production's)."""
+    monkeypatch.setattr(verify_probe, "read_env_file", lambda: {"GPUCLUSTER_POOL": P5.name})
+    monkeypatch.setattr(verify_probe.ClusterSettings, "load",
+                        classmethod(lambda cls: ClusterSettings("c", "us-east-1", {P5.name: P5})))
+    monkeypatch.setattr(verify_probe, "Sources", lambda fsx_type: dataclasses.replace(sources, fsx_type=fsx_type))
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "localhost")
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")  # the dcgmi stand-in
+    (tmp_path / "fsx").mkdir()
+
+    assert verify_probe.main(["verify_probe.py", "--without-dcgm", "--fsx-mib=1", f"--fsx-dir={tmp_path / 'fsx'}"]) == 0
+    measured = json.loads(capsys.readouterr().out)
+    assert set(measured) == {"gpus", "ecc_uncorrected", "efa_devices", "nccl_efa_plugin", "fsx_mounted",
+                             "fsx_write_mbps", "fsx_read_mbps", "metadata_refused", "names_resolve"}
+    assert measured["gpus"] == {"count": P5.accelerators} and measured["names_resolve"]["nodes"] == 1
+    assert measured["fsx_write_mbps"] > 0 and not list((tmp_path / "fsx").iterdir())  # its file removed
+
+    assert verify_probe.main(["verify_probe.py", "--dcgm-only", "--deep"]) == 0
+    assert json.loads(capsys.readouterr().out) == {
+        "dcgm_diag": {"level": verify.DCGM_DEEP_LEVEL, "passed": True, "failures": []}}
+    assert (tmp_path / "dcgmi.args").read_text().split() == ["diag", "-r", str(verify.DCGM_DEEP_LEVEL), "-j"]
 
 
 def test_every_check_name_is_the_issues() -> None:
