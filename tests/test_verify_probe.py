@@ -317,7 +317,7 @@ def test_main_prints_the_pools_readings_as_one_json_object(
     --without-dcgm, root's --dcgm-only (dcgmi found on PATH). Seams: the settings and node.env a node has, and the
     sources fixture's stand-ins for the tools and files this machine lacks (main's own Sources() is production's)."""
     monkeypatch.setattr(verify_probe, "read_env_file", lambda: {"GPUCLUSTER_POOL": P5.name})
-    monkeypatch.setattr(verify_probe.ClusterSettings, "load",
+    monkeypatch.setattr(ClusterSettings, "load",
                         classmethod(lambda cls: ClusterSettings("c", "us-east-1", {P5.name: P5})))
     monkeypatch.setattr(verify_probe, "Sources", lambda fsx_type: dataclasses.replace(sources, fsx_type=fsx_type))
     monkeypatch.setenv("SLURM_JOB_NODELIST", "localhost")

@@ -428,8 +428,9 @@ def test_the_pools_probe_steps_take_one_lock_so_one_pool_at_a_time_measures_fsx(
     clock = [0.0]
     slurm = ScriptedCluster(clock)
     setup = vr.Setup(ClusterSettings("c", "us-east-1", {}), user=pwd_name(), verify_dir=tmp_path)
-    name, _ = vr.measure(plan, setup, slurm, clock=lambda: clock[0], pause=lambda s: clock.__setitem__(0, clock[0] + 10))
-    probe_steps = [next(line for line in script.splitlines() if vr.VERIFY_PROBE_PROGRAM in line)
+    name, _ = vr.measure(plan, setup, slurm, clock=lambda: clock[0],
+                         pause=lambda s: clock.__setitem__(0, clock[0] + 10))
+    probe_steps = [next(line for line in script.splitlines() if VERIFY_PROBE_PROGRAM in line)
                    for script in slurm.scripts]
     lock = tmp_path / name / vr.FSX_LOCK
     assert len(probe_steps) == 2 and all(step.startswith(f"flock {lock} srun ") for step in probe_steps), probe_steps

@@ -7,11 +7,11 @@ asks for the plan's node count of that pool alone (its partition, --constraint o
 Slurm giving the job its nodes, when the run last saw it waiting, to that start; the wait before, from submission,
 kept beside it as queue_seconds), runs verify_probe.py once per node (each node's JSON to a file of its own in the
 run's directory on /fsx, owned by the user; the pools take turns, FSX_LOCK, so that one pool at a time measures /fsx
-throughput) and, on NVIDIA pools of two nodes or more, nccl-tests' all_reduce_perf across them. DCGM's host engine answers root only (contract/lockdown.py
-DCGM_CHAIN): as soon as the user's job starts, root submits a short job on exactly its nodes that Slurm starts once
-the user's job has ended (--dependency=afterany), before SuspendTime could power an idle node off, and that runs the
-probe's DCGM diagnostic alone. While the pool's nodes are up (a job of the run holds them, or Slurm says they are),
-the head's Prometheus is asked whether it scrapes them.
+throughput) and, on NVIDIA pools of two nodes or more, nccl-tests' all_reduce_perf across them. DCGM's host engine
+answers root only (contract/lockdown.py DCGM_CHAIN): as soon as the user's job starts, root submits a short job on
+exactly its nodes that Slurm starts once the user's job has ended (--dependency=afterany), before SuspendTime could
+power an idle node off, and that runs the probe's DCGM diagnostic alone. While the pool's nodes are up (a job of the
+run holds them, or Slurm says they are), the head's Prometheus is asked whether it scrapes them.
 
 A pool whose nodes were all up when the run submitted its job (a warm pool) scales nothing: scale_from_zero_seconds
 warns that it was not measured. A job that Slurm does not give nodes within QUEUE_SECONDS is cancelled: when Slurm's
@@ -321,7 +321,7 @@ def _absent(why: str) -> dict[str, str]:
 def judge_pool(plan: PoolPlan, readings: PoolReadings) -> list[v.Result]:
     """Every check of the pool judged on what its jobs measured."""
     results = []
-    queued = {v.QUEUE_SECONDS_KEY: readings.queue_seconds} if readings.queue_seconds is not None else {}
+    queued: v.Details = {v.QUEUE_SECONDS_KEY: readings.queue_seconds} if readings.queue_seconds is not None else {}
     for check in plan.checks:
         if check.check == v.SCALE_FROM_ZERO_SECONDS and readings.scale_warning:
             results.append(v.Result(check.pool, check.check, check.expect, None, v.WARN, readings.scale_warning,
