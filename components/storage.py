@@ -11,9 +11,8 @@ import pulumi_aws as aws
 
 from components import child, private_bucket
 from components.teardown import lustre_export
+from gpucluster.spec.catalog import LUSTRE_VERSION
 from gpucluster.spec.model import LustreSpec
-
-LUSTRE_VERSION = "2.15"  # data repository associations need 2.12+; 2.15 is the newest client the DLAMIs ship
 
 
 @dataclass(frozen=True)

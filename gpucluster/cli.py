@@ -551,13 +551,14 @@ def verify(args: argparse.Namespace) -> int:
     if problems:
         _bad_input(problems)
     stack = _load(args.stack) if args.stack else None
-    if args.plan and stack is not None:
+    if stack is not None and not args.last:  # the options against the stack file, before any AWS call
         try:
             planned = planning.plan(stack, _plan_options(args))
         except planning.PlanError as exc:
             _bad_input(exc.problems)
-        print(plan_json(planned) if args.json else "\n".join(planning.table(planned)))
-        return 0
+        if args.plan:
+            print(plan_json(planned) if args.json else "\n".join(planning.table(planned)))
+            return 0
     here = ClusterSettings.load(SETTINGS_FILE) if Path(SETTINGS_FILE).exists() else None
     if stack is not None and (here is None or here.cluster != stack.cluster_name):
         from gpucluster.aws import verify_remote
@@ -565,13 +566,13 @@ def verify(args: argparse.Namespace) -> int:
         return verify_remote.run(stack, head_arguments(args), aws_session())
     if here is None:
         _bad_input([f"STACK is needed off the head node (no {SETTINGS_FILE} here)"])
+    from gpucluster.node import verify_run
+
+    if args.last:  # the kept runs are 0644: anyone on the head may read the latest
+        return verify_run.last(args.json)
     if os.geteuid() != 0:
         _bad_input(["a run submits the login user's jobs and DCGM's diagnostic as root: run it as root "
                            "(sudo gpucluster verify)"])
-    from gpucluster.node import verify_run
-
-    if args.last:
-        return verify_run.last(args.json)
     try:
         checks = head_plan(args, stack or head_stack(here.cluster))
     except (planning.PlanError, VerifyFormatError) as exc:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
+from components import storage
 from conftest import FIXTURES, K8S_STACK_FILES, ROOT, STACK_FILES
 from gpucluster import cli
 from gpucluster.contract import settings, verify as v
@@ -220,6 +221,42 @@ def test_an_existing_file_system_has_no_fsx_floor_and_warns() -> None:
     checks = planning.plan(load_stack(FIXTURES / "Pulumi.existing.yaml"))
     fsx = [c for c in checks if c.check in (v.FSX_WRITE_MBPS, v.FSX_READ_MBPS)]
     assert fsx and all(c.expect == {} and v.judge(c, 5000.0).result == v.WARN for c in fsx)
+
+
+def test_fsx_mounted_expects_the_lustre_version_of_a_file_system_the_stack_creates() -> None:
+    """The version components/storage.py gives the file system it creates; an existing one's is not in the stack."""
+    created = [c for c in planning.plan(load_stack(TEAM_A)) if c.check == v.FSX_MOUNTED]
+    assert created and all(c.expect == {v.LUSTRE_VERSION_KEY: catalog.LUSTRE_VERSION} for c in created)
+    assert storage.LUSTRE_VERSION is catalog.LUSTRE_VERSION  # one figure for the file system and its check
+    existing = [c for c in planning.plan(load_stack(FIXTURES / "Pulumi.existing.yaml")) if c.check == v.FSX_MOUNTED]
+    assert existing and all(c.expect == {} for c in existing)
+
+
+def older_and_newer(version: str) -> tuple[str, str, str]:
+    """A client one minor release older than `version`, one of its patch releases, one minor release newer."""
+    major, minor = map(int, version.split(".")[:2])
+    return f"{major}.{minor - 1}.9", f"{major}.{minor}.6", f"{major}.{minor + 1}.0"
+
+
+def test_a_lustre_client_older_than_the_file_system_fails_and_its_version_is_kept() -> None:
+    check = v.Check("p5-od", v.FSX_MOUNTED, {v.LUSTRE_VERSION_KEY: catalog.LUSTRE_VERSION})
+    older, same, newer = older_and_newer(catalog.LUSTRE_VERSION)
+    for client in (same, newer):
+        result = v.judge_reading(check, {"mounted": True, "type": "lustre", v.LUSTRE_VERSION_KEY: client})
+        assert (result.result, result.measured, result.details) == (v.PASS, True, {v.LUSTRE_VERSION_KEY: client})
+    old = v.judge_reading(check, {"mounted": True, "type": "lustre", v.LUSTRE_VERSION_KEY: older})
+    assert old.result == v.FAIL and old.fix.startswith(f"lustre_version {older} where the plan asks "
+                                                       f"{catalog.LUSTRE_VERSION}: {v.LUSTRE_CLIENT_FIX}")
+    unread = v.judge_reading(check, {"mounted": True, "type": "lustre", v.LUSTRE_VERSION_KEY: None})
+    assert unread.result == v.FAIL  # a version nobody could read is not a recent one
+    # Not mounted: the mount's own fix, not the client's.
+    unmounted = v.judge_reading(check, {"mounted": False, "type": "nfs4", v.LUSTRE_VERSION_KEY: None})
+    assert unmounted.result == v.FAIL and unmounted.fix == v.RULES[v.FSX_MOUNTED].fix
+    # An existing file system: mounted is enough, and the client's version is still recorded.
+    kept = v.judge_reading(v.Check("p", v.FSX_MOUNTED, {}), {"mounted": True, v.LUSTRE_VERSION_KEY: older})
+    assert kept.result == v.PASS and v.run_from_json(v.run_json([kept])) == [kept]
+    assert json.loads(v.run_json([kept]))["checks"][0]["details"] == {v.LUSTRE_VERSION_KEY: older}
+    assert f"true ({v.LUSTRE_VERSION_KEY} {older})" in "\n".join(v.run_table([kept]))
 
 
 def test_always_on_nodes_do_not_scale_from_zero() -> None:

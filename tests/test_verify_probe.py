@@ -6,15 +6,18 @@ nvidia-smi and a dcgmi printing what the real tools print (nvidia-smi's document
 reports, recorded in tests/dcgm-diag/ for the Kubernetes burn-in), a temp root shaped as sysfs and mountinfo are, and
 a metadata service on 127.0.0.1. The /fsx throughput runs for real on a temp directory (its shape, not its speed).
 
-The all_reduce_perf outputs in tests/nccl-tests/ reproduce nccl-tests' output format from its source at
-NVIDIA/nccl-tests a0b82b2 (src/util.cu; its documentation shows no output), with NCCL's log lines (NVIDIA/nccl
-5067397 src/debug.cc, init.cc) and aws-ofi-nccl's (v1.21.1 and v1.7.4-aws src/nccl_ofi_net.*): tests/nccl-tests/
-README.md says which line comes from where.
+The all_reduce_perf outputs in tests/nccl-tests/ are AWS's published p5 and p4de tables (awsome-distributed-training
+0162aac, micro-benchmarks/nccl-tests/README.md), and runs rebuilt from nccl-tests' output format at NVIDIA/nccl-tests
+a0b82b2 (src/util.cu) with NCCL's log lines (NVIDIA/nccl 5067397 src/debug.cc, init.cc) and aws-ofi-nccl's (v1.21.1
+and v1.7.4-aws src/nccl_ofi_net.*), for the log, the footer and the faults the published tables do not show:
+tests/nccl-tests/README.md says which line comes from where.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import re
 import socket
 import subprocess
@@ -27,10 +30,11 @@ import pytest
 
 from conftest import ROOT
 from gpucluster.contract import verify
-from gpucluster.contract.settings import AWS_OFI_NCCL_LIB_DIRS, NCCL_NET_PLUGIN_FILE, PoolSettings
+from gpucluster.contract.settings import AWS_OFI_NCCL_LIB_DIRS, NCCL_NET_PLUGIN_FILE, ClusterSettings, PoolSettings
 from gpucluster.node import nccl_tests, verify_probe
 from gpucluster.node.verify_probe import Sources
 from gpucluster.render import verify as verify_plan
+from gpucluster.spec import catalog
 from gpucluster.spec.model import load_stack
 
 NCCL_OUTPUTS = ROOT / "tests" / "nccl-tests"
@@ -307,6 +311,32 @@ def test_a_trainium_node_counts_neuron_devices_not_gpus(sources: Sources, tmp_pa
     assert not {"gpus", "ecc_uncorrected", "dcgm_diag", "nccl_efa_plugin"} & set(measured)
 
 
+def test_main_prints_the_pools_readings_as_one_json_object(
+        sources: Sources, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The program as the verify jobs run it: the node's pool from node.env and the settings, the user's job
+    --without-dcgm, root's --dcgm-only (dcgmi found on PATH). Seams: the settings and node.env a node has, and the
+    sources fixture's stand-ins for the tools and files this machine lacks (main's own Sources() is production's)."""
+    monkeypatch.setattr(verify_probe, "read_env_file", lambda: {"GPUCLUSTER_POOL": P5.name})
+    monkeypatch.setattr(ClusterSettings, "load",
+                        classmethod(lambda cls: ClusterSettings("c", "us-east-1", {P5.name: P5})))
+    monkeypatch.setattr(verify_probe, "Sources", lambda fsx_type: dataclasses.replace(sources, fsx_type=fsx_type))
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "localhost")
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")  # the dcgmi stand-in
+    (tmp_path / "fsx").mkdir()
+
+    assert verify_probe.main(["verify_probe.py", "--without-dcgm", "--fsx-mib=1", f"--fsx-dir={tmp_path / 'fsx'}"]) == 0
+    measured = json.loads(capsys.readouterr().out)
+    assert set(measured) == {"gpus", "ecc_uncorrected", "efa_devices", "nccl_efa_plugin", "fsx_mounted",
+                             "fsx_write_mbps", "fsx_read_mbps", "metadata_refused", "names_resolve"}
+    assert measured["gpus"] == {"count": P5.accelerators} and measured["names_resolve"]["nodes"] == 1
+    assert measured["fsx_write_mbps"] > 0 and not list((tmp_path / "fsx").iterdir())  # its file removed
+
+    assert verify_probe.main(["verify_probe.py", "--dcgm-only", "--deep"]) == 0
+    assert json.loads(capsys.readouterr().out) == {
+        "dcgm_diag": {"level": verify.DCGM_DEEP_LEVEL, "passed": True, "failures": []}}
+    assert (tmp_path / "dcgmi.args").read_text().split() == ["diag", "-r", str(verify.DCGM_DEEP_LEVEL), "-j"]
+
+
 def test_every_check_name_is_the_issues() -> None:
     names = {value for module in (verify_probe, nccl_tests) for key, value in vars(module).items()
              if key.isupper() and isinstance(value, str) and value in CHECKS}
@@ -443,6 +473,40 @@ def test_the_bandwidth_is_the_out_of_place_half_as_the_catalogs_figures_were_pub
     slow_in_place = last_row(text, lambda cells: [*cells[:11], f"{published / 2:.2f}", *cells[12:]])
     assert nccl_tests.parse(slow_in_place).largest.in_place.busbw_gbps == pytest.approx(published / 2, abs=0.01)
     assert nccl_tests.measurements(slow_in_place)[verify.NCCL_ALL_REDUCE_BUSBW_GBPS]["min"] == published
+
+
+# awsome-distributed-training's published two-node tables (tests/nccl-tests/README.md): the source of the catalog's
+# all_reduce figures (spec/catalog.py ALL_REDUCE_BUSBW), read here by the parser that judges a run against them.
+PUBLISHED = {"all_reduce_p5_published.txt": "p5.48xlarge", "all_reduce_p4de_published.txt": "p4de.24xlarge"}
+PUBLISHED_RANKS = 16  # two nodes of eight GPUs, one rank each (the README's sbatch: --ntasks-per-node 8)
+
+
+@pytest.mark.parametrize(("name", "itype"), PUBLISHED.items())
+def test_the_published_tables_read_as_the_catalogs_figures(name: str, itype: str) -> None:
+    """The recorded output, srun's "0: " labels and all: every row's busbw is its algbw x 2(n-1)/n, and the largest
+    size's out-of-place busbw is the figure the catalog publishes for the type."""
+    read = nccl_tests.table(output(name))
+    n = PUBLISHED_RANKS
+    for row in read.rows:
+        for half in (row.out_of_place, row.in_place):
+            assert half.busbw_gbps == pytest.approx(half.algbw_gbps * 2 * (n - 1) / n, abs=0.02)
+    figure = catalog.ALL_REDUCE_BUSBW[itype]
+    biggest = nccl_tests.largest(read.rows)
+    assert (biggest.size_bytes, biggest.out_of_place.busbw_gbps) == (figure.message_bytes, figure.published_gbps)
+    # The README shows the table without its footer ("with a lot more information"): as a run's whole output, it
+    # would be one that did not finish.
+    assert (read.out_of_bounds, read.average_busbw_gbps) == (None, None)
+    with pytest.raises(nccl_tests.NcclTestsError, match="did not finish"):
+        nccl_tests.parse(output(name))
+
+
+def test_srun_labels_are_read_off_every_line() -> None:
+    """`srun --label` prefixes each task's lines with its id, right-aligned ("0: ", " 9: " among 16 tasks): the
+    table and NCCL's log read as they do without it."""
+    text = output("all_reduce_efa.txt")
+    labelled = "\n".join(f"{i % 16:2d}: {line}" for i, line in enumerate(text.splitlines()))
+    assert nccl_tests.measurements(labelled) == nccl_tests.measurements(text)
+    assert nccl_tests.parse(labelled) == nccl_tests.parse(text)
 
 
 @pytest.mark.parametrize(("mangle", "said"), [

@@ -10,6 +10,7 @@ botocore's Stubber, with the shapes of SSM's API model. The document's script ru
 from __future__ import annotations
 
 import inspect
+import io
 import json
 import os
 import subprocess
@@ -24,7 +25,9 @@ from botocore.exceptions import NoCredentialsError
 from botocore.stub import Stubber
 
 from conftest import ROOT, reset_moto
+from gpucluster import cli
 from gpucluster.aws import verify_remote as remote
+from gpucluster.cli_errors import UserError, print_errors
 from gpucluster.contract import verify as v
 from gpucluster.contract.settings import command_document_name, head_instance_name
 from gpucluster.node import bootstrap
@@ -138,15 +141,37 @@ class Refusing:
     (["--shell", "id"], "unknown option '--shell'"),
     (["--last", "--pool", POOLS[0]], "--last prints the latest run: it takes no --pool, --nodes or --deep"),
 ])
-def test_bad_options_exit_2_before_any_aws_call(args: list[str], said: str,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
-    assert remote.run(STACK, args, Refusing(), no_sleep) == 2
-    assert f"verify: {said}" in capsys.readouterr().err
+def test_bad_options_exit_2_before_any_aws_call(args: list[str], said: str) -> None:
+    with pytest.raises(UserError) as refused:
+        remote.run(STACK, args, Refusing(), no_sleep)
+    assert refused.value.code == 2 and any(said in message for _, message in refused.value.problems)
 
 
-def test_every_problem_is_said_at_once(capsys: pytest.CaptureFixture[str]) -> None:
-    assert remote.run(STACK, ["--pool", "nope", "--nodes", "x", "--bogus"], Refusing(), no_sleep) == 2
-    assert len(capsys.readouterr().err.splitlines()) == 3
+def test_every_problem_is_said_at_once() -> None:
+    with pytest.raises(UserError) as refused:
+        remote.run(STACK, ["--pool", "nope", "--nodes", "x", "--bogus"], Refusing(), no_sleep)
+    assert len(refused.value.problems) == 3
+
+
+SMALLEST = min(STACK.spec.pools, key=lambda pool: pool.max_nodes)
+TOO_MANY = SMALLEST.max_nodes + 1
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--pool", "nope"], [f"verify: no pool nope in stack {STACK.name}; its pools: {', '.join(POOLS)}"]),
+    (["--nodes", str(TOO_MANY)], [f"verify: --nodes {TOO_MANY} is more than pool {p.name}'s max_nodes ({p.max_nodes})"
+                                  for p in STACK.spec.pools if p.max_nodes < TOO_MANY]),
+])
+def test_the_command_lines_bad_input_is_refused_before_aws_as_json_errors(
+        args: list[str], said: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Off the head, --pool and --nodes are checked against the stack file (its pools, their max_nodes) before
+    anything reaches AWS; with --json the problems print as the command line's {"errors": [...]}."""
+    monkeypatch.setattr(cli, "SETTINGS_FILE", str(tmp_path / "absent.json"))
+    monkeypatch.setattr(cli, "aws_session", Refusing)
+    assert cli.main(["verify", STACK.name, "--json", *args]) == 2
+    out = capsys.readouterr().out
+    assert [e["message"] for e in json.loads(out)["errors"]] == said
 
 
 # --- the head's answers, through botocore's Stubber ------------------------------------------------------------------
@@ -227,11 +252,24 @@ def test_a_failed_check_exits_1_with_the_table_and_its_fix(capsys: pytest.Captur
     assert " fail " in line and v.RULES[v.GPUS].fix in line
 
 
-def test_the_heads_bad_input_is_2_with_its_reason(capsys: pytest.CaptureFixture[str]) -> None:
-    session = StubbedSession().answers(ended("Failed", 2, stderr="verify: --nodes 9 is more than pool p5-od's "
-                                                                 "max_nodes (4)\n"))
-    assert remote.run(STACK, ["--nodes", "9"], session, no_sleep) == 2
-    assert "max_nodes (4)" in capsys.readouterr().err
+def test_the_heads_bad_input_is_2_with_its_reason() -> None:
+    """The document runs `verify --json`: the head prints its refusal as {"errors": [...]} on stdout, exit 2, and
+    nothing on stderr (cli_errors.print_errors); its reasons are this command's bad input."""
+    head_said = io.StringIO()
+    print_errors([("", "verify: --nodes 3 is more than pool p5-od's max_nodes (2)")], True, "gpucluster",
+                 out=head_said)
+    session = StubbedSession().answers(ended("Failed", 2, stdout=head_said.getvalue()))
+    with pytest.raises(UserError) as refused:
+        remote.run(STACK, ["--nodes", "3"], session, no_sleep)
+    assert refused.value.code == 2
+    assert refused.value.problems == [
+        ("", "verify: the head refused the options: --nodes 3 is more than pool p5-od's max_nodes (2)")]
+
+
+def test_a_refusal_without_a_json_document_gives_stderrs_reason() -> None:
+    session = StubbedSession().answers(ended("Failed", 2, stderr="usage: gpucluster verify\nunrecognized arguments"))
+    with pytest.raises(UserError, match="the head refused the options: unrecognized arguments"):
+        remote.run(STACK, [], session, no_sleep)
 
 
 @pytest.mark.parametrize(("invocation", "said"), [

@@ -50,10 +50,11 @@ def test_a_plan_without_a_node_count_is_refused() -> None:
 
 def test_the_job_writes_its_start_first_then_probes_each_node_then_runs_all_reduce_as_nccl_tests_does() -> None:
     p5 = team_a_plans()["p5-od"]
-    script = vr.job_script(p5, "/fsx/.gpucluster/verify/run/p5-od", vr.ProbeOptions(fsx_mib=64))
+    script = vr.job_script(p5, "/fsx/.gpucluster/verify/run/p5-od", "/fsx/.gpucluster/verify/run/lock",
+                           vr.ProbeOptions(fsx_mib=64))
     commands = [line for line in script.splitlines() if not line.startswith("#")]
     assert commands[0] == f"date +%s.%N > /fsx/.gpucluster/verify/run/p5-od/{vr.STARTED_FILE}"
-    assert commands[1].startswith("srun --ntasks-per-node=1 /bin/sh -c ")
+    assert commands[1].startswith("flock /fsx/.gpucluster/verify/run/lock srun --ntasks-per-node=1 /bin/sh -c ")
     for word in (VERIFY_PROBE_PROGRAM, "--without-dcgm", "--fsx-mib=64", "probe-$SLURMD_NODENAME.json"):
         assert word in commands[1]
     assert commands[2:] == [
@@ -61,7 +62,8 @@ def test_the_job_writes_its_start_first_then_probes_each_node_then_runs_all_redu
         f"srun --mpi=pmix --cpu-bind=none --ntasks-per-node={p5.gpus_per_node} {ALL_REDUCE_PERF} -b 8 -f 2 -g 1 "
         f"-c 1 -n 100 -e {p5.all_reduce_bytes} > /fsx/.gpucluster/verify/run/p5-od/{vr.ALL_REDUCE_OUT} 2>&1"]
     one_node = vr.PoolPlan("g6", (), 1, v.DCGM_LEVEL, None, 1, None)
-    assert "all_reduce_perf" not in vr.job_script(one_node, "/d") and "NCCL_DEBUG" not in vr.job_script(one_node, "/d")
+    one_node_script = vr.job_script(one_node, "/d", "/d/lock")
+    assert "all_reduce_perf" not in one_node_script and "NCCL_DEBUG" not in one_node_script
 
 
 def test_root_job_runs_only_the_dcgm_diagnostic_at_the_plans_level_on_the_user_jobs_nodes() -> None:
@@ -274,38 +276,60 @@ def test_verify_with_a_stack_off_its_head_runs_there_through_session_manager(
     assert called[-1][1] == ["--last"]
 
 
-def test_on_the_head_a_run_needs_root(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_on_the_head_a_run_needs_root_and_last_does_not(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
     settings = tmp_path / "cluster.json"
     settings.write_text(ClusterSettings("c", "us-east-1", {}).to_json())
     monkeypatch.setattr(cli, "SETTINGS_FILE", str(settings))
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    assert cli.main(["verify", "--last"]) == cli.EXIT_BAD_INPUT
+    assert cli.main(["verify"]) == cli.EXIT_BAD_INPUT
     assert "run it as root" in capsys.readouterr().err
+    # The kept runs are readable by all (0644): --last needs no root.
+    monkeypatch.setattr(vr, "VERIFY_DIR", str(tmp_path))
+    vr.keep(vr.Setup(ClusterSettings("c", "us-east-1", {}), verify_dir=tmp_path, textfile=tmp_path / "t.prom"),
+            "20261201T100000Z-a", results_of("a", v.PASS))
+    assert cli.main(["verify", "--last", "--json"]) == 0
+    assert v.run_from_json(capsys.readouterr().out) == results_of("a", v.PASS)
+
+
+@pytest.mark.parametrize("damage", ["{not json", '{"checks": [{"pool": "a"}]}'])
+def test_last_says_in_one_line_that_a_damaged_newest_run_cannot_be_read(
+        damage: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "20261201T100000Z-a.json").write_text(damage)
+    assert vr.last(False, tmp_path) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err
+    (said,) = captured.err.splitlines()
+    assert said.startswith(f"verify: the latest run, {tmp_path / '20261201T100000Z-a.json'}, cannot be read")
 
 
 class ScriptedCluster(vr.Slurm):
-    """A pool of two nodes on a fake clock: the user's job waits for nodes until t=10, boots them until t=100, runs
-    until t=300; a job with --dependency=afterany on it waits until then and runs 60 s. The nodes power off 30 s after
-    the last job (SuspendTime); `warm`: they were up from the start. A job's start writes its start time where its
-    --chdir says, as the job script's first line does."""
+    """A pool of two nodes on a fake clock: the user's job waits for nodes until t=`queued` (10), boots them for 90 s,
+    runs until t=300; a job with --dependency=afterany on it waits until then and runs 60 s, or, `taken`, waits for
+    ever behind another job that took the nodes. The nodes power off 30 s after the last job (SuspendTime); `warm`:
+    they were up from the start. A job's start writes its start time where its --chdir says, as the job script's first
+    line does."""
 
-    def __init__(self, clock: list[float], warm: bool = False):
+    def __init__(self, clock: list[float], warm: bool = False, queued: float = 10, taken: bool = False):
         super().__init__(pwd_name())
-        self.clock, self.warm = clock, warm
+        self.clock, self.warm, self.queued, self.taken = clock, warm, queued, taken
         self.submitted: list[tuple[float, list[str]]] = []
+        self.scripts: list[str] = []
 
     def submit(self, args: list[str], script: str, as_user: bool) -> str:
         self.submitted.append((self.clock[0], args))
+        self.scripts.append(script)
         return str(len(self.submitted))
 
     def state(self, job_id: str) -> tuple[str, str]:
         now, args = self.clock[0], self.submitted[int(job_id) - 1][1]
         if any(a.startswith("--dependency=afterany:") for a in args):
+            if now >= 300 and self.taken:
+                return "PENDING", "Resources"
             return ("PENDING", "Dependency") if now < 300 else ("RUNNING", "None") if now < 360 else ("COMPLETED", "")
-        if now < 10:
+        if now < self.queued:
             return "PENDING", "Resources"
-        if now < 100 and not self.warm:
+        if now < self.queued + 90 and not self.warm:
             return "CONFIGURING", "None"
         if now < 300:
             chdir = next(a.split("=", 1)[1] for a in args if a.startswith("--chdir="))
@@ -335,7 +359,7 @@ def pwd_name() -> str:
     return pwd.getpwuid(os.getuid()).pw_name
 
 
-def scripted_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, warm: bool
+def scripted_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, warm: bool, **scripted: Any
                  ) -> tuple[ScriptedCluster, dict[str, v.Result], list[float]]:
     """measure() over ScriptedCluster, Prometheus answering that it scrapes both nodes from t=150 on."""
     clock = [0.0]
@@ -349,7 +373,7 @@ def scripted_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, warm: bool
     monkeypatch.setattr(vr, "prometheus_get", prometheus)
     plan = [v.Check("p", v.SCALE_FROM_ZERO_SECONDS, {"max": 600}), v.Check("p", v.DCGM_DIAG, {"level": 1}),
             v.Check("p", v.PROMETHEUS_SCRAPES, {"nodes": 2}), v.Check("p", v.NAMES_RESOLVE, {"nodes": 2})]
-    slurm = ScriptedCluster(clock, warm)
+    slurm = ScriptedCluster(clock, warm, **scripted)
     setup = vr.Setup(ClusterSettings("c", "us-east-1", {}), user=pwd_name(), verify_dir=tmp_path)
     _, results = vr.measure(plan, setup, slurm, clock=lambda: clock[0],
                             pause=lambda s: clock.__setitem__(0, clock[0] + 10))
@@ -370,6 +394,46 @@ def test_roots_dcgm_job_is_queued_behind_the_users_job_on_its_nodes_as_soon_as_i
     assert results[v.SCALE_FROM_ZERO_SECONDS].measured == 100.0 - 0.0  # from the last look that found it waiting
     assert results[v.PROMETHEUS_SCRAPES].measured == 2 and results[v.PROMETHEUS_SCRAPES].result == v.PASS
     assert asked and all(100 <= t <= 390 for t in asked)
+
+
+def test_the_queue_wait_before_the_scale_up_is_recorded_beside_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                   ) -> None:
+    """Submit to running, split: queue_seconds from the submission to the last look that found the job waiting for
+    nodes, scale_from_zero_seconds from then to the job's start; both kept in the run document."""
+    slurm, results, _ = scripted_run(tmp_path, monkeypatch, warm=False, queued=40)
+    scale = results[v.SCALE_FROM_ZERO_SECONDS]
+    waited = 30.0  # the looks come every 10 s (the scripted pause): the last that saw it pending was t=30
+    assert slurm.submitted[0][0] == 0.0 and scale.details == {v.QUEUE_SECONDS_KEY: waited - 0.0}
+    assert scale.measured == 40.0 + 90 - waited and scale.result == v.PASS
+    assert v.run_from_json(v.run_json([scale])) == [scale]
+
+
+def test_a_dcgm_job_kept_from_the_nodes_by_other_work_warns_as_a_held_pool_does(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another job takes the nodes between the user's job and root's: DCGM measured nothing, the pool is busy, not
+    broken (held_results' rule): a warning with Slurm's reason; the user job's checks keep their verdicts."""
+    _, results, _ = scripted_run(tmp_path, monkeypatch, warm=False, taken=True)
+    dcgm = results[v.DCGM_DIAG]
+    assert dcgm.result == v.WARN and dcgm.measured is None, dcgm
+    assert "Slurm's reason: Resources" in dcgm.fix and "busy" in dcgm.fix
+    assert results[v.SCALE_FROM_ZERO_SECONDS].result == v.PASS
+
+
+def test_the_pools_probe_steps_take_one_lock_so_one_pool_at_a_time_measures_fsx(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each pool's /fsx floor is a share of the whole file system's baseline: two pools measuring at once would
+    divide it. Every pool's job runs its probe step (the throughput) under flock on the same file of the run."""
+    monkeypatch.setattr(vr, "prometheus_get", lambda base, path: {"activeTargets": []})
+    plan = [v.Check(pool, v.NAMES_RESOLVE, {"nodes": 2}) for pool in ("p", "q")]
+    clock = [0.0]
+    slurm = ScriptedCluster(clock)
+    setup = vr.Setup(ClusterSettings("c", "us-east-1", {}), user=pwd_name(), verify_dir=tmp_path)
+    name, _ = vr.measure(plan, setup, slurm, clock=lambda: clock[0],
+                         pause=lambda s: clock.__setitem__(0, clock[0] + 10))
+    probe_steps = [next(line for line in script.splitlines() if VERIFY_PROBE_PROGRAM in line)
+                   for script in slurm.scripts]
+    lock = tmp_path / name / vr.FSX_LOCK
+    assert len(probe_steps) == 2 and all(step.startswith(f"flock {lock} srun ") for step in probe_steps), probe_steps
 
 
 def test_a_warm_pool_says_its_scale_up_was_not_measured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 from botocore.exceptions import BotoCoreError, ClientError
 
 from gpucluster.aws.head import HeadNotFound, running_head
-from gpucluster.cli_errors import credentials_problem
+from gpucluster.cli_errors import UserError, credentials_problem
 from gpucluster.contract.settings import command_document_name
 from gpucluster.contract.verify import VerifyFormatError, run_from_json, run_json, run_seconds, run_table
 from gpucluster.spec.model import POOL_NAME_RE, Stack
@@ -219,8 +219,8 @@ def outcome(invocation: dict[str, Any], req: Request, stack: Stack) -> int:
     if status == "Cancelled":
         return _fail("the command was cancelled on the head (the console or `aws ssm cancel-command`)")
     if code == EXIT_BAD_INPUT:
-        print(f"verify: the head refused the options: {stderr.strip() or 'no reason given'}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        raise UserError([(path, f"verify: the head refused the options: {message}")
+                         for path, message in refusal(stdout, stderr)])
     if code not in (0, 1):
         detail = invocation.get("StatusDetails", status)
         return _fail(f"the command ended {detail} on {head} with exit code {code}"
@@ -239,6 +239,19 @@ def outcome(invocation: dict[str, Any], req: Request, stack: Stack) -> int:
     return int(code)
 
 
+def refusal(stdout: str, stderr: str) -> list[tuple[str, str]]:
+    """The head's reasons for exit 2, each (config path, message): the script runs `verify --json`, so the head
+    prints its errors as {"errors": [{"path": ..., "message": ...}]} on stdout (cli_errors.print_errors); stderr's
+    lines when stdout holds no such document (a usage error argparse printed before --json was read)."""
+    try:
+        errors = json.loads(stdout)["errors"]
+        found = [(str(e.get("path", "")), str(e["message"]).removeprefix("verify: ")) for e in errors]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        found = []
+    return found or [("", line.removeprefix("verify: ")) for line in stderr.strip().splitlines()[-5:]] or [
+        ("", "no reason given")]
+
+
 def _fail(reason: str) -> int:
     print(f"verify: {reason}", file=sys.stderr)
     return 1
@@ -247,13 +260,12 @@ def _fail(reason: str) -> int:
 def run(stack: Stack, head_args: list[str], session: Any,
         sleep: Callable[[float], None] = time.sleep) -> int:
     """`gpucluster verify` on the stack's running head through Run Command; `head_args` as the head's command takes
-    them (without STACK). Exit 0 nothing failed, 1 something failed (or the head could not be reached), 2 bad input."""
+    them (without STACK). Exit 0 nothing failed, 1 something failed (or the head could not be reached); bad input,
+    ours or the head's, raises UserError (exit 2, as {"errors": ...} with --json)."""
     try:
         req = request(stack, head_args)
     except BadRequest as exc:
-        for problem in exc.problems:
-            print(f"verify: {problem}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        raise UserError([("", f"verify: {problem}") for problem in exc.problems]) from None
     try:
         head = running_head(session.client("ec2", region_name=stack.region), stack)
     except HeadNotFound as exc:

@@ -66,9 +66,6 @@ BUNDLE_BOM = f"{BUNDLE_DIR}/image/bom.json"
 # What `gpucluster verify` on the head expects of each pool (its plan at the default options, in the bundle): the run
 # judges against it without the instance catalog.
 VERIFY_PLAN = f"{BUNDLE_DIR}/verify/plan.json"
-# nccl-tests' all_reduce_perf as the image builds it (build_image.sh): `gpucluster verify` runs it across a pool's
-# nodes.
-ALL_REDUCE_PERF = "/opt/nccl-tests/build/all_reduce_perf"
 BOOT_UNIT = "gpucluster-boot.service"
 # The head's units that may launch or keep nodes, besides slurmctld: stopped first when the cluster is torn down.
 RECONCILE_UNIT = "gpucluster-reconcile"  # a service and its timer

@@ -4,7 +4,9 @@ the run on the head node measures them and judges each with `judge`, reading its
 
     plan: {"checks": [{"pool": P, "check": NAME, "expect": {...}}, ...]}
     run:  {"checks": [{"pool": P, "check": NAME, "expect": {...}, "measured": M, "result": "pass"|"warn"|"fail",
-                       "fix": "..." (failures, and warnings that say why nothing was measured)}, ...]}
+                       "fix": "..." (failures, and warnings that say why nothing was measured),
+                       "details": {...} (what was read beside the figure: the Lustre client's version, the queue
+                                     wait before a scale-up)}, ...]}
 
 A check's `expect` holds the figure it is compared with under the key its kind names (count, min, max, or a value that
 must be equal); an `expect` without that key says the figure is unknown (an instance type without a published
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from typing import Final, Literal, Union
 
 # --- the checks -------------------------------------------------------------------------------------------------------
@@ -34,7 +36,10 @@ DCGM_DEEP_SECONDS = 4 * 15 * 60
 # (the burn-in's pod has only that file; tests/test_verify_run.py holds the two equal).
 DCGM_SECONDS = 300
 DCGM_LEVEL_SECONDS = {DCGM_LEVEL: DCGM_SECONDS, DCGM_DEEP_LEVEL: DCGM_DEEP_SECONDS}
-FSX_MOUNTED = "fsx_mounted"  # {}: /fsx is a Lustre mount
+FSX_MOUNTED = "fsx_mounted"  # {} or {"lustre_version": "2.15"}: /fsx is a Lustre mount, its client that recent
+# fsx_mounted's expectation for a file system the stack creates: its Lustre version (spec/catalog.LUSTRE_VERSION); a
+# node's client must be of that major.minor or newer. An existing file system's version is unknown: mounted only.
+LUSTRE_VERSION_KEY = "lustre_version"
 NCCL_EFA_PLUGIN = "nccl_efa_plugin"  # {"found": true}: aws-ofi-nccl where NCCL loads it (NVIDIA EFA pools)
 METADATA_REFUSED = "metadata_refused"  # {"refused": true}: a job cannot reach the instance metadata service
 NAMES_RESOLVE = "names_resolve"  # {"nodes": N}: how many of the job's node names resolve on every node
@@ -46,6 +51,7 @@ FSX_WRITE_MBPS = "fsx_write_mbps"  # {"min": X}: sequential write throughput on 
 FSX_READ_MBPS = "fsx_read_mbps"  # {"min": X}: sequential read throughput on /fsx, MB/s
 # The pool.
 SCALE_FROM_ZERO_SECONDS = "scale_from_zero_seconds"  # {"max": S}: from getting powered-off nodes to the job's start
+QUEUE_SECONDS_KEY = "queue_seconds"  # scale_from_zero's details: from submitting the job to Slurm giving it nodes
 PROMETHEUS_SCRAPES = "prometheus_scrapes"  # {"nodes": N}: the job's nodes whose exporters Prometheus scrapes (up)
 # The cluster (pool CLUSTER): what the head offers every pool.
 CLUSTER = "(cluster)"  # the pool name of the cluster's checks: no pool can have it (POOL_NAME_RE)
@@ -97,6 +103,7 @@ RESULT_CODES: dict[str, int] = {PASS: 0, WARN: 1, FAIL: 2}  # RESULT_METRIC's va
 # What a check measures: a figure, a yes/no, a name; None when nothing was measured (a node that never started).
 Measured = Union[int, float, bool, str, None]
 Expect = dict[str, Union[int, float, bool, str]]
+Details = dict[str, Measured]  # what a reading said beside its figure, recorded, never judged on its own
 
 Kind = Literal["equal", "min", "max", "true"]
 
@@ -190,12 +197,15 @@ class Result:
     measured: Measured
     result: ResultWord
     fix: str = ""
+    details: Details = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
         doc = asdict(self)
         doc["expect"] = dict(self.expect)
         if not self.fix:  # a failure's fix, or why a warning measured nothing (a run's note)
             del doc["fix"]
+        if not self.details:
+            del doc["details"]
         return doc
 
 
@@ -231,6 +241,10 @@ def judge(check: Check, measured: Measured) -> Result:
 
 # The key of a probe's reading that a "true" check judges (the others read their expectation's key).
 TRUE_KEYS = {DCGM_DIAG: "passed", FSX_MOUNTED: "mounted"}
+# What a run records of a reading beside its figure whatever the plan expects (the expectation's other keys always).
+DETAIL_KEYS = {FSX_MOUNTED: (LUSTRE_VERSION_KEY,)}
+LUSTRE_CLIENT_FIX = ("the node's Lustre client is older than the file system's Lustre version: rebuild the image with "
+                     "the FSx Lustre client of that version or newer (spec/bom.py, the image's lustre-client packages)")
 
 
 def reading(check: str, probed: object) -> tuple[Measured, str]:
@@ -249,21 +263,42 @@ def reading(check: str, probed: object) -> tuple[Measured, str]:
 
 
 def judge_reading(check: Check, probed: object) -> Result:
-    """`judge` on a probe's reading; a failure's fix starts with what the reading said beside its figure."""
+    """`judge` on a probe's reading; a failure's fix starts with what the reading said beside its figure, which the
+    result keeps in its details."""
     value, note = reading(check.check, probed)
     result = judge(check, value)
-    # What the reading says of the expectation's other keys must be what was asked (a level 1 diagnostic is no
-    # answer to a plan that asks level 3).
     rule_key = RULES[check.check].key
-    other = {k: probed[k] for k in check.expect if k != rule_key and isinstance(probed, dict) and k in probed
-             and probed[k] != check.expect[k]}
+    readings = probed if isinstance(probed, dict) and "error" not in probed else {}
+    details = {k: readings[k] for k in (*(k for k in check.expect if k != rule_key), *DETAIL_KEYS.get(check.check, ()))
+               if k in readings and (readings[k] is None or isinstance(readings[k], (int, float, bool, str)))}
+    result = replace(result, details=details)
+    # What the reading says of the expectation's other keys must be what was asked (a level 1 diagnostic is no
+    # answer to a plan that asks level 3; a Lustre client older than the file system is no answer to its version).
+    other = {k: readings[k] for k in check.expect if k != rule_key and k in readings
+             and not _meets(k, readings[k], check.expect[k])
+             and not (k == LUSTRE_VERSION_KEY and result.result == FAIL)}  # no Lustre mount: its own fix first
     if other and result.result != WARN:
         asked = ", ".join(f"{k} {v} where the plan asks {check.expect[k]}" for k, v in other.items())
-        return Result(result.pool, result.check, result.expect, result.measured, FAIL,
-                      f"{asked}: {RULES[check.check].fix}")
+        fix = LUSTRE_CLIENT_FIX if LUSTRE_VERSION_KEY in other else RULES[check.check].fix
+        return replace(result, result=FAIL, fix=f"{asked}: {fix}")
     if result.result == FAIL and note:
-        return Result(result.pool, result.check, result.expect, result.measured, FAIL, f"{note}: {result.fix}")
+        return replace(result, fix=f"{note}: {result.fix}")
     return result
+
+
+def _meets(key: str, read: object, expected: object) -> bool:
+    """A reading's other key against the plan's: a Lustre version at least the file system's major.minor, anything
+    else equal."""
+    if key == LUSTRE_VERSION_KEY:
+        have, want = _major_minor(read), _major_minor(expected)
+        return have is not None and want is not None and have >= want
+    return read == expected
+
+
+def _major_minor(version: object) -> tuple[int, int] | None:
+    """(2, 15) of "2.15" or "2.15.6"; None for anything else."""
+    parts = str(version).split(".")[:2] if isinstance(version, str) else []
+    return (int(parts[0]), int(parts[1])) if len(parts) == 2 and all(p.isdigit() for p in parts) else None
 
 
 def columns(rows: Sequence[tuple[str, ...]]) -> list[str]:
@@ -317,7 +352,9 @@ def _shown(value: Measured) -> str:
 def run_table(results: list[Result]) -> list[str]:
     """A run as a readable table, one line per check: pool, check, result, measured, expected, and a failure's fix."""
     lines = columns([("pool", "check", "result", "measured", "expected", "fix")] + [
-        (r.pool, r.check, r.result, _shown(r.measured), expectation(Check(r.pool, r.check, r.expect)), r.fix)
+        (r.pool, r.check, r.result, _shown(r.measured) + "".join(f" ({k} {_shown(val)})" for k, val in
+                                                                  r.details.items()),
+         expectation(Check(r.pool, r.check, r.expect)), r.fix)
         for r in results])
     failed = sum(r.result == FAIL for r in results)
     warned = sum(r.result == WARN for r in results)
@@ -346,14 +383,18 @@ def plan_from_json(text: str) -> list[Check]:
 
 def run_from_json(text: str) -> list[Result]:
     results: list[Result] = []
-    for i, e in enumerate(_entries(text, {"pool", "check", "expect", "measured", "result"}, {"fix"})):
-        word, measured = e["result"], e["measured"]
+    for i, e in enumerate(_entries(text, {"pool", "check", "expect", "measured", "result"}, {"fix", "details"})):
+        word, measured, details = e["result"], e["measured"], e.get("details", {})
         if word not in (PASS, WARN, FAIL):
             raise VerifyFormatError(f"checks[{i}].result: expected pass, warn or fail, got {word!r}")
         if measured is not None and not isinstance(measured, (int, float, bool, str)):
             raise VerifyFormatError(f"checks[{i}].measured: expected a number, a boolean, a string or null")
+        if not isinstance(details, dict) or not all(d is None or isinstance(d, (int, float, bool, str))
+                                                    for d in details.values()):
+            raise VerifyFormatError(f"checks[{i}].details: expected an object of numbers, booleans, strings and nulls")
         results.append(Result(str(e["pool"]), str(e["check"]), _expect(e["expect"], f"checks[{i}]"), measured,
-                              PASS if word == PASS else WARN if word == WARN else FAIL, str(e.get("fix", ""))))
+                              PASS if word == PASS else WARN if word == WARN else FAIL, str(e.get("fix", "")),
+                              {str(k): d for k, d in details.items()}))
     return results
 
 

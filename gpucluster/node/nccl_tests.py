@@ -8,7 +8,8 @@ The table's format is nccl-tests' (NVIDIA/nccl-tests a0b82b2, v2.19.6, src/util.
 validation (-c 0), then `# Out of bounds values : N OK|FAILED` and `# Avg bus bandwidth    : X`. The columns are read
 by the header's names, the first of each name the out-of-place half's, the second the in-place half's.
 Output that is not such a table (a run that died, another program's) raises NcclTestsError: never a silent 0.
-Standard library only.
+`srun --label`'s task prefix ("0: ", the form of the tables published in awsome-distributed-training's nccl-tests
+README) is read off each line: a run launched with it reads as one without. Standard library only.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ NETWORK = re.compile(r"NCCL INFO Using network (.+?)\s*$", re.MULTILINE)
 # (found 32 nics)" since v1.15.0, "NET/OFI Selected Provider is efa (found 4 nics)" before.
 OFI_PROVIDER = re.compile(r"NCCL INFO NET/OFI Selected [Pp]rovider is ([^,\s]+)")
 OFI_NETWORKS = ("Libfabric", "AWS Libfabric")
+# srun --label: "<task id>: " before each line of a task's output, the id right-aligned to the widest (srun(1)).
+SRUN_LABEL = re.compile(r"^\s*\d+: ")
 
 
 class NcclTestsError(ValueError):
@@ -60,9 +63,7 @@ class AllReduce:
 
     @property
     def largest(self) -> Row:
-        """The row of the largest size (the last such, if the run repeated: -N)."""
-        biggest = max(row.size_bytes for row in self.rows)
-        return [row for row in self.rows if row.size_bytes == biggest][-1]
+        return largest(self.rows)
 
     @property
     def busbw_gbps(self) -> float:
@@ -85,13 +86,28 @@ def _number(text: str, line: str) -> float:
         raise NcclTestsError(f"not a number: {text!r} in the row {line.strip()!r}") from None
 
 
-def parse(output: str) -> AllReduce:
-    """The table of one all_reduce_perf run."""
+def largest(rows: tuple[Row, ...]) -> Row:
+    """The row of the largest size (the last such, if the run repeated: -N)."""
+    biggest = max(row.size_bytes for row in rows)
+    return [row for row in rows if row.size_bytes == biggest][-1]
+
+
+@dataclass(frozen=True)
+class Table:
+    """What the output holds of all_reduce_perf's table: its rows, and its footer's figures (None: not there)."""
+
+    rows: tuple[Row, ...]
+    out_of_bounds: int | None
+    average_busbw_gbps: float | None
+
+
+def table(output: str) -> Table:
+    """The rows and footer of one all_reduce_perf run's table, whichever of them the output holds."""
     columns: list[str] | None = None
     rows: list[Row] = []
     out_of_bounds: int | None = None
     average: float | None = None
-    for line in output.splitlines():
+    for line in (SRUN_LABEL.sub("", line, count=1) for line in output.splitlines()):
         if line.startswith("#"):
             names = line[1:].split()
             if all(name in names for name in HEADER_COLUMNS) and names.count("busbw") == 2:
@@ -119,9 +135,15 @@ def parse(output: str) -> AllReduce:
         raise NcclTestsError("no nccl-tests result table (its header line `#  size  count  type ... busbw  #wrong`)")
     if not rows:
         raise NcclTestsError("nccl-tests printed its table header but no row: the run stopped before any size")
-    if out_of_bounds is None or average is None:
+    return Table(tuple(rows), out_of_bounds, average)
+
+
+def parse(output: str) -> AllReduce:
+    """The table of one all_reduce_perf run that finished: its rows and its footer."""
+    found = table(output)
+    if found.out_of_bounds is None or found.average_busbw_gbps is None:
         raise NcclTestsError("no `# Out of bounds values` / `# Avg bus bandwidth` lines: the run did not finish")
-    return AllReduce(tuple(rows), out_of_bounds, average)
+    return AllReduce(found.rows, found.out_of_bounds, found.average_busbw_gbps)
 
 
 @dataclass(frozen=True)

@@ -4,18 +4,20 @@
 For every chosen pool at once, a batch job of the login user (settings.LOGIN_USER; root submits it through runuser)
 asks for the plan's node count of that pool alone (its partition, --constraint on the pool's node feature,
 --exclusive), so Slurm scales the pool from zero. The job writes its start time first (scale_from_zero_seconds: from
-Slurm giving the job its nodes, when the run last saw it waiting, to that start), runs verify_probe.py once per node
-(each node's JSON to a file of its own in the run's directory on /fsx, owned by the user) and, on NVIDIA pools of two
-nodes or more, nccl-tests' all_reduce_perf across them. DCGM's host engine answers root only (contract/lockdown.py
-DCGM_CHAIN): as soon as the user's job starts, root submits a short job on exactly its nodes that Slurm starts once
-the user's job has ended (--dependency=afterany), before SuspendTime could power an idle node off, and that runs the
-probe's DCGM diagnostic alone. While the pool's nodes are up (a job of the run holds them, or Slurm says they are),
-the head's Prometheus is asked whether it scrapes them.
+Slurm giving the job its nodes, when the run last saw it waiting, to that start; the wait before, from submission,
+kept beside it as queue_seconds), runs verify_probe.py once per node (each node's JSON to a file of its own in the
+run's directory on /fsx, owned by the user; the pools take turns, FSX_LOCK, so that one pool at a time measures /fsx
+throughput) and, on NVIDIA pools of two nodes or more, nccl-tests' all_reduce_perf across them. DCGM's host engine
+answers root only (contract/lockdown.py DCGM_CHAIN): as soon as the user's job starts, root submits a short job on
+exactly its nodes that Slurm starts once the user's job has ended (--dependency=afterany), before SuspendTime could
+power an idle node off, and that runs the probe's DCGM diagnostic alone. While the pool's nodes are up (a job of the
+run holds them, or Slurm says they are), the head's Prometheus is asked whether it scrapes them.
 
 A pool whose nodes were all up when the run submitted its job (a warm pool) scales nothing: scale_from_zero_seconds
 warns that it was not measured. A job that Slurm does not give nodes within QUEUE_SECONDS is cancelled: when Slurm's
 reason is other work or the team's limits (Resources, Priority, a QOS or association limit) the pool's checks warn
 with that reason, any other reason fails them; nodes still booting past the plan's scale-from-zero limit fail them.
+Root's DCGM job kept from the nodes so (another job took them after the user's) makes dcgm_diag warn alike.
 
 Every check is judged with contract.verify.judge_reading: a per-node check by the pool's worst node (named in the
 fix), /fsx throughput by the sum of the nodes' concurrent figures. The run document lands in settings.VERIFY_DIR
@@ -37,7 +39,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -60,6 +62,10 @@ from gpucluster.node.slurm_control import SlurmControl
 
 PYTHON = "/usr/bin/python3"  # the node programs' interpreter on every node
 STARTED_FILE = "started"  # in a pool's run directory: the job's first act, its start time (Unix seconds)
+# In the run's directory (on /fsx, which nodes mount with `flock`: bootstrap.py's fstab line): the pools' probe steps
+# take it in turn, so that one pool at a time measures /fsx throughput. Each pool's floor is a share of the whole file
+# system's baseline (render/verify.fsx_floors_mbps): pools measuring at once would divide it and fail falsely.
+FSX_LOCK = ".fsx-throughput.lock"
 ALL_REDUCE_OUT = "all_reduce.out"
 # Prometheus finds a new node at its next file_sd refresh and scrapes it at its next interval (render/prometheus.py:
 # a minute and 30 s); a node it has not scraped this long after the job started is not being scraped. Shorter than
@@ -147,15 +153,16 @@ ALL_REDUCE_ENV = {"NCCL_DEBUG": "INFO", "NCCL_BUFFSIZE": "8388608", "NCCL_P2P_NE
                   "PMIX_MCA_gds": "hash"}
 
 
-def job_script(plan: PoolPlan, run_dir: str, options: ProbeOptions = ProbeOptions()) -> str:
-    """The user's batch job: its start time first, the probe on every node, then all_reduce_perf across them as the
-    published figures were measured (ALL_REDUCE_ARGS, ALL_REDUCE_ENV; srun --mpi=pmix starts the ranks as Slurm sites
-    do), with NCCL's INFO log, which names the network and the libfabric provider NCCL chose (nccl_tests.transport)."""
+def job_script(plan: PoolPlan, run_dir: str, fsx_lock: str, options: ProbeOptions = ProbeOptions()) -> str:
+    """The user's batch job: its start time first, the probe on every node (holding `fsx_lock`, which every pool's
+    job of the run shares: FSX_LOCK), then all_reduce_perf across them as the published figures were measured
+    (ALL_REDUCE_ARGS, ALL_REDUCE_ENV; srun --mpi=pmix starts the ranks as Slurm sites do), with NCCL's INFO log,
+    which names the network and the libfabric provider NCCL chose (nccl_tests.transport)."""
     where = shlex.quote(run_dir)
     probe = [PYTHON, VERIFY_PROBE_PROGRAM, "--without-dcgm", f"--fsx-dir={run_dir}", *options.args()]
     lines = ["#!/bin/bash", f"# gpucluster verify: pool {plan.pool}, {plan.nodes} node(s)",
              f"date +%s.%N > {where}/{STARTED_FILE}",
-             _per_node(probe, f"{where}/probe")]
+             f"flock {shlex.quote(fsx_lock)} {_per_node(probe, f'{where}/probe')}"]
     if plan.all_reduce_bytes is not None:
         lines += ["export " + " ".join(f"{name}={value}" for name, value in ALL_REDUCE_ENV.items()),
                   f"srun --mpi=pmix --cpu-bind=none --ntasks-per-node={plan.gpus_per_node} {ALL_REDUCE_PERF} "
@@ -297,6 +304,8 @@ class PoolReadings:
     scale_warning: str = ""  # why the scale-up was not measured though the job ran (its nodes were already up)
     scraped: int | None = None
     missing: str = ""  # why a reading is absent: the job's fate
+    queue_seconds: float | None = None  # from the user job's submission to Slurm giving it nodes
+    dcgm_busy: str = ""  # root's DCGM job never got the nodes because other work or a limit held them: why
 
 
 def _named(node: str, result: v.Result) -> v.Result:
@@ -312,12 +321,16 @@ def _absent(why: str) -> dict[str, str]:
 def judge_pool(plan: PoolPlan, readings: PoolReadings) -> list[v.Result]:
     """Every check of the pool judged on what its jobs measured."""
     results = []
+    queued: v.Details = {v.QUEUE_SECONDS_KEY: readings.queue_seconds} if readings.queue_seconds is not None else {}
     for check in plan.checks:
         if check.check == v.SCALE_FROM_ZERO_SECONDS and readings.scale_warning:
-            results.append(v.Result(check.pool, check.check, check.expect, None, v.WARN, readings.scale_warning))
+            results.append(v.Result(check.pool, check.check, check.expect, None, v.WARN, readings.scale_warning,
+                                    queued))
         elif check.check == v.SCALE_FROM_ZERO_SECONDS:
-            results.append(v.judge_reading(check, readings.scale_seconds if readings.scale_seconds is not None
-                                           else _absent(readings.missing)))
+            results.append(replace(v.judge_reading(check, readings.scale_seconds if readings.scale_seconds is not None
+                                                   else _absent(readings.missing)), details=queued))
+        elif check.check == v.DCGM_DIAG and readings.dcgm_busy:
+            results.append(v.Result(check.pool, check.check, check.expect, None, v.WARN, readings.dcgm_busy))
         elif check.check == v.PROMETHEUS_SCRAPES:
             results.append(v.judge_reading(check, readings.scraped if readings.scraped is not None
                                            else _absent(readings.missing)))
@@ -336,12 +349,19 @@ BUSY_REASONS = ("Resources", "Priority")
 LIMIT_PREFIXES = ("QOS", "Assoc")
 
 
+def busy_note(job: Tracked) -> str:
+    """Why a job Slurm never gave nodes measured nothing, when that is the pool's being busy or the team's being at a
+    limit (a warning); "" when it was not held so (it ran, or its reason is a fault)."""
+    if job.held and (job.held in BUSY_REASONS or job.held.startswith(LIMIT_PREFIXES)):
+        return (f"not measured: {job.why}: the pool's nodes are busy or the team is at a Slurm limit "
+                "(`squeue`, `sshare`); verify it again when it has idle nodes")
+    return ""
+
+
 def held_results(plan: PoolPlan, job: Tracked) -> list[v.Result]:
     """A pool whose job Slurm never gave nodes: every check warns with Slurm's reason when the pool is busy or the team
     at a limit (nothing was measured, nothing is known broken), and fails with it otherwise."""
-    if job.held in BUSY_REASONS or job.held.startswith(LIMIT_PREFIXES):
-        note = (f"not measured: {job.why}: the pool's nodes are busy or the team is at a Slurm limit "
-                "(`squeue`, `sshare`); verify it again when it has idle nodes")
+    if note := busy_note(job):
         return [v.Result(c.pool, c.check, c.expect, None, v.WARN, note) for c in plan.checks]
     return [v.judge_reading(c, _absent(job.why)) for c in plan.checks]
 
@@ -469,6 +489,7 @@ def measure(checks: list[v.Check], setup: Setup, slurm: Slurm, clock: Callable[[
     owner = pwd.getpwnam(setup.user)
     root_dir = setup.verify_dir / name
     dirs = {p.pool: root_dir / p.pool for p in plans}
+    fsx_lock = str(root_dir / FSX_LOCK)  # the user's jobs create it in the run's directory, theirs
     for d in dirs.values():
         d.mkdir(parents=True, exist_ok=True)
         for path in (d, d.parent):
@@ -480,7 +501,7 @@ def measure(checks: list[v.Check], setup: Setup, slurm: Slurm, clock: Callable[[
     for plan in plans:
         submitted = clock()
         job = slurm.submit(sbatch_args(plan, str(dirs[plan.pool]), JOB_SECONDS // 60),
-                           job_script(plan, str(dirs[plan.pool]), setup.probe), as_user=True)
+                           job_script(plan, str(dirs[plan.pool]), fsx_lock, setup.probe), as_user=True)
         # Always-on nodes start it at once; they get the job's time to boot should something else hold them.
         boot = plan.start_seconds if plan.start_seconds is not None else JOB_SECONDS
         user_jobs[plan.pool] = Tracked(job, submitted, QUEUE_SECONDS, boot, JOB_SECONDS)
@@ -526,7 +547,10 @@ def measure(checks: list[v.Check], setup: Setup, slurm: Slurm, clock: Callable[[
             results += held_results(plan, user_job)
             continue
         readings = PoolReadings(missing=user_job.why, scraped=scrapes.counts.get(plan.pool))
+        dcgm_job = dcgm_jobs.get(plan.pool)
+        readings.dcgm_busy = busy_note(dcgm_job) if dcgm_job is not None else ""
         if user_job.started:
+            readings.queue_seconds = round(user_job.waited_until - user_job.submitted, 1)
             readings.nodes = node_readings(d, user_job.nodes, dcgm_jobs[plan.pool].why if plan.pool in dcgm_jobs
                                            else "")
             readings.across = across_readings(d, user_job.why)
@@ -646,12 +670,18 @@ def run(checks: list[v.Check], as_json: bool, setup: Setup) -> int:
     return exit_status(results)
 
 
-def last(as_json: bool, verify_dir: Path = Path(VERIFY_DIR)) -> int:
-    """The newest run kept: 0 when nothing failed in it, 1 when something did or there is none yet."""
+def last(as_json: bool, verify_dir: Path | None = None) -> int:
+    """The newest run kept (in VERIFY_DIR by default): 0 when nothing failed in it, 1 when something did, there is
+    none yet or it cannot be read."""
+    verify_dir = verify_dir or Path(VERIFY_DIR)
     files = run_files(verify_dir)
     if not files:
         print(f"verify: no run yet (none in {verify_dir})", file=sys.stderr)
         return 1
-    results = v.run_from_json(files[-1].read_text())
+    try:
+        results = v.run_from_json(files[-1].read_text())
+    except (OSError, ValueError) as exc:  # VerifyFormatError and json's errors are ValueErrors
+        print(f"verify: the latest run, {files[-1]}, cannot be read: {exc}", file=sys.stderr)
+        return 1
     print_results(results, as_json, files[-1])
     return exit_status(results)

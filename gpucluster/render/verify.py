@@ -7,6 +7,8 @@ The expected figures:
 - all_reduce bus bandwidth (NVIDIA pools, two nodes or more): the catalog's floor for the type, none when no figure
   is published for it (the run then warns), and always the size the sweep must reach and read it at (the published
   run's largest, else contract.verify.DEFAULT_ALL_REDUCE_BYTES);
+- /fsx mounted, with the Lustre version of a file system the stack creates (catalog.LUSTRE_VERSION, the one
+  components/storage.py creates) for the nodes' client to meet;
 - /fsx sequential write and read: the file system's disk baseline (catalog.LUSTRE_DISK_MBPS_PER_TIB x its TiB), or
   what the job's nodes can carry if less (each node's primary network card, which carries Lustre's TCP), times
   FSX_FLOOR_FRACTION; none for an existing file system, whose size and tier the stack does not state;
@@ -103,7 +105,8 @@ def pool_checks(stack: Stack, pool: PoolSpec, nodes: int, deep: bool) -> list[v.
         checks.append((v.EFA_DEVICES, {"count": itype.efa_interfaces}))
         if nvidia:  # aws-ofi-nccl is NCCL's; Neuron's collectives use libfabric directly
             checks.append((v.NCCL_EFA_PLUGIN, {"found": True}))
-    checks += [(v.FSX_MOUNTED, {}), (v.METADATA_REFUSED, {"refused": True}), (v.NAMES_RESOLVE, {"nodes": nodes}),
+    checks += [(v.FSX_MOUNTED, fsx_mounted_expect(stack)), (v.METADATA_REFUSED, {"refused": True}),
+               (v.NAMES_RESOLVE, {"nodes": nodes}),
                (v.PROMETHEUS_SCRAPES, {"nodes": nodes})]
     if nvidia and nodes >= 2:  # nccl-tests needs CUDA; one node's all_reduce never leaves NVLink
         checks.append((v.NCCL_ALL_REDUCE_BUSBW_GBPS, all_reduce_expect(itype)))
@@ -122,6 +125,12 @@ def all_reduce_expect(itype: catalog.InstanceType) -> v.Expect:
     if figure is None:
         return {"bytes": v.DEFAULT_ALL_REDUCE_BYTES}
     return {"min": figure.floor_gbps, "bytes": figure.message_bytes}
+
+
+def fsx_mounted_expect(stack: Stack) -> v.Expect:
+    """The Lustre version of a file system the stack creates (its nodes' client must be as recent); none for an
+    existing file system, whose version the stack does not state."""
+    return {} if stack.spec.storage.lustre.file_system_id else {v.LUSTRE_VERSION_KEY: catalog.LUSTRE_VERSION}
 
 
 def fsx_floors_mbps(stack: Stack, itype: catalog.InstanceType, nodes: int) -> tuple[int | None, int | None]:

@@ -342,6 +342,11 @@ def spot_figure(instance_type: str, region: str) -> SpotFigure | None:
     figure = SPOT_ADVISOR.get(instance_type, {}).get(region)
     return SpotFigure(*figure) if figure else None
 
+
+# The Lustre version of the file systems the stacks create (components/storage.py); `gpucluster verify` holds a node's
+# client to it. Data repository associations need 2.12+; 2.15 is the newest client the DLAMIs ship.
+LUSTRE_VERSION = "2.15"
+
 # FSx for Lustre's disk throughput per TiB of SSD storage, MB/s, (read, write): the FSx for Lustre User Guide,
 # "Performance characteristics of SSD and HDD storage classes" (ssd-storage.html), the baseline column of disk
 # throughput. SCRATCH_2: 200 read, 100 write; PERSISTENT_2: its throughput tier both ways (125 and 250 burst to 500,
