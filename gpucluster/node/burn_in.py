@@ -152,7 +152,7 @@ def plan_replacement(records: list[dict[str, Any]], bound: Bound, now: float, po
     if len(recent) >= bound.replacements:
         return Replacement(None, f"not replaced: pool {pool} replaced {len(recent)} nodes for a failed burn-in within "
                                  f"{bound.window_seconds / 3600:g} h (the bound); find the cause (the image, the "
-                                 f"driver, the capacity) and delete the node", recent)
+                                 f"driver, the capacity), then terminate its instance through its group", recent)
     record = {"at": int(now), "node": node["metadata"]["name"], "instance": instance, "check": verdict.check}
     return Replacement(instance, f"replaced: instance {instance} terminated for a new one "
                                  f"({len(recent) + 1} of {bound.replacements} in {pool} within "
