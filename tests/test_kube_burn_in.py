@@ -6,6 +6,12 @@ v4.5.2: dcgmi/Diag.cpp HelperJsonBuildOutput, HelperJsonAddResult, HelperDisplay
 nvvs/include/NvvsJsonStrings.h; jsoncpp's styled output: keys sorted, three-space indent): a p5.48xlarge's eight H100s
 passing the software test, the same with GPU 3's pending row remapping (DCGM_FR_PENDING_ROW_REMAP, its message as
 dcgmlib/dcgm_errors.h words it), and a diagnostic that could not run.
+
+The fi_info listings in tests/fi-info/: `fi_info -p efa -t FI_EP_RDM` on a p4de.24xlarge with libfabric 1.19, as
+recorded in aws-samples/awsome-distributed-training's EFA troubleshooting notes (its four devices), and the error
+libfabric's util/info.c run() prints when the provider opens nothing (fi_getinfo: -FI_ENODATA, fi_strerror's words).
+Longer listings (a p5's 32 devices; libfabric 2's second fabric per device, "efa-direct") are written here in the
+format of util/info.c print_short_info.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from gpucluster.spec.model import RESERVED_NAMESPACES, PoolSpec, Stack, load_sta
 from test_kubernetes import TEAM_K8S
 
 REPORTS = ROOT / "tests" / "dcgm-diag"
+FI_INFO = ROOT / "tests" / "fi-info"
 # What dcgmi prints (plain text, not JSON) when it finds no host engine and cannot start one in itself
 # (NVIDIA/DCGM v4.5.2 dcgmi/Diag.cpp StartDiag::DoExecuteConnectionFailure).
 UNREACHABLE = "Error: Unable to start an embedded host engine. Host engine connection invalid/disconnected.\n"
@@ -73,6 +80,14 @@ def report(name: str) -> str:
     return (REPORTS / name).read_text()
 
 
+def fi_info_listing(devices: int, fabrics: tuple[str, ...] = ("efa", "efa-direct")) -> str:
+    """What `fi_info -p efa -t FI_EP_RDM` prints for a node whose EFA provider opens `devices` devices, an entry per
+    fabric and device (libfabric util/info.c print_short_info; device names shaped as the recorded p4de's)."""
+    return "".join(f"provider: efa\n    fabric: {fabric}\n    domain: rdmap{16 * (i + 1)}s27-rdm\n"
+                   f"    version: 206.0\n    type: FI_EP_RDM\n    protocol: FI_PROTO_EFA\n"
+                   for i in range(devices) for fabric in fabrics)
+
+
 def without_gpu(text: str, entity_id: int) -> str:
     """A passing report from a node where one GPU fell off the bus: DCGM neither lists nor tests it."""
     doc = json.loads(text)
@@ -90,6 +105,7 @@ P5 = pool_of(load_stack(TEAM_K8S), "p5-spot")
 REGION = load_stack(TEAM_K8S).region
 INSTANCE = "i-0123456789abcdef0"
 P5_EFA = P5.itype.efa_interfaces
+P5_FI_INFO = fi_info_listing(P5_EFA)
 
 
 def test_the_catalog_counts_reach_the_program() -> None:
@@ -115,7 +131,7 @@ def test_the_catalog_counts_reach_the_program() -> None:
 ], ids=["pass", "failed-dcgm-test", "too-few-gpus", "too-few-efa", "dcgm-unreachable", "dcgm-runtime-error",
         "no-report", "no-test", "several"])
 def test_verdict_on_a_p5(dcgm_report: str | None, efa: int, check: str, words: list[str]) -> None:
-    verdict = burn_in.decide(expected(P5), burn_in.Found(dcgm_report, 0, efa))
+    verdict = burn_in.decide(expected(P5), burn_in.Found(dcgm_report, 0, efa, P5_FI_INFO))
     assert verdict.check == check and verdict.passed == (check == "")
     for word in words:
         assert word in "; ".join(verdict.problems)
@@ -128,7 +144,7 @@ def test_a_passing_report_with_a_warning_level_result_fails() -> None:
     the test's summary still passing, fails the node."""
     doc = json.loads(report("p5-pass.json"))
     doc["DCGM Diagnostic"]["test_categories"][0]["tests"][0]["results"][6]["status"] = "Fail"
-    verdict = burn_in.decide(expected(P5), burn_in.Found(json.dumps(doc), 0, P5_EFA))
+    verdict = burn_in.decide(expected(P5), burn_in.Found(json.dumps(doc), 0, P5_EFA, P5_FI_INFO))
     assert verdict.check == "dcgm" and "GPU 6" in verdict.problems[0]
 
 
@@ -137,8 +153,38 @@ def test_verdict_on_a_trainium_node_needs_no_dcgm(neuron: int, check: str) -> No
     pool = pool_of(trainium(), "trn1")
     want = expected(pool)
     assert want.gpus == 0 and want.neuron_devices == pool.accelerator.count == 16
-    verdict = burn_in.decide(want, burn_in.Found(None, neuron, pool.itype.efa_interfaces))
+    verdict = burn_in.decide(want, burn_in.Found(None, neuron, pool.itype.efa_interfaces,
+                                                 fi_info_listing(pool.itype.efa_interfaces)))
     assert verdict.check == check
+
+
+def p4de() -> PoolSpec:
+    """A p4de pool (the recorded listing's instance type) in the shipped stack."""
+    doc = yaml.safe_load(TEAM_K8S.read_text())["config"]
+    doc["gpucluster:cluster"]["pools"] = [{"name": "p4de", "instance_type": "p4de.24xlarge", "max_nodes": 2}]
+    return pool_of(validate("k8s-p4de", doc), "p4de")
+
+
+@pytest.mark.parametrize(("listing", "check", "words"), [
+    ((FI_INFO / "p4de-libfabric-1.19.txt").read_text(), "", []),
+    # libfabric 2 lists each device twice (fabrics efa and efa-direct): still four devices.
+    (fi_info_listing(4), "", []),
+    ("\n".join((FI_INFO / "p4de-libfabric-1.19.txt").read_text().splitlines()[:-6]), "efa-provider",
+     ["opened 3 RDM domains", "has 4 EFA devices"]),
+    ((FI_INFO / "no-efa-provider.txt").read_text(), "efa-provider",
+     ["opened 0 RDM domains", "fi_getinfo: -61 (No data available)"]),
+    (None, "efa-provider", ["opened 0 RDM domains", "no output"]),  # fail closed: the listing never came
+], ids=["recorded-p4de", "libfabric-2", "one-device-short", "no-provider", "no-listing"])
+def test_the_efa_provider_must_open_every_device(listing: str | None, check: str, words: list[str]) -> None:
+    """The EFA driver lists all four devices under /sys/class/infiniband; what libfabric opens decides."""
+    pool = p4de()
+    want = expected(pool)
+    assert want.efa_devices == pool.itype.efa_interfaces == 4 and pool.uses_efa
+    # A passing diagnostic of eight GPUs (a p4de has eight too): the listing alone decides.
+    verdict = burn_in.decide(want, burn_in.Found(report("p5-pass.json"), 0, 4, listing))
+    assert verdict.check == check and len(verdict.problems) == (check != "")
+    for word in words:
+        assert word in "; ".join(verdict.problems)
 
 
 def test_device_counts(tmp_path: Path) -> None:
@@ -230,6 +276,8 @@ def run_burn_in(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, server: ApiServ
     monkeypatch.setenv("NODE_NAME", server.node["metadata"]["name"])
     monkeypatch.setenv("POD_NAMESPACE", kube_health.NAMESPACE)
     monkeypatch.setenv("DCGM_REPORT", str(tmp_path / "dcgm.json"))
+    (tmp_path / "fi_info.txt").write_text(P5_FI_INFO)
+    monkeypatch.setenv("FI_INFO_REPORT", str(tmp_path / "fi_info.txt"))
     monkeypatch.setenv("INFINIBAND_DIR", str(tmp_path / "infiniband"))
     monkeypatch.setattr(burn_in, "api", server)
 
@@ -418,8 +466,9 @@ def test_each_pool_is_checked_for_what_it_has(stack: Stack, pool: PoolSpec) -> N
         pool.itype.efa_interfaces if pool.uses_efa else 0)
     mounts = {m["mountPath"]: m for m in verdict["volumeMounts"]}
     volumes = {v["name"]: v for v in spec["volumes"]}
+    efa_info = ["efa-info"] if pool.uses_efa else []
     if pool.accelerator.kind == "nvidia":  # DCGM first, writing the report the verdict reads, with every GPU
-        assert list(by_name) == ["dcgm-diag", "verdict"]
+        assert list(by_name) == ["dcgm-diag", *efa_info, "verdict"]
         dcgm = by_name["dcgm-diag"]
         assert dcgm["image"].startswith("nvcr.io/nvidia/cloud-native/dcgm:")
         assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"} in dcgm["env"]
@@ -427,9 +476,14 @@ def test_each_pool_is_checked_for_what_it_has(stack: Stack, pool: PoolSpec) -> N
         (shared,) = [m for m in dcgm["volumeMounts"] if env["DCGM_REPORT"].startswith(m["mountPath"] + "/")]
         assert mounts[shared["mountPath"]]["name"] == shared["name"] and "emptyDir" in volumes[shared["name"]]
     else:
-        assert list(by_name) == ["verdict"]
+        assert list(by_name) == [*efa_info, "verdict"]
         assert volumes[mounts[env["DEV_DIR"]]["name"]]["hostPath"]["path"] == "/dev"
-    if pool.uses_efa:
+    if pool.uses_efa:  # the EFA installer's fi_info from the first job's image, its listing where the verdict reads
+        listing = by_name["efa-info"]
+        assert listing["image"] == kube.example_image(stack)
+        assert f"/opt/amazon/efa/bin/fi_info -p efa -t FI_EP_RDM > {env['FI_INFO_REPORT']}" in listing["command"][-1]
+        (shared,) = [m for m in listing["volumeMounts"] if env["FI_INFO_REPORT"].startswith(m["mountPath"] + "/")]
+        assert mounts[shared["mountPath"]]["name"] == shared["name"] and "emptyDir" in volumes[shared["name"]]
         infiniband = mounts[env["INFINIBAND_DIR"]]
         assert infiniband["readOnly"] is True
         assert volumes[infiniband["name"]]["hostPath"]["path"] == "/sys/class/infiniband"

@@ -13,7 +13,6 @@ from typing import Any
 
 import boto3
 import pytest
-from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -28,13 +27,13 @@ HASH = re.compile(r"--hash=sha256:[0-9a-f]{64}")
 
 def requirements_of(name: str) -> list[Requirement]:
     """A distribution's own requirements as installed here, those of extras left out (nobody installs them)."""
-    environment = default_environment() | {"extra": ""}
     return [r for r in map(Requirement, importlib.metadata.requires(name) or [])
-            if r.marker is None or r.marker.evaluate(environment)]
+            if r.marker is None or r.marker.evaluate({"extra": ""})]  # this interpreter's environment, no extra
 
 
 def closure(name: str) -> set[str]:
-    seen, todo = set(), [name]
+    seen: set[str] = set()
+    todo = [name]
     while todo:
         current = canonicalize_name(todo.pop())
         if current not in seen:

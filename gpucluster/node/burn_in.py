@@ -2,12 +2,14 @@
 (gpucluster/render/kube_health.py ships it in a ConfigMap with the contract module it imports).
 
 Before it, on NVIDIA nodes, an init container of NVIDIA's DCGM image ran `dcgmi diag -r 1 -j` and left its output in
-a file. This program reads that report, counts the node's devices (the GPUs DCGM found, /dev/neuron*, the RDMA devices
-the EFA driver registers under /sys/class/infiniband), compares them with what the pool's instance type has (the
-catalog's counts, in the environment), and marks the Node: on a pass it lifts the startup taint and labels the node
-passed; on a failure it puts the failed taint in the startup taint's place, labels the node failed and says why in an
-annotation. The DaemonSet runs only on nodes without the label, so its pod leaves the node once this marks it, and a
-decided node (which may run jobs) is never tested again.
+a file; on EFA pools an init container of the first job's image (AWS's Deep Learning Container, with the EFA
+installer's libfabric) listed what libfabric's EFA provider can open (`fi_info -p efa -t FI_EP_RDM`). This program
+reads those, counts the node's devices (the GPUs DCGM found, /dev/neuron*, the RDMA devices the EFA driver registers
+under /sys/class/infiniband, the RDM domains the EFA provider opened), compares them with what the pool's instance
+type has (the catalog's counts, in the environment), and marks the Node: on a pass it lifts the startup taint and
+labels the node passed; on a failure it puts the failed taint in the startup taint's place, labels the node failed
+and says why in an annotation. The DaemonSet runs only on nodes without the label, so its pod leaves the node once
+this marks it, and a decided node (which may run jobs) is never tested again.
 
 Fail closed: a node whose diagnostic gives no report (DCGM cannot reach the GPUs, its image did not run) fails. The
 burn-in exists so that no job lands on a node nobody has checked; the price is one replaced instance.
@@ -43,7 +45,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this program is part of (the ConfigMap's)
 from gpucluster.contract import node_health
-from gpucluster.node.devices import count_neuron_devices, dcgm_problems
+from gpucluster.node.devices import count_neuron_devices, dcgm_problems, efa_rdm_domains
 
 SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 
@@ -59,11 +61,13 @@ class Expected:
 
 @dataclass(frozen=True)
 class Found:
-    """What the node showed: the DCGM report's text (None where no diagnostic ran: Neuron nodes) and device counts."""
+    """What the node showed: the DCGM report's text (None where no diagnostic ran: Neuron nodes), device counts, and
+    fi_info's listing (None where it did not run: pools without EFA)."""
 
     dcgm_report: str | None
     neuron_devices: int
     efa_devices: int
+    fi_info: str | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,13 @@ def decide(expected: Expected, found: Found) -> Verdict:
     if found.efa_devices < expected.efa_devices:
         failed.append(("efa-count", f"{found.efa_devices} EFA devices under /sys/class/infiniband, the instance type "
                                     f"has {expected.efa_devices}"))
+    if expected.efa_devices:
+        # A device the driver lists may still be one libfabric cannot open (and NCCL then falls back to TCP).
+        domains = len(efa_rdm_domains(found.fi_info or ""))
+        if domains < expected.efa_devices:
+            said = (found.fi_info or "no output").strip().splitlines()[-1:] if not domains else []
+            failed.append(("efa-provider", f"libfabric's EFA provider opened {domains} RDM domains, the instance type "
+                                           f"has {expected.efa_devices} EFA devices" + "".join(f": {s}" for s in said)))
     return Verdict(failed[0][0] if failed else "", tuple(p for _, p in failed))
 
 
@@ -210,10 +221,11 @@ def main() -> None:
     node = api("GET", path)
     expected = Expected(int(os.environ["EXPECTED_GPUS"]), int(os.environ["EXPECTED_NEURON_DEVICES"]),
                         int(os.environ["EXPECTED_EFA_DEVICES"]))
-    report = Path(os.environ["DCGM_REPORT"])
+    report, listing = Path(os.environ["DCGM_REPORT"]), Path(os.environ["FI_INFO_REPORT"])
     found = Found(report.read_text() if report.is_file() else None,
                   count_neuron_devices(Path(os.environ["DEV_DIR"])),
-                  count_efa_devices(Path(os.environ["INFINIBAND_DIR"])))
+                  count_efa_devices(Path(os.environ["INFINIBAND_DIR"])),
+                  listing.read_text() if listing.is_file() else None)
     verdict = decide(expected, found)
     replacement = None
     if not verdict.passed:

@@ -608,8 +608,12 @@ BACKOFF_LIMIT = 3
 BUG_EXIT_CODES = [2, 126, 127]
 
 
+def dlc_image(region: str) -> str:
+    return f"{DLC_ACCOUNT}.dkr.ecr.{region}.amazonaws.com/{DLC_IMAGE}"
+
+
 def example_image(stack: Stack) -> str:
-    return f"{DLC_ACCOUNT}.dkr.ecr.{stack.region}.amazonaws.com/{DLC_IMAGE}"
+    return dlc_image(stack.region)
 
 
 def replacement_wait_s(stack: Stack) -> int:

@@ -3,7 +3,8 @@ components/kubernetes.py's ClusterSoftware, written by `gpucluster render`).
 
 Each pool's node group starts its nodes with a startup taint (node_group_taints) that no job tolerates. A DaemonSet per
 pool runs on its nodes until they carry a burn-in label: on NVIDIA pools an init container of NVIDIA's DCGM image runs
-the level-1 diagnostic; a second init container runs gpucluster/node/burn_in.py, which counts the devices, decides and
+the level-1 diagnostic; on EFA pools one of the first job's image lists what libfabric's EFA provider opens; the last
+init container runs gpucluster/node/burn_in.py, which counts the devices, decides and
 marks the Node (pass: the taint lifted; fail: a failed taint in its place, and its instance terminated through its Auto
 Scaling group for a replacement, within a bound per pool). The label then takes the node out of the DaemonSet's reach
 and its pod leaves. No container requests a device-plugin resource: an init container's requests are
@@ -37,6 +38,13 @@ DCGM_COMMAND = "dcgmi diag -r 1 -j > {report}; exit 0"
 PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
 RESULTS = "/burn-in"  # an emptyDir shared by the init containers
 REPORT = f"{RESULTS}/dcgm.json"
+# On EFA pools: what libfabric's EFA provider can open, listed by the EFA installer's fi_info in the first job's image
+# (kube.DLC_IMAGE: the DLC's install_efa_amzn2023.sh runs AWS's EFA installer, which puts libfabric and its tools
+# under /opt/amazon/efa; the path AWS's EFA guides call it by). Pulling that image here also has it on the node for
+# the first job. Its listing and error message both go to the file: the verdict counts the RDM domains and fails the
+# node on none (gpucluster/node/devices.py efa_rdm_domains).
+FI_INFO_REPORT = f"{RESULTS}/fi_info.txt"
+FI_INFO_COMMAND = "/opt/amazon/efa/bin/fi_info -p efa -t FI_EP_RDM > {report} 2>&1; exit 0"
 HOST_DEV, HOST_INFINIBAND = "/host/dev", "/host/infiniband"
 MOUNT = "/opt/burn-in"
 PROGRAM = "gpucluster/node/burn_in.py"
@@ -92,7 +100,8 @@ def daemon_set(pool: PoolSpec, region: str) -> Manifest:
     env: list[dict[str, Any]] = [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
            {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
            *({"name": k, "value": str(v)} for k, v in expected(pool).items()),
-           {"name": "DCGM_REPORT", "value": REPORT}, {"name": "DEV_DIR", "value": HOST_DEV},
+           {"name": "DCGM_REPORT", "value": REPORT}, {"name": "FI_INFO_REPORT", "value": FI_INFO_REPORT},
+           {"name": "DEV_DIR", "value": HOST_DEV},
            {"name": "INFINIBAND_DIR", "value": HOST_INFINIBAND},
            *({"name": k, "value": v} for k, v in replacement_env(pool, region).items())]
     mounts: list[dict[str, Any]] = [{"name": "program", "mountPath": MOUNT, "readOnly": True},
@@ -117,6 +126,14 @@ def daemon_set(pool: PoolSpec, region: str) -> Manifest:
                      "command": ["sh", "-c", DCGM_COMMAND.format(report=REPORT)],
                      "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}],
                      "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+                     "securityContext": {"privileged": True},
+                     "volumeMounts": [{"name": "results", "mountPath": RESULTS}]})
+    if pool.uses_efa:
+        # Privileged for the EFA devices (/dev/infiniband) without asking the EFA device plugin for them (held for the
+        # pod's life); the DLC's entrypoint is replaced by the command.
+        init.append({"name": "efa-info", "image": kube.dlc_image(region),
+                     "command": ["sh", "-c", FI_INFO_COMMAND.format(report=FI_INFO_REPORT)],
+                     "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
                      "securityContext": {"privileged": True},
                      "volumeMounts": [{"name": "results", "mountPath": RESULTS}]})
     init.append({"name": "verdict", "image": kube.GUARDRAIL_IMAGE, "command": ["python", f"{MOUNT}/{PROGRAM}"],
