@@ -322,6 +322,14 @@ def test_the_program_marks_its_node_and_replaces_a_failed_one(monkeypatch: pytes
     assert patch["metadata"]["annotations"][node_health.REPLACEMENT_ANNOTATION].startswith(
         f"replaced: instance {INSTANCE}")
 
+    # Run again (its Node patch refused, say, and the kubelet ran the container again): counted once.
+    server.calls.clear()
+    client, stub = terminating(INSTANCE)
+    run_burn_in(monkeypatch, tmp_path, server, report("p5-row-remap-pending.json"), client)
+    stub.assert_no_pending_responses()
+    assert [m for m, _, _ in server.calls] == ["GET", "GET", "PATCH"]
+    assert len(json.loads(server.config_map["data"][P5.name])) == 1
+
 
 def test_a_pool_past_its_bound_keeps_its_failed_node(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The bound's worth of replacements within the window: the next failed node is marked and left (no AWS call),
@@ -353,12 +361,15 @@ def test_the_bound_counts_replacements_within_its_window() -> None:
     last = burn_in.plan_replacement(taken, bound, now, P5.name, node, verdict)
     assert last.instance == INSTANCE and len(last.records) == bound.replacements
     assert f"{bound.replacements} of {bound.replacements}" in last.note
-    refused = burn_in.plan_replacement(last.records, bound, now + 1, P5.name, node, verdict)
+    # The next node's instance: past the bound.
+    other = a_new_node(P5)
+    other["spec"]["providerID"] = f"aws:///{REGION}b/i-0fedcba9876543210"
+    refused = burn_in.plan_replacement(last.records, bound, now + 1, P5.name, other, verdict)
     assert refused.instance is None and refused.records == last.records
     # Once the oldest has left the window, one more.
     oldest = min(r["at"] for r in last.records)
-    later = burn_in.plan_replacement(last.records, bound, oldest + bound.window_seconds, P5.name, node, verdict)
-    assert later.instance == INSTANCE and len(later.records) == bound.replacements
+    later = burn_in.plan_replacement(last.records, bound, oldest + bound.window_seconds, P5.name, other, verdict)
+    assert later.instance == "i-0fedcba9876543210" and len(later.records) == bound.replacements
     assert all(oldest + bound.window_seconds - r["at"] < bound.window_seconds for r in later.records)
 
 

@@ -160,6 +160,9 @@ def plan_replacement(records: list[dict[str, Any]], bound: Bound, now: float, po
     if instance is None:
         return Replacement(None, f"not replaced: no EC2 instance in its providerID "
                                  f"{node.get('spec', {}).get('providerID')!r}", recent)
+    if any(r["instance"] == instance for r in recent):  # counted by a run that stopped before the node's mark
+        return Replacement(instance, f"replaced: instance {instance} terminated for a new one (counted before)",
+                           recent)
     if len(recent) >= bound.replacements:
         return Replacement(None, f"not replaced: pool {pool} replaced {len(recent)} nodes for a failed burn-in within "
                                  f"{bound.window_seconds / 3600:g} h (the bound); find the cause (the image, the "
@@ -233,11 +236,11 @@ def main() -> None:
         records_path = (f"/api/v1/namespaces/{os.environ['POD_NAMESPACE']}/configmaps/"
                         f"{node_health.REPLACEMENTS_CONFIG_MAP}")
         config_map = api("GET", records_path)
-        replacement = plan_replacement(json.loads((config_map.get("data") or {}).get(pool, "[]")),
-                                       Bound(int(os.environ["REPLACEMENTS"]),
-                                             int(os.environ["REPLACEMENT_WINDOW_SECONDS"])),
+        stored = json.loads((config_map.get("data") or {}).get(pool, "[]"))
+        replacement = plan_replacement(stored, Bound(int(os.environ["REPLACEMENTS"]),
+                                                     int(os.environ["REPLACEMENT_WINDOW_SECONDS"])),
                                        time.time(), pool, node, verdict)
-        if replacement.instance:
+        if replacement.instance and replacement.records != stored:
             api("PATCH", records_path, replacements_patch(config_map, pool, replacement.records))
     api("PATCH", path, node_patch(node, verdict, replacement.note if replacement else None))
     outcome = None
