@@ -562,11 +562,24 @@ class ClusterSoftware(pulumi.ComponentResource):
         if nvidia:
             release("dcgm-exporter", eks.DCGM_EXPORTER, kube.dcgm_exporter_values(),
                     child(self, depends_on=[self.prometheus]))
-        # The burn-in of every new accelerator node (the node groups' startup taint waits for it).
+        # The burn-in of every new accelerator node (the node groups' startup taint waits for it), with its Pod
+        # Identity role: a failed node's instance is terminated for a replacement. The Pod Identity agent runs on the
+        # tainted accelerator nodes too (aws/eks-charts stable/eks-pod-identity-agent/values.yaml: tolerations
+        # operator Exists).
+        burn_in_role = aws.iam.Role(f"{name}-burn-in", assume_role_policy=trust("pods.eks.amazonaws.com",
+                                                                                ASSUME_AND_TAG), opts=child(self))
+        aws.iam.RolePolicy(f"{name}-burn-in", role=burn_in_role.id, policy=pulumi.Output.from_input(
+            args.cluster_arn).apply(lambda arn: burn_in_policy(arn, [args.node_group_names[p.name]
+                                                                     for p in stack.spec.pools])), opts=child(self))
+        replacing = aws.eks.PodIdentityAssociation(f"{name}-burn-in", cluster_name=args.cluster_name,
+                                                   namespace=kube_health.NAMESPACE, service_account=kube_health.BURN_IN,
+                                                   role_arn=burn_in_role.arn, opts=child(self))
         burn_in_namespace, *burn_in = kube_health.burn_in_manifests(stack)
         namespace = declare(burn_in_namespace, child(self))
         for manifest in burn_in:
-            declare(manifest, child(self, depends_on=[namespace]))
+            # Its pods get AWS credentials only once the association exists.
+            pod = [replacing] if manifest["kind"] == "DaemonSet" else []
+            declare(manifest, child(self, depends_on=[namespace, *pod]))
         self.autoscaler_role_arn, self.autoscaler_role_name = role.arn, role.name
         self.register_outputs({"autoscaler_role_arn": self.autoscaler_role_arn})
 
@@ -587,6 +600,20 @@ def autoscaler_policy(cluster_arn: str) -> str:
         {"Sid": "ResizeOwnGroups", "Effect": "Allow",
          "Resource": f"arn:aws:autoscaling:{region}:{account}:autoScalingGroup:*:autoScalingGroupName/eks-{cluster}-*",
          "Action": ["autoscaling:SetDesiredCapacity", "autoscaling:TerminateInstanceInAutoScalingGroup"],
+         "Condition": {"StringEquals": {f"aws:ResourceTag/k8s.io/cluster-autoscaler/{cluster}": "owned"}}},
+    ])
+
+
+def burn_in_policy(cluster_arn: str, node_groups: Sequence[str]) -> str:
+    """Terminate instances of the accelerator pools' Auto Scaling groups (eks-<node group>-<uuid>) that EKS tagged as
+    this cluster's, and nothing else: no Describe (the instance id is the Node's, the call needs no group name), no
+    resize (the group's desired capacity is kept, hence the replacement)."""
+    arn = cluster_arn.split(":")
+    region, account, cluster = arn[3], arn[4], arn[5].split("/", 1)[1]
+    groups = f"arn:aws:autoscaling:{region}:{account}:autoScalingGroup:*:autoScalingGroupName/eks-"
+    return policy([
+        {"Sid": "ReplaceFailedNodes", "Effect": "Allow", "Action": "autoscaling:TerminateInstanceInAutoScalingGroup",
+         "Resource": [f"{groups}{group}-*" for group in node_groups],
          "Condition": {"StringEquals": {f"aws:ResourceTag/k8s.io/cluster-autoscaler/{cluster}": "owned"}}},
     ])
 

@@ -6,6 +6,12 @@ v4.5.2: dcgmi/Diag.cpp HelperJsonBuildOutput, HelperJsonAddResult, HelperDisplay
 nvvs/include/NvvsJsonStrings.h; jsoncpp's styled output: keys sorted, three-space indent): a p5.48xlarge's eight H100s
 passing the software test, the same with GPU 3's pending row remapping (DCGM_FR_PENDING_ROW_REMAP, its message as
 dcgmlib/dcgm_errors.h words it), and a diagnostic that could not run.
+
+The fi_info listings in tests/fi-info/: `fi_info -p efa -t FI_EP_RDM` on a p4de.24xlarge with libfabric 1.19, as
+recorded in aws-samples/awsome-distributed-training's EFA troubleshooting notes (its four devices), and the error
+libfabric's util/info.c run() prints when the provider opens nothing (fi_getinfo: -FI_ENODATA, fi_strerror's words).
+Longer listings (a p5's 32 devices; libfabric 2's second fabric per device, "efa-direct") are written here in the
+format of util/info.c print_short_info.
 """
 
 from __future__ import annotations
@@ -13,18 +19,22 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import boto3
 import botocore.session
 import kubernetes_validate
 import pytest
 import yaml
+from botocore.stub import Stubber
 
 import standard_library
 from components.kubernetes import autoscaler_node_template_tags
 from conftest import K8S_STACK_FILES, ROOT, of_type, planned
 from gpucluster.contract import node_health
+from gpucluster.contract.settings import ClusterSettings
 from gpucluster.node import burn_in, devices
 from gpucluster.plan import Declared
 from gpucluster.project import EXAMPLES_DIR
@@ -33,6 +43,7 @@ from gpucluster.spec.model import RESERVED_NAMESPACES, PoolSpec, Stack, load_sta
 from test_kubernetes import TEAM_K8S
 
 REPORTS = ROOT / "tests" / "dcgm-diag"
+FI_INFO = ROOT / "tests" / "fi-info"
 # What dcgmi prints (plain text, not JSON) when it finds no host engine and cannot start one in itself
 # (NVIDIA/DCGM v4.5.2 dcgmi/Diag.cpp StartDiag::DoExecuteConnectionFailure).
 UNREACHABLE = "Error: Unable to start an embedded host engine. Host engine connection invalid/disconnected.\n"
@@ -69,6 +80,14 @@ def report(name: str) -> str:
     return (REPORTS / name).read_text()
 
 
+def fi_info_listing(devices: int, fabrics: tuple[str, ...] = ("efa", "efa-direct")) -> str:
+    """What `fi_info -p efa -t FI_EP_RDM` prints for a node whose EFA provider opens `devices` devices, an entry per
+    fabric and device (libfabric util/info.c print_short_info; device names shaped as the recorded p4de's)."""
+    return "".join(f"provider: efa\n    fabric: {fabric}\n    domain: rdmap{16 * (i + 1)}s27-rdm\n"
+                   f"    version: 206.0\n    type: FI_EP_RDM\n    protocol: FI_PROTO_EFA\n"
+                   for i in range(devices) for fabric in fabrics)
+
+
 def without_gpu(text: str, entity_id: int) -> str:
     """A passing report from a node where one GPU fell off the bus: DCGM neither lists nor tests it."""
     doc = json.loads(text)
@@ -83,7 +102,10 @@ def without_gpu(text: str, entity_id: int) -> str:
 # --- The verdict ------------------------------------------------------------------------------------------------
 
 P5 = pool_of(load_stack(TEAM_K8S), "p5-spot")
+REGION = load_stack(TEAM_K8S).region
+INSTANCE = "i-0123456789abcdef0"
 P5_EFA = P5.itype.efa_interfaces
+P5_FI_INFO = fi_info_listing(P5_EFA)
 
 
 def test_the_catalog_counts_reach_the_program() -> None:
@@ -109,7 +131,7 @@ def test_the_catalog_counts_reach_the_program() -> None:
 ], ids=["pass", "failed-dcgm-test", "too-few-gpus", "too-few-efa", "dcgm-unreachable", "dcgm-runtime-error",
         "no-report", "no-test", "several"])
 def test_verdict_on_a_p5(dcgm_report: str | None, efa: int, check: str, words: list[str]) -> None:
-    verdict = burn_in.decide(expected(P5), burn_in.Found(dcgm_report, 0, efa))
+    verdict = burn_in.decide(expected(P5), burn_in.Found(dcgm_report, 0, efa, P5_FI_INFO))
     assert verdict.check == check and verdict.passed == (check == "")
     for word in words:
         assert word in "; ".join(verdict.problems)
@@ -122,7 +144,7 @@ def test_a_passing_report_with_a_warning_level_result_fails() -> None:
     the test's summary still passing, fails the node."""
     doc = json.loads(report("p5-pass.json"))
     doc["DCGM Diagnostic"]["test_categories"][0]["tests"][0]["results"][6]["status"] = "Fail"
-    verdict = burn_in.decide(expected(P5), burn_in.Found(json.dumps(doc), 0, P5_EFA))
+    verdict = burn_in.decide(expected(P5), burn_in.Found(json.dumps(doc), 0, P5_EFA, P5_FI_INFO))
     assert verdict.check == "dcgm" and "GPU 6" in verdict.problems[0]
 
 
@@ -131,8 +153,38 @@ def test_verdict_on_a_trainium_node_needs_no_dcgm(neuron: int, check: str) -> No
     pool = pool_of(trainium(), "trn1")
     want = expected(pool)
     assert want.gpus == 0 and want.neuron_devices == pool.accelerator.count == 16
-    verdict = burn_in.decide(want, burn_in.Found(None, neuron, pool.itype.efa_interfaces))
+    verdict = burn_in.decide(want, burn_in.Found(None, neuron, pool.itype.efa_interfaces,
+                                                 fi_info_listing(pool.itype.efa_interfaces)))
     assert verdict.check == check
+
+
+def p4de() -> PoolSpec:
+    """A p4de pool (the recorded listing's instance type) in the shipped stack."""
+    doc = yaml.safe_load(TEAM_K8S.read_text())["config"]
+    doc["gpucluster:cluster"]["pools"] = [{"name": "p4de", "instance_type": "p4de.24xlarge", "max_nodes": 2}]
+    return pool_of(validate("k8s-p4de", doc), "p4de")
+
+
+@pytest.mark.parametrize(("listing", "check", "words"), [
+    ((FI_INFO / "p4de-libfabric-1.19.txt").read_text(), "", []),
+    # libfabric 2 lists each device twice (fabrics efa and efa-direct): still four devices.
+    (fi_info_listing(4), "", []),
+    ("\n".join((FI_INFO / "p4de-libfabric-1.19.txt").read_text().splitlines()[:-6]), "efa-provider",
+     ["opened 3 RDM domains", "has 4 EFA devices"]),
+    ((FI_INFO / "no-efa-provider.txt").read_text(), "efa-provider",
+     ["opened 0 RDM domains", "fi_getinfo: -61 (No data available)"]),
+    (None, "efa-provider", ["opened 0 RDM domains", "no output"]),  # fail closed: the listing never came
+], ids=["recorded-p4de", "libfabric-2", "one-device-short", "no-provider", "no-listing"])
+def test_the_efa_provider_must_open_every_device(listing: str | None, check: str, words: list[str]) -> None:
+    """The EFA driver lists all four devices under /sys/class/infiniband; what libfabric opens decides."""
+    pool = p4de()
+    want = expected(pool)
+    assert want.efa_devices == pool.itype.efa_interfaces == 4 and pool.uses_efa
+    # A passing diagnostic of eight GPUs (a p4de has eight too): the listing alone decides.
+    verdict = burn_in.decide(want, burn_in.Found(report("p5-pass.json"), 0, 4, listing))
+    assert verdict.check == check and len(verdict.problems) == (check != "")
+    for word in words:
+        assert word in "; ".join(verdict.problems)
 
 
 def test_device_counts(tmp_path: Path) -> None:
@@ -154,14 +206,15 @@ def a_new_node(pool: PoolSpec) -> dict[str, Any]:
     """A node of the pool as it registers: the node group's taints (the startup taint among them)."""
     return {"metadata": {"name": "ip-10-44-0-17.ec2.internal", "resourceVersion": "4711",
                          "labels": kube.pool_labels(load_stack(TEAM_K8S), pool)},
-            "spec": {"taints": kube_health.node_group_taints(pool)}}
+            "spec": {"taints": kube_health.node_group_taints(pool), "providerID": f"aws:///{REGION}a/{INSTANCE}"}}
 
 
 def test_a_pass_lifts_the_startup_taint_and_labels_the_node() -> None:
     node = a_new_node(P5)
     patch = burn_in.node_patch(node, burn_in.Verdict("", ()))
     assert patch == {"metadata": {"resourceVersion": "4711", "labels": {"gpucluster/burn-in": "passed"},
-                                  "annotations": {"gpucluster/burn-in-reason": None}},
+                                  "annotations": {"gpucluster/burn-in-reason": None,
+                                                  "gpucluster/burn-in-replacement": None}},
                      "spec": {"taints": kube.pool_taints(P5)}}
 
 
@@ -169,9 +222,10 @@ def test_a_failure_puts_the_failed_taint_in_the_startup_taints_place() -> None:
     node = a_new_node(P5)
     node["spec"]["taints"].append({"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"})
     verdict = burn_in.Verdict("efa-count", ("31 EFA devices under /sys/class/infiniband, the instance type has 32",))
-    patch = burn_in.node_patch(node, verdict)
+    patch = burn_in.node_patch(node, verdict, "replaced: ...")
     assert patch["metadata"] == {"resourceVersion": "4711", "labels": {"gpucluster/burn-in": "failed"},
-                                 "annotations": {"gpucluster/burn-in-reason": verdict.problems[0]}}
+                                 "annotations": {"gpucluster/burn-in-reason": verdict.problems[0],
+                                                 "gpucluster/burn-in-replacement": "replaced: ..."}}
     assert patch["spec"]["taints"] == [*kube.pool_taints(P5),
                                        {"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"},
                                        {"key": node_health.FAILED_TAINT, "value": "efa-count",
@@ -183,43 +237,192 @@ def test_a_failure_puts_the_failed_taint_in_the_startup_taints_place() -> None:
     assert not any(t["key"] == node_health.STARTUP_TAINT for t in again)
 
 
-def test_the_program_marks_its_node(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """main() from its environment to its two calls. The API server is a stand-in (`burn_in.api` replaced): no API
-    server runs on this machine; the patch bodies are the ones the tests above check."""
-    node = a_new_node(P5)
-    calls: list[tuple[str, str, dict[str, Any] | None]] = []
+class ApiServer:
+    """A stand-in for the API server's two objects the program reads and patches (`burn_in.api` replaced): no API
+    server runs on this machine. It applies merge patches as the server does, so a second run sees the first's
+    record."""
 
-    def api(method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        calls.append((method, path, body))
-        return node
+    def __init__(self, node: dict[str, Any], records: dict[str, str] | None = None) -> None:
+        self.node = node
+        self.config_map: dict[str, Any] = {"metadata": {"name": node_health.REPLACEMENTS_CONFIG_MAP,
+                                                        "resourceVersion": "1"}, "data": records}
+        self.calls: list[tuple[str, str, dict[str, Any] | None]] = []
 
-    (tmp_path / "dcgm.json").write_text(report("p5-row-remap-pending.json"))
-    (tmp_path / "infiniband").mkdir()
+    def __call__(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        self.calls.append((method, path, body))
+        if path.endswith(f"/configmaps/{node_health.REPLACEMENTS_CONFIG_MAP}"):
+            if body is not None:
+                assert body["metadata"]["resourceVersion"] == self.config_map["metadata"]["resourceVersion"]
+                self.config_map["data"] = (self.config_map["data"] or {}) | body["data"]
+                self.config_map["metadata"]["resourceVersion"] += "1"
+            return self.config_map
+        assert path == f"/api/v1/nodes/{self.node['metadata']['name']}", path
+        return self.node
+
+
+def run_burn_in(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, server: ApiServer, dcgm_report: str,
+                autoscaling: Any = None) -> None:
+    """main() from the verdict container's own environment, on a p5 with all its EFA devices."""
+    (tmp_path / "dcgm.json").write_text(dcgm_report)
+    (tmp_path / "infiniband").mkdir(exist_ok=True)
     for i in range(P5_EFA):
-        (tmp_path / "infiniband" / f"rdmap{i}").mkdir()
-    daemon_set = kube_health.daemon_set(P5)
+        (tmp_path / "infiniband" / f"rdmap{i}").mkdir(exist_ok=True)
+    daemon_set = kube_health.daemon_set(P5, REGION)
     (verdict_container,) = [c for c in daemon_set["spec"]["template"]["spec"]["initContainers"]
                             if c["name"] == "verdict"]
     for variable in verdict_container["env"]:
         if "value" in variable:
             monkeypatch.setenv(variable["name"], variable["value"])
-    monkeypatch.setenv("NODE_NAME", node["metadata"]["name"])
+    monkeypatch.setenv("NODE_NAME", server.node["metadata"]["name"])
+    monkeypatch.setenv("POD_NAMESPACE", kube_health.NAMESPACE)
     monkeypatch.setenv("DCGM_REPORT", str(tmp_path / "dcgm.json"))
+    (tmp_path / "fi_info.txt").write_text(P5_FI_INFO)
+    monkeypatch.setenv("FI_INFO_REPORT", str(tmp_path / "fi_info.txt"))
     monkeypatch.setenv("INFINIBAND_DIR", str(tmp_path / "infiniband"))
-    monkeypatch.setattr(burn_in, "api", api)
+    monkeypatch.setattr(burn_in, "api", server)
+
+    def no_boto3() -> Any:
+        raise AssertionError("a passing node, or one past the bound, needs no AWS call")
+
+    monkeypatch.setattr(burn_in, "autoscaling_client", (lambda: autoscaling) if autoscaling else no_boto3)
     burn_in.main()
-    path = f"/api/v1/nodes/{node['metadata']['name']}"
-    assert [(m, p) for m, p, _ in calls] == [("GET", path), ("PATCH", path)]
-    patch = calls[1][2]
+
+
+def terminating(instance: str) -> tuple[Any, Stubber]:
+    """An Auto Scaling client that expects exactly the replacement's call (botocore's Stubber: no AWS here; moto
+    does not model what the call is about, the group launching another instance)."""
+    client = boto3.client("autoscaling", region_name=REGION, aws_access_key_id="x", aws_secret_access_key="x")
+    stub = Stubber(client)
+    stub.add_response("terminate_instance_in_auto_scaling_group", {"Activity": {
+        "ActivityId": "5b1e0d2c-0000-4000-8000-000000000001", "AutoScalingGroupName": "eks-x-p5-spot-uuid",
+        "Description": f"Terminating EC2 instance: {instance}", "Cause": "user request",
+        "StartTime": "2026-01-01T00:00:00Z", "StatusCode": "InProgress"}},
+        {"InstanceId": instance, "ShouldDecrementDesiredCapacity": False})
+    stub.activate()
+    return client, stub
+
+
+def test_the_program_marks_its_node_and_replaces_a_failed_one(monkeypatch: pytest.MonkeyPatch,
+                                                              tmp_path: Path) -> None:
+    """A failed node: its replacement counted in the pool's record (under the record's resourceVersion), the node
+    marked with what becomes of it, then its instance terminated with the group's capacity kept."""
+    server = ApiServer(a_new_node(P5))
+    client, stub = terminating(INSTANCE)
+    run_burn_in(monkeypatch, tmp_path, server, report("p5-row-remap-pending.json"), client)
+    stub.assert_no_pending_responses()
+    node_path = f"/api/v1/nodes/{server.node['metadata']['name']}"
+    record_path = f"/api/v1/namespaces/{kube_health.NAMESPACE}/configmaps/{node_health.REPLACEMENTS_CONFIG_MAP}"
+    assert [(m, p) for m, p, _ in server.calls] == [("GET", node_path), ("GET", record_path),
+                                                   ("PATCH", record_path), ("PATCH", node_path)]
+    (record,) = json.loads(server.config_map["data"][P5.name])
+    assert (record["instance"], record["node"], record["check"]) == (INSTANCE, server.node["metadata"]["name"], "dcgm")
+    patch = server.calls[-1][2]
     assert patch is not None and patch["metadata"]["labels"] == {"gpucluster/burn-in": "failed"}
     assert {"key": node_health.FAILED_TAINT, "value": "dcgm", "effect": "NoSchedule"} in patch["spec"]["taints"]
+    assert patch["metadata"]["annotations"][node_health.REPLACEMENT_ANNOTATION].startswith(
+        f"replaced: instance {INSTANCE}")
+
+    # Run again (its Node patch refused, say, and the kubelet ran the container again): counted once.
+    server.calls.clear()
+    client, stub = terminating(INSTANCE)
+    run_burn_in(monkeypatch, tmp_path, server, report("p5-row-remap-pending.json"), client)
+    stub.assert_no_pending_responses()
+    assert [m for m, _, _ in server.calls] == ["GET", "GET", "PATCH"]
+    assert len(json.loads(server.config_map["data"][P5.name])) == 1
+
+
+def test_a_pool_past_its_bound_keeps_its_failed_node(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The bound's worth of replacements within the window: the next failed node is marked and left (no AWS call),
+    its annotation saying why; a passing node never reads the record."""
+    env = kube_health.replacement_env(P5, REGION)
+    bound, window = int(env["REPLACEMENTS"]), int(env["REPLACEMENT_WINDOW_SECONDS"])
+    recent = [{"at": int(time.time()) - window // 2, "node": f"n{i}", "instance": f"i-{i:017x}", "check": "dcgm"}
+              for i in range(bound)]
+    server = ApiServer(a_new_node(P5), {P5.name: json.dumps(recent)})
+    run_burn_in(monkeypatch, tmp_path, server, report("p5-row-remap-pending.json"))
+    assert [m for m, _, _ in server.calls] == ["GET", "GET", "PATCH"]  # the record unchanged
+    note = server.calls[-1][2]["metadata"]["annotations"][node_health.REPLACEMENT_ANNOTATION]  # type: ignore[index]
+    assert note.startswith("not replaced") and f"replaced {bound} nodes" in note
+
+    passing = ApiServer(a_new_node(P5))
+    run_burn_in(monkeypatch, tmp_path, passing, report("p5-pass.json"))
+    assert [(m, p.split("/")[-2]) for m, p, _ in passing.calls] == [("GET", "nodes"), ("PATCH", "nodes")]
+
+
+def test_the_bound_counts_replacements_within_its_window() -> None:
+    env = kube_health.replacement_env(P5, REGION)
+    bound = burn_in.Bound(int(env["REPLACEMENTS"]), int(env["REPLACEMENT_WINDOW_SECONDS"]))
+    # The Slurm flavour's figures: one bound for both.
+    assert (bound.replacements, bound.window_seconds) == (ClusterSettings.health_replacements,
+                                                          ClusterSettings.health_replacement_window_seconds)
+    node, verdict, now = a_new_node(P5), burn_in.Verdict("efa-count", ("x",)), 1_900_000_000.0
+    taken = [{"at": int(now) - 60 * (i + 1), "node": "n", "instance": "i-1", "check": "dcgm"}
+             for i in range(bound.replacements - 1)]
+    last = burn_in.plan_replacement(taken, bound, now, P5.name, node, verdict)
+    assert last.instance == INSTANCE and len(last.records) == bound.replacements
+    assert f"{bound.replacements} of {bound.replacements}" in last.note
+    # The next node's instance: past the bound.
+    other = a_new_node(P5)
+    other["spec"]["providerID"] = f"aws:///{REGION}b/i-0fedcba9876543210"
+    refused = burn_in.plan_replacement(last.records, bound, now + 1, P5.name, other, verdict)
+    assert refused.instance is None and refused.records == last.records
+    # Once the oldest has left the window, one more.
+    oldest = min(r["at"] for r in last.records)
+    later = burn_in.plan_replacement(last.records, bound, oldest + bound.window_seconds, P5.name, other, verdict)
+    assert later.instance == "i-0fedcba9876543210" and len(later.records) == bound.replacements
+    assert all(oldest + bound.window_seconds - r["at"] < bound.window_seconds for r in later.records)
+
+
+@pytest.mark.parametrize(("provider_id", "instance"), [
+    (f"aws:///{REGION}a/{INSTANCE}", INSTANCE),
+    ("aws:///us-west-2-lax-1a/i-0abc", "i-0abc"),  # a Local Zone
+    ("", None), ("kind://docker/kind/kind-worker", None), (f"aws:///{REGION}a/{INSTANCE}/x", None)])
+def test_the_instance_comes_from_the_provider_id(provider_id: str, instance: str | None) -> None:
+    node = a_new_node(P5)
+    node["spec"]["providerID"] = provider_id
+    assert burn_in.instance_id(node) == instance
+    planned_replacement = burn_in.plan_replacement([], burn_in.Bound(3, 86400), 0.0, P5.name, node,
+                                                   burn_in.Verdict("dcgm", ("x",)))
+    assert planned_replacement.instance == instance
+    if instance is None:
+        assert planned_replacement.note.startswith("not replaced: no EC2 instance") and not planned_replacement.records
+
+
+def test_an_aws_refusal_is_reported_not_raised() -> None:
+    client = boto3.client("autoscaling", region_name=REGION, aws_access_key_id="x", aws_secret_access_key="x")
+    with Stubber(client) as stub:
+        stub.add_client_error("terminate_instance_in_auto_scaling_group", "ValidationError",
+                              f"Instance Id not found - No managed instance found for instance ID: {INSTANCE}",
+                              expected_params={"InstanceId": INSTANCE, "ShouldDecrementDesiredCapacity": False})
+        assert burn_in.terminate(client, INSTANCE).startswith("not terminated: ")
+        client, _ = terminating(INSTANCE)
+        assert burn_in.terminate(client, INSTANCE) == f"terminated: Terminating EC2 instance: {INSTANCE}"
+
+
+def test_boto3_is_importable_once_installed_after_start(tmp_path: Path) -> None:
+    """The program starts without boto3 and installs it only to replace a node: the install's directory, made after
+    the interpreter started, is importable then. The install here links this machine's boto3 closure into place (the
+    real command needs PyPI: tests/test_kube_wheels.py checks it); the interpreter runs without site-packages."""
+    target = tmp_path / "lib"
+    site = Path(boto3.__file__).parents[1]
+    links = " ".join(str(site / name) for name in ("boto3", "botocore", "s3transfer", "jmespath", "dateutil",
+                                                    "urllib3", "six.py"))
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
+            "from gpucluster.node import burn_in\n"
+            "try:\n    import boto3\nexcept ImportError:\n    pass\nelse:\n    raise SystemExit('boto3 before')\n"
+            "print(burn_in.autoscaling_client().meta.service_model.service_name)\n")
+    env = {"BOTO3_INSTALL": f"mkdir -p {target} && ln -s {links} {target}/", "BOTO3_TARGET": str(target),
+           "PATH": "/usr/bin:/bin", **kube.boto3_region(REGION)}
+    done = subprocess.run([sys.executable, "-S", "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "autoscaling"
 
 
 def test_the_burn_in_pod_has_every_file_its_program_imports(tmp_path: Path) -> None:
     """The ConfigMap, projected as the DaemonSet's volume puts it, runs with the standard library alone."""
     manifests = kube_health.burn_in_manifests(load_stack(TEAM_K8S))
-    (config_map,) = [m for m in manifests if m["kind"] == "ConfigMap"]
-    pod = kube_health.daemon_set(P5)["spec"]["template"]["spec"]
+    (config_map,) = [m for m in manifests if m["kind"] == "ConfigMap" and m["metadata"]["name"] == kube_health.BURN_IN]
+    pod = kube_health.daemon_set(P5, REGION)["spec"]["template"]["spec"]
     (volume,) = [v for v in pod["volumes"] if v.get("configMap", {}).get("name") == config_map["metadata"]["name"]]
     assert {item["key"] for item in volume["configMap"]["items"]} == set(config_map["data"])
     for item in volume["configMap"]["items"]:
@@ -251,7 +454,7 @@ def containers(daemon_set: dict[str, Any]) -> list[dict[str, Any]]:
 def test_the_burn_in_takes_no_device_from_the_jobs(stack: Stack, pool: PoolSpec) -> None:
     """No container asks a device plugin for anything (an init container's request is held for the pod's life); only
     CPU and memory, and the main container nothing at all."""
-    daemon_set = kube_health.daemon_set(pool)
+    daemon_set = kube_health.daemon_set(pool, stack.region)
     for container in containers(daemon_set):
         for kind in ("requests", "limits"):
             assert set(container.get("resources", {}).get(kind, {})) <= {"cpu", "memory"}, container["name"]
@@ -263,7 +466,7 @@ def test_the_burn_in_takes_no_device_from_the_jobs(stack: Stack, pool: PoolSpec)
 
 @pytest.mark.parametrize(("stack", "pool"), every_pool(), ids=lambda x: getattr(x, "name", ""))
 def test_each_pool_is_checked_for_what_it_has(stack: Stack, pool: PoolSpec) -> None:
-    daemon_set = kube_health.daemon_set(pool)
+    daemon_set = kube_health.daemon_set(pool, stack.region)
     spec = daemon_set["spec"]["template"]["spec"]
     by_name = {c["name"]: c for c in spec["initContainers"]}
     verdict = by_name["verdict"]
@@ -274,8 +477,9 @@ def test_each_pool_is_checked_for_what_it_has(stack: Stack, pool: PoolSpec) -> N
         pool.itype.efa_interfaces if pool.uses_efa else 0)
     mounts = {m["mountPath"]: m for m in verdict["volumeMounts"]}
     volumes = {v["name"]: v for v in spec["volumes"]}
+    efa_info = ["efa-info"] if pool.uses_efa else []
     if pool.accelerator.kind == "nvidia":  # DCGM first, writing the report the verdict reads, with every GPU
-        assert list(by_name) == ["dcgm-diag", "verdict"]
+        assert list(by_name) == ["dcgm-diag", *efa_info, "verdict"]
         dcgm = by_name["dcgm-diag"]
         assert dcgm["image"].startswith("nvcr.io/nvidia/cloud-native/dcgm:")
         assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"} in dcgm["env"]
@@ -283,9 +487,14 @@ def test_each_pool_is_checked_for_what_it_has(stack: Stack, pool: PoolSpec) -> N
         (shared,) = [m for m in dcgm["volumeMounts"] if env["DCGM_REPORT"].startswith(m["mountPath"] + "/")]
         assert mounts[shared["mountPath"]]["name"] == shared["name"] and "emptyDir" in volumes[shared["name"]]
     else:
-        assert list(by_name) == ["verdict"]
+        assert list(by_name) == [*efa_info, "verdict"]
         assert volumes[mounts[env["DEV_DIR"]]["name"]]["hostPath"]["path"] == "/dev"
-    if pool.uses_efa:
+    if pool.uses_efa:  # the EFA installer's fi_info from the first job's image, its listing where the verdict reads
+        listing = by_name["efa-info"]
+        assert listing["image"] == kube.example_image(stack)
+        assert f"/opt/amazon/efa/bin/fi_info -p efa -t FI_EP_RDM > {env['FI_INFO_REPORT']}" in listing["command"][-1]
+        (shared,) = [m for m in listing["volumeMounts"] if env["FI_INFO_REPORT"].startswith(m["mountPath"] + "/")]
+        assert mounts[shared["mountPath"]]["name"] == shared["name"] and "emptyDir" in volumes[shared["name"]]
         infiniband = mounts[env["INFINIBAND_DIR"]]
         assert infiniband["readOnly"] is True
         assert volumes[infiniband["name"]]["hostPath"]["path"] == "/sys/class/infiniband"
@@ -344,7 +553,7 @@ def test_the_manifests_are_valid_for_every_accelerator_kind() -> None:
     stack = trainium()
     for manifest in kube_health.burn_in_manifests(stack):
         kubernetes_validate.validate(manifest, stack.spec.eks.version, strict=True)
-    broken = kube_health.daemon_set(pool_of(stack, "trn1"))
+    broken = kube_health.daemon_set(pool_of(stack, "trn1"), stack.region)
     broken["spec"]["template"]["spec"]["initContainers"][0]["volumeMount"] = []
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(broken, stack.spec.eks.version, strict=True)
@@ -406,3 +615,50 @@ def test_the_autoscaler_waits_for_a_burn_in_past_its_default_start_up_time() -> 
     args = kube.autoscaler_values(stack, {p.name: p.name for p in stack.spec.pools} | {kube.CPU_FLAVOR: "cpu"},
                                   "sa")["extraArgs"]
     assert args["max-node-startup-time"].endswith("m") and int(args["max-node-startup-time"][:-1]) > 15
+
+
+# --- The replacement's identity ---------------------------------------------------------------------------------
+
+def test_the_burn_in_may_terminate_only_its_pools_instances(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
+    """Its Pod Identity role: TerminateInstanceInAutoScalingGroup and nothing else, on the accelerator pools' groups
+    (as EKS names them: eks-<node group>-<uuid>) that EKS tagged as this cluster's; not the CPU or system nodes' group,
+    not another cluster's. Its DaemonSets start once the association exists; its Kubernetes rights on the record are
+    that one ConfigMap's, which it is declared without data (the verdict's, left alone by `up`)."""
+    from fnmatch import fnmatchcase
+
+    stack, declared = k8s
+    (assoc,) = [a for a in of_type(declared, "eks/podIdentityAssociation:PodIdentityAssociation")
+                if a.inputs["serviceAccount"] == kube_health.BURN_IN]
+    assert assoc.inputs["namespace"] == kube_health.NAMESPACE
+    (role,) = [r for r in of_type(declared, "iam/role:Role") if r.urn in assoc.dependencies]
+    assert json.loads(role.inputs["assumeRolePolicy"])["Statement"][0]["Principal"] == {
+        "Service": "pods.eks.amazonaws.com"}
+    (document,) = [p.inputs["policy"] for p in of_type(declared, "iam/rolePolicy:RolePolicy")
+                   if role.urn in p.dependencies]
+    (statement,) = json.loads(document)["Statement"]
+    assert statement["Action"] == "autoscaling:TerminateInstanceInAutoScalingGroup"
+    assert statement["Condition"] == {"StringEquals": {
+        f"aws:ResourceTag/k8s.io/cluster-autoscaler/{stack.cluster_name}": "owned"}}
+    arn = f"arn:aws:autoscaling:{stack.region}:123456789012:autoScalingGroup:0a1b2c3d-uuid:autoScalingGroupName/"
+
+    def allowed(group: str) -> bool:
+        return any(fnmatchcase(arn + group, resource) for resource in statement["Resource"])
+
+    groups = {g.inputs["nodeGroupName"] for g in of_type(declared, "eks/nodeGroup:NodeGroup")}
+    pools = {f"{stack.cluster_name}-{p.name}" for p in stack.spec.pools}
+    assert pools < groups
+    for group in groups:
+        assert allowed(f"eks-{group}-7c3a1b2e-uuid") == (group in pools), group
+    assert not allowed(f"eks-gpucluster-other-{stack.spec.pools[0].name}-uuid")
+
+    for daemon_set in of_type(declared, "apps/v1:DaemonSet"):
+        if daemon_set.inputs["metadata"]["namespace"] == kube_health.NAMESPACE:
+            assert assoc.urn in daemon_set.dependencies, daemon_set.name
+    (record,) = [c.inputs for c in of_type(declared, "core/v1:ConfigMap")
+                 if c.inputs["metadata"]["name"] == node_health.REPLACEMENTS_CONFIG_MAP]
+    assert record["metadata"]["namespace"] == kube_health.NAMESPACE and "data" not in record
+    (rights,) = [r.inputs for r in of_type(declared, "rbac.authorization.k8s.io/v1:Role")
+                 if r.inputs["metadata"]["name"] == kube_health.BURN_IN]
+    assert rights["metadata"]["namespace"] == kube_health.NAMESPACE
+    assert rights["rules"] == [{"apiGroups": [""], "resources": ["configmaps"],
+                                "resourceNames": [node_health.REPLACEMENTS_CONFIG_MAP], "verbs": ["get", "patch"]}]

@@ -229,8 +229,8 @@ def test_access_entries() -> None:
     # EKS's edit policy covers no Kueue objects: the team's group is bound to Kueue's user role in its namespace.
     team_entry = entries[f"arn:aws:iam::123456789012:role/{name}-team"]
     assert team_entry["kubernetesGroups"] == [f"gpucluster:{stack.spec.team}"]
-    (binding,) = of_type(declared, "rbac.authorization.k8s.io/v1:RoleBinding")
-    assert binding.inputs["metadata"]["namespace"] == stack.spec.team
+    (binding,) = [b for b in of_type(declared, "rbac.authorization.k8s.io/v1:RoleBinding")
+                  if b.inputs["metadata"]["namespace"] == stack.spec.team]
     assert binding.inputs["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
                                          "name": "kueue-batch-user-role"}
     assert binding.inputs["subjects"] == [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group",

@@ -20,3 +20,11 @@ FAILED_TAINT = "status-taint.cluster-autoscaler.kubernetes.io/burn-in-failed"
 RESULT_LABEL = "gpucluster/burn-in"  # passed | failed: the node's burn-in is decided and is not run again
 PASSED, FAILED = "passed", "failed"
 REASON_ANNOTATION = "gpucluster/burn-in-reason"  # what failed, in words (a label value cannot hold them)
+
+# A failed node is terminated through its Auto Scaling group so that the group launches a replacement (the autoscaler
+# keeps a group at its minimum without looking at taints, and node auto repair does not read ours). At most
+# REPLACEMENTS per pool within the window, as the Slurm flavour's reconciler bounds its health replacements
+# (settings.ClusterSettings.health_replacements): a fault that follows fresh instances is not theirs. The record of
+# each pool's replacements lives in this ConfigMap of the burn-in's namespace (the node itself goes with its instance).
+REPLACEMENTS_CONFIG_MAP = "gpucluster-burn-in-replacements"
+REPLACEMENT_ANNOTATION = "gpucluster/burn-in-replacement"  # what became of the failed node's instance, in words

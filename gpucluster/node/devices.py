@@ -21,6 +21,16 @@ TOOL_DIRS = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbi
              "/opt/aws/neuron/bin")
 
 
+# `fi_info -p efa -t FI_EP_RDM`'s listing: an entry per fabric and domain the EFA provider opened, each line of it
+# "provider: ", "    fabric: ", "    domain: ", "    version: ", "    type: ", "    protocol: " (libfabric util/info.c
+# print_short_info). A device's RDM domain is its name and "-rdm" (prov/efa/src/efa_domain.h efa_domain_name_suffix),
+# listed once per fabric (libfabric 2: "efa" and "efa-direct", prov/efa/src/efa.h). When the provider opens nothing,
+# the listing is empty and standard error says "fi_getinfo: -61 (No data available)" (util/info.c run()).
+def efa_rdm_domains(listing: str) -> set[str]:
+    """The EFA devices whose RDM endpoint libfabric's EFA provider can open, by domain."""
+    return set(re.findall(r"^\s*domain:\s*(\S+-rdm)$", listing, re.MULTILINE))
+
+
 def tool(*args: str, seconds: float | None = None, check: bool = True) -> tuple[str | None, str]:
     """(stdout, "") or (None, why): a missing, failing or hung tool is a finding, never a hang. A hung one is killed
     with everything it started (its own session), which might otherwise hold its output open. Without `check`, a

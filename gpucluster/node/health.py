@@ -58,6 +58,7 @@ from gpucluster.node.devices import (
     DCGM_SECONDS,
     TOOL_DIRS,
     TOOL_SECONDS,
+    efa_rdm_domains,
     filesystem_type,
     first_file,
     gpu_rows,
@@ -170,7 +171,7 @@ def efa(pool: PoolSettings) -> list[str]:
     out, why = tool("fi_info", "-p", "efa", "-t", "FI_EP_RDM")
     if out is None:
         return [why]
-    found = len(set(re.findall(r"domain:\s*(\S+)", out)))
+    found = len(efa_rdm_domains(out))
     return [] if found == pool.efa_interfaces else [f"{found} of {pool.efa_interfaces} EFA devices"]
 
 

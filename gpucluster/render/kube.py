@@ -16,7 +16,7 @@ from typing import Any
 from gpucluster import node
 from gpucluster.contract import settings
 from gpucluster.render import monitoring, prometheus
-from gpucluster.spec import eks
+from gpucluster.spec import eks, wheels
 from gpucluster.spec.model import CPU_NODES_NAME, PoolSpec, Stack
 
 Manifest = dict[str, Any]
@@ -608,8 +608,12 @@ BACKOFF_LIMIT = 3
 BUG_EXIT_CODES = [2, 126, 127]
 
 
+def dlc_image(region: str) -> str:
+    return f"{DLC_ACCOUNT}.dkr.ecr.{region}.amazonaws.com/{DLC_IMAGE}"
+
+
 def example_image(stack: Stack) -> str:
-    return f"{DLC_ACCOUNT}.dkr.ecr.{stack.region}.amazonaws.com/{DLC_IMAGE}"
+    return dlc_image(stack.region)
 
 
 def replacement_wait_s(stack: Stack) -> int:
@@ -720,7 +724,26 @@ def example_job(stack: Stack, pool: PoolSpec, script: str, nodes: int = 2) -> li
 # Docker's official image through ECR Public's mirror: no anonymous Docker Hub pulls (rate-limited per address) from
 # behind the stack's one NAT address, on every new GPU node (the burn-in's verdict) or guardrail start.
 GUARDRAIL_IMAGE = "public.ecr.aws/docker/library/python:3.12-slim"
-GUARDRAIL_BOTO3 = "boto3==1.44.8"  # the version the project itself pins against (requirements: boto3)
+# Where a controller's boto3 goes (an emptyDir at /tmp), and how: gpucluster/spec/wheels.py's exact files, their hashes
+# checked, none of their dependencies resolved by pip (the table is the whole closure), wheels only (nothing built).
+BOTO3_TARGET = "/tmp/lib"
+
+
+def boto3_region(region: str) -> dict[str, str]:
+    """The environment that gives a controller's boto3 its region: botocore reads AWS_DEFAULT_REGION, not AWS_REGION
+    (botocore/configprovider.py, 'region'), and Pod Identity sets only the credentials' variables."""
+    return {"AWS_DEFAULT_REGION": region}
+
+
+def boto3_install(target: str = BOTO3_TARGET) -> str:
+    """The shell command that installs boto3 into `target` from a requirements file it writes beside it."""
+    requirements = f"{target}.txt"
+    lines = " ".join(f"'{wheel.requirement()}'" for wheel in wheels.BOTO3)
+    return (f"printf '%s\\n' {lines} > {requirements} && "
+            f"pip install --quiet --no-cache-dir --disable-pip-version-check --no-deps --require-hashes "
+            f"--only-binary=:all: --target {target} -r {requirements}")
+
+
 # The guardrail and the library files it imports, at their places under the mount (a ConfigMap's keys are flat names;
 # the volume's items put each file at its path): it shares its queue loop and budget decision with the Slurm head's.
 GUARDRAIL_MOUNT = "/opt/guardrail"
@@ -736,7 +759,7 @@ def guardrail_manifests(stack: Stack, queue_url: Any, act_threshold_percent: int
     ns = eks.KUEUE.namespace
     labels = {"app": GUARDRAIL}
     env = {"QUEUE_URL": queue_url, "BUDGET_NAME": stack.budget_name, "CLUSTER_QUEUE": cluster_queue_name(stack),
-           "ACT_THRESHOLD_PERCENT": str(act_threshold_percent), "AWS_REGION": stack.region,
+           "ACT_THRESHOLD_PERCENT": str(act_threshold_percent), **boto3_region(stack.region),
            "LAUNCH_DENY_ACTION_ID": launch_deny_action_id}
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": GUARDRAIL, "namespace": ns}},
@@ -759,8 +782,8 @@ def guardrail_manifests(stack: Stack, queue_url: Any, act_threshold_percent: int
                       "containers": [{
                           "name": "guardrail", "image": GUARDRAIL_IMAGE,
                           "command": ["sh", "-c",
-                                      f"pip install --quiet --no-cache-dir --target /tmp/lib {GUARDRAIL_BOTO3} && "
-                                      f"PYTHONPATH=/tmp/lib exec python {GUARDRAIL_MOUNT}/{GUARDRAIL_PROGRAM}"],
+                                      f"{boto3_install()} && "
+                                      f"PYTHONPATH={BOTO3_TARGET} exec python {GUARDRAIL_MOUNT}/{GUARDRAIL_PROGRAM}"],
                           "env": [{"name": k, "value": v} for k, v in env.items()],
                           "resources": {"requests": {"cpu": "50m", "memory": "128Mi"},
                                         "limits": {"memory": "256Mi"}},

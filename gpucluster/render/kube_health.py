@@ -3,9 +3,11 @@ components/kubernetes.py's ClusterSoftware, written by `gpucluster render`).
 
 Each pool's node group starts its nodes with a startup taint (node_group_taints) that no job tolerates. A DaemonSet per
 pool runs on its nodes until they carry a burn-in label: on NVIDIA pools an init container of NVIDIA's DCGM image runs
-the level-1 diagnostic; a second init container runs gpucluster/node/burn_in.py, which counts the devices, decides and
-marks the Node (pass: the taint lifted; fail: a failed taint in its place). The label then takes the node out of the
-DaemonSet's reach and its pod leaves. No container requests a device-plugin resource: an init container's requests are
+the level-1 diagnostic; on EFA pools one of the first job's image lists what libfabric's EFA provider opens; the last
+init container runs gpucluster/node/burn_in.py, which counts the devices, decides and
+marks the Node (pass: the taint lifted; fail: a failed taint in its place, and its instance terminated through its Auto
+Scaling group for a replacement, within a bound per pool). The label then takes the node out of the DaemonSet's reach
+and its pod leaves. No container requests a device-plugin resource: an init container's requests are
 held for the pod's whole life and would keep a GPU or EFA device from the jobs.
 """
 
@@ -15,6 +17,7 @@ from typing import Any
 
 from gpucluster import node
 from gpucluster.contract import node_health
+from gpucluster.contract.settings import ClusterSettings
 from gpucluster.render import kube
 from gpucluster.render.kube import Manifest
 from gpucluster.spec.model import PoolSpec, Stack
@@ -35,6 +38,13 @@ DCGM_COMMAND = "dcgmi diag -r 1 -j > {report}; exit 0"
 PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
 RESULTS = "/burn-in"  # an emptyDir shared by the init containers
 REPORT = f"{RESULTS}/dcgm.json"
+# On EFA pools: what libfabric's EFA provider can open, listed by the EFA installer's fi_info in the first job's image
+# (kube.DLC_IMAGE: the DLC's install_efa_amzn2023.sh runs AWS's EFA installer, which puts libfabric and its tools
+# under /opt/amazon/efa; the path AWS's EFA guides call it by). Pulling that image here also has it on the node for
+# the first job. Its listing and error message both go to the file: the verdict counts the RDM domains and fails the
+# node on none (gpucluster/node/devices.py efa_rdm_domains).
+FI_INFO_REPORT = f"{RESULTS}/fi_info.txt"
+FI_INFO_COMMAND = "/opt/amazon/efa/bin/fi_info -p efa -t FI_EP_RDM > {report} 2>&1; exit 0"
 HOST_DEV, HOST_INFINIBAND = "/host/dev", "/host/infiniband"
 MOUNT = "/opt/burn-in"
 PROGRAM = "gpucluster/node/burn_in.py"
@@ -76,19 +86,30 @@ def _read_only_host(name: str, path: str) -> dict[str, Any]:
     return {"name": name, "hostPath": {"path": path, "type": "Directory"}}
 
 
-def daemon_set(pool: PoolSpec) -> Manifest:
+def replacement_env(pool: PoolSpec, region: str) -> dict[str, str]:
+    """What the verdict needs to replace a failed node: the pool's name (its record), the bound (the Slurm flavour's
+    health-replacement bound, the same figures), and boto3's hash-checked install into the writable /tmp."""
+    return {"POOL": pool.name, "REPLACEMENTS": str(ClusterSettings.health_replacements),
+            "REPLACEMENT_WINDOW_SECONDS": str(ClusterSettings.health_replacement_window_seconds),
+            **kube.boto3_region(region), "BOTO3_INSTALL": kube.boto3_install(), "BOTO3_TARGET": kube.BOTO3_TARGET}
+
+
+def daemon_set(pool: PoolSpec, region: str) -> Manifest:
     labels = {"app": BURN_IN, kube.POOL_LABEL: pool.name}
     nvidia = pool.accelerator.kind == "nvidia"
     env: list[dict[str, Any]] = [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+           {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
            *({"name": k, "value": str(v)} for k, v in expected(pool).items()),
-           {"name": "DCGM_REPORT", "value": REPORT}, {"name": "DEV_DIR", "value": HOST_DEV},
-           {"name": "INFINIBAND_DIR", "value": HOST_INFINIBAND}]
+           {"name": "DCGM_REPORT", "value": REPORT}, {"name": "FI_INFO_REPORT", "value": FI_INFO_REPORT},
+           {"name": "DEV_DIR", "value": HOST_DEV},
+           {"name": "INFINIBAND_DIR", "value": HOST_INFINIBAND},
+           *({"name": k, "value": v} for k, v in replacement_env(pool, region).items())]
     mounts: list[dict[str, Any]] = [{"name": "program", "mountPath": MOUNT, "readOnly": True},
-                                    {"name": "results", "mountPath": RESULTS}]
+                                    {"name": "results", "mountPath": RESULTS}, {"name": "tmp", "mountPath": "/tmp"}]
     volumes: list[dict[str, Any]] = [
         {"name": "program", "configMap": {"name": BURN_IN, "items": [
             {"key": key, "path": path} for key, path in FILES.items()]}},
-        {"name": "results", "emptyDir": {}}]
+        {"name": "results", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
     if not nvidia:  # the Neuron devices are counted by their nodes under /dev
         mounts.append({"name": "dev", "mountPath": HOST_DEV, "readOnly": True})
         volumes.append(_read_only_host("dev", "/dev"))
@@ -105,6 +126,14 @@ def daemon_set(pool: PoolSpec) -> Manifest:
                      "command": ["sh", "-c", DCGM_COMMAND.format(report=REPORT)],
                      "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}],
                      "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+                     "securityContext": {"privileged": True},
+                     "volumeMounts": [{"name": "results", "mountPath": RESULTS}]})
+    if pool.uses_efa:
+        # Privileged for the EFA devices (/dev/infiniband) without asking the EFA device plugin for them (held for the
+        # pod's life); the DLC's entrypoint is replaced by the command.
+        init.append({"name": "efa-info", "image": kube.dlc_image(region),
+                     "command": ["sh", "-c", FI_INFO_COMMAND.format(report=FI_INFO_REPORT)],
+                     "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
                      "securityContext": {"privileged": True},
                      "volumeMounts": [{"name": "results", "mountPath": RESULTS}]})
     init.append({"name": "verdict", "image": kube.GUARDRAIL_IMAGE, "command": ["python", f"{MOUNT}/{PROGRAM}"],
@@ -131,8 +160,10 @@ def daemon_set(pool: PoolSpec) -> Manifest:
 
 
 def burn_in_manifests(stack: Stack) -> list[Manifest]:
-    """The namespace, the verdict's identity (may read and patch Nodes, nothing else), the program, and a DaemonSet
-    per pool. The namespace comes first: components/kubernetes.py declares the rest after it."""
+    """The namespace, the verdict's identity (may read and patch Nodes, and its replacements' record, nothing else;
+    its AWS rights come through a Pod Identity association: components/kubernetes.py), the program, the record (its
+    data is the verdict's: declared without any, so that `up` leaves it alone) and a DaemonSet per pool. The
+    namespace comes first: components/kubernetes.py declares the rest after it."""
     return [
         {"apiVersion": "v1", "kind": "Namespace",
          "metadata": {"name": NAMESPACE, "labels": {"pod-security.kubernetes.io/enforce": "privileged"}}},
@@ -142,7 +173,17 @@ def burn_in_manifests(stack: Stack) -> list[Manifest]:
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": BURN_IN},
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": BURN_IN},
          "subjects": [{"kind": "ServiceAccount", "name": BURN_IN, "namespace": NAMESPACE}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+         "metadata": {"name": BURN_IN, "namespace": NAMESPACE},
+         "rules": [{"apiGroups": [""], "resources": ["configmaps"],
+                    "resourceNames": [node_health.REPLACEMENTS_CONFIG_MAP], "verbs": ["get", "patch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": {"name": BURN_IN, "namespace": NAMESPACE},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": BURN_IN},
+         "subjects": [{"kind": "ServiceAccount", "name": BURN_IN, "namespace": NAMESPACE}]},
         {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": BURN_IN, "namespace": NAMESPACE},
          "data": {key: (node.LIBRARY_DIR / path).read_text() for key, path in FILES.items()}},
-        *(daemon_set(pool) for pool in stack.spec.pools),
+        {"apiVersion": "v1", "kind": "ConfigMap",
+         "metadata": {"name": node_health.REPLACEMENTS_CONFIG_MAP, "namespace": NAMESPACE}},
+        *(daemon_set(pool, stack.region) for pool in stack.spec.pools),
     ]
