@@ -6,9 +6,9 @@ deletes a resource before everything it depends on, so a step that depends on th
 launch templates and the head node runs before any of them is deleted; and a dynamic provider is serialised into the
 stack's state, so `pulumi destroy` runs it without the program. (A resource hook would need `pulumi destroy
 --run-program` every time; the command provider would need the AWS CLI and another plugin on the destroying machine.)
-The provider runs where `pulumi destroy` runs, with its AWS credentials (AWS_PROFILE, AWS_REGION from the
-environment); it is pickled by reference to this module, so `destroy` must run from the project directory, as
-Pulumi's own commands do.
+The provider runs where `pulumi destroy` runs, with its AWS credentials (AWS_PROFILE or keys from the
+environment) and the stack's region, passed in; it is pickled by reference to this module, so `destroy` must run
+from the project directory, as Pulumi's own commands do.
 
 Creating or updating a step does nothing; a step is never replaced (a replacement would delete it: terminate the
 fleet during an `up`). For the same reason its URN must never change: renaming the cluster, a step, its component

@@ -47,7 +47,7 @@ def credentials_problem(exc: BaseException) -> str | None:
     if isinstance(exc, exceptions.NoCredentialsError | exceptions.PartialCredentialsError):
         return f"{NO_CREDENTIALS} ({exc})" if isinstance(exc, exceptions.PartialCredentialsError) else NO_CREDENTIALS
     if isinstance(exc, exceptions.NoRegionError):
-        return "no AWS region: set AWS_REGION (or the profile's region)"
+        return "no AWS region: set AWS_DEFAULT_REGION (botocore does not read AWS_REGION) or the profile's region"
     if isinstance(exc, exceptions.TokenRetrievalError | exceptions.CredentialRetrievalError):
         return f"the AWS credentials could not be read: {exc} (aws sso login?)"
     if isinstance(exc, exceptions.ClientError):
