@@ -85,6 +85,10 @@ def test_gpu_hours_from_sshare_account_and_user_rows() -> None:
     assert used.accounts == {"root": 0.0, "vision": 91230 / 60, "speech": 0.0}
     assert used.users == {("root", "root"): 0.0, ("vision", "alice"): 68400 / 60, ("vision", "bob"): 22800 / 60,
                           ("vision", "ubuntu"): 30 / 60, ("speech", "carol"): 0.0}
+    # The account's own row, with its money quota (GrpTRESMins' billing); none where sshare printed no row.
+    assert slurm_json.account_row(SSHARE, "vision") == slurm_json.AccountRow("vision", "", 91230, 7200, 600000)
+    assert slurm_json.account_row(SSHARE, "speech") == slurm_json.AccountRow("speech", "", 0, 0, None)
+    assert slurm_json.account_row("sshare: error: Problem talking to the database\n", "vision") is None
 
 
 def person_lines(lines: list[str]) -> dict[str, list[str]]:
