@@ -67,10 +67,11 @@ def team_minutes(cluster: LocalCluster) -> tuple[int, int]:
 
 def usage_says_what_sshare_says(cluster: LocalCluster) -> None:
     """The head's status against sshare once the team's jobs ended (nothing adds to their use meanwhile), when they
-    billed at least a cent: a status that misread sshare, or never read it, would not show the same figures."""
+    billed at least a cent and used a GPU-minute: a status that misread sshare, or never read it, would not show the
+    same figures."""
     billed, gpu = team_minutes(cluster)
     used_usd = billed / 60 / cost.BILLING_UNITS_PER_USD
-    assert used_usd >= 0.01, billed  # a cent: the document's precision
+    assert used_usd >= 0.01 and gpu >= 1, (billed, gpu)  # a cent and a GPU-minute: the document's precision
     status = head_status(cluster)
     assert status["quota"]["used_usd"] == round(used_usd, 2), (status["quota"], billed)
     assert status["gpu_hours"]["used"] == round(gpu / 60, 2), (status["gpu_hours"], gpu)
@@ -91,8 +92,9 @@ def test_spent_budget_closes_partitions_lets_running_jobs_finish_and_reopens(clu
         QueueUrl=ear, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"])
 
     hold, release = cluster.held("running")
-    # A GPU for 45 s at least (beside the hold): at the GPU's price it bills more than a cent, which status must show.
-    running = submit(cluster, "standby", f"sleep 45 & {hold}; wait; echo finished", "--gpus=1")
+    # A GPU for a minute at least (beside the hold): a GPU-minute, and at the GPU's price more than a cent, which status
+    # must show.
+    running = submit(cluster, "standby", f"sleep 60 & {hold}; wait; echo finished", "--gpus=1")
     cluster.wait(f"job {running} to run", lambda: cluster.job_state(running) == "RUNNING", 120)
 
     # AWS Budgets reports the spend over the act threshold and notifies the topic.
