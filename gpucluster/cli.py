@@ -51,8 +51,9 @@ from gpucluster.cli_errors import (
     credentials_problem,
     print_errors,
 )
-from gpucluster.contract.settings import GRAFANA_PORT, LOGIN_USER, SETTINGS_FILE, VERIFY_PLAN, ClusterSettings
+from gpucluster.contract.settings import GRAFANA_PORT, LOGIN_USER, SETTINGS_FILE, VERIFY_PLAN
 from gpucluster.contract.verify import CLUSTER, Check, VerifyFormatError, plan_from_json, plan_json
+from gpucluster.node import usage
 from gpucluster.plan import NEW_ACCOUNT, Declared, run_program
 from gpucluster.render import verify as planning
 from gpucluster.spec import catalog, cost, eks, model
@@ -414,23 +415,16 @@ def spend(args: argparse.Namespace) -> int:
     or forecast to be, or the spend unread."""
     import datetime as dt
 
-    from botocore.exceptions import BotoCoreError, ClientError
-
     from gpucluster.aws import spend as money
 
     if args.all or len(args.stacks) != 1:
         return cost_board(args)
     stack = _load(args.stacks[0])
     session = aws_session()
-    try:
-        account = session.client("sts", region_name=stack.region).get_caller_identity()["Account"]
-    except (BotoCoreError, ClientError) as exc:  # said by the Cost Explorer call below, with the same cause
-        if credentials_problem(exc):
-            raise
-        account = None
     result = money.spend(session.client("ce", region_name="us-east-1"), stack, dt.date.today(),
-                         budgets=session.client("budgets", region_name="us-east-1"), account=account)
-    gpu_hours = money.head_gpu_hours(stack)
+                         budgets=session.client("budgets", region_name="us-east-1"),
+                         account=money.account_id(session, stack.region))
+    gpu_hours = usage.head_gpu_hours(stack.cluster_name)
     if args.json:
         print_json(money.as_json(stack, result, gpu_hours))
     else:
@@ -443,9 +437,8 @@ def cost_board(args: argparse.Namespace) -> int:
     is over its budget or forecast to be, or its spend could not be read."""
     import datetime as dt
 
-    from botocore.exceptions import BotoCoreError, ClientError
-
     from gpucluster.aws import cost_board as board
+    from gpucluster.aws.spend import account_id
     from gpucluster.render import prometheus
 
     if not args.stacks and not args.all:
@@ -461,16 +454,12 @@ def cost_board(args: argparse.Namespace) -> int:
     if problems or not stacks:
         raise UserError(problems or [("", f"no stack files in {project.looked_in()}")])
     session = aws_session()
-    try:
-        account = session.client("sts", region_name=stacks[0].region).get_caller_identity()["Account"]
-    except (BotoCoreError, ClientError) as exc:  # said by the board's notes: the budgets cannot be listed
-        if credentials_problem(exc):
-            raise
-        account = None
     now = dt.datetime.now(dt.timezone.utc)
     rows, notes = board.board(stacks, session.client("ce", region_name="us-east-1"),
-                              session.client("budgets", region_name="us-east-1"), account, now.date(),
-                              lambda s: board.head_usage(s, prometheus.idle_gpu_hours_query, now))
+                              session.client("budgets", region_name="us-east-1"),
+                              account_id(session, stacks[0].region), now.date(),
+                              lambda s: board.usage(usage.head_usage(s.cluster_name, s.spec.team,
+                                                                     prometheus.idle_gpu_hours_query, now)))
     if args.json:
         print_json(board.as_json(rows, notes))
     else:
@@ -559,13 +548,13 @@ def verify(args: argparse.Namespace) -> int:
         if args.plan:
             print(plan_json(planned) if args.json else "\n".join(planning.table(planned)))
             return 0
-    here = ClusterSettings.load(SETTINGS_FILE) if Path(SETTINGS_FILE).exists() else None
-    if stack is not None and (here is None or here.cluster != stack.cluster_name):
+    here = usage.here(stack.cluster_name if stack else None, SETTINGS_FILE)
+    if isinstance(here, str) and stack is not None:
         from gpucluster.aws import verify_remote
 
         return verify_remote.run(stack, head_arguments(args), aws_session())
-    if here is None:
-        _bad_input([f"STACK is needed off the head node (no {SETTINGS_FILE} here)"])
+    if isinstance(here, str):
+        _bad_input([f"STACK is needed off the head node ({here})"])
     from gpucluster.node import verify_run
 
     if args.last:  # the kept runs are 0644: anyone on the head may read the latest
@@ -606,14 +595,14 @@ def ssh_proxy(args: argparse.Namespace) -> int:
 
 def status(args: argparse.Namespace) -> int:
     """On the head node: read here (gpucluster.node.status_run). Elsewhere, with STACK: through Run Command."""
-    here = ClusterSettings.load(SETTINGS_FILE) if Path(SETTINGS_FILE).exists() else None
     stack = _load(args.stack) if args.stack else None
-    if stack is not None and (here is None or here.cluster != stack.cluster_name):
+    here = usage.here(stack.cluster_name if stack else None, SETTINGS_FILE)
+    if isinstance(here, str) and stack is not None:
         from gpucluster.aws import status_remote
 
         return status_remote.run(stack, args.json, aws_session())
-    if here is None:
-        raise UserError([("", f"STACK is needed off the head node (no {SETTINGS_FILE} here)")])
+    if isinstance(here, str):
+        raise UserError([("", f"STACK is needed off the head node ({here})")])
     from gpucluster.node import status_run
 
     return status_run.run(args.json, here)

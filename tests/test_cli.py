@@ -450,3 +450,40 @@ def test_bash_completion_offers_the_parsers_commands_options_and_stacks() -> Non
     assert {p.name.removeprefix("Pulumi.").removesuffix(".yaml")
             for p in (ROOT / "stacks").glob("Pulumi.*.yaml")} <= complete("plan", "")
     assert complete("plan", "te") >= {"team-a", "team-b"}
+
+
+@pytest.mark.parametrize("command", ["status", "verify"])
+def test_a_settings_file_that_is_not_settings_is_no_head_said_in_one_line(command: str, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """/etc/gpucluster/cluster.json present but truncated: not this machine's head (the one rule of
+    gpucluster.node.usage.here): without STACK, one error line with the file and why, exit 2; no traceback."""
+    broken = tmp_path / "cluster.json"
+    broken.write_text("{")
+    monkeypatch.setattr(cli, "SETTINGS_FILE", str(broken))
+    done = main_here(command)
+    assert done.returncode == 2 and done.stdout == "", done.stdout
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"gpucluster: {'verify: ' if command == 'verify' else ''}STACK is needed off the head node "
+                           f"({broken} cannot be read as the cluster's settings: "), line
+    as_json = main_here(command, "--json")
+    assert as_json.returncode == 2 and as_json.stderr == ""
+    assert [e["path"] for e in json.loads(as_json.stdout)["errors"]] == [""]
+
+
+def test_status_with_a_stack_where_the_settings_are_not_settings_asks_the_head(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not a head by the same rule: with STACK, the stack's head answers through Run Command."""
+    from gpucluster.aws import status_remote
+
+    broken = tmp_path / "cluster.json"
+    broken.write_bytes(b"\xff")
+    monkeypatch.setattr(cli, "SETTINGS_FILE", str(broken))
+    asked: list[str] = []
+
+    def run(stack: Stack, as_json: bool, session: Any) -> int:
+        asked.append(stack.name)
+        return 0
+
+    monkeypatch.setattr(status_remote, "run", run)
+    monkeypatch.setattr(cli, "aws_session", lambda region=None: None)
+    assert main_here("status", "team-a").returncode == 0 and asked == ["team-a"]

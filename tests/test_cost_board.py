@@ -21,6 +21,7 @@ from botocore.stub import Stubber
 from conftest import ALL_STACK_FILES, ROOT, in_process_moto, reset_moto
 from gpucluster import cli
 from gpucluster.aws import cost_board
+from gpucluster.node import usage
 from gpucluster.render import prometheus
 from gpucluster.spec import cost
 from gpucluster.spec.cost import COST_TAG
@@ -37,8 +38,9 @@ FORECAST_REST = {"dev": 80.0, "team-a": 95000.0, "team-b": 1000.0}  # team-a's m
 
 
 def off_the_head(stack: Stack) -> cost_board.Usage:
-    return cost_board.head_usage(stack, prometheus.idle_gpu_hours_query, dt.datetime(2026, 11, 20, tzinfo=dt.UTC),
-                                 settings_file="/nonexistent/cluster.json")
+    return cost_board.usage(usage.head_usage(stack.cluster_name, stack.spec.team, prometheus.idle_gpu_hours_query,
+                                             dt.datetime(2026, 11, 20, tzinfo=dt.UTC),
+                                             settings_file="/nonexistent/cluster.json"))
 
 
 @pytest.fixture
@@ -198,70 +200,6 @@ def test_bad_input_is_exit_2_with_every_problem(tmp_path: Path) -> None:
     assert errors[1]["message"] == f"{tmp_path / 'Pulumi.missing.yaml'}: no such stack file"
     nothing = run("cost", env={})
     assert nothing.returncode == 2 and "say which stacks" in nothing.stderr
-
-
-def test_idle_gpu_hours_are_what_the_heads_prometheus_recorded(tmp_path: Path) -> None:
-    """Debian's Prometheus over a month backfilled with gpucluster:gpu_idle as the recording rule writes it (a sample
-    every SCRAPE_SECONDS, 1 idle, 0 busy): the board's query counts the idle samples of this month only."""
-    from local_cluster import free_port, wait_for
-    from test_prometheus import tool
-
-    month = dt.datetime(2026, 10, 1, tzinfo=dt.UTC)
-    now = month + dt.timedelta(days=19)
-    step = prometheus.SCRAPE_SECONDS
-    series = {  # gpu -> (first sample, samples, value)
-        "0": (month + dt.timedelta(hours=1), 240, 1), "1": (month + dt.timedelta(hours=1), 240, 0),
-        "2": (month + dt.timedelta(days=3), 61, 1),
-        "3": (month - dt.timedelta(hours=2), 120, 1),  # last month's: outside the range
-    }
-    lines = ["# TYPE gpucluster:gpu_idle gauge"]
-    for gpu, (first, count, value) in series.items():
-        lines += [f'gpucluster:gpu_idle{{gpu="{gpu}",node="p-1",pool="p"}} {value} {int(first.timestamp()) + step * i}'
-                  for i in range(count)]
-    (tmp_path / "samples").write_text("\n".join(lines) + "\n# EOF\n")
-    made = subprocess.run([tool("promtool"), "tsdb", "create-blocks-from", "openmetrics", str(tmp_path / "samples"),
-                           str(tmp_path / "tsdb")], capture_output=True, text=True, timeout=60)
-    assert made.returncode == 0, made.stderr
-    (tmp_path / "prometheus.yml").write_text("global: {}\n")
-    port = free_port()
-    log = tmp_path / "prometheus.log"
-    with open(log, "wb") as out:
-        server = subprocess.Popen([tool("prometheus"), f"--config.file={tmp_path / 'prometheus.yml'}",
-                                   f"--storage.tsdb.path={tmp_path / 'tsdb'}", "--storage.tsdb.retention.time=100y",
-                                   f"--web.listen-address=127.0.0.1:{port}"], stdout=out, stderr=out)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_for("prometheus", lambda: isinstance(cost_board.prometheus_value(base, "vector(1)", now), float),
-                 [server], [log])
-        seconds = int((now - month).total_seconds())
-        idle = cost_board.prometheus_value(base, prometheus.idle_gpu_hours_query(seconds), now)
-        expected = sum(count * value for first, count, value in series.values() if first >= month) * step / 3600
-        assert idle == pytest.approx(expected) and expected > 0
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-    gone = cost_board.prometheus_value(base, "vector(1)", now)
-    assert isinstance(gone, str) and gone.startswith("Prometheus did not answer")
-
-
-def test_on_a_head_whose_slurm_does_not_answer_both_figures_say_why(tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """The stack's head (its settings file), Slurm's client present but no controller: the row says Slurm's error for
-    GPU-hours and idle GPU-hours alike, not the operator's "only the head has them"."""
-    import shutil
-
-    from gpucluster.contract.settings import ClusterSettings
-
-    sshare = shutil.which("sshare")
-    assert sshare, "the test machine has Slurm's client (slurm-client)"
-    monkeypatch.setenv("PATH", str(Path(sshare).parent))
-    settings_file = tmp_path / "cluster.json"
-    team_a = BY_NAME["team-a"]
-    settings_file.write_text(ClusterSettings(cluster=team_a.cluster_name, region="us-east-1", pools={}).to_json())
-    usage = cost_board.head_usage(team_a, prometheus.idle_gpu_hours_query, dt.datetime.now(dt.UTC), settings_file)
-    assert usage.gpu_hours == usage.idle_gpu_hours
-    assert isinstance(usage.gpu_hours, str) and usage.gpu_hours.startswith("Slurm did not answer (sshare exited 1")
-    assert off_the_head(team_a) == cost_board.Usage(cost_board.HEAD_ONLY, cost_board.HEAD_ONLY)
 
 
 def test_where_neither_cost_explorer_nor_the_list_of_budgets_is_allowed_each_stacks_budget_is_read() -> None:

@@ -15,10 +15,11 @@ import pytest
 import yaml
 
 from conftest import STACK_FILES
-from gpucluster.contract import settings
+from gpucluster.contract import settings, slurm_json
 from gpucluster.contract.settings import ClusterSettings, PoolSettings
 from gpucluster.node import bootstrap, budget_guardrail, hosts, metrics
 from gpucluster.node.budget import BudgetSpend
+from gpucluster.node.slurm_control import SlurmControl
 from gpucluster.render import monitoring, prometheus
 from gpucluster.spec.model import load_stack
 from slurm_samples import document, job, node
@@ -208,7 +209,8 @@ def test_the_head_figures_parse_and_say_what_slurm_says() -> None:
                              job(3, "PENDING+REQUEUED", partition="p5-od"), job(4, "RUNNING", "trn-2", "trn"),
                              job(5, "COMPLETED", "trn-2", "trn"),  # ended: squeue would not list it
                              job(6, "COMPLETED+COMPLETING", "trn-2", "trn")])
-    text = (metrics.pool_prices(s) + metrics.slurm_nodes(nodes, s) + metrics.slurm_jobs(jobs) + metrics.gpu_hours(
+    text = (metrics.pool_prices(s) + metrics.slurm_nodes(slurm_json.nodes(nodes), s)
+            + metrics.slurm_jobs(slurm_json.jobs(jobs)) + metrics.gpu_hours(
         "vision||cpu=5000,mem=1000,billing=90000,gres/gpu=2700|billing=360000,gres/gpu=-1\n"
         "vision|ubuntu|cpu=5000,gres/gpu=2700|\n", "vision",
         ("ubuntu",)))
@@ -238,22 +240,27 @@ TEAM_SSHARE = (" vision||cpu=9000,gres/gpu=4800,gres/gpumem=0|gres/gpu=60000\n"
                "  vision|ubuntu|cpu=0,gres/gpu=30,gres/gpumem=0|\n")
 
 
-def test_each_persons_gpu_time_is_labelled_with_their_name_and_only_the_stacks_people(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+class TeamSshare(SlurmControl):
+    """sshare's answer, given; no scontrol (this machine runs no controller)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[tuple[str, ...]] = []
+
+    def _call(self, *command: str) -> str:
+        self.asked.append(command)
+        if command[0] != "sshare":
+            raise OSError(f"{command[0]}: not on this machine")
+        return TEAM_SSHARE
+
+
+def test_each_persons_gpu_time_is_labelled_with_their_name_and_only_the_stacks_people() -> None:
     """The head's round asks sshare for every user of the team account (-a) and writes a series per person of the
     stack and one for the login user (verify's jobs); someone else's association adds no label value."""
     people = tuple(settings.PersonSettings(name, uid, uid) for name, uid in (("alice", 20001), ("bob", 20002)))
-    asked: list[tuple[str, ...]] = []
-
-    def command(*args: str) -> str:
-        asked.append(args)
-        if args[0] != "sshare":
-            raise OSError(f"{args[0]}: not on this machine")
-        return TEAM_SSHARE
-
-    monkeypatch.setattr(metrics, "command", command)
-    text = metrics.head_figures(cluster_settings(people=people))
-    sshare = next(args for args in asked if args[0] == "sshare")
+    slurm = TeamSshare()
+    text = metrics.head_figures(cluster_settings(people=people), slurm)
+    sshare = next(args for args in slurm.asked if args[0] == "sshare")
     assert "-a" in sshare and sshare[sshare.index("-A") + 1] == "vision"
     per_person = dict(re.findall(r'^gpucluster_person_gpu_used_seconds\{user="(\w+)"\} (\S+)$', text, re.M))
     assert per_person == {"alice": str(3600 * 60), "bob": str(1170 * 60), "ubuntu": str(30 * 60)}
@@ -262,7 +269,7 @@ def test_each_persons_gpu_time_is_labelled_with_their_name_and_only_the_stacks_p
                              timeout=30)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     # Without people, the login user is everyone's.
-    alone = metrics.head_figures(cluster_settings())
+    alone = metrics.head_figures(cluster_settings(), TeamSshare())
     assert re.findall(r'^gpucluster_person_gpu_used_seconds\{user="(\w+)"\}', alone, re.M) == ["ubuntu"]
 
 
@@ -342,8 +349,8 @@ def test_the_gpucluster_metrics_we_name_are_what_our_programs_write(tmp_path: Pa
         (counters / name).write_text("1\n")
     written = "".join([
         (tmp_path / "gpucluster-budget.prom").read_text(), metrics.pool_prices(s),
-        metrics.slurm_nodes(document("nodes", [node("p5-od-1")]), s),
-        metrics.slurm_jobs(document("jobs", [job(1, "RUNNING", "p5-od-1", "p5-od")])),
+        metrics.slurm_nodes(slurm_json.nodes(document("nodes", [node("p5-od-1")])), s),
+        metrics.slurm_jobs(slurm_json.jobs(document("jobs", [job(1, "RUNNING", "p5-od-1", "p5-od")]))),
         metrics.gpu_hours("vision||billing=1,gres/gpu=1|billing=2\n vision|alice|gres/gpu=1|\n", "vision", ("alice",)),
         metrics.efa_bytes(tmp_path),
         metrics.lustre_bytes("llite.fsx-1.stats=\n"

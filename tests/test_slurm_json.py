@@ -77,7 +77,7 @@ def readings(answers: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> dict[s
         "bootstrap states": bootstrap.slurm_states(),
         "own node": bootstrap.own_node("i-0aaaaaaaaaaaaaaa1", answers["nodes"]),
         "hosts": hosts.registered(answers["nodes"]),
-        "metrics": metrics.slurm_nodes(answers["nodes"], settings) + metrics.slurm_jobs(answers["jobs"]),
+        "metrics": metrics.slurm_nodes(slurm.nodes(), settings) + metrics.slurm_jobs(slurm.queue()),
     }
 
 

@@ -12,6 +12,8 @@ from botocore.stub import Stubber
 
 from conftest import ROOT, in_process_moto
 from gpucluster.aws import spend
+from gpucluster.contract import slurm_json
+from gpucluster.node import usage
 from gpucluster.project import EXAMPLES_DIR
 from gpucluster.spec import cost
 from gpucluster.spec.model import load_stack
@@ -38,7 +40,7 @@ def test_spend_and_forecast_by_the_stack_tag() -> None:
         result = spend.spend(client, TEAM_A, TODAY)
     assert result.month_to_date == 180000.50 and result.forecast == 275000.50 and not result.notes
     quota = cost.quota(TEAM_A).usd
-    lines = spend.report(TEAM_A, result, spend.GpuHours({"root": 20005.0, "vision": 20000.0, "other": 5.0}, {},
+    lines = spend.report(TEAM_A, result, slurm_json.GpuHours({"root": 20005.0, "vision": 20000.0, "other": 5.0}, {},
                                                         {"vision": quota / 4}))
     assert "Spent this month:    $180,000.50 (72% of the budget)" in lines
     assert "Forecast for month:  $275,000.50 - over budget" in lines
@@ -58,29 +60,35 @@ def test_denied_and_missing_forecast_are_said_not_crashed() -> None:
     assert result.notes == ["spend not read: AccessDeniedException (needs ce:GetCostAndUsage)",
                             "no forecast: DataUnavailableException (needs ce:GetCostForecast and some history)"]
     assert "GPU-hours:           run this on the head node to read Slurm accounting" \
-        in spend.report(TEAM_A, result, spend.OFF_THE_HEAD)
+        in spend.report(TEAM_A, result, usage.OFF_THE_HEAD)
 
 
-# As the node image's Slurm (24.11) prints `sshare -n -P -a -o Account,User,GrpTRESRaw`, seen in the rehearsal (and
-# checked against the real one in tests/integration): accounts indented by depth, each user row one level below its
-# account and naming it, minutes per TRES with gres/gpumem and gres/gpuutil beside gres/gpu, no trailing separator.
+# As the node image's Slurm (24.11) prints `sshare -n -P -a -o Account,User,GrpTRESRaw,GrpTRESMins`, seen in the
+# rehearsal (and checked against the real one in tests/integration): accounts indented by depth, each user row one level
+# below its account and naming it, minutes per TRES with gres/gpumem and gres/gpuutil beside gres/gpu, the account's
+# billing quota in its GrpTRESMins, no trailing separator.
 SSHARE = ("root||cpu=0,mem=0,energy=0,node=0,billing=0,fs/disk=0,vmem=0,pages=0,gres/gpu=0,gres/gpumem=0,"
-          "gres/gpuutil=0\n"
+          "gres/gpuutil=0|\n"
           " root|root|cpu=0,mem=0,energy=0,node=0,billing=0,fs/disk=0,vmem=0,pages=0,gres/gpu=0,gres/gpumem=0,"
-          "gres/gpuutil=0\n"
-          " vision||cpu=7200,mem=9000,node=60,billing=7200,gres/gpu=91230,gres/gpumem=5000,gres/gpuutil=40\n"
-          "  vision|alice|cpu=7200,mem=9000,node=60,billing=7200,gres/gpu=68400,gres/gpumem=5000,gres/gpuutil=40\n"
-          "  vision|bob|cpu=0,mem=0,gres/gpu=22800,gres/gpumem=0\n"
-          "  vision|ubuntu|cpu=0,mem=0,gres/gpu=30,gres/gpumem=0\n"
-          " speech||cpu=3,mem=0,gres/gpumem=0\n"
-          "  speech|carol|cpu=3,mem=0,gres/gpumem=0\n")
+          "gres/gpuutil=0|\n"
+          " vision||cpu=7200,mem=9000,node=60,billing=7200,gres/gpu=91230,gres/gpumem=5000,gres/gpuutil=40|"
+          "billing=600000\n"
+          "  vision|alice|cpu=7200,mem=9000,node=60,billing=7200,gres/gpu=68400,gres/gpumem=5000,gres/gpuutil=40|\n"
+          "  vision|bob|cpu=0,mem=0,gres/gpu=22800,gres/gpumem=0|\n"
+          "  vision|ubuntu|cpu=0,mem=0,gres/gpu=30,gres/gpumem=0|\n"
+          " speech||cpu=3,mem=0,gres/gpumem=0|\n"
+          "  speech|carol|cpu=3,mem=0,gres/gpumem=0|\n")
 
 
 def test_gpu_hours_from_sshare_account_and_user_rows() -> None:
-    used = spend.gpu_hours(SSHARE)
+    used = slurm_json.gpu_hours(SSHARE)
     assert used.accounts == {"root": 0.0, "vision": 91230 / 60, "speech": 0.0}
     assert used.users == {("root", "root"): 0.0, ("vision", "alice"): 68400 / 60, ("vision", "bob"): 22800 / 60,
                           ("vision", "ubuntu"): 30 / 60, ("speech", "carol"): 0.0}
+    # The account's own row, with its money quota (GrpTRESMins' billing); none where sshare printed no row.
+    assert slurm_json.account_row(SSHARE, "vision") == slurm_json.AccountRow("vision", "", 91230, 7200, 600000)
+    assert slurm_json.account_row(SSHARE, "speech") == slurm_json.AccountRow("speech", "", 0, 0, None)
+    assert slurm_json.account_row("sshare: error: Problem talking to the database\n", "vision") is None
 
 
 def person_lines(lines: list[str]) -> dict[str, list[str]]:
@@ -94,7 +102,7 @@ def test_each_persons_gpu_hours_and_their_share_of_the_spend() -> None:
     """alice used three quarters of the team's GPU-hours, bob a quarter, the login user (verify's jobs) a sliver:
     the spend is shared out in the same proportions, and the people's shares add up to the spend."""
     spent = 100000.0
-    used = spend.gpu_hours(SSHARE)
+    used = slurm_json.gpu_hours(SSHARE)
     team = used.accounts["vision"]
     lines = spend.report(TEAM_A, spend.Spend(spent, None, []), used)
     rows = person_lines(lines)
@@ -113,7 +121,7 @@ def test_each_persons_gpu_hours_and_their_share_of_the_spend() -> None:
 def test_the_json_report_carries_the_texts_figures() -> None:
     """`cost STACK --json`: the text report's content as one object, figure for figure."""
     result = spend.Spend(100000.0, 260000.0, ["a note"])
-    used = spend.gpu_hours(SSHARE)
+    used = slurm_json.gpu_hours(SSHARE)
     text, doc = spend.report(TEAM_A, result, used), spend.as_json(TEAM_A, result, used)
     assert f"Spent this month:    {cost.money(doc['spent_usd'])} (40% of the budget)" in text
     assert f"Forecast for month:  {cost.money(doc['forecast_usd'])} - over budget" in text and doc["over_budget"]
@@ -134,33 +142,33 @@ def test_the_json_report_carries_the_texts_figures() -> None:
 
 
 def test_the_json_report_says_why_gpu_hours_are_missing() -> None:
-    off = spend.as_json(TEAM_A, spend.Spend(None, None, []), spend.OFF_THE_HEAD)
-    assert (off["gpu_hours"], off["gpu_hours_unknown"], off["quota"], off["people"]) == (None, spend.OFF_THE_HEAD,
+    off = spend.as_json(TEAM_A, spend.Spend(None, None, []), usage.OFF_THE_HEAD)
+    assert (off["gpu_hours"], off["gpu_hours_unknown"], off["quota"], off["people"]) == (None, usage.OFF_THE_HEAD,
                                                                                         None, [])
     assert off["spent_usd"] is None and not off["over_budget"]
-    own = spend.as_json(TEAM_A, spend.Spend(1000.0, None, []), spend.gpu_hours("  vision|alice|gres/gpu=120\n"))
+    own = spend.as_json(TEAM_A, spend.Spend(1000.0, None, []), slurm_json.gpu_hours("  vision|alice|gres/gpu=120|\n"))
     assert own["gpu_hours"] is None and own["gpu_hours_unknown"].startswith("only your own")
     assert own["people"] == [{"user": "alice", "gpu_hours": 2.0}]
 
 
 def test_without_people_the_login_user_is_the_whole_team_and_an_unread_spend_is_said() -> None:
     dev = load_stack(ROOT / "stacks" / "Pulumi.dev.yaml")
-    out = "platform||gres/gpu=600\n platform|ubuntu|gres/gpu=600\n"
-    rows = person_lines(spend.report(dev, spend.Spend(None, None, []), spend.gpu_hours(out)))
+    out = "platform||gres/gpu=600|\n platform|ubuntu|gres/gpu=600|\n"
+    rows = person_lines(spend.report(dev, spend.Spend(None, None, []), slurm_json.gpu_hours(out)))
     assert rows == {"ubuntu": ["10.0", "100%", "unknown"]}
 
 
 def test_a_person_who_sees_only_their_own_usage_is_told_so() -> None:
     """Slurm's PrivateData=usage: sshare run by alice lists her association only, not the team account's row; the
     report says so rather than print the team's GPU-hours as nought."""
-    lines = spend.report(TEAM_A, spend.Spend(1000.0, None, []), spend.gpu_hours("  vision|alice|gres/gpu=120\n"))
+    lines = spend.report(TEAM_A, spend.Spend(1000.0, None, []), slurm_json.gpu_hours("  vision|alice|gres/gpu=120|\n"))
     assert "GPU-hours:           only your own: Slurm shows account vision's to root (an admin's sudo)" in lines
     assert person_lines(lines) == {"alice": ["2.0"]} and "GPU-hours by person:" in lines
     assert not any(line.startswith("GPU-hours:           0.0") for line in lines)
 
 
 def test_a_stack_with_no_gpu_use_yet_lists_nobody() -> None:
-    lines = spend.report(TEAM_A, spend.Spend(10.0, None, []), spend.gpu_hours("root||gres/gpu=0\n vision||\n"))
+    lines = spend.report(TEAM_A, spend.Spend(10.0, None, []), slurm_json.gpu_hours("root||gres/gpu=0|\n vision|||\n"))
     assert f"Quota:               $0.00 of {cost.money(cost.quota(TEAM_A).usd)} (0%) billed to account vision" in lines
     assert "GPU-hours:           0.0 for account vision" in lines
     assert not any("by person" in line for line in lines)
@@ -243,36 +251,4 @@ def test_a_machine_with_slurms_client_is_not_taken_for_the_head(tmp_path: Path) 
     out = subprocess.run([sys.executable, "-m", "gpucluster", "cost", "team-a"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr  # 1: no spend read (no endpoint)
-    assert f"GPU-hours:           {spend.OFF_THE_HEAD}" in out.stdout.splitlines()
-
-
-def head_settings(folder: Path, cluster: str) -> Path:
-    from gpucluster.contract.settings import ClusterSettings
-
-    path = folder / "cluster.json"
-    path.write_text(ClusterSettings(cluster=cluster, region="us-east-1", pools={}).to_json())
-    return path
-
-
-def test_the_head_is_known_by_its_settings_file_naming_the_stacks_cluster(tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """On the stack's head, sshare is asked (here Debian's finds no controller: what it says is the report's line, not
-    a traceback); on another cluster's head, or with no or a broken settings file, it is not."""
-    import shutil
-
-    sshare = shutil.which("sshare")
-    assert sshare
-    monkeypatch.setenv("PATH", str(Path(sshare).parent))
-    ours = head_settings(tmp_path, TEAM_A.cluster_name)
-    assert spend.on_the_head(TEAM_A, ours)
-    unanswered = spend.head_gpu_hours(TEAM_A, ours)
-    assert isinstance(unanswered, str) and unanswered.startswith("Slurm did not answer (sshare exited 1: ")
-    assert f"GPU-hours:           {unanswered}" in spend.report(TEAM_A, spend.Spend(None, None, []), unanswered)
-
-    (tmp_path / "other").mkdir()
-    other = head_settings(tmp_path / "other", "gpucluster-team-b")
-    broken = tmp_path / "broken.json"
-    broken.write_text("{")
-    for settings_file in (other, broken, tmp_path / "missing.json"):
-        assert not spend.on_the_head(TEAM_A, settings_file)
-        assert spend.head_gpu_hours(TEAM_A, settings_file) == spend.OFF_THE_HEAD
+    assert f"GPU-hours:           {usage.OFF_THE_HEAD}" in out.stdout.splitlines()

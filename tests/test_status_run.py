@@ -43,7 +43,7 @@ class QuietSlurm(SlurmControl):
     def _run(self, *args: str) -> str:
         return self.answers[args]
 
-    def account_usage(self, account: str) -> str:
+    def account_usage(self, account: str | None = None) -> str:
         assert account == TEAM
         return self.sshare
 

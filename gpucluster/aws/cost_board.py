@@ -13,16 +13,11 @@ rule): the board run on a stack's head fills that stack's, and says "unknown" wi
 from __future__ import annotations
 
 import datetime as dt
-import json
-import urllib.parse
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from gpucluster.aws import spend
-from gpucluster.contract import settings
 from gpucluster.spec.cost import COST_TAG, money
 from gpucluster.spec.model import Stack
 
@@ -30,7 +25,6 @@ EXIT_OVER_BUDGET = 1  # a team is over its budget or forecast to be, or its spen
 HEAD_ONLY = ("only the stack's head node has them (Slurm's accounting, its Prometheus): run `gpucluster cost --all` "
              "there")
 NOT_DEPLOYED = "not deployed"
-PROMETHEUS = f"http://127.0.0.1:{settings.PROMETHEUS_PORT}"
 
 
 @dataclass(frozen=True)
@@ -83,31 +77,10 @@ class Row:
                 "over_budget": self.over_budget, "status": self.status, "notes": list(self.notes)}
 
 
-def head_usage(stack: Stack, idle_query: Callable[[int], str], now: dt.datetime,
-               settings_file: str | Path = settings.SETTINGS_FILE, prometheus: str = PROMETHEUS) -> Usage:
-    """On the stack's head: the team account's GPU-hours from Slurm, and its GPUs' idle hours since the month began
-    from Prometheus (`idle_query(seconds)`, render/prometheus.py). Elsewhere: why neither is known here."""
-    used = spend.head_gpu_hours(stack, settings_file)
-    if isinstance(used, str):
-        return Usage(HEAD_ONLY, HEAD_ONLY) if used == spend.OFF_THE_HEAD else Usage(used, used)
-    team = stack.spec.team
-    hours: float | str = used.accounts[team] if team in used.accounts else \
-        f"Slurm shows account {team}'s to root only (an admin's sudo)"
-    month_start = now.astimezone(dt.timezone.utc).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
-    seconds = max(1, int((now - month_start).total_seconds()))
-    return Usage(hours, prometheus_value(prometheus, idle_query(seconds), now))
-
-
-def prometheus_value(base: str, query: str, at: dt.datetime) -> float | str:
-    """An instant query's one value at `at` (Prometheus' HTTP API, /api/v1/query); an empty answer is 0: no series
-    had a sample in the range (no GPU reported)."""
-    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": query, "time": f"{at.timestamp():.3f}"})
-    try:
-        with urllib.request.urlopen(url, timeout=10) as answer:
-            result = json.load(answer)["data"]["result"]
-        return float(result[0]["value"][1]) if result else 0.0
-    except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
-        return f"Prometheus did not answer ({exc})"
+def usage(on_the_head: tuple[float | str, float | str] | None) -> Usage:
+    """A stack's row figures from what its head read (gpucluster.node.usage.head_usage), or, read elsewhere (None),
+    where they are."""
+    return Usage(HEAD_ONLY, HEAD_ONLY) if on_the_head is None else Usage(*on_the_head)
 
 
 def budgets_by_name(budgets: Any, account: str | None) -> tuple[dict[str, dict[str, Any]] | None, str | None]:

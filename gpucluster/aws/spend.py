@@ -1,20 +1,19 @@
 """`gpucluster cost STACK`: this month's spend by the stack's tag, the forecast, the budget, and (on the head
-node) GPU-hours per Slurm account against the team's quota and per person, with each person's share of the spend."""
+node) GPU-hours per Slurm account against the team's quota and per person, with each person's share of the spend.
+The head reads Slurm's figures (gpucluster.node.usage); this side reports them beside AWS's."""
 
 from __future__ import annotations
 
 import datetime as dt
-import subprocess
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
+from gpucluster.cli_errors import credentials_problem
 from gpucluster.contract import settings
+from gpucluster.contract.slurm_json import GpuHours
 from gpucluster.spec import cost
 from gpucluster.spec.cost import COST_TAG, money
 from gpucluster.spec.model import Stack
-
-SSHARE_SECONDS = 60  # sshare asks slurmctld, which answers within its MessageTimeout when it runs
 
 
 @dataclass(frozen=True)
@@ -26,6 +25,19 @@ class Spend:
     def fails(self, budget: float) -> bool:
         """What `cost` exits 1 for: over the budget or forecast to be, or a spend nobody could read."""
         return self.month_to_date is None or over_budget(self.month_to_date, self.forecast, budget)
+
+
+def account_id(session: Any, region: str) -> str | None:
+    """The caller's AWS account (sts:GetCallerIdentity), or None where STS refuses: what needs it says so in its own
+    report. Missing or expired credentials are raised, the caller's to renew (cli_errors)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        return str(session.client("sts", region_name=region).get_caller_identity()["Account"])
+    except (BotoCoreError, ClientError) as exc:
+        if credentials_problem(exc):
+            raise
+        return None
 
 
 def over_budget(spent: float | None, forecast: float | None, budget: float) -> bool:
@@ -105,81 +117,19 @@ def from_budget(budgets: Any, account: str, stack: Stack, ce_error: str) -> Spen
                  [f"from the AWS Budget {stack.budget_name} (Cost Explorer: {ce_error}); refreshed a few times a day"])
 
 
-@dataclass(frozen=True)
-class GpuHours:
-    """GPU-hours this month from `sshare -n -P -a -o Account,User,GrpTRESRaw`: the TRES-minutes each association used
-    since the monthly reset, the very figure GrpTRESMins is enforced against (live, unlike sreport's hourly rollups)."""
-
-    accounts: dict[str, float]  # an account's own row: its users' and sub-accounts' use summed
-    users: dict[tuple[str, str], float]  # (account, user): a person's association under an account
-    # What each account's jobs billed against the money quota (the billing TRES, cost.BILLING_UNITS_PER_USD).
-    billed_usd: dict[str, float] = field(default_factory=dict)
+def team_people(gpu_hours: GpuHours, team: str) -> list[tuple[str, float]]:
+    """The team account's user associations, most GPU-hours first."""
+    return sorted(((user, hours) for (account, user), hours in gpu_hours.users.items() if account == team),
+                  key=lambda row: (-row[1], row[0]))
 
 
-def gpu_hours(sshare_output: str) -> GpuHours:
-    """Account rows have no user; user rows name their account in the first field. sshare indents both by depth in
-    the tree (a user row one level below its account), so the account is read stripped."""
-    accounts: dict[str, float] = {}
-    users: dict[tuple[str, str], float] = {}
-    billed: dict[str, float] = {}
-    for line in sshare_output.splitlines():
-        fields = line.split("|")
-        if len(fields) < 3:
-            continue
-        used = dict(item.split("=", 1) for item in fields[2].split(",") if "=" in item)
-        hours = int(used.get("gres/gpu", 0)) / 60
-        account, user = fields[0].strip(), fields[1].strip()
-        if user:
-            users[(account, user)] = hours
-        else:
-            accounts[account] = hours
-            billed[account] = int(used.get("billing", 0)) / 60 / cost.BILLING_UNITS_PER_USD
-    return GpuHours(accounts, users, billed)
-
-
-class SlurmUnanswered(Exception):
-    """sshare failed or hung on the head node (slurmctld or slurmdbd down): said in the report, not a traceback."""
-
-
-# What the report says of GPU-hours off the head node: only Slurm's accounting there has them.
-OFF_THE_HEAD = "run this on the head node to read Slurm accounting"
-
-
-def on_the_head(stack: Stack, settings_file: str | Path = settings.SETTINGS_FILE) -> bool:
-    """Whether this runs on the stack's own head node: its settings file (written by the bootstrap, readable by all)
-    is here and names the stack's cluster. Not "sshare is on PATH": an operator's or a login machine may have Slurm's
-    client, and another cluster's head has sshare too but not this stack's accounting."""
-    try:
-        return settings.ClusterSettings.load(settings_file).cluster == stack.cluster_name
-    except (OSError, ValueError):  # missing, unreadable or not settings (SettingsError is a ValueError)
-        return False
-
-
-def slurm_gpu_hours(env: dict[str, str] | None = None) -> GpuHours:
-    """From Slurm, on the head node. Slurm's PrivateData=usage (render/slurm.py PRIVATE_DATA) shows someone who is
-    not root only their own associations."""
-    try:
-        out = subprocess.run(["sshare", "-n", "-P", "-a", "-o", "Account,User,GrpTRESRaw"], capture_output=True,
-                             text=True, env=env, timeout=SSHARE_SECONDS)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise SlurmUnanswered(f"sshare: {exc}") from None
-    if out.returncode != 0:
-        raise SlurmUnanswered(f"sshare exited {out.returncode}: {out.stderr.strip() or 'no message'}")
-    return gpu_hours(out.stdout)
-
-
-def head_gpu_hours(stack: Stack, settings_file: str | Path = settings.SETTINGS_FILE) -> GpuHours | str:
-    """The stack's GPU-hours where they can be read (its head node), else what the report says instead."""
-    if not on_the_head(stack, settings_file):
-        return OFF_THE_HEAD
-    try:
-        return slurm_gpu_hours()
-    except SlurmUnanswered as exc:
-        return f"Slurm did not answer ({exc})"
+def only_own(gpu_hours: GpuHours, team: str) -> bool:
+    """Slurm's PrivateData=usage: someone who is not root sees their own association only, not the team's."""
+    return team not in gpu_hours.accounts and any(account == team for account, _ in gpu_hours.users)
 
 
 def report(stack: Stack, result: Spend, gpu_hours: GpuHours | str) -> list[str]:
-    """`gpu_hours`: Slurm's, or why there are none (head_gpu_hours)."""
+    """`gpu_hours`: Slurm's, or why there are none (gpucluster.node.usage.head_gpu_hours)."""
     budget = stack.spec.budget.monthly_usd
     share = f" ({100 * result.month_to_date / budget:.0f}% of the budget)" if result.month_to_date is not None else ""
     lines = [f"Stack {stack.name} (team {stack.spec.team}), tag {COST_TAG}={stack.name}",
@@ -191,8 +141,7 @@ def report(stack: Stack, result: Spend, gpu_hours: GpuHours | str) -> list[str]:
     team = stack.spec.team
     if isinstance(gpu_hours, str):
         lines.append(f"GPU-hours:           {gpu_hours}")
-    elif team not in gpu_hours.accounts and any(account == team for account, _ in gpu_hours.users):
-        # Slurm's PrivateData=usage: someone who is not root sees their own association only.
+    elif only_own(gpu_hours, team):
         lines.append(f"GPU-hours:           only your own: Slurm shows account {team}'s to root (an admin's sudo)")
         lines += by_person(stack, gpu_hours, None, None)
     else:
@@ -214,9 +163,7 @@ def by_person(stack: Stack, gpu_hours: GpuHours, team_hours: float | None, spent
     team's, and that share of the month's spend. An allocation by GPU-hours, not a bill: the head node, storage and
     network are shared out with the GPUs, and every GPU-hour counts the same whatever its pool's price (Slurm's
     GrpTRESRaw counts gres/gpu without its type)."""
-    team = stack.spec.team
-    rows = sorted(((user, hours) for (account, user), hours in gpu_hours.users.items() if account == team),
-                  key=lambda row: (-row[1], row[0]))
+    rows = team_people(gpu_hours, stack.spec.team)
     if not rows:
         return []
     people = {person.name for person in stack.spec.people}
@@ -247,10 +194,8 @@ def as_json(stack: Stack, result: Spend, gpu_hours: GpuHours | str) -> dict[str,
         "gpu_hours_unknown": None, "other_accounts_gpu_hours": {}, "people": [], "notes": result.notes}
     if isinstance(gpu_hours, str):
         return doc | {"gpu_hours_unknown": gpu_hours}
-    # The people's rows under the team's account, as by_person lists them (most GPU-hours first).
-    rows = sorted(((user, hours) for (account, user), hours in gpu_hours.users.items() if account == team),
-                  key=lambda row: (-row[1], row[0]))
-    if team not in gpu_hours.accounts and rows:  # Slurm's PrivateData=usage: the caller's own association (report)
+    rows = team_people(gpu_hours, team)
+    if only_own(gpu_hours, team):
         return doc | {"gpu_hours_unknown": f"only your own: Slurm shows account {team}'s to root",
                       "people": [{"user": user, "gpu_hours": hours} for user, hours in rows]}
     used = gpu_hours.accounts.get(team, 0.0)

@@ -1,9 +1,10 @@
 """What Slurm says of its nodes, jobs and partitions, read from its JSON (`scontrol show nodes|jobs|partitions --json`,
 Slurm 24.11's data_parser) once for every program: the node programs, the budget guardrail, the bootstrap, the node
-names and the metrics. Never from `--oneliner` text: there a job's comment, name or work directory (any user's
-text) can carry " JobId=2 NodeList=..." and a repeated key's last value wins, so one user's job would read as
-another's. In JSON each field is its own string. The records carry only the fields the programs use; the raw
-documents stay here. Standard library only: the nodes import it from the bundle with the system python3."""
+names and the metrics; and what its associations used this month, from sshare's rows (`account_rows`), for the
+metrics, `gpucluster status` and `gpucluster cost`. Never from `--oneliner` text: there a job's comment, name or work
+directory (any user's text) can carry " JobId=2 NodeList=..." and a repeated key's last value wins, so one user's job
+would read as another's. In JSON each field is its own string. The records carry only the fields the programs use;
+the raw documents stay here. Standard library only: the nodes import it from the bundle with the system python3."""
 
 from __future__ import annotations
 
@@ -17,12 +18,69 @@ from gpucluster.contract.hostlist import expand_hostlist
 # Slurm's billing TRES counts US cents per hour (gpucluster.spec.cost.BILLING_UNITS_PER_USD, which the node programs
 # cannot import): a job's billing minutes are cent-minutes.
 BILLING_CENTS_PER_USD = 100
+# The columns every reader of usage asks sshare for (SlurmControl.account_usage): `-n -P` rows of them.
+SSHARE_FORMAT = "Account,User,GrpTRESRaw,GrpTRESMins"
 
 
 def tres_minutes(tres: str, name: str = "gres/gpu") -> float | None:
     """A TRES (gres/gpu unless named) from a list such as `cpu=120,billing=9000,gres/gpu=4800`; None when absent."""
     found = re.search(rf"(?:^|,){re.escape(name)}=(\d+)", tres)
     return float(found.group(1)) if found else None
+
+
+def billing_usd(billing_minutes: float) -> float:
+    """US dollars from minutes of the billing TRES (cent-minutes)."""
+    return billing_minutes / 60 / BILLING_CENTS_PER_USD
+
+
+@dataclass(frozen=True)
+class AccountRow:
+    """One association's row of `sshare -n -P -a -o Account,User,GrpTRESRaw,GrpTRESMins`: the TRES-minutes it used
+    since the monthly reset (live, unlike sreport's hourly rollups: the very figures GrpTRESMins is enforced against)
+    and its limit of billing minutes."""
+
+    account: str
+    user: str  # "" on the account's own row, which sums its users' and sub-accounts' use
+    gpu_minutes: float  # 0 when the row has no gres/gpu
+    billing_minutes: float  # cent-minutes: billing_usd
+    quota_billing_minutes: float | None  # GrpTRESMins' billing; None when the association has no such limit
+
+
+def account_rows(sshare_output: str) -> list[AccountRow]:
+    """Every row of sshare's SSHARE_FORMAT. sshare indents each row by its depth in the tree (a user row one level
+    below its account, naming the account in its first field): the fields are read stripped."""
+    rows = []
+    for line in sshare_output.splitlines():
+        fields = [f.strip() for f in line.split("|")]
+        if len(fields) != len(SSHARE_FORMAT.split(",")):
+            continue
+        account, user, used, limits = fields
+        rows.append(AccountRow(account, user, tres_minutes(used) or 0.0, tres_minutes(used, "billing") or 0.0,
+                               tres_minutes(limits, "billing")))
+    return rows
+
+
+def account_row(sshare_output: str, account: str) -> AccountRow | None:
+    """The account's own row (the one without a user); None when sshare shows none (Slurm's PrivateData=usage shows
+    someone who is not root only their own associations)."""
+    return next((row for row in account_rows(sshare_output) if row.account == account and not row.user), None)
+
+
+@dataclass(frozen=True)
+class GpuHours:
+    """GPU-hours this month by account and by person, and what each account's jobs billed against the money quota."""
+
+    accounts: dict[str, float]  # an account's own row: its users' and sub-accounts' use summed
+    users: dict[tuple[str, str], float]  # (account, user): a person's association under an account
+    billed_usd: dict[str, float]  # an account's billing TRES in US dollars
+
+
+def gpu_hours(sshare_output: str) -> GpuHours:
+    """From every row of sshare's SSHARE_FORMAT."""
+    rows = account_rows(sshare_output)
+    return GpuHours(accounts={r.account: r.gpu_minutes / 60 for r in rows if not r.user},
+                    users={(r.account, r.user): r.gpu_minutes / 60 for r in rows if r.user},
+                    billed_usd={r.account: billing_usd(r.billing_minutes) for r in rows if not r.user})
 
 # What scontrol runs for each reader.
 SHOW_NODES = ("show", "nodes", "--json")

@@ -19,12 +19,13 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this program is part of (the bundle's lib/)
 from gpucluster.contract import slurm_json
 from gpucluster.contract.settings import LOGIN_USER, TEXTFILE_DIR, ClusterSettings
-from gpucluster.contract.slurm_json import BILLING_CENTS_PER_USD, tres_minutes
+from gpucluster.node.slurm_control import SlurmControl
 from gpucluster.node.textfile import family, sample, write
 
 INTERVAL_SECONDS = 30  # prometheus.SCRAPE_SECONDS
@@ -51,46 +52,35 @@ def node_state(flags: frozenset[str]) -> str:
     return first_state(NODE_STATES, flags) or "unknown"
 
 
-def slurm_nodes(scontrol_json: str, settings: ClusterSettings) -> str:
+def slurm_nodes(nodes: list[slurm_json.Node], settings: ClusterSettings) -> str:
     samples = [sample("gpucluster_slurm_node_state", 1, node=n.name, pool=settings.pool_of(n.name),
-                      state=node_state(n.state)) for n in slurm_json.nodes(scontrol_json)]
+                      state=node_state(n.state)) for n in nodes]
     return family("gpucluster_slurm_node_state", "gauge", "1 for each Slurm node, labelled with its state.", samples)
 
 
-def slurm_jobs(scontrol_json: str) -> str:
-    counts = Counter((job.partition, word) for job in slurm_json.jobs(scontrol_json)
-                     if (word := first_state(JOB_STATES, job.state)))
+def slurm_jobs(jobs: list[slurm_json.Job]) -> str:
+    counts = Counter((job.partition, word) for job in jobs if (word := first_state(JOB_STATES, job.state)))
     samples = [sample("gpucluster_slurm_jobs", n, partition=p, state=s) for (p, s), n in sorted(counts.items())]
     return family("gpucluster_slurm_jobs", "gauge", "Jobs by partition and state.", samples)
 
 
 def gpu_hours(sshare_output: str, account: str, users: tuple[str, ...]) -> str:
-    """From `sshare -n -P -a -A ACCOUNT -o Account,User,GrpTRESRaw,GrpTRESMins`: the account's own row (no user) for
-    the team's GPU time and its money quota (billing minutes: cent-minutes), and the rows of `users` under it (each
-    person's association, sshare indents them a level below the account) for each one's GPU time. Only `users`: the
-    label's values stay the stack's people."""
-    team = ""
-    people: list[str] = []
-    for line in sshare_output.splitlines():
-        fields = [f.strip() for f in line.split("|")]
-        if len(fields) != 4 or fields[0] != account:
-            continue
-        if not fields[1]:
-            used = tres_minutes(fields[2])
-            billed, quota = tres_minutes(fields[2], "billing"), tres_minutes(fields[3], "billing")
-            team = family("gpucluster_gpu_used_seconds", "gauge", "GPU time the team used this month (Slurm).",
-                          [sample("gpucluster_gpu_used_seconds", (used or 0) * 60)])
-            team += family("gpucluster_quota_used_usd", "gauge", "What the team's jobs billed this month (Slurm).",
-                           [sample("gpucluster_quota_used_usd", (billed or 0) / 60 / BILLING_CENTS_PER_USD)])
-            if quota is not None:
-                team += family("gpucluster_quota_usd", "gauge", "The team's monthly money quota for jobs.",
-                               [sample("gpucluster_quota_usd", quota / 60 / BILLING_CENTS_PER_USD)])
-        elif fields[1] in users:
-            people.append(sample("gpucluster_person_gpu_used_seconds", (tres_minutes(fields[2]) or 0) * 60,
-                                 user=fields[1]))
-    if not team:
+    """From SlurmControl.account_usage(ACCOUNT): the account's own row for the team's GPU time and its money quota,
+    and the rows of `users` under it (each person's association) for each one's GPU time. Only `users`: the label's
+    values stay the stack's people."""
+    team = slurm_json.account_row(sshare_output, account)
+    if team is None:
         return ""
-    return team + family("gpucluster_person_gpu_used_seconds", "gauge",
+    people = [sample("gpucluster_person_gpu_used_seconds", row.gpu_minutes * 60, user=row.user)
+              for row in slurm_json.account_rows(sshare_output) if row.account == account and row.user in users]
+    text = family("gpucluster_gpu_used_seconds", "gauge", "GPU time the team used this month (Slurm).",
+                  [sample("gpucluster_gpu_used_seconds", team.gpu_minutes * 60)])
+    text += family("gpucluster_quota_used_usd", "gauge", "What the team's jobs billed this month (Slurm).",
+                   [sample("gpucluster_quota_used_usd", slurm_json.billing_usd(team.billing_minutes))])
+    if team.quota_billing_minutes is not None:
+        text += family("gpucluster_quota_usd", "gauge", "The team's monthly money quota for jobs.",
+                       [sample("gpucluster_quota_usd", slurm_json.billing_usd(team.quota_billing_minutes))])
+    return text + family("gpucluster_person_gpu_used_seconds", "gauge",
                          "GPU time each of the stack's people (and the login user) used this month (Slurm).", people)
 
 
@@ -134,19 +124,20 @@ def command(*args: str) -> str:
     return subprocess.run(list(args), check=True, capture_output=True, text=True, timeout=COMMAND_SECONDS).stdout
 
 
-def head_figures(settings: ClusterSettings) -> str:
-    parts = [pool_prices(settings)]
-    sources = (
-        (slurm_nodes, ("scontrol", *slurm_json.SHOW_NODES), (settings,)),
-        (slurm_jobs, ("scontrol", *slurm_json.SHOW_JOBS), ()),
-        (gpu_hours, ("sshare", "-n", "-P", "-a", "-A", settings.team, "-o", "Account,User,GrpTRESRaw,GrpTRESMins"),
-         (settings.team, (*settings.accounts, LOGIN_USER))),
+def head_figures(settings: ClusterSettings, slurm: SlurmControl | None = None) -> str:
+    slurm = slurm or SlurmControl(settings.scontrol, COMMAND_SECONDS)
+    people = (*settings.accounts, LOGIN_USER)
+    readers: tuple[tuple[str, Callable[[SlurmControl], str]], ...] = (
+        ("scontrol show nodes", lambda s: slurm_nodes(s.nodes(), settings)),
+        ("scontrol show jobs", lambda s: slurm_jobs(s.queue())),
+        ("sshare", lambda s: gpu_hours(s.account_usage(settings.team), settings.team, people)),
     )
-    for render, args, extra in sources:
+    parts = [pool_prices(settings)]
+    for name, read in readers:
         try:
-            parts.append(render(command(*args), *extra))
+            parts.append(read(slurm))
         except (OSError, subprocess.SubprocessError, ValueError) as exc:
-            log.warning("%s failed: %s", args[0], exc)
+            log.warning("%s failed: %s", name, exc)
     return "".join(parts)
 
 

@@ -1,6 +1,7 @@
-"""The scontrol (and scancel) calls the node programs make, in one place: the resume, suspend and resume-fail programs,
-the reconciler, the interruptions service, the budget guardrail and the health check. What it reads, it reads from
-Slurm's JSON (contract.slurm_json), where no user's text can pass for another field. Standard library only."""
+"""The scontrol (and scancel and sshare) calls the node programs make, in one place: the resume, suspend and resume-fail
+programs, the reconciler, the interruptions service, the budget guardrail, the health check and the readers of usage.
+What it reads, it reads from Slurm's JSON (contract.slurm_json), where no user's text can pass for another field, or
+from sshare's rows. Standard library only."""
 
 from __future__ import annotations
 
@@ -117,11 +118,12 @@ class SlurmControl:
         """Partition name -> State (UP, DOWN, DRAIN, INACTIVE)."""
         return {p.name: p.state for p in slurm_json.partitions(self._run(*slurm_json.SHOW_PARTITIONS))}
 
-    def account_usage(self, account: str) -> str:
-        """`sshare` of the account and its users: Account|User|GrpTRESRaw|GrpTRESMins, live TRES-minutes (sreport
-        waits for the hourly rollup)."""
-        return self._call(self._tool("sshare"), "-n", "-P", "-a", "-A", account, "-o",
-                          "Account,User,GrpTRESRaw,GrpTRESMins")
+    def account_usage(self, account: str | None = None) -> str:
+        """`sshare` of the account and its users, or of every association: rows of slurm_json.SSHARE_FORMAT
+        (slurm_json.account_rows), live TRES-minutes (sreport waits for the hourly rollup). Slurm's PrivateData=usage
+        (render/slurm.py PRIVATE_DATA) shows someone who is not root only their own associations."""
+        return self._call(self._tool("sshare"), "-n", "-P", "-a", *(("-A", account) if account else ()), "-o",
+                          slurm_json.SSHARE_FORMAT)
 
     def set_partition_state(self, names: list[str], state: str) -> None:
         for name in names:

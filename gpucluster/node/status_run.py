@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from gpucluster.contract.settings import BUDGET_TEXTFILE, TEXTFILE_DIR, ClusterSettings
-from gpucluster.contract.slurm_json import BILLING_CENTS_PER_USD, tres_minutes
+from gpucluster.contract.slurm_json import account_row, billing_usd
 from gpucluster.contract.status import BUDGET_WHY, QUOTA_REASON, QUOTA_WHY, node_state, table
 from gpucluster.node.budget import GuardrailState
 from gpucluster.node.slurm_control import SlurmControl
@@ -32,20 +32,9 @@ from gpucluster.node.slurm_control import SlurmControl
 EXIT_FAILED = 1
 
 
-def team_usage(sshare_output: str, account: str) -> tuple[float, float, float | None] | None:
-    """(GPU-minutes used, billing minutes used, the quota in billing minutes or None) from the account's own row of
-    `sshare -n -P -a -A ACCOUNT -o Account,User,GrpTRESRaw,GrpTRESMins` (the row without a user); None when sshare
-    has no such row."""
-    for line in sshare_output.splitlines():
-        fields = [f.strip() for f in line.split("|")]
-        if len(fields) == 4 and fields[0] == account and not fields[1]:
-            return (tres_minutes(fields[2]) or 0.0, tres_minutes(fields[2], "billing") or 0.0,
-                    tres_minutes(fields[3], "billing"))
-    return None
-
-
 def usd(billing_minutes: float) -> float:
-    return round(billing_minutes / 60 / BILLING_CENTS_PER_USD, 2)
+    """The document's dollars, to the cent."""
+    return round(billing_usd(billing_minutes), 2)
 
 
 def budget_figures(textfile: Path, act_threshold_percent: float) -> dict[str, Any] | None:
@@ -67,10 +56,12 @@ def budget_figures(textfile: Path, act_threshold_percent: float) -> dict[str, An
 
 def collect(settings: ClusterSettings, slurm: SlurmControl, textfile_dir: Path = Path(TEXTFILE_DIR)) -> dict[str, Any]:
     """The status document (contract.status) from Slurm, the guardrail's state and its published spend."""
-    usage = team_usage(slurm.account_usage(settings.team), settings.team) if settings.team else None
-    gpu_hours = None if usage is None else {"used": round(usage[0] / 60, 2)}
-    quota = None if usage is None else {"used_usd": usd(usage[1]), "usd": None if usage[2] is None else usd(usage[2])}
-    quota_spent = usage is not None and usage[2] is not None and usage[1] >= usage[2]
+    team = account_row(slurm.account_usage(settings.team), settings.team) if settings.team else None
+    limit = None if team is None else team.quota_billing_minutes
+    gpu_hours = None if team is None else {"used": round(team.gpu_minutes / 60, 2)}
+    quota = None if team is None else {"used_usd": usd(team.billing_minutes),
+                                       "usd": None if limit is None else usd(limit)}
+    quota_spent = team is not None and limit is not None and team.billing_minutes >= limit
     jobs = slurm.queue()
     pending = [job for job in jobs if job.pending]
     # AccountingStorageEnforce=safe starts a job only if its time limit at its billing fits in what is left of the
@@ -86,8 +77,8 @@ def collect(settings: ClusterSettings, slurm: SlurmControl, textfile_dir: Path =
             why = (f"{QUOTA_WHY}: the team's jobs billed ${quota['used_usd']:,.2f} of its ${quota['usd']:,.2f} this "
                    "month; its jobs pend until the month ends or the quota (budget.quota_usd_per_month) is raised")
         elif on_quota[name]:
-            left = (f"the ${usd(usage[2] - usage[1]):,.2f} left of the team's ${usd(usage[2]):,.2f}"
-                    if usage is not None and usage[2] is not None else "what is left of the team's quota")
+            left = (f"the ${usd(limit - team.billing_minutes):,.2f} left of the team's ${usd(limit):,.2f}"
+                    if team is not None and limit is not None else "what is left of the team's quota")
             why = (f"{QUOTA_WHY}: {on_quota[name]} job(s) wait ({QUOTA_REASON}): their time limit at the partition's "
                    f"price is more than {left} this month; a job with a shorter --time still starts")
         else:

@@ -52,11 +52,33 @@ def status_says_what_slurm_says(cluster: LocalCluster, spent: float) -> None:
     assert status["budget"]["limit_usd"] == plan.monthly_usd and status["budget"]["spent_usd"] == spent
     assert status["budget"]["act_at_usd"] == plan.monthly_usd * plan.act_threshold_percent / 100
     assert status["quota"]["usd"] == pytest.approx(cost.quota(cluster.stack).usd, abs=0.01)
-    assert status["quota"]["used_usd"] >= 0 and status["gpu_hours"]["used"] >= 0
 
 
-def submit(cluster: LocalCluster, partition: str, command: str) -> str:
-    return cluster.run("sbatch", "--parsable", "-p", partition, "-o", str(cluster.root / "job-%j.out"),
+def team_minutes(cluster: LocalCluster) -> tuple[int, int]:
+    """The team account's billing (cent-minutes) and GPU minutes this month, from sshare's GrpTRESRaw as an admin reads
+    it, apart from the reader status uses (contract.slurm_json.account_row)."""
+    team = cluster.stack.spec.team
+    rows = [line.split("|") for line in cluster.run("sshare", "-n", "-P", "-A", team, "-o",
+                                                    "Account,User,GrpTRESRaw").splitlines()]
+    (raw,) = [used for account, user, used in rows if account.strip() == team and not user]
+    tres = dict(item.split("=", 1) for item in raw.split(","))
+    return int(tres["billing"]), int(tres.get("gres/gpu", 0))
+
+
+def usage_says_what_sshare_says(cluster: LocalCluster) -> None:
+    """The head's status against sshare once the team's jobs ended (nothing adds to their use meanwhile), when they
+    billed at least a cent and used a GPU-minute: a status that misread sshare, or never read it, would not show the
+    same figures."""
+    billed, gpu = team_minutes(cluster)
+    used_usd = billed / 60 / cost.BILLING_UNITS_PER_USD
+    assert used_usd >= 0.01 and gpu >= 1, (billed, gpu)  # a cent and a GPU-minute: the document's precision
+    status = head_status(cluster)
+    assert status["quota"]["used_usd"] == round(used_usd, 2), (status["quota"], billed)
+    assert status["gpu_hours"]["used"] == round(gpu / 60, 2), (status["gpu_hours"], gpu)
+
+
+def submit(cluster: LocalCluster, partition: str, command: str, *options: str) -> str:
+    return cluster.run("sbatch", "--parsable", "-p", partition, "-o", str(cluster.root / "job-%j.out"), *options,
                        "--wrap", command).strip()
 
 
@@ -70,7 +92,9 @@ def test_spent_budget_closes_partitions_lets_running_jobs_finish_and_reopens(clu
         QueueUrl=ear, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"])
 
     hold, release = cluster.held("running")
-    running = submit(cluster, "standby", f"{hold}; echo finished")
+    # A GPU for a minute at least (beside the hold): a GPU-minute, and at the GPU's price more than a cent, which status
+    # must show.
+    running = submit(cluster, "standby", f"sleep 60 & {hold}; wait; echo finished", "--gpus=1")
     cluster.wait(f"job {running} to run", lambda: cluster.job_state(running) == "RUNNING", 120)
 
     # AWS Budgets reports the spend over the act threshold and notifies the topic.
@@ -93,6 +117,9 @@ def test_spent_budget_closes_partitions_lets_running_jobs_finish_and_reopens(clu
     release.touch()
     cluster.wait(f"job {running} to complete", lambda: cluster.job_state(running) == "COMPLETED", 120)
     assert "finished" in (cluster.root / f"job-{running}.out").read_text()
+    # Slurm adds an ended job's use to its association (priority/multifactor, at the job's end).
+    cluster.wait(f"job {running}'s billing in sshare", lambda: team_minutes(cluster)[0] > 0, 30)
+    usage_says_what_sshare_says(cluster)
     # Its node goes back to zero; nothing is launched for the waiting job.
     cluster.wait("the idle node's instance to be terminated", lambda: not cluster.instances(), 90)
     assert cluster.calls.count(("head", "CreateFleet")) == launches and cluster.job_state(waiting) == "PENDING"

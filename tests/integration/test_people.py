@@ -6,6 +6,7 @@ timer's next tick after their last job, and an older signed people file brought 
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Callable
@@ -13,8 +14,10 @@ from typing import Callable
 import pytest
 
 from conftest import FIXTURES
-from gpucluster.aws import spend
+from gpucluster.contract import slurm_json
 from gpucluster.contract.settings import LOGIN_USER
+from gpucluster.node import usage
+from gpucluster.node.slurm_control import SlurmControl
 from gpucluster.spec.model import Stack, load_stack
 from local_cluster import LocalCluster
 
@@ -96,13 +99,13 @@ def test_people_have_accounts_homes_and_limits_of_their_own_and_a_change_reaches
     assert {f"{stack.spec.team}|alice", f"{stack.spec.team}|bob"} <= set(shares), shares
     # `gpucluster cost` by person: root (an admin's sudo) reads each person's row under the team's account beside the
     # team's own; alice without sudo reads her own row only (PrivateData=usage), and no account's.
-    everyone = spend.slurm_gpu_hours(cluster.env)
+    everyone = usage.slurm_gpu_hours(SlurmControl(str(shutil.which("scontrol", path=cluster.env["PATH"]))))
     assert stack.spec.team in everyone.accounts
     assert {(stack.spec.team, "alice"), (stack.spec.team, "bob")} <= set(everyone.users), everyone
-    own = as_person(cluster, "alice", "sshare", "-n", "-P", "-a", "-o", "Account,User,GrpTRESRaw")
+    own = as_person(cluster, "alice", "sshare", "-n", "-P", "-a", "-o", slurm_json.SSHARE_FORMAT)
     assert own.returncode == 0, own.stderr
-    assert set(spend.gpu_hours(own.stdout).users) == {(stack.spec.team, "alice")}, own.stdout
-    assert not spend.gpu_hours(own.stdout).accounts, own.stdout
+    assert set(slurm_json.gpu_hours(own.stdout).users) == {(stack.spec.team, "alice")}, own.stdout
+    assert not slurm_json.gpu_hours(own.stdout).accounts, own.stdout
     second = submit(cluster, "bob", "-p", "standby", "--gres=gpu:1", "--wrap", "true")
     cluster.wait("bob's second job to meet his limit",
                  lambda: job_field(cluster, second, "Reason") == "AssocGrpGRES", 30)

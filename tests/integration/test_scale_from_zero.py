@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -17,7 +18,6 @@ from typing import Any
 import pytest
 
 from conftest import ROOT
-from gpucluster.aws import spend
 from gpucluster.contract.settings import (
     AWS_OFI_NCCL_LIB_DIR,
     EVENTS_LOG,
@@ -25,6 +25,8 @@ from gpucluster.contract.settings import (
     POOL_TAG,
     PROMETHEUS_PORT,
 )
+from gpucluster.node import usage
+from gpucluster.node.slurm_control import SlurmControl
 from gpucluster.spec import cost
 from local_cluster import LocalCluster, spot_warning
 
@@ -267,7 +269,7 @@ def test_money_quota_holds_jobs_that_would_exceed_it(cluster: LocalCluster) -> N
     # `gpucluster cost` on the head node reads the same figures Slurm enforces: one GPU for a minute and a bit
     # (Slurm counts whole minutes; root sums the accounts under it), billed at the GPU's price for the job's run time
     # (Slurm truncates the job's billing to whole cents per hour, and the usage to whole cent-minutes).
-    used = spend.slurm_gpu_hours(cluster.env)
+    used = usage.slurm_gpu_hours(SlurmControl(str(shutil.which("scontrol", path=cluster.env["PATH"]))))
     assert used.accounts == pytest.approx({"root": 1 / 60, "local": 1 / 60})
     seconds = int(cluster.run("sacct", "-n", "-X", "-j", fits, "-o", "ElapsedRaw").strip())
     assert used.billed_usd["local"] == pytest.approx(standby.usd_per_accelerator_hour * seconds / 3600, rel=0.05)
