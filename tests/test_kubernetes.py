@@ -139,10 +139,10 @@ def test_existing_network_names_the_control_planes_subnet() -> None:
 
 
 def test_public_endpoint_only_for_the_cidrs_given() -> None:
-    stack, declared = variant(TEAM_K8S, kubernetes={"version": "1.35", "public_access_cidrs": ["203.0.113.0/24"]})
+    stack, declared = variant(TEAM_K8S, kubernetes={"version": "1.35", "public_access_cidrs": ["8.8.8.0/24"]})
     (cluster,) = of_type(declared, "eks/cluster:Cluster")
     vpc = cluster.inputs["vpcConfig"]
-    assert vpc["endpointPublicAccess"] is True and vpc["publicAccessCidrs"] == ["203.0.113.0/24"]
+    assert vpc["endpointPublicAccess"] is True and vpc["publicAccessCidrs"] == ["8.8.8.0/24"]
 
 
 def test_addons(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
