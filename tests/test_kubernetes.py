@@ -610,23 +610,29 @@ def test_kueue_flavours_are_pool_families_so_spot_falls_back() -> None:
         accelerator = {t for t in tainted if t[0] in (eks.GPU_RESOURCE, eks.NEURON_RESOURCE)}
         assert tainted - accelerator <= tolerated
         assert not accelerator & tolerated
-    (cq,) = of_type(declared, "kueue.x-k8s.io/v1beta2:ClusterQueue")
-    (group,) = cq.inputs["spec"]["resourceGroups"]
-    assert [f["name"] for f in group["flavors"]] == ["cpu", "p5-spot", "g6e"]
+    queues = {q.inputs["metadata"]["name"]: q.inputs for q in of_type(declared, "kueue.x-k8s.io/v1beta2:ClusterQueue")}
+    assert set(queues) == {"language", "language-cpu"}  # the accelerator queue and the CPU queue
+    cq = queues["language"]
+    (group,) = cq["spec"]["resourceGroups"]
+    assert [f["name"] for f in group["flavors"]] == ["p5-spot", "g6e"]
     assert group["coveredResources"] == ["cpu", "memory", "hugepages-2Mi", "nvidia.com/gpu", "vpc.amazonaws.com/efa"]
-    p5 = {r["name"]: r["nominalQuota"] for r in group["flavors"][1]["resources"]}
+    p5 = {r["name"]: r["nominalQuota"] for r in group["flavors"][0]["resources"]}
     # Spot at max (4) and its fallback at max (2) can both be up.
     assert p5 == {"cpu": 6 * 192, "memory": f"{6 * 2048}Gi", "nvidia.com/gpu": 48, "vpc.amazonaws.com/efa": 192,
                   "hugepages-2Mi": f"{6 * 5128 * 2}Mi"}
-    g6e = {r["name"]: r["nominalQuota"] for r in group["flavors"][2]["resources"]}
+    g6e = {r["name"]: r["nominalQuota"] for r in group["flavors"][1]["resources"]}
     assert g6e["vpc.amazonaws.com/efa"] == 2 and g6e["nvidia.com/gpu"] == 8
     extra = _releases(declared)["cluster-autoscaler"]["values"]["extraArgs"]
     assert extra["expander"] == "priority"
     assert extra["max-node-provision-time"] == f"{catalog.NODE_PROVISION_MINUTES['p5']}m"  # its slowest type
-    assert cq.inputs["spec"]["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "language"}}
-    (lq,) = of_type(declared, "kueue.x-k8s.io/v1beta2:LocalQueue")
-    assert lq.inputs["spec"] == {"clusterQueue": cq.inputs["metadata"]["name"]}
-    assert lq.inputs["metadata"]["namespace"] == "language"
+    (cpu_group,) = queues["language-cpu"]["spec"]["resourceGroups"]
+    assert [f["name"] for f in cpu_group["flavors"]] == ["cpu"] and cpu_group["coveredResources"] == ["cpu", "memory"]
+    for queue in queues.values():
+        assert queue["spec"]["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "language"}}
+    local = {q.inputs["metadata"]["name"]: q.inputs for q in of_type(declared, "kueue.x-k8s.io/v1beta2:LocalQueue")}
+    assert {name: q["spec"] for name, q in local.items()} == {"default": {"clusterQueue": "language"},
+                                                               "cpu": {"clusterQueue": "language-cpu"}}
+    assert {q["metadata"]["namespace"] for q in local.values()} == {"language"}
 
 
 def test_jobs_without_a_queue_name_are_not_admitted() -> None:
@@ -645,8 +651,10 @@ def test_the_guardrail_owns_the_stop_policy() -> None:
     """The program never names the ClusterQueue's stopPolicy, and applies server-side: an `up` leaves a held queue held
     (no ignore_changes needed, none relied on)."""
     _, declared = planned(TEAM_K8S)
-    (cq,) = of_type(declared, "kueue.x-k8s.io/v1beta2:ClusterQueue")
-    assert "stopPolicy" not in cq.inputs["spec"] and not cq.ignore_changes
+    queues = of_type(declared, "kueue.x-k8s.io/v1beta2:ClusterQueue")
+    assert len(queues) == 2
+    for cq in queues:
+        assert "stopPolicy" not in cq.inputs["spec"] and not cq.ignore_changes
     (provider,) = [d for d in declared if d.type == "pulumi:providers:kubernetes"]
     assert provider.inputs["enableServerSideApply"] in (True, "true")
     # What the guardrail patches is the field the program leaves alone.
@@ -673,9 +681,15 @@ def test_budget_denies_the_autoscalers_scale_up(k8s: tuple[Stack, tuple[Declared
     assert statement["Effect"] == "Deny" and "autoscaling:SetDesiredCapacity" in statement["Action"]
 
 
-def test_guardrail_reads_the_budget_queue_and_may_patch_one_queue(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
+def test_guardrail_reads_the_budget_queue_and_may_patch_the_teams_queues(
+        k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
     stack, declared = k8s
     name = stack.cluster_name
+    if stack.spec.budget.act_threshold_percent is None:  # alerts only: no guardrail, nothing it may do
+        assert not [r for r in of_type(declared, "rbac.authorization.k8s.io/v1:ClusterRole")
+                    if r.inputs["metadata"]["name"] == kube.GUARDRAIL]
+        assert f"{name}-guardrail-pod" not in {p.name for p in of_type(declared, "iam/rolePolicy:RolePolicy")}
+        return
     grants = {s["Sid"]: s for s in json.loads({p.name: p for p in of_type(declared, "iam/rolePolicy:RolePolicy")}[
         f"{name}-guardrail-pod"].inputs["policy"])["Statement"]}
     assert grants["BudgetQueue"]["Resource"] == f"arn:aws:sqs:{stack.region}:123456789012:{name}-guardrail"
@@ -687,12 +701,14 @@ def test_guardrail_reads_the_budget_queue_and_may_patch_one_queue(k8s: tuple[Sta
                                            "Action": ["budgets:DescribeBudgetAction", "budgets:ExecuteBudgetAction"]}
     (role,) = [r for r in of_type(declared, "rbac.authorization.k8s.io/v1:ClusterRole")
                if r.inputs["metadata"]["name"] == kube.GUARDRAIL]
+    queues = [q.inputs["metadata"]["name"] for q in of_type(declared, "kueue.x-k8s.io/v1beta2:ClusterQueue")]
     assert role.inputs["rules"] == [{"apiGroups": ["kueue.x-k8s.io"], "resources": ["clusterqueues"],
-                                     "resourceNames": [stack.spec.team], "verbs": ["get", "patch"]}]
-    (deployment,) = of_type(declared, "apps/v1:Deployment")
+                                     "resourceNames": queues, "verbs": ["get", "patch"]}]
+    (deployment,) = [d for d in of_type(declared, "apps/v1:Deployment")
+                     if d.inputs["metadata"]["name"] == kube.GUARDRAIL]
     env = {e["name"]: e["value"] for e in deployment.inputs["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["QUEUE_URL"] == f"https://sqs.{stack.region}.amazonaws.com/123456789012/{name}-guardrail"
-    assert env["CLUSTER_QUEUE"] == stack.spec.team and env["BUDGET_NAME"] == stack.budget_name
+    assert env["CLUSTER_QUEUES"].split(",") == queues and env["BUDGET_NAME"] == stack.budget_name
     assert env["LAUNCH_DENY_ACTION_ID"] == planned_outputs(action, stack.region)["actionId"]
     (script,) = [c for c in of_type(declared, "core/v1:ConfigMap") if c.inputs["metadata"]["name"] == kube.GUARDRAIL]
     assert script.inputs["data"]["gpucluster.node.queue_guardrail.py"] == Path(queue_guardrail.__file__).read_text()
