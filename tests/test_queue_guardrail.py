@@ -181,6 +181,7 @@ class ApiServer:
     token, GET, PATCH with application/merge-patch+json (RFC 7386) under the resourceVersion precondition (409 Conflict,
     the API server's Status body), a new resourceVersion on each change; `fail_next` answers the next request with an
     error, `after_get` changes the object as a person would between the guardrail's GET and its PATCH."""
+
     TOKEN = "projected-token"
 
     def __init__(self, tls: tuple[Path, Path], objs: dict[str, dict[str, Any]]) -> None:
