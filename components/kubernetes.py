@@ -490,6 +490,10 @@ TYPED: dict[tuple[str, str], Any] = {
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): k8s.rbac.v1.RoleBinding,
     ("apps/v1", "Deployment"): k8s.apps.v1.Deployment,
     ("apps/v1", "DaemonSet"): k8s.apps.v1.DaemonSet,
+    ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicy"):
+        k8s.admissionregistration.v1.ValidatingAdmissionPolicy,
+    ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicyBinding"):
+        k8s.admissionregistration.v1.ValidatingAdmissionPolicyBinding,
 }
 
 

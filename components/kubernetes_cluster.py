@@ -84,6 +84,7 @@ def create_kubernetes_cluster(stack: Stack) -> dict[str, object]:
         "team_role_arn": cluster.team_role_arn,
         "namespace": kube.namespace_name(stack),
         "local_queue": kube.LOCAL_QUEUE,
+        "cpu_local_queue": kube.CPU_LOCAL_QUEUE,
         "node_groups": {name: pool.node_group_name for name, pool in pools.items()}
         | {kube.CPU_FLAVOR: cpu_nodes.node_group_name},
     }

@@ -27,10 +27,14 @@ if TYPE_CHECKING:
     from local_cluster import LocalCluster
 
 ALL_STACK_FILES = sorted((ROOT / "stacks").glob("Pulumi.*.yaml"))
-# The Slurm flavour's stacks (what the Slurm tests take as "every shipped stack"), and the Kubernetes flavour's.
-STACK_FILES = [p for p in ALL_STACK_FILES if load_stack(p).spec.scheduler == "slurm"]
-K8S_STACK_FILES = [p for p in ALL_STACK_FILES if load_stack(p).spec.scheduler == "kubernetes"]
 FIXTURES = ROOT / "tests" / "stacks"
+# The Slurm flavour's stacks (what the Slurm tests take as "every shipped stack"), and the Kubernetes flavour's: the
+# shipped ones and test-only variants (tests/stacks/Pulumi.k8s-*.yaml: Neuron and NVIDIA without EFA on a new VPC; an
+# existing network with a capacity block and an alerts-only budget), so that the stack-driven tests derive every
+# expectation from the stack rather than from team-k8s.
+STACK_FILES = [p for p in ALL_STACK_FILES if load_stack(p).spec.scheduler == "slurm"]
+K8S_STACK_FILES = [p for p in [*ALL_STACK_FILES, *sorted(FIXTURES.glob("Pulumi.k8s-*.yaml"))]
+                   if load_stack(p).spec.scheduler == "kubernetes"]
 # A boto3 client for a service name (boto3's clients are untyped: pyproject.toml says why).
 ClientFactory = Callable[[str], Any]
 

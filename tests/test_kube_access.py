@@ -28,7 +28,10 @@ from gpucluster.spec.model import OPERATOR, SpecError, Stack, load_stack, valida
 TEAM_K8S = ROOT / "stacks" / "Pulumi.team-k8s.yaml"
 EXISTING = {"vpc_id": "vpc-0a1b2c3d4e5f60718", "subnet_id": "subnet-0a1b2c3d4e5f60718"}
 CONTROL_PLANE_SUBNET = "subnet-0f0e0d0c0b0a09080"
-ADDRESS = "203.0.113.45"  # what the stand-in answers as this machine's public address
+# What the stand-in answers as this machine's public address, and public networks to list (a listed network must be
+# public: the documentation ranges are not). Whose they are is no matter: nothing is reached here.
+ADDRESS = "1.2.3.45"
+INSIDE, OUTSIDE = "1.2.3.0/24", "5.6.0.0/16"
 
 
 class Checkip:
@@ -122,10 +125,9 @@ def test_an_unreachable_service_is_one_line(unreachable: str) -> None:
 
 
 def test_operator_becomes_the_machines_slash_32_and_is_asked_only_when_listed(service: Checkip) -> None:
-    assert checkip.public_access_cidrs(["198.18.0.0/15", "198.18.0.0/15"]) == ["198.18.0.0/15"]
+    assert checkip.public_access_cidrs([OUTSIDE, OUTSIDE]) == [OUTSIDE]
     assert service.requests == 0
-    assert checkip.public_access_cidrs([OPERATOR, f"{ADDRESS}/32", "198.18.0.0/15"]) == [f"{ADDRESS}/32",
-                                                                                         "198.18.0.0/15"]
+    assert checkip.public_access_cidrs([OPERATOR, f"{ADDRESS}/32", OUTSIDE]) == [f"{ADDRESS}/32", OUTSIDE]
     assert service.requests == 1
 
 
@@ -143,9 +145,9 @@ def test_the_shipped_stack_plans_its_way_in_without_the_network(service: Checkip
 
 
 def test_up_asks_checkip_for_operator(service: Checkip) -> None:
-    stack = k8s_stack(public_access_cidrs=[OPERATOR, "198.18.0.0/15"])
+    stack = k8s_stack(public_access_cidrs=[OPERATOR, OUTSIDE])
     declared = run_program(stack, pulumi_program(), facts=AccountFacts(operator_ip=None))
-    assert vpc_config(declared)["publicAccessCidrs"] == [f"{ADDRESS}/32", "198.18.0.0/15"]
+    assert vpc_config(declared)["publicAccessCidrs"] == [f"{ADDRESS}/32", OUTSIDE]
     assert service.requests == 1
 
 
@@ -244,6 +246,27 @@ def test_each_entry_is_a_network_or_operator(key: str, entry: str, words: str) -
     assert problems[f"gpucluster:cluster.kubernetes.{key}[0]"].startswith(words)
 
 
+@pytest.mark.parametrize("cidr", ["10.8.0.0/16", "172.16.0.0/12", "192.168.0.0/24", "100.64.0.0/10",
+                                  "169.254.0.0/16", "127.0.0.0/8", "198.18.0.0/15", "203.0.113.0/24", "240.0.0.0/8"])
+def test_a_public_entry_must_be_a_public_network(cidr: str) -> None:
+    """EKS refuses a non-public range at CreateCluster, after this `up` has built the VPC: the stack file is refused
+    first, naming the entry and what belongs there; the same range is fine as a private way in."""
+    assert not IPv4Network(cidr).is_global
+    problems = _problems(public_access_cidrs=[OPERATOR, cidr])
+    assert list(problems) == ["gpucluster:cluster.kubernetes.public_access_cidrs[1]"]
+    message = problems["gpucluster:cluster.kubernetes.public_access_cidrs[1]"]
+    assert message.startswith(f"{cidr} is not a public network")
+    assert "'operator'" in message and "private_access_cidrs" in message
+    assert k8s_stack(EXISTING, public_access_cidrs=[OPERATOR],
+                     private_access_cidrs=[cidr]).spec.eks.private_access_cidrs == [cidr]
+
+
+def test_a_public_network_is_taken_as_listed() -> None:
+    public = "8.8.8.0/24"  # a public network (whose is no matter: nothing is reached here)
+    assert IPv4Network(public).is_global
+    assert k8s_stack(public_access_cidrs=[public]).spec.eks.public_access_cidrs == [public]
+
+
 def test_plan_refuses_a_stack_without_a_way_in() -> None:
     done = subprocess.run([sys.executable, "-m", "gpucluster", "plan", "tests/bad_stacks/Pulumi.k8s-no-way-in.yaml"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -255,10 +278,9 @@ def test_plan_refuses_a_stack_without_a_way_in() -> None:
 
 @pytest.mark.parametrize(("kubernetes", "status", "words"), [
     ({"public_access_cidrs": [OPERATOR]}, "pass", f"`operator`: this machine's {ADDRESS}/32"),
-    ({"public_access_cidrs": ["198.18.0.0/15", "203.0.113.0/24"]}, "pass", f"this machine ({ADDRESS}) is inside "
-                                                                           "203.0.113.0/24"),
-    ({"public_access_cidrs": ["198.18.0.0/15"]}, "fail", f"this machine ({ADDRESS}) is outside public_access_cidrs"),
-    ({"public_access_cidrs": ["198.18.0.0/15"], "private_access_cidrs": ["10.8.0.0/16"]}, "pass",
+    ({"public_access_cidrs": [OUTSIDE, INSIDE]}, "pass", f"this machine ({ADDRESS}) is inside {INSIDE}"),
+    ({"public_access_cidrs": [OUTSIDE]}, "fail", f"this machine ({ADDRESS}) is outside public_access_cidrs"),
+    ({"public_access_cidrs": [OUTSIDE], "private_access_cidrs": ["10.8.0.0/16"]}, "pass",
      f"this machine ({ADDRESS}) is outside public_access_cidrs: `up` goes through the private endpoint from "
      "10.8.0.0/16"),
 ], ids=["operator", "inside", "outside", "outside-with-private"])
@@ -275,7 +297,7 @@ def test_preflight_with_private_access_only_asks_no_one(service: Checkip) -> Non
     assert service.requests == 0
 
 
-@pytest.mark.parametrize(("public", "status"), [([OPERATOR], "fail"), (["198.18.0.0/15"], "warn")])
+@pytest.mark.parametrize(("public", "status"), [([OPERATOR], "fail"), ([OUTSIDE], "warn")])
 def test_preflight_without_an_answer(service: Checkip, unreachable: str, public: list[str], status: str) -> None:
     service.body = b"<html>captive portal</html>"
     for url, words in ((service.url, "not an IPv4 address"), (unreachable, "is unreachable")):

@@ -1,6 +1,7 @@
 """Kueue in the Kubernetes flavour: every resource an EFA pod requests is covered (huge pages too), CPU-only pods have
-their own flavour and node group so they never start an accelerator node, admitted jobs wait a bounded time for their
-pods, the team has priorities with preemption, and only integrations whose operators are installed are enabled.
+their own queue, flavour and node group so they never start an accelerator node nor hold a family's quota (the admission
+policies that keep them off the accelerator queue: tests/test_kube_cpu_queue.py), admitted jobs wait a bounded time for
+their pods, the team has priorities with preemption, and only integrations whose operators are installed are enabled.
 
 Kueue's flavour assignment is simulated as Kueue v0.19.2 does it for one resource group: the flavours in the
 ClusterQueue's order, the first with enough nominal quota for every resource the pod set requests
@@ -74,6 +75,13 @@ def efa_pod_requests(pool: Any) -> dict[str, str]:
     return requests
 
 
+def cluster_queues(declared: tuple[Declared, ...]) -> dict[str, dict]:
+    """The declared ClusterQueues by the LocalQueue that leads to each (`default`, `cpu`)."""
+    by_name = {q.inputs["metadata"]["name"]: q.inputs for q in of_type(declared, "kueue.x-k8s.io/v1beta2:ClusterQueue")}
+    return {lq.inputs["metadata"]["name"]: by_name[lq.inputs["spec"]["clusterQueue"]]
+            for lq in of_type(declared, "kueue.x-k8s.io/v1beta2:LocalQueue")}
+
+
 def kueue_config(declared: tuple[Declared, ...]) -> dict:
     (release,) = [r for r in of_type(declared, "helm.sh/v3:Release") if r.inputs["name"] == "kueue"]
     return yaml.safe_load(release.inputs["values"]["managerConfig"]["controllerManagerConfigYaml"])
@@ -114,21 +122,24 @@ def test_priority_classes_reach_the_api_as_whole_objects(k8s: tuple[Stack, tuple
 
 def test_the_queue_covers_every_resource_a_node_sized_efa_pod_requests(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
     stack, declared = k8s
-    (cq,) = of_type(declared, "kueue.x-k8s.io/v1beta2:ClusterQueue")
-    (group,) = cq.inputs["spec"]["resourceGroups"]
+    cq = cluster_queues(declared)[kube.LOCAL_QUEUE]
+    (group,) = cq["spec"]["resourceGroups"]
     flavors = {f["name"]: f for f in group["flavors"]}
     for pool in stack.spec.pools:
         requests = efa_pod_requests(pool) if pool.uses_efa else kube.node_sized_resources(pool)
         assert set(requests) <= set(group["coveredResources"]), pool.name
         # Its own family can hold it (Kueue may pick an earlier family with room: the flavours' order).
         assert fits(flavors[kube.family_name(stack, pool)], requests), pool.name
-        assert assign(cq.inputs, requests) not in (None, kube.CPU_FLAVOR), pool.name
+        assert assign(cq, requests) in set(kube.families(stack)), pool.name
 
 
-def test_without_huge_pages_in_the_queue_such_a_pod_is_never_admitted() -> None:
+@pytest.mark.parametrize("path", K8S_STACK_FILES, ids=lambda p: p.name)
+def test_without_huge_pages_in_the_queue_such_a_pod_is_never_admitted(path: Path) -> None:
     """What the coverage fixes: the queue as it was, without huge pages, cannot admit the guide's EFA pod."""
-    stack = load_stack(TEAM_K8S)
-    assert kube.example_pool(stack).uses_efa
+    stack = load_stack(path)
+    if not kube.example_pool(stack).uses_efa:
+        assert kube.HUGEPAGES_RESOURCE not in kube.cluster_queue(stack)["spec"]["resourceGroups"][0]["coveredResources"]
+        return
     cq = kube.cluster_queue(stack)
     assert assign(cq, efa_pod_requests(kube.example_pool(stack))) is not None
     (group,) = cq["spec"]["resourceGroups"]
@@ -180,33 +191,35 @@ def test_a_pool_without_efa_has_no_huge_pages_anywhere() -> None:
 
 # --- CPU-only pods ------------------------------------------------------------------------------------------------
 
-def test_a_cpu_only_pod_is_admitted_to_the_cpu_flavour_and_never_a_gpu_one(
+def test_a_cpu_only_pod_is_admitted_to_the_cpu_flavour_of_the_cpu_queue(
         k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
     stack, declared = k8s
-    (cq,) = of_type(declared, "kueue.x-k8s.io/v1beta2:ClusterQueue")
+    cq = cluster_queues(declared)[kube.CPU_LOCAL_QUEUE]
     cpu_type = stack.spec.eks.cpu_nodes.itype
     # A small pod (the LimitRange's default request) and one that takes most of a CPU node.
     for requests in ({"cpu": kube.DEFAULT_CPU, "memory": kube.DEFAULT_MEMORY},
                      {"cpu": str(int(cpu_type.vcpus * kube.NODE_SHARE_CPU)),
                       "memory": f"{int(cpu_type.memory_mib * kube.NODE_SHARE_MEMORY) // 1024}Gi"}):
-        assert assign(cq.inputs, requests) == kube.CPU_FLAVOR
-    (group,) = cq.inputs["spec"]["resourceGroups"]
-    assert group["flavors"][0]["name"] == kube.CPU_FLAVOR  # tried first
+        assert assign(cq, requests) == kube.CPU_FLAVOR
+    (group,) = cq["spec"]["resourceGroups"]
+    assert [f["name"] for f in group["flavors"]] == [kube.CPU_FLAVOR] and group["coveredResources"] == ["cpu", "memory"]
 
 
-def test_a_gpu_pod_skips_the_cpu_flavour(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
+def test_an_accelerator_pod_is_inadmissible_on_the_cpu_queue_and_never_takes_the_cpu_flavour(
+        k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
     stack, declared = k8s
-    (cq,) = of_type(declared, "kueue.x-k8s.io/v1beta2:ClusterQueue")
-    (group,) = cq.inputs["spec"]["resourceGroups"]
-    cpu = {r["name"]: r["nominalQuota"] for r in group["flavors"][0]["resources"]}
-    assert all(cpu[r] == 0 for r in group["coveredResources"] if r not in ("cpu", "memory"))
+    queues = cluster_queues(declared)
+    gpu_flavours = [f["name"] for f in queues[kube.LOCAL_QUEUE]["spec"]["resourceGroups"][0]["flavors"]]
+    assert kube.CPU_FLAVOR not in gpu_flavours
     for pool in stack.spec.pools:
         resource = kube.accelerator_resource(pool)
-        # A one-accelerator pod with a small CPU request would fit the CPU flavour's CPU: the accelerator keeps it off.
+        # A one-accelerator pod with a small CPU request would fit the CPU flavour's CPU: the CPU queue does not
+        # cover the accelerator, so Kueue never admits it there.
         small = {"cpu": "1", "memory": "1Gi", resource: "1"}
-        assert assign(cq.inputs, small) not in (None, kube.CPU_FLAVOR), pool.name
+        assert assign(queues[kube.CPU_LOCAL_QUEUE], small) is None, pool.name
+        assert assign(queues[kube.LOCAL_QUEUE], small) in gpu_flavours, pool.name
         node_sized = efa_pod_requests(pool) if pool.uses_efa else kube.node_sized_resources(pool)
-        assert assign(cq.inputs, node_sized) not in (None, kube.CPU_FLAVOR), pool.name
+        assert assign(queues[kube.LOCAL_QUEUE], node_sized) in gpu_flavours, pool.name
 
 
 def test_the_cpu_node_group_is_tainted_for_its_flavour_and_scales_from_zero(
@@ -279,7 +292,7 @@ def test_cpu_nodes_keys_have_defaults_and_are_checked() -> None:
     assert (stack.spec.eks.cpu_nodes.instance_type, stack.spec.eks.cpu_nodes.max_nodes) == (
         eks.CPU_INSTANCE_TYPE, eks.CPU_MAX_NODES)
     stack = validate("k8s-variant", _variant(cpu_nodes={"instance_type": "c7i.2xlarge", "max_nodes": 2}))
-    assert kube.cluster_queue(stack)["spec"]["resourceGroups"][0]["flavors"][0]["resources"][0] == {
+    assert kube.cpu_cluster_queue(stack)["spec"]["resourceGroups"][0]["flavors"][0]["resources"][0] == {
         "name": "cpu", "nominalQuota": 2 * catalog.lookup("c7i.2xlarge").vcpus}
     with pytest.raises(SpecError) as caught:
         validate("k8s-variant", _variant(cpu_nodes={"instance_type": "p5.48xlarge", "max_nodes": 0}))
@@ -340,8 +353,10 @@ def test_priorities_with_preemption_within_the_queue(k8s: tuple[Stack, tuple[Dec
     assert classes["low"] < classes["normal"] < classes["high"]
     # A job without the label gets Kueue's default priority, 0 (pkg/constants DefaultPriority): normal's.
     assert classes["normal"] == 0
-    (cq,) = of_type(declared, "kueue.x-k8s.io/v1beta2:ClusterQueue")
-    assert cq.inputs["spec"]["preemption"] == {"withinClusterQueue": "LowerPriority"}
+    queues = of_type(declared, "kueue.x-k8s.io/v1beta2:ClusterQueue")
+    assert len(queues) == 2
+    for cq in queues:
+        assert cq.inputs["spec"]["preemption"] == {"withinClusterQueue": "LowerPriority"}
     assert kube.PRIORITY_CLASS_LABEL == "kueue.x-k8s.io/priority-class"
 
 

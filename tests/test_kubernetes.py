@@ -110,6 +110,20 @@ def test_cluster_private_encrypted_pinned(k8s: tuple[Stack, tuple[Declared, ...]
                                                                + _planned_id(key, stack)}}
 
 
+def acts(stack: Stack) -> bool:
+    """The stack's budget acts (an act threshold): the guardrail and the launch deny exist only then."""
+    return stack.spec.budget.act_threshold_percent is not None
+
+
+def guardrail_deployments(declared: tuple[Declared, ...]) -> list[Declared]:
+    return [d for d in of_type(declared, "apps/v1:Deployment") if d.inputs["metadata"]["name"] == kube.GUARDRAIL]
+
+
+def family_of(stack: Stack, pool: Any) -> str:
+    """The pool's family as the stack file says it: the spot pool that falls back to it, else its own name."""
+    return next((p.name for p in stack.spec.pools if p.fallback == pool.name), pool.name)
+
+
 def _planned_id(d: Declared, stack: Stack) -> str:
     from gpucluster.plan import planned_id
     return planned_id(d, stack.region)
@@ -118,6 +132,13 @@ def _planned_id(d: Declared, stack: Stack) -> str:
 def test_control_plane_has_two_zones_nodes_one(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
     stack, declared = k8s
     (cluster,) = of_type(declared, "eks/cluster:Cluster")
+    network = stack.spec.network
+    if network.subnet_id:  # an existing network: its subnet and the control plane's, nothing made
+        assert not of_type(declared, "ec2/subnet:Subnet")
+        assert cluster.inputs["vpcConfig"]["subnetIds"] == [network.subnet_id, stack.spec.eks.control_plane_subnet_id]
+        for group in of_type(declared, "eks/nodeGroup:NodeGroup"):
+            assert group.inputs["subnetIds"] == [network.subnet_id]
+        return
     subnets = {_planned_id(s, stack): s.inputs for s in of_type(declared, "ec2/subnet:Subnet")}
     zones = {subnets[s]["availabilityZone"] for s in cluster.inputs["vpcConfig"]["subnetIds"]}
     assert len(zones) == 2 and stack.spec.availability_zone in zones
@@ -139,10 +160,10 @@ def test_existing_network_names_the_control_planes_subnet() -> None:
 
 
 def test_public_endpoint_only_for_the_cidrs_given() -> None:
-    stack, declared = variant(TEAM_K8S, kubernetes={"version": "1.35", "public_access_cidrs": ["203.0.113.0/24"]})
+    stack, declared = variant(TEAM_K8S, kubernetes={"version": "1.35", "public_access_cidrs": ["8.8.8.0/24"]})
     (cluster,) = of_type(declared, "eks/cluster:Cluster")
     vpc = cluster.inputs["vpcConfig"]
-    assert vpc["endpointPublicAccess"] is True and vpc["publicAccessCidrs"] == ["203.0.113.0/24"]
+    assert vpc["endpointPublicAccess"] is True and vpc["publicAccessCidrs"] == ["8.8.8.0/24"]
 
 
 def test_addons(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
@@ -203,8 +224,10 @@ def test_system_nodes_run_only_the_clusters_own_software(k8s: tuple[Stack, tuple
                         monitoring["prometheusOperator"]["admissionWebhooks"]["patch"]["tolerations"],
                         monitoring["kube-state-metrics"]["tolerations"]):
         assert _tolerates_system(tolerations)
-    (guardrail,) = of_type(declared, "apps/v1:Deployment")
-    assert _tolerates_system(guardrail.inputs["spec"]["template"]["spec"]["tolerations"])
+    guardrails = guardrail_deployments(declared)
+    assert len(guardrails) == acts(stack)
+    for guardrail in guardrails:
+        assert _tolerates_system(guardrail.inputs["spec"]["template"]["spec"]["tolerations"])
     addons = {a.inputs["addonName"]: a.inputs for a in of_type(declared, "eks/addon:Addon")}
     assert _tolerates_system(json.loads(addons["coredns"]["configurationValues"])["tolerations"])
     *_, job = kube.example_job(stack, kube.example_pool(stack), (EXAMPLES_DIR / "ddp_train.py").read_text())
@@ -337,16 +360,19 @@ def test_node_group_per_pool(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
         assert accelerator is not None
         assert group["amiType"] == ("AL2023_x86_64_NVIDIA" if accelerator.kind == "nvidia"
                                     else "AL2023_x86_64_NEURON")
-        assert group["capacityType"] == {"on-demand": "ON_DEMAND", "spot": "SPOT"}[pool.capacity]
+        assert group["capacityType"] == {"on-demand": "ON_DEMAND", "spot": "SPOT",
+                                         "capacity-block": "CAPACITY_BLOCK"}[pool.capacity]
         assert group["scalingConfig"] == {"minSize": pool.min_nodes, "maxSize": pool.max_nodes,
                                           "desiredSize": pool.min_nodes}
+        # The autoscaler's GPU label on NVIDIA pools only (tests/test_kube_node_groups.py says why).
+        gpu_label = ({"k8s.amazonaws.com/accelerator": kube.GPU_TYPES[accelerator.model]}
+                     if accelerator.kind == "nvidia" else {})
         assert group["labels"] == {"gpucluster/pool": pool.name, "gpucluster/capacity": pool.capacity,
                                    "gpucluster/accelerator": accelerator.kind,
-                                   "gpucluster/family": "p5-spot" if pool.name.startswith("p5") else pool.name,
-                                   "k8s.amazonaws.com/accelerator": kube.GPU_TYPES[accelerator.model],
+                                   "gpucluster/family": family_of(stack, pool), **gpu_label,
                                    **({"gpucluster/efa": "true"} if pool.uses_efa else {})}
         taints = {(t["key"], t["effect"]) for t in group["taints"]}
-        assert ("nvidia.com/gpu", "NO_SCHEDULE") in taints
+        assert (kube.accelerator_resource(pool), "NO_SCHEDULE") in taints
         assert (("gpucluster/spot", "NO_SCHEDULE") in taints) == (pool.capacity == "spot")
         assert group["launchTemplate"]["id"] == _planned_id(
             next(t for t in of_type(declared, "ec2/launchTemplate:LaunchTemplate")
@@ -369,7 +395,6 @@ def test_node_group_per_pool(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
         assert lt["blockDeviceMappings"][0]["ebs"]["encrypted"] == "true"
         if pool.uses_efa:
             assert lt["placement"]["groupName"] in placement
-    assert "p5-spot" in groups and "p5-od" in groups
 
 
 def node_security_groups(stack: Stack, declared: tuple[Declared, ...]) -> dict[str, set[str]]:
@@ -395,9 +420,13 @@ def test_every_node_group_shares_a_security_group_with_the_control_plane(
     groups = node_security_groups(stack, declared)
     assert len(groups) == len(stack.spec.pools) + 2  # and the system and CPU nodes
     # Pods on system nodes (CoreDNS, Kueue's webhook) and accelerator nodes reach each other, and the add-ons too.
-    assert cluster_sg in set.intersection(*groups.values())
-    (stack_sg,) = cluster.inputs["vpcConfig"]["securityGroupIds"]
-    assert stack_sg in set.intersection(*groups.values())
+    shared = set.intersection(*groups.values())
+    assert cluster_sg in shared
+    # The stack's group is the one the control plane and every node group share (with private_access_cidrs the
+    # control plane has the API's own group besides, which no node has).
+    control_plane_groups: set[str] = set(cluster.inputs["vpcConfig"]["securityGroupIds"])
+    (stack_sg,) = control_plane_groups & shared
+    assert len(cluster.inputs["vpcConfig"]["securityGroupIds"]) == 1 + bool(stack.spec.eks.private_access_cidrs)
     for lt in _templates(declared).values():  # EFA interfaces too: NCCL's traffic crosses every card
         assert all(set(n["securityGroups"]) == {stack_sg, cluster_sg} for n in lt["networkInterfaces"])
 
@@ -447,9 +476,10 @@ def test_autoscaler_node_template_tags_on_each_group(k8s: tuple[Stack, tuple[Dec
     for pool in stack.spec.pools:
         got = tags[planned_asg_name(f"{stack.cluster_name}-{pool.name}")]  # the group EKS made for the node group
         assert got[f"{prefix}/label/gpucluster/pool"] == pool.name
-        assert got[f"{prefix}/taint/nvidia.com/gpu"] == "true:NoSchedule"
+        resource = kube.accelerator_resource(pool)
+        assert got[f"{prefix}/taint/{resource}"] == "true:NoSchedule"
         assert pool.itype.accelerator is not None
-        assert got[f"{prefix}/resources/nvidia.com/gpu"] == str(pool.itype.accelerator.count)
+        assert got[f"{prefix}/resources/{resource}"] == str(pool.itype.accelerator.count)
         if pool.uses_efa:
             assert got[f"{prefix}/resources/vpc.amazonaws.com/efa"] == str(pool.itype.efa_interfaces)
         assert (f"{prefix}/taint/gpucluster/spot" in got) == (pool.capacity == "spot")
@@ -517,11 +547,17 @@ def test_autoscaler_priority_expander_spot_first(k8s: tuple[Stack, tuple[Declare
 # --- 4. Devices and storage; Helm pins ---------------------------------------------------------------------------
 
 def test_releases_are_pinned(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
-    _, declared = k8s
+    stack, declared = k8s
     releases = _releases(declared)
-    pins = {"cluster-autoscaler": eks.CLUSTER_AUTOSCALER, "nvidia-device-plugin": eks.NVIDIA_DEVICE_PLUGIN,
-            "efa-device-plugin": eks.EFA_DEVICE_PLUGIN, "kueue": eks.KUEUE, "monitoring": eks.KUBE_PROMETHEUS_STACK,
-            "dcgm-exporter": eks.DCGM_EXPORTER}
+    kinds = {p.accelerator.kind for p in stack.spec.pools}
+    # The cluster's own releases, and each device plugin (and NVIDIA's exporter) where a pool has its devices.
+    pins = {"cluster-autoscaler": eks.CLUSTER_AUTOSCALER, "kueue": eks.KUEUE, "monitoring": eks.KUBE_PROMETHEUS_STACK}
+    if "nvidia" in kinds:
+        pins |= {"nvidia-device-plugin": eks.NVIDIA_DEVICE_PLUGIN, "dcgm-exporter": eks.DCGM_EXPORTER}
+    if "neuron" in kinds:
+        pins["neuron-device-plugin"] = eks.NEURON_DEVICE_PLUGIN
+    if any(p.uses_efa for p in stack.spec.pools):
+        pins["efa-device-plugin"] = eks.EFA_DEVICE_PLUGIN
     assert set(releases) == set(pins)
     for name, chart in pins.items():
         release = releases[name]
@@ -550,12 +586,20 @@ def test_no_efa_no_efa_plugin() -> None:
 
 def test_fsx_as_static_volume_and_claim(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
     stack, declared = k8s
-    (fs,) = of_type(declared, "fsx/lustreFileSystem:LustreFileSystem")
     (pv,) = of_type(declared, "core/v1:PersistentVolume")
     (pvc,) = of_type(declared, "core/v1:PersistentVolumeClaim")
     csi = pv.inputs["spec"]["csi"]
-    assert csi["driver"] == "fsx.csi.aws.com" and csi["volumeHandle"] == _planned_id(fs, stack)
-    assert csi["volumeAttributes"]["dnsname"] == f"{_planned_id(fs, stack)}.fsx.{stack.region}.amazonaws.com"
+    lustre = stack.spec.storage.lustre
+    if lustre.file_system_id:  # an existing file system: named as the stack file gives it, none made
+        assert not of_type(declared, "fsx/lustreFileSystem:LustreFileSystem")
+        file_system, dns_name = lustre.file_system_id, lustre.dns_name
+        assert csi["volumeAttributes"]["mountname"] == lustre.mount_name
+    else:
+        (fs,) = of_type(declared, "fsx/lustreFileSystem:LustreFileSystem")
+        file_system = _planned_id(fs, stack)
+        dns_name = f"{file_system}.fsx.{stack.region}.amazonaws.com"
+    assert csi["driver"] == "fsx.csi.aws.com" and csi["volumeHandle"] == file_system
+    assert csi["volumeAttributes"]["dnsname"] == dns_name
     assert pv.inputs["spec"]["claimRef"] == {"namespace": stack.spec.team, "name": "fsx"}
     assert pvc.inputs["metadata"]["namespace"] == stack.spec.team
     assert pvc.inputs["spec"]["volumeName"] == pv.inputs["metadata"]["name"]
@@ -610,23 +654,29 @@ def test_kueue_flavours_are_pool_families_so_spot_falls_back() -> None:
         accelerator = {t for t in tainted if t[0] in (eks.GPU_RESOURCE, eks.NEURON_RESOURCE)}
         assert tainted - accelerator <= tolerated
         assert not accelerator & tolerated
-    (cq,) = of_type(declared, "kueue.x-k8s.io/v1beta2:ClusterQueue")
-    (group,) = cq.inputs["spec"]["resourceGroups"]
-    assert [f["name"] for f in group["flavors"]] == ["cpu", "p5-spot", "g6e"]
+    queues = {q.inputs["metadata"]["name"]: q.inputs for q in of_type(declared, "kueue.x-k8s.io/v1beta2:ClusterQueue")}
+    assert set(queues) == {"language", "language-cpu"}  # the accelerator queue and the CPU queue
+    cq = queues["language"]
+    (group,) = cq["spec"]["resourceGroups"]
+    assert [f["name"] for f in group["flavors"]] == ["p5-spot", "g6e"]
     assert group["coveredResources"] == ["cpu", "memory", "hugepages-2Mi", "nvidia.com/gpu", "vpc.amazonaws.com/efa"]
-    p5 = {r["name"]: r["nominalQuota"] for r in group["flavors"][1]["resources"]}
+    p5 = {r["name"]: r["nominalQuota"] for r in group["flavors"][0]["resources"]}
     # Spot at max (4) and its fallback at max (2) can both be up.
     assert p5 == {"cpu": 6 * 192, "memory": f"{6 * 2048}Gi", "nvidia.com/gpu": 48, "vpc.amazonaws.com/efa": 192,
                   "hugepages-2Mi": f"{6 * 5128 * 2}Mi"}
-    g6e = {r["name"]: r["nominalQuota"] for r in group["flavors"][2]["resources"]}
+    g6e = {r["name"]: r["nominalQuota"] for r in group["flavors"][1]["resources"]}
     assert g6e["vpc.amazonaws.com/efa"] == 2 and g6e["nvidia.com/gpu"] == 8
     extra = _releases(declared)["cluster-autoscaler"]["values"]["extraArgs"]
     assert extra["expander"] == "priority"
     assert extra["max-node-provision-time"] == f"{catalog.NODE_PROVISION_MINUTES['p5']}m"  # its slowest type
-    assert cq.inputs["spec"]["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "language"}}
-    (lq,) = of_type(declared, "kueue.x-k8s.io/v1beta2:LocalQueue")
-    assert lq.inputs["spec"] == {"clusterQueue": cq.inputs["metadata"]["name"]}
-    assert lq.inputs["metadata"]["namespace"] == "language"
+    (cpu_group,) = queues["language-cpu"]["spec"]["resourceGroups"]
+    assert [f["name"] for f in cpu_group["flavors"]] == ["cpu"] and cpu_group["coveredResources"] == ["cpu", "memory"]
+    for queue in queues.values():
+        assert queue["spec"]["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "language"}}
+    local = {q.inputs["metadata"]["name"]: q.inputs for q in of_type(declared, "kueue.x-k8s.io/v1beta2:LocalQueue")}
+    assert {name: q["spec"] for name, q in local.items()} == {"default": {"clusterQueue": "language"},
+                                                               "cpu": {"clusterQueue": "language-cpu"}}
+    assert {q["metadata"]["namespace"] for q in local.values()} == {"language"}
 
 
 def test_jobs_without_a_queue_name_are_not_admitted() -> None:
@@ -645,8 +695,10 @@ def test_the_guardrail_owns_the_stop_policy() -> None:
     """The program never names the ClusterQueue's stopPolicy, and applies server-side: an `up` leaves a held queue held
     (no ignore_changes needed, none relied on)."""
     _, declared = planned(TEAM_K8S)
-    (cq,) = of_type(declared, "kueue.x-k8s.io/v1beta2:ClusterQueue")
-    assert "stopPolicy" not in cq.inputs["spec"] and not cq.ignore_changes
+    queues = of_type(declared, "kueue.x-k8s.io/v1beta2:ClusterQueue")
+    assert len(queues) == 2
+    for cq in queues:
+        assert "stopPolicy" not in cq.inputs["spec"] and not cq.ignore_changes
     (provider,) = [d for d in declared if d.type == "pulumi:providers:kubernetes"]
     assert provider.inputs["enableServerSideApply"] in (True, "true")
     # What the guardrail patches is the field the program leaves alone.
@@ -665,6 +717,9 @@ def test_queues_wait_for_kueue() -> None:
 
 def test_budget_denies_the_autoscalers_scale_up(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
     stack, declared = k8s
+    if not acts(stack):  # alerts only: nothing denied
+        assert not of_type(declared, "budgets/budgetAction:BudgetAction")
+        return
     (action,) = of_type(declared, "budgets/budgetAction:BudgetAction")
     name = stack.cluster_name
     assert action.inputs["definition"]["iamActionDefinition"]["roles"] == [f"{name}-autoscaler"]
@@ -673,9 +728,15 @@ def test_budget_denies_the_autoscalers_scale_up(k8s: tuple[Stack, tuple[Declared
     assert statement["Effect"] == "Deny" and "autoscaling:SetDesiredCapacity" in statement["Action"]
 
 
-def test_guardrail_reads_the_budget_queue_and_may_patch_one_queue(k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
+def test_guardrail_reads_the_budget_queue_and_may_patch_the_teams_queues(
+        k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
     stack, declared = k8s
     name = stack.cluster_name
+    if stack.spec.budget.act_threshold_percent is None:  # alerts only: no guardrail, nothing it may do
+        assert not [r for r in of_type(declared, "rbac.authorization.k8s.io/v1:ClusterRole")
+                    if r.inputs["metadata"]["name"] == kube.GUARDRAIL]
+        assert f"{name}-guardrail-pod" not in {p.name for p in of_type(declared, "iam/rolePolicy:RolePolicy")}
+        return
     grants = {s["Sid"]: s for s in json.loads({p.name: p for p in of_type(declared, "iam/rolePolicy:RolePolicy")}[
         f"{name}-guardrail-pod"].inputs["policy"])["Statement"]}
     assert grants["BudgetQueue"]["Resource"] == f"arn:aws:sqs:{stack.region}:123456789012:{name}-guardrail"
@@ -687,12 +748,16 @@ def test_guardrail_reads_the_budget_queue_and_may_patch_one_queue(k8s: tuple[Sta
                                            "Action": ["budgets:DescribeBudgetAction", "budgets:ExecuteBudgetAction"]}
     (role,) = [r for r in of_type(declared, "rbac.authorization.k8s.io/v1:ClusterRole")
                if r.inputs["metadata"]["name"] == kube.GUARDRAIL]
-    assert role.inputs["rules"] == [{"apiGroups": ["kueue.x-k8s.io"], "resources": ["clusterqueues"],
-                                     "resourceNames": [stack.spec.team], "verbs": ["get", "patch"]}]
-    (deployment,) = of_type(declared, "apps/v1:Deployment")
+    queues = sorted(q.inputs["metadata"]["name"] for q in of_type(declared, "kueue.x-k8s.io/v1beta2:ClusterQueue"))
+    (rule,) = role.inputs["rules"]
+    assert {**rule, "resourceNames": sorted(rule["resourceNames"])} == {
+        "apiGroups": ["kueue.x-k8s.io"], "resources": ["clusterqueues"], "resourceNames": queues,
+        "verbs": ["get", "patch"]}
+    (deployment,) = [d for d in of_type(declared, "apps/v1:Deployment")
+                     if d.inputs["metadata"]["name"] == kube.GUARDRAIL]
     env = {e["name"]: e["value"] for e in deployment.inputs["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["QUEUE_URL"] == f"https://sqs.{stack.region}.amazonaws.com/123456789012/{name}-guardrail"
-    assert env["CLUSTER_QUEUE"] == stack.spec.team and env["BUDGET_NAME"] == stack.budget_name
+    assert sorted(env["CLUSTER_QUEUES"].split(",")) == queues and env["BUDGET_NAME"] == stack.budget_name
     assert env["LAUNCH_DENY_ACTION_ID"] == planned_outputs(action, stack.region)["actionId"]
     (script,) = [c for c in of_type(declared, "core/v1:ConfigMap") if c.inputs["metadata"]["name"] == kube.GUARDRAIL]
     assert script.inputs["data"]["gpucluster.node.queue_guardrail.py"] == Path(queue_guardrail.__file__).read_text()
@@ -706,9 +771,13 @@ def test_the_guardrail_pod_has_every_file_its_program_imports(k8s: tuple[Stack, 
     import subprocess
     import sys
 
-    _, declared = k8s
-    (script,) = [c for c in of_type(declared, "core/v1:ConfigMap") if c.inputs["metadata"]["name"] == kube.GUARDRAIL]
-    (deployment,) = of_type(declared, "apps/v1:Deployment")
+    stack, declared = k8s
+    configs = [c for c in of_type(declared, "core/v1:ConfigMap") if c.inputs["metadata"]["name"] == kube.GUARDRAIL]
+    if not acts(stack):  # alerts only: no guardrail
+        assert not configs and not guardrail_deployments(declared)
+        return
+    (script,) = configs
+    (deployment,) = guardrail_deployments(declared)
     pod = deployment.inputs["spec"]["template"]["spec"]
     (volume,) = [v for v in pod["volumes"] if v.get("configMap", {}).get("name") == kube.GUARDRAIL]
     (mount,) = [m["mountPath"] for m in pod["containers"][0]["volumeMounts"] if m["name"] == volume["name"]]
@@ -897,8 +966,12 @@ def test_every_declared_object_is_valid(k8s: tuple[Stack, tuple[Declared, ...]])
     stack, declared = k8s
     objects = k8s_objects(declared)
     kinds = {o["kind"] for o in objects}
-    assert {"Namespace", "ResourceQuota", "LimitRange", "PersistentVolume", "PersistentVolumeClaim", "ResourceFlavor",
-            "ClusterQueue", "LocalQueue", "PrometheusRule", "Deployment", "ClusterRole"} <= kinds
+    expected = {"Namespace", "ResourceQuota", "LimitRange", "PersistentVolume", "PersistentVolumeClaim",
+                "ResourceFlavor", "ClusterQueue", "LocalQueue", "ValidatingAdmissionPolicy",
+                "ValidatingAdmissionPolicyBinding", "ClusterRole"}
+    expected |= {"Deployment"} if acts(stack) else set()
+    expected |= {"PrometheusRule"} if any(p.accelerator.kind == "nvidia" for p in stack.spec.pools) else set()
+    assert expected <= kinds
     for obj in objects:
         check(obj, stack.spec.eks.version)
 

@@ -1,7 +1,8 @@
-"""The Kubernetes flavour's budget guardrail (gpucluster/node/queue_guardrail.py): its decision on the team's
-ClusterQueue, the merge patches it sends, its checks against Budgets (botocore's Stubber: the real request and response
-shapes, including a new budget's, and the Budgets actions moto does not serve) and a stand-in Kubernetes API over TLS,
-the fault path through the SQS loop (moto), and the Deployment's wait for its Pod Identity association."""
+"""The Kubernetes flavour's budget guardrail (gpucluster/node/queue_guardrail.py): its decision on each of the team's
+ClusterQueues (the accelerator queue and the CPU queue, each decided on its own), the merge patches it sends, its checks
+against Budgets (botocore's Stubber: the real request and response shapes, including a new budget's, and the Budgets
+actions moto does not serve) and a stand-in Kubernetes API over TLS, the fault path through the SQS loop (moto), and the
+Deployment's wait for its Pod Identity association."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from test_kubernetes import CRDS, check  # the strict schema check every declare
 ACCOUNT = "123456789012"
 BUDGET = "b"
 TEAM = "vision"
+QUEUES = (TEAM, f"{TEAM}-cpu")  # the team's accelerator and CPU ClusterQueues, as kube.cluster_queue_names names them
 ACTION_ID = "0a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9"
 IDS = {"AccountId": ACCOUNT, "BudgetName": BUDGET}
 K8S_STACK = ROOT / "stacks" / "Pulumi.team-k8s.yaml"
@@ -134,10 +136,13 @@ def merge_patch(target: Any, patch: Any) -> Any:
 
 
 def cluster_queue(stop_policy: str | None = None, annotations: dict[str, str] | None = None,
-                  version: str = "1") -> dict[str, Any]:
-    """The team's ClusterQueue as the shipped Kubernetes stack declares it, as the API server would hold it."""
-    _, declared = planned(K8S_STACK)
-    (declared_queue,) = of_type(declared, "kueue.x-k8s.io/v1beta2:ClusterQueue")
+                  version: str = "1", cpu: bool = False) -> dict[str, Any]:
+    """One of the team's ClusterQueues (the accelerator one, or with `cpu` the CPU one) as the shipped Kubernetes stack
+    declares it, as the API server would hold it."""
+    stack, declared = planned(K8S_STACK)
+    name = kube.cpu_cluster_queue_name(stack) if cpu else kube.cluster_queue_name(stack)
+    (declared_queue,) = [q for q in of_type(declared, "kueue.x-k8s.io/v1beta2:ClusterQueue")
+                         if q.inputs["metadata"]["name"] == name]
     obj = copy.deepcopy(declared_queue.inputs)
     obj["metadata"]["resourceVersion"] = version
     if annotations is not None:
@@ -147,9 +152,10 @@ def cluster_queue(stop_policy: str | None = None, annotations: dict[str, str] | 
     return obj
 
 
-def test_a_hold_and_its_mark_go_in_one_patch_and_come_off_in_one() -> None:
+@pytest.mark.parametrize("cpu", [False, True], ids=["accelerator-queue", "cpu-queue"])
+def test_a_hold_and_its_mark_go_in_one_patch_and_come_off_in_one(cpu: bool) -> None:
     other = {"owner": "ml-platform"}  # a person's annotation: the patches leave it
-    opened = cluster_queue(annotations=dict(other), version="7")
+    opened = cluster_queue(annotations=dict(other), version="7", cpu=cpu)
     held = merge_patch(opened, json.loads(queue_guardrail.patch_body(Action.HOLD, "7", "over budget")))
     check(held, VERSION)
     assert held["spec"]["stopPolicy"] == "Hold" and held["metadata"]["annotations"] == {**other, HELD_BY: "over budget"}
@@ -163,22 +169,23 @@ def test_a_hold_and_its_mark_go_in_one_patch_and_come_off_in_one() -> None:
         assert json.loads(queue_guardrail.patch_body(action, "7"))["metadata"]["resourceVersion"] == "7"
     # An unset stopPolicy is Kueue's default (the CRD's), open; the shipped stack leaves it unset.
     default = CRDS[(kube.KUEUE_API, "ClusterQueue")]["properties"]["spec"]["properties"]["stopPolicy"]["default"]
-    assert queue_guardrail.ClusterQueue.from_object(cluster_queue()).stop_policy == default == queue_guardrail.OPEN
+    assert queue_guardrail.ClusterQueue.from_object(cluster_queue(cpu=cpu)).stop_policy == default == \
+        queue_guardrail.OPEN
 
 
 # --- Against a Kubernetes API ---------------------------------------------------------------------------------------
 
 class ApiServer:
-    """A stand-in for the API server's clusterqueues endpoint, for one object, over TLS: this machine has no
-    kube-apiserver (no envtest binaries in any registry here). It does what the guardrail relies on: bearer token,
-    GET, PATCH with application/merge-patch+json (RFC 7386) under the resourceVersion precondition (409 Conflict,
+    """A stand-in for the API server's clusterqueues endpoint, for the team's queues (by name), over TLS: this machine
+    has no kube-apiserver (no envtest binaries in any registry here). It does what the guardrail relies on: bearer
+    token, GET, PATCH with application/merge-patch+json (RFC 7386) under the resourceVersion precondition (409 Conflict,
     the API server's Status body), a new resourceVersion on each change; `fail_next` answers the next request with an
     error, `after_get` changes the object as a person would between the guardrail's GET and its PATCH."""
 
     TOKEN = "projected-token"
 
-    def __init__(self, tls: tuple[Path, Path], obj: dict[str, Any]) -> None:
-        self.obj = obj
+    def __init__(self, tls: tuple[Path, Path], objs: dict[str, dict[str, Any]]) -> None:
+        self.objs = objs
         self.requests: list[tuple[str, str, dict[str, str], bytes]] = []
         self.fail_next: tuple[int, str] | None = None
         self.after_get: Callable[[dict[str, Any]], None] | None = None
@@ -205,28 +212,31 @@ class ApiServer:
                 server.requests.append((method, self.path, dict(self.headers), body))
                 if self.headers["Authorization"] != f"Bearer {server.TOKEN}":
                     return self.status(401, "Unauthorized", "Unauthorized")
-                if self.path != f"{queue_guardrail.KUEUE_PATH}{TEAM}":
-                    return self.status(403, "Forbidden", f"no access to {self.path}")  # the RBAC's one queue
+                name = self.path.removeprefix(queue_guardrail.KUEUE_PATH)
+                if name not in server.objs:
+                    return self.status(403, "Forbidden", f"no access to {self.path}")  # the RBAC's queues only
                 if server.fail_next:
                     (code, message), server.fail_next = server.fail_next, None
                     return self.status(code, "InternalError", message)
+                obj = server.objs[name]
                 if method == "GET":
-                    self.answer(200, server.obj)
+                    self.answer(200, obj)
                     if server.after_get:
-                        server.after_get(server.obj)
-                        server.obj["metadata"]["resourceVersion"] += "+"
+                        server.after_get(obj)
+                        obj["metadata"]["resourceVersion"] += "+"
                     return None
                 if self.headers["Content-Type"] != "application/merge-patch+json":
                     return self.status(415, "UnsupportedMediaType", self.headers["Content-Type"])
                 patch = json.loads(body)
-                if patch["metadata"].get("resourceVersion", server.version) != server.version:
+                version = str(obj["metadata"]["resourceVersion"])
+                if patch["metadata"].get("resourceVersion", version) != version:
                     return self.status(409, "Conflict", "Operation cannot be fulfilled on clusterqueues.kueue.x-k8s.io"
-                                       f' "{TEAM}": the object has been modified; please apply your changes to the'
+                                       f' "{name}": the object has been modified; please apply your changes to the'
                                        " latest version and try again")
                 patch["metadata"].pop("resourceVersion", None)
-                server.obj = merge_patch(server.obj, patch)
-                server.obj["metadata"]["resourceVersion"] = server.version + "+"
-                return self.answer(200, server.obj)
+                server.objs[name] = merge_patch(obj, patch)
+                server.objs[name]["metadata"]["resourceVersion"] = version + "+"
+                return self.answer(200, server.objs[name])
 
             def do_GET(self) -> None:
                 self.handle_one("GET")
@@ -238,11 +248,12 @@ class ApiServer:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.load_cert_chain(*tls)
         self.httpd.socket = context.wrap_socket(self.httpd.socket, server_side=True)
-        self.url = f"https://127.0.0.1:{self.httpd.server_address[1]}{queue_guardrail.KUEUE_PATH}{TEAM}"
 
-    @property
-    def version(self) -> str:
-        return str(self.obj["metadata"]["resourceVersion"])
+    def url(self, name: str) -> str:
+        return f"https://127.0.0.1:{self.httpd.server_address[1]}{queue_guardrail.KUEUE_PATH}{name}"
+
+    def stop_policies(self) -> dict[str, str]:
+        return {name: obj["spec"].get("stopPolicy", queue_guardrail.OPEN) for name, obj in self.objs.items()}
 
 
 @pytest.fixture(scope="module")
@@ -256,19 +267,19 @@ def tls(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 @pytest.fixture
-def api(tls: tuple[Path, Path], tmp_path: Path) -> Iterator[tuple[ApiServer, ClusterQueueApi]]:
-    server = ApiServer(tls, cluster_queue("None"))
+def api(tls: tuple[Path, Path], tmp_path: Path) -> Iterator[tuple[ApiServer, dict[str, ClusterQueueApi]]]:
+    server = ApiServer(tls, {name: cluster_queue("None", cpu=name != TEAM) for name in QUEUES})
     # A short poll: shutdown() waits for the loop's next look (0.5 s by default, at every test's teardown).
     thread = threading.Thread(target=server.httpd.serve_forever, args=(0.02,), daemon=True)
     thread.start()
     (tmp_path / "token").write_text(ApiServer.TOKEN + "\n")
-    yield server, ClusterQueueApi(server.url, tmp_path / "token", tls[0])
+    yield server, {name: ClusterQueueApi(server.url(name), tmp_path / "token", tls[0]) for name in QUEUES}
     server.httpd.shutdown()
     server.httpd.server_close()
     thread.join()
 
 
-SETTINGS = Settings(queue_url="q", budget_name=BUDGET, cluster_queue=TEAM, act_threshold_percent=100,
+SETTINGS = Settings(queue_url="q", budget_name=BUDGET, team=TEAM, cluster_queues=QUEUES, act_threshold_percent=100,
                     launch_deny_action_id=ACTION_ID)
 
 
@@ -300,49 +311,58 @@ class Aws:
             stub.assert_no_pending_responses()
 
 
-def test_it_holds_reopens_and_leaves_a_persons_hold_alone(api: tuple[ApiServer, ClusterQueueApi]) -> None:
-    server, queue = api
+def test_it_holds_reopens_and_leaves_a_persons_hold_alone(api: tuple[ApiServer, dict[str, ClusterQueueApi]]) -> None:
+    server, queues = api
     aws = Aws()
-    guardrail = Guardrail(SETTINGS, aws.budgets, aws.sts, queue)
-    aws.spend(120.0)  # over: its hold, marked
-    assert guardrail.check()["action"] == "hold"
-    assert server.obj["spec"]["stopPolicy"] == "Hold" and HELD_BY in server.obj["metadata"]["annotations"]
-    assert f"team {TEAM} spent $120.00" in server.obj["metadata"]["annotations"][HELD_BY]
+    guardrail = Guardrail(SETTINGS, aws.budgets, aws.sts, queues)
+    aws.spend(120.0)  # over: both queues held (CPU work spends too), each marked
+    outcome = guardrail.check()
+    assert {name: q["action"] for name, q in outcome["queues"].items()} == {name: "hold" for name in QUEUES}
+    for obj in server.objs.values():
+        assert obj["spec"]["stopPolicy"] == "Hold"
+        assert f"team {TEAM} spent $120.00" in obj["metadata"]["annotations"][HELD_BY]
     aws.spend(130.0)  # still over: nothing sent
     patches = sum(method == "PATCH" for method, *_ in server.requests)
-    assert guardrail.check()["action"] == "leave"
+    assert {q["action"] for q in guardrail.check()["queues"].values()} == {"leave"}
     assert sum(method == "PATCH" for method, *_ in server.requests) == patches
-    aws.spend(10.0, deny="EXECUTION_SUCCESS")  # a new month: reopened, mark removed, the launch deny reversed
+    cpu = QUEUES[1]
+    server.objs[cpu]["metadata"]["annotations"].pop(HELD_BY)  # an admin takes the CPU queue's hold over
+    aws.spend(10.0, deny="EXECUTION_SUCCESS")  # a new month: its own hold reopened, mark removed, the deny reversed
     outcome = guardrail.check()
-    assert (outcome["action"], outcome["launch_deny_reversed"]) == ("reopen", True)
-    assert server.obj["spec"]["stopPolicy"] == "None" and HELD_BY not in server.obj["metadata"].get("annotations", {})
-    server.obj["spec"]["stopPolicy"] = "Hold"  # an admin holds it by hand (kubectl patch)
+    assert (outcome["queues"][TEAM]["action"], outcome["queues"][cpu]["action"]) == ("reopen", "leave")
+    assert outcome["launch_deny_reversed"] is True
+    assert server.stop_policies() == {TEAM: "None", cpu: "Hold"}
+    assert HELD_BY not in server.objs[TEAM]["metadata"].get("annotations", {})
+    server.objs[TEAM]["spec"]["stopPolicy"] = "Hold"  # an admin holds it by hand (kubectl patch)
     aws.spend(10.0, deny="STANDBY")  # the deny never ran this month: nothing to reverse
     outcome = guardrail.check()
-    assert (outcome["action"], outcome["launch_deny_reversed"]) == ("leave", False)
-    assert server.obj["spec"]["stopPolicy"] == "Hold"
+    assert {q["action"] for q in outcome["queues"].values()} == {"leave"} and outcome["launch_deny_reversed"] is False
+    assert server.stop_policies() == {TEAM: "Hold", cpu: "Hold"}
     aws.done()
     # Every call carried the projected token, and the patches the merge-patch type.
     assert all(h["Authorization"] == f"Bearer {ApiServer.TOKEN}" for _, _, h, _ in server.requests)
     assert {h["Content-Type"] for m, _, h, _ in server.requests if m == "PATCH"} == {"application/merge-patch+json"}
 
 
-def test_a_persons_change_between_read_and_patch_wins(api: tuple[ApiServer, ClusterQueueApi],
+def test_a_persons_change_between_read_and_patch_wins(api: tuple[ApiServer, dict[str, ClusterQueueApi]],
                                                       caplog: pytest.LogCaptureFixture) -> None:
-    """The guardrail read an open queue over budget; before its patch lands, an admin holds it by hand. The patch is
-    refused (409), logged, and the next check leaves the admin's hold alone: its mark never lands on their hold."""
-    server, queue = api
+    """The guardrail read open queues over budget; before its patches land, an admin holds each by hand. The patches
+    are refused (409), logged, and the next check leaves the admin's holds alone: its mark never lands on them."""
+    server, queues = api
     aws = Aws()
-    guardrail = Guardrail(SETTINGS, aws.budgets, aws.sts, queue)
+    guardrail = Guardrail(SETTINGS, aws.budgets, aws.sts, queues)
     server.after_get = lambda obj: obj["spec"].update(stopPolicy="HoldAndDrain")
     aws.spend(150.0)
     with caplog.at_level(logging.ERROR, logger=queue_guardrail.log.name):
         assert guardrail.on_messages([], now=0) == []
-    assert "HTTP 409 Conflict: Operation cannot be fulfilled" in caplog.text
+    for name in QUEUES:
+        assert f'{name}: HTTP 409 Conflict: Operation cannot be fulfilled on clusterqueues.kueue.x-k8s.io "{name}"' \
+            in caplog.text
     server.after_get = None
     aws.spend(150.0)
     assert guardrail.on_messages([], now=1) == []
-    assert server.obj["spec"]["stopPolicy"] == "HoldAndDrain" and "annotations" not in server.obj["metadata"]
+    assert server.stop_policies() == {name: "HoldAndDrain" for name in QUEUES}
+    assert not any("annotations" in obj["metadata"] for obj in server.objs.values())
     aws.done()
 
 
@@ -363,44 +383,46 @@ def waiting(sqs: Any, url: str) -> int:
 
 @pytest.mark.parametrize("fault", ["budgets", "kubernetes"])
 def test_a_failed_call_is_logged_kept_and_checked_again(fault: str, sqs: tuple[Any, str],
-                                                        api: tuple[ApiServer, ClusterQueueApi],
+                                                        api: tuple[ApiServer, dict[str, ClusterQueueApi]],
                                                         caplog: pytest.LogCaptureFixture) -> None:
-    """A Budgets notification arrives; the check fails (Budgets throttles, or the API server errs): the cause is
-    logged, the service keeps going, the message stays; the next turn checks again, holds, and deletes it."""
+    """A Budgets notification arrives; the check fails (Budgets throttles, or the API server errs on the first
+    queue): the cause is logged, the service keeps going, the message stays; a queue the API answered for is held all
+    the same. The next turn checks again, holds the rest, and deletes the message."""
     client_sqs, url = sqs
-    server, queue = api
+    server, queues = api
     aws = Aws()
-    guardrail = Guardrail(SETTINGS, aws.budgets, aws.sts, queue)
+    guardrail = Guardrail(SETTINGS, aws.budgets, aws.sts, queues)
     client_sqs.send_message(QueueUrl=url, MessageBody=json.dumps({"Type": "Notification", "Subject": "AWS Budgets"}))
     if fault == "budgets":
         aws.stubs[0].add_client_error("describe_budget", "ThrottlingException", "Rate exceeded", 400,
                                       expected_params=IDS)
-        expected = "ThrottlingException"
+        expected, held_anyway = "ThrottlingException", {name: "None" for name in QUEUES}
     else:
         aws.spend(150.0)
-        server.fail_next = (500, "etcdserver: request timed out")
-        expected = "HTTP 500 Internal Server Error: etcdserver: request timed out"
+        server.fail_next = (500, "etcdserver: request timed out")  # the first queue's GET
+        expected = f"{QUEUES[0]}: HTTP 500 Internal Server Error: etcdserver: request timed out"
+        held_anyway = {QUEUES[0]: "None", QUEUES[1]: "Hold"}
     turns = iter([False, True])
     with caplog.at_level(logging.ERROR, logger=queue_guardrail.log.name):
         sqs_poll.serve(client_sqs, url, lambda m: guardrail.on_messages(m, now=0), stop=lambda: next(turns),
                        wait_seconds=lambda: 0)
     assert expected in caplog.text and "trying again at the next check" in caplog.text
-    assert waiting(client_sqs, url) == 1 and server.obj["spec"]["stopPolicy"] == "None"
+    assert waiting(client_sqs, url) == 1 and server.stop_policies() == held_anyway
     aws.spend(150.0)
     turns = iter([False, True])
     sqs_poll.serve(client_sqs, url, lambda m: guardrail.on_messages(m, now=0), stop=lambda: next(turns),
                    wait_seconds=lambda: 0)
-    assert waiting(client_sqs, url) == 0 and server.obj["spec"]["stopPolicy"] == "Hold"
+    assert waiting(client_sqs, url) == 0 and server.stop_policies() == {name: "Hold" for name in QUEUES}
     aws.done()
 
 
-def test_without_a_message_it_checks_when_due(api: tuple[ApiServer, ClusterQueueApi]) -> None:
+def test_without_a_message_it_checks_when_due(api: tuple[ApiServer, dict[str, ClusterQueueApi]]) -> None:
     """Spend falls back at the month's turn with no notification: the timer checks on its own, every
     RECHECK_SECONDS."""
-    server, queue = api
+    server, queues = api
     aws = Aws()
-    guardrail = Guardrail(SETTINGS, aws.budgets, aws.sts, queue)
-    checks = lambda: sum(method == "GET" for method, *_ in server.requests)  # noqa: E731
+    guardrail = Guardrail(SETTINGS, aws.budgets, aws.sts, queues)
+    checks = lambda: sum(method == "GET" for method, *_ in server.requests) / len(QUEUES)  # noqa: E731
     aws.spend(150.0)
     guardrail.on_messages([], now=1000)
     assert checks() == 1
@@ -412,11 +434,36 @@ def test_without_a_message_it_checks_when_due(api: tuple[ApiServer, ClusterQueue
     aws.done()
 
 
+def test_the_deployments_environment_names_every_queue_its_role_may_patch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The program reads the rendered environment: the queues it holds are the stack's ClusterQueues, every one, and
+    exactly those its ClusterRole may get and patch."""
+    for path in K8S_STACK_FILES:
+        stack, declared = planned(path)
+        if stack.spec.budget.act_threshold_percent is None:
+            continue
+        (deployment,) = [d.inputs for d in of_type(declared, "apps/v1:Deployment")
+                         if d.inputs["metadata"]["name"] == kube.GUARDRAIL]
+        for variable in deployment["spec"]["template"]["spec"]["containers"][0]["env"]:
+            monkeypatch.setenv(variable["name"], str(variable["value"]))
+        settings = Settings.from_environment()
+        declared_queues = [q.inputs["metadata"]["name"] for q in of_type(declared, "ClusterQueue")]
+        assert sorted(settings.cluster_queues) == sorted(declared_queues) and len(declared_queues) == 2
+        (role,) = [r.inputs for r in of_type(declared, "rbac.authorization.k8s.io/v1:ClusterRole")
+                   if r.inputs["metadata"]["name"] == kube.GUARDRAIL]
+        (rule,) = role["rules"]
+        assert sorted(rule["resourceNames"]) == sorted(declared_queues) and rule["verbs"] == ["get", "patch"]
+        assert settings.team == stack.spec.team
+
+
 # --- The Deployment waits for its credentials -------------------------------------------------------------------
 
 @pytest.mark.parametrize("path", K8S_STACK_FILES, ids=lambda p: p.name)
 def test_the_guardrail_starts_after_its_pod_identity_association(path: Path) -> None:
-    _, declared = planned(path)
+    stack, declared = planned(path)
+    if stack.spec.budget.act_threshold_percent is None:  # alerts only: no guardrail, no association for one
+        assert not [a for a in of_type(declared, "eks/podIdentityAssociation:PodIdentityAssociation")
+                    if a.inputs["serviceAccount"] == kube.GUARDRAIL]
+        return
     (association,) = [a for a in of_type(declared, "eks/podIdentityAssociation:PodIdentityAssociation")
                       if a.inputs["serviceAccount"] == kube.GUARDRAIL]
     (deployment,) = [d for d in of_type(declared, "apps/v1:Deployment")

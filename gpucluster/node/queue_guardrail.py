@@ -2,7 +2,8 @@
 with the modules of this package it imports, and components/kubernetes.py (QueueGuardrail) deploys it).
 
 Every message on the budget's queue (AWS Budgets notifications, through SNS) wakes it, and so does a timer: it reads
-the budget's actual spend and the team's Kueue ClusterQueue, and decides (`decide`):
+the budget's actual spend and each of the team's Kueue ClusterQueues (the accelerator queue and the CPU queue: both
+spend), and decides for each on its own (`decide`):
 
 - at or past the act threshold, an open queue is held (`stopPolicy: Hold`: running jobs finish, new ones wait), and
   the hold is marked as the guardrail's by the annotation `gpucluster/held-by`, set in the same patch;
@@ -18,10 +19,11 @@ promised, and a `kubectl patch` carries no record of who decided to spend more o
 `gpucluster-budget reopen` does). To spend past it, raise the budget's limit or act threshold in the stack file.
 
 A new budget has no spend yet (AWS Budgets computes CalculatedSpend some hours after creation): that reads as $0, the
-queue stays open. A failing AWS or Kubernetes call is logged with its cause and the check is made again on the next
-turn of the queue's loop; the budget's messages are deleted only after a check that succeeded. The process never exits
-on a fault: a crash loop would hold or reopen nothing. The queue's long-poll loop and the spend reading are the Slurm
-head guardrail's (sqs_poll, budget). Standard library and boto3 only.
+queues stay open. A failing AWS or Kubernetes call is logged with its cause (a ClusterQueue that fails does not keep
+the other from being decided) and the check is made again on the next turn of the queue's loop; the budget's messages
+are deleted only after a check that succeeded. The process never exits on a fault: a crash loop would hold or reopen
+nothing. The queue's long-poll loop and the spend reading are the Slurm head guardrail's (sqs_poll, budget). Standard
+library and boto3 only.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ class Decision:
 
 
 def decide(spend: BudgetSpend, stop_policy: str, held_by_guardrail: bool) -> Decision:
-    """What to do with the ClusterQueue, given the spend, its stopPolicy and whether it carries the guardrail's
+    """What to do with one ClusterQueue, given the spend, its stopPolicy and whether it carries the guardrail's
     annotation (the module's docstring says why each case goes the way it does)."""
     if spend.over:
         if stop_policy != OPEN:
@@ -96,7 +98,7 @@ def patch_body(action: Action, resource_version: str, reason: str = "") -> bytes
 
 @dataclass(frozen=True)
 class ClusterQueue:
-    """What the guardrail reads of the team's ClusterQueue."""
+    """What the guardrail reads of one of the team's ClusterQueues."""
 
     stop_policy: str
     held_by_guardrail: bool
@@ -111,7 +113,7 @@ class ClusterQueue:
 
 
 class ClusterQueueApi:
-    """The one ClusterQueue through the Kubernetes API: GET and merge PATCH, all the guardrail's RBAC allows."""
+    """One ClusterQueue through the Kubernetes API: GET and merge PATCH, all the guardrail's RBAC allows."""
 
     def __init__(self, url: str, token_file: Path, ca_file: Path) -> None:
         self.url, self.token_file, self.ca_file = url, token_file, ca_file
@@ -167,40 +169,56 @@ class Settings:
 
     queue_url: str
     budget_name: str
-    cluster_queue: str
+    team: str
+    cluster_queues: tuple[str, ...]  # CLUSTER_QUEUES: names separated by commas
     act_threshold_percent: int
     launch_deny_action_id: str
 
     @classmethod
     def from_environment(cls) -> Settings:
-        return cls(os.environ["QUEUE_URL"], os.environ["BUDGET_NAME"], os.environ["CLUSTER_QUEUE"],
+        return cls(os.environ["QUEUE_URL"], os.environ["BUDGET_NAME"], os.environ["TEAM"],
+                   tuple(name for name in os.environ["CLUSTER_QUEUES"].split(",") if name),
                    int(os.environ["ACT_THRESHOLD_PERCENT"]), os.environ["LAUNCH_DENY_ACTION_ID"])
 
 
+class CheckFailed(Exception):
+    """Some of a check's calls failed (each named with its cause); the rest were made."""
+
+
 class Guardrail:
-    def __init__(self, settings: Settings, budgets: Any, sts: Any, queue: ClusterQueueApi) -> None:
-        self.settings, self.budgets, self.sts, self.queue = settings, budgets, sts, queue
+    def __init__(self, settings: Settings, budgets: Any, sts: Any, queues: dict[str, ClusterQueueApi]) -> None:
+        self.settings, self.budgets, self.sts, self.queues = settings, budgets, sts, queues
         self.account = ""  # asked of STS at the first check, not at start: a start cannot fail on AWS
         self.next_check = 0.0
 
     def check(self) -> dict[str, Any]:
-        """One check: read the spend and the queue, act on the decision; below the threshold, lift the deny. Raises
-        on a failed call (the caller logs it and checks again)."""
+        """One check: read the spend, then each queue and act on its decision; below the threshold, lift the deny.
+        Raises on a failed call (the caller logs it and checks again), after deciding every queue it could read."""
         s = self.settings
         if not self.account:
             self.account = self.sts.get_caller_identity()["Account"]
         spend = read_spend(self.budgets, self.account, s.budget_name, s.act_threshold_percent)
-        queue = self.queue.get()
-        decision = decide(spend, queue.stop_policy, queue.held_by_guardrail)
-        if decision.action is not Action.LEAVE:
-            self.queue.patch(patch_body(decision.action, queue.resource_version, spend.describe(s.cluster_queue)))
         outcome: dict[str, Any] = {"actual_usd": spend.actual, "limit_usd": spend.limit,
-                                   "spend_computed": spend.computed, "stop_policy": queue.stop_policy,
-                                   "action": decision.action.value, "why": decision.why}
+                                   "spend_computed": spend.computed, "queues": {}}
+        failed: list[str] = []
+        for name, api in self.queues.items():
+            try:
+                outcome["queues"][name] = self.check_queue(spend, api)
+            except Exception as exc:  # the other queues are still decided
+                failed.append(f"{name}: {cause(exc)}")
+        if failed:
+            raise CheckFailed("; ".join(failed))
         if not spend.over:
             outcome["launch_deny_reversed"] = lift_launch_deny(self.budgets, self.account, s.budget_name,
                                                                s.launch_deny_action_id)
         return outcome
+
+    def check_queue(self, spend: BudgetSpend, api: ClusterQueueApi) -> dict[str, str]:
+        queue = api.get()
+        decision = decide(spend, queue.stop_policy, queue.held_by_guardrail)
+        if decision.action is not Action.LEAVE:
+            api.patch(patch_body(decision.action, queue.resource_version, spend.describe(self.settings.team)))
+        return {"stop_policy": queue.stop_policy, "action": decision.action.value, "why": decision.why}
 
     def on_messages(self, messages: list[sqs_poll.Message], now: float) -> list[sqs_poll.Message]:
         """sqs_poll's act: check on a message or when the timer is due. The messages go back to be deleted only after
@@ -224,7 +242,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(levelname)s %(message)s")
     settings = Settings.from_environment()
     guardrail = Guardrail(settings, boto3.client("budgets"), boto3.client("sts"),
-                          ClusterQueueApi.in_cluster(settings.cluster_queue))
+                          {name: ClusterQueueApi.in_cluster(name) for name in settings.cluster_queues})
     sqs_poll.serve(boto3.client("sqs"), settings.queue_url,
                    lambda messages: guardrail.on_messages(messages, time.time()))
 

@@ -40,8 +40,9 @@ GPU_LABEL = "k8s.amazonaws.com/accelerator"
 # where it lists the model (availableGPUTypes in the same file; only its metrics read that list), else the same form.
 GPU_TYPES = {"A10G": "nvidia-a10g", "L4": "nvidia-l4", "L40S": "nvidia-l40s", "A100": "nvidia-tesla-a100",
              "H100": "nvidia-h100", "H200": "nvidia-h200", "B200": "nvidia-b200"}
-# The CPU node group (kubernetes.cpu_nodes) is its own family and Kueue flavour; its taint keeps off every pod Kueue
-# did not admit to that flavour (the flavour adds the toleration), so the small group serves the queue's CPU work only.
+# The CPU node group (kubernetes.cpu_nodes) is its own family, and the one Kueue flavour of the CPU queue; its taint
+# keeps off every pod Kueue did not admit to that flavour (the flavour adds the toleration), so the small group serves
+# the CPU queue's work only.
 CPU_FLAVOR = CPU_NODES_NAME
 CPU_TAINT = {"key": "gpucluster/cpu", "value": "true", "effect": "NoSchedule"}
 # What an EFA pod requests besides its devices (eks.py says where the figures come from); the quota counts a node's
@@ -56,7 +57,9 @@ TEAM_NAMESPACE_LABEL = "gpucluster/team-namespace"
 QUEUE_NAME_LABEL = "kueue.x-k8s.io/queue-name"
 KUEUE_API = "kueue.x-k8s.io/v1beta2"  # the storage version of the pinned Kueue (v1beta1 is deprecated there)
 FSX_CLAIM = "fsx"
+# The team's two LocalQueues: `default` for accelerator work, `cpu` for the rest (each to a ClusterQueue of its own).
 LOCAL_QUEUE = "default"
+CPU_LOCAL_QUEUE = "cpu"
 GUARDRAIL = "gpucluster-guardrail"
 # What each container requests when it asks for nothing, so that the quota's CPU and memory count every pod. No
 # default limit: it would cap a GPU pod that sets only accelerator limits at this much memory and OOM-kill it.
@@ -83,7 +86,23 @@ def namespace_name(stack: Stack) -> str:
 
 
 def cluster_queue_name(stack: Stack) -> str:
+    """The accelerator ClusterQueue (the pools' families), behind the LocalQueue `default`."""
     return stack.spec.team
+
+
+def cpu_cluster_queue_name(stack: Stack) -> str:
+    """The CPU ClusterQueue (the CPU nodes' flavour only), behind the LocalQueue `cpu`."""
+    return f"{stack.spec.team}-{CPU_LOCAL_QUEUE}"
+
+
+def cluster_queue_names(stack: Stack) -> list[str]:
+    """Both of the team's ClusterQueues: what the budget's guardrail holds and reopens."""
+    return [cluster_queue_name(stack), cpu_cluster_queue_name(stack)]
+
+
+def accelerator_resources(stack: Stack) -> list[str]:
+    """The accelerator resources the stack's pools advertise: a pod on the accelerator queue asks for one of them."""
+    return sorted({accelerator_resource(p) for p in stack.spec.pools})
 
 
 def accelerator_resource(pool: PoolSpec) -> str:
@@ -212,9 +231,12 @@ def _memory_gi(mib: int) -> str:
     return f"{mib // 1024}Gi"
 
 
+CPU_COVERED = ["cpu", "memory"]
+
+
 def _covered(stack: Stack) -> list[str]:
     extended = sorted({r for p in stack.spec.pools for r in node_resources(p)})
-    return ["cpu", "memory", *extended]
+    return [*CPU_COVERED, *extended]
 
 
 def _family_quota(name: str, pools: list[PoolSpec], covered: list[str]) -> dict[str, Any]:
@@ -230,13 +252,13 @@ def _family_quota(name: str, pools: list[PoolSpec], covered: list[str]) -> dict[
     return {"name": name, "resources": [{"name": r, "nominalQuota": quota.get(r, 0)} for r in covered]}
 
 
-def _cpu_quota(stack: Stack, covered: list[str]) -> dict[str, Any]:
-    """The CPU nodes at their largest, and no accelerator, EFA or huge pages: a pod asking for any of those cannot fit
-    this flavour and Kueue goes on to the accelerator families."""
+def _cpu_quota(stack: Stack) -> dict[str, Any]:
+    """The CPU nodes at their largest: CPU and memory only (the CPU queue covers nothing else, so a pod asking for an
+    accelerator, EFA or huge pages there is inadmissible rather than placed where none is)."""
     cpu_nodes = stack.spec.eks.cpu_nodes
     quota = {"cpu": cpu_nodes.itype.vcpus * cpu_nodes.max_nodes,
              "memory": _memory_gi(cpu_nodes.itype.memory_mib * cpu_nodes.max_nodes)}
-    return {"name": CPU_FLAVOR, "resources": [{"name": r, "nominalQuota": quota.get(r, 0)} for r in covered]}
+    return {"name": CPU_FLAVOR, "resources": [{"name": r, "nominalQuota": quota[r]} for r in CPU_COVERED]}
 
 
 def namespace(stack: Stack) -> Manifest:
@@ -311,8 +333,8 @@ def family_tolerations(pools: list[PoolSpec]) -> list[dict[str, str]]:
     """What a job admitted to the family tolerates: the spot opt-in where a spot pool is in it (a job admitted to a
     spot family accepts interruption: that is the family's point), never the accelerator's taint. A pod that requests
     the accelerator gets that toleration from the API server's ExtendedResourceToleration admission plugin (on in EKS
-    since 1.19: aws/containers-roadmap#739), one that requests none does not: a CPU pod that Kueue admits to a GPU
-    family when the CPU flavour is full never fits a GPU node, so the autoscaler starts none for it."""
+    since 1.19: aws/containers-roadmap#739), one that requests none does not: a CPU pod on a GPU family's flavour (the
+    admission policies refuse one on the accelerator queue) never fits a GPU node, so the autoscaler starts none."""
     accelerators = {accelerator_resource(pool) for pool in pools}
     return [t for t in taint_tolerations(pools) if t["key"] not in accelerators]
 
@@ -327,21 +349,33 @@ def resource_flavors(stack: Stack) -> list[Manifest]:
             for name, tolerated in tolerations.items()]
 
 
-def cluster_queue(stack: Stack) -> Manifest:
-    """Kueue tries the flavours in order and takes the first with room for every resource a pod set requests: the
-    CPU flavour first (no accelerator quota, so only CPU-only pods fit it), then the families. A pending workload
-    preempts the queue's workloads of lower priority (WorkloadPriorityClass) when the quota is taken.
+def _cluster_queue(stack: Stack, name: str, covered: list[str], flavors: list[dict[str, Any]]) -> Manifest:
+    """A ClusterQueue of the team's namespace. A pending workload preempts the queue's workloads of lower priority
+    (WorkloadPriorityClass) when the quota is taken.
 
     No stopPolicy: the guardrail owns that field (Kueue defaults it to None), and with server-side apply an `up`
     that does not name it never takes it back, so it cannot reopen a held queue."""
-    covered = _covered(stack)
-    flavors = [_cpu_quota(stack, covered), *(_family_quota(name, pools, covered)
-                                             for name, pools in families(stack).items())]
-    return {"apiVersion": KUEUE_API, "kind": "ClusterQueue", "metadata": {"name": cluster_queue_name(stack)},
+    return {"apiVersion": KUEUE_API, "kind": "ClusterQueue", "metadata": {"name": name},
             "spec": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace_name(stack)}},
                      "queueingStrategy": "BestEffortFIFO",
                      "preemption": {"withinClusterQueue": "LowerPriority"},
                      "resourceGroups": [{"coveredResources": covered, "flavors": flavors}]}}
+
+
+def cluster_queue(stack: Stack) -> Manifest:
+    """The accelerator queue: the pools' families only. Kueue tries them in order and takes the first with room for
+    every resource a pod set requests. The CPU flavour is not among them: in one queue, a CPU-only pod that finds the
+    CPU flavour's quota taken is admitted to a family's (which covers cpu and memory too), where no node takes it
+    (it does not tolerate the accelerator taint) and it holds that quota until waitForPodsReady evicts it. The
+    admission policies (gpu_queue_policies) send CPU-only work to the CPU queue instead."""
+    covered = _covered(stack)
+    return _cluster_queue(stack, cluster_queue_name(stack), covered,
+                          [_family_quota(name, pools, covered) for name, pools in families(stack).items()])
+
+
+def cpu_cluster_queue(stack: Stack) -> Manifest:
+    """The CPU queue: the CPU nodes' flavour only, covering CPU and memory only."""
+    return _cluster_queue(stack, cpu_cluster_queue_name(stack), CPU_COVERED, [_cpu_quota(stack)])
 
 
 # The team's priorities, by the label a job carries (kueue.x-k8s.io/priority-class: high). A job without it gets
@@ -358,10 +392,68 @@ def workload_priority_classes() -> list[Manifest]:
             for name, (value, description) in PRIORITIES.items()]
 
 
-def local_queue(stack: Stack) -> Manifest:
-    return {"apiVersion": KUEUE_API, "kind": "LocalQueue",
-            "metadata": {"name": LOCAL_QUEUE, "namespace": namespace_name(stack)},
-            "spec": {"clusterQueue": cluster_queue_name(stack)}}
+def local_queues(stack: Stack) -> list[Manifest]:
+    return [{"apiVersion": KUEUE_API, "kind": "LocalQueue",
+             "metadata": {"name": local, "namespace": namespace_name(stack)}, "spec": {"clusterQueue": cluster}}
+            for local, cluster in ((LOCAL_QUEUE, cluster_queue_name(stack)),
+                                   (CPU_LOCAL_QUEUE, cpu_cluster_queue_name(stack)))]
+
+
+# --- What the accelerator queue admits ----------------------------------------------------------------------------
+
+ADMISSION_API = "admissionregistration.k8s.io/v1"  # ValidatingAdmissionPolicy: GA since Kubernetes 1.30
+# The kinds a team queues (Kueue's integrations enabled in kueue_values), by where their pods' spec sits.
+QUEUED_KINDS = {"object.spec": [("", "v1", "pods")],
+                "object.spec.template.spec": [("batch", "v1", "jobs"), ("apps", "v1", "deployments"),
+                                              ("apps", "v1", "statefulsets")]}
+
+
+def _on_gpu_queue(obj: str) -> str:
+    labels = f"{obj}.metadata.labels"
+    return (f"has({labels}) && '{QUEUE_NAME_LABEL}' in {labels} && "
+            f"{labels}['{QUEUE_NAME_LABEL}'] == '{LOCAL_QUEUE}'")
+
+
+def requests_an_accelerator(pod_spec: str, resources: list[str]) -> str:
+    """CEL: a container of the pod spec at `pod_spec` asks for one of `resources` (as a request or, which the API
+    server makes a request too, as a limit)."""
+    wanted = ", ".join(f"'{r}'" for r in resources)
+    asks = " || ".join(f"(has(c.resources.{field}) && c.resources.{field}.exists(r, r in [{wanted}]))"
+                       for field in ("requests", "limits"))
+    return f"{pod_spec}.containers.exists(c, has(c.resources) && ({asks}))"
+
+
+def gpu_queue_policies(stack: Stack) -> list[Manifest]:
+    """ValidatingAdmissionPolicies (and their bindings to the team's namespace) that refuse a workload queued to the
+    accelerator queue whose containers ask for no accelerator, naming the CPU queue. One policy per place of the pod
+    spec, so that each expression type-checks against its kinds' schema. On an update they judge only what changed
+    the answer (a workload newly on the queue, or its pods' spec changed): finalizer and status updates of what was
+    admitted before pass."""
+    resources = accelerator_resources(stack)
+    message = (f"asks for no accelerator ({', '.join(resources)}) on the accelerator queue {LOCAL_QUEUE!r}: label it "
+               f"{QUEUE_NAME_LABEL}: {CPU_LOCAL_QUEUE} (the CPU queue), whose nodes it runs on")
+    out: list[Manifest] = []
+    for pod_spec, kinds in QUEUED_KINDS.items():
+        name = f"gpucluster-{stack.spec.team}-gpu-queue-" + ("pods" if pod_spec == "object.spec" else "workloads")
+        old_spec = pod_spec.replace("object.", "oldObject.", 1)
+        out.append({"apiVersion": ADMISSION_API, "kind": "ValidatingAdmissionPolicy", "metadata": {"name": name},
+                    "spec": {"failurePolicy": "Fail",
+                             "matchConstraints": {"resourceRules": [
+                                 {"apiGroups": [group], "apiVersions": [version], "resources": [resource],
+                                  "operations": ["CREATE", "UPDATE"]} for group, version, resource in kinds]},
+                             "matchConditions": [
+                                 {"name": "on-the-accelerator-queue", "expression": _on_gpu_queue("object")},
+                                 {"name": "new-or-changed", "expression": (
+                                     f"request.operation == 'CREATE' || !({_on_gpu_queue('oldObject')}) || "
+                                     f"{old_spec} != {pod_spec}")}],
+                             "validations": [{"expression": requests_an_accelerator(pod_spec, resources),
+                                              "message": message, "reason": "Forbidden"}]}})
+        out.append({"apiVersion": ADMISSION_API, "kind": "ValidatingAdmissionPolicyBinding",
+                    "metadata": {"name": name},
+                    "spec": {"policyName": name, "validationActions": ["Deny"],
+                             "matchResources": {"namespaceSelector": {"matchLabels": {
+                                 "kubernetes.io/metadata.name": namespace_name(stack)}}}}})
+    return out
 
 
 def idle_gpu_rule(stack: Stack) -> Manifest:
@@ -401,9 +493,10 @@ def team_kueue_access(stack: Stack) -> Manifest:
 
 
 def queue_manifests(stack: Stack) -> list[Manifest]:
-    """Kueue's objects (need Kueue's CRDs) and the team's access to them (needs Kueue's ClusterRole)."""
-    return [*workload_priority_classes(), *resource_flavors(stack), cluster_queue(stack), local_queue(stack),
-            team_kueue_access(stack)]
+    """Kueue's objects (need Kueue's CRDs), the accelerator queue's admission policies and the team's access to the
+    queues (needs Kueue's ClusterRole)."""
+    return [*workload_priority_classes(), *resource_flavors(stack), cluster_queue(stack), cpu_cluster_queue(stack),
+            *local_queues(stack), *gpu_queue_policies(stack), team_kueue_access(stack)]
 
 
 # --- Helm values -----------------------------------------------------------------------------------------------
@@ -755,17 +848,18 @@ GUARDRAIL_FILES = {path.replace("/", "."): path for path in (  # ConfigMap key -
 
 def guardrail_manifests(stack: Stack, queue_url: Any, act_threshold_percent: int,
                         launch_deny_action_id: Any) -> list[Manifest]:
-    """The in-cluster controller that holds and reopens the team's ClusterQueue: may patch that one queue only."""
+    """The in-cluster controller that holds and reopens the team's two ClusterQueues: may patch those only."""
     ns = eks.KUEUE.namespace
     labels = {"app": GUARDRAIL}
-    env = {"QUEUE_URL": queue_url, "BUDGET_NAME": stack.budget_name, "CLUSTER_QUEUE": cluster_queue_name(stack),
+    env = {"QUEUE_URL": queue_url, "BUDGET_NAME": stack.budget_name, "TEAM": stack.spec.team,
+           "CLUSTER_QUEUES": ",".join(cluster_queue_names(stack)),
            "ACT_THRESHOLD_PERCENT": str(act_threshold_percent), **boto3_region(stack.region),
            "LAUNCH_DENY_ACTION_ID": launch_deny_action_id}
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": GUARDRAIL, "namespace": ns}},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": GUARDRAIL},
          "rules": [{"apiGroups": ["kueue.x-k8s.io"], "resources": ["clusterqueues"],
-                    "resourceNames": [cluster_queue_name(stack)], "verbs": ["get", "patch"]}]},
+                    "resourceNames": cluster_queue_names(stack), "verbs": ["get", "patch"]}]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": GUARDRAIL},
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": GUARDRAIL},
          "subjects": [{"kind": "ServiceAccount", "name": GUARDRAIL, "namespace": ns}]},

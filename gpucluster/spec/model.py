@@ -611,6 +611,12 @@ class KubernetesSpec(_Model):
             if net.prefixlen < 8:
                 problems.append(((i,), f"{cidr} opens the API endpoint to too much of the "
                                        f"{'internet' if public else 'network'}: /8 or narrower"))
+            elif public and not net.is_global:
+                # EKS refuses such a range at CreateCluster, after this `up` has built the VPC: refused here instead.
+                problems.append(((i,), f"{cidr} is not a public network (private, shared or reserved addresses never "
+                                       "reach the public endpoint): list public networks or "
+                                       f"{OPERATOR!r}; a network reaching the VPC privately belongs in "
+                                       "private_access_cidrs"))
         if problems:
             raise _rule_errors(str(info.field_name), problems, value)
         return value
