@@ -52,7 +52,7 @@ EFA_POD_HUGEPAGES = f"{eks.EFA_POD_HUGEPAGES_MIB}Mi"
 # The system nodes' taint: only the cluster's own software (which tolerates it) runs there, never a team's pods.
 SYSTEM_TAINT = {"key": "CriticalAddonsOnly", "value": "true", "effect": "NoSchedule"}
 SYSTEM_TOLERATIONS = [{"key": "CriticalAddonsOnly", "operator": "Exists"}]
-# Namespaces whose jobs Kueue manages even without a queue name (and so never admits them: no LocalQueue matches).
+# Namespaces whose jobs Kueue manages even without a queue name (its webhook gives them the LocalQueue `default`).
 TEAM_NAMESPACE_LABEL = "gpucluster/team-namespace"
 QUEUE_NAME_LABEL = "kueue.x-k8s.io/queue-name"
 KUEUE_API = "kueue.x-k8s.io/v1beta2"  # the storage version of the pinned Kueue (v1beta1 is deprecated there)
@@ -595,7 +595,11 @@ def node_wait_minutes(stack: Stack) -> int:
 
 
 def kueue_values(stack: Stack) -> dict[str, Any]:
-    """Jobs in the team's namespace without a queue name are managed too, so they are never admitted.
+    """Jobs in the team's namespace without a queue name are managed too. Kueue v0.19.2's webhooks label such a job
+    with the LocalQueue named `default` when the namespace has one (pkg/controller/jobframework/defaults.go,
+    setDefaultLocalQueue): here that is the accelerator queue, so an unlabelled job asking for GPUs is queued there
+    and one asking for none is refused by the accelerator queue's admission policy, which names the `cpu` queue
+    (validating admission runs after the mutating webhooks).
 
     waitForPodsReady (fields as Kueue v0.19.2's apis/config/v1beta2/configuration_types.go names them): a job whose
     pods do not all run within the timeout is evicted, gives its quota back and is requeued with backoff. Without it,
