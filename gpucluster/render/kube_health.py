@@ -5,8 +5,8 @@ Each pool's node group starts its nodes with a startup taint (node_group_taints)
 pool runs on its nodes until they carry a burn-in label: on NVIDIA pools an init container of NVIDIA's DCGM image runs
 the level-1 diagnostic; on EFA pools one of the first job's image lists what libfabric's EFA provider opens; the last
 init container runs gpucluster/node/burn_in.py, which counts the devices, decides and
-marks the Node (pass: the taint lifted; fail: a failed taint in its place, and its instance terminated through its Auto
-Scaling group for a replacement, within a bound per pool). The label then takes the node out of the DaemonSet's reach
+marks the Node (pass: the taint lifted; fail: its instance first terminated through its Auto Scaling group for a
+replacement, within a bound per pool, then a failed taint in the startup taint's place). The label then takes the node out of the DaemonSet's reach
 and its pod leaves. No container requests a device-plugin resource: an init container's requests are
 held for the pod's whole life and would keep a GPU or EFA device from the jobs.
 """
