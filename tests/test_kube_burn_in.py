@@ -523,9 +523,10 @@ def test_each_pool_is_checked_for_what_it_has(stack: Stack, pool: PoolSpec) -> N
     else:
         assert list(by_name) == [*efa_info, "verdict"]
         assert volumes[mounts[env["DEV_DIR"]]["name"]]["hostPath"]["path"] == "/dev"
-    if pool.uses_efa:  # the EFA installer's fi_info from the first job's image, its listing where the verdict reads
-        listing = by_name["efa-info"]
-        assert listing["image"] == kube.example_image(stack)
+    if pool.uses_efa:  # the EFA installer's fi_info from AWS's DLC of the pool's kind, its listing where the verdict
+        listing = by_name["efa-info"]  # reads
+        dlc = kube.dlc_image(stack.region) if pool.accelerator.kind == "nvidia" else kube_health.NEURON_DLC_IMAGE
+        assert listing["image"] == dlc
         assert f"/opt/amazon/efa/bin/fi_info -p efa -t FI_EP_RDM > {env['FI_INFO_REPORT']}" in listing["command"][-1]
         (shared,) = [m for m in listing["volumeMounts"] if env["FI_INFO_REPORT"].startswith(m["mountPath"] + "/")]
         assert mounts[shared["mountPath"]]["name"] == shared["name"] and "emptyDir" in volumes[shared["name"]]
