@@ -54,9 +54,29 @@ def evaluate(expression: str, activation: dict[str, Any]) -> bool:
     return bool(result)
 
 
+def kueue_defaulted(declared: tuple[Declared, ...], obj: dict[str, Any]) -> dict[str, Any]:
+    """The object as Kueue v0.19.2's mutating webhook hands it on (mutating admission runs before validating): one
+    without a queue name, in a namespace Kueue manages (managedJobsNamespaceSelector: the team namespace's label)
+    that has a LocalQueue named `default`, is given that queue (pkg/controller/jobframework/defaults.go,
+    setDefaultLocalQueue)."""
+    namespace = obj["metadata"]["namespace"]
+    managed = any(n.inputs["metadata"]["name"] == namespace
+                  and n.inputs["metadata"].get("labels", {}).get(kube.TEAM_NAMESPACE_LABEL) == "true"
+                  for n in of_type(declared, "core/v1:Namespace"))
+    default_queue = any(q.inputs["metadata"] == {"name": "default", "namespace": namespace}
+                        for q in of_type(declared, f"{kube.KUEUE_API}:LocalQueue"))
+    if not managed or not default_queue or kube.QUEUE_NAME_LABEL in obj["metadata"].get("labels", {}):
+        return obj
+    defaulted = copy.deepcopy(obj)
+    defaulted["metadata"].setdefault("labels", {})[kube.QUEUE_NAME_LABEL] = "default"
+    return defaulted
+
+
 def refusal(declared: tuple[Declared, ...], obj: dict[str, Any], operation: str = "CREATE",
             old: dict[str, Any] | None = None) -> str | None:
-    """The message the declared policies refuse this request with; None if they admit it."""
+    """The message the declared policies refuse this request with, after Kueue's defaulting; None if they admit
+    it."""
+    obj = kueue_defaulted(declared, obj)
     group, version, resource = KINDS[obj["kind"]]
     namespace = obj["metadata"]["namespace"]
     namespace_labels = {"kubernetes.io/metadata.name": namespace}  # the API server sets it on every namespace
@@ -134,9 +154,11 @@ def test_a_cpu_only_workload_on_the_accelerator_queue_is_refused_naming_the_cpu_
     assert message is not None and f"{kube.QUEUE_NAME_LABEL}: {kube.CPU_LOCAL_QUEUE}" in message
     for resource in accelerators(stack):
         assert resource in message
-    # The same workload on the CPU queue, or on none (Kueue then admits it nowhere), is the policies' no concern.
-    for queue in (kube.CPU_LOCAL_QUEUE, None):
-        assert refusal(declared, workload(stack, kind, queue, pod_spec(CPU_ONLY, kind=kind))) is None
+    # The same workload on the CPU queue is the policies' no concern; on none, Kueue's webhook gives it the
+    # namespace's LocalQueue `default`, the accelerator queue, and it is refused alike.
+    assert refusal(declared, workload(stack, kind, kube.CPU_LOCAL_QUEUE, pod_spec(CPU_ONLY, kind=kind))) is None
+    assert kube.LOCAL_QUEUE == "default"
+    assert refusal(declared, workload(stack, kind, None, pod_spec(CPU_ONLY, kind=kind))) == message
     # Nor in another namespace: the bindings hold the team's only.
     assert refusal(declared, workload(stack, kind, kube.LOCAL_QUEUE, pod_spec(CPU_ONLY, kind=kind),
                                       namespace="kube-system")) is None
