@@ -188,6 +188,27 @@ def test_what_is_not_an_accelerator_of_the_stack_is_refused(k8s: Plan) -> None:
         assert refusal(declared, workload(stack, "Job", kube.LOCAL_QUEUE, spec)) is not None, extra
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_neuroncores_are_refused_with_the_resource_to_ask_for(k8s: Plan, kind: str) -> None:
+    """The Neuron device plugin advertises aws.amazon.com/neuroncore too, which the queues do not count: on a stack
+    with Neuron pools a pod asking for cores is told to ask for whole devices, not to use the CPU queue; with the
+    devices it asks for, it passes. Without Neuron pools, cores are no accelerator of the stack."""
+    stack, declared = k8s
+    cores = CPU_ONLY | {eks.NEURONCORE_RESOURCE: "2"}
+    message = refusal(declared, workload(stack, kind, kube.LOCAL_QUEUE, pod_spec(cores, kind=kind)))
+    assert message is not None
+    if eks.NEURON_RESOURCE in accelerators(stack):
+        assert eks.NEURONCORE_RESOURCE in message and f"request {eks.NEURON_RESOURCE}" in message
+        assert kube.CPU_LOCAL_QUEUE not in message
+        # As a limit only, or beside a device request: still the cores' message.
+        for spec in (pod_spec(CPU_ONLY, cores, kind=kind), pod_spec(cores | {eks.NEURON_RESOURCE: "1"}, kind=kind)):
+            assert refusal(declared, workload(stack, kind, kube.LOCAL_QUEUE, spec)) == message
+        devices = CPU_ONLY | {eks.NEURON_RESOURCE: "1"}
+        assert refusal(declared, workload(stack, kind, kube.LOCAL_QUEUE, pod_spec(devices, kind=kind))) is None
+    else:
+        assert f"{kube.QUEUE_NAME_LABEL}: {kube.CPU_LOCAL_QUEUE}" in message
+
+
 def test_updates_are_judged_only_when_they_move_work_onto_the_queue_or_change_its_pods(k8s: Plan) -> None:
     stack, declared = k8s
     on_cpu = workload(stack, "Pod", kube.CPU_LOCAL_QUEUE, pod_spec(CPU_ONLY))

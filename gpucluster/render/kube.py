@@ -432,6 +432,10 @@ def gpu_queue_policies(stack: Stack) -> list[Manifest]:
     resources = accelerator_resources(stack)
     message = (f"asks for no accelerator ({', '.join(resources)}) on the accelerator queue {LOCAL_QUEUE!r}: label it "
                f"{QUEUE_NAME_LABEL}: {CPU_LOCAL_QUEUE} (the CPU queue), whose nodes it runs on")
+    # Checked first: a pod asking for NeuronCores asks for no accelerator the queue counts, and "use the CPU queue"
+    # would mislead it.
+    no_cores = (f"asks for {eks.NEURONCORE_RESOURCE}, which the queues do not count (their quota is whole Neuron "
+                f"devices): request {eks.NEURON_RESOURCE} instead")
     out: list[Manifest] = []
     for pod_spec, kinds in QUEUED_KINDS.items():
         name = f"gpucluster-{stack.spec.team}-gpu-queue-" + ("pods" if pod_spec == "object.spec" else "workloads")
@@ -446,8 +450,12 @@ def gpu_queue_policies(stack: Stack) -> list[Manifest]:
                                  {"name": "new-or-changed", "expression": (
                                      f"request.operation == 'CREATE' || !({_on_gpu_queue('oldObject')}) || "
                                      f"{old_spec} != {pod_spec}")}],
-                             "validations": [{"expression": requests_an_accelerator(pod_spec, resources),
-                                              "message": message, "reason": "Forbidden"}]}})
+                             "validations": [
+                                 *([{"expression": f"!({requests_an_accelerator(pod_spec, [eks.NEURONCORE_RESOURCE])})",
+                                     "message": no_cores, "reason": "Forbidden"}]
+                                   if eks.NEURON_RESOURCE in resources else []),
+                                 {"expression": requests_an_accelerator(pod_spec, resources),
+                                  "message": message, "reason": "Forbidden"}]}})
         out.append({"apiVersion": ADMISSION_API, "kind": "ValidatingAdmissionPolicyBinding",
                     "metadata": {"name": name},
                     "spec": {"policyName": name, "validationActions": ["Deny"],
