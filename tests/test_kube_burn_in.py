@@ -349,8 +349,21 @@ def test_the_program_replaces_a_failed_node_then_marks_it(monkeypatch: pytest.Mo
     assert [m for m, _, _ in server.calls] == ["GET", "GET", "AWS", "GET", "PATCH"]
     assert len(json.loads(server.config_map["data"][P5.name])) == 1
     note = server.calls[-1][2]["metadata"]["annotations"][node_health.REPLACEMENT_ANNOTATION]  # type: ignore[index]
+    assert note.startswith(f"terminating instance {INSTANCE} again failed") and REFUSAL in note
+    assert "an earlier run counted it" in note
+
+
+def test_a_refused_termination_is_what_the_node_says(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """AWS refuses the first call (a group's suspended process, say): the node is marked, not replaced, with AWS's
+    words and what to do; the replacement stays counted (the call was made)."""
+    server = ApiServer(a_new_node(P5))
+    client, stub = terminating(INSTANCE, server, REFUSAL)
+    run_burn_in(monkeypatch, tmp_path, server, report("p5-row-remap-pending.json"), client)
+    stub.assert_no_pending_responses()
+    assert [m for m, _, _ in server.calls] == ["GET", "GET", "PATCH", "AWS", "GET", "PATCH"]
+    note = server.calls[-1][2]["metadata"]["annotations"][node_health.REPLACEMENT_ANNOTATION]  # type: ignore[index]
     assert note.startswith(f"not replaced: terminating instance {INSTANCE} failed") and REFUSAL in note
-    assert "counted before" in note
+    assert "terminate it through its Auto Scaling group" in note
 
 
 def test_a_failed_boto3_install_is_what_the_node_says(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

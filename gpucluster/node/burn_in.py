@@ -153,6 +153,7 @@ class Replacement:
     instance: str | None  # the instance to terminate; None: none (the note says why)
     note: str  # with no instance, the Node's replacement annotation; else which of the pool's replacements this is
     records: list[dict[str, Any]]  # the pool's record, as it is to be stored (this replacement counted)
+    again: bool = False  # counted by an earlier run, which may have terminated the instance already
 
 
 def plan_replacement(records: list[dict[str, Any]], bound: Bound, now: float, pool: str, node: dict[str, Any],
@@ -166,7 +167,7 @@ def plan_replacement(records: list[dict[str, Any]], bound: Bound, now: float, po
         return Replacement(None, f"not replaced: no EC2 instance in its providerID "
                                  f"{node.get('spec', {}).get('providerID')!r}", recent)
     if any(r["instance"] == instance for r in recent):  # counted by a run that stopped before the node's mark
-        return Replacement(instance, "counted before, by a run that may have terminated it", recent)
+        return Replacement(instance, "counted before", recent, again=True)
     if len(recent) >= bound.replacements:
         return Replacement(None, f"not replaced: pool {pool} replaced {len(recent)} nodes for a failed burn-in within "
                                  f"{bound.window_seconds / 3600:g} h (the bound); find the cause (the image, the "
@@ -208,6 +209,10 @@ def replacement_note(replacement: Replacement, termination: Termination | None) 
         return replacement.note
     if termination.done:
         return f"replaced: instance {replacement.instance} terminated for a new one ({replacement.note})"
+    if replacement.again:  # AWS refuses an instance already terminating: the earlier call may well have been made
+        return (f"terminating instance {replacement.instance} again failed: {termination.detail}; an earlier run "
+                f"counted it and may have terminated it (if it still runs, terminate it through its Auto Scaling "
+                f"group)")[:1000]
     return (f"not replaced: terminating instance {replacement.instance} failed: {termination.detail} "
             f"({replacement.note}); terminate it through its Auto Scaling group")[:1000]
 
