@@ -588,11 +588,33 @@ class ClusterSoftware(pulumi.ComponentResource):
         self.register_outputs({"autoscaler_role_arn": self.autoscaler_role_arn})
 
 
+@dataclass(frozen=True)
+class ClusterArn:
+    """An EKS cluster's ARN (arn:<partition>:eks:<region>:<account>:cluster/<name>), to build its neighbours' ARNs in
+    the same partition: aws, aws-cn, aws-us-gov."""
+
+    partition: str
+    region: str
+    account: str
+    name: str
+
+    @classmethod
+    def parse(cls, arn: str) -> ClusterArn:
+        fields = arn.split(":")
+        return cls(fields[1], fields[3], fields[4], fields[5].split("/", 1)[1])
+
+    def of(self, service: str, resource: str) -> str:
+        return f"arn:{self.partition}:{service}:{self.region}:{self.account}:{resource}"
+
+    def own_groups(self, prefix: str) -> str:
+        """The Auto Scaling groups whose names begin with `prefix`."""
+        return self.of("autoscaling", f"autoScalingGroup:*:autoScalingGroupName/{prefix}")
+
+
 def autoscaler_policy(cluster_arn: str) -> str:
     """Read every group (the Describe calls take no resource); read this cluster's node groups; resize and terminate
     only the Auto Scaling groups of this cluster's node groups (eks-<cluster>-<pool>-<uuid>) that EKS tagged as its."""
-    arn = cluster_arn.split(":")
-    region, account, cluster = arn[3], arn[4], arn[5].split("/", 1)[1]
+    cluster = ClusterArn.parse(cluster_arn)
     return policy([
         {"Sid": "Discover", "Effect": "Allow", "Resource": "*", "Action": [
             "autoscaling:DescribeAutoScalingGroups", "autoscaling:DescribeAutoScalingInstances",
@@ -600,11 +622,10 @@ def autoscaler_policy(cluster_arn: str) -> str:
             "autoscaling:DescribeTags", "ec2:DescribeImages", "ec2:DescribeInstanceTypes",
             "ec2:DescribeLaunchTemplateVersions", "ec2:GetInstanceTypesFromInstanceRequirements"]},
         {"Sid": "NodeGroups", "Effect": "Allow", "Action": "eks:DescribeNodegroup",
-         "Resource": f"arn:aws:eks:{region}:{account}:nodegroup/{cluster}/*"},
-        {"Sid": "ResizeOwnGroups", "Effect": "Allow",
-         "Resource": f"arn:aws:autoscaling:{region}:{account}:autoScalingGroup:*:autoScalingGroupName/eks-{cluster}-*",
+         "Resource": cluster.of("eks", f"nodegroup/{cluster.name}/*")},
+        {"Sid": "ResizeOwnGroups", "Effect": "Allow", "Resource": cluster.own_groups(f"eks-{cluster.name}-*"),
          "Action": ["autoscaling:SetDesiredCapacity", "autoscaling:TerminateInstanceInAutoScalingGroup"],
-         "Condition": {"StringEquals": {f"aws:ResourceTag/k8s.io/cluster-autoscaler/{cluster}": "owned"}}},
+         "Condition": {"StringEquals": {f"aws:ResourceTag/k8s.io/cluster-autoscaler/{cluster.name}": "owned"}}},
     ])
 
 
@@ -612,13 +633,11 @@ def burn_in_policy(cluster_arn: str, node_groups: Sequence[str]) -> str:
     """Terminate instances of the accelerator pools' Auto Scaling groups (eks-<node group>-<uuid>) that EKS tagged as
     this cluster's, and nothing else: no Describe (the instance id is the Node's, the call needs no group name), no
     resize (the group's desired capacity is kept, hence the replacement)."""
-    arn = cluster_arn.split(":")
-    region, account, cluster = arn[3], arn[4], arn[5].split("/", 1)[1]
-    groups = f"arn:aws:autoscaling:{region}:{account}:autoScalingGroup:*:autoScalingGroupName/eks-"
+    cluster = ClusterArn.parse(cluster_arn)
     return policy([
         {"Sid": "ReplaceFailedNodes", "Effect": "Allow", "Action": "autoscaling:TerminateInstanceInAutoScalingGroup",
-         "Resource": [f"{groups}{group}-*" for group in node_groups],
-         "Condition": {"StringEquals": {f"aws:ResourceTag/k8s.io/cluster-autoscaler/{cluster}": "owned"}}},
+         "Resource": [cluster.own_groups(f"eks-{group}-*") for group in node_groups],
+         "Condition": {"StringEquals": {f"aws:ResourceTag/k8s.io/cluster-autoscaler/{cluster.name}": "owned"}}},
     ])
 
 

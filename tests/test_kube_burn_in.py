@@ -261,8 +261,9 @@ class ApiServer:
 
 
 def run_burn_in(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, server: ApiServer, dcgm_report: str,
-                autoscaling: Any = None) -> None:
-    """main() from the verdict container's own environment, on a p5 with all its EFA devices."""
+                autoscaling: Any = None, boto3_install: str | None = None) -> None:
+    """main() from the verdict container's own environment, on a p5 with all its EFA devices; `boto3_install` in
+    place of the container's install command runs the program's own install step."""
     (tmp_path / "dcgm.json").write_text(dcgm_report)
     (tmp_path / "infiniband").mkdir(exist_ok=True)
     for i in range(P5_EFA):
@@ -284,51 +285,99 @@ def run_burn_in(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, server: ApiServ
     def no_boto3() -> Any:
         raise AssertionError("a passing node, or one past the bound, needs no AWS call")
 
-    monkeypatch.setattr(burn_in, "autoscaling_client", (lambda: autoscaling) if autoscaling else no_boto3)
+    if boto3_install is not None:
+        monkeypatch.setenv("BOTO3_INSTALL", boto3_install)
+    else:
+        monkeypatch.setattr(burn_in, "autoscaling_client", (lambda: autoscaling) if autoscaling else no_boto3)
     burn_in.main()
 
 
-def terminating(instance: str) -> tuple[Any, Stubber]:
+def terminating(instance: str, server: ApiServer | None = None, refusal: str | None = None) -> tuple[Any, Stubber]:
     """An Auto Scaling client that expects exactly the replacement's call (botocore's Stubber: no AWS here; moto
-    does not model what the call is about, the group launching another instance)."""
+    does not model what the call is about, the group launching another instance), answering it or refusing it with
+    `refusal`; the call is logged among the server's, to show their order."""
     client = boto3.client("autoscaling", region_name=REGION, aws_access_key_id="x", aws_secret_access_key="x")
+    if server is not None:
+        client.meta.events.register(
+            "before-parameter-build.auto-scaling.TerminateInstanceInAutoScalingGroup",
+            lambda params, **_: server.calls.append(("AWS", "TerminateInstanceInAutoScalingGroup", params)))
     stub = Stubber(client)
-    stub.add_response("terminate_instance_in_auto_scaling_group", {"Activity": {
-        "ActivityId": "5b1e0d2c-0000-4000-8000-000000000001", "AutoScalingGroupName": "eks-x-p5-spot-uuid",
-        "Description": f"Terminating EC2 instance: {instance}", "Cause": "user request",
-        "StartTime": "2026-01-01T00:00:00Z", "StatusCode": "InProgress"}},
-        {"InstanceId": instance, "ShouldDecrementDesiredCapacity": False})
+    expected_params = {"InstanceId": instance, "ShouldDecrementDesiredCapacity": False}
+    if refusal:
+        stub.add_client_error("terminate_instance_in_auto_scaling_group", "ValidationError", refusal,
+                              expected_params=expected_params)
+    else:
+        stub.add_response("terminate_instance_in_auto_scaling_group", {"Activity": {
+            "ActivityId": "5b1e0d2c-0000-4000-8000-000000000001", "AutoScalingGroupName": "eks-x-p5-spot-uuid",
+            "Description": f"Terminating EC2 instance: {instance}", "Cause": "user request",
+            "StartTime": "2026-01-01T00:00:00Z", "StatusCode": "InProgress"}}, expected_params)
     stub.activate()
     return client, stub
 
 
-def test_the_program_marks_its_node_and_replaces_a_failed_one(monkeypatch: pytest.MonkeyPatch,
-                                                              tmp_path: Path) -> None:
-    """A failed node: its replacement counted in the pool's record (under the record's resourceVersion), the node
-    marked with what becomes of it, then its instance terminated with the group's capacity kept."""
+# AWS's words for an instance no group manages any more (one already terminating, say).
+REFUSAL = f"Instance Id not found - No managed instance found for instance ID: {INSTANCE}"
+
+
+def test_the_program_replaces_a_failed_node_then_marks_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A failed node: its replacement counted in the pool's record (under the record's resourceVersion), its instance
+    terminated with the group's capacity kept, and only then the node marked (the mark ends the pod), with what the
+    call did."""
     server = ApiServer(a_new_node(P5))
-    client, stub = terminating(INSTANCE)
+    client, stub = terminating(INSTANCE, server)
     run_burn_in(monkeypatch, tmp_path, server, report("p5-row-remap-pending.json"), client)
     stub.assert_no_pending_responses()
     node_path = f"/api/v1/nodes/{server.node['metadata']['name']}"
     record_path = f"/api/v1/namespaces/{kube_health.NAMESPACE}/configmaps/{node_health.REPLACEMENTS_CONFIG_MAP}"
-    assert [(m, p) for m, p, _ in server.calls] == [("GET", node_path), ("GET", record_path),
-                                                   ("PATCH", record_path), ("PATCH", node_path)]
+    assert [(m, p) for m, p, _ in server.calls] == [
+        ("GET", node_path), ("GET", record_path), ("PATCH", record_path),
+        ("AWS", "TerminateInstanceInAutoScalingGroup"), ("GET", node_path), ("PATCH", node_path)]
     (record,) = json.loads(server.config_map["data"][P5.name])
     assert (record["instance"], record["node"], record["check"]) == (INSTANCE, server.node["metadata"]["name"], "dcgm")
     patch = server.calls[-1][2]
     assert patch is not None and patch["metadata"]["labels"] == {"gpucluster/burn-in": "failed"}
     assert {"key": node_health.FAILED_TAINT, "value": "dcgm", "effect": "NoSchedule"} in patch["spec"]["taints"]
     assert patch["metadata"]["annotations"][node_health.REPLACEMENT_ANNOTATION].startswith(
-        f"replaced: instance {INSTANCE}")
+        f"replaced: instance {INSTANCE} terminated")
 
-    # Run again (its Node patch refused, say, and the kubelet ran the container again): counted once.
+    # Run again (its Node patch refused, say, and the kubelet ran the container again): counted once, and AWS's
+    # refusal of the second call (the instance already terminating) is what the annotation says.
     server.calls.clear()
-    client, stub = terminating(INSTANCE)
+    client, stub = terminating(INSTANCE, server, REFUSAL)
     run_burn_in(monkeypatch, tmp_path, server, report("p5-row-remap-pending.json"), client)
     stub.assert_no_pending_responses()
-    assert [m for m, _, _ in server.calls] == ["GET", "GET", "PATCH"]
+    assert [m for m, _, _ in server.calls] == ["GET", "GET", "AWS", "GET", "PATCH"]
     assert len(json.loads(server.config_map["data"][P5.name])) == 1
+    note = server.calls[-1][2]["metadata"]["annotations"][node_health.REPLACEMENT_ANNOTATION]  # type: ignore[index]
+    assert note.startswith(f"terminating instance {INSTANCE} again failed") and REFUSAL in note
+    assert "an earlier run counted it" in note
+
+
+def test_a_refused_termination_is_what_the_node_says(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """AWS refuses the first call (a group's suspended process, say): the node is marked, not replaced, with AWS's
+    words and what to do; the replacement stays counted (the call was made)."""
+    server = ApiServer(a_new_node(P5))
+    client, stub = terminating(INSTANCE, server, REFUSAL)
+    run_burn_in(monkeypatch, tmp_path, server, report("p5-row-remap-pending.json"), client)
+    stub.assert_no_pending_responses()
+    assert [m for m, _, _ in server.calls] == ["GET", "GET", "PATCH", "AWS", "GET", "PATCH"]
+    note = server.calls[-1][2]["metadata"]["annotations"][node_health.REPLACEMENT_ANNOTATION]  # type: ignore[index]
+    assert note.startswith(f"not replaced: terminating instance {INSTANCE} failed") and REFUSAL in note
+    assert "terminate it through its Auto Scaling group" in note
+
+
+def test_a_failed_boto3_install_is_what_the_node_says(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No boto3 (PyPI unreachable, say): the node is still marked, its annotation saying its instance was not
+    replaced and what the install printed (the program's own install step runs, with a command that fails as pip
+    does)."""
+    server = ApiServer(a_new_node(P5))
+    pip_error = "ERROR: No matching distribution found for boto3==1.44.8"
+    run_burn_in(monkeypatch, tmp_path, server, report("p5-row-remap-pending.json"),
+                boto3_install=f"echo '{pip_error}' >&2; exit 1")
+    assert [m for m, _, _ in server.calls] == ["GET", "GET", "PATCH", "GET", "PATCH"]
+    note = server.calls[-1][2]["metadata"]["annotations"][node_health.REPLACEMENT_ANNOTATION]  # type: ignore[index]
+    assert note.startswith(f"not replaced: terminating instance {INSTANCE} failed: boto3 could not be installed")
+    assert pip_error in note
 
 
 def test_a_pool_past_its_bound_keeps_its_failed_node(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -340,7 +389,7 @@ def test_a_pool_past_its_bound_keeps_its_failed_node(monkeypatch: pytest.MonkeyP
               for i in range(bound)]
     server = ApiServer(a_new_node(P5), {P5.name: json.dumps(recent)})
     run_burn_in(monkeypatch, tmp_path, server, report("p5-row-remap-pending.json"))
-    assert [m for m, _, _ in server.calls] == ["GET", "GET", "PATCH"]  # the record unchanged
+    assert [m for m, _, _ in server.calls] == ["GET", "GET", "GET", "PATCH"]  # the record unchanged
     note = server.calls[-1][2]["metadata"]["annotations"][node_health.REPLACEMENT_ANNOTATION]  # type: ignore[index]
     assert note.startswith("not replaced") and f"replaced {bound} nodes" in note
 
@@ -389,14 +438,12 @@ def test_the_instance_comes_from_the_provider_id(provider_id: str, instance: str
 
 
 def test_an_aws_refusal_is_reported_not_raised() -> None:
-    client = boto3.client("autoscaling", region_name=REGION, aws_access_key_id="x", aws_secret_access_key="x")
-    with Stubber(client) as stub:
-        stub.add_client_error("terminate_instance_in_auto_scaling_group", "ValidationError",
-                              f"Instance Id not found - No managed instance found for instance ID: {INSTANCE}",
-                              expected_params={"InstanceId": INSTANCE, "ShouldDecrementDesiredCapacity": False})
-        assert burn_in.terminate(client, INSTANCE).startswith("not terminated: ")
-        client, _ = terminating(INSTANCE)
-        assert burn_in.terminate(client, INSTANCE) == f"terminated: Terminating EC2 instance: {INSTANCE}"
+    client, _ = terminating(INSTANCE, refusal=REFUSAL)
+    assert burn_in.terminate(client, INSTANCE) == burn_in.Termination(False, f"An error occurred (ValidationError) "
+                                                                            f"when calling the TerminateInstanceIn"
+                                                                            f"AutoScalingGroup operation: {REFUSAL}")
+    client, _ = terminating(INSTANCE)
+    assert burn_in.terminate(client, INSTANCE) == burn_in.Termination(True, f"Terminating EC2 instance: {INSTANCE}")
 
 
 def test_boto3_is_importable_once_installed_after_start(tmp_path: Path) -> None:
@@ -489,9 +536,10 @@ def test_each_pool_is_checked_for_what_it_has(stack: Stack, pool: PoolSpec) -> N
     else:
         assert list(by_name) == [*efa_info, "verdict"]
         assert volumes[mounts[env["DEV_DIR"]]["name"]]["hostPath"]["path"] == "/dev"
-    if pool.uses_efa:  # the EFA installer's fi_info from the first job's image, its listing where the verdict reads
-        listing = by_name["efa-info"]
-        assert listing["image"] == kube.example_image(stack)
+    if pool.uses_efa:  # the EFA installer's fi_info from AWS's DLC of the pool's kind, its listing where the verdict
+        listing = by_name["efa-info"]  # reads
+        dlc = kube.dlc_image(stack.region) if pool.accelerator.kind == "nvidia" else kube_health.NEURON_DLC_IMAGE
+        assert listing["image"] == dlc
         assert f"/opt/amazon/efa/bin/fi_info -p efa -t FI_EP_RDM > {env['FI_INFO_REPORT']}" in listing["command"][-1]
         (shared,) = [m for m in listing["volumeMounts"] if env["FI_INFO_REPORT"].startswith(m["mountPath"] + "/")]
         assert mounts[shared["mountPath"]]["name"] == shared["name"] and "emptyDir" in volumes[shared["name"]]

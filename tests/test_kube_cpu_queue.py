@@ -54,9 +54,29 @@ def evaluate(expression: str, activation: dict[str, Any]) -> bool:
     return bool(result)
 
 
+def kueue_defaulted(declared: tuple[Declared, ...], obj: dict[str, Any]) -> dict[str, Any]:
+    """The object as Kueue v0.19.2's mutating webhook hands it on (mutating admission runs before validating): one
+    without a queue name, in a namespace Kueue manages (managedJobsNamespaceSelector: the team namespace's label)
+    that has a LocalQueue named `default`, is given that queue (pkg/controller/jobframework/defaults.go,
+    setDefaultLocalQueue)."""
+    namespace = obj["metadata"]["namespace"]
+    managed = any(n.inputs["metadata"]["name"] == namespace
+                  and n.inputs["metadata"].get("labels", {}).get(kube.TEAM_NAMESPACE_LABEL) == "true"
+                  for n in of_type(declared, "core/v1:Namespace"))
+    default_queue = any(q.inputs["metadata"] == {"name": "default", "namespace": namespace}
+                        for q in of_type(declared, f"{kube.KUEUE_API}:LocalQueue"))
+    if not managed or not default_queue or kube.QUEUE_NAME_LABEL in obj["metadata"].get("labels", {}):
+        return obj
+    defaulted = copy.deepcopy(obj)
+    defaulted["metadata"].setdefault("labels", {})[kube.QUEUE_NAME_LABEL] = "default"
+    return defaulted
+
+
 def refusal(declared: tuple[Declared, ...], obj: dict[str, Any], operation: str = "CREATE",
             old: dict[str, Any] | None = None) -> str | None:
-    """The message the declared policies refuse this request with; None if they admit it."""
+    """The message the declared policies refuse this request with, after Kueue's defaulting; None if they admit
+    it."""
+    obj = kueue_defaulted(declared, obj)
     group, version, resource = KINDS[obj["kind"]]
     namespace = obj["metadata"]["namespace"]
     namespace_labels = {"kubernetes.io/metadata.name": namespace}  # the API server sets it on every namespace
@@ -134,9 +154,11 @@ def test_a_cpu_only_workload_on_the_accelerator_queue_is_refused_naming_the_cpu_
     assert message is not None and f"{kube.QUEUE_NAME_LABEL}: {kube.CPU_LOCAL_QUEUE}" in message
     for resource in accelerators(stack):
         assert resource in message
-    # The same workload on the CPU queue, or on none (Kueue then admits it nowhere), is the policies' no concern.
-    for queue in (kube.CPU_LOCAL_QUEUE, None):
-        assert refusal(declared, workload(stack, kind, queue, pod_spec(CPU_ONLY, kind=kind))) is None
+    # The same workload on the CPU queue is the policies' no concern; on none, Kueue's webhook gives it the
+    # namespace's LocalQueue `default`, the accelerator queue, and it is refused alike.
+    assert refusal(declared, workload(stack, kind, kube.CPU_LOCAL_QUEUE, pod_spec(CPU_ONLY, kind=kind))) is None
+    assert kube.LOCAL_QUEUE == "default"
+    assert refusal(declared, workload(stack, kind, None, pod_spec(CPU_ONLY, kind=kind))) == message
     # Nor in another namespace: the bindings hold the team's only.
     assert refusal(declared, workload(stack, kind, kube.LOCAL_QUEUE, pod_spec(CPU_ONLY, kind=kind),
                                       namespace="kube-system")) is None
@@ -164,6 +186,27 @@ def test_what_is_not_an_accelerator_of_the_stack_is_refused(k8s: Plan) -> None:
     for extra in [{eks.EFA_RESOURCE: "1"}, {kube.HUGEPAGES_RESOURCE: kube.EFA_POD_HUGEPAGES}, *others]:
         spec = pod_spec(CPU_ONLY | extra, CPU_ONLY | extra)  # huge pages need requests = limits
         assert refusal(declared, workload(stack, "Job", kube.LOCAL_QUEUE, spec)) is not None, extra
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_neuroncores_are_refused_with_the_resource_to_ask_for(k8s: Plan, kind: str) -> None:
+    """The Neuron device plugin advertises aws.amazon.com/neuroncore too, which the queues do not count: on a stack
+    with Neuron pools a pod asking for cores is told to ask for whole devices, not to use the CPU queue; with the
+    devices it asks for, it passes. Without Neuron pools, cores are no accelerator of the stack."""
+    stack, declared = k8s
+    cores = CPU_ONLY | {eks.NEURONCORE_RESOURCE: "2"}
+    message = refusal(declared, workload(stack, kind, kube.LOCAL_QUEUE, pod_spec(cores, kind=kind)))
+    assert message is not None
+    if eks.NEURON_RESOURCE in accelerators(stack):
+        assert eks.NEURONCORE_RESOURCE in message and f"request {eks.NEURON_RESOURCE}" in message
+        assert kube.CPU_LOCAL_QUEUE not in message
+        # As a limit only, or beside a device request: still the cores' message.
+        for spec in (pod_spec(CPU_ONLY, cores, kind=kind), pod_spec(cores | {eks.NEURON_RESOURCE: "1"}, kind=kind)):
+            assert refusal(declared, workload(stack, kind, kube.LOCAL_QUEUE, spec)) == message
+        devices = CPU_ONLY | {eks.NEURON_RESOURCE: "1"}
+        assert refusal(declared, workload(stack, kind, kube.LOCAL_QUEUE, pod_spec(devices, kind=kind))) is None
+    else:
+        assert f"{kube.QUEUE_NAME_LABEL}: {kube.CPU_LOCAL_QUEUE}" in message
 
 
 def test_updates_are_judged_only_when_they_move_work_onto_the_queue_or_change_its_pods(k8s: Plan) -> None:

@@ -177,6 +177,6 @@ def test_torchrun_restarts_and_rendezvous_at_index_0s_service_name() -> None:
     assert provision.endswith("m")
     assert int(provision[:-1]) > 0
     # ... the node's start (its burn-in) and the image pull included: no giving up on a node still burning in.
-    waited = int(provision[:-1]) + kube.NODE_STARTUP_MINUTES + kube.IMAGE_PULL_MINUTES
+    waited = int(provision[:-1]) + int(autoscaler["extraArgs"]["max-node-startup-time"][:-1]) + kube.IMAGE_PULL_MINUTES
     assert int(join_timeout.group(1)) >= waited * 60
     assert "--nnodes=2" in trainer(job)["command"][-1] and "--node-rank" not in trainer(job)["command"][-1]

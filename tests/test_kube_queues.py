@@ -336,12 +336,32 @@ def test_admitted_jobs_wait_for_their_pods_a_bounded_time(k8s: tuple[Stack, tupl
     timeout = int(wait["timeout"][:-1])
     provision = kube.provision_minutes(stack)
     # A spot family's job may wait for the spot group to be given up on, then for its fallback, its node's start
-    # (burn-in: not ready to the autoscaler until it passes), then pull its image.
+    # (burn-in: not ready to the autoscaler until it passes; on EFA pools it pulls a DLC for fi_info too, as large as
+    # a job's image), then pull its image.
     attempts = 2 if any(p.fallback for p in stack.spec.pools) else 1
-    assert timeout == attempts * provision + kube.NODE_STARTUP_MINUTES + kube.IMAGE_PULL_MINUTES
+    burn_in_pull = kube.IMAGE_PULL_MINUTES if any(p.uses_efa for p in stack.spec.pools) else 0
+    node_start = kube.NODE_STARTUP_MINUTES + burn_in_pull
+    assert timeout == attempts * provision + node_start + kube.IMAGE_PULL_MINUTES
     groups = {p.name: p.name for p in stack.spec.pools} | {kube.CPU_FLAVOR: "cpu"}
     startup = kube.autoscaler_values(stack, groups, "sa")["extraArgs"]["max-node-startup-time"]
-    assert startup == f"{kube.NODE_STARTUP_MINUTES}m"
+    assert startup == f"{node_start}m"
+
+
+def test_the_node_start_allows_for_the_burn_in_image_pull_on_efa_pools() -> None:
+    """The same stack with and without EFA: the autoscaler's start-up allowance and the jobs' wait grow by the
+    burn-in's DLC pull (fi_info) only where a pool uses EFA."""
+    doc = yaml.safe_load(TEAM_K8S.read_text())["config"]
+    doc["gpucluster:cluster"]["pools"] = [{"name": "p5", "instance_type": "p5.48xlarge", "max_nodes": 2}]
+    with_efa = validate("k8s-efa", doc)
+    doc["gpucluster:cluster"]["pools"][0]["efa"] = False
+    without = validate("k8s-no-efa", doc)
+    assert [p.uses_efa for s in (with_efa, without) for p in s.spec.pools] == [True, False]
+    groups = {"p5": "p5", kube.CPU_FLAVOR: "cpu"}
+    startup = {s.name: int(kube.autoscaler_values(s, groups, "sa")["extraArgs"]["max-node-startup-time"][:-1])
+               for s in (with_efa, without)}
+    assert startup == {"k8s-efa": kube.NODE_STARTUP_MINUTES + kube.IMAGE_PULL_MINUTES,
+                       "k8s-no-efa": kube.NODE_STARTUP_MINUTES}
+    assert kube.node_wait_minutes(with_efa) - kube.node_wait_minutes(without) == kube.IMAGE_PULL_MINUTES
 
 
 # --- Priorities ---------------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 import standard_library
-from components.kubernetes import autoscaler_node_template_tags
+from components.kubernetes import autoscaler_node_template_tags, autoscaler_policy, burn_in_policy
 from conftest import K8S_STACK_FILES, ROOT, of_type, planned
 from gpucluster.contract import node_health
 from gpucluster.node import queue_guardrail
@@ -542,6 +542,19 @@ def test_autoscaler_priority_expander_spot_first(k8s: tuple[Stack, tuple[Declare
     assert not fnmatchcase(arn + "eks-gpucluster-other-p5-od-uuid", resize["Resource"])
     assert (grants["NodeGroups"]["Resource"]
             == f"arn:aws:eks:{stack.region}:123456789012:nodegroup/{stack.cluster_name}/*")
+
+
+@pytest.mark.parametrize(("partition", "region"), [("aws", "us-east-1"), ("aws-cn", "cn-north-1"),
+                                                   ("aws-us-gov", "us-gov-west-1")])
+def test_the_controllers_policies_name_arns_in_the_clusters_partition(partition: str, region: str) -> None:
+    """The autoscaler's and the burn-in's grants are in the cluster's own partition: an `arn:aws:` resource in aws-cn
+    or aws-us-gov matches nothing there, and the controller is refused."""
+    cluster_arn = f"arn:{partition}:eks:{region}:123456789012:cluster/gpucluster-x"
+    documents = [json.loads(autoscaler_policy(cluster_arn)),
+                 json.loads(burn_in_policy(cluster_arn, ["gpucluster-x-p5"]))]
+    resources = [r for d in documents for s in d["Statement"]
+                 for r in ([s["Resource"]] if isinstance(s["Resource"], str) else s["Resource"]) if r != "*"]
+    assert resources and all(r.startswith(f"arn:{partition}:") and f":{region}:123456789012:" in r for r in resources)
 
 
 # --- 4. Devices and storage; Helm pins ---------------------------------------------------------------------------

@@ -23,6 +23,11 @@ is removed by the autoscaler as unneeded, as the failed node would have been. Bo
 node_health.REPLACEMENTS per pool within the window, counted in a ConfigMap (the Slurm flavour's reconciler bounds its
 health replacements alike); past the bound the node stays tainted and its annotation says why.
 
+The order: the replacement is counted, the instance terminated, and only then the Node marked with what the call did.
+Marking it first would end this program: the DaemonSet runs only on unmarked nodes, so its controller deletes the pod
+at the mark and the kubelet kills it (PID 1 ignores SIGTERM) before the AWS call. Meanwhile the startup taint keeps
+jobs off the node; the instance's shutdown takes longer than the mark that follows the call.
+
 Standard library only, but for that one AWS call: boto3 is installed for it when it is made (the DaemonSet hands over
 the hash-checked install command), so that a passing burn-in needs nothing from PyPI. It talks to the API server with
 its service account's token.
@@ -146,8 +151,9 @@ class Bound:
 @dataclass(frozen=True)
 class Replacement:
     instance: str | None  # the instance to terminate; None: none (the note says why)
-    note: str  # the Node's replacement annotation
+    note: str  # with no instance, the Node's replacement annotation; else which of the pool's replacements this is
     records: list[dict[str, Any]]  # the pool's record, as it is to be stored (this replacement counted)
+    again: bool = False  # counted by an earlier run, which may have terminated the instance already
 
 
 def plan_replacement(records: list[dict[str, Any]], bound: Bound, now: float, pool: str, node: dict[str, Any],
@@ -161,16 +167,14 @@ def plan_replacement(records: list[dict[str, Any]], bound: Bound, now: float, po
         return Replacement(None, f"not replaced: no EC2 instance in its providerID "
                                  f"{node.get('spec', {}).get('providerID')!r}", recent)
     if any(r["instance"] == instance for r in recent):  # counted by a run that stopped before the node's mark
-        return Replacement(instance, f"replaced: instance {instance} terminated for a new one (counted before)",
-                           recent)
+        return Replacement(instance, "counted before", recent, again=True)
     if len(recent) >= bound.replacements:
         return Replacement(None, f"not replaced: pool {pool} replaced {len(recent)} nodes for a failed burn-in within "
                                  f"{bound.window_seconds / 3600:g} h (the bound); find the cause (the image, the "
                                  f"driver, the capacity), then terminate its instance through its group", recent)
     record = {"at": int(now), "node": node["metadata"]["name"], "instance": instance, "check": verdict.check}
-    return Replacement(instance, f"replaced: instance {instance} terminated for a new one "
-                                 f"({len(recent) + 1} of {bound.replacements} in {pool} within "
-                                 f"{bound.window_seconds / 3600:g} h)", [*recent, record])
+    return Replacement(instance, f"{len(recent) + 1} of {bound.replacements} in {pool} within "
+                                 f"{bound.window_seconds / 3600:g} h", [*recent, record])
 
 
 def replacements_patch(config_map: dict[str, Any], pool: str, records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -180,17 +184,37 @@ def replacements_patch(config_map: dict[str, Any], pool: str, records: list[dict
             "data": {pool: json.dumps(records)}}
 
 
-def terminate(autoscaling: Any, instance: str) -> str:
+@dataclass(frozen=True)
+class Termination:
+    done: bool
+    detail: str  # the Auto Scaling activity's description, or why there is none
+
+
+def terminate(autoscaling: Any, instance: str) -> Termination:
     """Terminate the instance through its Auto Scaling group, the group's desired capacity kept: the group launches a
-    replacement. What happened, in words (an AWS refusal is reported, not raised: the node is marked either way)."""
+    replacement. An AWS refusal is reported, not raised: the node is marked either way."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     try:
         activity = autoscaling.terminate_instance_in_auto_scaling_group(
             InstanceId=instance, ShouldDecrementDesiredCapacity=False)["Activity"]
     except (BotoCoreError, ClientError) as error:
-        return f"not terminated: {error}"
-    return f"terminated: {activity['Description']}"
+        return Termination(False, str(error))
+    return Termination(True, activity["Description"])
+
+
+def replacement_note(replacement: Replacement, termination: Termination | None) -> str:
+    """The Node's replacement annotation: what the AWS call did, not what it was meant to do."""
+    if replacement.instance is None or termination is None:
+        return replacement.note
+    if termination.done:
+        return f"replaced: instance {replacement.instance} terminated for a new one ({replacement.note})"
+    if replacement.again:  # AWS refuses an instance already terminating: the earlier call may well have been made
+        return (f"terminating instance {replacement.instance} again failed: {termination.detail}; an earlier run "
+                f"counted it and may have terminated it (if it still runs, terminate it through its Auto Scaling "
+                f"group)")[:1000]
+    return (f"not replaced: terminating instance {replacement.instance} failed: {termination.detail} "
+            f"({replacement.note}); terminate it through its Auto Scaling group")[:1000]
 
 
 def autoscaling_client() -> Any:
@@ -217,11 +241,34 @@ def api(method: str, path: str, body: dict[str, Any] | None = None) -> dict[str,
         return result
 
 
+def replace_failed(node_path: str, verdict: Verdict) -> tuple[Replacement, Termination | None]:
+    """The failed node's replacement: counted in the pool's record, then its instance terminated (boto3 installed
+    first); no call where none is to be made."""
+    node = api("GET", node_path)
+    pool = os.environ["POOL"]
+    records_path = (f"/api/v1/namespaces/{os.environ['POD_NAMESPACE']}/configmaps/"
+                    f"{node_health.REPLACEMENTS_CONFIG_MAP}")
+    config_map = api("GET", records_path)
+    stored = json.loads((config_map.get("data") or {}).get(pool, "[]"))
+    replacement = plan_replacement(stored, Bound(int(os.environ["REPLACEMENTS"]),
+                                                 int(os.environ["REPLACEMENT_WINDOW_SECONDS"])),
+                                   time.time(), pool, node, verdict)
+    if replacement.instance is None:
+        return replacement, None
+    if replacement.records != stored:
+        api("PATCH", records_path, replacements_patch(config_map, pool, replacement.records))
+    try:
+        autoscaling = autoscaling_client()
+    except subprocess.SubprocessError as error:
+        return replacement, Termination(False, f"boto3 could not be installed: {error} "
+                                               f"{getattr(error, 'stderr', '')}")
+    return replacement, terminate(autoscaling, replacement.instance)
+
+
 def main() -> None:
     """Exit 0 once the node is marked (pass or fail); an API error exits non-zero, and the kubelet runs the init
-    container again. A failed node's record is written before its mark, its instance terminated after it."""
+    container again. A failed node is marked last, with what its replacement came to (see the module's docstring)."""
     path = f"/api/v1/nodes/{os.environ['NODE_NAME']}"
-    node = api("GET", path)
     expected = Expected(int(os.environ["EXPECTED_GPUS"]), int(os.environ["EXPECTED_NEURON_DEVICES"]),
                         int(os.environ["EXPECTED_EFA_DEVICES"]))
     report, listing = Path(os.environ["DCGM_REPORT"]), Path(os.environ["FI_INFO_REPORT"])
@@ -230,29 +277,11 @@ def main() -> None:
                   count_efa_devices(Path(os.environ["INFINIBAND_DIR"])),
                   listing.read_text() if listing.is_file() else None)
     verdict = decide(expected, found)
-    replacement = None
-    if not verdict.passed:
-        pool = os.environ["POOL"]
-        records_path = (f"/api/v1/namespaces/{os.environ['POD_NAMESPACE']}/configmaps/"
-                        f"{node_health.REPLACEMENTS_CONFIG_MAP}")
-        config_map = api("GET", records_path)
-        stored = json.loads((config_map.get("data") or {}).get(pool, "[]"))
-        replacement = plan_replacement(stored, Bound(int(os.environ["REPLACEMENTS"]),
-                                                     int(os.environ["REPLACEMENT_WINDOW_SECONDS"])),
-                                       time.time(), pool, node, verdict)
-        if replacement.instance and replacement.records != stored:
-            api("PATCH", records_path, replacements_patch(config_map, pool, replacement.records))
-    api("PATCH", path, node_patch(node, verdict, replacement.note if replacement else None))
-    outcome = None
-    if replacement and replacement.instance:
-        try:
-            autoscaling = autoscaling_client()
-        except subprocess.SubprocessError as error:
-            outcome = f"not terminated: boto3 could not be installed: {error} {getattr(error, 'stderr', '')}"[:1000]
-        else:
-            outcome = terminate(autoscaling, replacement.instance)
+    note = replacement_note(*replace_failed(path, verdict)) if not verdict.passed else None
+    # Read just before the patch: the taints as they are after the minutes a replacement can take.
+    api("PATCH", path, node_patch(api("GET", path), verdict, note))
     print(json.dumps({"passed": verdict.passed, "check": verdict.check, "problems": verdict.problems,
-                      "replacement": replacement.note if replacement else None, "outcome": outcome}), flush=True)
+                      "replacement": note}), flush=True)
 
 
 if __name__ == "__main__":

@@ -432,6 +432,10 @@ def gpu_queue_policies(stack: Stack) -> list[Manifest]:
     resources = accelerator_resources(stack)
     message = (f"asks for no accelerator ({', '.join(resources)}) on the accelerator queue {LOCAL_QUEUE!r}: label it "
                f"{QUEUE_NAME_LABEL}: {CPU_LOCAL_QUEUE} (the CPU queue), whose nodes it runs on")
+    # Checked first: a pod asking for NeuronCores asks for no accelerator the queue counts, and "use the CPU queue"
+    # would mislead it.
+    no_cores = (f"asks for {eks.NEURONCORE_RESOURCE}, which the queues do not count (their quota is whole Neuron "
+                f"devices): request {eks.NEURON_RESOURCE} instead")
     out: list[Manifest] = []
     for pod_spec, kinds in QUEUED_KINDS.items():
         name = f"gpucluster-{stack.spec.team}-gpu-queue-" + ("pods" if pod_spec == "object.spec" else "workloads")
@@ -446,8 +450,12 @@ def gpu_queue_policies(stack: Stack) -> list[Manifest]:
                                  {"name": "new-or-changed", "expression": (
                                      f"request.operation == 'CREATE' || !({_on_gpu_queue('oldObject')}) || "
                                      f"{old_spec} != {pod_spec}")}],
-                             "validations": [{"expression": requests_an_accelerator(pod_spec, resources),
-                                              "message": message, "reason": "Forbidden"}]}})
+                             "validations": [
+                                 *([{"expression": f"!({requests_an_accelerator(pod_spec, [eks.NEURONCORE_RESOURCE])})",
+                                     "message": no_cores, "reason": "Forbidden"}]
+                                   if eks.NEURON_RESOURCE in resources else []),
+                                 {"expression": requests_an_accelerator(pod_spec, resources),
+                                  "message": message, "reason": "Forbidden"}]}})
         out.append({"apiVersion": ADMISSION_API, "kind": "ValidatingAdmissionPolicyBinding",
                     "metadata": {"name": name},
                     "spec": {"policyName": name, "validationActions": ["Deny"],
@@ -507,7 +515,14 @@ def queue_manifests(stack: Stack) -> list[Manifest]:
 # kubernetes/autoscaler#8543 and #9074) would count a slow burn-in's node as failed to start: an allowance for those
 # steps, not a measurement.
 NODE_STARTUP_MINUTES = 25
-NODE_STARTUP_TIME = f"{NODE_STARTUP_MINUTES}m"
+
+
+def node_startup_minutes(stack: Stack) -> int:
+    """The allowance above, and on a stack with EFA pools the burn-in's pull of a Deep Learning Container for fi_info
+    (kube_health.efa_info_image: as large as a job's image, pulled after DCGM, under the startup taint): the job
+    image's pull allowance again. One flag for every group, so the slowest pool's start."""
+    efa = any(p.uses_efa for p in stack.spec.pools)
+    return NODE_STARTUP_MINUTES + (IMAGE_PULL_MINUTES if efa else 0)
 
 
 def max_node_provision_time(stack: Stack) -> str:
@@ -546,7 +561,7 @@ def autoscaler_values(stack: Stack, node_group_names: dict[str, str], service_ac
         # A spot group that cannot get capacity is given up on after this long and the next priority is tried
         # (the default, 15 minutes, leaves a queued job waiting that much per attempt).
         "extraArgs": {"expander": "priority", "max-node-provision-time": max_node_provision_time(stack),
-                      "max-node-startup-time": NODE_STARTUP_TIME,
+                      "max-node-startup-time": f"{node_startup_minutes(stack)}m",
                       "balance-similar-node-groups": False,
                       "skip-nodes-with-local-storage": False, "scale-down-unneeded-time": "10m"},
     }
@@ -591,7 +606,7 @@ def pods_ready_timeout_minutes(stack: Stack) -> int:
 def node_wait_minutes(stack: Stack) -> int:
     """From asking for a node to a pod running there: the autoscaler's provision time, the node's start (device
     plugins, burn-in) and the image pull."""
-    return provision_minutes(stack) + NODE_STARTUP_MINUTES + IMAGE_PULL_MINUTES
+    return provision_minutes(stack) + node_startup_minutes(stack) + IMAGE_PULL_MINUTES
 
 
 def kueue_values(stack: Stack) -> dict[str, Any]:
@@ -709,10 +724,6 @@ def dlc_image(region: str) -> str:
     return f"{DLC_ACCOUNT}.dkr.ecr.{region}.amazonaws.com/{DLC_IMAGE}"
 
 
-def example_image(stack: Stack) -> str:
-    return dlc_image(stack.region)
-
-
 def replacement_wait_s(stack: Stack) -> int:
     """How long a pod waits for a lost peer's replacement: a node for it, started and burnt in, and the image."""
     return node_wait_minutes(stack) * 60
@@ -804,7 +815,7 @@ def example_job(stack: Stack, pool: PoolSpec, script: str, nodes: int = 2) -> li
                         # The pool's family: a spot pool's job falls back to its on-demand pool's nodes.
                         "nodeSelector": {FAMILY_LABEL: family_name(stack, pool)},
                         "tolerations": family_tolerations(families(stack)[family_name(stack, pool)]),
-                        "containers": [{"name": TRAINER, "image": example_image(stack),
+                        "containers": [{"name": TRAINER, "image": dlc_image(stack.region),
                                         "command": ["bash", "-c", script_text], "env": env,
                                         "resources": {"requests": requests, "limits": requests},
                                         "volumeMounts": [{"name": "fsx", "mountPath": "/fsx"},

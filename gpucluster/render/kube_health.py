@@ -5,10 +5,10 @@ Each pool's node group starts its nodes with a startup taint (node_group_taints)
 pool runs on its nodes until they carry a burn-in label: on NVIDIA pools an init container of NVIDIA's DCGM image runs
 the level-1 diagnostic; on EFA pools one of the first job's image lists what libfabric's EFA provider opens; the last
 init container runs gpucluster/node/burn_in.py, which counts the devices, decides and
-marks the Node (pass: the taint lifted; fail: a failed taint in its place, and its instance terminated through its Auto
-Scaling group for a replacement, within a bound per pool). The label then takes the node out of the DaemonSet's reach
-and its pod leaves. No container requests a device-plugin resource: an init container's requests are
-held for the pod's whole life and would keep a GPU or EFA device from the jobs.
+marks the Node (pass: the taint lifted; fail: its instance first terminated through its Auto Scaling group for a
+replacement, within a bound per pool, then a failed taint in the startup taint's place). The label then takes the
+node out of the DaemonSet's reach and its pod leaves. No container requests a device-plugin resource: an init
+container's requests are held for the pod's whole life and would keep a GPU or EFA device from the jobs.
 """
 
 from __future__ import annotations
@@ -38,11 +38,16 @@ DCGM_COMMAND = "dcgmi diag -r 1 -j > {report}; exit 0"
 PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
 RESULTS = "/burn-in"  # an emptyDir shared by the init containers
 REPORT = f"{RESULTS}/dcgm.json"
-# On EFA pools: what libfabric's EFA provider can open, listed by the EFA installer's fi_info in the first job's image
-# (kube.DLC_IMAGE: the DLC's install_efa_amzn2023.sh runs AWS's EFA installer, which puts libfabric and its tools
-# under /opt/amazon/efa; the path AWS's EFA guides call it by). Pulling that image here also has it on the node for
-# the first job. Its listing and error message both go to the file: the verdict counts the RDM domains and fails the
-# node on none (gpucluster/node/devices.py efa_rdm_domains).
+# On EFA pools: what libfabric's EFA provider can open, listed by the EFA installer's fi_info in AWS's Deep Learning
+# Container for the pool's kind (efa_info_image), whose build runs AWS's EFA installer, which puts libfabric and its
+# tools under /opt/amazon/efa (the path AWS's EFA guides call it by). Pulling that image here also has it on the node
+# for a first job of that image. Its listing and error message both go to the file: the verdict counts the RDM
+# domains and fails the node on none (gpucluster/node/devices.py efa_rdm_domains).
+# NVIDIA pools: kube.DLC_IMAGE (the DLC's install_efa_amzn2023.sh). Neuron pools: AWS's Neuron PyTorch training DLC,
+# from aws-neuron/deep-learning-containers README.md (pytorch-training-neuronx, PyTorch 2.9.0, Neuron 2.27.1, trn1,
+# trn2, trn3, inf2); its pytorch/training/2.9.0/Dockerfile.neuronx runs efa_installer.sh --skip-kmod. No CUDA image
+# pulled onto a Neuron node only for fi_info.
+NEURON_DLC_IMAGE = "public.ecr.aws/neuron/pytorch-training-neuronx:2.9.0-neuronx-py312-sdk2.27.1-ubuntu24.04"
 FI_INFO_REPORT = f"{RESULTS}/fi_info.txt"
 FI_INFO_COMMAND = "/opt/amazon/efa/bin/fi_info -p efa -t FI_EP_RDM > {report} 2>&1; exit 0"
 HOST_DEV, HOST_INFINIBAND = "/host/dev", "/host/infiniband"
@@ -80,6 +85,10 @@ def expected(pool: PoolSpec) -> dict[str, int]:
     return {"EXPECTED_GPUS": count if kind == "nvidia" else 0,
             "EXPECTED_NEURON_DEVICES": count if kind == "neuron" else 0,
             "EXPECTED_EFA_DEVICES": pool.itype.efa_interfaces if pool.uses_efa else 0}
+
+
+def efa_info_image(pool: PoolSpec, region: str) -> str:
+    return kube.dlc_image(region) if pool.accelerator.kind == "nvidia" else NEURON_DLC_IMAGE
 
 
 def _read_only_host(name: str, path: str) -> dict[str, Any]:
@@ -131,7 +140,7 @@ def daemon_set(pool: PoolSpec, region: str) -> Manifest:
     if pool.uses_efa:
         # Privileged for the EFA devices (/dev/infiniband) without asking the EFA device plugin for them (held for the
         # pod's life); the DLC's entrypoint is replaced by the command.
-        init.append({"name": "efa-info", "image": kube.dlc_image(region),
+        init.append({"name": "efa-info", "image": efa_info_image(pool, region),
                      "command": ["sh", "-c", FI_INFO_COMMAND.format(report=FI_INFO_REPORT)],
                      "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
                      "securityContext": {"privileged": True},

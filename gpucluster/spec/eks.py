@@ -85,6 +85,9 @@ DCGM_EXPORTER = Chart("dcgm-exporter", "https://nvidia.github.io/dcgm-exporter/h
 # The Kubernetes resource names of the extended resources the device plugins advertise.
 GPU_RESOURCE = "nvidia.com/gpu"
 NEURON_RESOURCE = "aws.amazon.com/neuron"
+# The Neuron device plugin advertises a node's NeuronCores too; the queues count whole devices only (NEURON_RESOURCE),
+# so a pod asking for cores is refused on the accelerator queue with a message that says so (kube.gpu_queue_policies).
+NEURONCORE_RESOURCE = "aws.amazon.com/neuroncore"
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
 
 # 2 MiB huge pages on EFA nodes. The accelerated AL2023 AMIs run the EFA installer (amazon-eks-ami

@@ -4,7 +4,8 @@ so that pip installs exactly these files (`--require-hashes --no-deps`) or nothi
 
 The versions are the ones this project's tests run against (the venv's boto3 1.44.8 and what it resolved). Each hash
 is of the file PyPI serves, taken with `pip download --no-deps --only-binary=:all: <name>==<version> -d DIR` and
-`sha256sum DIR/*.whl`; all are pure-Python wheels (py3-none-any), one file per version whatever the image's Python.
+`sha256sum DIR/*.whl`; all are pure-Python wheels (py3-none-any; six and python-dateutil py2.py3-none-any), one
+file per version whatever the image's Python.
 To move to a new boto3: update every row the same way (tests/test_kube_wheels.py checks the closure and the pins).
 """
 
