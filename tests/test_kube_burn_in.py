@@ -260,6 +260,13 @@ class ApiServer:
         return self.node
 
 
+def replacement_note(server: ApiServer) -> str:
+    """The replacement annotation of the last Node patch the stand-in API server took."""
+    body = server.calls[-1][2]
+    assert body is not None, "the last call carried no body"
+    return str(body["metadata"]["annotations"][node_health.REPLACEMENT_ANNOTATION])
+
+
 def run_burn_in(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, server: ApiServer, dcgm_report: str,
                 autoscaling: Any = None, boto3_install: str | None = None) -> None:
     """main() from the verdict container's own environment, on a p5 with all its EFA devices; `boto3_install` in
@@ -348,7 +355,7 @@ def test_the_program_replaces_a_failed_node_then_marks_it(monkeypatch: pytest.Mo
     stub.assert_no_pending_responses()
     assert [m for m, _, _ in server.calls] == ["GET", "GET", "AWS", "GET", "PATCH"]
     assert len(json.loads(server.config_map["data"][P5.name])) == 1
-    note = server.calls[-1][2]["metadata"]["annotations"][node_health.REPLACEMENT_ANNOTATION]  # type: ignore[index]
+    note = replacement_note(server)
     assert note.startswith(f"terminating instance {INSTANCE} again failed") and REFUSAL in note
     assert "an earlier run counted it" in note
 
@@ -361,7 +368,7 @@ def test_a_refused_termination_is_what_the_node_says(monkeypatch: pytest.MonkeyP
     run_burn_in(monkeypatch, tmp_path, server, report("p5-row-remap-pending.json"), client)
     stub.assert_no_pending_responses()
     assert [m for m, _, _ in server.calls] == ["GET", "GET", "PATCH", "AWS", "GET", "PATCH"]
-    note = server.calls[-1][2]["metadata"]["annotations"][node_health.REPLACEMENT_ANNOTATION]  # type: ignore[index]
+    note = replacement_note(server)
     assert note.startswith(f"not replaced: terminating instance {INSTANCE} failed") and REFUSAL in note
     assert "terminate it through its Auto Scaling group" in note
 
@@ -375,7 +382,7 @@ def test_a_failed_boto3_install_is_what_the_node_says(monkeypatch: pytest.Monkey
     run_burn_in(monkeypatch, tmp_path, server, report("p5-row-remap-pending.json"),
                 boto3_install=f"echo '{pip_error}' >&2; exit 1")
     assert [m for m, _, _ in server.calls] == ["GET", "GET", "PATCH", "GET", "PATCH"]
-    note = server.calls[-1][2]["metadata"]["annotations"][node_health.REPLACEMENT_ANNOTATION]  # type: ignore[index]
+    note = replacement_note(server)
     assert note.startswith(f"not replaced: terminating instance {INSTANCE} failed: boto3 could not be installed")
     assert pip_error in note
 
@@ -390,7 +397,7 @@ def test_a_pool_past_its_bound_keeps_its_failed_node(monkeypatch: pytest.MonkeyP
     server = ApiServer(a_new_node(P5), {P5.name: json.dumps(recent)})
     run_burn_in(monkeypatch, tmp_path, server, report("p5-row-remap-pending.json"))
     assert [m for m, _, _ in server.calls] == ["GET", "GET", "GET", "PATCH"]  # the record unchanged
-    note = server.calls[-1][2]["metadata"]["annotations"][node_health.REPLACEMENT_ANNOTATION]  # type: ignore[index]
+    note = replacement_note(server)
     assert note.startswith("not replaced") and f"replaced {bound} nodes" in note
 
     passing = ApiServer(a_new_node(P5))
