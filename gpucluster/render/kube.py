@@ -852,13 +852,35 @@ def boto3_install(target: str = BOTO3_TARGET) -> str:
             f"--only-binary=:all: --target {target} -r {requirements}")
 
 
-# The guardrail and the library files it imports, at their places under the mount (a ConfigMap's keys are flat names;
-# the volume's items put each file at its path): it shares its queue loop and budget decision with the Slurm head's.
+def library_files(*paths: str) -> dict[str, str]:
+    """A program's files table: ConfigMap key -> the file's path in the library (a ConfigMap's keys are flat names;
+    the volume's items put each file back at its path under the mount, so that its imports resolve there)."""
+    return {path.replace("/", "."): path for path in paths}
+
+
+@dataclass(frozen=True)
+class ShippedProgram:
+    config_map: Manifest
+    volume: dict[str, Any]
+    volume_mount: dict[str, Any]
+
+
+def ship_program(name: str, namespace: str, mount: str, files: dict[str, str]) -> ShippedProgram:
+    """An in-cluster program with the library files it imports (`library_files`) in the ConfigMap `name`, and the pod's
+    volume and read-only mount that put them at their paths under `mount`."""
+    return ShippedProgram(
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "namespace": namespace},
+         "data": {key: (node.LIBRARY_DIR / path).read_text() for key, path in files.items()}},
+        {"name": "program", "configMap": {"name": name, "items": [{"key": k, "path": p} for k, p in files.items()]}},
+        {"name": "program", "mountPath": mount, "readOnly": True})
+
+
+# The guardrail shares its queue loop and budget decision with the Slurm head's, and its API client with the burn-in.
 GUARDRAIL_MOUNT = "/opt/guardrail"
 GUARDRAIL_PROGRAM = "gpucluster/node/queue_guardrail.py"
-GUARDRAIL_FILES = {path.replace("/", "."): path for path in (  # ConfigMap key -> path
+GUARDRAIL_FILES = library_files(
     "gpucluster/__init__.py", "gpucluster/node/__init__.py", "gpucluster/node/budget.py", "gpucluster/node/sqs_poll.py",
-    GUARDRAIL_PROGRAM)}
+    "gpucluster/node/kube_api.py", GUARDRAIL_PROGRAM)
 
 
 def guardrail_manifests(stack: Stack, queue_url: Any, act_threshold_percent: int,
@@ -866,6 +888,7 @@ def guardrail_manifests(stack: Stack, queue_url: Any, act_threshold_percent: int
     """The in-cluster controller that holds and reopens the team's two ClusterQueues: may patch those only."""
     ns = eks.KUEUE.namespace
     labels = {"app": GUARDRAIL}
+    program = ship_program(GUARDRAIL, ns, GUARDRAIL_MOUNT, GUARDRAIL_FILES)
     env = {"QUEUE_URL": queue_url, "BUDGET_NAME": stack.budget_name, "TEAM": stack.spec.team,
            "CLUSTER_QUEUES": ",".join(cluster_queue_names(stack)),
            "ACT_THRESHOLD_PERCENT": str(act_threshold_percent), **boto3_region(stack.region),
@@ -878,8 +901,7 @@ def guardrail_manifests(stack: Stack, queue_url: Any, act_threshold_percent: int
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": GUARDRAIL},
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": GUARDRAIL},
          "subjects": [{"kind": "ServiceAccount", "name": GUARDRAIL, "namespace": ns}]},
-        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": GUARDRAIL, "namespace": ns},
-         "data": {key: (node.LIBRARY_DIR / path).read_text() for key, path in GUARDRAIL_FILES.items()}},
+        program.config_map,
         {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": GUARDRAIL, "namespace": ns,
                                                                      "labels": labels},
          "spec": {"replicas": 1, "selector": {"matchLabels": labels}, "strategy": {"type": "Recreate"},
@@ -898,11 +920,8 @@ def guardrail_manifests(stack: Stack, queue_url: Any, act_threshold_percent: int
                                         "limits": {"memory": "256Mi"}},
                           "securityContext": {"allowPrivilegeEscalation": False,
                                               "capabilities": {"drop": ["ALL"]}},
-                          "volumeMounts": [{"name": "script", "mountPath": GUARDRAIL_MOUNT},
-                                           {"name": "tmp", "mountPath": "/tmp"}]}],
-                      "volumes": [{"name": "script", "configMap": {"name": GUARDRAIL, "items": [
-                                      {"key": key, "path": path} for key, path in GUARDRAIL_FILES.items()]}},
-                                  {"name": "tmp", "emptyDir": {}}]}}}},
+                          "volumeMounts": [program.volume_mount, {"name": "tmp", "mountPath": "/tmp"}]}],
+                      "volumes": [program.volume, {"name": "tmp", "emptyDir": {}}]}}}},
     ]
 
 
