@@ -12,6 +12,7 @@ import logging
 import ssl
 import subprocess
 import threading
+import urllib.error
 from collections.abc import Iterator
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -280,6 +281,19 @@ def api(tls: tuple[Path, Path], tmp_path: Path) -> Iterator[tuple[ApiServer, dic
     server.httpd.shutdown()
     server.httpd.server_close()
     thread.join()
+
+
+def test_the_token_is_read_again_at_every_call(api: tuple[ApiServer, dict[str, ClusterQueueApi]],
+                                               tmp_path: Path) -> None:
+    """The kubelet rotates the projected token in place: a client made before the rotation uses the new one."""
+    _, queues = api
+    queue = queues[TEAM]
+    (tmp_path / "token").write_text("expired-token\n")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        queue.get()
+    assert refused.value.code == 401
+    (tmp_path / "token").write_text(ApiServer.TOKEN + "\n")
+    assert queue.get().stop_policy == queue_guardrail.OPEN
 
 
 SETTINGS = Settings(queue_url="q", budget_name=BUDGET, team=TEAM, cluster_queues=QUEUES, act_threshold_percent=100,
