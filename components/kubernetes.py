@@ -383,6 +383,47 @@ def autoscaling_group_name(resources: Sequence[aws.eks.outputs.NodeGroupResource
     return groups[0].name
 
 
+@dataclass(frozen=True)
+class NodeGroupShape:
+    """What sets one of the cluster's node groups apart: the pools' and the CPU nodes' differ only in these."""
+
+    ami_type: str
+    capacity_type: str
+    min_nodes: int
+    max_nodes: int
+    labels: dict[str, str]
+    taints: Sequence[dict[str, str]]
+    template_tags: dict[str, str]  # the autoscaler's node template (node_template_tags)
+    instance_types: Sequence[str] | None = None  # None: the launch template's
+    node_repair_config: aws.eks.NodeGroupNodeRepairConfigArgsDict | None = None
+
+
+def node_group(name: str, place: NodeGroupPlace, template: aws.ec2.LaunchTemplate, shape: NodeGroupShape,
+               parent: pulumi.Resource) -> None:
+    """The managed node group `name` from `template`, from `shape.min_nodes`, with the autoscaler's node-template tags
+    on its Auto Scaling group."""
+    group = aws.eks.NodeGroup(
+        f"{name}-ng",
+        cluster_name=place.cluster_name,
+        node_group_name=name,
+        version=place.version,
+        node_role_arn=place.node_role_arn,
+        subnet_ids=[place.subnet_id],
+        ami_type=shape.ami_type,
+        instance_types=shape.instance_types,
+        capacity_type=shape.capacity_type,
+        launch_template={"id": template.id, "version": template.latest_version.apply(str)},
+        scaling_config={"min_size": shape.min_nodes, "max_size": shape.max_nodes, "desired_size": shape.min_nodes},
+        labels=shape.labels,
+        taints=[{"key": t["key"], "value": t["value"], "effect": TAINT_EFFECTS[t["effect"]]} for t in shape.taints],
+        update_config={"max_unavailable": 1},
+        node_repair_config=shape.node_repair_config,
+        # The autoscaler owns the desired size once the group exists.
+        opts=child(parent, depends_on=list(place.depends_on), ignore_changes=["scalingConfig.desiredSize"]),
+    )
+    tag_group(name, group.resources.apply(autoscaling_group_name), shape.template_tags, child(parent))
+
+
 class NodePool(pulumi.ComponentResource):
     """One pool as a managed node group from min_nodes (0 by default) on EKS's accelerated AL2023 AMI, launched from
     the pool's template (EFA layout, placement group), with the autoscaler's node-template tags on its group."""
@@ -401,27 +442,11 @@ class NodePool(pulumi.ComponentResource):
             node_tags={**stack.tags, settings.POOL_TAG: pool.name}, root_device=eks.ROOT_DEVICE, opts=child(self),
             user_data=base64.b64encode(user_data.encode()).decode() if user_data else None)
         self.node_group_name = name
-        node_group = aws.eks.NodeGroup(
-            f"{name}-ng",
-            cluster_name=args.place.cluster_name,
-            node_group_name=self.node_group_name,
-            version=args.place.version,
-            node_role_arn=args.place.node_role_arn,
-            subnet_ids=[args.place.subnet_id],
-            ami_type=eks.AMI_TYPES[accelerator.kind],
-            capacity_type=CAPACITY_TYPES[pool.capacity],
-            launch_template={"id": template.id, "version": template.latest_version.apply(str)},
-            scaling_config={"min_size": pool.min_nodes, "max_size": pool.max_nodes, "desired_size": pool.min_nodes},
-            labels=kube.pool_labels(stack, pool),
-            taints=[{"key": t["key"], "value": t["value"], "effect": TAINT_EFFECTS[t["effect"]]}
-                    for t in kube_health.node_group_taints(pool)],
-            update_config={"max_unavailable": 1},
-            node_repair_config=node_repair_config(pool),
-            # The autoscaler owns the desired size once the group exists.
-            opts=child(self, depends_on=list(args.place.depends_on), ignore_changes=["scalingConfig.desiredSize"]),
-        )
-        tag_group(name, node_group.resources.apply(autoscaling_group_name),
-                  autoscaler_node_template_tags(stack, pool), child(self))
+        node_group(name, args.place, template, NodeGroupShape(
+            ami_type=eks.AMI_TYPES[accelerator.kind], capacity_type=CAPACITY_TYPES[pool.capacity],
+            min_nodes=pool.min_nodes, max_nodes=pool.max_nodes, labels=kube.pool_labels(stack, pool),
+            taints=kube_health.node_group_taints(pool), template_tags=autoscaler_node_template_tags(stack, pool),
+            node_repair_config=node_repair_config(pool)), self)
         self.register_outputs({"node_group_name": self.node_group_name})
 
 
@@ -443,20 +468,11 @@ class CpuNodes(pulumi.ComponentResource):
         template = plain_launch_template(f"{name}-lt", f"{args.stack.cluster_name} CPU node group",
                                          args.place.security_group_ids, child(self))
         self.node_group_name = name
-        taint = kube.CPU_TAINT
-        node_group = aws.eks.NodeGroup(
-            f"{name}-ng", cluster_name=args.place.cluster_name, node_group_name=self.node_group_name,
-            version=args.place.version, node_role_arn=args.place.node_role_arn, subnet_ids=[args.place.subnet_id],
-            ami_type="AL2023_x86_64_STANDARD", instance_types=[spec.instance_type], capacity_type="ON_DEMAND",
-            launch_template={"id": template.id, "version": template.latest_version.apply(str)},
-            scaling_config={"min_size": 0, "max_size": spec.max_nodes, "desired_size": 0},
-            labels=kube.cpu_node_labels(),
-            taints=[{"key": taint["key"], "value": taint["value"], "effect": TAINT_EFFECTS[taint["effect"]]}],
-            update_config={"max_unavailable": 1},
-            # The autoscaler owns the desired size once the group exists.
-            opts=child(self, depends_on=list(args.place.depends_on), ignore_changes=["scalingConfig.desiredSize"]))
-        tag_group(name, node_group.resources.apply(autoscaling_group_name),
-                  node_template_tags(kube.cpu_node_labels(), [taint], {}), child(self))
+        node_group(name, args.place, template, NodeGroupShape(
+            ami_type="AL2023_x86_64_STANDARD", capacity_type="ON_DEMAND", min_nodes=0, max_nodes=spec.max_nodes,
+            labels=kube.cpu_node_labels(), taints=[kube.CPU_TAINT],
+            template_tags=node_template_tags(kube.cpu_node_labels(), [kube.CPU_TAINT], {}),
+            instance_types=[spec.instance_type]), self)
         self.register_outputs({"node_group_name": self.node_group_name})
 
 

@@ -195,11 +195,10 @@ def test_a_cpu_only_pod_is_admitted_to_the_cpu_flavour_of_the_cpu_queue(
         k8s: tuple[Stack, tuple[Declared, ...]]) -> None:
     stack, declared = k8s
     cq = cluster_queues(declared)[kube.CPU_LOCAL_QUEUE]
-    cpu_type = stack.spec.eks.cpu_nodes.itype
+    cpu, memory_gi = kube.node_share(stack.spec.eks.cpu_nodes.itype)
     # A small pod (the LimitRange's default request) and one that takes most of a CPU node.
     for requests in ({"cpu": kube.DEFAULT_CPU, "memory": kube.DEFAULT_MEMORY},
-                     {"cpu": str(int(cpu_type.vcpus * kube.NODE_SHARE_CPU)),
-                      "memory": f"{int(cpu_type.memory_mib * kube.NODE_SHARE_MEMORY) // 1024}Gi"}):
+                     {"cpu": str(cpu), "memory": f"{memory_gi}Gi"}):
         assert assign(cq, requests) == kube.CPU_FLAVOR
     (group,) = cq["spec"]["resourceGroups"]
     assert [f["name"] for f in group["flavors"]] == [kube.CPU_FLAVOR] and group["coveredResources"] == ["cpu", "memory"]

@@ -715,7 +715,7 @@ def test_the_guardrail_owns_the_stop_policy() -> None:
     (provider,) = [d for d in declared if d.type == "pulumi:providers:kubernetes"]
     assert provider.inputs["enableServerSideApply"] in (True, "true")
     # What the guardrail patches is the field the program leaves alone.
-    assert json.loads(queue_guardrail.patch_body(queue_guardrail.Action.HOLD, "1"))["spec"] == {"stopPolicy": "Hold"}
+    assert queue_guardrail.patch_body(queue_guardrail.Action.HOLD, "1")["spec"] == {"stopPolicy": "Hold"}
 
 
 def test_queues_wait_for_kueue() -> None:

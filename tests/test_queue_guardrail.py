@@ -12,7 +12,9 @@ import logging
 import ssl
 import subprocess
 import threading
+import urllib.error
 from collections.abc import Iterator
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable
@@ -24,6 +26,7 @@ from botocore.stub import Stubber
 from conftest import K8S_STACK_FILES, ROOT, in_process_moto, of_type, planned
 from gpucluster.node import budget_guardrail, queue_guardrail, sqs_poll
 from gpucluster.node.budget import BudgetSpend, read_spend
+from gpucluster.node.kube_api import KubeApi
 from gpucluster.node.queue_guardrail import HELD_BY, Action, ClusterQueueApi, Guardrail, Settings, decide
 from gpucluster.render import kube
 from gpucluster.spec.model import load_stack
@@ -156,17 +159,17 @@ def cluster_queue(stop_policy: str | None = None, annotations: dict[str, str] | 
 def test_a_hold_and_its_mark_go_in_one_patch_and_come_off_in_one(cpu: bool) -> None:
     other = {"owner": "ml-platform"}  # a person's annotation: the patches leave it
     opened = cluster_queue(annotations=dict(other), version="7", cpu=cpu)
-    held = merge_patch(opened, json.loads(queue_guardrail.patch_body(Action.HOLD, "7", "over budget")))
+    held = merge_patch(opened, queue_guardrail.patch_body(Action.HOLD, "7", "over budget"))
     check(held, VERSION)
     assert held["spec"]["stopPolicy"] == "Hold" and held["metadata"]["annotations"] == {**other, HELD_BY: "over budget"}
     assert queue_guardrail.ClusterQueue.from_object(held).held_by_guardrail
-    reopened = merge_patch(held, json.loads(queue_guardrail.patch_body(Action.REOPEN, "7")))
+    reopened = merge_patch(held, queue_guardrail.patch_body(Action.REOPEN, "7"))
     check(reopened, VERSION)
     assert reopened["spec"]["stopPolicy"] == "None" and reopened["metadata"]["annotations"] == other
     assert not queue_guardrail.ClusterQueue.from_object(reopened).held_by_guardrail
     # Each patch carries the version its decision read: the API server refuses it if the queue changed since.
     for action in (Action.HOLD, Action.REOPEN):
-        assert json.loads(queue_guardrail.patch_body(action, "7"))["metadata"]["resourceVersion"] == "7"
+        assert queue_guardrail.patch_body(action, "7")["metadata"]["resourceVersion"] == "7"
     # An unset stopPolicy is Kueue's default (the CRD's), open; the shipped stack leaves it unset.
     default = CRDS[(kube.KUEUE_API, "ClusterQueue")]["properties"]["spec"]["properties"]["stopPolicy"]["default"]
     assert queue_guardrail.ClusterQueue.from_object(cluster_queue(cpu=cpu)).stop_policy == default == \
@@ -249,8 +252,8 @@ class ApiServer:
         context.load_cert_chain(*tls)
         self.httpd.socket = context.wrap_socket(self.httpd.socket, server_side=True)
 
-    def url(self, name: str) -> str:
-        return f"https://127.0.0.1:{self.httpd.server_address[1]}{queue_guardrail.KUEUE_PATH}{name}"
+    def url(self) -> str:
+        return f"https://127.0.0.1:{self.httpd.server_address[1]}"
 
     def stop_policies(self) -> dict[str, str]:
         return {name: obj["spec"].get("stopPolicy", queue_guardrail.OPEN) for name, obj in self.objs.items()}
@@ -273,10 +276,24 @@ def api(tls: tuple[Path, Path], tmp_path: Path) -> Iterator[tuple[ApiServer, dic
     thread = threading.Thread(target=server.httpd.serve_forever, args=(0.02,), daemon=True)
     thread.start()
     (tmp_path / "token").write_text(ApiServer.TOKEN + "\n")
-    yield server, {name: ClusterQueueApi(server.url(name), tmp_path / "token", tls[0]) for name in QUEUES}
+    api = KubeApi(server.url(), tmp_path / "token", tls[0])
+    yield server, {name: ClusterQueueApi(api, name) for name in QUEUES}
     server.httpd.shutdown()
     server.httpd.server_close()
     thread.join()
+
+
+def test_the_token_is_read_again_at_every_call(api: tuple[ApiServer, dict[str, ClusterQueueApi]],
+                                               tmp_path: Path) -> None:
+    """The kubelet rotates the projected token in place: a client made before the rotation uses the new one."""
+    _, queues = api
+    queue = queues[TEAM]
+    (tmp_path / "token").write_text("expired-token\n")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        queue.get()
+    assert refused.value.code == 401
+    (tmp_path / "token").write_text(ApiServer.TOKEN + "\n")
+    assert queue.get().stop_policy == queue_guardrail.OPEN
 
 
 SETTINGS = Settings(queue_url="q", budget_name=BUDGET, team=TEAM, cluster_queues=QUEUES, act_threshold_percent=100,
@@ -432,6 +449,31 @@ def test_without_a_message_it_checks_when_due(api: tuple[ApiServer, dict[str, Cl
     guardrail.on_messages([], now=1000 + queue_guardrail.RECHECK_SECONDS)
     assert checks() == 2
     aws.done()
+
+
+def test_one_turn_of_the_service_holds_both_queues_over_budget(sqs: tuple[Any, str],
+                                                               api: tuple[ApiServer, dict[str, ClusterQueueApi]],
+                                                               tls: tuple[Path, Path], tmp_path: Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """The service as main() starts it, for one turn of its loop: a Budgets notification on the queue, spend past the
+    act threshold. Both ClusterQueues are held and marked, the deny is left alone (no Budgets action call queued:
+    the Stubber would refuse one, the check fail and the message stay), the outcome logged and the message deleted."""
+    client_sqs, url = sqs
+    server, _ = api
+    aws = Aws()
+    aws.spend(150.0)
+    clients = {"budgets": aws.budgets, "sts": aws.sts, "sqs": client_sqs}
+    client_sqs.send_message(QueueUrl=url, MessageBody=json.dumps({"Type": "Notification", "Subject": "AWS Budgets"}))
+    turns = iter([False, True])
+    with caplog.at_level(logging.INFO, logger=queue_guardrail.log.name):
+        queue_guardrail.serve(replace(SETTINGS, queue_url=url), clients.__getitem__,
+                              KubeApi(server.url(), tmp_path / "token", tls[0]), stop=lambda: next(turns))
+    aws.done()
+    assert server.stop_policies() == {name: "Hold" for name in QUEUES}
+    assert all(HELD_BY in obj["metadata"]["annotations"] for obj in server.objs.values())
+    assert waiting(client_sqs, url) == 0
+    (outcome,) = [json.loads(r.getMessage()) for r in caplog.records if r.levelno == logging.INFO]
+    assert outcome["actual_usd"] == 150.0 and "launch_deny_reversed" not in outcome
 
 
 def test_the_deployments_environment_names_every_queue_its_role_may_patch(monkeypatch: pytest.MonkeyPatch) -> None:

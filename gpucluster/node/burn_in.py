@@ -39,11 +39,9 @@ import importlib
 import json
 import os
 import re
-import ssl
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,8 +49,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this program is part of (the ConfigMap's)
 from gpucluster.contract import node_health
 from gpucluster.node.devices import count_neuron_devices, dcgm_problems, efa_rdm_domains
-
-SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+from gpucluster.node.kube_api import KubeApi
 
 
 @dataclass(frozen=True)
@@ -229,16 +226,8 @@ def autoscaling_client() -> Any:
 
 
 def api(method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-    with open(f"{SERVICE_ACCOUNT}/token") as f:
-        token = f.read()
-    request = urllib.request.Request(
-        f"https://{os.environ['KUBERNETES_SERVICE_HOST']}{path}", method=method,
-        data=json.dumps(body).encode() if body is not None else None,
-        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/merge-patch+json"})
-    context = ssl.create_default_context(cafile=f"{SERVICE_ACCOUNT}/ca.crt")
-    with urllib.request.urlopen(request, context=context, timeout=30) as response:
-        result: dict[str, Any] = json.loads(response.read())
-        return result
+    """The API server, as the pod's service account (the tests' seam: no API server runs here)."""
+    return KubeApi.in_cluster().call(method, path, body)
 
 
 def replace_failed(node_path: str, verdict: Verdict) -> tuple[Replacement, Termination | None]:

@@ -32,11 +32,10 @@ import enum
 import json
 import logging
 import os
-import ssl
 import sys
 import time
 import urllib.error
-import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,8 +43,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library this program is part of (the ConfigMap's)
 from gpucluster.node import sqs_poll
 from gpucluster.node.budget import BudgetSpend, read_spend
+from gpucluster.node.kube_api import KubeApi
 
-SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 KUEUE_PATH = "/apis/kueue.x-k8s.io/v1beta2/clusterqueues/"
 RECHECK_SECONDS = 600  # also without a message: spend falls back at the month's turn with no notification
 HELD_BY = "gpucluster/held-by"  # the annotation that makes a hold the guardrail's
@@ -85,15 +84,14 @@ def decide(spend: BudgetSpend, stop_policy: str, held_by_guardrail: bool) -> Dec
                     "reopened by hand: the guardrail's claim on it is dropped")
 
 
-def patch_body(action: Action, resource_version: str, reason: str = "") -> bytes:
+def patch_body(action: Action, resource_version: str, reason: str = "") -> dict[str, Any]:
     """The merge patch for a hold or a reopening: the stopPolicy and the annotation change together, and only if the
     queue is still at the version the decision was made on (a merge patch carrying metadata.resourceVersion is
     conditional: a person's change in between fails it with 409 Conflict, as controller-runtime's
     MergeFromWithOptimisticLock relies on)."""
     held = action is Action.HOLD
-    return json.dumps({"metadata": {"resourceVersion": resource_version,
-                                    "annotations": {HELD_BY: reason if held else None}},
-                       "spec": {"stopPolicy": HOLD if held else OPEN}}).encode()
+    return {"metadata": {"resourceVersion": resource_version, "annotations": {HELD_BY: reason if held else None}},
+            "spec": {"stopPolicy": HOLD if held else OPEN}}
 
 
 @dataclass(frozen=True)
@@ -115,30 +113,14 @@ class ClusterQueue:
 class ClusterQueueApi:
     """One ClusterQueue through the Kubernetes API: GET and merge PATCH, all the guardrail's RBAC allows."""
 
-    def __init__(self, url: str, token_file: Path, ca_file: Path) -> None:
-        self.url, self.token_file, self.ca_file = url, token_file, ca_file
-
-    @classmethod
-    def in_cluster(cls, name: str) -> ClusterQueueApi:
-        return cls(f"https://{os.environ['KUBERNETES_SERVICE_HOST']}{KUEUE_PATH}{name}",
-                   SERVICE_ACCOUNT / "token", SERVICE_ACCOUNT / "ca.crt")
-
-    def _call(self, method: str, body: bytes | None = None) -> dict[str, Any]:
-        # The token is read on every call: the kubelet rotates the projected token in place.
-        headers = {"Authorization": f"Bearer {self.token_file.read_text().strip()}", "Accept": "application/json"}
-        if body is not None:
-            headers["Content-Type"] = "application/merge-patch+json"
-        request = urllib.request.Request(self.url, data=body, method=method, headers=headers)
-        context = ssl.create_default_context(cafile=str(self.ca_file))
-        with urllib.request.urlopen(request, context=context, timeout=30) as response:
-            answer: dict[str, Any] = json.load(response)
-            return answer
+    def __init__(self, api: KubeApi, name: str) -> None:
+        self.api, self.path = api, f"{KUEUE_PATH}{name}"
 
     def get(self) -> ClusterQueue:
-        return ClusterQueue.from_object(self._call("GET"))
+        return ClusterQueue.from_object(self.api.call("GET", self.path))
 
-    def patch(self, body: bytes) -> None:
-        self._call("PATCH", body)
+    def patch(self, body: dict[str, Any]) -> None:
+        self.api.call("PATCH", self.path, body)
 
 
 def lift_launch_deny(budgets: Any, account: str, budget_name: str, action_id: str) -> bool:
@@ -236,15 +218,21 @@ class Guardrail:
         return messages
 
 
+def serve(settings: Settings, client: Callable[[str], Any], api: KubeApi,
+          stop: Callable[[], bool] = lambda: False) -> None:
+    """The service until `stop`: the guardrail over the settings' queues, woken by the budget's queue or its timer;
+    `client` makes a boto3 client by its service's name."""
+    guardrail = Guardrail(settings, client("budgets"), client("sts"),
+                          {name: ClusterQueueApi(api, name) for name in settings.cluster_queues})
+    sqs_poll.serve(client("sqs"), settings.queue_url, lambda messages: guardrail.on_messages(messages, time.time()),
+                   stop=stop)
+
+
 def main() -> None:
     import boto3
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(levelname)s %(message)s")
-    settings = Settings.from_environment()
-    guardrail = Guardrail(settings, boto3.client("budgets"), boto3.client("sts"),
-                          {name: ClusterQueueApi.in_cluster(name) for name in settings.cluster_queues})
-    sqs_poll.serve(boto3.client("sqs"), settings.queue_url,
-                   lambda messages: guardrail.on_messages(messages, time.time()))
+    serve(Settings.from_environment(), boto3.client, KubeApi.in_cluster())
 
 
 if __name__ == "__main__":

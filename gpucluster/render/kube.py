@@ -16,7 +16,7 @@ from typing import Any
 from gpucluster import node
 from gpucluster.contract import settings
 from gpucluster.render import monitoring, prometheus
-from gpucluster.spec import eks, wheels
+from gpucluster.spec import catalog, eks, wheels
 from gpucluster.spec.model import CPU_NODES_NAME, PoolSpec, Stack
 
 Manifest = dict[str, Any]
@@ -239,25 +239,41 @@ def _covered(stack: Stack) -> list[str]:
     return [*CPU_COVERED, *extended]
 
 
-def _family_quota(name: str, pools: list[PoolSpec], covered: list[str]) -> dict[str, Any]:
-    """What the family's pools hold at their largest, per resource Kueue covers (0 for resources it has none of)."""
+# A node group at its largest: its instance type, what one node has beyond CPU and memory (node_resources), max nodes.
+NodeGroupSize = tuple[catalog.InstanceType, dict[str, int], int]
+
+
+def pool_size(pool: PoolSpec) -> NodeGroupSize:
+    return pool.itype, node_resources(pool), pool.max_nodes
+
+
+def cpu_nodes_size(stack: Stack) -> NodeGroupSize:
+    cpu_nodes = stack.spec.eks.cpu_nodes
+    return cpu_nodes.itype, {}, cpu_nodes.max_nodes
+
+
+def capacity(groups: list[NodeGroupSize]) -> dict[str, Any]:
+    """What the node groups hold together at their largest: vCPUs, memory in Gi (of the sum, rounded down) and each
+    other resource as a Kubernetes quantity."""
     have: dict[str, int] = {}
     memory_mib = 0
-    for pool in pools:
-        n = pool.max_nodes
-        for resource, count in ({"cpu": pool.itype.vcpus} | node_resources(pool)).items():
-            have[resource] = have.get(resource, 0) + count * n
-        memory_mib += pool.itype.memory_mib * n
-    quota: dict[str, Any] = {r: quantity(r, count) for r, count in have.items()} | {"memory": _memory_gi(memory_mib)}
+    for itype, resources, nodes in groups:
+        for resource, count in ({"cpu": itype.vcpus} | resources).items():
+            have[resource] = have.get(resource, 0) + count * nodes
+        memory_mib += itype.memory_mib * nodes
+    return {r: quantity(r, count) for r, count in have.items()} | {"memory": _memory_gi(memory_mib)}
+
+
+def _family_quota(name: str, pools: list[PoolSpec], covered: list[str]) -> dict[str, Any]:
+    """What the family's pools hold at their largest, per resource Kueue covers (0 for resources it has none of)."""
+    quota = capacity([pool_size(pool) for pool in pools])
     return {"name": name, "resources": [{"name": r, "nominalQuota": quota.get(r, 0)} for r in covered]}
 
 
 def _cpu_quota(stack: Stack) -> dict[str, Any]:
     """The CPU nodes at their largest: CPU and memory only (the CPU queue covers nothing else, so a pod asking for an
     accelerator, EFA or huge pages there is inadmissible rather than placed where none is)."""
-    cpu_nodes = stack.spec.eks.cpu_nodes
-    quota = {"cpu": cpu_nodes.itype.vcpus * cpu_nodes.max_nodes,
-             "memory": _memory_gi(cpu_nodes.itype.memory_mib * cpu_nodes.max_nodes)}
+    quota = capacity([cpu_nodes_size(stack)])
     return {"name": CPU_FLAVOR, "resources": [{"name": r, "nominalQuota": quota[r]} for r in CPU_COVERED]}
 
 
@@ -272,19 +288,8 @@ def namespace(stack: Stack) -> Manifest:
 def quota_totals(stack: Stack) -> dict[str, Any]:
     """The team's ceiling at once: every pool and the CPU nodes at max size (what the node groups could ever
     hold)."""
-    totals: dict[str, int] = {}
-    cpu_nodes = stack.spec.eks.cpu_nodes
-    cpu = cpu_nodes.itype.vcpus * cpu_nodes.max_nodes
-    memory_mib = cpu_nodes.itype.memory_mib * cpu_nodes.max_nodes
-    pods = PODS_PER_NODE * cpu_nodes.max_nodes
-    for pool in stack.spec.pools:
-        for resource, count in node_resources(pool).items():
-            totals[resource] = totals.get(resource, 0) + count * pool.max_nodes
-        cpu += pool.itype.vcpus * pool.max_nodes
-        memory_mib += pool.itype.memory_mib * pool.max_nodes
-        pods += PODS_PER_NODE * pool.max_nodes
-    return {"cpu": cpu, "memory": _memory_gi(memory_mib), "pods": pods,
-            **{r: quantity(r, count) for r, count in totals.items()}}
+    groups = [cpu_nodes_size(stack), *(pool_size(pool) for pool in stack.spec.pools)]
+    return capacity(groups) | {"pods": PODS_PER_NODE * sum(nodes for _, _, nodes in groups)}
 
 
 def resource_quota(stack: Stack) -> Manifest:
@@ -729,11 +734,16 @@ def replacement_wait_s(stack: Stack) -> int:
     return node_wait_minutes(stack) * 60
 
 
+def node_share(itype: catalog.InstanceType) -> tuple[int, int]:
+    """The whole vCPUs and GiB of memory one pod per node may take (NODE_SHARE_CPU, NODE_SHARE_MEMORY)."""
+    return int(itype.vcpus * NODE_SHARE_CPU), int(itype.memory_mib * NODE_SHARE_MEMORY) // 1024
+
+
 def node_sized_resources(pool: PoolSpec) -> dict[str, str]:
     """What one pod that takes a whole node of the pool asks for: all its accelerators and EFA interfaces (with EFA's
     huge pages), and most of its CPU and memory (requests = limits: Guaranteed, so the kubelet evicts it last)."""
-    memory_gi = int(pool.itype.memory_mib * NODE_SHARE_MEMORY) // 1024
-    out = {"cpu": str(int(pool.itype.vcpus * NODE_SHARE_CPU)), "memory": f"{memory_gi}Gi"}
+    cpu, memory_gi = node_share(pool.itype)
+    out = {"cpu": str(cpu), "memory": f"{memory_gi}Gi"}
     out |= {r: str(c) for r, c in pool_resources(pool).items()}
     return out | ({HUGEPAGES_RESOURCE: EFA_POD_HUGEPAGES} if pool.uses_efa else {})
 
@@ -741,7 +751,7 @@ def node_sized_resources(pool: PoolSpec) -> dict[str, str]:
 def shm_size(pool: PoolSpec) -> str:
     """/dev/shm for NCCL and the data loaders: a quarter of the pod's memory (a memory-backed emptyDir counts against
     the container's memory limit, so it is bounded by it in any case)."""
-    return f"{int(pool.itype.memory_mib * NODE_SHARE_MEMORY) // 1024 // 4}Gi"
+    return f"{node_share(pool.itype)[1] // 4}Gi"
 
 
 def trainer_env(pool: PoolSpec) -> dict[str, str]:
@@ -852,13 +862,35 @@ def boto3_install(target: str = BOTO3_TARGET) -> str:
             f"--only-binary=:all: --target {target} -r {requirements}")
 
 
-# The guardrail and the library files it imports, at their places under the mount (a ConfigMap's keys are flat names;
-# the volume's items put each file at its path): it shares its queue loop and budget decision with the Slurm head's.
+def library_files(*paths: str) -> dict[str, str]:
+    """A program's files table: ConfigMap key -> the file's path in the library (a ConfigMap's keys are flat names;
+    the volume's items put each file back at its path under the mount, so that its imports resolve there)."""
+    return {path.replace("/", "."): path for path in paths}
+
+
+@dataclass(frozen=True)
+class ShippedProgram:
+    config_map: Manifest
+    volume: dict[str, Any]
+    volume_mount: dict[str, Any]
+
+
+def ship_program(name: str, namespace: str, mount: str, files: dict[str, str]) -> ShippedProgram:
+    """An in-cluster program with the library files it imports (`library_files`) in the ConfigMap `name`, and the pod's
+    volume and read-only mount that put them at their paths under `mount`."""
+    return ShippedProgram(
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "namespace": namespace},
+         "data": {key: (node.LIBRARY_DIR / path).read_text() for key, path in files.items()}},
+        {"name": "program", "configMap": {"name": name, "items": [{"key": k, "path": p} for k, p in files.items()]}},
+        {"name": "program", "mountPath": mount, "readOnly": True})
+
+
+# The guardrail shares its queue loop and budget decision with the Slurm head's, and its API client with the burn-in.
 GUARDRAIL_MOUNT = "/opt/guardrail"
 GUARDRAIL_PROGRAM = "gpucluster/node/queue_guardrail.py"
-GUARDRAIL_FILES = {path.replace("/", "."): path for path in (  # ConfigMap key -> path
+GUARDRAIL_FILES = library_files(
     "gpucluster/__init__.py", "gpucluster/node/__init__.py", "gpucluster/node/budget.py", "gpucluster/node/sqs_poll.py",
-    GUARDRAIL_PROGRAM)}
+    "gpucluster/node/kube_api.py", GUARDRAIL_PROGRAM)
 
 
 def guardrail_manifests(stack: Stack, queue_url: Any, act_threshold_percent: int,
@@ -866,6 +898,7 @@ def guardrail_manifests(stack: Stack, queue_url: Any, act_threshold_percent: int
     """The in-cluster controller that holds and reopens the team's two ClusterQueues: may patch those only."""
     ns = eks.KUEUE.namespace
     labels = {"app": GUARDRAIL}
+    program = ship_program(GUARDRAIL, ns, GUARDRAIL_MOUNT, GUARDRAIL_FILES)
     env = {"QUEUE_URL": queue_url, "BUDGET_NAME": stack.budget_name, "TEAM": stack.spec.team,
            "CLUSTER_QUEUES": ",".join(cluster_queue_names(stack)),
            "ACT_THRESHOLD_PERCENT": str(act_threshold_percent), **boto3_region(stack.region),
@@ -878,8 +911,7 @@ def guardrail_manifests(stack: Stack, queue_url: Any, act_threshold_percent: int
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": GUARDRAIL},
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": GUARDRAIL},
          "subjects": [{"kind": "ServiceAccount", "name": GUARDRAIL, "namespace": ns}]},
-        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": GUARDRAIL, "namespace": ns},
-         "data": {key: (node.LIBRARY_DIR / path).read_text() for key, path in GUARDRAIL_FILES.items()}},
+        program.config_map,
         {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": GUARDRAIL, "namespace": ns,
                                                                      "labels": labels},
          "spec": {"replicas": 1, "selector": {"matchLabels": labels}, "strategy": {"type": "Recreate"},
@@ -898,11 +930,8 @@ def guardrail_manifests(stack: Stack, queue_url: Any, act_threshold_percent: int
                                         "limits": {"memory": "256Mi"}},
                           "securityContext": {"allowPrivilegeEscalation": False,
                                               "capabilities": {"drop": ["ALL"]}},
-                          "volumeMounts": [{"name": "script", "mountPath": GUARDRAIL_MOUNT},
-                                           {"name": "tmp", "mountPath": "/tmp"}]}],
-                      "volumes": [{"name": "script", "configMap": {"name": GUARDRAIL, "items": [
-                                      {"key": key, "path": path} for key, path in GUARDRAIL_FILES.items()]}},
-                                  {"name": "tmp", "emptyDir": {}}]}}}},
+                          "volumeMounts": [program.volume_mount, {"name": "tmp", "mountPath": "/tmp"}]}],
+                      "volumes": [program.volume, {"name": "tmp", "emptyDir": {}}]}}}},
     ]
 
 

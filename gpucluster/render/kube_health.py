@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpucluster import node
 from gpucluster.contract import node_health
 from gpucluster.contract.settings import ClusterSettings
 from gpucluster.render import kube
@@ -53,9 +52,9 @@ FI_INFO_COMMAND = "/opt/amazon/efa/bin/fi_info -p efa -t FI_EP_RDM > {report} 2>
 HOST_DEV, HOST_INFINIBAND = "/host/dev", "/host/infiniband"
 MOUNT = "/opt/burn-in"
 PROGRAM = "gpucluster/node/burn_in.py"
-FILES = {path.replace("/", "."): path for path in (  # ConfigMap key -> path (as the guardrail's)
+FILES = kube.library_files(
     "gpucluster/__init__.py", "gpucluster/contract/__init__.py", "gpucluster/contract/node_health.py",
-    "gpucluster/node/__init__.py", "gpucluster/node/devices.py", PROGRAM)}
+    "gpucluster/node/__init__.py", "gpucluster/node/devices.py", "gpucluster/node/kube_api.py", PROGRAM)
 STARTUP_TAINT = {"key": node_health.STARTUP_TAINT, "value": "true", "effect": "NoSchedule"}
 
 
@@ -113,12 +112,11 @@ def daemon_set(pool: PoolSpec, region: str) -> Manifest:
            {"name": "DEV_DIR", "value": HOST_DEV},
            {"name": "INFINIBAND_DIR", "value": HOST_INFINIBAND},
            *({"name": k, "value": v} for k, v in replacement_env(pool, region).items())]
-    mounts: list[dict[str, Any]] = [{"name": "program", "mountPath": MOUNT, "readOnly": True},
-                                    {"name": "results", "mountPath": RESULTS}, {"name": "tmp", "mountPath": "/tmp"}]
-    volumes: list[dict[str, Any]] = [
-        {"name": "program", "configMap": {"name": BURN_IN, "items": [
-            {"key": key, "path": path} for key, path in FILES.items()]}},
-        {"name": "results", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
+    program = kube.ship_program(BURN_IN, NAMESPACE, MOUNT, FILES)
+    mounts: list[dict[str, Any]] = [program.volume_mount, {"name": "results", "mountPath": RESULTS},
+                                    {"name": "tmp", "mountPath": "/tmp"}]
+    volumes: list[dict[str, Any]] = [program.volume, {"name": "results", "emptyDir": {}},
+                                     {"name": "tmp", "emptyDir": {}}]
     if not nvidia:  # the Neuron devices are counted by their nodes under /dev
         mounts.append({"name": "dev", "mountPath": HOST_DEV, "readOnly": True})
         volumes.append(_read_only_host("dev", "/dev"))
@@ -190,8 +188,7 @@ def burn_in_manifests(stack: Stack) -> list[Manifest]:
          "metadata": {"name": BURN_IN, "namespace": NAMESPACE},
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": BURN_IN},
          "subjects": [{"kind": "ServiceAccount", "name": BURN_IN, "namespace": NAMESPACE}]},
-        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": BURN_IN, "namespace": NAMESPACE},
-         "data": {key: (node.LIBRARY_DIR / path).read_text() for key, path in FILES.items()}},
+        kube.ship_program(BURN_IN, NAMESPACE, MOUNT, FILES).config_map,
         {"apiVersion": "v1", "kind": "ConfigMap",
          "metadata": {"name": node_health.REPLACEMENTS_CONFIG_MAP, "namespace": NAMESPACE}},
         *(daemon_set(pool, stack.region) for pool in stack.spec.pools),
