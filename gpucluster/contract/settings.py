@@ -202,6 +202,13 @@ class SettingsError(ValueError):
     """The settings document does not match this contract (missing or unknown keys)."""
 
 
+def _mapping(raw: Any, where: str) -> dict[str, Any]:
+    """`raw` when it is a JSON object; any other shape is a settings document this contract cannot read."""
+    if not isinstance(raw, dict):
+        raise SettingsError(f"{where}: a mapping expected, got {type(raw).__name__}")
+    return raw
+
+
 def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(raw) - known)
@@ -376,11 +383,15 @@ class ClusterSettings:
         return self.exporter_port_base + index * len(SCRAPE_JOBS) + SCRAPE_JOBS.index(job)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> ClusterSettings:
+    def from_dict(cls, raw: Any) -> ClusterSettings:
+        _mapping(raw, "settings")
         raw = dict(raw)
-        pools = {name: _build(PoolSettings, {"name": name, **{k: v for k, v in spec.items() if k != "name"}},
-                              f"pools.{name}") for name, spec in raw.pop("pools", {}).items()}
+        pools = {name: _build(PoolSettings, {"name": name, **{k: v for k, v in _mapping(spec, f"pools.{name}").items()
+                                                              if k != "name"}}, f"pools.{name}")
+                 for name, spec in _mapping(raw.pop("pools", {}), "pools").items()}
         budget = raw.pop("budget", None)
+        if budget:
+            _mapping(budget, "budget")
         budget_settings = _build(BudgetSettings, budget, "budget") if budget else None
         people = load_people(raw.pop("people", []))
         settings: ClusterSettings = _build(cls, {**raw, "pools": pools, "budget": budget_settings, "people": people},

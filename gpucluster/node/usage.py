@@ -36,9 +36,8 @@ def here(cluster: str | None = None, settings_file: str | Path = SETTINGS_FILE) 
         found = ClusterSettings.load(settings_file)
     except FileNotFoundError:
         return f"no {settings_file} here"
-    # ValueError: not JSON, not UTF-8 or not the contract (SettingsError); TypeError and AttributeError: JSON of
-    # another shape (null, a list of pools), which the loader does not check for.
-    except (OSError, ValueError, TypeError, AttributeError) as exc:
+    # ValueError: not JSON, not UTF-8, or not the contract's shape or keys (SettingsError).
+    except (OSError, ValueError) as exc:
         return f"{settings_file} cannot be read as the cluster's settings: {exc}"
     if cluster is not None and found.cluster != cluster:
         return f"this is the head node of {found.cluster}, not of {cluster}"
