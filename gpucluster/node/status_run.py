@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -84,9 +84,7 @@ def collect(settings: ClusterSettings, slurm: SlurmControl, textfile_dir: Path =
         else:
             why = ""
         partitions.append({"name": name, "open": not why, "state": state, "why": why})
-    pools: dict[str, Counter[str]] = defaultdict(Counter)
-    for pool in settings.pools:
-        pools[pool] = Counter()
+    pools: dict[str, Counter[str]] = {pool: Counter() for pool in settings.pools}
     for node in slurm.nodes():
         if pool := settings.pool_of(node.name):
             pools[pool][node_state(node.state)] += 1

@@ -15,8 +15,8 @@ from pathlib import Path
 from gpucluster.contract import slurm_json
 from gpucluster.contract.settings import PROMETHEUS_PORT, SETTINGS_FILE, ClusterSettings
 from gpucluster.contract.slurm_json import GpuHours
+from gpucluster.node.prometheus_api import prometheus_get
 from gpucluster.node.slurm_control import SlurmControl, error_text
-from gpucluster.node.verify_run import prometheus_get
 
 # What `cost` says of GPU-hours off the head node: only Slurm's accounting there has them.
 OFF_THE_HEAD = "run this on the head node to read Slurm accounting"

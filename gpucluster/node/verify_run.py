@@ -37,8 +37,6 @@ import shlex
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -58,6 +56,7 @@ from gpucluster.contract.settings import (
 )
 from gpucluster.contract.verify import DCGM_START_SECONDS, JOB_SECONDS, QUEUE_SECONDS
 from gpucluster.node import nccl_tests, textfile
+from gpucluster.node.prometheus_api import prometheus_get
 from gpucluster.node.slurm_control import SlurmControl
 
 PYTHON = "/usr/bin/python3"  # the node programs' interpreter on every node
@@ -411,11 +410,6 @@ def across_readings(run_dir: Path, why: str) -> dict[str, Any]:
 
 
 # --- Prometheus and the cluster's checks ---------------------------------------------------------------------------
-def prometheus_get(base: str, path: str) -> Any:
-    with urllib.request.urlopen(f"{base}/api/v1/{path}", timeout=10) as answer:
-        return json.load(answer)["data"]
-
-
 def scraped_nodes(targets: dict[str, Any], nodes: tuple[str, ...]) -> int:
     """How many of the nodes Prometheus scrapes with success: their node exporter's target is up."""
     up = {t.get("labels", {}).get("node") for t in targets.get("activeTargets", [])
