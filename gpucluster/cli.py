@@ -716,9 +716,10 @@ def parser() -> argparse.ArgumentParser:
     f.set_defaults(func=preflight)
     c = sub.add_parser("cost", help="this month's spend, forecast and GPU-hours of a stack, or the cost board across "
                                     "teams (AWS credentials)",
-                       description="STACK: one stack's spend, forecast, budget and (on its head node) GPU-hours "
-                                   "against the quota. --all or several stacks: the cost board, one row per team "
-                                   "(spend, forecast, budget, GPU-hours, idle GPU-hours) and a total. Either way, "
+                       description="STACK: one stack's spend, forecast, budget and (on its head node) what the "
+                                   "jobs billed against the quota, and GPU-hours. --all or several stacks: the "
+                                   "cost board, one row per team (spend, forecast, budget, GPU-hours, idle "
+                                   "GPU-hours) and a total. Either way, "
                                    "--json prints the same as one JSON object; exit 0 "
                                    "ok; 1 when a team is over its budget or forecast to be, or its spend could not "
                                    "be read; 2 bad input.")

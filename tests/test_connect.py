@@ -208,7 +208,20 @@ def test_ssh_config_goes_through_session_manager_with_a_key_pushed_per_connectio
     proxy = shlex.split(block["ProxyCommand"])
     assert proxy[proxy.index("-m") + 1:] == ["gpucluster", "ssh-proxy", str(ROOT / "stacks" / "Pulumi.team-a.yaml"),
                                              "--user", "alice"]
-    done, argv = run(tmp_path, moto, *proxy[proxy.index("-m") + 1:][1:])
+    # moto accepts SendSSHPublicKey without keeping what it was sent: the push is checked by a Stubber that expects
+    # alice, this machine's public key and the head's instance id (any other is a failed push, exit 1).
+    pushes = boto3.client("ec2-instance-connect", region_name=TEAM_A.region, aws_access_key_id="t",
+                          aws_secret_access_key="t")
+    real_client = boto3.session.Session.client
+
+    def client(self: boto3.session.Session, service: str, *args: Any, **kwargs: Any) -> Any:
+        return pushes if service == "ec2-instance-connect" else real_client(self, service, *args, **kwargs)
+
+    with Stubber(pushes) as push, mock.patch.object(boto3.session.Session, "client", client):
+        push.add_response("send_ssh_public_key", {"RequestId": "r-1", "Success": True}, {
+            "InstanceId": instance, "InstanceOSUser": "alice", "SSHPublicKey": key.with_suffix(".pub").read_text()})
+        done, argv = run(tmp_path, moto, *proxy[proxy.index("-m") + 1:][1:])
+        push.assert_no_pending_responses()
     assert done.returncode == 0, done.stderr
     assert argv == start_session(TEAM_A, instance, f"{cluster}-ssh-session")
     # A second ssh-config keeps the key (known to nobody but this machine).

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from components.kubernetes import autoscaler_node_template_tags
-from conftest import K8S_STACK_FILES, of_type, planned
+from conftest import K8S_STACK_FILES, ROOT, of_type, planned
 from gpucluster.plan import Declared, planned_asg_name
 from gpucluster.render import kube
 from gpucluster.spec import catalog, cost, eks
@@ -344,6 +344,21 @@ def test_admitted_jobs_wait_for_their_pods_a_bounded_time(k8s: tuple[Stack, tupl
     groups = {p.name: p.name for p in stack.spec.pools} | {kube.CPU_FLAVOR: "cpu"}
     startup = kube.autoscaler_values(stack, groups, "sa")["extraArgs"]["max-node-startup-time"]
     assert startup == f"{node_start}m"
+
+
+def test_team_k8s_waits_what_the_docs_quote() -> None:
+    """The figures the how-to and the explanation give for team-k8s (a p5 pool on spot with an on-demand fallback,
+    EFA): the jobs' wait and the autoscaler's start-up allowance, as rendered."""
+    stack, declared = planned(TEAM_K8S)
+    assert kueue_config(declared)["waitForPodsReady"]["timeout"] == "85m"
+    groups = {p.name: p.name for p in stack.spec.pools} | {kube.CPU_FLAVOR: "cpu"}
+    assert kube.autoscaler_values(stack, groups, "sa")["extraArgs"]["max-node-startup-time"] == "35m"
+    docs = ROOT / "docs"
+    how_to = " ".join((docs / "how-to" / "kubernetes.md").read_text().split())
+    explanation = " ".join((docs / "explanation" / "kubernetes.md").read_text().split())
+    assert "do not all run within 85 minutes (team-k8s:" in how_to and "35 for the node's start" in how_to
+    assert "`max-node-startup-time`: 25 minutes" in explanation and "10 more for the burn-in's pull" in explanation
+    assert "85 minutes for team-k8s" in explanation
 
 
 def test_the_node_start_allows_for_the_burn_in_image_pull_on_efa_pools() -> None:

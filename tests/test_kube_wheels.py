@@ -59,15 +59,17 @@ def test_the_pins_satisfy_each_other_and_are_what_the_tests_ran() -> None:
         assert importlib.metadata.version(wheel.name) == wheel.version, wheel.name
 
 
-def containers() -> Iterator[tuple[str, dict[str, Any]]]:
+def containers() -> Iterator[tuple[str, str, dict[str, Any]]]:
     """Every container of every object rendered for every shipped Kubernetes stack (the guardrail where the stack's
-    budget acts, the burn-in DaemonSets, the first job)."""
+    budget acts, the burn-in DaemonSets, the first job), with the stack's region."""
     for path in K8S_STACK_FILES:
-        for file, manifests in kube.render_files(load_stack(path), EXAMPLES_DIR).items():
+        stack = load_stack(path)
+        for file, manifests in kube.render_files(stack, EXAMPLES_DIR).items():
             for manifest in manifests:
                 pod = manifest.get("spec", {}).get("template", {}).get("spec", {})
                 for container in [*pod.get("initContainers", []), *pod.get("containers", [])]:
-                    yield f"{path.name} {file} {manifest['metadata']['name']}/{container['name']}", container
+                    yield (f"{path.name} {file} {manifest['metadata']['name']}/{container['name']}", stack.region,
+                           container)
 
 
 def install_command(container: dict[str, Any]) -> str | None:
@@ -80,7 +82,7 @@ def install_command(container: dict[str, Any]) -> str | None:
 
 def test_every_container_that_installs_boto3_installs_the_tables_wheels_hash_checked() -> None:
     installing = {}
-    for where, container in containers():
+    for where, _, container in containers():
         command = install_command(container)
         if command is None:
             continue
@@ -108,13 +110,16 @@ def test_the_controllers_environment_gives_botocore_its_region(monkeypatch: pyte
     for variable in ("AWS_DEFAULT_REGION", "AWS_REGION", "AWS_PROFILE", "AWS_CONFIG_FILE"):
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
-    for where, container in containers():
+    regions: set[str] = set()
+    for where, region, container in containers():
         if install_command(container) is None:
             continue
+        regions.add(region)
         env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
         with monkeypatch.context() as scoped:
             for name in ("AWS_DEFAULT_REGION", "AWS_REGION"):
                 if name in env:
                     scoped.setenv(name, env[name])
             for service in ("sqs", "autoscaling"):
-                assert boto3.session.Session().client(service).meta.region_name == env["AWS_DEFAULT_REGION"], where
+                assert boto3.session.Session().client(service).meta.region_name == region, where
+    assert len(regions) > 1, "the shipped Kubernetes stacks no longer span regions: the check could pass by chance"

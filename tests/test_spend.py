@@ -252,3 +252,32 @@ def test_a_machine_with_slurms_client_is_not_taken_for_the_head(tmp_path: Path) 
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr  # 1: no spend read (no endpoint)
     assert f"GPU-hours:           {usage.OFF_THE_HEAD}" in out.stdout.splitlines()
+
+
+class _CostExplorerStubbed:
+    """The operator's session as `cost` uses it, Cost Explorer answered by botocore's Stubber: moto records no spend
+    to read and has no GetCostForecast. STS and Budgets are moto's."""
+
+    def __init__(self, cost_explorer: Any) -> None:
+        self.cost_explorer = cost_explorer
+
+    def client(self, service: str, region_name: str | None = None) -> Any:
+        return self.cost_explorer if service == "ce" else boto3.client(service, region_name=region_name)
+
+
+@pytest.mark.parametrize(("share", "code"), [(1.01, 1), (0.5, 0)], ids=["over the budget", "within it"])
+def test_cost_exits_1_over_the_budget_and_0_within_it(share: float, code: int, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from gpucluster import cli
+
+    spent = TEAM_A.spec.budget.monthly_usd * share
+    client = ce()
+    with in_process_moto(), Stubber(client) as stub:
+        stub.add_response("get_cost_and_usage", {"ResultsByTime": [
+            {"Total": {"UnblendedCost": {"Amount": f"{spent:.2f}", "Unit": "USD"}}}]})
+        # No forecast (not called on the month's last day): the exit follows the spend alone, whatever the date.
+        stub.add_client_error("get_cost_forecast", service_error_code="DataUnavailableException")
+        monkeypatch.setattr(cli, "aws_session", lambda region=None: _CostExplorerStubbed(client))
+        assert cli.main(["cost", str(ROOT / "stacks" / "Pulumi.team-a.yaml")]) == code
+    report = capsys.readouterr().out.splitlines()
+    assert any(line.startswith(f"Spent this month:    {cost.money(spent)}") for line in report), report

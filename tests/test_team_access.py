@@ -32,7 +32,7 @@ from gpucluster.contract.settings import (
 )
 from gpucluster.plan import MOCK_ACCOUNT, Declared, planned_id, run_program
 from gpucluster.project import EXAMPLES_DIR
-from gpucluster.spec.model import Stack, validate
+from gpucluster.spec.model import Stack, UserSpec, validate
 
 ACCOUNT = MOCK_ACCOUNT
 TEAM_A = ROOT / "stacks" / "Pulumi.team-a.yaml"
@@ -455,6 +455,26 @@ def test_the_users_policy_stays_within_iams_size_for_a_managed_policy(tmp_path: 
         stack.region, team_access.PLACEHOLDER_ACCOUNT, team_access.PLACEHOLDER_INSTANCE))
     assert team_access.policy_characters(measured) == sum(not c.isspace() for c in policy.inputs["policy"])
 
+
+
+def test_the_team_size_the_security_page_states_is_the_largest_that_fits() -> None:
+    """docs/explanation/security.md says how many people of one shape team-a's users' policy holds (each brings a
+    shell statement and an SSH key push): that many fit the size check, one more does not."""
+    page = (ROOT / "docs" / "explanation" / "security.md").read_text()
+    stated = re.search(r"team-a's stack would fit (\d+) people with five-character names and one role each under a "
+                       r"path like alice's \(`role/researchers/<name>`\)", " ".join(page.split()))
+    assert stated, "security.md no longer states the team size the users' policy holds"
+    stack = validate("team-a", yaml.safe_load(TEAM_A.read_text())["config"])
+
+    def problem(size: int) -> str | None:
+        people = [UserSpec(name=f"usr{i:02d}", principals=[ALICE.replace("alice", f"usr{i:02d}")])
+                  for i in range(size)]
+        return team_access.users_policy_problem(team_access.TeamAccessArgs(
+            stack.cluster_name, stack.region, ACCOUNT, "i-unused", "", "", "", people))
+
+    largest = int(stated[1])
+    assert problem(largest) is None
+    assert problem(largest + 1) is not None
 
 
 KEY_TABLE = [
