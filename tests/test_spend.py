@@ -115,7 +115,7 @@ def test_each_persons_gpu_hours_and_their_share_of_the_spend() -> None:
     assert ("GPU-hours by person (the month's spend allocated by share of GPU-hours, not a bill):") in lines
     assert f"GPU-hours:           {team:,.1f} for account vision" in lines
     # the billing TRES in cent-minutes (sshare's billing=7200): what the team's jobs billed against the money quota
-    assert used.billed_usd["vision"] == pytest.approx(7200 / 60 / cost.BILLING_UNITS_PER_USD)
+    assert used.billed_usd["vision"] == pytest.approx(7200 / 60 / slurm_json.BILLING_CENTS_PER_USD)
 
 
 def test_the_json_report_carries_the_texts_figures() -> None:
