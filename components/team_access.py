@@ -27,10 +27,13 @@ from components import child
 from gpucluster.contract.settings import (
     ADMIN_SESSION,
     DASHBOARD_SESSION,
+    DEEP_VERIFY_COMMAND,
     GRAFANA_PORT,
     LOGIN_USER,
     SSH_SESSION,
+    STATUS_COMMAND,
     USER_SESSION,
+    VERIFY_COMMAND,
     command_document_name,
     person_session_document_name,
     session_document_name,
@@ -180,7 +183,8 @@ def users_policy(cluster: str, people: Sequence[UserSpec], arns: PolicyArns) -> 
     return access_policy(
         arns.instance, [*shells, *(arns.document(session_document_name(cluster, kind))
                                    for kind in (DASHBOARD_SESSION, SSH_SESSION))],
-        arns.sessions, [arns.document(command_document_name(cluster, kind)) for kind in ("verify", "status")],
+        arns.sessions, [arns.document(command_document_name(cluster, kind))
+                        for kind in (VERIFY_COMMAND, STATUS_COMMAND)],
         run_as_tag_free=True, people=personal, key_pushes=key_pushes(people))
 
 
@@ -191,7 +195,7 @@ def admins_policy(cluster: str, arns: PolicyArns) -> str:
         arns.instance, [arns.document(session_document_name(cluster, kind))
                         for kind in (ADMIN_SESSION, DASHBOARD_SESSION)],
         arns.sessions, [arns.document(command_document_name(cluster, kind))
-                        for kind in ("verify", "verify-deep", "status")],
+                        for kind in (VERIFY_COMMAND, DEEP_VERIFY_COMMAND, STATUS_COMMAND)],
         run_as_tag_free=False)
 
 
@@ -257,13 +261,13 @@ class TeamAccess(pulumi.ComponentResource):
             document_format="JSON", content=ssh_document(
                 f"gpucluster {cluster}: sshd on the head node's loopback, for ssh's ProxyCommand"), opts=child(self))
         status = aws.ssm.Document(
-            f"{name}-status-command", name=command_document_name(cluster, "status"),
+            f"{name}-status-command", name=command_document_name(cluster, STATUS_COMMAND),
             document_type="Command", document_format="JSON", content=args.status_document, opts=child(self))
         verify = aws.ssm.Document(
-            f"{name}-verify-command", name=command_document_name(cluster, "verify"),
+            f"{name}-verify-command", name=command_document_name(cluster, VERIFY_COMMAND),
             document_type="Command", document_format="JSON", content=args.verify_document, opts=child(self))
         verify_deep = aws.ssm.Document(
-            f"{name}-verify-deep-command", name=command_document_name(cluster, "verify-deep"),
+            f"{name}-verify-deep-command", name=command_document_name(cluster, DEEP_VERIFY_COMMAND),
             document_type="Command", document_format="JSON", content=args.verify_deep_document, opts=child(self))
 
         ids = pulumi.Output.all(account_id=args.account_id, instance_id=args.head_instance_id)

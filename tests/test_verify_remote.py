@@ -29,7 +29,12 @@ from gpucluster import cli
 from gpucluster.aws import verify_remote as remote
 from gpucluster.cli_errors import UserError, print_errors
 from gpucluster.contract import verify as v
-from gpucluster.contract.settings import command_document_name, head_instance_name
+from gpucluster.contract.settings import (
+    DEEP_VERIFY_COMMAND,
+    VERIFY_COMMAND,
+    command_document_name,
+    head_instance_name,
+)
 from gpucluster.node import bootstrap
 from gpucluster.spec.model import load_stack
 from test_dashboard_command import launch  # a tagged instance in moto
@@ -38,8 +43,8 @@ STACK = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")
 POOLS = [p.name for p in STACK.spec.pools]
 HEAD = "i-0123456789abcdef0"
 COMMAND_ID = "11111111-2222-3333-4444-555555555555"
-DOCUMENT = command_document_name(STACK.cluster_name, "verify")
-DEEP_DOCUMENT = command_document_name(STACK.cluster_name, "verify-deep")  # the admins' only
+DOCUMENT = command_document_name(STACK.cluster_name, VERIFY_COMMAND)
+DEEP_DOCUMENT = command_document_name(STACK.cluster_name, DEEP_VERIFY_COMMAND)  # the admins' only
 
 
 def no_sleep(seconds: float) -> None:

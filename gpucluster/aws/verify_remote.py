@@ -31,14 +31,12 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from gpucluster.aws.head import HeadNotFound, running_head
 from gpucluster.cli_errors import UserError, credentials_problem
-from gpucluster.contract.settings import command_document_name
+from gpucluster.contract.settings import DEEP_VERIFY_COMMAND, VERIFY_COMMAND, command_document_name
 from gpucluster.contract.verify import VerifyFormatError, run_from_json, run_json, run_seconds, run_table
 from gpucluster.spec.model import POOL_NAME_RE, Stack
 
 EXIT_BAD_INPUT = 2  # the head's exit for bad input, passed on as is
 HEAD_COMMAND = "/usr/local/bin/gpucluster"  # gpucluster/node/bootstrap.py command_line writes it on the head
-DOCUMENT_KIND = "verify"  # everyone's: no --deep
-DEEP_DOCUMENT_KIND = "verify-deep"  # the admins': --deep too
 
 # --- the document ----------------------------------------------------------------------------------------------------
 _POOL = POOL_NAME_RE.removeprefix("^").removesuffix("$")
@@ -81,7 +79,7 @@ def execution_timeout_seconds(stack: Stack, deep: bool) -> int:
 
 
 def document_kind(deep: bool) -> str:
-    return DEEP_DOCUMENT_KIND if deep else DOCUMENT_KIND
+    return DEEP_VERIFY_COMMAND if deep else VERIFY_COMMAND
 
 
 def command_document(stack: Stack, deep: bool) -> str:
