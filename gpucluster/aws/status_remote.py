@@ -17,7 +17,7 @@ from typing import Any
 from botocore.exceptions import BotoCoreError, ClientError
 
 from gpucluster.aws.head import HeadNotFound, running_head
-from gpucluster.aws.verify_remote import DELIVERY_SECONDS, HEAD_COMMAND, wait
+from gpucluster.aws.run_command import DELIVERY_SECONDS, HEAD_COMMAND, wait
 from gpucluster.cli_errors import credentials_problem
 from gpucluster.contract.settings import STATUS_COMMAND, command_document_name
 from gpucluster.contract.status import StatusFormatError, status_from_json, table
