@@ -38,7 +38,7 @@ from gpucluster.contract.settings import (
     person_session_document_name,
     session_document_name,
 )
-from gpucluster.spec.model import CONFIG_KEY, UserSpec
+from gpucluster.spec.model import CONFIG_KEY, UserSpec, ssh_logins
 
 SSH_PORT = 22  # sshd on the head, reached through Session Manager only: no security group opens it
 IDLE_SESSION_MINUTES = 60
@@ -143,12 +143,6 @@ def access_policy(instance_arn: str, document_arns: list[str], sessions: str, co
     ]})
 
 
-def key_pushes(people: Sequence[UserSpec]) -> list[tuple[str, Sequence[str]]]:
-    """Whom the users' policy lets push an SSH key as whom: each person as themselves, by their principals; without
-    people, whoever holds the policy as the login user (the account everyone's shell already is)."""
-    return [(person.name, person.principals) for person in people] or [(LOGIN_USER, ())]
-
-
 def policy_characters(document: str) -> int:
     """A policy's size as IAM counts it against its quotas: white space is not counted."""
     return sum(not c.isspace() for c in document)
@@ -185,7 +179,7 @@ def users_policy(cluster: str, people: Sequence[UserSpec], arns: PolicyArns) -> 
                                    for kind in (DASHBOARD_SESSION, SSH_SESSION))],
         arns.sessions, [arns.document(command_document_name(cluster, kind))
                         for kind in (VERIFY_COMMAND, STATUS_COMMAND)],
-        run_as_tag_free=True, people=personal, key_pushes=key_pushes(people))
+        run_as_tag_free=True, people=personal, key_pushes=ssh_logins(people))
 
 
 def admins_policy(cluster: str, arns: PolicyArns) -> str:
