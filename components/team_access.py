@@ -27,15 +27,18 @@ from components import child
 from gpucluster.contract.settings import (
     ADMIN_SESSION,
     DASHBOARD_SESSION,
+    DEEP_VERIFY_COMMAND,
     GRAFANA_PORT,
     LOGIN_USER,
     SSH_SESSION,
+    STATUS_COMMAND,
     USER_SESSION,
+    VERIFY_COMMAND,
     command_document_name,
     person_session_document_name,
     session_document_name,
 )
-from gpucluster.spec.model import CONFIG_KEY, UserSpec
+from gpucluster.spec.model import CONFIG_KEY, UserSpec, ssh_logins
 
 SSH_PORT = 22  # sshd on the head, reached through Session Manager only: no security group opens it
 IDLE_SESSION_MINUTES = 60
@@ -140,12 +143,6 @@ def access_policy(instance_arn: str, document_arns: list[str], sessions: str, co
     ]})
 
 
-def key_pushes(people: Sequence[UserSpec]) -> list[tuple[str, Sequence[str]]]:
-    """Whom the users' policy lets push an SSH key as whom: each person as themselves, by their principals; without
-    people, whoever holds the policy as the login user (the account everyone's shell already is)."""
-    return [(person.name, person.principals) for person in people] or [(LOGIN_USER, ())]
-
-
 def policy_characters(document: str) -> int:
     """A policy's size as IAM counts it against its quotas: white space is not counted."""
     return sum(not c.isspace() for c in document)
@@ -180,8 +177,9 @@ def users_policy(cluster: str, people: Sequence[UserSpec], arns: PolicyArns) -> 
     return access_policy(
         arns.instance, [*shells, *(arns.document(session_document_name(cluster, kind))
                                    for kind in (DASHBOARD_SESSION, SSH_SESSION))],
-        arns.sessions, [arns.document(command_document_name(cluster, kind)) for kind in ("verify", "status")],
-        run_as_tag_free=True, people=personal, key_pushes=key_pushes(people))
+        arns.sessions, [arns.document(command_document_name(cluster, kind))
+                        for kind in (VERIFY_COMMAND, STATUS_COMMAND)],
+        run_as_tag_free=True, people=personal, key_pushes=ssh_logins(people))
 
 
 def admins_policy(cluster: str, arns: PolicyArns) -> str:
@@ -191,7 +189,7 @@ def admins_policy(cluster: str, arns: PolicyArns) -> str:
         arns.instance, [arns.document(session_document_name(cluster, kind))
                         for kind in (ADMIN_SESSION, DASHBOARD_SESSION)],
         arns.sessions, [arns.document(command_document_name(cluster, kind))
-                        for kind in ("verify", "verify-deep", "status")],
+                        for kind in (VERIFY_COMMAND, DEEP_VERIFY_COMMAND, STATUS_COMMAND)],
         run_as_tag_free=False)
 
 
@@ -257,13 +255,13 @@ class TeamAccess(pulumi.ComponentResource):
             document_format="JSON", content=ssh_document(
                 f"gpucluster {cluster}: sshd on the head node's loopback, for ssh's ProxyCommand"), opts=child(self))
         status = aws.ssm.Document(
-            f"{name}-status-command", name=command_document_name(cluster, "status"),
+            f"{name}-status-command", name=command_document_name(cluster, STATUS_COMMAND),
             document_type="Command", document_format="JSON", content=args.status_document, opts=child(self))
         verify = aws.ssm.Document(
-            f"{name}-verify-command", name=command_document_name(cluster, "verify"),
+            f"{name}-verify-command", name=command_document_name(cluster, VERIFY_COMMAND),
             document_type="Command", document_format="JSON", content=args.verify_document, opts=child(self))
         verify_deep = aws.ssm.Document(
-            f"{name}-verify-deep-command", name=command_document_name(cluster, "verify-deep"),
+            f"{name}-verify-deep-command", name=command_document_name(cluster, DEEP_VERIFY_COMMAND),
             document_type="Command", document_format="JSON", content=args.verify_deep_document, opts=child(self))
 
         ids = pulumi.Output.all(account_id=args.account_id, instance_id=args.head_instance_id)

@@ -540,6 +540,7 @@ def verify(args: argparse.Namespace) -> int:
     if problems:
         _bad_input(problems)
     stack = _load(args.stack) if args.stack else None
+    planned: list[Check] | None = None
     if stack is not None and not args.last:  # the options against the stack file, before any AWS call
         try:
             planned = planning.plan(stack, _plan_options(args))
@@ -563,7 +564,9 @@ def verify(args: argparse.Namespace) -> int:
         _bad_input(["a run submits the login user's jobs and DCGM's diagnostic as root: run it as root "
                            "(sudo gpucluster verify)"])
     try:
-        checks = head_plan(args, stack or head_stack(here.cluster))
+        if planned is None:  # no STACK given on the head: its own stack file, from the bundle
+            planned = planning.plan(head_stack(here.cluster), _plan_options(args))
+        checks = head_plan(args, planned)
     except (planning.PlanError, VerifyFormatError) as exc:
         _bad_input(getattr(exc, "problems", [str(exc)]))
     setup = verify_run.Setup(here, probe=verify_run.ProbeOptions(args.fsx_mib, args.fsx_type))
@@ -628,13 +631,12 @@ def head_stack(cluster: str) -> Stack:
     return found[0]
 
 
-def head_plan(args: argparse.Namespace, stack: Stack) -> list[Check]:
+def head_plan(args: argparse.Namespace, planned: list[Check]) -> list[Check]:
     """The run's checks: the bundle's plan (settings.VERIFY_PLAN, the default options) for the chosen pools and the
-    cluster's checks; a plan computed anew from the stack file when --nodes or --deep change its figures."""
-    options = _plan_options(args)
+    cluster's checks; `planned` (the stack file's plan for this call's options) when --nodes or --deep change its
+    figures."""
     if args.nodes is not None or args.deep:
-        return planning.plan(stack, options)
-    planning.plan(stack, options)  # the same problems as --plan for unknown pools
+        return planned
     bundled = plan_from_json(Path(VERIFY_PLAN).read_text())
     return [c for c in bundled if not args.pool or c.pool in args.pool or c.pool == CLUSTER]
 

@@ -115,7 +115,7 @@ def test_each_persons_gpu_hours_and_their_share_of_the_spend() -> None:
     assert ("GPU-hours by person (the month's spend allocated by share of GPU-hours, not a bill):") in lines
     assert f"GPU-hours:           {team:,.1f} for account vision" in lines
     # the billing TRES in cent-minutes (sshare's billing=7200): what the team's jobs billed against the money quota
-    assert used.billed_usd["vision"] == pytest.approx(7200 / 60 / cost.BILLING_UNITS_PER_USD)
+    assert used.billed_usd["vision"] == pytest.approx(7200 / 60 / slurm_json.BILLING_CENTS_PER_USD)
 
 
 def test_the_json_report_carries_the_texts_figures() -> None:
@@ -148,6 +148,7 @@ def test_the_json_report_says_why_gpu_hours_are_missing() -> None:
     assert off["spent_usd"] is None and not off["over_budget"]
     own = spend.as_json(TEAM_A, spend.Spend(1000.0, None, []), slurm_json.gpu_hours("  vision|alice|gres/gpu=120|\n"))
     assert own["gpu_hours"] is None and own["gpu_hours_unknown"].startswith("only your own")
+    assert f"`gpucluster status {TEAM_A.name}` shows what the team billed and its GPU-hours" in own["gpu_hours_unknown"]
     assert own["people"] == [{"user": "alice", "gpu_hours": 2.0}]
 
 
@@ -162,7 +163,8 @@ def test_a_person_who_sees_only_their_own_usage_is_told_so() -> None:
     """Slurm's PrivateData=usage: sshare run by alice lists her association only, not the team account's row; the
     report says so rather than print the team's GPU-hours as nought."""
     lines = spend.report(TEAM_A, spend.Spend(1000.0, None, []), slurm_json.gpu_hours("  vision|alice|gres/gpu=120|\n"))
-    assert "GPU-hours:           only your own: Slurm shows account vision's to root (an admin's sudo)" in lines
+    assert ("GPU-hours:           only your own: Slurm shows account vision's to root (an admin's sudo); "
+            f"`gpucluster status {TEAM_A.name}` shows what the team billed and its GPU-hours") in lines
     assert person_lines(lines) == {"alice": ["2.0"]} and "GPU-hours by person:" in lines
     assert not any(line.startswith("GPU-hours:           0.0") for line in lines)
 

@@ -18,7 +18,7 @@ from botocore.exceptions import ClientError
 from conftest import ROOT
 from gpucluster.aws import status_remote
 from gpucluster.cli_errors import credentials_problem
-from gpucluster.contract.settings import command_document_name, head_instance_name
+from gpucluster.contract.settings import STATUS_COMMAND, command_document_name, head_instance_name
 from gpucluster.contract.status import table
 from gpucluster.spec.model import load_stack
 from test_dashboard_command import launch
@@ -45,7 +45,7 @@ def test_sends_the_status_document_to_the_running_head_only(capsys: pytest.Captu
     session.events.register("provide-client-params.ssm.SendCommand", lambda params, **_: requests.append(params))
     code = status_remote.run(STACK, True, session, no_sleep)
     (request,) = requests
-    assert request["DocumentName"] == command_document_name(STACK.cluster_name, "status")
+    assert request["DocumentName"] == command_document_name(STACK.cluster_name, STATUS_COMMAND)
     assert request["InstanceIds"] == [head] and "Parameters" not in request
     # moto's empty stdout is no status document: said, exit 1, as JSON errors with --json.
     out, err = capsys.readouterr()

@@ -24,8 +24,11 @@ from gpucluster import cli
 from gpucluster.aws import verify_remote
 from gpucluster.contract import verify as v
 from gpucluster.contract.settings import (
+    DEEP_VERIFY_COMMAND,
     GRAFANA_PORT,
     LOGIN_USER,
+    STATUS_COMMAND,
+    VERIFY_COMMAND,
     command_document_name,
     person_session_document_name,
     session_document_name,
@@ -85,7 +88,8 @@ def test_sessions_on_the_head_node_as_the_login_user_or_as_admin() -> None:
         assert find["Action"] == "ec2:DescribeInstances"
         # `gpucluster verify STACK` and `status STACK`: their documents on the head only, never AWS-RunShellScript
         # (root); --deep's (an hour of the nodes under Slurm's root account, outside the team's limits) for admins only.
-        kinds = ["verify", "status"] if kind == "user-access" else ["verify", "verify-deep", "status"]
+        admins = kind == "admin-access"
+        kinds = [VERIFY_COMMAND, *([DEEP_VERIFY_COMMAND] if admins else []), STATUS_COMMAND]
         commands = [f"arn:aws:ssm:{region}:{ACCOUNT}:document/{cluster}-{k}-command" for k in kinds]
         assert send == {"Sid": "CommandsOnTheHeadNode", "Effect": "Allow", "Action": "ssm:SendCommand",
                         "Resource": [instance, *commands]}
@@ -124,7 +128,7 @@ def test_dashboard_document_forwards_to_grafana_on_the_heads_loopback_only() -> 
     assert not any(pattern.fullmatch(port) for port in ("0", "65536", "99999", "030", "3000 ", "3000;22", ""))
 
 
-@pytest.mark.parametrize("kind", ["verify", "verify-deep"])
+@pytest.mark.parametrize("kind", [VERIFY_COMMAND, DEEP_VERIFY_COMMAND])
 def test_verify_document_runs_gpucluster_verify_as_root_with_checked_parameters_only(kind: str) -> None:
     """The Run Command documents run the head's `gpucluster verify --json` (their script: tests/test_verify_remote.py);
     each parameter is a value checked by SendCommand (a pattern or a list) and reaches the script as an environment
@@ -132,7 +136,8 @@ def test_verify_document_runs_gpucluster_verify_as_root_with_checked_parameters_
     stack, declared = planned(ROOT / "stacks" / "Pulumi.team-a.yaml")
     documents = {d.inputs["name"]: d for d in of_type(declared, "ssm/document:Document")
                  if d.inputs["documentType"] == "Command"}
-    assert set(documents) == {command_document_name(stack.cluster_name, k) for k in ("verify", "verify-deep", "status")}
+    kinds = (VERIFY_COMMAND, DEEP_VERIFY_COMMAND, STATUS_COMMAND)
+    assert set(documents) == {command_document_name(stack.cluster_name, k) for k in kinds}
     document = documents[f"{stack.cluster_name}-{kind}-command"]
     content = json.loads(document.inputs["content"])
     assert content["schemaVersion"] == "2.2"
@@ -141,7 +146,7 @@ def test_verify_document_runs_gpucluster_verify_as_root_with_checked_parameters_
     assert "{{" not in json.dumps(step)
     # As long as the head's run can take (its own limits summed, nodes booting up to the stack's ResumeTimeout), and
     # no longer: --deep's DCGM level 3 holds the nodes an hour, level 1 minutes.
-    deep = kind == "verify-deep"
+    deep = kind == DEEP_VERIFY_COMMAND
     timeout = int(step["inputs"]["timeoutSeconds"])
     assert timeout == v.run_seconds(stack.spec.slurm.resume_timeout_seconds, deep)
     assert timeout - v.dcgm_job_seconds(v.DCGM_DEEP_LEVEL if deep else v.DCGM_LEVEL) > (
@@ -513,7 +518,7 @@ def test_ssh_goes_to_port_22_on_the_heads_loopback_only() -> None:
 def test_status_document_runs_gpucluster_status_as_root_without_parameters() -> None:
     stack, declared = planned(ROOT / "stacks" / "Pulumi.team-a.yaml")
     (document,) = [d for d in of_type(declared, "ssm/document:Document")
-                   if d.inputs["name"] == command_document_name(stack.cluster_name, "status")]
+                   if d.inputs["name"] == command_document_name(stack.cluster_name, STATUS_COMMAND)]
     content = json.loads(document.inputs["content"])
     assert "parameters" not in content and "{{" not in document.inputs["content"]
     (step,) = content["mainSteps"]

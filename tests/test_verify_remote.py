@@ -26,10 +26,15 @@ from botocore.stub import Stubber
 
 from conftest import ROOT, reset_moto
 from gpucluster import cli
-from gpucluster.aws import verify_remote as remote
+from gpucluster.aws import run_command, verify_remote as remote
 from gpucluster.cli_errors import UserError, print_errors
 from gpucluster.contract import verify as v
-from gpucluster.contract.settings import command_document_name, head_instance_name
+from gpucluster.contract.settings import (
+    DEEP_VERIFY_COMMAND,
+    VERIFY_COMMAND,
+    command_document_name,
+    head_instance_name,
+)
 from gpucluster.node import bootstrap
 from gpucluster.spec.model import load_stack
 from test_dashboard_command import launch  # a tagged instance in moto
@@ -38,8 +43,8 @@ STACK = load_stack(ROOT / "stacks" / "Pulumi.team-a.yaml")
 POOLS = [p.name for p in STACK.spec.pools]
 HEAD = "i-0123456789abcdef0"
 COMMAND_ID = "11111111-2222-3333-4444-555555555555"
-DOCUMENT = command_document_name(STACK.cluster_name, "verify")
-DEEP_DOCUMENT = command_document_name(STACK.cluster_name, "verify-deep")  # the admins' only
+DOCUMENT = command_document_name(STACK.cluster_name, VERIFY_COMMAND)
+DEEP_DOCUMENT = command_document_name(STACK.cluster_name, DEEP_VERIFY_COMMAND)  # the admins' only
 
 
 def no_sleep(seconds: float) -> None:
@@ -75,7 +80,7 @@ def test_sends_the_verify_document_to_the_running_head_with_the_options_as_param
     assert sent["DocumentName"] == DEEP_DOCUMENT and head in sent["InstanceIds"]
     assert sent["Parameters"] == {"pools": [f"{POOLS[1]} {POOLS[0]}"], "nodes": ["2"], "deep": ["true"],
                                   "last": ["false"]}
-    assert sent["TimeoutSeconds"] == remote.DELIVERY_SECONDS
+    assert sent["TimeoutSeconds"] == run_command.DELIVERY_SECONDS
     # moto runs nothing on the head: its empty stdout is no run document, and is said so, not read as a pass.
     out, err = capsys.readouterr()
     assert code == 1 and out == ""
@@ -320,7 +325,8 @@ def test_the_wait_is_bounded_and_says_its_progress(capsys: pytest.CaptureFixture
         now[0] += seconds
 
     session = StubbedSession(sends=False).answers(*[{"Status": "InProgress"}] * 40)
-    found = remote.wait(session.client("ssm", STACK.region), COMMAND_ID, HEAD, 600, sleep=sleep, clock=lambda: now[0])
+    found = run_command.wait(session.client("ssm", STACK.region), COMMAND_ID, HEAD, 600, sleep=sleep,
+                             clock=lambda: now[0], command="verify")
     assert found is None and 600 <= now[0] < 660
     progress = capsys.readouterr().err.splitlines()
     assert 8 <= len(progress) <= 10 and all(line.startswith("verify: InProgress on ") for line in progress)
@@ -346,7 +352,7 @@ def script(tmp_path: Path) -> Iterator[Path]:
                         "sys.exit(int(os.environ.get('STAND_IN_EXIT', '0')))\n")
     stand_in.chmod(0o755)
     path = tmp_path / "_script.sh"  # the agent's name for it; it runs `sh -c _script.sh` (runshellscript.go)
-    path.write_text("\n".join(remote.SCRIPT).replace(remote.HEAD_COMMAND, str(stand_in)) + "\n")
+    path.write_text("\n".join(remote.SCRIPT).replace(run_command.HEAD_COMMAND, str(stand_in)) + "\n")
     path.chmod(0o755)
     yield path
 
@@ -357,7 +363,7 @@ def run_script(script: Path, **env: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_the_script_runs_exactly_gpucluster_verify_json_with_the_parameters(script: Path) -> None:
-    assert remote.HEAD_COMMAND == str(inspect.signature(bootstrap.command_line).parameters["bin_dir"].default
+    assert run_command.HEAD_COMMAND == str(inspect.signature(bootstrap.command_line).parameters["bin_dir"].default
                                       / "gpucluster")
     defaults = {"SSM_pools": "", "SSM_nodes": "", "SSM_deep": "false", "SSM_last": "false"}
     assert json.loads(run_script(script, **defaults).stdout) == ["verify", "--json"]

@@ -47,7 +47,7 @@ from gpucluster.contract.settings import (
     session_document_name,
     start_session_command,
 )
-from gpucluster.spec.model import CONFIG_KEY, Stack, principal_key
+from gpucluster.spec.model import CONFIG_KEY, Stack, principal_key, ssh_logins
 
 EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
 PLUGIN = "session-manager-plugin"  # the name the AWS CLI looks for on PATH
@@ -199,7 +199,7 @@ def ssh_proxy(stack: Stack, user: str, session: Any, home: Path | None = None) -
     head's port 22."""
     key = key_path(stack, home).with_suffix(".pub")
     try:
-        if user not in [u.name for u in stack.spec.users or ()] + ([LOGIN_USER] if not stack.spec.users else []):
+        if user not in dict(ssh_logins(stack.spec.users or ())):
             raise ConnectError(f"no person {user!r} in {CONFIG_KEY}.users of stack {stack.name}", EXIT_BAD_INPUT)
         if not key.exists():
             raise ConnectError(f"no key {key}: `gpucluster ssh-config {stack.name}` makes it", EXIT_BAD_INPUT)

@@ -128,6 +128,13 @@ def only_own(gpu_hours: GpuHours, team: str) -> bool:
     return team not in gpu_hours.accounts and any(account == team for account, _ in gpu_hours.users)
 
 
+def only_own_note(stack: Stack) -> str:
+    """Why the team's GPU-hours are missing when only one's own are, and where a team member sees them: status runs
+    as root on the head through the status document, which every user's policy allows."""
+    return (f"only your own: Slurm shows account {stack.spec.team}'s to root (an admin's sudo); "
+            f"`gpucluster status {stack.name}` shows what the team billed and its GPU-hours")
+
+
 def report(stack: Stack, result: Spend, gpu_hours: GpuHours | str) -> list[str]:
     """`gpu_hours`: Slurm's, or why there are none (gpucluster.node.usage.head_gpu_hours)."""
     budget = stack.spec.budget.monthly_usd
@@ -142,7 +149,7 @@ def report(stack: Stack, result: Spend, gpu_hours: GpuHours | str) -> list[str]:
     if isinstance(gpu_hours, str):
         lines.append(f"GPU-hours:           {gpu_hours}")
     elif only_own(gpu_hours, team):
-        lines.append(f"GPU-hours:           only your own: Slurm shows account {team}'s to root (an admin's sudo)")
+        lines.append(f"GPU-hours:           {only_own_note(stack)}")
         lines += by_person(stack, gpu_hours, None, None)
     else:
         used = gpu_hours.accounts.get(team, 0.0)
@@ -196,7 +203,7 @@ def as_json(stack: Stack, result: Spend, gpu_hours: GpuHours | str) -> dict[str,
         return doc | {"gpu_hours_unknown": gpu_hours}
     rows = team_people(gpu_hours, team)
     if only_own(gpu_hours, team):
-        return doc | {"gpu_hours_unknown": f"only your own: Slurm shows account {team}'s to root",
+        return doc | {"gpu_hours_unknown": only_own_note(stack),
                       "people": [{"user": user, "gpu_hours": hours} for user, hours in rows]}
     used = gpu_hours.accounts.get(team, 0.0)
     spent = result.month_to_date

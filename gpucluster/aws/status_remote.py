@@ -17,13 +17,12 @@ from typing import Any
 from botocore.exceptions import BotoCoreError, ClientError
 
 from gpucluster.aws.head import HeadNotFound, running_head
-from gpucluster.aws.verify_remote import DELIVERY_SECONDS, HEAD_COMMAND, wait
+from gpucluster.aws.run_command import DELIVERY_SECONDS, HEAD_COMMAND, wait
 from gpucluster.cli_errors import credentials_problem
-from gpucluster.contract.settings import command_document_name
+from gpucluster.contract.settings import STATUS_COMMAND, command_document_name
 from gpucluster.contract.status import StatusFormatError, status_from_json, table
 from gpucluster.spec.model import Stack
 
-DOCUMENT_KIND = "status"
 # The head's run reads scontrol and sshare, each bounded by SlurmControl's 60 s: a minute and a half and some.
 EXECUTION_SECONDS = 180
 
@@ -58,7 +57,7 @@ def run(stack: Stack, as_json: bool, session: Any, sleep: Callable[[float], None
     except HeadNotFound as exc:
         return _fail(str(exc), as_json)
     ssm = session.client("ssm", region_name=stack.region)
-    document = command_document_name(stack.cluster_name, DOCUMENT_KIND)
+    document = command_document_name(stack.cluster_name, STATUS_COMMAND)
     try:
         sent = ssm.send_command(InstanceIds=[head], DocumentName=document, TimeoutSeconds=DELIVERY_SECONDS,
                                 Comment="gpucluster status")

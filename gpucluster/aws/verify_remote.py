@@ -30,23 +30,19 @@ from typing import Any
 from botocore.exceptions import BotoCoreError, ClientError
 
 from gpucluster.aws.head import HeadNotFound, running_head
+from gpucluster.aws.run_command import DELIVERY_SECONDS, HEAD_COMMAND, wait
 from gpucluster.cli_errors import UserError, credentials_problem
-from gpucluster.contract.settings import command_document_name
+from gpucluster.contract.settings import DEEP_VERIFY_COMMAND, VERIFY_COMMAND, command_document_name
 from gpucluster.contract.verify import VerifyFormatError, run_from_json, run_json, run_seconds, run_table
 from gpucluster.spec.model import POOL_NAME_RE, Stack
 
 EXIT_BAD_INPUT = 2  # the head's exit for bad input, passed on as is
-HEAD_COMMAND = "/usr/local/bin/gpucluster"  # gpucluster/node/bootstrap.py command_line writes it on the head
-DOCUMENT_KIND = "verify"  # everyone's: no --deep
-DEEP_DOCUMENT_KIND = "verify-deep"  # the admins': --deep too
 
 # --- the document ----------------------------------------------------------------------------------------------------
 _POOL = POOL_NAME_RE.removeprefix("^").removesuffix("$")
 POOLS_PATTERN = f"^({_POOL}( {_POOL})*)?$"  # pool names, one space apart; "": every pool
 NODES_PATTERN = "^([1-9][0-9]{0,3})?$"  # 1-9999 (a pool has at most 1024 nodes); "": the plan's default
 FLAG_VALUES = ["false", "true"]
-# SendCommand's delivery timeout (min 30 s): the head's agent takes a command within seconds when it is online.
-DELIVERY_SECONDS = 300
 # The SSM Agent cuts what GetCommandInvocation returns of stdout to its first 24,000 characters (SSM API reference,
 # StandardOutputContent) and ends the cut with its OutputTruncatedSuffix (amazon-ssm-agent
 # agent/framework/processor/executer/iohandler/iohandler.go, DefaultOutputConfig; "---Output truncated---" there is
@@ -81,7 +77,7 @@ def execution_timeout_seconds(stack: Stack, deep: bool) -> int:
 
 
 def document_kind(deep: bool) -> str:
-    return DEEP_DOCUMENT_KIND if deep else DOCUMENT_KIND
+    return DEEP_VERIFY_COMMAND if deep else VERIFY_COMMAND
 
 
 def command_document(stack: Stack, deep: bool) -> str:
@@ -169,37 +165,6 @@ def request(stack: Stack, head_args: list[str]) -> Request:
         raise BadRequest(problems)
     return Request(tuple(dict.fromkeys(parsed.pool)), int(parsed.nodes) if parsed.nodes else None, parsed.deep,
                    parsed.last, parsed.json)
-
-
-TERMINAL = ("Success", "Failed", "Cancelled", "TimedOut")  # GetCommandInvocation's Status; the others still move
-
-
-def wait(ssm: Any, command_id: str, head: str, seconds: float, *, sleep: Callable[[float], None] = time.sleep,
-         clock: Callable[[], float] = time.monotonic, progress_every: float = 60,
-         command: str = "verify") -> dict[str, Any] | None:
-    """GetCommandInvocation until the command ends, backing off from 2 s to 30 s; None when `seconds` pass first.
-    A progress line to stderr about once a `progress_every`."""
-    start = clock()
-    delay, said = 2.0, start
-    while True:
-        try:
-            invocation: dict[str, Any] = ssm.get_command_invocation(CommandId=command_id, InstanceId=head)
-        except ClientError as exc:
-            # Right after SendCommand the invocation may not exist yet (botocore's CommandExecuted waiter retries it).
-            if exc.response.get("Error", {}).get("Code") != "InvocationDoesNotExist":
-                raise
-            invocation = {"Status": "Pending"}
-        if invocation["Status"] in TERMINAL:
-            return invocation
-        now = clock()
-        if now - start >= seconds:
-            return None
-        if now - said >= progress_every:
-            print(f"{command}: {invocation['Status']} on {head} for {(now - start) / 60:.0f} min "
-                  f"(command {command_id})", file=sys.stderr)
-            said = now
-        sleep(min(delay, max(seconds - (now - start), 0)))
-        delay = min(delay * 1.5, 30.0)
 
 
 def outcome(invocation: dict[str, Any], req: Request, stack: Stack) -> int:
@@ -291,7 +256,7 @@ def run(stack: Stack, head_args: list[str], session: Any,
     goes_on = (f"the run goes on on the head (command {command_id}): `verify {stack.name} --last` prints it once it "
                "has ended")
     try:
-        invocation = wait(ssm, command_id, head, bound, sleep=sleep)
+        invocation = wait(ssm, command_id, head, bound, sleep=sleep, command="verify")
     except (BotoCoreError, ClientError) as exc:
         return _fail(f"stopped waiting, AWS answered: {exc}; {goes_on}")
     except KeyboardInterrupt:

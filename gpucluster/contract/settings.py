@@ -460,8 +460,13 @@ def person_session_document_name(cluster: str, person: str) -> str:
     return session_document_name(cluster, f"user-{person}")
 
 
+# The kinds of the cluster's Run Command documents (command_document_name): everyone's verify (no --deep), the
+# admins' verify with --deep too, and everyone's status.
+VERIFY_COMMAND, DEEP_VERIFY_COMMAND, STATUS_COMMAND = "verify", "verify-deep", "status"
+
+
 def command_document_name(cluster: str, kind: str) -> str:
-    """A Run Command document of the cluster (components/team_access.py); kind: verify, verify-deep or status
+    """A Run Command document of the cluster (components/team_access.py); kind: one of the *_COMMAND kinds
     (`gpucluster verify STACK` and `gpucluster status STACK` from the operator's machine send them to the head)."""
     return f"{cluster}-{kind}-command"
 

@@ -15,8 +15,10 @@ from typing import Any
 
 from gpucluster.contract.hostlist import expand_hostlist
 
-# Slurm's billing TRES counts US cents per hour (gpucluster.spec.cost.BILLING_UNITS_PER_USD, which the node programs
-# cannot import): a job's billing minutes are cent-minutes.
+# Slurm's billing TRES counts US cents per hour: each partition weighs what a job holds (TRESBillingWeights) so that
+# its billing is the price of its share of a node, and the team account's GrpTRESMins=billing is the month's quota
+# in cent-minutes (render/slurm.py, spec/cost.billing_minutes). Named here because the head's programs read it too:
+# a job's billing minutes are cent-minutes.
 BILLING_CENTS_PER_USD = 100
 # The columns every reader of usage asks sshare for (SlurmControl.account_usage): `-n -P` rows of them.
 SSHARE_FORMAT = "Account,User,GrpTRESRaw,GrpTRESMins"

@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass
 
 from gpucluster.contract import settings
+from gpucluster.contract.slurm_json import BILLING_CENTS_PER_USD
 from gpucluster.render import job_submit
 from gpucluster.spec import cost
 from gpucluster.spec.catalog import Accelerator
@@ -138,7 +139,7 @@ def billing_weights(members: list[PoolSpec]) -> dict[str, float]:
     costs."""
     weights: dict[str, float] = {}
     for pool in members:
-        cents = cost.billed_node_hour_usd(pool)[0] * cost.BILLING_UNITS_PER_USD
+        cents = cost.billed_node_hour_usd(pool)[0] * BILLING_CENTS_PER_USD
         for tres, count in _whole_node(pool):
             weights[tres] = max(weights.get(tres, 0.0), cents / count)
     return weights
@@ -158,7 +159,7 @@ def whole_node_usd_per_hour(stack: Stack) -> dict[str, float]:
     for name, members in partitions(stack).items():
         weights = billing_weights(members)
         billed[name] = max(weights[tres] * count for pool in members for tres, count in _whole_node(pool))
-    return {name: cents / cost.BILLING_UNITS_PER_USD for name, cents in billed.items()}
+    return {name: cents / BILLING_CENTS_PER_USD for name, cents in billed.items()}
 
 
 def job_time(stack: Stack) -> cost.JobTime:

@@ -310,15 +310,9 @@ def kept_on_destroy(stack: Stack) -> list[Kept]:
     return kept
 
 
-# Slurm's billing TRES counts US cents per hour: each partition weighs what a job holds (TRESBillingWeights) so that
-# its billing is the price of its share of a node, and the team account's GrpTRESMins=billing is the month's quota
-# in cent-minutes (render/slurm.py). Named once in the contract, which the head's programs read it from.
-BILLING_UNITS_PER_USD = BILLING_CENTS_PER_USD
-
-
 def billing_minutes(usd: float) -> int:
     """GrpTRESMins=billing: a quota in cent-minutes (one cent per hour bills one unit for each minute)."""
-    return int(usd * BILLING_UNITS_PER_USD) * 60
+    return int(usd * BILLING_CENTS_PER_USD) * 60
 
 
 @dataclass(frozen=True)

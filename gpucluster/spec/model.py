@@ -708,6 +708,13 @@ class UserSpec(_Model):
         return settings.PersonSettings(name=self.name, uid=uid, gid=uid, admin=self.admin, max_gpus=self.max_gpus)
 
 
+def ssh_logins(people: Sequence[UserSpec]) -> list[tuple[str, Sequence[str]]]:
+    """Who may log in to the head over SSH as whom (`gpucluster ssh-proxy` pushes a key for that account; the users'
+    policy allows the push): each person as themselves, by their principals; without people, whoever holds the
+    policy as the login user (the account everyone's shell already is). (OS user, IAM principals; none: any caller)."""
+    return [(person.name, person.principals) for person in people] or [(settings.LOGIN_USER, ())]
+
+
 def cluster_gpus(pools: Sequence[Any]) -> int | None:
     """The NVIDIA GPUs of every pool at max_nodes (Slurm's gres/gpu; Neuron devices are gres/neuron), on the pools'
     mappings (also the raw ones when a field error stops pydantic). None when a pool's type or size cannot be read:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from gpucluster.contract import slurm_json
 from gpucluster.contract.settings import BUDGET_STATE_FILE
 from gpucluster.spec import cost
 from local_cluster import LocalCluster
@@ -70,7 +71,7 @@ def usage_says_what_sshare_says(cluster: LocalCluster) -> None:
     billed at least a cent and used a GPU-minute: a status that misread sshare, or never read it, would not show the
     same figures."""
     billed, gpu = team_minutes(cluster)
-    used_usd = billed / 60 / cost.BILLING_UNITS_PER_USD
+    used_usd = billed / 60 / slurm_json.BILLING_CENTS_PER_USD
     assert used_usd >= 0.01 and gpu >= 1, (billed, gpu)  # a cent and a GPU-minute: the document's precision
     status = head_status(cluster)
     assert status["quota"]["used_usd"] == round(used_usd, 2), (status["quota"], billed)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import STACK_FILES
+from gpucluster.contract import slurm_json
 from gpucluster.render import slurm
 from gpucluster.spec import cost
 from gpucluster.spec.model import load_stack
@@ -59,8 +60,8 @@ def test_nodes_carry_cpus_memory_and_accelerators(controller) -> None:
 
 def test_partitions_bill_their_nodes_price_and_the_default_is_the_plans(controller) -> None:
     """Each partition's billing TRES, as slurmctld computes it from the rendered TRESBillingWeights with MAX_TRES, is
-    the price of all its nodes for an hour in cents: the unit of the team's money quota (cost.BILLING_UNITS_PER_USD).
-    Summed instead of the largest (no MAX_TRES), it would be three times that."""
+    the price of all its nodes for an hour in cents: the unit of the team's money quota
+    (slurm_json.BILLING_CENTS_PER_USD). Summed instead of the largest (no MAX_TRES), it would be three times that."""
     stack, ctl = controller
     assert re.search(r"PriorityFlags\s+= .*MAX_TRES", ctl.run("scontrol", "show", "config"))
     for name, members in slurm.partitions(stack).items():
@@ -68,6 +69,6 @@ def test_partitions_bill_their_nodes_price_and_the_default_is_the_plans(controll
         found = re.search(r"\bTRES=\S*\bbilling=(\d+)", shown)
         assert found, shown
         billing = int(found.group(1))
-        cents = sum(cost.billed_node_hour_usd(p)[0] * p.max_nodes for p in members) * cost.BILLING_UNITS_PER_USD
+        cents = sum(cost.billed_node_hour_usd(p)[0] * p.max_nodes for p in members) * slurm_json.BILLING_CENTS_PER_USD
         assert billing == pytest.approx(cents, abs=1), shown
         assert ("Default=YES" in shown) == (name == cost.default_partition(stack)[0]), shown
